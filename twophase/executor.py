@@ -1,0 +1,177 @@
+"""The opaque ``Executor`` that phase 1 returns and phase 2 consumes."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import threading
+from typing import TYPE_CHECKING, Any, Callable
+
+from .errors import InvalidStateError, ParamError
+from .tensor import Tensor, TensorDesc
+
+if TYPE_CHECKING:
+    from .op import Op, Plan
+    from .runtime.memory import Block
+
+__all__ = ["Executor", "ExecState"]
+
+_ids = itertools.count(1)
+
+
+class ExecState(enum.Enum):
+    READY = "ready"
+    CONSUMED = "consumed"
+    DESTROYED = "destroyed"
+
+
+Launch = Callable[[Any], None]
+
+
+class Executor:
+    """A planned op call: op, chosen implementation, frozen tiling, operand descs, workspace size,
+    bound tensors and the prebuilt launch.
+
+    Single-use (phase 2 consumes it) unless :meth:`set_repeatable` is called before its first phase 2.
+    Belongs to the thread that made it.
+    """
+
+    __slots__ = ("op", "plan", "attrs", "input_descs", "output_descs", "workspace_size", "id",
+                 "_tensors", "_launch", "_state", "_repeatable", "_owner", "_blocks", "launches",
+                 "device", "origin", "__weakref__")
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        raise TypeError("Executors are made by phase 1: use twophase.ops.NAME.get_workspace_size(...)")
+
+    @classmethod
+    def _make(cls, op: Op, plan: Plan, attrs: dict[str, Any], input_descs: tuple[TensorDesc | None, ...],
+              output_descs: tuple[TensorDesc, ...]) -> Executor:
+        self = object.__new__(cls)
+        self.op = op
+        self.plan = plan
+        self.attrs = attrs
+        self.input_descs = input_descs
+        self.output_descs = output_descs
+        self.workspace_size = plan.workspace_size
+        self.id = next(_ids)
+        self._tensors: list[Tensor | None] = [None] * (len(input_descs) + len(output_descs))
+        self._launch: Launch | None = None
+        self._state = ExecState.READY
+        self._repeatable = False
+        self._owner = threading.get_ident()
+        self._blocks: tuple[Block, ...] = ()
+        self.launches = 0
+        self.device: Any = None
+        self.origin: Any = None  # set by observers (where it was created)
+        return self
+
+    # ---- introspection
+    @property
+    def implementation(self) -> str:
+        return self.plan.implementation
+
+    @property
+    def tiling(self) -> Any:
+        return self.plan.tiling
+
+    @property
+    def state(self) -> ExecState:
+        return self._state
+
+    @property
+    def repeatable(self) -> bool:
+        return self._repeatable
+
+    @property
+    def inputs(self) -> tuple[Tensor | None, ...]:
+        return tuple(self._tensors[: len(self.input_descs)])
+
+    @property
+    def outputs(self) -> tuple[Tensor | None, ...]:
+        return tuple(self._tensors[len(self.input_descs):])
+
+    def describe(self) -> str:
+        return f"op '{self.op.name}' (executor #{self.id}, implementation '{self.plan.implementation}')"
+
+    def __repr__(self) -> str:
+        return (f"Executor(#{self.id}, op={self.op.name}, impl={self.plan.implementation}, "
+                f"workspace={self.workspace_size}, state={self._state.value})")
+
+    # ---- lifecycle
+    def _check_owner(self, what: str) -> None:
+        if self._owner != threading.get_ident():
+            raise InvalidStateError(f"{self.describe()} belongs to another thread", op=self.op.name,
+                                    arg="executor", expected="use from the thread that planned it",
+                                    got=f"{what} from thread {threading.current_thread().name}")
+
+    def _check_ready(self, what: str) -> None:
+        self._check_owner(what)
+        if self._state is not ExecState.READY:
+            hint = "; call set_repeatable() before the first phase 2 to reuse it" \
+                if self._state is ExecState.CONSUMED else ""
+            raise InvalidStateError(f"{self.describe()} is {self._state.value}{hint}", op=self.op.name,
+                                    arg="executor", expected="a ready executor", got=f"{what} on it")
+
+    def set_repeatable(self) -> Executor:
+        """Allow any number of phase 2 calls until :meth:`destroy` (must precede the first phase 2)."""
+        self._check_ready("set_repeatable")
+        if self.launches:
+            raise InvalidStateError("set_repeatable() must precede the first phase 2", op=self.op.name,
+                                    arg="executor")
+        self._repeatable = True
+        return self
+
+    def destroy(self) -> None:
+        """Release the executor. A consumed single-use executor is already released: destroying it raises."""
+        self._check_owner("destroy")
+        if self._state is not ExecState.READY:
+            raise InvalidStateError(f"{self.describe()} is {self._state.value}: nothing to destroy "
+                                    "(a double free in C)", op=self.op.name, arg="executor")
+        self._release(ExecState.DESTROYED)
+
+    def _release(self, state: ExecState) -> None:
+        self._state = state
+        self._launch = None
+        self._tensors = [None] * len(self._tensors)
+        self._blocks = ()
+        self.op._on_release(self)
+
+    def __enter__(self) -> Executor:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._state is ExecState.READY:
+            self.destroy()
+
+    # ---- binding
+    def set_input(self, index: int, tensor: Tensor) -> None:
+        """Rebind input ``index`` to another tensor with the same desc (no re-planning)."""
+        self._bind(index, tensor, self.input_descs, 0, "input")
+
+    def set_output(self, index: int, tensor: Tensor) -> None:
+        """Rebind output ``index`` to another tensor with the same desc (no re-planning)."""
+        self._bind(index, tensor, self.output_descs, len(self.input_descs), "output")
+
+    def _bind(self, index: int, tensor: Tensor, descs: tuple[TensorDesc | None, ...], base: int,
+              kind: str) -> None:
+        self._check_ready(f"set_{kind}")
+        if not 0 <= index < len(descs):
+            raise ParamError(op=self.op.name, arg=f"{kind} index", expected=f"0..{len(descs) - 1}", got=index)
+        if not isinstance(tensor, Tensor):
+            raise ParamError(op=self.op.name, arg=f"{kind} {index}", expected="a Tensor", got=type(tensor).__name__)
+        if tensor.desc != descs[index]:
+            raise ParamError("rebinding needs a tensor of the planned desc (plan again for a new shape)",
+                             op=self.op.name, arg=f"{kind} {index}", expected=descs[index], got=tensor.desc)
+        self._bind_many({base + index: tensor})
+
+    def _bind_many(self, tensors: dict[int, Tensor]) -> None:
+        for i, t in tensors.items():
+            if self.device is not None and t.device is not self.device:
+                raise ParamError(op=self.op.name, arg=f"operand {i}", expected=f"a tensor on {self.device.name}",
+                                 got=t.device.name)
+            self.device = t.device
+            self._tensors[i] = t
+        self._launch = None
+        if all(t is not None for t, d in zip(self._tensors, self.input_descs + self.output_descs) if d is not None):
+            self._launch = self.op._build_launch(self)
+            self._blocks = tuple({id(t.block): t.block for t in self._tensors if t is not None}.values())

@@ -1,0 +1,1 @@
+"""Device-side kernels, one package per backend."""

@@ -1,0 +1,29 @@
+"""Compile numba kernels in phase 1 and call their entry points directly (no dispatch in phase 2)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numba
+import numpy as np
+
+__all__ = ["entry", "jit"]
+
+FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
+REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
+jit = numba.njit(nogil=True, cache=True, fastmath=FAST)
+jit_reduce = numba.njit(nogil=True, cache=True, fastmath=REDUCE)
+jit_reduce_par = numba.njit(nogil=True, cache=True, parallel=True, fastmath=REDUCE)
+
+
+def _numba_type(a: Any) -> Any:
+    t = numba.typeof(a)
+    if isinstance(a, np.ndarray):
+        return t.copy(layout="C" if a.flags.c_contiguous else "A", readonly=False)
+    return t
+
+
+def entry(kernel: Any, *args: Any) -> Callable[..., Any]:
+    """Compile ``kernel`` for the types of ``args`` and return its entry point (arrays typed 'C' when
+    C-contiguous, so inner loops vectorize, else 'A')."""
+    return kernel.compile(tuple(_numba_type(a) for a in args))  # type: ignore[no-any-return]

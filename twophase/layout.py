@@ -1,0 +1,61 @@
+"""Pure functions of shapes and strides: merging dims into views, broadcasting, permutations."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+__all__ = ["merge_dims", "as_matrix", "broadcast_shape", "align"]
+
+
+def merge_dims(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
+    """Collapse a group of dims into one ``(size, stride)`` if they walk memory with one stride, else None.
+
+    Size-1 dims are ignored; an empty group is ``(1, 0)``; a group with a 0-size dim is ``(0, 0)``.
+    """
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    if any(n == 0 for n, _ in dims):
+        return 0, 0
+    if not dims:
+        return 1, 0
+    size, stride = dims[-1]
+    for n, s in reversed(dims[:-1]):
+        if s != stride * size:
+            return None
+        size *= n
+    return size, stride
+
+
+def as_matrix(a: np.ndarray[Any, Any], rows: Sequence[int], cols: Sequence[int]) -> np.ndarray[Any, Any] | None:
+    """A zero-copy ``(prod rows, prod cols)`` view of ``a`` with axes ``rows`` then ``cols``, or None."""
+    item = a.itemsize
+    shp, st = a.shape, a.strides
+    r = merge_dims([shp[i] for i in rows], [st[i] // item for i in rows])
+    c = merge_dims([shp[i] for i in cols], [st[i] // item for i in cols])
+    if r is None or c is None:
+        return None
+    return as_strided(a, (r[0], c[0]), (r[1] * item, c[1] * item))
+
+
+def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...] | None:
+    """numpy's broadcast result shape, or None when the shapes do not broadcast."""
+    ndim = max((len(s) for s in shapes), default=0)
+    out = []
+    for i in range(ndim):
+        dim = 1
+        for s in shapes:
+            j = i - (ndim - len(s))
+            if j < 0 or s[j] == 1:
+                continue
+            if dim != 1 and s[j] != dim:
+                return None
+            dim = s[j]
+        out.append(dim)
+    return tuple(out)
+
+
+def align(nbytes: int, to: int = 64) -> int:
+    """Round ``nbytes`` up to a multiple of ``to`` (workspace sub-buffers start on cache lines)."""
+    return (nbytes + to - 1) // to * to

@@ -1,0 +1,252 @@
+"""The op protocol (spec, check/infer, select, kernels per backend), the registry and the two phases."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Sequence
+
+from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError
+from .executor import ExecState, Executor
+from .runtime.memory import Block
+from .runtime.stream import Stream
+from .tensor import DType, Tensor, TensorDesc
+
+__all__ = ["Attr", "OpDef", "Op", "Plan", "REQUIRED", "register", "registry", "get_op"]
+
+
+class _Required:
+    def __repr__(self) -> str:
+        return "REQUIRED"
+
+
+REQUIRED: Any = _Required()
+
+Infer = Callable[[tuple[TensorDesc | None, ...], dict[str, Any]], tuple[TensorDesc, ...]]
+Select = Callable[[tuple[TensorDesc | None, ...], tuple[TensorDesc, ...], dict[str, Any], "int | None"], "Plan"]
+Builder = Callable[["Plan", dict[str, Any], tuple[Any, ...], tuple[Any, ...]], Callable[[Any], None]]
+
+
+@dataclass(frozen=True)
+class Attr:
+    """An op attribute: ``convert`` normalises a value to its canonical type or raises ``ParamError``."""
+
+    name: str
+    convert: Callable[[Any], Any]
+    default: Any = REQUIRED
+    doc: str = ""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Phase 1's decision: the implementation, its frozen tiling and the exact workspace size in bytes."""
+
+    implementation: str
+    tiling: Any
+    workspace_size: int
+
+
+@dataclass(frozen=True)
+class OpDef:
+    """Everything that defines an op; one module per op family registers these.
+
+    ``inputs`` names ending in ``?`` are optional (``None`` allowed). ``infer`` validates and returns
+    the output descs; ``select`` returns a :class:`Plan`; ``kernels`` maps a backend kind to a builder
+    ``(plan, attrs, input_views, output_views) -> launch(workspace_bytes)``, called once per binding.
+    """
+
+    name: str
+    inputs: tuple[str, ...]
+    infer: Infer
+    select: Select
+    kernels: Mapping[str, Builder]
+    outputs: tuple[str, ...] = ("out",)
+    attrs: tuple[Attr, ...] = ()
+    dtypes: tuple[DType, ...] = ()
+    implementations: tuple[str, ...] = ()
+    workspace_formula: str = "0"
+    version: int = 1
+    doc: str = ""
+    reference: Callable[..., Any] | None = field(default=None, compare=False)
+
+
+def _noop(_: Any) -> None:
+    pass
+
+
+class Op:
+    """A registered op: ``get_workspace_size(...)`` is phase 1, calling the op is phase 2."""
+
+    def __init__(self, spec: OpDef) -> None:
+        self.spec = spec
+        self.name = spec.name
+        self._n_inputs = len(spec.inputs)
+        self._required = tuple(not n.endswith("?") for n in spec.inputs)
+        self._attr_names = frozenset(a.name for a in spec.attrs)
+        self.__doc__ = spec.doc
+
+    def __repr__(self) -> str:
+        return f"<op {self.name}>"
+
+    # ---- phase 1
+    def get_workspace_size(self, *inputs: Any, out: Any = None, workspace_limit: int | None = None,
+                           **attrs: Any) -> tuple[int, Executor]:
+        """Phase 1: validate, infer outputs, select an implementation and tiling; metadata only.
+
+        Returns ``(workspace_size, executor)``. Inputs and ``out`` may be Tensors or TensorDescs.
+        """
+        in_descs, bound = self._input_descs(inputs)
+        norm = self._attrs(attrs)
+        out_descs = self.spec.infer(in_descs, norm)
+        given = self._out_descs(out, out_descs)
+        if given is not None:
+            out_descs = tuple(g.desc if isinstance(g, Tensor) else g for g in given)
+            for i, g in enumerate(given):
+                if isinstance(g, Tensor):
+                    bound[self._n_inputs + i] = g
+        plan = self.spec.select(in_descs, out_descs, norm, workspace_limit)
+        if plan.workspace_size < 0:
+            raise InternalError("negative workspace size", op=self.name, status=Status.ERR_INNER_TILING)
+        ex = Executor._make(self, plan, norm, in_descs, out_descs)
+        if bound:
+            ex._bind_many(bound)
+        return plan.workspace_size, ex
+
+    def _input_descs(self, inputs: Sequence[Any]) -> tuple[tuple[TensorDesc | None, ...], dict[int, Tensor]]:
+        spec = self.spec
+        if len(inputs) > self._n_inputs or len(inputs) < sum(self._required):
+            raise ParamError(op=self.name, arg="inputs", expected=f"{self._n_inputs} inputs {spec.inputs}",
+                             got=f"{len(inputs)}")
+        descs: list[TensorDesc | None] = []
+        bound: dict[int, Tensor] = {}
+        for i, name in enumerate(spec.inputs):
+            x = inputs[i] if i < len(inputs) else None
+            if isinstance(x, Tensor):
+                bound[i] = x
+                descs.append(x.desc)
+            elif isinstance(x, TensorDesc):
+                descs.append(x)
+            elif x is None and not self._required[i]:
+                descs.append(None)
+            else:
+                raise ParamError(op=self.name, arg=name.rstrip("?"), expected="a Tensor or TensorDesc",
+                                 got=type(x).__name__)
+        return tuple(descs), bound
+
+    def _attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        unknown = set(attrs) - self._attr_names
+        if unknown:
+            raise ParamError(op=self.name, arg=sorted(unknown)[0],
+                             expected=f"one of the attributes {sorted(self._attr_names)}", got="unknown attribute")
+        norm: dict[str, Any] = {}
+        for a in self.spec.attrs:
+            if a.name in attrs:
+                v = attrs[a.name]
+            elif a.default is REQUIRED:
+                raise ParamError(op=self.name, arg=a.name, expected="a value (required attribute)", got="nothing")
+            else:
+                v = a.default
+            try:
+                norm[a.name] = a.convert(v)
+            except ParamError as e:
+                raise ParamError(op=self.name, arg=a.name, expected=e.expected, got=v) from None
+            except (TypeError, ValueError, OverflowError):
+                raise ParamError(op=self.name, arg=a.name, expected=getattr(a.convert, "expects", "valid value"),
+                                 got=v) from None
+        return norm
+
+    def _out_descs(self, out: Any, inferred: tuple[TensorDesc, ...]) -> tuple[Any, ...] | None:
+        if out is None:
+            return None
+        given = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+        if len(given) != len(inferred):
+            raise ParamError(op=self.name, arg="out", expected=f"{len(inferred)} output(s)", got=len(given))
+        for i, (g, want) in enumerate(zip(given, inferred)):
+            d = g.desc if isinstance(g, Tensor) else g
+            if not isinstance(d, TensorDesc):
+                raise ParamError(op=self.name, arg="out", expected="a Tensor or TensorDesc", got=type(g).__name__)
+            if d.shape != want.shape or d.dtype is not want.dtype:
+                raise ParamError(op=self.name, arg=f"out[{i}]" if len(given) > 1 else "out",
+                                 expected=f"shape {want.shape} dtype {want.dtype.value}",
+                                 got=f"shape {d.shape} dtype {d.dtype.value}")
+        return given
+
+    def _build_launch(self, ex: Executor) -> Callable[[Any], None]:
+        dev = ex.device
+        if not dev.runs_kernels:
+            return _noop
+        builder = self.spec.kernels.get(dev.kind)
+        if builder is None:
+            raise InternalError(op=self.name, arg="device", expected=f"a kernel for one of {sorted(self.spec.kernels)}",
+                                got=dev.kind, status=Status.ERR_INNER_KERNEL_NOT_FOUND)
+        n = self._n_inputs
+        views = [t.view() if t is not None else None for t in ex._tensors]
+        return builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
+
+    def _on_release(self, ex: Executor) -> None:
+        pass
+
+    # ---- phase 2
+    def __call__(self, workspace: Block | None, workspace_size: int, executor: Executor, stream: Stream) -> None:
+        """Phase 2: check the executor and workspace in O(1), then enqueue the prebuilt launch on ``stream``."""
+        ex = executor
+        try:
+            launch = ex._launch
+            ok = ex._state is ExecState.READY and ex.op is self and launch is not None \
+                and ex._owner == threading.get_ident()
+        except AttributeError:
+            ok = False
+        if not ok:
+            self._refuse(ex)
+        if workspace_size != ex.workspace_size or (
+                workspace_size and (workspace is None or workspace.size < workspace_size)):
+            self._refuse_workspace(workspace, workspace_size, ex)
+        if not ex._repeatable:
+            ex._state = ExecState.CONSUMED
+        data = workspace.data if workspace is not None else None
+        seq = stream._enqueue(launch, data, ex)  # type: ignore[arg-type]
+        for b in ex._blocks:
+            b._stream = stream
+            b._seq = seq
+        if workspace is not None:
+            workspace._stream = stream
+            workspace._seq = seq
+        ex.launches += 1
+
+    def _refuse(self, ex: Any) -> None:
+        if not isinstance(ex, Executor):
+            raise ParamError(op=self.name, arg="executor", expected="an Executor from phase 1", got=type(ex).__name__)
+        if ex.op is not self:
+            raise ParamError(op=self.name, arg="executor", expected=f"an executor of '{self.name}'",
+                             got=ex.describe())
+        ex._check_ready("phase 2")
+        missing = [i for i, t in enumerate(ex._tensors) if t is None
+                   and (ex.input_descs + ex.output_descs)[i] is not None]
+        raise InvalidStateError("operands are not bound; bind them with set_input / set_output", op=self.name,
+                                arg="executor", expected="every operand bound", got=f"unbound operand(s) {missing}")
+
+    def _refuse_workspace(self, workspace: Block | None, size: int, ex: Executor) -> None:
+        if size != ex.workspace_size:
+            raise WorkspaceTooSmallError("workspace_size differs from phase 1's", op=self.name,
+                                         arg="workspace_size", expected=ex.workspace_size, got=size)
+        raise WorkspaceTooSmallError(op=self.name, arg="workspace", expected=f"a block of at least {size} bytes",
+                                     got="None" if workspace is None else f"{workspace.size} bytes")
+
+
+registry: dict[str, Op] = {}
+
+
+def register(spec: OpDef) -> Op:
+    """Add an op to the registry (``twophase.ops.NAME`` and the one-shot API pick it up)."""
+    if spec.name in registry:
+        raise InternalError(f"op '{spec.name}' registered twice", op=spec.name)
+    op = Op(spec)
+    registry[spec.name] = op
+    return op
+
+
+def get_op(name: str) -> Op:
+    try:
+        return registry[name]
+    except KeyError:
+        raise ParamError(op="get_op", arg="name", expected=f"one of {sorted(registry)}", got=name) from None

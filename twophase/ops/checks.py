@@ -1,0 +1,107 @@
+"""Attribute converters and operand checks shared by the op families (they raise ``ParamError``)."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Callable, Iterable
+
+from ..errors import ParamError
+from ..tensor import DType, TensorDesc
+
+FLOATS = (DType.float16, DType.float32, DType.float64)
+NUMERIC = FLOATS + (DType.int32, DType.int64)
+
+
+def _expects(text: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]]:
+    def deco(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        fn.expects = text  # type: ignore[attr-defined]
+        return fn
+    return deco
+
+
+@_expects("an int")
+def as_int(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+        raise TypeError(v)
+    return int(v)
+
+
+@_expects("a real number")
+def as_float(v: Any) -> float:
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(v)
+    return float(v)
+
+
+@_expects("a number (int, float or bool)")
+def as_scalar(v: Any) -> int | float | bool:
+    if isinstance(v, bool):
+        return v
+    if isinstance(v, numbers.Integral):
+        return int(v)
+    if isinstance(v, numbers.Real):
+        return float(v)
+    raise TypeError(v)
+
+
+@_expects("a bool")
+def as_bool(v: Any) -> bool:
+    if not isinstance(v, (bool, int)) or v not in (0, 1):
+        raise TypeError(v)
+    return bool(v)
+
+
+@_expects("an int or a sequence of ints")
+def as_dims(v: Any) -> tuple[int, ...]:
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+        return (int(v),)
+    if isinstance(v, (str, bytes)) or not isinstance(v, Iterable):
+        raise TypeError(v)
+    return tuple(as_int(x) for x in v)
+
+
+def optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
+    """A converter that also accepts None."""
+    def conv(v: Any) -> Any:
+        return None if v is None else convert(v)
+    conv.expects = f"None or {getattr(convert, 'expects', 'a value')}"  # type: ignore[attr-defined]
+    return conv
+
+
+def choice(*options: Any) -> Callable[[Any], Any]:
+    """A converter that accepts exactly one of ``options``."""
+    def conv(v: Any) -> Any:
+        if v not in options:
+            raise ValueError(v)
+        return v
+    conv.expects = f"one of {options}"  # type: ignore[attr-defined]
+    return conv
+
+
+def check_dtype(op: str, arg: str, desc: TensorDesc, allowed: Iterable[DType]) -> None:
+    allowed = tuple(allowed)
+    if desc.dtype not in allowed:
+        raise ParamError(op=op, arg=arg, expected=f"dtype in {[d.value for d in allowed]}", got=desc.dtype.value)
+
+
+def norm_dim(op: str, arg: str, dim: int, ndim: int) -> int:
+    """A dim in ``[-ndim, ndim)`` as a non-negative index."""
+    if not -max(ndim, 1) <= dim < max(ndim, 1):
+        raise ParamError(op=op, arg=arg, expected=f"a dim in [{-ndim}, {ndim})", got=dim)
+    return dim % max(ndim, 1)
+
+
+def norm_dims(op: str, arg: str, dims: tuple[int, ...], ndim: int) -> tuple[int, ...]:
+    """Sorted unique non-negative dims; repeated dims are an error."""
+    out = tuple(sorted(norm_dim(op, arg, d, ndim) for d in dims))
+    if len(set(out)) != len(out):
+        raise ParamError(op=op, arg=arg, expected="distinct dims", got=dims)
+    return out
+
+
+def need(op: str, arg: str, desc: TensorDesc | None) -> TensorDesc:
+    """The desc of a required operand (``ParamError`` with the nullptr status if it is missing)."""
+    if desc is None:
+        from ..errors import Status
+        raise ParamError(op=op, arg=arg, expected="a tensor", got="None", status=Status.ERR_PARAM_NULLPTR)
+    return desc

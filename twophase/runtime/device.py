@@ -1,0 +1,146 @@
+"""The device protocol shared by every backend: pool, streams, tensor factories. Backends override hooks."""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any, ClassVar
+
+import numpy as np
+
+from .. import config
+from ..errors import ParamError
+from ..tensor import DType, Format, Tensor, TensorDesc
+from .memory import Block, MemoryPool, Segment
+from .stream import Stream
+
+__all__ = ["Device", "device", "register_backend"]
+
+
+class Device:
+    """A device: its caching memory pool, its streams and tensor factories.
+
+    Backends subclass this in ``runtime/ops_<name>.py`` and override ``_reserve``, ``_release``,
+    ``_segment_view``, ``_array_view`` and ``_copyin`` only.
+    """
+
+    kind: ClassVar[str] = "base"
+    runs_kernels: ClassVar[bool] = True
+    has_worker: ClassVar[bool] = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.pool = MemoryPool(self._reserve, self._release, self._segment_view, name=f"{name} pool")
+        self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+        self._local = threading.local()
+        config.on_change("launch_blocking", self._apply_launch_blocking)
+
+    def __repr__(self) -> str:
+        return f"Device('{self.name}')"
+
+    # ---- backend hooks
+    def _reserve(self, nbytes: int, policy: str) -> Segment:
+        raise NotImplementedError
+
+    def _release(self, segment: Segment) -> None:
+        raise NotImplementedError
+
+    def _segment_view(self, segment: Segment, offset: int, size: int) -> Any:
+        raise NotImplementedError
+
+    def _array_view(self, block: Block, desc: TensorDesc) -> np.ndarray[Any, Any]:
+        raise NotImplementedError
+
+    def _copyin(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+        raise NotImplementedError
+
+    # ---- streams
+    def stream(self, name: str | None = None) -> Stream:
+        """A new in-order stream with its own worker."""
+        s = Stream._make(self, name, config.settings.launch_blocking, self.has_worker)
+        self._streams.add(s)
+        return s
+
+    @property
+    def default_stream(self) -> Stream:
+        """The calling thread's default stream (one per thread, like CUDA's per-thread default stream)."""
+        s: Stream | None = getattr(self._local, "stream", None)
+        if s is None:
+            s = self.stream(f"{self.name}:default:{threading.current_thread().name}")
+            self._local.stream = s
+        return s
+
+    def synchronize(self) -> None:
+        """Wait for every stream of this device."""
+        for s in list(self._streams):
+            s.synchronize()
+
+    def _apply_launch_blocking(self, value: object) -> None:
+        for s in list(self._streams):
+            s._set_blocking(bool(value))
+
+    # ---- memory
+    def malloc(self, nbytes: int, policy: str = "huge_first", stream: Stream | None = None) -> Block:
+        """A block from the caching pool (``nbytes == 0`` still gives a valid minimal block)."""
+        return self.pool.malloc(nbytes, stream, policy)
+
+    def empty(self, shape: Any, dtype: Any = DType.float32, format: Format = Format.ND,
+              stream: Stream | None = None) -> Tensor:
+        """An uninitialised dense tensor from the pool."""
+        desc = TensorDesc(shape, dtype, None, 0, format)
+        return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self)
+
+    def empty_like(self, desc: TensorDesc, stream: Stream | None = None) -> Tensor:
+        """An uninitialised tensor with ``desc``'s shape, dtype and format (dense)."""
+        return self.empty(desc.shape, desc.dtype, desc.format, stream)
+
+    def tensor(self, array: Any, stream: Stream | None = None, format: Format = Format.ND,
+               dtype: Any = None) -> Tensor:
+        """Copy a host array in, in ``stream`` order (the default stream when omitted)."""
+        src = np.asarray(array) if dtype is None else np.asarray(array, dtype=DType.of(dtype).np)
+        if src.dtype not in _SUPPORTED:
+            raise ParamError(op="Device.tensor", arg="array", expected=f"dtype in {sorted(_SUPPORTED_NAMES)}",
+                             got=str(src.dtype))
+        src = np.array(src, copy=True, order="C")  # the host may reuse its array before the copy runs
+        stream = stream if stream is not None else self.default_stream
+        t = self.empty(src.shape, src.dtype, format, stream)
+        if self.runs_kernels and src.size:
+            seq = stream._enqueue(_copy_task, (self, t, src), "copy-in")
+            t.block.mark_use(stream, seq)
+        return t
+
+    def from_array(self, array: np.ndarray[Any, Any]) -> Tensor:
+        """Alias of :meth:`tensor` on the default stream."""
+        return self.tensor(array)
+
+
+def _copy_task(arg: tuple[Device, Tensor, np.ndarray[Any, Any]]) -> None:
+    dev, t, src = arg
+    dev._copyin(t.view(), src)
+
+
+_SUPPORTED = {d.np for d in DType}
+_SUPPORTED_NAMES = {d.value for d in DType}
+_BACKENDS: dict[str, type[Device]] = {}
+_DEVICES: dict[str, Device] = {}
+_lock = threading.Lock()
+
+
+def register_backend(name: str, cls: type[Device]) -> None:
+    """Make ``twophase.device(name)`` create ``cls``."""
+    _BACKENDS[name] = cls
+
+
+def device(name: str = "cpu") -> Device:
+    """The device named ``name`` (``"cpu"``, the default, or ``"null"``); one instance per name."""
+    dev = _DEVICES.get(name)
+    if dev is None:
+        with _lock:
+            dev = _DEVICES.get(name)
+            if dev is None:
+                cls = _BACKENDS.get(name)
+                if cls is None:
+                    raise ParamError(op="device", arg="name", expected=f"one of {sorted(_BACKENDS)}", got=name)
+                dev = cls(name)
+                _DEVICES[name] = dev
+    return dev

@@ -1,0 +1,339 @@
+"""The caching, stream-ordered ``MemoryPool`` and its ``Block`` (CuPy's design: 512-byte rounding, best fit
+with split and merge, per-stream reuse, a limit, and free-cached-and-retry-once on out of memory)."""
+
+from __future__ import annotations
+
+import bisect
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import InvalidStateError, OutOfMemoryError, ParamError
+
+if TYPE_CHECKING:
+    from .stream import Stream
+
+__all__ = ["MemoryPool", "Block", "Segment", "ALIGNMENT", "round_size"]
+
+ALIGNMENT = 512
+SMALL_REQUEST = 1 << 20  # requests up to 1 MiB are split out of 2 MiB segments
+SMALL_SEGMENT = 2 << 20
+POLICIES = ("huge_first", "normal_only")
+
+
+def round_size(nbytes: int) -> int:
+    """Pool granularity: at least 512 bytes, multiples of 512 (a 0-byte request still gets a block)."""
+    return max(ALIGNMENT, (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
+
+
+def segment_size(rounded: int) -> int:
+    """Size of the segment reserved for a request: small ones share 2 MiB, large ones round to 2 MiB."""
+    if rounded <= SMALL_REQUEST:
+        return SMALL_SEGMENT
+    return (rounded + SMALL_SEGMENT - 1) // SMALL_SEGMENT * SMALL_SEGMENT
+
+
+@dataclass(eq=False)
+class Segment:
+    """One reservation from the backend: ``address`` is aligned to at least 512 bytes."""
+
+    address: int
+    size: int
+    huge: bool
+    policy: str
+    memory: Any  # backend object (a uint8 numpy array on the CPU, None on the NULL backend)
+
+
+class Block:
+    """A piece of a segment. Allocated blocks are handed out; free ones wait in the pool for reuse.
+
+    A block remembers the last stream task that used it (``_stream``/``_seq``) so that host reads
+    and cross-stream reuse wait exactly as long as needed.
+    """
+
+    __slots__ = ("pool", "segment", "offset", "size", "requested", "allocated", "freed", "data",
+                 "prev", "next", "_stream", "_seq", "free_stream", "free_seq", "tag", "__weakref__")
+
+    def __init__(self, pool: MemoryPool, segment: Segment, offset: int, size: int) -> None:
+        self.pool = pool
+        self.segment = segment
+        self.offset = offset
+        self.size = size
+        self.requested = 0
+        self.allocated = False
+        self.freed = False
+        self.data: Any = None
+        self.prev: Block | None = None
+        self.next: Block | None = None
+        self._stream: Stream | None = None
+        self._seq = 0
+        self.free_stream: Stream | None = None
+        self.free_seq = 0
+        self.tag: Any = None  # set by observers (sanitizer: where it was allocated)
+
+    @property
+    def address(self) -> int:
+        return self.segment.address + self.offset
+
+    def __repr__(self) -> str:
+        state = "allocated" if self.allocated else "free"
+        return f"Block(0x{self.address:x}, {self.size} B, {state})"
+
+    def mark_use(self, stream: Stream, seq: int) -> None:
+        """Record that task ``seq`` of ``stream`` uses this block."""
+        self._stream = stream
+        self._seq = seq
+
+    def wait(self) -> None:
+        """Block the host until the last task that used this block has completed."""
+        s = self._stream
+        if s is not None:
+            s._wait_for(self._seq)
+
+    def free(self, stream: Stream | None = None) -> None:
+        """Return the block to its pool; with ``stream`` the memory is reused only in that stream's order.
+
+        Without a stream the caller asserts that no enqueued work still uses it.
+        """
+        self.pool.free(self, stream)
+
+    def _ready(self, stream: Stream | None) -> bool:
+        fs = self.free_stream
+        return fs is None or fs is stream or fs._done >= self.free_seq
+
+
+class _Observer:
+    """Hooks the sanitizer and stats attach to a pool: on_alloc(block), on_free(block, stream)."""
+
+    on_alloc: Callable[[Block], None] | None = None
+    on_free: Callable[[Block, Any], None] | None = None
+
+
+class MemoryPool:
+    """Caching allocator of one device; thread-safe. Backends provide ``reserve(nbytes, policy)``/``release``."""
+
+    def __init__(
+        self,
+        reserve: Callable[[int, str], Segment],
+        release: Callable[[Segment], None],
+        make_data: Callable[[Segment, int, int], Any],
+        name: str = "pool",
+    ) -> None:
+        self._reserve = reserve
+        self._release = release
+        self._make_data = make_data
+        self.name = name
+        self._lock = threading.RLock()
+        self._free: list[tuple[int, int, int, Block]] = []  # (size, address, id, block), sorted
+        self._segments: list[Segment] = []
+        self._limit: int | None = None
+        self.observer = _Observer()
+        self._allocated = 0
+        self._requested = 0
+        self._reserved = 0
+        self._peak_allocated = 0
+        self._peak_reserved = 0
+        self._huge_reserved = 0
+        self._n_alloc = 0
+        self._n_free = 0
+        self._n_hits = 0
+        self._n_segments = 0
+        self._n_oom_retries = 0
+
+    # ---- configuration
+    def set_limit(self, nbytes: int | None) -> None:
+        """Cap reserved bytes (``None`` removes the cap). Does not shrink what is already reserved."""
+        if nbytes is not None and nbytes < 0:
+            raise ParamError(op="MemoryPool.set_limit", arg="nbytes", expected=">= 0 or None", got=nbytes)
+        self._limit = nbytes
+
+    def get_limit(self) -> int | None:
+        return self._limit
+
+    # ---- allocation
+    def malloc(self, nbytes: int, stream: Stream | None = None, policy: str = "huge_first") -> Block:
+        """A block of at least ``nbytes`` (512-byte aligned); reuses cached memory that is ready for ``stream``."""
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+            raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
+        if policy not in POLICIES:
+            raise ParamError(op="malloc", arg="policy", expected=f"one of {POLICIES}", got=policy)
+        size = round_size(nbytes)
+        with self._lock:
+            block = self._take_cached(size, stream, policy)
+            if block is None:
+                block = self._take_new(size, nbytes, policy)
+            else:
+                self._n_hits += 1
+            block.allocated = True
+            block.freed = False
+            block.requested = nbytes
+            block._stream = None
+            block._seq = 0
+            block.free_stream = None
+            self._allocated += block.size
+            self._requested += nbytes
+            self._n_alloc += 1
+            if self._allocated > self._peak_allocated:
+                self._peak_allocated = self._allocated
+        if block.data is None:
+            block.data = self._make_data(block.segment, block.offset, block.size)
+        hook = self.observer.on_alloc
+        if hook is not None:
+            hook(block)
+        return block
+
+    def _take_cached(self, size: int, stream: Stream | None, policy: str) -> Block | None:
+        free = self._free
+        i = bisect.bisect_left(free, (size, -1, -1))
+        while i < len(free):
+            blk = free[i][3]
+            if blk._ready(stream) and (policy == "huge_first" or not blk.segment.huge):
+                del free[i]
+                self._split(blk, size)
+                return blk
+            i += 1
+        return None
+
+    def _take_new(self, size: int, requested: int, policy: str) -> Block:
+        seg_size = segment_size(size)
+        seg = self._try_reserve(seg_size, policy)
+        if seg is None:
+            self._n_oom_retries += 1
+            self._empty_cache_locked()
+            seg = self._try_reserve(seg_size, policy)
+        if seg is None:
+            raise OutOfMemoryError(
+                f"cannot allocate {requested} bytes ({seg_size} to reserve); reserved {self._reserved}, "
+                f"allocated {self._allocated}, limit {self._limit}",
+                op="malloc", arg="nbytes")
+        self._segments.append(seg)
+        self._reserved += seg.size
+        self._huge_reserved += seg.size if seg.huge else 0
+        self._n_segments += 1
+        self._peak_reserved = max(self._peak_reserved, self._reserved)
+        blk = Block(self, seg, 0, seg.size)
+        self._split(blk, size)
+        return blk
+
+    def _try_reserve(self, seg_size: int, policy: str) -> Segment | None:
+        if self._limit is not None and self._reserved + seg_size > self._limit:
+            return None
+        try:
+            return self._reserve(seg_size, policy)
+        except MemoryError:
+            return None
+
+    def _split(self, blk: Block, size: int) -> None:
+        rest = blk.size - size
+        if rest < ALIGNMENT:
+            return
+        tail = Block(self, blk.segment, blk.offset + size, rest)
+        tail.free_stream, tail.free_seq = blk.free_stream, blk.free_seq
+        tail.prev, tail.next = blk, blk.next
+        if blk.next is not None:
+            blk.next.prev = tail
+        blk.next = tail
+        blk.size = size
+        blk.data = None
+        self._insert_free(tail)
+
+    def _insert_free(self, blk: Block) -> None:
+        bisect.insort(self._free, (blk.size, blk.address, id(blk), blk))
+
+    def _remove_free(self, blk: Block) -> None:
+        key = (blk.size, blk.address, id(blk), blk)
+        i = bisect.bisect_left(self._free, key[:3])
+        if i < len(self._free) and self._free[i][3] is blk:
+            del self._free[i]
+
+    # ---- release
+    def free(self, blk: Block, stream: Stream | None = None) -> None:
+        """Return ``blk``; with ``stream`` it becomes reusable by other streams only after that stream's
+        work enqueued so far has completed."""
+        hook = self.observer.on_free
+        if hook is not None:
+            hook(blk, stream)
+        with self._lock:
+            if blk.pool is not self or not blk.allocated:
+                raise InvalidStateError("block is not allocated from this pool (double free?)",
+                                        op="free", arg="block", got=blk)
+            blk.allocated = False
+            blk.freed = True
+            self._allocated -= blk.size
+            self._requested -= blk.requested
+            self._n_free += 1
+            if stream is not None and stream._submitted > stream._done:
+                blk.free_stream, blk.free_seq = stream, stream._submitted
+            else:
+                blk.free_stream, blk.free_seq = None, 0
+            blk = self._merge(blk)
+            self._insert_free(blk)
+
+    @staticmethod
+    def _mergeable(a: Block, b: Block) -> bool:
+        return a.free_stream is b.free_stream or (a._ready(None) and b._ready(None))
+
+    def _merge(self, blk: Block) -> Block:
+        for nb in (blk.prev, blk.next):
+            if nb is None or nb.allocated or not self._mergeable(blk, nb):
+                continue
+            self._remove_free(nb)
+            first, second = (nb, blk) if nb is blk.prev else (blk, nb)
+            stream = first.free_stream if first.free_stream is second.free_stream else None
+            seq = max(first.free_seq, second.free_seq) if stream is not None else 0
+            first.size += second.size
+            first.next = second.next
+            if second.next is not None:
+                second.next.prev = first
+            first.data = None
+            first.free_stream, first.free_seq = stream, seq
+            blk = first
+        return blk
+
+    def empty_cache(self) -> int:
+        """Release every segment that is wholly free and ready; returns the bytes released."""
+        with self._lock:
+            return self._empty_cache_locked()
+
+    def _empty_cache_locked(self) -> int:
+        released = 0
+        keep = []
+        for seg in self._segments:
+            blk = next((e[3] for e in self._free if e[3].segment is seg), None)
+            if blk is not None and blk.size == seg.size and blk._ready(None):
+                self._remove_free(blk)
+                self._release(seg)
+                released += seg.size
+                self._reserved -= seg.size
+                self._huge_reserved -= seg.size if seg.huge else 0
+            else:
+                keep.append(seg)
+        self._segments = keep
+        return released
+
+    # ---- introspection
+    def stats(self) -> dict[str, int | None]:
+        """Byte and count statistics (plain ints, JSON-serialisable)."""
+        with self._lock:
+            return {
+                "allocated_bytes": self._allocated,
+                "requested_bytes": self._requested,
+                "reserved_bytes": self._reserved,
+                "huge_page_reserved_bytes": self._huge_reserved,
+                "cached_bytes": self._reserved - self._allocated,
+                "peak_allocated_bytes": self._peak_allocated,
+                "peak_reserved_bytes": self._peak_reserved,
+                "limit_bytes": self._limit,
+                "segments": len(self._segments),
+                "segments_reserved_total": self._n_segments,
+                "free_blocks": len(self._free),
+                "alloc_count": self._n_alloc,
+                "free_count": self._n_free,
+                "cache_hits": self._n_hits,
+                "oom_retries": self._n_oom_retries,
+            }
+
+    def reset_peak(self) -> None:
+        with self._lock:
+            self._peak_allocated = self._allocated
+            self._peak_reserved = self._reserved

@@ -1,0 +1,300 @@
+"""Streams (in-order task queues served by a worker thread) and events.
+
+A task is ``(fn, arg, owner)``; the worker calls ``fn(arg)``. ``owner`` names the work in error
+messages: an executor, a label, or ``CONTROL`` for the runtime's own markers, which always run.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING, Any, Callable
+
+from ..errors import InvalidStateError, KernelError, ParamError, TwoPhaseError
+
+if TYPE_CHECKING:
+    from .device import Device
+
+__all__ = ["Stream", "Event", "CONTROL"]
+
+CONTROL = "<control>"
+
+
+def describe_owner(owner: Any) -> str:
+    """How a failed task is named: ``op 'softmax' (executor #3, implementation 'rows')``."""
+    describe = getattr(owner, "describe", None)
+    return describe() if describe is not None else str(owner)
+
+
+class _Queue:
+    """The state shared by a stream and its worker; the worker holds only this, so streams can be collected."""
+
+    def __init__(self, name: str, blocking: bool) -> None:
+        self.name = name
+        self.tasks: collections.deque[tuple[Callable[[Any], Any], Any, Any]] = collections.deque()
+        self.submitted = 0
+        self.done = 0
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(threading.Lock())
+        self.waiters = 0
+        self.idle = False
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.error: tuple[BaseException, Any, int] | None = None
+        self.dropped = 0
+        self.closed = False
+        self.thread: threading.Thread | None = None
+        self.current: Any = None  # owner of the task being run (for observers)
+        self.listeners: list[Callable[[str, Any, float, float, int], None]] = []
+        self.enqueue = self.enqueue_inline if blocking else self.enqueue_async
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self.serve, name=f"twophase-{self.name}", daemon=True)
+        self.thread.start()
+
+    # ---- producer side
+    def enqueue_async(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
+        with self.lock:
+            seq = self.submitted = self.submitted + 1
+            self.tasks.append((fn, arg, owner))
+        if self.idle:
+            self.idle = False
+            try:
+                self.wake.release()
+            except RuntimeError:
+                pass
+        return seq
+
+    def enqueue_inline(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
+        with self.lock:
+            seq = self.submitted = self.submitted + 1
+            try:
+                self.run_one(fn, arg, owner, seq)
+            finally:
+                self.done = seq
+        self.raise_pending(seq)
+        return seq
+
+    def run_one(self, fn: Callable[[Any], Any], arg: Any, owner: Any, seq: int) -> None:
+        if self.error is not None and owner is not CONTROL:
+            self.dropped += 1
+            return
+        self.current = owner
+        listeners = self.listeners
+        try:
+            if listeners:
+                t0 = time.perf_counter()
+                fn(arg)
+                t1 = time.perf_counter()
+                for cb in listeners:
+                    cb(self.name, owner, t0, t1, seq)
+            else:
+                fn(arg)
+        except BaseException as exc:  # noqa: BLE001 - any failure is reported at the next sync
+            self.error = (exc, owner, seq)
+        finally:
+            self.current = None
+
+    # ---- worker side
+    def serve(self) -> None:
+        tasks = self.tasks
+        while True:
+            try:
+                fn, arg, owner = tasks.popleft()
+            except IndexError:
+                self.idle = True
+                if tasks:
+                    self.idle = False
+                    continue
+                self.wake.acquire()
+                continue
+            if fn is None:
+                return
+            self.run_one(fn, arg, owner, self.done + 1)
+            self.done += 1
+            if self.waiters:
+                with self.cond:
+                    self.cond.notify_all()
+
+    # ---- synchronization
+    def wait_for(self, seq: int, raise_errors: bool = True) -> None:
+        if self.done < seq:
+            with self.cond:
+                self.waiters += 1
+                try:
+                    while self.done < seq:
+                        self.cond.wait(0.05)
+                finally:
+                    self.waiters -= 1
+        if raise_errors:
+            self.raise_pending(seq)
+
+    def raise_pending(self, seq: int) -> None:
+        err = self.error
+        if err is None or err[2] > seq:
+            return
+        exc, owner, _ = err
+        self.error = None
+        dropped, self.dropped = self.dropped, 0
+        where = f"{describe_owner(owner)} failed on stream '{self.name}'"
+        tail = f"{dropped} later task(s) were dropped" if dropped else "no later task was dropped"
+        if isinstance(exc, TwoPhaseError):
+            exc.add_note_line(f"{where}; {tail}")
+            raise exc
+        op = getattr(getattr(owner, "op", None), "name", None)
+        raise KernelError(f"{where}: {type(exc).__name__}: {exc}; {tail}", op=op) from exc
+
+    def shutdown(self) -> None:
+        if not self.closed:
+            self.closed = True
+            if self.thread is not None:
+                self.tasks.append((None, None, None))  # type: ignore[arg-type]
+                try:
+                    self.wake.release()
+                except RuntimeError:
+                    pass
+
+
+class Stream:
+    """An in-order queue of device work. Made by ``dev.stream()``; every asynchronous call takes one."""
+
+    __slots__ = ("device", "name", "_q", "_enqueue", "__weakref__", "_finalizer")
+
+    _ids = 0
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        raise TypeError("Streams are made by a device: use dev.stream()")
+
+    @classmethod
+    def _make(cls, device: Device, name: str | None, blocking: bool, worker: bool) -> Stream:
+        self = object.__new__(cls)
+        Stream._ids += 1
+        self.device = device
+        self.name = name or f"{device.name}:{Stream._ids}"
+        self._q = _Queue(self.name, blocking)
+        if worker and not blocking:
+            self._q.start()
+        self._enqueue = self._q.enqueue
+        self._finalizer = weakref.finalize(self, self._q.shutdown)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Stream('{self.name}', pending={self._q.submitted - self._q.done})"
+
+    @property
+    def _submitted(self) -> int:
+        return self._q.submitted
+
+    @property
+    def _done(self) -> int:
+        return self._q.done
+
+    @property
+    def blocking(self) -> bool:
+        return self._q.enqueue == self._q.enqueue_inline
+
+    def _set_blocking(self, blocking: bool) -> None:
+        """Switch launch-blocking mode (used by the ``TWOPHASE_LAUNCH_BLOCKING`` setter)."""
+        self.synchronize()
+        q = self._q
+        if blocking or not type(self.device).has_worker:
+            q.enqueue = q.enqueue_inline
+        else:
+            q.enqueue = q.enqueue_async
+            if q.thread is None and type(self.device).has_worker:
+                q.start()
+        self._enqueue = q.enqueue
+
+    def _wait_for(self, seq: int) -> None:
+        self._q.wait_for(seq)
+
+    def synchronize(self) -> None:
+        """Wait for every task enqueued so far; raise the first failure among them (then the stream is usable)."""
+        q = self._q
+        q.wait_for(q.submitted)
+
+    def query(self) -> bool:
+        """True when every task enqueued so far has completed."""
+        q = self._q
+        return q.done >= q.submitted
+
+    def record_event(self, timing: bool = True) -> Event:
+        """An event that completes when the work enqueued so far has; it records the time it completed."""
+        ev = Event._make(self)
+        ev.seq = self._enqueue(_mark_time if timing else _nothing, ev, CONTROL)
+        return ev
+
+    def wait_event(self, event: Event) -> None:
+        """Make later work on this stream wait until ``event`` has completed (no host block)."""
+        if not isinstance(event, Event):
+            raise ParamError(op="Stream.wait_event", arg="event", expected="a twophase Event", got=event)
+        if event.stream is self:
+            return
+        self._enqueue(_wait_other, event, CONTROL)
+
+    def launch_callback(self, fn: Callable[[], Any]) -> None:
+        """Run ``fn()`` on the stream's worker once the work enqueued before it has completed."""
+        if not callable(fn):
+            raise ParamError(op="Stream.launch_callback", arg="fn", expected="a callable", got=fn)
+        self._enqueue(_call, fn, f"callback {getattr(fn, '__qualname__', fn)!s}")
+
+    def close(self) -> None:
+        """Finish pending work and stop the worker thread."""
+        self.synchronize()
+        self._finalizer()
+
+
+def _nothing(_: Any) -> None:
+    pass
+
+
+def _mark_time(ev: Event) -> None:
+    ev.time = time.perf_counter()
+
+
+def _wait_other(ev: Event) -> None:
+    ev.stream._q.wait_for(ev.seq, raise_errors=False)
+
+
+def _call(fn: Callable[[], Any]) -> None:
+    fn()
+
+
+class Event:
+    """A marker in a stream: ``query``, ``synchronize`` and ``elapsed_time`` between two events."""
+
+    __slots__ = ("stream", "seq", "time")
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        raise TypeError("Events are made by a stream: use stream.record_event()")
+
+    @classmethod
+    def _make(cls, stream: Stream) -> Event:
+        self = object.__new__(cls)
+        self.stream = stream
+        self.seq = 0
+        self.time: float | None = None
+        return self
+
+    def __repr__(self) -> str:
+        return f"Event(stream='{self.stream.name}', seq={self.seq}, done={self.query()})"
+
+    def query(self) -> bool:
+        return self.stream._q.done >= self.seq
+
+    def synchronize(self) -> None:
+        self.stream._q.wait_for(self.seq)
+
+    def elapsed_time(self, end: Event) -> float:
+        """Milliseconds from this event to ``end`` (both must have completed with timing)."""
+        if not isinstance(end, Event):
+            raise ParamError(op="Event.elapsed_time", arg="end", expected="a twophase Event", got=end)
+        for ev, which in ((self, "start"), (end, "end")):
+            if not ev.query():
+                raise InvalidStateError("event has not completed", op="Event.elapsed_time", arg=which)
+            if ev.time is None:
+                raise InvalidStateError("event was recorded without timing", op="Event.elapsed_time", arg=which)
+        assert self.time is not None and end.time is not None
+        return (end.time - self.time) * 1e3
