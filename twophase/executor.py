@@ -37,7 +37,7 @@ class Executor:
     """
 
     __slots__ = ("op", "plan", "attrs", "input_descs", "output_descs", "workspace_size", "id",
-                 "_tensors", "_launch", "_state", "_repeatable", "_owner", "_blocks", "launches",
+                 "_tensors", "_launch", "_gate", "_state", "_repeatable", "_owner", "_blocks", "launches",
                  "device", "origin", "__weakref__")
 
     def __init__(self, *_: Any, **__: Any) -> None:
@@ -56,6 +56,7 @@ class Executor:
         self.id = next(_ids)
         self._tensors: list[Tensor | None] = [None] * (len(input_descs) + len(output_descs))
         self._launch: Launch | None = None
+        self._gate: Op | None = None  # the op while ready and fully bound: phase 2's one-compare check
         self._state = ExecState.READY
         self._repeatable = False
         self._owner = threading.get_ident()
@@ -132,6 +133,7 @@ class Executor:
     def _release(self, state: ExecState) -> None:
         self._state = state
         self._launch = None
+        self._gate = None
         self._tensors = [None] * len(self._tensors)
         self._blocks = ()
         self.op._on_release(self)
@@ -172,6 +174,8 @@ class Executor:
             self.device = t.device
             self._tensors[i] = t
         self._launch = None
+        self._gate = None
         if all(t is not None for t, d in zip(self._tensors, self.input_descs + self.output_descs) if d is not None):
             self._launch = self.op._build_launch(self)
             self._blocks = tuple({id(t.block): t.block for t in self._tensors if t is not None}.values())
+            self._gate = self.op

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import threading
+from threading import get_ident as _get_ident
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
@@ -191,26 +191,20 @@ class Op:
         """Phase 2: check the executor and workspace in O(1), then enqueue the prebuilt launch on ``stream``."""
         ex = executor
         try:
-            launch = ex._launch
-            ok = ex._state is ExecState.READY and ex.op is self and launch is not None \
-                and ex._owner == threading.get_ident()
+            if ex._gate is not self or ex._owner != _get_ident():
+                self._refuse(ex)
         except AttributeError:
-            ok = False
-        if not ok:
             self._refuse(ex)
         if workspace_size != ex.workspace_size or (
                 workspace_size and (workspace is None or workspace.size < workspace_size)):
             self._refuse_workspace(workspace, workspace_size, ex)
         if not ex._repeatable:
             ex._state = ExecState.CONSUMED
-        data = workspace.data if workspace is not None else None
-        seq = stream._enqueue(launch, data, ex)  # type: ignore[arg-type]
+            ex._gate = None
+        seq = stream._enqueue(ex._launch, None if workspace is None else workspace.data, ex)
         for b in ex._blocks:
             b._stream = stream
             b._seq = seq
-        if workspace is not None:
-            workspace._stream = stream
-            workspace._seq = seq
         ex.launches += 1
 
     def _refuse(self, ex: Any) -> None:

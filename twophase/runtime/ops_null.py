@@ -27,7 +27,7 @@ class NullDevice(Device):
     def stream(self, name: str | None = None) -> Any:
         s = super().stream(name)
         q = s._q
-        q.enqueue = q.enqueue_inline
+        q.enqueue = q.enqueue_null
         s._enqueue = q.enqueue
         return s
 
