@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["settings", "set_launch_blocking", "on_change"]
+__all__ = ["settings", "on_change", "set_launch_blocking", "set_cache_limit", "set_cache_enabled",
+           "set_deterministic", "set_workspace_limit", "set_log_level"]
 
 
 def _env_flag(name: str, default: bool = False) -> bool:
@@ -28,6 +30,11 @@ class Settings:
     """Current values; change them through the setters so that listeners (streams, caches) follow."""
 
     launch_blocking: bool = field(default_factory=lambda: _env_flag("TWOPHASE_LAUNCH_BLOCKING"))
+    cache_limit: int = field(default_factory=lambda: _env_int("TWOPHASE_CACHE_LIMIT", 10000) or 0)
+    cache_enabled: bool = field(default_factory=lambda: not _env_flag("TWOPHASE_DISABLE_CACHE"))
+    deterministic: bool = field(default_factory=lambda: _env_flag("TWOPHASE_DETERMINISTIC"))
+    workspace_limit: int | None = field(default_factory=lambda: _env_int("TWOPHASE_WORKSPACE_LIMIT", None))
+    log_level: str = field(default_factory=lambda: os.environ.get("TWOPHASE_LOG_LEVEL", "WARNING").upper())
 
 
 settings = Settings()
@@ -48,3 +55,32 @@ def _set(name: str, value: object) -> None:
 def set_launch_blocking(enabled: bool) -> None:
     """Run every task inline on the caller's thread (``TWOPHASE_LAUNCH_BLOCKING=1``); affects existing streams."""
     _set("launch_blocking", bool(enabled))
+
+
+def set_cache_limit(entries: int) -> None:
+    """Capacity of each thread's executor cache (``TWOPHASE_CACHE_LIMIT``, default 10000); LRU beyond it."""
+    if entries < 0:
+        raise ValueError("cache limit must be >= 0")
+    _set("cache_limit", int(entries))
+
+
+def set_cache_enabled(enabled: bool) -> None:
+    """Turn the executor cache on or off (``TWOPHASE_DISABLE_CACHE=1`` turns it off)."""
+    _set("cache_enabled", bool(enabled))
+
+
+def set_deterministic(enabled: bool) -> None:
+    """Ask for bitwise-reproducible kernels (``TWOPHASE_DETERMINISTIC=1``); part of every cache key."""
+    _set("deterministic", bool(enabled))
+
+
+def set_workspace_limit(nbytes: int | None) -> None:
+    """Default ``workspace_limit`` of every phase 1 (``TWOPHASE_WORKSPACE_LIMIT``; None = unlimited)."""
+    _set("workspace_limit", None if nbytes is None else int(nbytes))
+
+
+def set_log_level(level: str | int) -> None:
+    """Level of the ``twophase`` logger (``TWOPHASE_LOG_LEVEL``: DEBUG, INFO, WARNING, ...)."""
+    name = logging.getLevelName(level) if isinstance(level, int) else str(level).upper()
+    _set("log_level", name)
+    logging.getLogger("twophase").setLevel(name)
