@@ -1,0 +1,47 @@
+"""Shared fixtures of the core runtime tests: the CPU device, a fresh stream, a seeded rng, a stream gate."""
+
+from __future__ import annotations
+
+import threading
+from typing import Callable
+
+import numpy as np
+import pytest
+
+import twophase
+
+
+@pytest.fixture
+def dev() -> twophase.Device:
+    return twophase.device("cpu")
+
+
+@pytest.fixture
+def stream(dev: twophase.Device):
+    s = dev.stream()
+    yield s
+    try:
+        s.close()
+    except twophase.TwoPhaseError:
+        pass
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(20240229)
+
+
+@pytest.fixture
+def gate() -> Callable[[twophase.Stream], threading.Event]:
+    """``gate(s)`` blocks stream ``s`` with a callback waiting on a returned Event; every Event is set at teardown."""
+    events: list[threading.Event] = []
+
+    def block(s: twophase.Stream) -> threading.Event:
+        ev = threading.Event()
+        events.append(ev)
+        s.launch_callback(lambda: ev.wait(30))
+        return ev
+
+    yield block
+    for ev in events:
+        ev.set()
