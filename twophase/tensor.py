@@ -139,6 +139,9 @@ class TensorDesc:
     def __setattr__(self, name: str, value: Any) -> None:
         raise AttributeError("TensorDesc is immutable")
 
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError("TensorDesc is immutable")
+
     def __hash__(self) -> int:
         return self._hash
 

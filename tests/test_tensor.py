@@ -1,0 +1,96 @@
+"""TensorDesc (immutable, hashable, validated) and Tensor (a desc bound to a block, made by a device)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import twophase
+from twophase import DType, Format, Tensor, TensorDesc
+
+shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
+dtypes = st.sampled_from(list(DType))
+
+
+@settings(max_examples=50, deadline=None)
+@given(shape=shapes, dtype=dtypes)
+def test_equal_descs_are_equal_and_hash_alike(shape, dtype):
+    a, b = TensorDesc(shape, dtype), TensorDesc(list(shape), dtype.np)
+    assert a == b and hash(a) == hash(b)
+    assert {a: 1}[b] == 1
+    assert a.numel == int(np.prod(shape)) and a.nbytes == a.numel * dtype.itemsize
+
+
+def test_descs_differing_in_any_field_are_unequal():
+    base = TensorDesc((2, 3), "float32")
+    others = [TensorDesc((3, 2)), TensorDesc((2, 3), "float64"), TensorDesc((2, 3), strides=(1, 2)),
+              TensorDesc((2, 3), offset=1), base.with_(format=Format.ND, offset=2)]
+    for o in others:
+        assert o != base
+
+
+def test_desc_is_immutable():
+    d = TensorDesc((2, 3))
+    with pytest.raises(AttributeError):
+        d.shape = (3, 2)
+    with pytest.raises(AttributeError):
+        del d.shape
+    assert d.shape == (2, 3)
+
+
+def test_desc_rejects_bad_fields_with_param_error():
+    with pytest.raises(twophase.ParamError, match="shape"):
+        TensorDesc((2, -1))
+    with pytest.raises(twophase.ParamError, match="strides"):
+        TensorDesc((2, 3), strides=(1,))
+    with pytest.raises(twophase.ParamError, match="format"):
+        TensorDesc((2, 3), format=Format.NCHW)
+    with pytest.raises(twophase.ParamError, match="dtype"):
+        TensorDesc((2,), "complex64")
+    with pytest.raises(twophase.ParamError, match="offset"):
+        TensorDesc((2,), offset=-1)
+
+
+def test_contiguous_strides_and_span():
+    d = TensorDesc((2, 3, 4))
+    assert d.strides == (12, 4, 1) and d.is_contiguous and d.span() == (0, 24)
+    t = TensorDesc((3, 2), strides=(1, 3), offset=2)
+    assert not t.is_contiguous and t.span() == (2, 8)
+    assert TensorDesc((0, 3)).span() == (0, 0)
+    assert TensorDesc((4,), strides=(-1,), offset=3).span() == (0, 4)
+
+
+def test_tensor_constructor_names_the_factory():
+    with pytest.raises(TypeError, match="dev.tensor"):
+        Tensor()
+
+
+def test_tensor_roundtrip_and_host_copy_is_taken_at_once(dev, stream, rng):
+    a = rng.standard_normal((5, 7)).astype(np.float32)
+    t = dev.tensor(a, stream=stream)
+    a[:] = 0  # the host may reuse its array right after the call
+    assert t.numpy().any()
+    assert t.desc == TensorDesc((5, 7), "float32")
+
+
+def test_tensor_rejects_desc_outside_its_block(dev):
+    t = dev.empty((4,), "float32")
+    with pytest.raises(twophase.ParamError, match="block"):
+        t.strided((4,), (1,), offset=200)
+
+
+def test_transpose_is_a_strided_view_of_the_same_memory(dev, stream, rng):
+    a = rng.standard_normal((3, 4))
+    t = dev.tensor(a, stream=stream)
+    tt = t.transpose()
+    assert tt.block is t.block and not tt.desc.is_contiguous
+    np.testing.assert_array_equal(tt.numpy(), a.T)
+
+
+def test_view_of_freed_tensor_raises_invalid_state(dev):
+    t = dev.empty((4,))
+    t.free()
+    with pytest.raises(twophase.InvalidStateError):
+        t.view()
