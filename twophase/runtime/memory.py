@@ -4,6 +4,7 @@ with split and merge, per-stream reuse, a limit, and free-cached-and-retry-once 
 from __future__ import annotations
 
 import bisect
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
@@ -12,6 +13,8 @@ from ..errors import InvalidStateError, OutOfMemoryError, ParamError
 
 if TYPE_CHECKING:
     from .stream import Stream
+
+_log = logging.getLogger("twophase")
 
 __all__ = ["MemoryPool", "Block", "Segment", "ALIGNMENT", "round_size"]
 
@@ -107,6 +110,7 @@ class _Observer:
 
     on_alloc: Callable[[Block], None] | None = None
     on_free: Callable[[Block, Any], None] | None = None
+    on_change: Callable[[], None] | None = None  # after any allocation or free (profiler's counter track)
 
 
 class MemoryPool:
@@ -177,9 +181,14 @@ class MemoryPool:
                 self._peak_allocated = self._allocated
         if block.data is None:
             block.data = self._make_data(block.segment, block.offset, block.size)
-        hook = self.observer.on_alloc
-        if hook is not None:
-            hook(block)
+        obs = self.observer
+        if obs.on_alloc is not None:
+            obs.on_alloc(block)
+        if obs.on_change is not None:
+            obs.on_change()
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("malloc %s: requested %d bytes, granted %d bytes at 0x%x%s", self.name, nbytes, block.size,
+                       block.address, " (cached)" if block.segment is not None and block._seq == 0 else "")
         return block
 
     def _take_cached(self, size: int, stream: Stream | None, policy: str) -> Block | None:
@@ -268,6 +277,8 @@ class MemoryPool:
                 blk.free_stream, blk.free_seq = None, 0
             blk = self._merge(blk)
             self._insert_free(blk)
+        if self.observer.on_change is not None:
+            self.observer.on_change()
 
     @staticmethod
     def _mergeable(a: Block, b: Block) -> bool:
@@ -295,7 +306,27 @@ class MemoryPool:
         with self._lock:
             return self._empty_cache_locked()
 
+    def _coalesce_ready(self) -> None:
+        """Merge free neighbours whose stream-ordered frees have completed since they were freed
+        (a block freed while its stream was busy could not merge then)."""
+        merged = True
+        while merged:
+            merged = False
+            for _, _, _, blk in list(self._free):
+                if not self._is_listed(blk) or not blk._ready(None):
+                    continue
+                if any(nb is not None and not nb.allocated and nb._ready(None) for nb in (blk.prev, blk.next)):
+                    self._remove_free(blk)
+                    blk.free_stream, blk.free_seq = None, 0
+                    self._insert_free(self._merge(blk))
+                    merged = True
+
+    def _is_listed(self, blk: Block) -> bool:
+        i = bisect.bisect_left(self._free, (blk.size, blk.address, id(blk)))
+        return i < len(self._free) and self._free[i][3] is blk
+
     def _empty_cache_locked(self) -> int:
+        self._coalesce_ready()
         released = 0
         keep = []
         for seg in self._segments:

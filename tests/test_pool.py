@@ -1,0 +1,229 @@
+"""The caching MemoryPool: rounding, alignment, split/merge, stream-ordered reuse, stats, limit, OOM retry."""
+
+from __future__ import annotations
+
+import mmap
+import re
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import twophase
+from twophase.runtime.memory import ALIGNMENT, MemoryPool, round_size
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool(dev):
+    """A private pool on the CPU device's memory hooks, so stats and addresses are this test's alone."""
+    p = MemoryPool(dev._reserve, dev._release, dev._segment_view, name="test pool")
+    yield p
+    p.empty_cache()
+
+
+def test_malloc_zero_gives_a_valid_minimal_block(dev):
+    b = dev.malloc(0)
+    try:
+        assert b.size == ALIGNMENT and b.requested == 0 and b.address % ALIGNMENT == 0
+        assert len(b.data) == ALIGNMENT
+        b.data[:] = 7  # usable memory
+    finally:
+        b.free()
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(n=st.integers(0, 3 * MiB))
+def test_sizes_round_up_to_512_and_addresses_are_aligned(dev, n):
+    b = dev.malloc(n)
+    try:
+        assert b.size == round_size(n) and b.size % 512 == 0 and n <= b.size < max(n, 1) + 512
+        assert b.address % 512 == 0
+        assert len(b.data) == b.size
+    finally:
+        b.free()
+
+
+def test_malloc_rejects_bad_size_and_policy(pool):
+    for bad in (-1, 1.5, True, "8"):
+        with pytest.raises(twophase.ParamError, match="nbytes"):
+            pool.malloc(bad)
+    with pytest.raises(twophase.ParamError, match="policy"):
+        pool.malloc(8, policy="gigantic")
+
+
+def test_small_blocks_split_one_segment_and_merge_back(pool):
+    a, b, c = pool.malloc(1000), pool.malloc(512), pool.malloc(5000)
+    assert pool.stats()["segments"] == 1
+    assert b.address == a.address + a.size and c.address == b.address + b.size
+    a.data[:] = 1
+    b.data[:] = 2
+    assert (a.data == 1).all()  # neighbours do not overlap
+    for blk in (b, a, c):
+        blk.free()
+    s = pool.stats()
+    assert s["free_blocks"] == 1 and s["allocated_bytes"] == 0
+    whole = pool.malloc(2 * MiB)  # the merged segment serves a request of its full size
+    assert whole.address == a.address and pool.stats()["segments_reserved_total"] == 1
+    whole.free()
+
+
+def test_freed_block_is_reused_best_fit(pool):
+    a = pool.malloc(4096)
+    keep = pool.malloc(512)
+    addr = a.address
+    a.free()
+    b = pool.malloc(3000)
+    assert b.address == addr and pool.stats()["cache_hits"] >= 1
+    b.free()
+    keep.free()
+
+
+def test_double_free_and_foreign_free_raise_invalid_state(pool, dev):
+    b = pool.malloc(8)
+    b.free()
+    with pytest.raises(twophase.InvalidStateError, match="double free"):
+        b.free()
+    other = MemoryPool(dev._reserve, dev._release, dev._segment_view)
+    c = other.malloc(8)
+    with pytest.raises(twophase.InvalidStateError):
+        pool.free(c)
+    c.free()
+    other.empty_cache()
+
+
+def test_stats_track_bytes_counts_and_peaks(pool):
+    a = pool.malloc(1000)
+    b = pool.malloc(3 * MiB)
+    s = pool.stats()
+    assert s["allocated_bytes"] == 1024 + 3 * MiB and s["requested_bytes"] == 1000 + 3 * MiB
+    assert s["reserved_bytes"] == 2 * MiB + 4 * MiB and s["segments"] == 2
+    assert s["cached_bytes"] == s["reserved_bytes"] - s["allocated_bytes"]
+    b.free()
+    s = pool.stats()
+    assert s["allocated_bytes"] == 1024 and s["peak_allocated_bytes"] == 1024 + 3 * MiB
+    assert s["alloc_count"] == 2 and s["free_count"] == 1
+    pool.reset_peak()
+    assert pool.stats()["peak_allocated_bytes"] == 1024
+    a.free()
+
+
+def test_empty_cache_releases_wholly_free_segments_only(pool):
+    used = pool.malloc(100)
+    big = pool.malloc(3 * MiB)
+    big.free()
+    assert pool.empty_cache() == 4 * MiB
+    s = pool.stats()
+    assert s["reserved_bytes"] == 2 * MiB and s["segments"] == 1
+    used.data[:] = 3  # the segment still in use is intact
+    assert pool.empty_cache() == 0
+    used.free()
+    assert pool.empty_cache() == 2 * MiB and pool.stats()["reserved_bytes"] == 0
+
+
+def test_limit_raises_out_of_memory_naming_requested_reserved_and_limit(pool):
+    pool.set_limit(4 * MiB)
+    assert pool.get_limit() == 4 * MiB
+    keep = pool.malloc(3 * MiB)
+    with pytest.raises(twophase.OutOfMemoryError) as info:
+        pool.malloc(1536 * 1024)
+    msg = str(info.value)
+    assert info.value.status is twophase.Status.ERR_RUNTIME_OUT_OF_MEMORY
+    assert "malloc" in msg and str(1536 * 1024) in msg
+    assert re.search(r"reserved 4194304\b", msg) and re.search(r"limit 4194304\b", msg)
+    assert pool.stats()["reserved_bytes"] == 4 * MiB  # the failed call reserved nothing
+    keep.free()
+    pool.set_limit(None)
+    with pytest.raises(twophase.ParamError):
+        pool.set_limit(-1)
+
+
+def test_out_of_memory_empties_cache_and_retries_once(pool):
+    pool.set_limit(4 * MiB)
+    a = pool.malloc(1536 * 1024)
+    a.free()  # one 2 MiB segment cached, free
+    b = pool.malloc(3 * MiB)  # needs a new 4 MiB segment: fits the limit only after releasing the cached one
+    s = pool.stats()
+    assert s["oom_retries"] == 1 and s["reserved_bytes"] == 4 * MiB and s["segments"] == 1
+    b.free()
+
+
+def test_normal_only_policy_never_reports_huge_pages(pool):
+    b = pool.malloc(4 * MiB, policy="normal_only")
+    assert not b.segment.huge and pool.stats()["huge_page_reserved_bytes"] == 0
+    b.free()
+
+
+def test_huge_first_uses_huge_pages_where_the_os_allows(pool):
+    b = pool.malloc(4 * MiB, policy="huge_first")
+    s = pool.stats()
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        assert b.segment.huge and s["huge_page_reserved_bytes"] == 4 * MiB
+        assert b.segment.address % (2 * MiB) == 0
+    else:
+        assert s["huge_page_reserved_bytes"] == 0
+    b.free()
+    n = pool.malloc(4 * MiB, policy="normal_only")  # must not take the cached huge block
+    assert not n.segment.huge
+    n.free()
+    pool.empty_cache()
+    assert pool.stats()["huge_page_reserved_bytes"] == 0
+
+
+def test_block_freed_on_a_stream_is_reused_at_once_by_that_stream(pool, dev, gate):
+    s = dev.stream()
+    ev = gate(s)
+    try:
+        a = pool.malloc(4096, stream=s)
+        addr = a.address
+        s.launch_callback(lambda: None)  # work on s still pending
+        a.free(s)
+        b = pool.malloc(4096, stream=s)
+        assert b.address == addr
+        b.free(s)
+    finally:
+        ev.set()
+    s.synchronize()
+
+
+def test_block_freed_on_a_stream_waits_for_its_work_before_another_stream_reuses_it(pool, dev, gate):
+    s, t = dev.stream(), dev.stream()
+    ev = gate(s)
+    try:
+        a = pool.malloc(4096, stream=s)
+        addr = a.address
+        a.free(s)
+        other = pool.malloc(4096, stream=t)
+        assert other.address != addr  # s has not reached the free yet
+        nostream = pool.malloc(4096)
+        assert nostream.address != addr
+    finally:
+        ev.set()
+    s.synchronize()
+    again = pool.malloc(4096, stream=t)
+    assert again.address == addr
+    for blk in (other, nostream, again):
+        blk.free()
+
+
+def test_pending_free_blocks_are_not_released_by_empty_cache(pool, dev, gate):
+    s = dev.stream()
+    ev = gate(s)
+    try:
+        a = pool.malloc(100, stream=s)
+        a.free(s)
+        assert pool.empty_cache() == 0 and pool.stats()["segments"] == 1
+    finally:
+        ev.set()
+    s.synchronize()
+    assert pool.empty_cache() == 2 * MiB
+
+
+def test_device_empty_and_tensor_allocate_from_the_device_pool(dev, rng):
+    before = dev.pool.stats()["alloc_count"]
+    t = dev.tensor(rng.standard_normal(10))
+    assert dev.pool.stats()["alloc_count"] == before + 1
+    np.testing.assert_equal(t.numpy().shape, (10,))
+    t.free(dev.default_stream)
