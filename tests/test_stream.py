@@ -1,0 +1,225 @@
+"""Streams: order, query, events, cross-stream waits, callbacks, errors at sync, launch blocking, NULL device."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+import twophase
+from twophase import Event, Stream, TensorDesc, ops
+
+
+def test_stream_and_event_constructors_name_the_factory():
+    with pytest.raises(TypeError, match="dev.stream"):
+        Stream()
+    with pytest.raises(TypeError, match="record_event"):
+        Event()
+
+
+def test_tasks_run_in_enqueue_order_on_the_worker_thread(stream):
+    seen = []
+    for i in range(50):
+        stream.launch_callback(lambda i=i: seen.append((i, threading.get_ident())))
+    stream.synchronize()
+    assert [i for i, _ in seen] == list(range(50))
+    assert {tid for _, tid in seen} != {threading.get_ident()}
+
+
+def test_query_is_false_while_work_is_pending_and_true_after(stream, gate):
+    assert stream.query()
+    ev = gate(stream)
+    try:
+        assert not stream.query()
+    finally:
+        ev.set()
+    stream.synchronize()
+    assert stream.query()
+
+
+def test_event_completes_after_the_work_before_it(stream, gate):
+    ev = gate(stream)
+    try:
+        done = []
+        stream.launch_callback(lambda: done.append(1))
+        e = stream.record_event()
+        assert not e.query()
+    finally:
+        ev.set()
+    e.synchronize()
+    assert e.query() and done == [1]
+
+
+def test_elapsed_time_between_completed_events(stream):
+    a = stream.record_event()
+    stream.launch_callback(lambda: sum(range(1000)))
+    b = stream.record_event()
+    b.synchronize()
+    assert a.elapsed_time(b) >= 0.0
+
+
+def test_elapsed_time_refuses_pending_or_untimed_events(stream, gate):
+    a = stream.record_event(timing=False)
+    stream.synchronize()
+    b = stream.record_event()
+    stream.synchronize()
+    with pytest.raises(twophase.InvalidStateError, match="without timing"):
+        a.elapsed_time(b)
+    ev = gate(stream)
+    try:
+        c = stream.record_event()
+        with pytest.raises(twophase.InvalidStateError, match="not completed"):
+            b.elapsed_time(c)
+    finally:
+        ev.set()
+    with pytest.raises(twophase.ParamError):
+        b.elapsed_time("later")
+
+
+def test_wait_event_orders_work_across_streams(dev, gate):
+    s1, s2 = dev.stream(), dev.stream()
+    order = []
+    ev = gate(s1)
+    try:
+        s1.launch_callback(lambda: order.append("s1"))
+        e = s1.record_event()
+        s2.wait_event(e)
+        s2.launch_callback(lambda: order.append("s2"))
+        assert not s2.query()  # s2 waits for s1, which is blocked
+        assert order == []
+    finally:
+        ev.set()
+    s2.synchronize()
+    assert order == ["s1", "s2"]
+    with pytest.raises(twophase.ParamError, match="wait_event"):
+        s2.wait_event(None)
+
+
+def test_launch_callback_runs_after_prior_work_and_rejects_non_callables(dev, stream, rng):
+    a = rng.standard_normal(1000)
+    x = dev.tensor(a, stream=stream)
+    got = []
+    stream.launch_callback(lambda: got.append(x.view().sum()))  # the copy-in has completed when it runs
+    stream.synchronize()
+    assert got == [pytest.approx(a.sum())]
+    with pytest.raises(twophase.ParamError, match="fn"):
+        stream.launch_callback(42)
+
+
+def _failing_add(dev, stream):
+    x = dev.tensor(np.ones(4, np.float32), stream=stream)
+    _, ex = ops.add.get_workspace_size(x, x, out=dev.empty((4,)))
+
+    def launch(_):
+        raise FloatingPointError("kernel blew up")
+    ex._launch = launch
+    return ex
+
+
+def test_task_failure_is_raised_at_next_sync_naming_op_and_executor_with_dropped_count(dev, stream):
+    ex = _failing_add(dev, stream)
+    ran = []
+    ops.add(None, 0, ex, stream)  # enqueue does not raise
+    for _ in range(3):
+        stream.launch_callback(lambda: ran.append(1))
+    with pytest.raises(twophase.KernelError) as info:
+        stream.synchronize()
+    msg = str(info.value)
+    assert "op 'add'" in msg and f"executor #{ex.id}" in msg and "kernel blew up" in msg
+    assert "3 later task(s) were dropped" in msg
+    assert info.value.op == "add" and isinstance(info.value.__cause__, FloatingPointError)
+    assert ran == []
+
+
+def test_stream_is_usable_after_a_reported_failure(stream):
+    stream.launch_callback(lambda: 1 / 0)
+    with pytest.raises(twophase.KernelError, match="ZeroDivisionError"):
+        stream.synchronize()
+    ran = []
+    stream.launch_callback(lambda: ran.append(1))
+    stream.synchronize()  # does not raise again
+    assert ran == [1]
+
+
+def test_event_synchronize_raises_a_failure_before_the_event(stream):
+    stream.launch_callback(lambda: 1 / 0)
+    e = stream.record_event()
+    with pytest.raises(twophase.KernelError):
+        e.synchronize()
+    assert e.query()
+
+
+def test_tensor_numpy_raises_the_failure_of_work_on_it(dev, stream):
+    ex = _failing_add(dev, stream)
+    out = ex.outputs[0]
+    ops.add(None, 0, ex, stream)
+    with pytest.raises(twophase.KernelError, match="op 'add'"):
+        out.numpy()
+
+
+def test_launch_blocking_runs_tasks_inline_on_the_caller_thread(dev):
+    s = dev.stream()
+    twophase.set_launch_blocking(True)
+    try:
+        assert s.blocking
+        where = []
+        s.launch_callback(lambda: where.append(threading.get_ident()))
+        assert where == [threading.get_ident()]  # ran before launch_callback returned
+        fresh = dev.stream()
+        fresh.launch_callback(lambda: where.append(threading.get_ident()))
+        assert where[-1] == threading.get_ident()
+        with pytest.raises(twophase.KernelError, match="ZeroDivisionError"):
+            s.launch_callback(lambda: 1 / 0)  # the failure surfaces at once
+    finally:
+        twophase.set_launch_blocking(False)
+    assert not s.blocking and not fresh.blocking
+    where.clear()
+    fresh.launch_callback(lambda: where.append(threading.get_ident()))
+    fresh.synchronize()
+    assert where and where[0] != threading.get_ident()
+
+
+def test_launch_blocking_environment_variable_is_read_at_import():
+    code = ("import threading, twophase as tp; s = tp.device('cpu').stream(); w = [];"
+            "s.launch_callback(lambda: w.append(threading.get_ident()));"
+            "print(s.blocking, w == [threading.get_ident()])")
+    env = dict(os.environ, TWOPHASE_LAUNCH_BLOCKING="1")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
+
+
+def test_null_device_allocates_and_enqueues_but_runs_no_kernel():
+    null = twophase.device("null")
+    assert twophase.device("null") is null
+    s = null.stream()
+    before = null.pool.stats()["alloc_count"]
+    x = null.tensor(np.ones((64, 64), np.float32), stream=s)
+    y = null.empty((64, 64))
+    assert null.pool.stats()["alloc_count"] == before + 2 and x.block.address % 512 == 0
+    size, ex = ops.softmax.get_workspace_size(x, out=y)
+    ex._launch = lambda _: (_ for _ in ()).throw(AssertionError("ran a kernel"))
+    submitted = s._submitted
+    ops.softmax(null.malloc(size), size, ex, s)
+    assert s._submitted == submitted + 1
+    s.synchronize()  # nothing ran, so nothing failed
+    with pytest.raises(twophase.InvalidStateError, match="NULL"):
+        y.numpy()
+
+
+def test_null_device_phase1_plans_like_the_cpu():
+    null = twophase.device("null")
+    x = null.empty((4, 40000))
+    size, ex = ops.softmax.get_workspace_size(x, out=null.empty((4, 40000)))
+    ref_size, ref = ops.softmax.get_workspace_size(TensorDesc((4, 40000)))
+    assert size == ref_size > 0 and ex.implementation == ref.implementation
+    ex.destroy()
+    ref.destroy()
+
+
+def test_unknown_device_name_is_a_param_error():
+    with pytest.raises(twophase.ParamError, match="device"):
+        twophase.device("tpu")
