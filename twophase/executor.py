@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import enum
 import itertools
+import os
+import sys
 import threading
+import weakref
 from typing import TYPE_CHECKING, Any, Callable
 
 from .errors import InvalidStateError, ParamError
@@ -17,6 +20,21 @@ if TYPE_CHECKING:
 __all__ = ["Executor", "ExecState"]
 
 _ids = itertools.count(1)
+_repeatables: weakref.WeakSet[Executor] = weakref.WeakSet()
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def _caller_outside_package() -> str:
+    """``file:line`` of the nearest frame outside the twophase package (where the user planned it)."""
+    f = sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+        f = f.f_back  # type: ignore[assignment]
+    return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "<unknown>"
+
+
+def live_repeatable() -> list[Executor]:
+    """Repeatable executors that were never destroyed (what the leak report lists)."""
+    return [ex for ex in list(_repeatables) if ex._state is ExecState.READY]
 
 
 class ExecState(enum.Enum):
@@ -120,6 +138,8 @@ class Executor:
             raise InvalidStateError("set_repeatable() must precede the first phase 2", op=self.op.name,
                                     arg="executor")
         self._repeatable = True
+        self.origin = _caller_outside_package()
+        _repeatables.add(self)
         return self
 
     def destroy(self) -> None:

@@ -5,10 +5,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from .executor import ExecState, Executor
+from .op import Op, get_op
+from .runtime.device import device
 from .runtime.memory import Block
 from .runtime.stream import Stream
+from .tensor import Tensor
 
-__all__ = ["invoke_two_phase", "PlannedCall"]
+__all__ = ["invoke_two_phase", "PlannedCall", "plan"]
 
 
 def invoke_two_phase(
@@ -45,38 +48,77 @@ def _discard(ex: Executor) -> None:
 
 
 class PlannedCall:
-    """A planned, repeatable executor with its own workspace; ``with`` releases both in order.
+    """A repeatable executor that owns its workspace (and the outputs it allocated): phase 1 done once.
 
-    >>> with PlannedCall(ops.softmax, stream, x, dim=-1, out=y) as call:
-    ...     call()          # phase 2 only
-    ...     call()
-
-    On exit: synchronize the stream, free the workspace, destroy the executor (also on exceptions).
+    Calling it enqueues phase 2, optionally rebinding inputs (``call(x2)``) or outputs (``out=``) to
+    tensors of the planned descs. ``with`` (or :meth:`close`) synchronizes, frees the workspace and
+    destroys the executor, also on exceptions.
     """
 
-    def __init__(self, op: Any, stream: Stream, *inputs: Any, **kwargs: Any) -> None:
-        self.op = op
-        self.stream = stream
-        self.workspace_size, self.executor = op.get_workspace_size(*inputs, **kwargs)
+    def __init__(self, op: Op | str, stream: Stream | None, *inputs: Any, **kwargs: Any) -> None:
+        self.op = get_op(op) if isinstance(op, str) else op
+        dev = stream.device if stream is not None else next(
+            (x.device for x in inputs if isinstance(x, Tensor)), device())
+        self.stream = stream if stream is not None else dev.default_stream
+        self.workspace_size, self.executor = self.op.get_workspace_size(*inputs, **kwargs)
+        self.workspace: Block | None = None
+        self._owned: list[Tensor] = []
         try:
             self.executor.set_repeatable()
-            self.workspace: Block | None = stream.device.malloc(self.workspace_size, stream=stream)
+            n_in = len(self.executor.input_descs)
+            missing = {}
+            for i, (t, d) in enumerate(zip(self.executor.outputs, self.executor.output_descs)):
+                if t is None:
+                    missing[n_in + i] = dev.empty_like(d, self.stream)
+                    self._owned.append(missing[n_in + i])
+            if missing:
+                self.executor._bind_many(missing)
+            self.workspace = dev.malloc(self.workspace_size, stream=self.stream)
         except BaseException:
+            self._free_owned()
             _discard(self.executor)
             raise
 
-    def __call__(self) -> None:
-        self.op(self.workspace, self.workspace_size, self.executor, self.stream)
+    @property
+    def outputs(self) -> tuple[Tensor | None, ...]:
+        return self.executor.outputs
 
-    def close(self) -> None:
-        """Synchronize, free the workspace, destroy the executor (idempotent)."""
+    def __call__(self, *inputs: Tensor | None, out: Any = None) -> Any:
+        """Phase 2 (after rebinding any tensors given); returns the output tensor(s)."""
+        ex = self.executor
+        for i, t in enumerate(inputs):
+            if t is not None and t is not ex._tensors[i]:
+                ex.set_input(i, t)
+        if out is not None:
+            for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+                if t is not ex._tensors[len(ex.input_descs) + i]:
+                    ex.set_output(i, t)
+        self.op(self.workspace, self.workspace_size, ex, self.stream)
+        outs = ex.outputs
+        return outs[0] if len(outs) == 1 else outs
+
+    def pending(self) -> bool:
+        """True while enqueued work that uses the workspace has not completed."""
+        ws = self.workspace
+        s = None if ws is None else ws._stream
+        return s is not None and s._q.done < ws._seq  # type: ignore[union-attr]
+
+    def _free_owned(self) -> None:
+        for t in self._owned:
+            t.free(self.stream)
+        self._owned = []
+
+    def close(self, sync: bool = True) -> None:
+        """Free the workspace and owned outputs in stream order and destroy the executor (idempotent)."""
         if self.workspace is None:
             return
         try:
-            self.stream.synchronize()
+            if sync:
+                self.stream.synchronize()
         finally:
             self.workspace.free(self.stream)
             self.workspace = None
+            self._free_owned()
             _discard(self.executor)
 
     def __enter__(self) -> PlannedCall:
@@ -84,3 +126,11 @@ class PlannedCall:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def __repr__(self) -> str:
+        return f"PlannedCall({self.executor!r}, workspace={self.workspace_size})"
+
+
+def plan(op: Op | str, *inputs: Any, out: Any = None, stream: Stream | None = None, **attrs: Any) -> PlannedCall:
+    """Phase 1 plus the workspace, once: returns a repeatable :class:`PlannedCall` (call it to run phase 2)."""
+    return PlannedCall(op, stream, *inputs, out=out, **attrs)

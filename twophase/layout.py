@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 __all__ = ["merge_dims", "as_matrix", "broadcast_shape", "align"]
 
@@ -30,13 +29,16 @@ def merge_dims(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] 
 
 def as_matrix(a: np.ndarray[Any, Any], rows: Sequence[int], cols: Sequence[int]) -> np.ndarray[Any, Any] | None:
     """A zero-copy ``(prod rows, prod cols)`` view of ``a`` with axes ``rows`` then ``cols``, or None."""
-    item = a.itemsize
-    shp, st = a.shape, a.strides
-    r = merge_dims([shp[i] for i in rows], [st[i] // item for i in rows])
-    c = merge_dims([shp[i] for i in cols], [st[i] // item for i in cols])
-    if r is None or c is None:
+    shp = a.shape
+    r = c = 1
+    for i in rows:
+        r *= shp[i]
+    for i in cols:
+        c *= shp[i]
+    try:
+        return a.transpose(tuple(rows) + tuple(cols)).reshape((r, c), copy=False)
+    except ValueError:
         return None
-    return as_strided(a, (r[0], c[0]), (r[1] * item, c[1] * item))
 
 
 def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...] | None:

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import logging
 from threading import get_ident as _get_ident
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
 
+from .cache import thread_cache
+from .config import settings
 from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError
 from .executor import ExecState, Executor
 from .runtime.memory import Block
 from .runtime.stream import Stream
+from .stats import OpCounters, bucket
 from .tensor import DType, Tensor, TensorDesc
+
+_log = logging.getLogger("twophase")
 
 __all__ = ["Attr", "OpDef", "Op", "Plan", "REQUIRED", "register", "registry", "get_op"]
 
@@ -83,6 +89,7 @@ class Op:
         self._n_inputs = len(spec.inputs)
         self._required = tuple(not n.endswith("?") for n in spec.inputs)
         self._attr_names = frozenset(a.name for a in spec.attrs)
+        self.counters = OpCounters()
         self.__doc__ = spec.doc
 
     def __repr__(self) -> str:
@@ -94,23 +101,78 @@ class Op:
         """Phase 1: validate, infer outputs, select an implementation and tiling; metadata only.
 
         Returns ``(workspace_size, executor)``. Inputs and ``out`` may be Tensors or TensorDescs.
+        Planning results are cached per thread by metadata (never addresses): a repeated call with the
+        same descs and attributes skips check / infer / select.
         """
         in_descs, bound = self._input_descs(inputs)
-        norm = self._attrs(attrs)
-        out_descs = self.spec.infer(in_descs, norm)
-        given = self._out_descs(out, out_descs)
-        if given is not None:
-            out_descs = tuple(g.desc if isinstance(g, Tensor) else g for g in given)
-            for i, g in enumerate(given):
+        outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
+        limit = workspace_limit if workspace_limit is not None else settings.workspace_limit
+        counters = self.counters
+        counters.phase1 += 1
+        cache = thread_cache()
+        key = entry = None
+        if cache is not None:
+            key = self._key(in_descs, outs, limit, attrs, bound)
+            if key is not None:
+                entry = cache.get(key)
+        if entry is None:
+            counters.misses += 1
+            entry = self._plan(in_descs, outs, limit, attrs)
+            if key is not None:
+                cache.put(key, entry)  # type: ignore[union-attr]
+            hit = False
+        else:
+            counters.hits += 1
+            hit = True
+        plan, norm, out_descs = entry
+        if outs is not None:
+            for i, g in enumerate(outs):
                 if isinstance(g, Tensor):
                     bound[self._n_inputs + i] = g
-        plan = self.spec.select(in_descs, out_descs, norm, workspace_limit)
-        if plan.workspace_size < 0:
-            raise InternalError("negative workspace size", op=self.name, status=Status.ERR_INNER_TILING)
         ex = Executor._make(self, plan, norm, in_descs, out_descs)
+        counters.created += 1
+        counters.live.add(ex)
+        ws = bucket(plan.workspace_size)
+        counters.workspace[ws] = counters.workspace.get(ws, 0) + 1
         if bound:
             ex._bind_many(bound)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("phase1 %s %s: inputs %s outputs %s implementation %s tiling %s workspace %d bytes",
+                       self.name, "cache hit" if hit else "cache miss", in_descs, out_descs,
+                       plan.implementation, plan.tiling, plan.workspace_size)
         return plan.workspace_size, ex
+
+    def _key(self, in_descs: tuple[TensorDesc | None, ...], outs: tuple[Any, ...] | None, limit: int | None,
+             attrs: dict[str, Any], bound: dict[int, Tensor]) -> Any:
+        """The executor-cache key: op and versions, device, flags, every desc and the typed attributes."""
+        out_key = None if outs is None else tuple(g.desc if isinstance(g, Tensor) else g for g in outs)
+        dev = next(iter(bound.values())).device.name if bound else None
+        try:
+            attr_key = tuple((k, type(v), v) for k, v in attrs.items())
+            key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, limit,
+                   in_descs, out_key, attr_key)
+            hash(key)
+        except TypeError:  # an unhashable attribute value (a list of dims): key on the normalised form
+            try:
+                norm = self._attrs(attrs)
+                key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, limit,
+                       in_descs, out_key, tuple((k, type(v), v) for k, v in norm.items()))
+                hash(key)
+            except TypeError:
+                return None
+        return key
+
+    def _plan(self, in_descs: tuple[TensorDesc | None, ...], outs: tuple[Any, ...] | None, limit: int | None,
+              attrs: dict[str, Any]) -> tuple[Plan, dict[str, Any], tuple[TensorDesc, ...]]:
+        """check, infer, select: the part of phase 1 that the cache skips."""
+        norm = self._attrs(attrs)
+        out_descs = self.spec.infer(in_descs, norm)
+        if outs is not None:
+            out_descs = self._out_descs(outs, out_descs)
+        plan = self.spec.select(in_descs, out_descs, norm, limit)
+        if plan.workspace_size < 0:
+            raise InternalError("negative workspace size", op=self.name, status=Status.ERR_INNER_TILING)
+        return plan, norm, out_descs
 
     def _input_descs(self, inputs: Sequence[Any]) -> tuple[tuple[TensorDesc | None, ...], dict[int, Tensor]]:
         spec = self.spec
@@ -128,6 +190,9 @@ class Op:
                 descs.append(x)
             elif x is None and not self._required[i]:
                 descs.append(None)
+            elif x is None:
+                raise ParamError(op=self.name, arg=name, expected="a Tensor or TensorDesc", got="None",
+                                 status=Status.ERR_PARAM_NULLPTR)
             else:
                 raise ParamError(op=self.name, arg=name.rstrip("?"), expected="a Tensor or TensorDesc",
                                  got=type(x).__name__)
@@ -155,12 +220,10 @@ class Op:
                                  got=v) from None
         return norm
 
-    def _out_descs(self, out: Any, inferred: tuple[TensorDesc, ...]) -> tuple[Any, ...] | None:
-        if out is None:
-            return None
-        given = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+    def _out_descs(self, given: tuple[Any, ...], inferred: tuple[TensorDesc, ...]) -> tuple[TensorDesc, ...]:
         if len(given) != len(inferred):
             raise ParamError(op=self.name, arg="out", expected=f"{len(inferred)} output(s)", got=len(given))
+        descs = []
         for i, (g, want) in enumerate(zip(given, inferred)):
             d = g.desc if isinstance(g, Tensor) else g
             if not isinstance(d, TensorDesc):
@@ -169,7 +232,8 @@ class Op:
                 raise ParamError(op=self.name, arg=f"out[{i}]" if len(given) > 1 else "out",
                                  expected=f"shape {want.shape} dtype {want.dtype.value}",
                                  got=f"shape {d.shape} dtype {d.dtype.value}")
-        return given
+            descs.append(d)
+        return tuple(descs)
 
     def _build_launch(self, ex: Executor) -> Callable[[Any], None]:
         dev = ex.device
@@ -184,7 +248,9 @@ class Op:
         return builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
 
     def _on_release(self, ex: Executor) -> None:
-        pass
+        self.counters.on_release(ex)
+        if _log.isEnabledFor(logging.DEBUG):
+            _log.debug("destroy %s after %d launch(es)", ex.describe(), ex.launches)
 
     # ---- phase 2
     def __call__(self, workspace: Block | None, workspace_size: int, executor: Executor, stream: Stream) -> None:
@@ -199,13 +265,14 @@ class Op:
                 workspace_size and (workspace is None or workspace.size < workspace_size)):
             self._refuse_workspace(workspace, workspace_size, ex)
         if not ex._repeatable:
-            ex._state = ExecState.CONSUMED
             ex._gate = None
         seq = stream._enqueue(ex._launch, None if workspace is None else workspace.data, ex)
         for b in ex._blocks:
             b._stream = stream
             b._seq = seq
         ex.launches += 1
+        if ex._gate is None:
+            ex._release(ExecState.CONSUMED)  # single-use: phase 2 consumed it
 
     def _refuse(self, ex: Any) -> None:
         if not isinstance(ex, Executor):
@@ -228,6 +295,7 @@ class Op:
 
 
 registry: dict[str, Op] = {}
+_registry_version = [0]
 
 
 def register(spec: OpDef) -> Op:
@@ -236,6 +304,7 @@ def register(spec: OpDef) -> Op:
         raise InternalError(f"op '{spec.name}' registered twice", op=spec.name)
     op = Op(spec)
     registry[spec.name] = op
+    _registry_version[0] += 1
     return op
 
 

@@ -260,6 +260,14 @@ class Tensor:
         out = self.numpy()
         return out if dtype is None else out.astype(dtype)
 
+    def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
+        """DLPack export of the host memory (waits for pending work first)."""
+        self.block.wait()
+        return self.view().__dlpack__(stream=stream, **kwargs)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
+
     def strided(self, shape: Any, strides: Any, offset: int = 0) -> Tensor:
         """A view of the same memory with another shape / strides / offset (in elements)."""
         desc = TensorDesc(shape, self.desc.dtype, strides, offset, Format.ND)

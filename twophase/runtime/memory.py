@@ -187,8 +187,8 @@ class MemoryPool:
         if obs.on_change is not None:
             obs.on_change()
         if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("malloc %s: requested %d bytes, granted %d bytes at 0x%x%s", self.name, nbytes, block.size,
-                       block.address, " (cached)" if block.segment is not None and block._seq == 0 else "")
+            _log.debug("malloc %s: requested %d bytes, granted %d bytes at 0x%x", self.name, nbytes, block.size,
+                       block.address)
         return block
 
     def _take_cached(self, size: int, stream: Stream | None, policy: str) -> Block | None:

@@ -23,7 +23,20 @@ def _numba_type(a: Any) -> Any:
     return t
 
 
+_entries: dict[Any, Callable[..., Any]] = {}
+
+
+def _short_key(a: Any) -> Any:
+    if isinstance(a, np.ndarray):
+        return (a.dtype.num, a.ndim, a.flags.c_contiguous)
+    return type(a)
+
+
 def entry(kernel: Any, *args: Any) -> Callable[..., Any]:
     """Compile ``kernel`` for the types of ``args`` and return its entry point (arrays typed 'C' when
-    C-contiguous, so inner loops vectorize, else 'A')."""
-    return kernel.compile(tuple(_numba_type(a) for a in args))  # type: ignore[no-any-return]
+    C-contiguous, so inner loops vectorize, else 'A'). Memoised on a cheap type key."""
+    key = (kernel, *map(_short_key, args))
+    fn = _entries.get(key)
+    if fn is None:
+        fn = _entries[key] = kernel.compile(tuple(_numba_type(a) for a in args))
+    return fn

@@ -1,0 +1,85 @@
+"""The one-shot functional API, generated from the registry: ``twophase.softmax(x, dim=-1)``.
+
+Each call runs phase 1 through the executor cache, allocates missing outputs and the workspace from the
+pool, enqueues phase 2 on ``stream`` (the device's default stream of the calling thread otherwise) and
+frees the workspace in stream order. It returns at once with the output tensor(s).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from .errors import ParamError
+from .executor import ExecState
+from .op import Op, registry
+from .runtime.device import device
+from .runtime.stream import Stream
+from .tensor import Tensor
+
+__all__ = ["one_shot", "functions"]
+
+_made: dict[str, Callable[..., Any]] = {}
+
+
+def _device_of(inputs: tuple[Any, ...], stream: Stream | None) -> Any:
+    if stream is not None:
+        return stream.device
+    for x in inputs:
+        if isinstance(x, Tensor):
+            return x.device
+    return device()
+
+
+def one_shot(op: Op) -> Callable[..., Any]:
+    """The functional form of ``op``: ``f(*inputs, out=None, stream=None, **attrs) -> Tensor | tuple``."""
+    fn = _made.get(op.name)
+    if fn is not None:
+        return fn
+    n_out = len(op.spec.outputs)
+
+    def call(*inputs: Any, out: Any = None, stream: Stream | None = None, **attrs: Any) -> Any:
+        dev = _device_of(inputs, stream)
+        s = stream if stream is not None else dev.default_stream
+        ins = tuple(x if x is None or isinstance(x, Tensor) else _to_device(op, dev, x, s) for x in inputs)
+        size, ex = op.get_workspace_size(*ins, out=out, **attrs)
+        outs = list(ex.outputs)
+        n_in = len(ex.input_descs)
+        missing: dict[int, Tensor] = {}
+        try:
+            for i, d in enumerate(ex.output_descs):
+                if outs[i] is None:
+                    outs[i] = missing[n_in + i] = dev.empty_like(d, s)
+            if missing:
+                ex._bind_many(missing)
+            ws = dev.malloc(size, stream=s)
+        except BaseException:
+            for t in missing.values():
+                t.free(s)
+            if ex.state is ExecState.READY:
+                ex.destroy()
+            raise
+        try:
+            op(ws, size, ex, s)
+        finally:
+            ws.free(s)
+        return outs[0] if n_out == 1 else tuple(outs)
+
+    call.__name__ = call.__qualname__ = op.name
+    call.__doc__ = f"One-shot ``{op.name}``: phase 1 (cached), workspace from the pool, phase 2 on ``stream``.\n\n" \
+        + (op.spec.doc or "")
+    _made[op.name] = call
+    return call
+
+
+def _to_device(op: Op, dev: Any, x: Any, stream: Stream) -> Tensor:
+    try:
+        return dev.tensor(np.asarray(x), stream=stream)  # type: ignore[no-any-return]
+    except (TypeError, ValueError):
+        raise ParamError(op=op.name, arg="input", expected="a Tensor or an array-like", got=type(x).__name__) from None
+
+
+def functions() -> dict[str, Callable[..., Any]]:
+    """Every registered op's one-shot function, by name."""
+    return {name: one_shot(op) for name, op in registry.items()}

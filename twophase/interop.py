@@ -1,0 +1,64 @@
+"""Zero-copy interop: wrap host arrays (numpy, torch CPU tensors, anything with ``__dlpack__``) as Tensors."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from .errors import ParamError
+from .runtime.device import Device, device
+from .runtime.memory import Block, Segment
+from .tensor import DType, Tensor, TensorDesc
+
+__all__ = ["from_dlpack"]
+
+
+class _External:
+    """Stands in for a ``MemoryPool`` for memory the library does not own: free only forgets it."""
+
+    name = "external"
+
+    def free(self, blk: Block, stream: Any = None) -> None:
+        blk.allocated = False
+        blk.freed = True
+        blk.data = None
+
+
+_EXTERNAL = _External()
+
+
+def from_dlpack(obj: Any, dev: Device | None = None) -> Tensor:
+    """A Tensor over ``obj``'s memory, without copying (``obj`` must live on the host)."""
+    try:
+        arr = obj if isinstance(obj, np.ndarray) else np.from_dlpack(obj)
+    except (TypeError, BufferError, RuntimeError) as exc:
+        raise ParamError(op="from_dlpack", arg="obj", expected="a host array exporting DLPack",
+                         got=f"{type(obj).__name__} ({exc})") from None
+    try:
+        dtype = DType.of(arr.dtype)
+    except ParamError:
+        raise ParamError(op="from_dlpack", arg="obj", expected=f"dtype in {[d.value for d in DType]}",
+                         got=str(arr.dtype)) from None
+    item = arr.itemsize
+    if any(s % item for s in arr.strides):
+        raise ParamError(op="from_dlpack", arg="obj", expected="strides that are multiples of the item size",
+                         got=arr.strides)
+    strides = tuple(s // item for s in arr.strides)
+    base = arr.ctypes.data
+    lo = hi = 0
+    for n, s in zip(arr.shape, strides):
+        if n > 0:
+            lo, hi = (lo + (n - 1) * s, hi) if s < 0 else (lo, hi + (n - 1) * s)
+    nbytes = (hi - lo + 1) * item if arr.size else 0
+    start = base + lo * item
+    mem = np.frombuffer((ctypes.c_uint8 * max(nbytes, 1)).from_address(start), np.uint8) if nbytes else \
+        np.empty(0, np.uint8)
+    seg = Segment(start, nbytes, False, "external", (mem, arr))  # keeps the exporter alive
+    blk = Block(_EXTERNAL, seg, 0, nbytes)  # type: ignore[arg-type]
+    blk.allocated = True
+    blk.data = mem
+    desc = TensorDesc(arr.shape, dtype, strides, -lo)
+    return Tensor._make(desc, blk, dev or device())
+

@@ -1,0 +1,154 @@
+"""``PlanCache``: planned calls (executor + workspace) reused by metadata, leased, LRU-bounded by entry
+count and by total workspace bytes. An entry is never evicted while leased or while its stream still has
+pending work that uses its workspace."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import OrderedDict
+from typing import Any, Iterator
+
+from .errors import InvalidStateError, ParamError
+from .invoke import PlannedCall
+from .op import Op, get_op
+from .runtime.device import device
+from .runtime.stream import Stream
+from .tensor import Tensor
+
+__all__ = ["PlanCache"]
+
+
+class _Entry:
+    __slots__ = ("call", "leases")
+
+    def __init__(self, call: PlannedCall) -> None:
+        self.call = call
+        self.leases = 0
+
+
+class PlanCache:
+    """A per-thread cache of :class:`PlannedCall` objects.
+
+    ``acquire(op, *inputs, stream=..., **attrs)`` returns a leased planned call bound to ``inputs`` (a hit
+    rebinds them; a miss plans); ``release(call)`` ends the lease; ``lease(...)`` does both around a block.
+    """
+
+    def __init__(self, max_entries: int = 256, max_bytes: int | None = None) -> None:
+        if max_entries < 1:
+            raise ParamError(op="PlanCache", arg="max_entries", expected=">= 1", got=max_entries)
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[Any, _Entry] = OrderedDict()
+        self._by_call: dict[int, Any] = {}
+        self.hits = self.misses = self.evictions = 0
+        self.bytes = 0
+        self._owner = threading.get_ident()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def _check_owner(self) -> None:
+        if threading.get_ident() != self._owner:
+            raise InvalidStateError("a PlanCache belongs to the thread that made it", op="PlanCache",
+                                    arg="thread")
+
+    def acquire(self, op: Op | str, *inputs: Any, out: Any = None, stream: Stream | None = None,
+                **attrs: Any) -> PlannedCall:
+        """A leased planned call for these operands' metadata, bound to these tensors."""
+        self._check_owner()
+        o = get_op(op) if isinstance(op, str) else op
+        in_descs, bound = o._input_descs(inputs)
+        outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
+        dev = stream.device if stream is not None else next(
+            (x.device for x in inputs if isinstance(x, Tensor)), device())
+        s = stream if stream is not None else dev.default_stream
+        key = (o._key(in_descs, outs, attrs.get("workspace_limit"), attrs, bound), s)
+        entry = self._entries.get(key) if key[0] is not None else None
+        if entry is not None:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            call = entry.call
+            ex = call.executor
+            for i, t in bound.items():
+                if t is not ex._tensors[i]:
+                    ex.set_input(i, t)
+            if outs is not None:
+                for i, t in enumerate(outs):
+                    if isinstance(t, Tensor) and t is not ex._tensors[len(in_descs) + i]:
+                        ex.set_output(i, t)
+        else:
+            self.misses += 1
+            call = PlannedCall(o, s, *inputs, out=out, **attrs)
+            entry = _Entry(call)
+            if key[0] is not None:
+                self._entries[key] = entry
+                self._by_call[id(call)] = key
+                self.bytes += call.workspace_size
+                self._evict()
+        entry.leases += 1
+        return call
+
+    def release(self, call: PlannedCall) -> None:
+        """End one lease of ``call`` (an uncached call is closed in stream order)."""
+        key = self._by_call.get(id(call))
+        if key is None:
+            call.close(sync=False)
+            return
+        entry = self._entries[key]
+        if entry.leases <= 0:
+            raise InvalidStateError("release without a lease", op="PlanCache.release", arg="call")
+        entry.leases -= 1
+        self._evict()
+
+    @contextlib.contextmanager
+    def lease(self, op: Op | str, *inputs: Any, **kwargs: Any) -> Iterator[PlannedCall]:
+        call = self.acquire(op, *inputs, **kwargs)
+        try:
+            yield call
+        finally:
+            self.release(call)
+
+    def _evictable(self, entry: _Entry) -> bool:
+        return entry.leases == 0 and not entry.call.pending()
+
+    def _over(self) -> bool:
+        return len(self._entries) > self.max_entries or (
+            self.max_bytes is not None and self.bytes > self.max_bytes)
+
+    def _evict(self) -> None:
+        if not self._over():
+            return
+        for key in list(self._entries):
+            if not self._over():
+                break
+            entry = self._entries[key]
+            if self._evictable(entry):
+                self._drop(key, entry)
+
+    def _drop(self, key: Any, entry: _Entry) -> None:
+        del self._entries[key]
+        self._by_call.pop(id(entry.call), None)
+        self.bytes -= entry.call.workspace_size
+        self.evictions += 1
+        entry.call.close(sync=False)  # its stream has no pending work on it: freed at once
+
+    def clear(self) -> None:
+        """Close every entry that is neither leased nor pending."""
+        for key, entry in list(self._entries.items()):
+            if self._evictable(entry):
+                self._drop(key, entry)
+
+    def info(self) -> dict[str, int | None]:
+        return {"size": len(self._entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
+                "evictions": self.evictions, "max_entries": self.max_entries, "max_bytes": self.max_bytes,
+                "leased": sum(1 for e in self._entries.values() if e.leases)}
+
+    def show_info(self) -> str:
+        """Print (and return) size, bytes, hits and misses."""
+        i = self.info()
+        text = (f"PlanCache: {i['size']}/{i['max_entries']} plans, {i['bytes']} workspace bytes"
+                f" (cap {i['max_bytes']}), hits {i['hits']}, misses {i['misses']}, evictions {i['evictions']},"
+                f" leased {i['leased']}")
+        print(text)
+        return text

@@ -1,0 +1,179 @@
+"""Profiling: host times of both phases, kernel times measured on stream workers, and a Chrome trace
+(open it in Perfetto). Off by default; turning it on swaps in timed entry points, so when it is off the
+hot path carries no check at all."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+import os
+import threading
+import time
+from typing import Any, Iterator
+
+from .op import Op
+from .runtime.device import _DEVICES, Device
+from .runtime.stream import CONTROL, Stream
+
+__all__ = ["profile", "Profiler"]
+
+_plain_phase1 = Op.get_workspace_size
+_plain_phase2 = Op.__call__
+_plain_stream = Device.stream
+_active: list[Profiler] = []
+
+
+class Profiler:
+    """Collects trace events while active; ``save(path)`` writes Chrome trace JSON."""
+
+    def __init__(self) -> None:
+        self.t0 = time.perf_counter()
+        self.events: list[dict[str, Any]] = []
+        self._lock = threading.Lock()
+        self._flow = itertools.count(1)
+        self._pending_flows: dict[tuple[str, int], int] = {}
+        self._streams: dict[str, int] = {}
+        self._threads: dict[int, str] = {}
+
+    def us(self, t: float) -> float:
+        return (t - self.t0) * 1e6
+
+    def _emit(self, ev: dict[str, Any]) -> None:
+        with self._lock:
+            self.events.append(ev)
+
+    def host_span(self, name: str, cat: str, t0: float, t1: float, args: dict[str, Any]) -> None:
+        tid = threading.get_ident()
+        self._threads.setdefault(tid, threading.current_thread().name)
+        self._emit({"name": name, "cat": cat, "ph": "X", "ts": self.us(t0), "dur": self.us(t1) - self.us(t0),
+                    "pid": 1, "tid": tid, "args": args})
+
+    def enqueue(self, stream: Stream, seq: int, t: float) -> None:
+        fid = next(self._flow)
+        self._pending_flows[(stream.name, seq)] = fid
+        self._emit({"name": "launch", "cat": "flow", "ph": "s", "id": fid, "ts": self.us(t), "pid": 1,
+                    "tid": threading.get_ident()})
+
+    def kernel(self, stream_name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
+        tid = self._streams.setdefault(stream_name, 1_000_000 + len(self._streams))
+        op = getattr(owner, "op", None)
+        name = op.name if op is not None else ("marker" if owner is CONTROL else str(owner))
+        args = {"executor": owner.id, "implementation": owner.plan.implementation} if op is not None else {}
+        self._emit({"name": name, "cat": "kernel", "ph": "X", "ts": self.us(t0), "dur": self.us(t1) - self.us(t0),
+                    "pid": 1, "tid": tid, "args": args})
+        fid = self._pending_flows.pop((stream_name, seq), None)
+        if fid is not None:
+            self._emit({"name": "launch", "cat": "flow", "ph": "f", "bp": "e", "id": fid, "ts": self.us(t0),
+                        "pid": 1, "tid": tid})
+        if op is not None:
+            c = op.counters
+            c.kernel_time += t1 - t0
+            c.kernel_count += 1
+
+    def pool(self, dev: Device) -> None:
+        st = dev.pool.stats()
+        self._emit({"name": f"pool {dev.name}", "ph": "C", "ts": self.us(time.perf_counter()), "pid": 1,
+                    "args": {"allocated": st["allocated_bytes"], "reserved": st["reserved_bytes"]}})
+
+    def trace(self) -> dict[str, Any]:
+        meta: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "twophase"}}]
+        for tid, name in self._threads.items():
+            meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"host {name}"}})
+        for name, tid in self._streams.items():
+            meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"stream {name}"}})
+        with self._lock:
+            return {"traceEvents": meta + list(self.events), "displayTimeUnit": "ms"}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        with open(path, "w") as f:
+            json.dump(self.trace(), f)
+
+
+def _timed_phase1(self: Op, *inputs: Any, **kwargs: Any) -> Any:
+    t0 = time.perf_counter()
+    result = _plain_phase1(self, *inputs, **kwargs)
+    t1 = time.perf_counter()
+    self.counters.phase1_time += t1 - t0
+    self.counters.phase1_timed += 1
+    for p in _active:
+        p.host_span(f"phase1 {self.name}", "phase1", t0, t1, {"workspace": result[0],
+                                                              "implementation": result[1].implementation})
+    return result
+
+
+def _timed_phase2(self: Op, workspace: Any, workspace_size: int, executor: Any, stream: Stream) -> None:
+    t0 = time.perf_counter()
+    _plain_phase2(self, workspace, workspace_size, executor, stream)
+    t1 = time.perf_counter()
+    c = self.counters
+    c.phase2_time += t1 - t0
+    c.phase2_timed += 1
+    seq = stream._q.submitted
+    for p in _active:
+        p.host_span(f"phase2 {self.name}", "phase2", t0, t1, {"executor": executor.id, "stream": stream.name})
+        p.enqueue(stream, seq, t1 - 1e-7)
+
+
+def _listen(name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
+    for p in _active:
+        p.kernel(name, owner, t0, t1, seq)
+
+
+def _profiled_stream(self: Device, name: str | None = None) -> Stream:
+    s = _plain_stream(self, name)
+    s._q.listeners.append(_listen)
+    return s
+
+
+def _on_pool_change(dev: Device) -> Any:
+    def hook(*_: Any) -> None:
+        for p in _active:
+            p.pool(dev)
+    return hook
+
+
+def _enable() -> None:
+    Op.get_workspace_size = _timed_phase1  # type: ignore[method-assign]
+    Op.__call__ = _timed_phase2  # type: ignore[method-assign]
+    Device.stream = _profiled_stream  # type: ignore[method-assign]
+    for dev in _DEVICES.values():
+        for s in list(dev._streams):
+            if _listen not in s._q.listeners:
+                s._q.listeners.append(_listen)
+        dev.pool.observer.on_change = _on_pool_change(dev)
+
+
+def _disable() -> None:
+    Op.get_workspace_size = _plain_phase1  # type: ignore[method-assign]
+    Op.__call__ = _plain_phase2  # type: ignore[method-assign]
+    Device.stream = _plain_stream  # type: ignore[method-assign]
+    for dev in _DEVICES.values():
+        for s in list(dev._streams):
+            if _listen in s._q.listeners:
+                s._q.listeners.remove(_listen)
+        dev.pool.observer.on_change = None
+
+
+@contextlib.contextmanager
+def profile(path: str | os.PathLike[str] | None = None) -> Iterator[Profiler]:
+    """Profile the block: per-op phase times and kernel times in the counters, and (with ``path``) a Chrome
+    trace with host spans, per-stream kernel spans, enqueue→kernel flow arrows and a pool counter track.
+    Streams are synchronized on exit so every kernel span is recorded."""
+    prof = Profiler()
+    if not _active:
+        _enable()
+    _active.append(prof)
+    try:
+        yield prof
+    finally:
+        for dev in list(_DEVICES.values()):
+            try:
+                dev.synchronize()
+            except Exception:  # noqa: BLE001 - errors belong to the caller's own sync
+                pass
+        _active.remove(prof)
+        if not _active:
+            _disable()
+        if path is not None:
+            prof.save(path)
