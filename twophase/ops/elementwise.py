@@ -1,65 +1,251 @@
-"""Elementwise ops with numpy broadcasting and type promotion."""
+"""Elementwise ops, generated from tables: binary (broadcasting, numpy type promotion), comparisons, where,
+unary (vectorized math kernels for the transcendental ones) and cast."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
 from ..errors import ParamError
-from ..layout import broadcast_shape
-from ..op import Attr, OpDef, Plan, register
+from ..kernels.cpu.elementwise import build_unary
+from ..layout import align, broadcast_shape, merge_dims
+from ..op import Attr, Op, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
-from .checks import NUMERIC, as_scalar, check_dtype, need
+from .checks import FLOATS, NUMERIC, as_scalar, check_dtype, choice, need
+
+__all__ = ["BINARY", "COMPARE", "UNARY"]
+
+Builder = Callable[[Plan, dict[str, Any], tuple[Any, ...], tuple[Any, ...]], Callable[[Any], None]]
+INTS = (DType.int32, DType.int64)
+WITH_BOOL = NUMERIC + (DType.bool,)
 
 
-def _infer_add(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
-    x, other = need("add", "x", ins[0]), need("add", "other", ins[1])
-    check_dtype("add", "x", x, NUMERIC)
-    check_dtype("add", "other", other, NUMERIC)
-    shape = broadcast_shape(x.shape, other.shape)
+def _zero_plan(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+    return Plan("ufunc", None, 0)
+
+
+def _promote(op: str, descs: list[tuple[str, TensorDesc]], allowed: tuple[DType, ...]) -> tuple[tuple[int, ...], DType]:
+    for arg, d in descs:
+        check_dtype(op, arg, d, allowed)
+    shape = broadcast_shape(*(d.shape for _, d in descs))
     if shape is None:
-        raise ParamError(op="add", arg="other", expected=f"a shape that broadcasts with {x.shape}", got=other.shape)
-    dtype = DType.of(np.result_type(x.dtype.np, other.dtype.np))
-    if not dtype.is_float and isinstance(attrs["alpha"], float):
-        raise ParamError(op="add", arg="alpha", expected="an int for integer operands", got=attrs["alpha"])
-    return (TensorDesc(shape, dtype),)
+        raise ParamError(op=op, arg=descs[-1][0], expected=f"a shape that broadcasts with {descs[0][1].shape}",
+                         got=descs[-1][1].shape)
+    return shape, DType.of(np.result_type(*(d.dtype.np for _, d in descs)))
 
 
-def _select_add(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
-    return Plan("ufunc" if attrs["alpha"] == 1 else "ufunc_scaled", None, 0)
+# ---- binary arithmetic
+BINARY: dict[str, tuple[Any, Any]] = {  # name: (ufunc, float64 reference)
+    "add": (np.add, lambda x, other, alpha=1: np.add(x, np.multiply(other, alpha))),
+    "sub": (np.subtract, lambda x, other, alpha=1: np.subtract(x, np.multiply(other, alpha))),
+    "mul": (np.multiply, lambda x, other: np.multiply(x, other)),
+    "div": (np.true_divide, lambda x, other: np.true_divide(x, other)),
+    "maximum": (np.maximum, lambda x, other: np.maximum(x, other)),
+    "minimum": (np.minimum, lambda x, other: np.minimum(x, other)),
+    "pow": (np.power, lambda x, other: np.power(x, other)),
+}
 
 
-def _build_add(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
-    x, y = ins
+def _binary_infer(name: str) -> Callable[[tuple[TensorDesc | None, ...], dict[str, Any]], tuple[TensorDesc, ...]]:
+    def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+        x, other = need(name, "x", ins[0]), need(name, "other", ins[1])
+        shape, dtype = _promote(name, [("x", x), ("other", other)], NUMERIC)
+        if name == "div" and not dtype.is_float:
+            dtype = DType.float64  # true division of integers (numpy's rule)
+        if not dtype.is_float and isinstance(attrs.get("alpha", 1), float):
+            raise ParamError(op=name, arg="alpha", expected="an int for integer operands", got=attrs["alpha"])
+        return (TensorDesc(shape, dtype),)
+    return infer
+
+
+def _binary_build(ufunc: Any) -> Builder:
+    def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+        x, y = ins
+        out = outs[0]
+        alpha = attrs.get("alpha", 1)
+        if alpha == 1:
+            return lambda _: ufunc(x, y, out=out)  # type: ignore[no-any-return]
+        if np.shares_memory(out, x):
+            scratch = np.empty(np.broadcast_shapes(y.shape, out.shape), out.dtype)  # in-place case, made at bind
+
+            def scaled_inplace(_: Any) -> None:
+                np.multiply(y, alpha, out=scratch)
+                ufunc(x, scratch, out=out)
+            return scaled_inplace
+
+        def scaled(_: Any) -> None:
+            np.multiply(y, alpha, out=out)
+            ufunc(x, out, out=out)
+        return scaled
+    return build
+
+
+def _register_binary() -> None:
+    for name, (ufunc, ref) in BINARY.items():
+        scaled = name in ("add", "sub")
+        register(OpDef(
+            name=name, inputs=("x", "other"),
+            attrs=(Attr("alpha", as_scalar, 1, "scale of other"),) if scaled else (),
+            dtypes=NUMERIC, infer=_binary_infer(name), select=_zero_plan, kernels={"cpu": _binary_build(ufunc)},
+            implementations=("ufunc",), workspace_formula="0",
+            doc=(f"out = {name}(x, {'alpha * ' if scaled else ''}other) with numpy broadcasting and type promotion "
+                 f"(dtypes {[d.value for d in NUMERIC]}). Workspace: 0 bytes."),
+            reference=ref))
+
+
+# ---- comparisons (bool out)
+COMPARE: dict[str, Any] = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+                           "gt": np.greater, "ge": np.greater_equal}
+
+
+def _register_compare() -> None:
+    for name, ufunc in COMPARE.items():
+        def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any], name: str = name) -> tuple[TensorDesc, ...]:
+            x, other = need(name, "x", ins[0]), need(name, "other", ins[1])
+            shape, _ = _promote(name, [("x", x), ("other", other)], WITH_BOOL)
+            return (TensorDesc(shape, DType.bool),)
+        register(OpDef(
+            name=name, inputs=("x", "other"), dtypes=WITH_BOOL, infer=infer, select=_zero_plan,
+            kernels={"cpu": _binary_build(ufunc)}, implementations=("ufunc",), workspace_formula="0",
+            doc=f"Elementwise {name} with broadcasting; bool out. Workspace: 0 bytes.",
+            reference=lambda x, other, f=ufunc: f(x, other)))
+
+
+# ---- where
+def _infer_where(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+    cond, x, y = need("where", "cond", ins[0]), need("where", "x", ins[1]), need("where", "y", ins[2])
+    check_dtype("where", "cond", cond, (DType.bool,))
+    shape, dtype = _promote("where", [("x", x), ("y", y)], WITH_BOOL)
+    full = broadcast_shape(cond.shape, shape)
+    if full is None:
+        raise ParamError(op="where", arg="cond", expected=f"a shape that broadcasts with {shape}", got=cond.shape)
+    return (TensorDesc(full, dtype),)
+
+
+def _build_where(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+    cond, x, y = ins
     out = outs[0]
-    alpha = attrs["alpha"]
-    if alpha == 1:
-        return lambda _: np.add(x, y, out=out)  # type: ignore[no-any-return]
-    if np.shares_memory(out, x):
-        scratch = np.empty(np.broadcast_shapes(y.shape, out.shape), out.dtype)  # in-place case only
 
-        def scaled_inplace(_: Any) -> None:
-            np.multiply(y, alpha, out=scratch)
-            np.add(x, scratch, out=out)
-        return scaled_inplace
-
-    def scaled(_: Any) -> None:
-        np.multiply(y, alpha, out=out)
-        np.add(x, out, out=out)
-    return scaled
+    def launch(_: Any) -> None:
+        np.copyto(out, y, casting="unsafe")
+        np.copyto(out, x, casting="unsafe", where=cond)
+    return launch
 
 
-add = register(OpDef(
-    name="add",
-    inputs=("x", "other"),
-    attrs=(Attr("alpha", as_scalar, 1, "scale of other"),),
-    dtypes=NUMERIC,
-    infer=_infer_add,
-    select=_select_add,
-    kernels={"cpu": _build_add},
-    implementations=("ufunc", "ufunc_scaled"),
-    workspace_formula="0",
-    doc="out = x + alpha * other, with numpy broadcasting and type promotion. Workspace: 0 bytes.",
-    reference=lambda x, other, alpha=1: np.add(x, np.multiply(other, alpha)),
-))
+register(OpDef(
+    name="where", inputs=("cond", "x", "y"), dtypes=WITH_BOOL, infer=_infer_where, select=_zero_plan,
+    kernels={"cpu": _build_where}, implementations=("ufunc",), workspace_formula="0",
+    doc="out = x where cond else y, broadcasting all three; out dtype promotes x and y. Workspace: 0 bytes.",
+    reference=lambda cond, x, y: np.where(cond, x, y)))
+
+
+# ---- unary
+UNARY: dict[str, tuple[str, Any, tuple[DType, ...], Callable[..., Any]]] = {
+    # name: (kind, ufunc or vmath kernel name, dtypes, float64 reference)
+    "neg": ("ufunc", np.negative, NUMERIC, np.negative),
+    "abs": ("ufunc", np.abs, NUMERIC, np.abs),
+    "sqrt": ("ufunc", np.sqrt, FLOATS, np.sqrt),
+    "relu": ("ufunc", lambda x, out: np.maximum(x, x.dtype.type(0), out=out), NUMERIC, lambda x: np.maximum(x, 0)),
+    "exp": ("vmath", "exp", FLOATS, np.exp),
+    "log": ("vmath", "log", FLOATS, np.log),
+    "tanh": ("vmath", "tanh", FLOATS, np.tanh),
+    "sigmoid": ("vmath", "sigmoid", FLOATS, lambda x: 1.0 / (1.0 + np.exp(-np.asarray(x, np.float64)))),
+    "silu": ("vmath", "silu", FLOATS, lambda x: x / (1.0 + np.exp(-np.asarray(x, np.float64)))),
+    "rsqrt": ("vmath", "rsqrt", FLOATS, lambda x: 1.0 / np.sqrt(x)),
+    "gelu": ("vmath", None, FLOATS, None),  # kernel and reference depend on ``approximate``
+}
+
+
+def _gelu_reference(x: Any, approximate: str = "none") -> Any:
+    from math import erf
+    x = np.asarray(x, np.float64)
+    if approximate == "tanh":
+        return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
+    return 0.5 * x * (1.0 + np.vectorize(erf, otypes=[np.float64])(x / np.sqrt(2.0)))
+
+
+def unary_needs_pack(x: TensorDesc, out: TensorDesc) -> bool:
+    """float16 computes through a float32 workspace copy; so do layouts whose leading dims do not merge."""
+    def ok(d: TensorDesc) -> bool:
+        return d.ndim == 0 or merge_dims(d.shape[:-1], d.strides[:-1]) is not None
+    return x.numel > 0 and (x.dtype is DType.float16 or not ok(x) or not ok(out))
+
+
+def _unary_infer(name: str, dtypes: tuple[DType, ...]) -> Any:
+    def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+        x = need(name, "x", ins[0])
+        check_dtype(name, "x", x, dtypes)
+        return (TensorDesc(x.shape, x.dtype),)
+    return infer
+
+
+def _vmath_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+    x = ins[0]
+    pack = unary_needs_pack(x, outs[0])
+    return Plan("packed" if pack else "vector", pack, align(x.numel * max(4, x.dtype.itemsize)) if pack else 0)
+
+
+def _vmath_build(kname: str | None) -> Builder:
+    def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+        name = kname or ("gelu_tanh" if attrs["approximate"] == "tanh" else "gelu_erf")
+        x = ins[0]
+        compute = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
+        return build_unary(name, x, outs[0], plan.tiling, compute)
+    return build
+
+
+def _ufunc_build(fn: Any) -> Builder:
+    def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+        x, out = ins[0], outs[0]
+        return lambda _: fn(x, out=out)  # type: ignore[no-any-return]
+    return build
+
+
+_PACK_DOC = "0, or align64(numel * max(4, itemsize)) when packed (float16, or leading dims that do not merge)"
+
+
+def _register_unary() -> None:
+    for name, (kind, impl, dtypes, ref) in UNARY.items():
+        vm = kind == "vmath"
+        register(OpDef(
+            name=name, inputs=("x",), dtypes=dtypes, infer=_unary_infer(name, dtypes),
+            attrs=(Attr("approximate", choice("none", "tanh"), "none", "'none' (erf) or 'tanh'"),)
+            if name == "gelu" else (),
+            select=_vmath_select if vm else _zero_plan,
+            kernels={"cpu": _vmath_build(impl) if vm else _ufunc_build(impl)},
+            implementations=("vector", "packed") if vm else ("ufunc",),
+            workspace_formula=_PACK_DOC if vm else "0",
+            doc=(f"Elementwise {name} (dtypes {[d.value for d in dtypes]}). Workspace: "
+                 + (_PACK_DOC + "; float16 is computed in float32." if vm else "0 bytes.")),
+            reference=ref if ref is not None else _gelu_reference))
+
+
+# ---- cast
+def _as_dtype(v: Any) -> DType:
+    return DType.of(v)
+
+
+_as_dtype.expects = f"a dtype in {[d.value for d in DType]}"  # type: ignore[attr-defined]
+
+
+def _infer_cast(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+    x = need("cast", "x", ins[0])
+    return (TensorDesc(x.shape, attrs["dtype"]),)
+
+
+def _build_cast(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+    x, out = ins[0], outs[0]
+    return lambda _: np.copyto(out, x, casting="unsafe")  # type: ignore[func-returns-value]
+
+
+_register_binary()
+_register_compare()
+_register_unary()
+cast: Op = register(OpDef(
+    name="cast", inputs=("x",), attrs=(Attr("dtype", _as_dtype, doc="target dtype"),),
+    dtypes=tuple(DType), infer=_infer_cast, select=_zero_plan, kernels={"cpu": _build_cast},
+    implementations=("ufunc",), workspace_formula="0",
+    doc="out = x converted to ``dtype`` (numpy's unsafe casting: floats truncate toward 0). Workspace: 0 bytes.",
+    reference=lambda x, dtype: np.asarray(x).astype(DType.of(dtype).np)))

@@ -1,0 +1,111 @@
+"""The vectorizable math functions against numpy / libm over dense samples of their whole domain."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+import pytest
+
+from twophase.kernels.cpu import vmath as vm
+
+_k = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
+
+
+@_k
+def _apply(code: int, x: Any, out: Any) -> None:
+    for i in range(x.shape[0]):
+        v = x[i]
+        if code == 0:
+            out[i] = vm.exp(v)
+        elif code == 1:
+            out[i] = vm.log(v)
+        elif code == 2:
+            out[i] = vm.tanh(v)
+        elif code == 3:
+            out[i] = vm.erf(v)
+        elif code == 4:
+            out[i] = vm.erfc(v)
+        else:
+            out[i] = vm.sigmoid(v)
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+_erfc = np.vectorize(math.erfc, otypes=[np.float64])
+FUNCS = {"exp": (0, np.exp), "log": (1, np.log), "tanh": (2, np.tanh), "erf": (3, _erf), "erfc": (4, _erfc),
+         "sigmoid": (5, lambda x: 1.0 / (1.0 + np.exp(-x)))}
+F32_TINY = float(np.finfo(np.float32).tiny)
+
+
+def all_float32(step: int) -> np.ndarray[Any, Any]:
+    """Every ``step``-th float32 bit pattern (both signs, denormals, inf, NaN) plus edge values."""
+    bits = np.arange(0, 1 << 32, step, dtype=np.uint64).astype(np.uint32)
+    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, F32_TINY, 1e-45, -1e-45, 88.72, 88.73,
+                      -87.33, -103.97, -104.0, 0.3, -0.3, 6.0, 9.0, 10.5, 3.4e38], np.float32)
+    return np.concatenate([bits.view(np.float32), edges])
+
+
+def run(name: str, x: np.ndarray[Any, Any], out_dtype: Any) -> np.ndarray[Any, Any]:
+    out = np.empty(x.shape, out_dtype)
+    _apply(FUNCS[name][0], x, out)
+    return out
+
+
+def rel_error_f32(got: np.ndarray[Any, Any], ref: np.ndarray[Any, Any]) -> float:
+    """Max relative error where the exact value is a normal float32; denormal results: error in units of 2^-149."""
+    with np.errstate(all="ignore"):
+        ref32 = ref.astype(np.float32)
+    both_nan = np.isnan(got) & np.isnan(ref)
+    assert np.array_equal(np.isnan(got), np.isnan(ref)), "NaN where the reference has none (or vice versa)"
+    inf = np.isinf(ref32)
+    assert np.array_equal(got[inf], ref32[inf]), "infinities differ"
+    normal = ~both_nan & ~inf & (np.abs(ref) >= F32_TINY)
+    sub = ~both_nan & ~inf & ~normal
+    assert np.all(np.abs(got[sub].astype(np.float64) - ref[sub]) <= 2.0 ** -149), "denormal results off by > 1 ulp"
+    return float(np.max(np.abs(got[normal] - ref[normal]) / np.abs(ref[normal])))
+
+
+@pytest.mark.parametrize("name", ["exp", "log", "tanh", "sigmoid"])
+def test_float32_max_relative_error_within_2e7_over_whole_domain(name: str) -> None:
+    x = all_float32(257)  # ~16.7M samples
+    with np.errstate(all="ignore"):
+        ref = FUNCS[name][1](x.astype(np.float64))
+    err = rel_error_f32(run(name, x, np.float32), ref)
+    assert err <= 2e-7, f"{name}: {err}"
+
+
+@pytest.mark.parametrize("name", ["erf", "erfc"])
+def test_erf_erfc_float32_max_relative_error_within_2e7(name: str) -> None:
+    x = all_float32(4099)
+    ref = FUNCS[name][1](x.astype(np.float64))
+    err = rel_error_f32(run(name, x, np.float32), ref)
+    assert err <= 2e-7, f"{name}: {err}"
+
+
+@pytest.mark.parametrize("name,lo,hi,tol", [("exp", -708.0, 709.0, 1e-15), ("log", -700.0, 700.0, 1e-15),
+                                            ("tanh", -20.0, 20.0, 1e-15), ("erf", -6.0, 6.0, 1e-15),
+                                            ("erfc", -6.0, 26.0, 1e-13)])
+def test_float64_relative_error_near_double_precision(name: str, lo: float, hi: float, tol: float) -> None:
+    x = np.linspace(lo, hi, 200_003)
+    if name == "log":
+        x = np.exp(x)
+    ref = FUNCS[name][1](x)
+    got = run(name, x, np.float64)
+    nz = ref != 0
+    assert np.max(np.abs(got[nz] - ref[nz]) / np.abs(ref[nz])) <= tol
+
+
+def test_special_values_follow_ieee_limits() -> None:
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 5e-324, -1.0])
+    with np.errstate(all="ignore"):
+        got = {n: run(n, x, np.float64) for n in FUNCS}
+    np.testing.assert_array_equal(got["exp"], [np.nan, np.inf, 0.0, 1.0, 1.0, 1.0, math.exp(-1.0)])
+    np.testing.assert_array_equal(got["log"][:6], [np.nan, np.inf, np.nan, -np.inf, -np.inf, math.log(5e-324)])
+    assert np.isnan(got["log"][6])
+    np.testing.assert_array_equal(got["tanh"][:6], [np.nan, 1.0, -1.0, 0.0, -0.0, 5e-324])
+    assert math.copysign(1.0, got["tanh"][4]) < 0 and math.copysign(1.0, got["erf"][4]) < 0
+    np.testing.assert_array_equal(got["erf"][:5], [np.nan, 1.0, -1.0, 0.0, -0.0])
+    np.testing.assert_array_equal(got["erfc"][:5], [np.nan, 0.0, 2.0, 1.0, 1.0])
+    np.testing.assert_array_equal(got["sigmoid"][:4], [np.nan, 1.0, 0.0, 0.5])
