@@ -64,8 +64,6 @@ def test_parameter_error_message_names_op_argument_and_expectation(call, op, arg
     assert expected in msg
 
 
-@pytest.mark.xfail(strict=True, reason="op.py Op._input_descs reports a None required input as ERR_PARAM_INVALID "
-                                       "(161002) instead of ERR_PARAM_NULLPTR (161001)")
 def test_missing_required_input_reports_nullptr_status():
     with pytest.raises(twophase.ParamError) as info:
         ops.add.get_workspace_size(None, TensorDesc((2,)))

@@ -53,7 +53,7 @@ def one_shot(op: Op) -> Callable[..., Any]:
                     outs[i] = missing[n_in + i] = dev.empty_like(d, s)
             if missing:
                 ex._bind_many(missing)
-            ws = dev.malloc(size, stream=s)
+            ws = dev.malloc(size, stream=s) if size else None
         except BaseException:
             for t in missing.values():
                 t.free(s)
@@ -63,7 +63,8 @@ def one_shot(op: Op) -> Callable[..., Any]:
         try:
             op(ws, size, ex, s)
         finally:
-            ws.free(s)
+            if ws is not None:
+                ws.free(s)
         return outs[0] if n_out == 1 else tuple(outs)
 
     call.__name__ = call.__qualname__ = op.name

@@ -85,7 +85,7 @@ class TensorDesc:
     Two descs are equal when every field is; the hash is computed once because descs are cache keys.
     """
 
-    __slots__ = ("shape", "dtype", "strides", "offset", "format", "_hash", "numel", "ndim")
+    __slots__ = ("shape", "dtype", "strides", "offset", "format", "_hash", "numel", "ndim", "_contiguous")
 
     shape: tuple[int, ...]
     dtype: DType
@@ -130,6 +130,7 @@ class TensorDesc:
         set_(self, "ndim", len(shp))
         set_(self, "numel", math.prod(shp))
         set_(self, "_hash", hash((shp, dt, st, off, format)))
+        set_(self, "_contiguous", None if strides is not None else True)
 
     @classmethod
     def like(cls, array: np.ndarray[Any, Any], format: Format = Format.ND) -> TensorDesc:
@@ -167,7 +168,11 @@ class TensorDesc:
 
     @property
     def is_contiguous(self) -> bool:
-        return all(s == c for s, c, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n > 1)
+        c = self._contiguous
+        if c is None:
+            c = all(s == k for s, k, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n > 1)
+            object.__setattr__(self, "_contiguous", c)
+        return c
 
     @property
     def nbytes(self) -> int:

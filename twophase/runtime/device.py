@@ -92,7 +92,9 @@ class Device:
 
     def empty_like(self, desc: TensorDesc, stream: Stream | None = None) -> Tensor:
         """An uninitialised tensor with ``desc``'s shape, dtype and format (dense)."""
-        return self.empty(desc.shape, desc.dtype, desc.format, stream)
+        if desc.offset or not desc.is_contiguous:
+            return self.empty(desc.shape, desc.dtype, desc.format, stream)
+        return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self)
 
     def tensor(self, array: Any, stream: Stream | None = None, format: Format = Format.ND,
                dtype: Any = None) -> Tensor:

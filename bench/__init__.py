@@ -1,0 +1,1 @@
+"""The benchmark suite: each module prints ratios measured side by side in one process."""

@@ -1,0 +1,234 @@
+"""Core contract costs (issues 2 and 3): phase 1 vs phase 2, phase-2 enqueue vs a bare ``np.add``,
+executor-cache hit vs miss, one-shot call vs torch eager, and what the counters cost on the hot path.
+
+Run: ``.venv/bin/python -m bench.bench_core``
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+import twophase as tp
+from twophase import config
+from twophase.op import Op
+
+from .common import header, interleaved, median_ratio
+
+
+def _gated(stream: tp.Stream, fn: Callable[[], None], n: int) -> float:
+    """Seconds per ``fn`` call while the stream's worker is parked, so only the enqueue is timed."""
+    gate = threading.Event()
+    stream.launch_callback(gate.wait)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t0) / n
+    gate.set()
+    stream.synchronize()
+    return dt
+
+
+def contract_costs() -> list[str]:
+    dev = tp.device("cpu")
+    s = dev.stream()
+    rng = np.random.default_rng(0)
+    x = dev.tensor(rng.standard_normal((64, 1024), dtype=np.float32), stream=s)
+    y = dev.empty((64, 1024))
+    size, ex = tp.ops.softmax.get_workspace_size(x, dim=-1, out=y)
+    ex.set_repeatable()
+    ws = dev.malloc(size, stream=s)
+
+    def phase1(cache: bool) -> Callable[[], None]:
+        def run() -> None:
+            _, e = tp.ops.softmax.get_workspace_size(x, dim=-1, out=y)
+            e.destroy()
+        def timed() -> float:
+            config.set_cache_enabled(cache)
+            try:
+                t0 = time.perf_counter()
+                for _ in range(500):
+                    run()
+                return (time.perf_counter() - t0) / 500
+            finally:
+                config.set_cache_enabled(True)
+        return timed  # type: ignore[return-value]
+
+    def phase2() -> float:
+        return _gated(s, lambda: tp.ops.softmax(ws, size, ex, s), 2000)
+
+    miss = phase1(False)
+    hit = phase1(True)
+    r_miss, t_p2, t_miss = median_ratio(phase2, miss)  # type: ignore[arg-type]
+    r_hit, _, t_hit = median_ratio(phase2, hit)  # type: ignore[arg-type]
+    share_miss = t_p2 / (t_p2 + t_miss)
+    share_hit = t_p2 / (t_p2 + t_hit)
+
+    a = dev.tensor(np.ones(8, np.float32), stream=s)
+    b = dev.tensor(np.ones(8, np.float32), stream=s)
+    c = dev.empty((8,))
+    n_add, ex_add = tp.ops.add.get_workspace_size(a, b, out=c)
+    ex_add.set_repeatable()
+    A, B, C = np.ones(8, np.float32), np.ones(8, np.float32), np.empty(8, np.float32)
+
+    def bare() -> float:
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            np.add(A, B, out=C)
+        return (time.perf_counter() - t0) / 2000
+
+    r_enq, t_enq, t_bare = median_ratio(lambda: _gated(s, lambda: tp.ops.add(None, 0, ex_add, s), 2000), bare)
+
+    def through() -> float:
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            tp.ops.add(None, 0, ex_add, s)
+        s.synchronize()
+        return (time.perf_counter() - t0) / 2000
+
+    r_thr, t_thr, _ = median_ratio(through, bare)
+    ex.destroy()
+    ex_add.destroy()
+    ws.free(s)
+    return [
+        "## Phase 1 vs phase 2 (softmax 64x1024 float32, cpu)",
+        "| measure | time | ratio | target |",
+        "|---|---|---|---|",
+        f"| phase 1, full (cache off) | {t_miss * 1e6:.2f} us | | |",
+        f"| phase 1, executor-cache hit | {t_hit * 1e6:.2f} us | | |",
+        f"| phase 2 host cost (enqueue) | {t_p2 * 1e6:.2f} us | | |",
+        f"| phase 2 / (phase 1 full + phase 2) | | {share_miss:.3f} | <= 0.10 |",
+        f"| phase 2 / (phase 1 hit + phase 2) | | {share_hit:.3f} | (info) |",
+        "",
+        "## Phase-2 enqueue vs bare np.add(a, b, out=c) on 8-element float32 arrays",
+        "| measure | time | ratio to np.add | target |",
+        "|---|---|---|---|",
+        f"| bare np.add(out=) | {t_bare * 1e9:.0f} ns | 1.00 | |",
+        f"| phase 2 enqueue (worker parked) | {t_enq * 1e9:.0f} ns | {r_enq:.2f} | <= 4 |",
+        f"| phase 2 + kernel, throughput to sync | {t_thr * 1e9:.0f} ns | {r_thr:.2f} | (info) |",
+    ]
+
+
+def cache_costs() -> list[str]:
+    dev = tp.device("cpu")
+    rng = np.random.default_rng(1)
+    x = dev.tensor(rng.standard_normal((64, 1024), dtype=np.float32))
+    y = dev.tensor(rng.standard_normal((64, 1024), dtype=np.float32))
+    cases: dict[str, Callable[[], Any]] = {
+        "add 64x1024": lambda: tp.ops.add.get_workspace_size(x, y, alpha=2),
+        "reduce_sum 64x1024 dims=(1,)": lambda: tp.ops.reduce_sum.get_workspace_size(x, dims=(1,)),
+        "softmax 64x1024": lambda: tp.ops.softmax.get_workspace_size(x, dim=-1),
+    }
+    for name in ("matmul", "conv2d", "scaled_dot_product_attention", "layer_norm"):
+        if name in tp.registry:
+            extra = _extra_case(name, dev, rng)
+            if extra is not None:
+                cases[f"{name} {extra[0]}"] = extra[1]
+    lines = ["## Executor cache: phase 1 on a hit vs a miss (cache off)", "| op | miss | hit | hit / miss |",
+             "|---|---|---|---|"]
+    for name, fn in cases.items():
+        def run(fn: Callable[[], Any] = fn) -> None:
+            fn()[1].destroy()
+
+        def timed(cache: bool, run: Callable[[], None] = run) -> float:
+            config.set_cache_enabled(cache)
+            try:
+                t0 = time.perf_counter()
+                for _ in range(300):
+                    run()
+                return (time.perf_counter() - t0) / 300
+            finally:
+                config.set_cache_enabled(True)
+        run()
+        ratio, t_hit, t_miss = median_ratio(lambda: timed(True), lambda: timed(False))
+        lines.append(f"| {name} | {t_miss * 1e6:.1f} us | {t_hit * 1e6:.1f} us | {ratio:.2f} |")
+    return lines
+
+
+def _extra_case(name: str, dev: tp.Device, rng: np.random.Generator) -> tuple[str, Callable[[], Any]] | None:
+    try:
+        if name == "matmul":
+            a = dev.tensor(rng.standard_normal((128, 384), dtype=np.float32))
+            b = dev.tensor(rng.standard_normal((384, 384), dtype=np.float32))
+            return "128x384x384", lambda: tp.ops.matmul.get_workspace_size(a, b)
+        if name == "conv2d":
+            x = dev.tensor(rng.standard_normal((1, 64, 56, 56), dtype=np.float32))
+            w = dev.tensor(rng.standard_normal((64, 64, 3, 3), dtype=np.float32))
+            return "1x64x56x56 k3", lambda: tp.ops.conv2d.get_workspace_size(x, w, padding=1)
+        if name == "scaled_dot_product_attention":
+            q = dev.tensor(rng.standard_normal((8, 12, 128, 32), dtype=np.float32))
+            return "8x12x128x32", lambda: tp.ops.scaled_dot_product_attention.get_workspace_size(q, q, q)
+    except tp.TwoPhaseError:
+        return None
+    return None
+
+
+def one_shot_vs_torch() -> list[str]:
+    dev = tp.device("cpu")
+    a = dev.tensor(np.ones(16, np.float32))
+    b = dev.tensor(np.ones(16, np.float32))
+    s = dev.default_stream
+    fns: dict[str, Callable[[], object]] = {"twophase.add (one-shot)": lambda: tp.add(a, b, stream=s)}
+    try:
+        import torch
+        ta, tb = torch.ones(16), torch.ones(16)
+        fns["torch.add (eager)"] = lambda: torch.add(ta, tb)
+        tout = torch.empty(16)
+        fns["torch.add(out=)"] = lambda: torch.add(ta, tb, out=tout)
+    except ImportError:
+        torch = None
+    t = interleaved(fns, 2000)
+    s.synchronize()
+    lines = ["## One-shot call cost (16-element float32 add)", "| call | time | ratio to torch eager |", "|---|---|---|"]
+    base = t.get("torch.add (eager)")
+    for k, v in t.items():
+        lines.append(f"| {k} | {v * 1e6:.2f} us | {v / base:.2f} |" if base else f"| {k} | {v * 1e6:.2f} us | n/a |")
+    if torch is None:
+        lines.append("(torch not installed: `pip install torch==2.13.0` for the comparison)")
+    return lines
+
+
+def _phase2_without_counters() -> Callable[..., None]:
+    """Op.__call__ compiled from its own source with the counter update removed (the 'no counters' build)."""
+    src = textwrap.dedent(inspect.getsource(Op.__call__))
+    assert "ex.launches += 1" in src
+    src = src.replace("ex.launches += 1", "pass")
+    import twophase.op as op_mod
+    ns: dict[str, Any] = {}
+    exec(compile(src, "<phase2-no-counters>", "exec"), op_mod.__dict__, ns)  # noqa: S102 - the bench's own code
+    return ns["__call__"]  # type: ignore[no-any-return]
+
+
+def counter_cost() -> list[str]:
+    dev = tp.device("null")
+    s = dev.stream()
+    a, b, c = dev.empty((8,)), dev.empty((8,)), dev.empty((8,))
+    _, ex = tp.ops.add.get_workspace_size(a, b, out=c)
+    ex.set_repeatable()
+    plain = _phase2_without_counters()
+    op = tp.ops.add
+    full = Op.__call__  # both called as plain functions, so only the counter line differs
+    t = interleaved({"with counters": lambda: full(op, None, 0, ex, s),
+                     "without counters": lambda: plain(op, None, 0, ex, s)}, 20000, rounds=9)
+    ex.destroy()
+    ratio = t["with counters"] / t["without counters"]
+    return ["## Counters on the hot path (phase 2 of add on the NULL device)",
+            "| build | phase 2 | ratio | target |", "|---|---|---|---|",
+            f"| without counters | {t['without counters'] * 1e9:.0f} ns | 1.00 | |",
+            f"| with counters | {t['with counters'] * 1e9:.0f} ns | {ratio:.3f} | <= 1.05 |"]
+
+
+def main() -> None:
+    print(header("twophase core benchmark (bench/bench_core.py)"))
+    for section in (contract_costs, cache_costs, one_shot_vs_torch, counter_cost):
+        print()
+        print("\n".join(section()))
+
+
+if __name__ == "__main__":
+    main()

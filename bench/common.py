@@ -1,0 +1,54 @@
+"""Shared benchmark helpers: interleaved A/B timing (the machines drift, so ratios are taken per round)."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from typing import Callable
+
+import numpy as np
+
+
+def header(title: str) -> str:
+    """Machine, versions and the OpenBLAS settings in force (never changed by the suite)."""
+    import numba
+    lines = [
+        f"# {title}",
+        f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus; python "
+        f"{platform.python_version()}; numpy {np.__version__}; numba {numba.__version__}",
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')} "
+        f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE', '(unset)')}",
+    ]
+    return "\n".join(lines)
+
+
+def per_call(fn: Callable[[], object], n: int) -> float:
+    """Seconds per call of ``fn`` over ``n`` calls."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    return (time.perf_counter() - t0) / n
+
+
+def interleaved(fns: dict[str, Callable[[], object]], n: int, rounds: int = 7) -> dict[str, float]:
+    """Median seconds per call of each function, measured round-robin so drift hits all alike."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            times[k].append(per_call(fn, n))
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def median_ratio(a: Callable[[], float], b: Callable[[], float], rounds: int = 7) -> tuple[float, float, float]:
+    """Median over rounds of a()/b(), where each call returns one measured time: (ratio, a, b)."""
+    ra, rb, rr = [], [], []
+    for _ in range(rounds):
+        ta, tb = a(), b()
+        ra.append(ta)
+        rb.append(tb)
+        rr.append(ta / tb)
+    return statistics.median(rr), statistics.median(ra), statistics.median(rb)
