@@ -1,0 +1,50 @@
+"""Put a host array on the CPU device in a chosen memory layout (dense, strided, transposed, reversed)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+from twophase import device
+from twophase.tensor import Tensor
+
+LAYOUTS = ("dense", "strided", "transposed", "reversed")
+
+
+def on_device(a: np.ndarray[Any, Any], layout: str = "dense") -> Tensor:
+    """A device tensor holding ``a`` whose desc has the layout's strides (and offset for negative strides)."""
+    dev = device("cpu")
+    a = np.asarray(a)
+    if layout == "dense" or a.ndim == 0:
+        return dev.tensor(a)
+    if layout == "strided":
+        base = np.zeros(a.shape[:-1] + (2 * a.shape[-1] + 1,), a.dtype)
+        view = base[..., 1::2]
+    elif layout == "transposed":
+        base = np.zeros(a.shape[::-1], a.dtype)
+        view = base.T
+    else:
+        base = np.zeros(a.shape, a.dtype)
+        view = base[::-1]
+    view[...] = a
+    item = a.dtype.itemsize
+    t = dev.tensor(base)
+    offset = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item
+    return t.strided(view.shape, tuple(s // item for s in view.strides), offset)
+
+
+def shapes(min_dims: int = 0, max_dims: int = 4, max_side: int = 7) -> st.SearchStrategy[tuple[int, ...]]:
+    """Shapes with 0-size and size-1 dims."""
+    return st.lists(st.integers(0, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
+
+
+def random(shape: tuple[int, ...], dtype: Any, rng: np.random.Generator, positive: bool = False) -> np.ndarray[Any, Any]:
+    dt = np.dtype(dtype)
+    if dt.kind == "b":
+        return rng.random(shape) < 0.5
+    if dt.kind == "i":
+        return rng.integers(-9, 10, shape).astype(dt)
+    x = rng.standard_normal(shape) * 3
+    return (np.abs(x) + 0.1 if positive else x).astype(dt)

@@ -1,0 +1,133 @@
+"""Elementwise ops against float64 numpy references: broadcasting, promotion, layouts, poisoned outputs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ops_layouts import LAYOUTS, on_device, random, shapes
+
+from twophase import ops
+from twophase.errors import ParamError
+from twophase.ops.elementwise import BINARY, COMPARE, UNARY
+from twophase.testing import run_checked
+
+TOL = {np.float16: 2e-3, np.float32: 2e-6, np.float64: 1e-12}
+
+
+def check_close(got: np.ndarray[Any, Any], ref: np.ndarray[Any, Any], dtype: Any) -> None:
+    assert got.shape == np.shape(ref)
+    if np.dtype(got.dtype).kind in "biu":
+        np.testing.assert_array_equal(got, ref)
+        return
+    tol = TOL[np.dtype(dtype).type] if np.dtype(dtype).kind == "f" else 1e-12
+    np.testing.assert_allclose(got.astype(np.float64), ref, rtol=tol, atol=tol)
+
+
+@settings(max_examples=40, deadline=None)
+@given(name=st.sampled_from(sorted(BINARY)), shape=shapes(1, 3), bcast=st.integers(0, 2),
+       layout=st.sampled_from(LAYOUTS), dtype=st.sampled_from([np.float32, np.float64, np.int32]),
+       seed=st.integers(0, 2**31))
+def test_binary_matches_numpy_reference_with_broadcasting(name: str, shape: tuple[int, ...], bcast: int, layout: str,
+                                                         dtype: Any, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    other_shape = shape[bcast:] if bcast < len(shape) else ()
+    other_shape = tuple(1 if i % 2 else n for i, n in enumerate(other_shape))
+    x = random(shape, dtype, rng, positive=name == "pow")
+    y = random(other_shape, dtype, rng, positive=name in ("div", "pow"))
+    if name == "pow" and np.dtype(dtype).kind == "i":
+        y = np.abs(y) % 3
+    attrs = {"alpha": 2} if name in ("add", "sub") else {}
+    r = run_checked(getattr(ops, name), on_device(x, layout), y, **attrs)
+    ref = BINARY[name][1](x.astype(np.float64) if dtype != np.int32 else x, y, **attrs)
+    assert r.unwritten == (0,) and r.workspace_size == 0
+    check_close(r.outputs[0], ref, r.outputs[0].dtype)
+
+
+@pytest.mark.parametrize("name", sorted(COMPARE))
+def test_comparisons_give_bool_and_match_numpy(name: str) -> None:
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 3, (4, 5)).astype(np.float32)
+    y = rng.integers(0, 3, (5,)).astype(np.int32)
+    r = run_checked(getattr(ops, name), on_device(x, "transposed"), y)
+    assert r.outputs[0].dtype == np.bool_
+    np.testing.assert_array_equal(r.outputs[0], COMPARE[name](x, y))
+
+
+def test_type_promotion_follows_numpy() -> None:
+    x = np.ones((2, 3), np.float16)
+    assert run_checked(ops.mul, x, np.ones(3, np.float32)).outputs[0].dtype == np.float32
+    assert run_checked(ops.add, np.ones(3, np.int32), np.ones(3, np.int64)).outputs[0].dtype == np.int64
+    assert run_checked(ops.div, np.ones(3, np.int32), np.full(3, 2, np.int32)).outputs[0].dtype == np.float64
+
+
+def test_where_broadcasts_cond_x_y() -> None:
+    rng = np.random.default_rng(2)
+    cond = rng.random((3, 1, 4)) < 0.5
+    x, y = rng.standard_normal((5, 4)).astype(np.float32), np.float64(-1.0) * np.ones((1, 4))
+    r = run_checked(ops.where, cond, on_device(x, "reversed"), y)
+    np.testing.assert_array_equal(r.outputs[0], np.where(cond, x, y))
+    assert r.outputs[0].dtype == np.float64 and r.unwritten == (0,)
+
+
+DOMAIN_POSITIVE = {"log", "sqrt", "rsqrt"}
+
+
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(sorted(UNARY)), shape=shapes(0, 3, 9), layout=st.sampled_from(LAYOUTS),
+       dtype=st.sampled_from([np.float32, np.float64, np.float16]), approx=st.sampled_from(["none", "tanh"]),
+       seed=st.integers(0, 2**31))
+def test_unary_matches_float64_reference_in_any_layout(name: str, shape: tuple[int, ...], layout: str, dtype: Any,
+                                                      approx: str, seed: int) -> None:
+    x = random(shape, dtype, np.random.default_rng(seed), positive=name in DOMAIN_POSITIVE)
+    attrs = {"approximate": approx} if name == "gelu" else {}
+    op = getattr(ops, name)
+    r = run_checked(op, on_device(x, layout if x.ndim else "dense"), **attrs)
+    ref = op.spec.reference(x.astype(np.float64), **attrs)
+    assert r.unwritten == (0,) and r.guards_intact
+    assert r.touched <= r.workspace_size
+    if dtype == np.float16 and name in ("exp", "tanh", "gelu") and x.size:
+        assert r.implementation == "packed" and r.workspace_size >= x.size * 4
+    check_close(r.outputs[0], ref.astype(dtype).astype(np.float64) if dtype == np.float16 else ref, dtype)
+
+
+def test_long_vector_runs_parallel_blocks_and_stays_exact() -> None:
+    x = np.random.default_rng(3).standard_normal(300_001).astype(np.float32) * 10
+    r = run_checked(ops.silu, x)
+    np.testing.assert_allclose(r.outputs[0], ops.silu.spec.reference(x.astype(np.float64)), rtol=3e-7, atol=1e-30)
+
+
+def test_integer_unaries_and_cast() -> None:
+    x = np.array([[-3, 4], [0, -1]], np.int32)
+    np.testing.assert_array_equal(run_checked(ops.relu, x).outputs[0], np.maximum(x, 0))
+    np.testing.assert_array_equal(run_checked(ops.abs, on_device(x, "transposed")).outputs[0], np.abs(x))
+    f = np.array([1.7, -2.5, 3.0])
+    got = run_checked(ops.cast, on_device(f, "strided"), dtype="int64").outputs[0]
+    assert got.dtype == np.int64 and got.tolist() == [1, -2, 3]
+    assert run_checked(ops.cast, f, dtype=np.float16).outputs[0].dtype == np.float16
+
+
+@pytest.mark.parametrize("call,arg", [
+    (lambda: ops.exp.get_workspace_size(on_device(np.ones(3, np.int32))), "x"),
+    (lambda: ops.add.get_workspace_size(on_device(np.ones(3)), on_device(np.ones(4))), "other"),
+    (lambda: ops.add.get_workspace_size(on_device(np.ones(3, np.int32)), on_device(np.ones(3, np.int32)), alpha=0.5),
+     "alpha"),
+    (lambda: ops.mul.get_workspace_size(on_device(np.ones(3, bool)), on_device(np.ones(3))), "x"),
+    (lambda: ops.where.get_workspace_size(on_device(np.ones(3)), on_device(np.ones(3)), on_device(np.ones(3))),
+     "cond"),
+    (lambda: ops.gelu.get_workspace_size(on_device(np.ones(3)), approximate="fast"), "approximate"),
+    (lambda: ops.cast.get_workspace_size(on_device(np.ones(3)), dtype="complex64"), "dtype"),
+    (lambda: ops.sub.get_workspace_size(None, on_device(np.ones(3))), "x"),
+])
+def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -> None:
+    with pytest.raises(ParamError) as e:
+        call()
+    assert e.value.arg == arg
+
+
+def test_unsupported_dtype_message_names_supported_dtypes() -> None:
+    with pytest.raises(ParamError, match="float32"):
+        ops.tanh.get_workspace_size(on_device(np.ones(3, np.int64)))
