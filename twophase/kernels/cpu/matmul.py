@@ -1,0 +1,116 @@
+"""Matmul launches: BLAS (through ``np.matmul(out=)``) on operand views as they are, folded over broadcast
+batches, or on operands packed densely into the workspace first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ...layout import align
+
+Launch = Callable[[Any], None]
+
+
+def strided_view(x: Any, shape: tuple[int, ...], strides: tuple[int, ...]) -> Any:
+    """A view of ``x``'s memory (from its first element) with ``shape`` and element ``strides``."""
+    item = x.itemsize
+    return as_strided(x, shape, tuple(s * item for s in strides))
+
+
+def _fold_blocks(t: Any, a: Any, b: Any, out: Any) -> list[tuple[Any, Any, Any]]:
+    """(a, b, out) 2-D views, one per index of the looped batch dims; folded dims merged into the rows."""
+    g = t.fold
+    loop_shape = t.out.shape[:g]
+    blocks = []
+    for idx in np.ndindex(*loop_shape):
+        views = []
+        for arr, spec, rows in ((a, t.a, True), (b, t.b, False), (out, t.out, True)):
+            sub = arr[idx] if g else arr
+            if rows and spec.rows_stride is not None:
+                m, k = spec.folded_rows, spec.shape[-1]
+                sub = as_strided(sub, (m, k), (spec.rows_stride * arr.itemsize, spec.strides[-1] * arr.itemsize))
+            else:
+                sub = sub[(0,) * (sub.ndim - 2)]
+            views.append(sub)
+        blocks.append((views[0], views[1], views[2]))
+    return blocks
+
+
+def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, epilogue: Launch | None) -> Launch:
+    """Launch computing ``out = a @ b`` (then ``epilogue``) for tiling ``t`` of implementation ``impl``.
+
+    ``a``, ``b``, ``out`` are the arrays as bound; their promoted views come from the tiling's specs.
+    """
+    av = strided_view(a, t.a.shape, t.a.strides)
+    bv = strided_view(b, t.b.shape, t.b.strides)
+    ov = strided_view(out, t.out.shape, t.out.strides)
+    post = epilogue or (lambda _: None)
+    if impl in ("gemm_folded", "batch_loop"):
+        full = [strided_view(x, s.bshape, s.bstrides) for x, s in ((a, t.a), (b, t.b), (out, t.out))]
+        blocks = _fold_blocks(t, full[0], full[1], full[2])
+        if len(blocks) == 1:
+            a2, b2, o2 = blocks[0]
+
+            def gemm(ws: Any) -> None:
+                np.matmul(a2, b2, out=o2)
+                post(ws)
+            return gemm
+
+        def loop(ws: Any) -> None:
+            for a2, b2, o2 in blocks:
+                np.matmul(a2, b2, out=o2)
+            post(ws)
+        return loop
+    if impl == "blas":
+        def blas(ws: Any) -> None:
+            np.matmul(av, bv, out=ov)
+            post(ws)
+        return blas
+    return _build_packed(t, av, bv, ov, post)
+
+
+def _build_packed(t: Any, av: Any, bv: Any, ov: Any, post: Launch) -> Launch:
+    dt = ov.dtype
+    areas = []
+    for view, packed, off in zip((av, bv, ov), t.pack, t.offsets):
+        areas.append((view.shape, off, align(view.size * dt.itemsize) if packed else 0, packed))
+
+    def packed(ws: Any) -> None:
+        ops = []
+        for (shape, off, nbytes, is_packed), view in zip(areas, (av, bv, ov)):
+            ops.append(ws[off:off + nbytes].view(dt)[:view.size].reshape(shape) if is_packed else view)
+        if areas[0][3]:
+            np.copyto(ops[0], av)
+        if areas[1][3]:
+            np.copyto(ops[1], bv)
+        np.matmul(ops[0], ops[1], out=ops[2])
+        if areas[2][3]:
+            np.copyto(ov, ops[2])
+        post(ws)
+    return packed
+
+
+def build_epilogue(out: Any, c: Any, alpha: float, beta: float) -> Launch | None:
+    """``out = alpha * out + beta * c`` in place (``c`` broadcast to ``out``; None and ``beta == 0`` skip it)."""
+    if c is None or beta == 0:
+        if alpha == 1:
+            return None
+        return lambda _: np.multiply(out, alpha, out=out)  # type: ignore[no-any-return]
+    if beta == 1:
+        if alpha == 1:
+            return lambda _: np.add(out, c, out=out)  # type: ignore[no-any-return]
+
+        def scale_add(_: Any) -> None:
+            np.multiply(out, alpha, out=out)
+            np.add(out, c, out=out)
+        return scale_add
+    ratio = alpha / beta
+
+    def general(_: Any) -> None:  # alpha*P + beta*c = beta * ((alpha/beta)*P + c), no scratch needed
+        np.multiply(out, ratio, out=out)
+        np.add(out, c, out=out)
+        np.multiply(out, beta, out=out)
+    return general

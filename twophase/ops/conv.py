@@ -1,0 +1,225 @@
+"""conv2d, NCHW or NHWC (``Format.NHWC``: shape (N, H, W, C)); weight (OC, C/groups, KH, KW) as PyTorch.
+
+Implementations, ranked: gemm_1x1 (1x1, stride 1, no padding: GEMM on the operands, workspace 0), im2col (the
+unfolded input of a tile of output rows in the workspace, then one GEMM per tile; the tile shrinks to fit
+``workspace_limit``) and direct (a numba loop nest, workspace 0; ranked first for depthwise convolutions).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import ParamError
+from ..kernels.cpu.conv import build_direct, build_gemm_1x1, build_im2col
+from ..layout import align, merge_dims
+from ..op import Attr, OpDef, Plan, register
+from ..tensor import DType, Format, TensorDesc
+from .checks import as_int, check_dtype, need
+from .matmul import matrix_ok
+from .selection import Candidate, choose, effective_limit
+
+OP = "conv2d"
+DTYPES = (DType.float32, DType.float64)
+
+
+def as_pair(v: Any) -> tuple[int, int]:
+    """An int or a pair of ints, as a pair."""
+    if isinstance(v, (tuple, list)):
+        if len(v) != 2:
+            raise ValueError(v)
+        return as_int(v[0]), as_int(v[1])
+    n = as_int(v)
+    return n, n
+
+
+as_pair.expects = "an int or a pair of ints"  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class ConvTiling:
+    """Geometry (logical NCHW), GEMM orientation (``cm``: out = W @ cols, ``pm``: out = cols @ W^T, ``""``: none)
+    and the im2col tile of ``tile_rows`` output rows."""
+
+    n: int
+    c: int
+    h: int
+    w: int
+    oc: int
+    oh: int
+    ow: int
+    kh: int
+    kw: int
+    sh: int
+    sw: int
+    ph: int
+    pw: int
+    dh: int
+    dw: int
+    groups: int
+    cg: int
+    ocg: int
+    kc: int
+    w_kstride: int
+    orient: str
+    tile_rows: int
+    nhwc: bool
+
+
+def nchw(d: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and strides of ``d`` in logical NCHW order (an NHWC desc is permuted)."""
+    if d.format is Format.NHWC:
+        p = (0, 3, 1, 2)
+        return tuple(d.shape[i] for i in p), tuple(d.strides[i] for i in p)
+    return d.shape, d.strides
+
+
+def out_size(n: int, k: int, s: int, p: int, d: int) -> int:
+    return (n + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+    x, w, bias = need(OP, "x", ins[0]), need(OP, "weight", ins[1]), ins[2]
+    check_dtype(OP, "x", x, DTYPES)
+    check_dtype(OP, "weight", w, (x.dtype,))
+    if x.ndim != 4:
+        raise ParamError(op=OP, arg="x", expected="4 dims (NCHW, or NHWC with Format.NHWC)", got=x.shape)
+    if w.ndim != 4:
+        raise ParamError(op=OP, arg="weight", expected="4 dims (OC, C/groups, KH, KW)", got=w.shape)
+    (n, c, h, wd), _ = nchw(x)
+    oc, cg, kh, kw = w.shape
+    g = attrs["groups"]
+    for name in ("stride", "dilation"):
+        if min(attrs[name]) < 1:
+            raise ParamError(op=OP, arg=name, expected="values >= 1", got=attrs[name])
+    if min(attrs["padding"]) < 0:
+        raise ParamError(op=OP, arg="padding", expected="values >= 0", got=attrs["padding"])
+    if g < 1 or c % g or oc % g:
+        raise ParamError(op=OP, arg="groups", expected=f"a divisor of channels {c} and out channels {oc}", got=g)
+    if cg != c // g:
+        raise ParamError(op=OP, arg="weight", expected=f"{c // g} input channels per group (dim 1)", got=w.shape)
+    if bias is not None:
+        check_dtype(OP, "bias", bias, (x.dtype,))
+        if bias.shape != (oc,):
+            raise ParamError(op=OP, arg="bias", expected=f"shape ({oc},)", got=bias.shape)
+    (sh, sw), (ph, pw), (dh, dw) = attrs["stride"], attrs["padding"], attrs["dilation"]
+    oh, ow = out_size(h, kh, sh, ph, dh), out_size(wd, kw, sw, pw, dw)
+    if oh < 1 or ow < 1:
+        raise ParamError(op=OP, arg="x", expected=f"an input at least as large as the dilated kernel {(kh, kw)}",
+                         got=x.shape)
+    shape = (n, oh, ow, oc) if x.format is Format.NHWC else (n, oc, oh, ow)
+    return (TensorDesc(shape, x.dtype, format=Format.NHWC if x.format is Format.NHWC else Format.NCHW),)
+
+
+def _orientation(xs: tuple[int, ...], os_: tuple[int, ...], t: ConvTiling) -> str:
+    """``cm`` when the output's (H, W) rows are unit-stride, ``pm`` when its channels are, else ``""``."""
+    if os_[3] == 1 and os_[2] == t.ow and matrix_ok((t.ocg, t.oh * t.ow), (os_[1], 1), out=True):
+        return "cm"
+    if os_[1] == 1 and os_[2] == t.ow * os_[3] and matrix_ok((t.oh * t.ow, t.ocg), (os_[3], 1), out=True):
+        return "pm"
+    return ""
+
+
+def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, Any], limit: Any) -> Plan:
+    """Candidates ranked by expected speed; im2col's tile is the most output rows whose unfolded input fits.
+
+    Workspace: gemm_1x1 and direct 0; im2col align64(Cg*KH*KW * tile_rows*OW * itemsize).
+    """
+    (n, c, h, wd), xs = nchw(x)
+    _, os_ = nchw(out)
+    oc, cg, kh, kw = w.shape
+    (sh, sw), (ph, pw), (dh, dw), g = attrs["stride"], attrs["padding"], attrs["dilation"], attrs["groups"]
+    oh, ow = out_size(h, kh, sh, ph, dh), out_size(wd, kw, sw, pw, dw)
+    kc = cg * kh * kw
+    wm = merge_dims(w.shape[1:], w.strides[1:])
+    t = ConvTiling(n, c, h, wd, oc, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, g, cg, oc // g, kc,
+                   wm[1] if wm else 0, "", oh, x.format is Format.NHWC)
+    orient = _orientation(xs, os_, t)
+    w_ok = wm is not None and (matrix_ok((oc // g, kc), (w.strides[0], wm[1])) if orient == "cm"
+                               else matrix_ok((kc, oc // g), (wm[1], w.strides[0])))
+    item = x.dtype.itemsize
+    direct = Candidate("direct", t, 0)
+    cands: list[Candidate] = []
+    if orient and w_ok:
+        t = ConvTiling(**{**t.__dict__, "orient": orient})
+        x_pix = merge_dims((n, h, wd), (xs[0], xs[2], xs[3])) if orient == "pm" else \
+            merge_dims((h, wd), (xs[2], xs[3]))
+        x_ok = x_pix is not None and (matrix_ok((n * h * wd, cg), (xs[3], xs[1])) if orient == "pm"
+                                      else matrix_ok((cg, h * wd), (xs[1], xs[3])))
+        if kh == kw == 1 and (sh, sw, ph, pw) == (1, 1, 0, 0) and x_ok:
+            cands.append(Candidate("gemm_1x1", t, 0))
+        per_row = kc * ow * item
+        rows = oh if limit is None else max(1, min(oh, (limit // 64 * 64) // max(per_row, 1)))
+        ti = ConvTiling(**{**t.__dict__, "tile_rows": rows})
+        cands.append(Candidate("im2col", ti, align(per_row * rows)))
+    if cg == 1 and g > 1:
+        cands.insert(0, direct)
+    else:
+        cands.append(direct)
+    return choose(OP, cands, limit)
+
+
+def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+    return plan_conv(ins[0], ins[1], outs[0], attrs, effective_limit(OP, limit))
+
+
+def logical(a: Any, fmt_nhwc: bool) -> Any:
+    """The logical NCHW view of an array (NHWC arrays are transposed, no copy)."""
+    return a.transpose(0, 3, 1, 2) if fmt_nhwc else a
+
+
+def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+    x, w, bias = ins
+    t: ConvTiling = plan.tiling
+    xv, ov = logical(x, t.nhwc), logical(outs[0], t.nhwc)
+    build = {"gemm_1x1": build_gemm_1x1, "im2col": build_im2col, "direct": build_direct}[plan.implementation]
+    return build(t, xv, w, bias, ov)
+
+
+def reference(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
+              groups: int = 1, nhwc: bool = False) -> Any:
+    """float64 convolution by summing shifted slices (NCHW; ``nhwc=True`` for NHWC arrays)."""
+    x = np.asarray(x, np.float64)
+    x = x.transpose(0, 3, 1, 2) if nhwc else x
+    w = np.asarray(weight, np.float64)
+    (sh, sw), (ph, pw), (dh, dw) = as_pair(stride), as_pair(padding), as_pair(dilation)
+    n, c, h, wd = x.shape
+    oc, cg, kh, kw = w.shape
+    oh, ow = out_size(h, kh, sh, ph, dh), out_size(wd, kw, sw, pw, dw)
+    xp = np.zeros((n, c, h + 2 * ph, wd + 2 * pw))
+    xp[:, :, ph:ph + h, pw:pw + wd] = x
+    out = np.zeros((n, oc, oh, ow))
+    ocg = oc // groups
+    for g in range(groups):
+        for i in range(kh):
+            for j in range(kw):
+                patch = xp[:, g * cg:(g + 1) * cg, i * dh:i * dh + sh * (oh - 1) + 1:sh,
+                           j * dw:j * dw + sw * (ow - 1) + 1:sw]
+                out[:, g * ocg:(g + 1) * ocg] += np.einsum("nchw,oc->nohw", patch, w[g * ocg:(g + 1) * ocg, :, i, j])
+    if bias is not None:
+        out += np.asarray(bias, np.float64)[None, :, None, None]
+    return out.transpose(0, 2, 3, 1) if nhwc else out
+
+
+conv2d = register(OpDef(
+    name=OP,
+    inputs=("x", "weight", "bias?"),
+    attrs=(Attr("stride", as_pair, (1, 1)), Attr("padding", as_pair, (0, 0)), Attr("dilation", as_pair, (1, 1)),
+           Attr("groups", as_int, 1)),
+    dtypes=DTYPES,
+    infer=_infer,
+    select=_select,
+    kernels={"cpu": _build},
+    implementations=("gemm_1x1", "im2col", "direct"),
+    workspace_formula="gemm_1x1: 0; im2col: align64(C/groups*KH*KW * tile_rows*OW * itemsize); direct: 0",
+    doc=("2-D convolution (cross-correlation, as PyTorch), float32 / float64, NCHW or NHWC (Format.NHWC, shape "
+         "(N, H, W, C)), weight (OC, C/groups, KH, KW), optional bias (OC,). gemm_1x1 (1x1, stride 1, padding 0): "
+         "GEMM per group on the operands, workspace 0. im2col: per image, group and tile of output rows, the "
+         "unfolded input (C/groups*KH*KW, tile_rows*OW) in the workspace and one GEMM, workspace "
+         "align64(C/groups*KH*KW * tile_rows*OW * itemsize), tile_rows = OH unless workspace_limit forces fewer. "
+         "direct: loop nest parallel over (N, OC), workspace 0, ranked first when depthwise (C/groups == 1)."),
+    reference=reference,
+))

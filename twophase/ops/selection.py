@@ -1,0 +1,85 @@
+"""Algorithm selection under a workspace limit: candidates ranked by expected speed, the first that fits wins.
+
+Pure functions of metadata (tests call them directly), plus :func:`forced`, a test hook that restricts which
+implementations phase 1 may pick.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import numbers
+from collections.abc import Iterator, Sequence
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+from .. import config
+from ..errors import ParamError
+from ..op import Plan
+
+__all__ = ["Candidate", "choose", "effective_limit", "forced"]
+
+log = logging.getLogger("twophase")
+_only: ContextVar[frozenset[str] | None] = ContextVar("twophase_forced_implementations", default=None)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run an op call: implementation name, its frozen tiling and its exact workspace in bytes."""
+
+    implementation: str
+    tiling: Any
+    workspace: int
+
+
+def effective_limit(op: str, limit: Any) -> int | None:
+    """The limit in force: ``limit`` when given, else the ``TWOPHASE_WORKSPACE_LIMIT`` setting (None = unlimited)."""
+    if limit is None:
+        limit = config.settings.workspace_limit
+        if limit is None:
+            return None
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 0:
+        raise ParamError(op=op, arg="workspace_limit", expected="None or an int >= 0 (bytes)", got=limit)
+    return int(limit)
+
+
+@contextlib.contextmanager
+def forced(*implementations: str) -> Iterator[None]:
+    """Test hook: inside the block, phase 1 only considers the named implementations (still ranked).
+
+    The executor cache is off inside the block (its key does not know about the restriction).
+    """
+    token = _only.set(frozenset(implementations))
+    cached = config.settings.cache_enabled
+    config.set_cache_enabled(False)
+    try:
+        yield
+    finally:
+        config.set_cache_enabled(cached)
+        _only.reset(token)
+
+
+def choose(op: str, candidates: Sequence[Candidate], limit: Any = None) -> Plan:
+    """The first candidate (ranked fastest first) whose workspace fits ``limit``, as a :class:`Plan`.
+
+    Raises ``ParamError`` (arg ``workspace_limit``) naming the smallest workspace that would work when none
+    fits, and (arg ``implementation``) when :func:`forced` leaves no candidate.
+    """
+    lim = effective_limit(op, limit)
+    only = _only.get()
+    pool = list(candidates)
+    if only is not None:
+        pool = [c for c in candidates if c.implementation in only]
+        if not pool:
+            raise ParamError(op=op, arg="implementation", expected=f"one of {[c.implementation for c in candidates]}",
+                             got=f"forced {sorted(only)}")
+    for c in pool:
+        if lim is None or c.workspace <= lim:
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug("%s: implementation %s, workspace %d bytes (limit %s), tiling %r", op, c.implementation,
+                          c.workspace, lim, c.tiling)
+            return Plan(c.implementation, c.tiling, c.workspace)
+    smallest = min(pool, key=lambda c: c.workspace)
+    raise ParamError("no implementation fits the workspace limit", op=op, arg="workspace_limit",
+                     expected=f"at least {smallest.workspace} bytes ({smallest.implementation})", got=lim)
