@@ -58,6 +58,24 @@ class Executor:
                  "_tensors", "_launch", "_gate", "_state", "_repeatable", "_owner", "_blocks", "launches",
                  "device", "origin", "__weakref__")
 
+    op: Op
+    plan: Plan
+    attrs: dict[str, Any]
+    input_descs: tuple[TensorDesc | None, ...]
+    output_descs: tuple[TensorDesc, ...]
+    workspace_size: int
+    id: int
+    _tensors: list[Tensor | None]
+    _launch: Launch | None
+    _gate: Op | None
+    _state: ExecState
+    _repeatable: bool
+    _owner: int
+    _blocks: tuple[Block, ...]
+    launches: int
+    device: Any
+    origin: Any
+
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Executors are made by phase 1: use twophase.ops.NAME.get_workspace_size(...)")
 
@@ -72,16 +90,16 @@ class Executor:
         self.output_descs = output_descs
         self.workspace_size = plan.workspace_size
         self.id = next(_ids)
-        self._tensors: list[Tensor | None] = [None] * (len(input_descs) + len(output_descs))
-        self._launch: Launch | None = None
-        self._gate: Op | None = None  # the op while ready and fully bound: phase 2's one-compare check
+        self._tensors = [None] * (len(input_descs) + len(output_descs))
+        self._launch = None
+        self._gate = None  # the op while ready and fully bound: phase 2's one-compare check
         self._state = ExecState.READY
         self._repeatable = False
         self._owner = threading.get_ident()
-        self._blocks: tuple[Block, ...] = ()
+        self._blocks = ()
         self.launches = 0
-        self.device: Any = None
-        self.origin: Any = None  # set by observers (where it was created)
+        self.device = None
+        self.origin = None  # where it was planned (recorded for repeatable executors)
         return self
 
     # ---- introspection

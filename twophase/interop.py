@@ -53,8 +53,11 @@ def from_dlpack(obj: Any, dev: Device | None = None) -> Tensor:
             lo, hi = (lo + (n - 1) * s, hi) if s < 0 else (lo, hi + (n - 1) * s)
     nbytes = (hi - lo + 1) * item if arr.size else 0
     start = base + lo * item
-    mem = np.frombuffer((ctypes.c_uint8 * max(nbytes, 1)).from_address(start), np.uint8) if nbytes else \
-        np.empty(0, np.uint8)
+    if nbytes:
+        raw = (ctypes.c_uint8 * nbytes).from_address(start)
+        mem = np.frombuffer(raw, np.uint8)  # type: ignore[call-overload]
+    else:
+        mem = np.empty(0, np.uint8)
     seg = Segment(start, nbytes, False, "external", (mem, arr))  # keeps the exporter alive
     blk = Block(_EXTERNAL, seg, 0, nbytes)  # type: ignore[arg-type]
     blk.allocated = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from threading import get_ident as _get_ident
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Sequence
@@ -80,6 +81,17 @@ def _noop(_: Any) -> None:
     pass
 
 
+def _typed(v: Any) -> Any:
+    """An attribute value as a key part: its type, the types of tuple / list elements (``(1.0,) == (1,)``),
+    and the sign of float zeros (``-0.0 == 0.0`` with equal hashes)."""
+    t = type(v)
+    if t is tuple or t is list:
+        return (t, tuple(_typed(e) for e in v))
+    if isinstance(v, float) and v == 0.0:
+        return (t, v, math.copysign(1.0, v))
+    return (t, v)
+
+
 class Op:
     """A registered op: ``get_workspace_size(...)`` is phase 1, calling the op is phase 2."""
 
@@ -148,7 +160,7 @@ class Op:
         out_key = None if outs is None else tuple(g.desc if isinstance(g, Tensor) else g for g in outs)
         dev = next(iter(bound.values())).device.name if bound else None
         try:
-            attr_key = tuple((k, type(v), v) for k, v in attrs.items())
+            attr_key = tuple((k, _typed(v)) for k, v in attrs.items())
             key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, limit,
                    in_descs, out_key, attr_key)
             hash(key)
@@ -156,7 +168,7 @@ class Op:
             try:
                 norm = self._attrs(attrs)
                 key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, limit,
-                       in_descs, out_key, tuple((k, type(v), v) for k, v in norm.items()))
+                       in_descs, out_key, tuple((k, _typed(v)) for k, v in norm.items()))
                 hash(key)
             except TypeError:
                 return None
@@ -266,7 +278,7 @@ class Op:
             self._refuse_workspace(workspace, workspace_size, ex)
         if not ex._repeatable:
             ex._gate = None
-        seq = stream._enqueue(ex._launch, None if workspace is None else workspace.data, ex)
+        seq = stream._enqueue(ex._launch, None if workspace is None else workspace.data, ex)  # type: ignore[arg-type]
         for b in ex._blocks:
             b._stream = stream
             b._seq = seq

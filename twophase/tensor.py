@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import builtins
 import enum
 import math
 from typing import TYPE_CHECKING, Any
@@ -11,6 +12,7 @@ import numpy as np
 from .errors import InvalidStateError, ParamError
 
 if TYPE_CHECKING:
+    from .runtime.device import Device
     from .runtime.memory import Block
     from .runtime.stream import Stream
 
@@ -38,7 +40,7 @@ class DType(enum.Enum):
         return _NP[self].itemsize
 
     @property
-    def is_float(self) -> bool:
+    def is_float(self) -> builtins.bool:
         return self in (DType.float16, DType.float32, DType.float64)
 
     @classmethod
@@ -94,6 +96,8 @@ class TensorDesc:
     format: Format
     numel: int
     ndim: int
+    _hash: int
+    _contiguous: bool | None
 
     def __init__(
         self,
@@ -172,7 +176,7 @@ class TensorDesc:
         if c is None:
             c = all(s == k for s, k, n in zip(self.strides, contiguous_strides(self.shape), self.shape) if n > 1)
             object.__setattr__(self, "_contiguous", c)
-        return c
+        return bool(c)
 
     @property
     def nbytes(self) -> int:
@@ -192,8 +196,8 @@ class TensorDesc:
 
     def with_(self, **changes: Any) -> TensorDesc:
         """A copy with some fields replaced (strides reset to contiguous when only the shape changes)."""
-        fields = {"shape": self.shape, "dtype": self.dtype, "strides": self.strides, "offset": self.offset,
-                  "format": self.format}
+        fields: dict[str, Any] = {"shape": self.shape, "dtype": self.dtype, "strides": self.strides,
+                                  "offset": self.offset, "format": self.format}
         if "shape" in changes and "strides" not in changes:
             fields["strides"] = None
         fields.update(changes)
@@ -211,12 +215,14 @@ class Tensor:
 
     desc: TensorDesc
     block: Block
+    device: Device
+    _view: np.ndarray[Any, Any] | None
 
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Tensors are made by a device: use dev.tensor(array) or dev.empty(shape, dtype)")
 
     @classmethod
-    def _make(cls, desc: TensorDesc, block: Block, device: Any) -> Tensor:
+    def _make(cls, desc: TensorDesc, block: Block, device: Device) -> Tensor:
         self = object.__new__(cls)
         lo, hi = desc.span()
         if lo < 0 or hi * desc.dtype.itemsize > block.size:

@@ -169,6 +169,12 @@ class Stream:
 
     __slots__ = ("device", "name", "_q", "_enqueue", "__weakref__", "_finalizer")
 
+    device: Device
+    name: str
+    _q: _Queue
+    _enqueue: Callable[[Callable[[Any], Any], Any, Any], int]
+    _finalizer: Any
+
     _ids = 0
 
     def __init__(self, *_: Any, **__: Any) -> None:
@@ -276,6 +282,10 @@ class Event:
 
     __slots__ = ("stream", "seq", "time")
 
+    stream: Stream
+    seq: int
+    time: float | None
+
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Events are made by a stream: use stream.record_event()")
 
@@ -284,7 +294,7 @@ class Event:
         self = object.__new__(cls)
         self.stream = stream
         self.seq = 0
-        self.time: float | None = None
+        self.time = None
         return self
 
     def __repr__(self) -> str:

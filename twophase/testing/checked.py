@@ -70,11 +70,12 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
                for x in inputs]
     stream.synchronize()
     size, ex = op.get_workspace_size(*tensors, out=out, **attrs)
-    outs = [t for t in ex.outputs]
-    for i, d in enumerate(ex.output_descs):
-        if outs[i] is None:
-            outs[i] = dev.empty_like(d)
-            ex.set_output(i, outs[i])
+    outs: list[Tensor] = []
+    for i, (t, d) in enumerate(zip(ex.outputs, ex.output_descs)):
+        if t is None:
+            t = dev.empty_like(d)
+            ex.set_output(i, t)
+        outs.append(t)
     for t in outs:
         _poison(t)
     outer, inner = guarded_workspace(dev, size, stream)
