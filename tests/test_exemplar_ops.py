@@ -151,7 +151,8 @@ def test_add_in_place_into_its_own_input(dev, stream, rng, alpha):
 @st.composite
 def reduce_case(draw):
     shape = tuple(draw(st.lists(st.integers(0, 6), min_size=1, max_size=4)))
-    dims = tuple(draw(st.lists(st.integers(-len(shape), len(shape) - 1), max_size=len(shape), unique_by=lambda d: d % len(shape))))
+    n = len(shape)
+    dims = tuple(draw(st.lists(st.integers(-n, n - 1), max_size=n, unique_by=lambda d: d % n)))
     return shape, dims
 
 

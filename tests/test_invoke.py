@@ -147,3 +147,17 @@ def test_planned_call_phase1_errors_leave_nothing_allocated(dev, stream):
     with pytest.raises(twophase.ParamError, match="reduce_sum"):
         PlannedCall(ops.reduce_sum, stream, TensorDesc((2, 3)), dims=(5,))
     assert dev.pool.stats()["alloc_count"] == before
+
+
+def test_planned_call_reports_pending_work_until_it_completes(dev, stream, rng, gate):
+    _, x, out = _reduce_inputs(dev, stream, rng)
+    stream.synchronize()
+    with PlannedCall(ops.reduce_sum, stream, x, dims=(1,), out=out) as call:
+        ev = gate(stream)
+        try:
+            call()
+            assert call.pending()
+        finally:
+            ev.set()
+        stream.synchronize()
+        assert not call.pending()

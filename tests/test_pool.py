@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import mmap
 import re
+import threading
 
 import numpy as np
 import pytest
@@ -227,3 +228,35 @@ def test_device_empty_and_tensor_allocate_from_the_device_pool(dev, rng):
     assert dev.pool.stats()["alloc_count"] == before + 1
     np.testing.assert_equal(t.numpy().shape, (10,))
     t.free(dev.default_stream)
+
+
+def test_pool_is_thread_safe_under_concurrent_malloc_and_free(pool):
+    errors = []
+
+    def worker(seed):
+        r = np.random.default_rng(seed)
+        held = []
+        try:
+            for _ in range(300):
+                if held and r.random() < 0.5:
+                    b = held.pop(r.integers(len(held)))
+                    assert (b.data[:8] == seed).all()  # nobody else was handed our block
+                    b.free()
+                else:
+                    b = pool.malloc(int(r.integers(0, 300_000)))
+                    b.data[:8] = seed
+                    held.append(b)
+            for b in held:
+                b.free()
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i + 1,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    s = pool.stats()
+    assert s["allocated_bytes"] == 0 and s["requested_bytes"] == 0 and s["alloc_count"] == s["free_count"]
+    assert pool.empty_cache() == s["reserved_bytes"] and pool.stats()["segments"] == 0

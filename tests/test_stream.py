@@ -223,3 +223,24 @@ def test_null_device_phase1_plans_like_the_cpu():
 def test_unknown_device_name_is_a_param_error():
     with pytest.raises(twophase.ParamError, match="device"):
         twophase.device("tpu")
+
+
+def test_concurrent_producers_keep_each_threads_order_and_lose_no_task(stream):
+    seen = []
+
+    def producer(tag):
+        for i in range(300):
+            stream.launch_callback(lambda i=i: seen.append((tag, i)))
+
+    threads = [threading.Thread(target=producer, args=(k,)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    waiter = threading.Thread(target=stream.synchronize, daemon=True)
+    waiter.start()
+    waiter.join(60)  # a hang guard (a lost wake-up would block forever), not a timing check
+    assert not waiter.is_alive()
+    assert len(seen) == 1200
+    for k in range(4):
+        assert [i for tag, i in seen if tag == k] == list(range(300))
