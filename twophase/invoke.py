@@ -93,7 +93,10 @@ class PlannedCall:
             for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
                 if t is not ex._tensors[len(ex.input_descs) + i]:
                     ex.set_output(i, t)
-        self.op(self.workspace, self.workspace_size, ex, self.stream)
+        ws, s = self.workspace, self.stream
+        self.op(ws, self.workspace_size, ex, s)
+        if ws is not None:
+            ws.mark_use(s, s._q.submitted)  # what pending() reads: the launch that uses the workspace
         outs = ex.outputs
         return outs[0] if len(outs) == 1 else outs
 

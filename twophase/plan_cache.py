@@ -81,11 +81,13 @@ class PlanCache:
             self.misses += 1
             call = PlannedCall(o, s, *inputs, out=out, **attrs)
             entry = _Entry(call)
+            entry.leases = 1  # leased before evicting: the new entry itself may be over the byte cap
             if key[0] is not None:
                 self._entries[key] = entry
                 self._by_call[id(call)] = key
                 self.bytes += call.workspace_size
                 self._evict()
+            return call
         entry.leases += 1
         return call
 

@@ -1,0 +1,198 @@
+"""``plan()`` / ``PlannedCall`` and ``PlanCache``: hits rebind buffers, leases block eviction, the entry and
+byte caps hold, an evicted plan's workspace is freed only after its stream's work is done, owner thread."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import twophase
+from twophase import ExecState, PlanCache, ops
+
+# reduce_sum over R > 4096 elements per row has a nonzero workspace: align64(K * ceil(R/4096) * 8)
+_R = 5000
+
+
+def _ws_input(dev, rng, rows, stream):
+    a = rng.standard_normal((rows, _R))
+    return a, dev.tensor(a, stream=stream)
+
+
+def test_plan_runs_many_times_and_rebinds_inputs(dev, stream, rng):
+    a1, a2 = rng.standard_normal((3, 8)), rng.standard_normal((3, 8))
+    x1, x2 = dev.tensor(a1, stream=stream), dev.tensor(a2, stream=stream)
+    with twophase.plan("softmax", x1, dim=1, stream=stream) as call:
+        r1 = call().numpy()
+        r2 = call(x2).numpy()
+        assert call.executor.launches == 2 and call.executor.repeatable
+    assert call.executor.state is ExecState.DESTROYED
+    np.testing.assert_allclose(r1, np.exp(a1) / np.exp(a1).sum(1, keepdims=True), rtol=1e-10, atol=1e-10)
+    np.testing.assert_allclose(r2, np.exp(a2) / np.exp(a2).sum(1, keepdims=True), rtol=1e-10, atol=1e-10)
+
+
+def test_plan_closes_on_exception(dev, stream, rng):
+    x = dev.tensor(rng.standard_normal((2, 3)), stream=stream)
+    with pytest.raises(RuntimeError):
+        with twophase.plan(ops.softmax, x, stream=stream) as call:
+            call()
+            raise RuntimeError("boom")
+    assert call.workspace is None and call.executor.state is ExecState.DESTROYED
+
+
+def test_hit_reuses_the_plan_with_the_new_buffers(dev, stream, rng):
+    pc = PlanCache()
+    results = []
+    for _ in range(3):
+        a, b = rng.standard_normal((4, 5)), rng.standard_normal((4, 5))
+        with pc.lease("add", dev.tensor(a, stream=stream), dev.tensor(b, stream=stream), stream=stream) as call:
+            results.append((call().numpy(), a + b))
+    assert pc.info()["hits"] == 2 and pc.info()["misses"] == 1 and len(pc) == 1
+    for got, want in results:
+        np.testing.assert_allclose(got, want)
+    pc.clear()
+    assert len(pc) == 0
+
+
+def test_hit_rebinds_a_given_out(dev, stream, rng):
+    pc = PlanCache()
+    for _ in range(2):
+        a = rng.standard_normal((3, _R))
+        out = dev.empty((3,), "float64")
+        with pc.lease("reduce_sum", dev.tensor(a, stream=stream), out=out, dims=1, stream=stream) as call:
+            assert call() is out
+            np.testing.assert_allclose(out.numpy(), a.sum(1), rtol=1e-10, atol=1e-10)
+    assert pc.info()["hits"] == 1
+    pc.clear()
+
+
+def test_entry_cap_holds_when_nothing_is_leased(dev, stream, rng):
+    pc = PlanCache(max_entries=2)
+    for rows in (1, 2, 3, 4):
+        _, x = _ws_input(dev, rng, rows, stream)
+        with pc.lease("reduce_sum", x, dims=1, stream=stream) as call:
+            call()
+        stream.synchronize()
+        assert len(pc) <= 2
+    assert pc.info()["evictions"] == 2
+    pc.clear()
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.lists(st.integers(1, 40), min_size=1, max_size=8), cap_rows=st.integers(1, 60))
+def test_bytes_cap_holds(rows, cap_rows):
+    dev = twophase.device("cpu")
+    s = dev.stream()
+    rng = np.random.default_rng(len(rows) * 100 + cap_rows)
+    cap = cap_rows * 16  # align64(rows * 2 * 8) per plan
+    pc = PlanCache(max_entries=100, max_bytes=cap)
+    try:
+        for n in rows:
+            a, x = _ws_input(dev, rng, n, s)
+            with pc.lease("reduce_sum", x, dims=1, stream=s) as call:
+                assert call.workspace_size > 0
+                got = call().numpy()  # an owned output lives as long as the entry
+            np.testing.assert_allclose(got, a.sum(1), rtol=1e-10, atol=1e-10)
+            s.synchronize()
+            pc._evict()  # nothing pending any more
+            info = pc.info()
+            assert info["bytes"] <= cap or info["size"] == 0
+            assert info["bytes"] == sum(e.call.workspace_size for e in pc._entries.values())
+    finally:
+        pc.clear()
+        s.close()
+
+
+def test_leased_entries_are_not_evicted(dev, stream, rng):
+    pc = PlanCache(max_entries=1)
+    _, x1 = _ws_input(dev, rng, 1, stream)
+    _, x2 = _ws_input(dev, rng, 2, stream)
+    c1 = pc.acquire("reduce_sum", x1, dims=1, stream=stream)
+    c2 = pc.acquire("reduce_sum", x2, dims=1, stream=stream)
+    assert len(pc) == 2 and pc.info()["evictions"] == 0  # over the cap, but both leased
+    assert c1.workspace is not None and c1.executor.state is ExecState.READY
+    c1()
+    pc.release(c1)
+    stream.synchronize()
+    pc.release(c2)  # now c1 is free and done: the cap is enforced again
+    assert len(pc) == 1 and pc.info()["evictions"] == 1
+    assert c1.workspace is None and c1.executor.state is ExecState.DESTROYED
+    pc.clear()
+
+
+def test_release_without_lease_raises(dev, stream, rng):
+    pc = PlanCache()
+    call = pc.acquire("softmax", dev.tensor(rng.standard_normal((2, 2)), stream=stream), stream=stream)
+    pc.release(call)
+    with pytest.raises(twophase.InvalidStateError):
+        pc.release(call)
+    pc.clear()
+
+
+def test_entry_with_pending_stream_work_is_not_evicted(dev, stream, gate, rng):
+    pc = PlanCache(max_entries=1)
+    a1, x1 = _ws_input(dev, rng, 2, stream)
+    ev = gate(stream)
+    with pc.lease("reduce_sum", x1, dims=1, stream=stream) as c1:
+        r1 = c1()
+    _, x2 = _ws_input(dev, rng, 3, stream)
+    with pc.lease("reduce_sum", x2, dims=1, stream=stream):
+        pass
+    # c1's kernel is still queued behind the gate: its plan and workspace must survive
+    assert c1.workspace is not None and c1.executor.state is ExecState.READY
+    assert len(pc) == 1  # the cap held by evicting the idle newer entry instead
+    ev.set()
+    stream.synchronize()
+    np.testing.assert_allclose(r1.numpy(), a1.sum(1), rtol=1e-10, atol=1e-10)
+    pc.clear()
+    assert c1.workspace is None and c1.executor.state is ExecState.DESTROYED
+
+
+def test_evicted_workspace_is_not_reused_by_another_stream_before_its_work_is_done(dev, stream, gate, rng):
+    """The workspace returns to the pool in stream order: another stream cannot get it while work is queued."""
+    other = dev.stream()
+    try:
+        pc = PlanCache(max_entries=1)
+        a1, x1 = _ws_input(dev, rng, 2, stream)
+        r1 = dev.empty((2,), "float64")
+        ev = gate(stream)
+        with pc.lease("reduce_sum", x1, out=r1, dims=1, stream=stream) as c1:
+            c1()
+            ws = c1.workspace
+        addr, size = ws.address, ws.size
+        c1.close(sync=False)  # what eviction does
+        pc.clear()
+        taken = [dev.malloc(size, stream=other) for _ in range(4)]
+        assert all(b.address != addr for b in taken)
+        ev.set()
+        stream.synchronize()
+        np.testing.assert_allclose(r1.numpy(), a1.sum(1), rtol=1e-10, atol=1e-10)
+        for b in taken:
+            b.free()
+    finally:
+        other.close()
+
+
+def test_plan_cache_belongs_to_its_thread(dev, stream, rng):
+    pc = PlanCache()
+    x = dev.tensor(rng.standard_normal((2, 2)), stream=stream)
+    errors = []
+
+    def other():
+        try:
+            pc.acquire("softmax", x)
+        except twophase.InvalidStateError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and "thread" in str(errors[0])
+
+
+def test_bad_max_entries_is_refused():
+    with pytest.raises(twophase.ParamError):
+        PlanCache(max_entries=0)
