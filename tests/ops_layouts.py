@@ -18,7 +18,9 @@ def on_device(a: np.ndarray[Any, Any], layout: str = "dense") -> Tensor:
     dev = device("cpu")
     a = np.asarray(a)
     if layout == "dense" or a.ndim == 0:
-        return dev.tensor(a)
+        t = dev.tensor(a)
+        t.synchronize()  # the copy-in runs on the default stream; run_checked uses its own
+        return t
     if layout == "strided":
         base = np.zeros(a.shape[:-1] + (2 * a.shape[-1] + 1,), a.dtype)
         view = base[..., 1::2]
@@ -31,6 +33,7 @@ def on_device(a: np.ndarray[Any, Any], layout: str = "dense") -> Tensor:
     view[...] = a
     item = a.dtype.itemsize
     t = dev.tensor(base)
+    t.synchronize()
     offset = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item
     return t.strided(view.shape, tuple(s // item for s in view.strides), offset)
 

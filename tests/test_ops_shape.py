@@ -1,0 +1,126 @@
+"""Shape and data movement ops against numpy, over layouts; embedding's out-of-range index at sync."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ops_layouts import LAYOUTS, on_device, random, shapes
+
+from twophase import device, ops
+from twophase.errors import ParamError
+from twophase.testing import run_checked
+
+
+def all_written(r: Any) -> None:
+    assert r.guards_intact and all(u == 0 for u in r.unwritten)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes(1, 4), layout=st.sampled_from(LAYOUTS), data=st.data(),
+       dtype=st.sampled_from([np.float32, np.int64, np.float16]))
+def test_contiguous_permute_transpose_slice_match_numpy(shape: tuple[int, ...], layout: str, data: Any,
+                                                         dtype: Any) -> None:
+    x = random(shape, dtype, np.random.default_rng(0))
+    t = on_device(x, layout)
+    r = run_checked(ops.contiguous, t)
+    all_written(r)
+    np.testing.assert_array_equal(r.outputs[0], x)
+    perm = tuple(data.draw(st.permutations(range(len(shape)))))
+    np.testing.assert_array_equal(run_checked(ops.permute, t, dims=perm).outputs[0], np.transpose(x, perm))
+    a, b = data.draw(st.integers(-len(shape), len(shape) - 1)), data.draw(st.integers(-len(shape), len(shape) - 1))
+    np.testing.assert_array_equal(run_checked(ops.transpose, t, dim0=a, dim1=b).outputs[0], np.swapaxes(x, a, b))
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    start, end = data.draw(st.one_of(st.none(), st.integers(-9, 9))), data.draw(st.one_of(st.none(), st.integers(-9, 9)))
+    step = data.draw(st.integers(1, 3))
+    r = run_checked(ops.slice, t, dim=dim, start=start, end=end, step=step)
+    np.testing.assert_array_equal(r.outputs[0], ops.slice.spec.reference(x, dim=dim, start=start, end=end, step=step))
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=shapes(1, 3, 5), n=st.integers(1, 4), layout=st.sampled_from(LAYOUTS), data=st.data())
+def test_concat_then_split_roundtrip(shape: tuple[int, ...], n: int, layout: str, data: Any) -> None:
+    dim = data.draw(st.integers(0, len(shape) - 1))
+    rng = np.random.default_rng(n)
+    parts = [random(shape[:dim] + (data.draw(st.integers(0, 3)),) + shape[dim + 1:], np.float32, rng)
+             for _ in range(n)]
+    r = run_checked(ops.concat, *[on_device(p, layout) for p in parts], dim=dim)
+    all_written(r)
+    joined = np.concatenate(parts, axis=dim)
+    np.testing.assert_array_equal(r.outputs[0], joined)
+    s = run_checked(ops.split, on_device(joined, layout), sizes=[p.shape[dim] for p in parts], dim=dim)
+    assert len(s.outputs) == n
+    for got, want in zip(s.outputs, parts):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_split_by_chunk_size_makes_a_smaller_last_part() -> None:
+    x = np.arange(10.0)
+    out = run_checked(ops.split, x, sizes=4).outputs
+    assert [o.tolist() for o in out] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=shapes(1, 3, 5), layout=st.sampled_from(LAYOUTS), data=st.data())
+def test_pad_constant_matches_numpy_and_writes_every_element(shape: tuple[int, ...], layout: str, data: Any) -> None:
+    pads = tuple(data.draw(st.lists(st.integers(0, 3), min_size=0, max_size=2 * len(shape)).filter(
+        lambda p: len(p) % 2 == 0)))
+    x = random(shape, np.float64, np.random.default_rng(1))
+    r = run_checked(ops.pad, on_device(x, layout), pads=pads, value=2.5)
+    all_written(r)
+    np.testing.assert_array_equal(r.outputs[0], ops.pad.spec.reference(x, pads, 2.5))
+
+
+@pytest.mark.parametrize("idx_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("layout", ["dense", "transposed", "reversed"])
+def test_embedding_gathers_rows(idx_dtype: Any, layout: str) -> None:
+    rng = np.random.default_rng(2)
+    w = rng.standard_normal((11, 5)).astype(np.float32)
+    idx = rng.integers(0, 11, (3, 4)).astype(idx_dtype)
+    r = run_checked(ops.embedding, on_device(w, "strided"), on_device(idx, layout))
+    all_written(r)
+    np.testing.assert_array_equal(r.outputs[0], w[idx])
+    if layout == "transposed":
+        assert r.implementation == "packed_indices" and r.workspace_size == -(-12 * idx.itemsize // 64) * 64
+
+
+@pytest.mark.parametrize("bad", [11, -1])
+def test_embedding_out_of_range_index_raises_param_error_at_sync_and_stream_recovers(bad: int) -> None:
+    dev = device("cpu")
+    s = dev.stream()
+    w = dev.tensor(np.ones((11, 3), np.float32), stream=s)
+    idx = dev.tensor(np.array([1, bad, 2], np.int64), stream=s)
+    size, ex = ops.embedding.get_workspace_size(w, idx)
+    out = dev.empty((3, 3), np.float32)
+    ex.set_output(0, out)
+    ws = dev.malloc(size, stream=s)
+    ops.embedding(ws, size, ex, s)
+    with pytest.raises(ParamError) as e:
+        s.synchronize()
+    assert e.value.op == "embedding" and e.value.arg == "indices" and str(bad) in str(e.value)
+    assert "executor" in str(e.value)
+    good = run_checked(ops.embedding, w, dev.tensor(np.array([10, 0], np.int32), stream=s), stream=s)
+    np.testing.assert_array_equal(good.outputs[0], np.ones((2, 3), np.float32))
+    ws.free(s)
+
+
+@pytest.mark.parametrize("call,arg", [
+    (lambda: ops.permute.get_workspace_size(on_device(np.ones((2, 3))), dims=(0, 0)), "dims"),
+    (lambda: ops.concat.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones((3, 3))), dim=1), "x1"),
+    (lambda: ops.concat.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones((2, 3), np.float32))),
+     "x1"),
+    (lambda: ops.split.get_workspace_size(on_device(np.ones(5)), sizes=(2, 2)), "sizes"),
+    (lambda: ops.slice.get_workspace_size(on_device(np.ones(5)), step=0), "step"),
+    (lambda: ops.slice.get_workspace_size(on_device(np.ones(5)), dim=1), "dim"),
+    (lambda: ops.pad.get_workspace_size(on_device(np.ones(5)), pads=(1,)), "pads"),
+    (lambda: ops.pad.get_workspace_size(on_device(np.ones(5)), pads=(1, -1)), "pads"),
+    (lambda: ops.embedding.get_workspace_size(on_device(np.ones((3, 2))), on_device(np.ones(2))), "indices"),
+    (lambda: ops.embedding.get_workspace_size(on_device(np.ones(3)), on_device(np.ones(2, np.int32))), "weight"),
+])
+def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -> None:
+    with pytest.raises(ParamError) as e:
+        call()
+    assert e.value.arg == arg
