@@ -4,6 +4,7 @@ poisoned outputs and a guarded workspace; and their workspace sizes against the 
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -304,3 +305,13 @@ def test_softmax_op_doc_formula_matches_a_packed_float64_workspace():
     ex.destroy()
     assert ex.tiling.pack
     assert size == align64(4 * 3 * 5 * 4)  # what the op's doc / workspace_formula promise
+
+
+def test_run_checked_waits_for_inputs_still_pending_on_another_stream(dev, stream, rng, gate):
+    other = dev.stream()
+    a = rng.standard_normal((4, 8))
+    ev = gate(other)
+    x = dev.tensor(a, stream=other)  # its copy-in waits behind the gate
+    threading.Timer(0.2, ev.set).start()
+    run = run_checked(ops.softmax, x, stream=stream, dim=-1)
+    check(run, softmax_ref(a, -1), "float64")

@@ -69,6 +69,10 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
     tensors = [x if (isinstance(x, Tensor) or x is None) else dev.tensor(np.asarray(x), stream=stream)
                for x in inputs]
     stream.synchronize()
+    given_out = out if isinstance(out, (tuple, list)) else (out,)
+    for t in (*tensors, *given_out):
+        if isinstance(t, Tensor):
+            t.synchronize()  # tensors made on another stream may still be copying in
     size, ex = op.get_workspace_size(*tensors, out=out, **attrs)
     outs: list[Tensor] = []
     for i, (t, d) in enumerate(zip(ex.outputs, ex.output_descs)):
