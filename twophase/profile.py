@@ -1,6 +1,6 @@
 """Profiling: host times of both phases, kernel times measured on stream workers, and a Chrome trace
-(open it in Perfetto). Off by default; turning it on swaps in timed entry points, so when it is off the
-hot path carries no check at all."""
+(open it in Perfetto). Off by default; it installs hooks (``twophase.hooks``), so when it is off the hot
+path carries no check at all."""
 
 from __future__ import annotations
 
@@ -12,15 +12,14 @@ import threading
 import time
 from typing import Any, Iterator
 
+from . import hooks
 from .op import Op
-from .runtime.device import _DEVICES, Device
+from .runtime.device import _DEVICES
+from .runtime.memory import POOL_LISTENERS, MemoryPool
 from .runtime.stream import CONTROL, Stream
 
 __all__ = ["profile", "Profiler"]
 
-_plain_phase1 = Op.get_workspace_size
-_plain_phase2 = Op.__call__
-_plain_stream = Device.stream
 _active: list[Profiler] = []
 
 
@@ -71,9 +70,9 @@ class Profiler:
             c.kernel_time += t1 - t0
             c.kernel_count += 1
 
-    def pool(self, dev: Device) -> None:
-        st = dev.pool.stats()
-        self._emit({"name": f"pool {dev.name}", "ph": "C", "ts": self.us(time.perf_counter()), "pid": 1,
+    def pool(self, pool: MemoryPool) -> None:
+        st = pool.stats()
+        self._emit({"name": pool.name, "ph": "C", "ts": self.us(time.perf_counter()), "pid": 1,
                     "args": {"allocated": st["allocated_bytes"], "reserved": st["reserved_bytes"]}})
 
     def trace(self) -> dict[str, Any]:
@@ -90,28 +89,21 @@ class Profiler:
             json.dump(self.trace(), f)
 
 
-def _timed_phase1(self: Op, *inputs: Any, **kwargs: Any) -> Any:
-    t0 = time.perf_counter()
-    result = _plain_phase1(self, *inputs, **kwargs)
-    t1 = time.perf_counter()
-    self.counters.phase1_time += t1 - t0
-    self.counters.phase1_timed += 1
+def _phase1_done(op: Op, inputs: Any, kwargs: Any, result: Any, t0: float, t1: float) -> None:
+    op.counters.phase1_time += t1 - t0
+    op.counters.phase1_timed += 1
     for p in _active:
-        p.host_span(f"phase1 {self.name}", "phase1", t0, t1, {"workspace": result[0],
-                                                              "implementation": result[1].implementation})
-    return result
+        p.host_span(f"phase1 {op.name}", "phase1", t0, t1,
+                    {"workspace": result[0], "implementation": result[1].implementation})
 
 
-def _timed_phase2(self: Op, workspace: Any, workspace_size: int, executor: Any, stream: Stream) -> None:
-    t0 = time.perf_counter()
-    _plain_phase2(self, workspace, workspace_size, executor, stream)
-    t1 = time.perf_counter()
-    c = self.counters
+def _phase2_done(op: Op, workspace: Any, size: int, executor: Any, stream: Stream, t0: float, t1: float) -> None:
+    c = op.counters
     c.phase2_time += t1 - t0
     c.phase2_timed += 1
     seq = stream._q.submitted
     for p in _active:
-        p.host_span(f"phase2 {self.name}", "phase2", t0, t1, {"executor": executor.id, "stream": stream.name})
+        p.host_span(f"phase2 {op.name}", "phase2", t0, t1, {"executor": executor.id, "stream": stream.name})
         p.enqueue(stream, seq, t1 - 1e-7)
 
 
@@ -120,39 +112,26 @@ def _listen(name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
         p.kernel(name, owner, t0, t1, seq)
 
 
-def _profiled_stream(self: Device, name: str | None = None) -> Stream:
-    s = _plain_stream(self, name)
-    s._q.listeners.append(_listen)
-    return s
+def _on_pool_change(pool: MemoryPool) -> None:
+    for p in _active:
+        p.pool(pool)
 
 
-def _on_pool_change(dev: Device) -> Any:
-    def hook(*_: Any) -> None:
-        for p in _active:
-            p.pool(dev)
-    return hook
+_handles: list[Any] = []
 
 
 def _enable() -> None:
-    Op.get_workspace_size = _timed_phase1  # type: ignore[method-assign]
-    Op.__call__ = _timed_phase2  # type: ignore[method-assign]
-    Device.stream = _profiled_stream  # type: ignore[method-assign]
-    for dev in _DEVICES.values():
-        for s in list(dev._streams):
-            if _listen not in s._q.listeners:
-                s._q.listeners.append(_listen)
-        dev.pool.observer.on_change = _on_pool_change(dev)
+    _handles.append(hooks.add_phase1_hook(_phase1_done))
+    _handles.append(hooks.add_phase2_hook(after=_phase2_done))
+    hooks.add_task_listener(_listen)
+    POOL_LISTENERS.append(_on_pool_change)
 
 
 def _disable() -> None:
-    Op.get_workspace_size = _plain_phase1  # type: ignore[method-assign]
-    Op.__call__ = _plain_phase2  # type: ignore[method-assign]
-    Device.stream = _plain_stream  # type: ignore[method-assign]
-    for dev in _DEVICES.values():
-        for s in list(dev._streams):
-            if _listen in s._q.listeners:
-                s._q.listeners.remove(_listen)
-        dev.pool.observer.on_change = None
+    while _handles:
+        hooks.remove_hook(_handles.pop())
+    hooks.remove_task_listener(_listen)
+    POOL_LISTENERS.remove(_on_pool_change)
 
 
 @contextlib.contextmanager

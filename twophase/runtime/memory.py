@@ -105,12 +105,15 @@ class Block:
         return fs is None or fs is stream or fs._done >= self.free_seq
 
 
+# Called as fn(pool) after every allocation and free, by any pool (the profiler's counter track).
+POOL_LISTENERS: list[Callable[[MemoryPool], None]] = []
+
+
 class _Observer:
     """Hooks the sanitizer and stats attach to a pool: on_alloc(block), on_free(block, stream)."""
 
     on_alloc: Callable[[Block], None] | None = None
     on_free: Callable[[Block, Any], None] | None = None
-    on_change: Callable[[], None] | None = None  # after any allocation or free (profiler's counter track)
 
 
 class MemoryPool:
@@ -184,8 +187,9 @@ class MemoryPool:
         obs = self.observer
         if obs.on_alloc is not None:
             obs.on_alloc(block)
-        if obs.on_change is not None:
-            obs.on_change()
+        if POOL_LISTENERS:
+            for fn in POOL_LISTENERS:
+                fn(self)
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug("malloc %s: requested %d bytes, granted %d bytes at 0x%x", self.name, nbytes, block.size,
                        block.address)
@@ -277,8 +281,9 @@ class MemoryPool:
                 blk.free_stream, blk.free_seq = None, 0
             blk = self._merge(blk)
             self._insert_free(blk)
-        if self.observer.on_change is not None:
-            self.observer.on_change()
+        if POOL_LISTENERS:
+            for fn in POOL_LISTENERS:
+                fn(self)
 
     @staticmethod
     def _mergeable(a: Block, b: Block) -> bool:

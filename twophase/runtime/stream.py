@@ -21,6 +21,10 @@ __all__ = ["Stream", "Event", "CONTROL"]
 
 CONTROL = "<control>"
 
+# Called on the worker after each task as cb(stream_name, owner, t0, t1, seq). Shared by every stream
+# (profiler, sanitizer); run_one checks it for emptiness only, so an empty list costs nothing.
+TASK_LISTENERS: list[Callable[[str, Any, float, float, int], None]] = []
+
 
 def describe_owner(owner: Any) -> str:
     """How a failed task is named: ``op 'softmax' (executor #3, implementation 'rows')``."""
@@ -47,7 +51,7 @@ class _Queue:
         self.closed = False
         self.thread: threading.Thread | None = None
         self.current: Any = None  # owner of the task being run (for observers)
-        self.listeners: list[Callable[[str, Any, float, float, int], None]] = []
+        self.listeners = TASK_LISTENERS
         self.enqueue = self.enqueue_inline if blocking else self.enqueue_async
 
     def start(self) -> None:
