@@ -48,11 +48,13 @@ class Profiler:
         self._emit({"name": name, "cat": cat, "ph": "X", "ts": self.us(t0), "dur": self.us(t1) - self.us(t0),
                     "pid": 1, "tid": tid, "args": args})
 
-    def enqueue(self, stream: Stream, seq: int, t: float) -> None:
+    def enqueue(self, stream: Stream, seq: int, t: float) -> dict[str, Any]:
         fid = next(self._flow)
         self._pending_flows[(stream.name, seq)] = fid
-        self._emit({"name": "launch", "cat": "flow", "ph": "s", "id": fid, "ts": self.us(t), "pid": 1,
-                    "tid": threading.get_ident()})
+        ev = {"name": "launch", "cat": "flow", "ph": "s", "id": fid, "ts": self.us(t), "pid": 1,
+              "tid": threading.get_ident()}
+        self._emit(ev)
+        return ev
 
     def kernel(self, stream_name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
         tid = self._streams.setdefault(stream_name, 1_000_000 + len(self._streams))
@@ -97,14 +99,26 @@ def _phase1_done(op: Op, inputs: Any, kwargs: Any, result: Any, t0: float, t1: f
                     {"workspace": result[0], "implementation": result[1].implementation})
 
 
+_flow_starts = threading.local()
+
+
+def _phase2_start(op: Op, workspace: Any, size: int, executor: Any, stream: Stream) -> None:
+    # the flow is registered before the launch: the kernel may finish before phase 2 returns (launch
+    # blocking runs it inline, a fast worker may too) and it looks its flow up when it finishes
+    seq = stream._q.submitted + 1
+    t = time.perf_counter()
+    _flow_starts.evs = [(p, p.enqueue(stream, seq, t)) for p in _active]
+
+
 def _phase2_done(op: Op, workspace: Any, size: int, executor: Any, stream: Stream, t0: float, t1: float) -> None:
     c = op.counters
     c.phase2_time += t1 - t0
     c.phase2_timed += 1
-    seq = stream._q.submitted
     for p in _active:
         p.host_span(f"phase2 {op.name}", "phase2", t0, t1, {"executor": executor.id, "stream": stream.name})
-        p.enqueue(stream, seq, t1 - 1e-7)
+    for p, ev in getattr(_flow_starts, "evs", ()):
+        ev["ts"] = p.us(t0)  # start the arrow inside the phase 2 span it was launched from
+    _flow_starts.evs = []
 
 
 def _listen(name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
@@ -122,7 +136,7 @@ _handles: list[Any] = []
 
 def _enable() -> None:
     _handles.append(hooks.add_phase1_hook(_phase1_done))
-    _handles.append(hooks.add_phase2_hook(after=_phase2_done))
+    _handles.append(hooks.add_phase2_hook(before=_phase2_start, after=_phase2_done))
     hooks.add_task_listener(_listen)
     POOL_LISTENERS.append(_on_pool_change)
 

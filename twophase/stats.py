@@ -35,8 +35,12 @@ class OpCounters:
         self.workspace: dict[int, int] = {}
         self.phase1_time = self.phase2_time = self.kernel_time = 0.0
         self.kernel_count = self.phase2_timed = self.phase1_timed = 0
-        for ex in self.live:
+        # executors still alive carry into the new period, so that created == destroyed + live holds
+        for ex in list(self.live):
             ex.launches = 0
+            self.created += 1
+            b = bucket(ex.workspace_size)
+            self.workspace[b] = self.workspace.get(b, 0) + 1
 
     def on_release(self, ex: Executor) -> None:
         self.destroyed += 1
@@ -75,7 +79,7 @@ def snapshot() -> dict[str, Any]:
     from .op import registry
     from .runtime.device import _DEVICES
     ops = {name: op.counters.as_dict() for name, op in sorted(registry.items())
-           if op.counters.phase1 or op.counters.live or op.counters.created}
+           if op.counters.phase1 or op.counters.live or op.counters.created or op.counters.destroyed}
     devices = {name: dev.pool.stats() for name, dev in sorted(_DEVICES.items())}
     data = {"ops": ops, "devices": devices}
     json.dumps(data)  # guarantee: plain data only

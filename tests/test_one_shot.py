@@ -1,0 +1,123 @@
+"""The one-shot API generated from the registry: results vs float64 numpy for add / softmax / reduce_sum,
+with and without ``out=``, host arrays as inputs, streams, and cleanup when a call fails."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import twophase
+from twophase import ops
+
+_shapes = st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple)
+_float = st.sampled_from(["float32", "float64"])
+_tol = {"float32": dict(rtol=2e-5, atol=1e-5), "float64": dict(rtol=1e-10, atol=1e-10)}
+
+
+def _softmax_ref(a, dim):
+    a = np.asarray(a, np.float64)
+    e = np.exp(a - a.max(axis=dim, keepdims=True))
+    return e / e.sum(axis=dim, keepdims=True)
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=_shapes, dtype=_float, use_out=st.booleans(), alpha=st.sampled_from([1, 2, -0.5]),
+       seed=st.integers(0, 2**31))
+def test_add_matches_numpy(shape, dtype, use_out, alpha, seed):
+    dev = twophase.device("cpu")
+    rng = np.random.default_rng(seed)
+    a, b = rng.standard_normal(shape).astype(dtype), rng.standard_normal(shape).astype(dtype)
+    x, y = dev.tensor(a), dev.tensor(b)
+    out = dev.empty(shape, dtype) if use_out else None
+    r = twophase.add(x, y, alpha=alpha, out=out)
+    if use_out:
+        assert r is out
+    assert r.shape == shape and r.dtype.value == dtype
+    np.testing.assert_allclose(r.numpy(), a.astype(np.float64) + alpha * b.astype(np.float64), **_tol[dtype])
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=_shapes, dtype=_float, use_out=st.booleans(), data=st.data())
+def test_softmax_matches_numpy(shape, dtype, use_out, data):
+    dev = twophase.device("cpu")
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    a = np.random.default_rng(data.draw(st.integers(0, 2**31))).standard_normal(shape).astype(dtype) * 3
+    x = dev.tensor(a)
+    out = dev.empty(shape, dtype) if use_out else None
+    r = twophase.softmax(x, dim=dim, out=out)
+    if use_out:
+        assert r is out
+    np.testing.assert_allclose(r.numpy(), _softmax_ref(a, dim), **_tol[dtype])
+
+
+@settings(max_examples=30, deadline=None)
+@given(shape=_shapes, dtype=st.sampled_from(["float32", "float64", "int32", "int64"]), use_out=st.booleans(),
+       keep=st.booleans(), data=st.data())
+def test_reduce_sum_matches_numpy(shape, dtype, use_out, keep, data):
+    dev = twophase.device("cpu")
+    dims = tuple(sorted(data.draw(st.sets(st.integers(0, len(shape) - 1), max_size=len(shape)))))
+    rng = np.random.default_rng(data.draw(st.integers(0, 2**31)))
+    a = rng.standard_normal(shape) if dtype.startswith("float") else rng.integers(-100, 100, shape)
+    a = a.astype(dtype)
+    want = np.sum(a.astype(np.float64), axis=dims if dims else None, keepdims=keep)
+    out_dtype = dtype if dtype.startswith("float") else "int64"
+    out = dev.empty(np.shape(want), out_dtype) if use_out else None
+    r = twophase.reduce_sum(dev.tensor(a), dims=dims, keep_dims=keep, out=out)
+    if use_out:
+        assert r is out
+    assert r.shape == np.shape(want)
+    tol = _tol.get(dtype, dict(rtol=0, atol=0))
+    np.testing.assert_allclose(r.numpy(), want, **tol)
+
+
+def test_host_arrays_are_accepted_as_inputs(rng):
+    a, b = rng.standard_normal((3, 4)), rng.standard_normal((3, 4))
+    np.testing.assert_allclose(twophase.add(a, b).numpy(), a + b)
+    np.testing.assert_allclose(twophase.reduce_sum(a.tolist(), dims=0).numpy(), a.sum(0), rtol=1e-10)
+
+
+def test_long_rows_use_a_workspace_and_stay_right(dev, rng):
+    a = rng.standard_normal((2, 40000))
+    _, ex = ops.softmax.get_workspace_size(dev.tensor(a).desc)
+    assert ex.workspace_size > 0
+    ex.destroy()
+    np.testing.assert_allclose(twophase.softmax(dev.tensor(a)).numpy(), _softmax_ref(a, -1), rtol=1e-10)
+    np.testing.assert_allclose(twophase.reduce_sum(dev.tensor(a), dims=1).numpy(), a.sum(1), rtol=1e-10)
+
+
+def test_one_shot_runs_on_the_given_stream(dev, stream, gate, rng):
+    a = rng.standard_normal((4, 4))
+    x = dev.tensor(a, stream=stream)
+    ev = gate(stream)
+    r = twophase.softmax(x, dim=0, stream=stream)
+    assert not stream.query()  # queued behind the gate: the call returned without waiting
+    ev.set()
+    np.testing.assert_allclose(r.numpy(), _softmax_ref(a, 0), rtol=1e-10)
+
+
+def test_one_shot_is_generated_from_the_registry():
+    assert twophase.softmax is twophase.one_shot(ops.softmax)
+    assert set(twophase.functions()) == set(twophase.registry)
+    assert {"add", "softmax", "reduce_sum"} <= set(dir(twophase))
+    with pytest.raises(AttributeError):
+        twophase.no_such_op  # noqa: B018
+
+
+def test_failed_call_leaves_no_live_executor_or_allocation(dev, rng):
+    x = dev.tensor(rng.standard_normal((2, 3)))
+    wrong_out = dev.empty((3, 2), "float64")
+    wrong_y = dev.tensor(rng.standard_normal((5, 7)))
+    dev.synchronize()
+    before_live = len(ops.add.counters.live)
+    before_alloc = dev.pool.stats()["allocated_bytes"]
+    with pytest.raises(twophase.ParamError):
+        twophase.add(x, x, out=wrong_out)  # wrong out shape: refused in phase 1
+    with pytest.raises(twophase.ParamError):
+        twophase.add(x, wrong_y)  # shapes do not broadcast
+    dev.synchronize()
+    assert len(ops.add.counters.live) == before_live
+    assert dev.pool.stats()["allocated_bytes"] == before_alloc
+    for t in (x, wrong_out, wrong_y):
+        t.free()

@@ -1,0 +1,109 @@
+"""``twophase.profile(path)``: the Chrome trace is valid JSON with host spans (both phases), per-stream kernel
+spans, pool counter events and enqueue -> kernel flows; kernel spans nest inside the run's time range."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+import twophase
+from twophase import Op
+
+
+def _run(dev, stream, rng):
+    a = rng.standard_normal((8, 5000))
+    x = dev.tensor(a, stream=stream)
+    r1 = twophase.softmax(x, dim=1, stream=stream)
+    r2 = twophase.reduce_sum(x, dims=1, stream=stream)
+    r3 = twophase.add(x, x, stream=stream)
+    return a, r1, r2, r3
+
+
+def test_trace_is_valid_json_with_host_stream_and_counter_events(tmp_path, dev, stream, rng):
+    path = tmp_path / "trace.json"
+    with twophase.profile(path) as prof:
+        a, r1, r2, r3 = _run(dev, stream, rng)
+    t_end = prof.us(time.perf_counter())
+    np.testing.assert_allclose(r2.numpy(), a.sum(1), rtol=1e-10, atol=1e-10)
+    trace = json.loads(path.read_text())
+    events = trace["traceEvents"]
+    host = [e for e in events if e.get("cat") in ("phase1", "phase2")]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    counters = [e for e in events if e.get("ph") == "C"]
+    names = {e["args"]["name"] for e in events if e.get("ph") == "M" and e["name"] == "thread_name"}
+    for op in ("softmax", "reduce_sum", "add"):
+        assert f"phase1 {op}" in {e["name"] for e in host}
+        assert f"phase2 {op}" in {e["name"] for e in host}
+        assert op in {e["name"] for e in kernels}
+    assert any(n == f"stream {stream.name}" for n in names)
+    assert any(n.startswith("host ") for n in names)
+    assert counters and all({"allocated", "reserved"} <= set(e["args"]) for e in counters)
+    for e in host + kernels:
+        assert e["ph"] == "X" and e["dur"] >= 0 and isinstance(e["ts"], (int, float))
+    # the run's time range: from the first host span to the end of the profiled block
+    start = min(e["ts"] for e in host)
+    for k in kernels:
+        assert start <= k["ts"] and k["ts"] + k["dur"] <= t_end
+        launches = [h for h in host if h["name"] == f"phase2 {k['name']}"]
+        if launches:
+            assert k["ts"] >= min(h["ts"] for h in launches)  # a kernel never starts before its launch
+
+
+def test_every_kernel_gets_a_flow_from_its_launch(tmp_path, dev, stream, gate, rng):
+    path = tmp_path / "trace.json"
+    with twophase.profile(path):
+        ev = gate(stream)  # kernels wait: flows are registered before they run
+        _run(dev, stream, rng)
+        ev.set()
+    events = json.loads(path.read_text())["traceEvents"]
+    starts = {e["id"] for e in events if e.get("cat") == "flow" and e["ph"] == "s"}
+    ends = {e["id"] for e in events if e.get("cat") == "flow" and e["ph"] == "f"}
+    assert len(starts) == 3 and starts == ends
+    spans = [e for e in events if e.get("cat") == "phase2"]
+    f_ts = {e["id"]: e["ts"] for e in events if e.get("cat") == "flow" and e["ph"] == "f"}
+    for e in events:
+        if e.get("cat") == "flow" and e["ph"] == "s":
+            assert any(h["ts"] <= e["ts"] <= h["ts"] + h["dur"] for h in spans)  # leaves its phase 2 span
+            assert f_ts[e["id"]] >= e["ts"]  # and points forward in time
+
+
+def test_launch_blocking_kernels_still_get_their_flow(tmp_path, dev, rng):
+    """With launch blocking the kernel runs inside phase 2, before the host span is recorded."""
+    old = twophase.settings.launch_blocking
+    twophase.set_launch_blocking(True)
+    s = dev.stream()
+    try:
+        path = tmp_path / "trace.json"
+        with twophase.profile(path):
+            _run(dev, s, rng)
+        events = json.loads(path.read_text())["traceEvents"]
+        starts = {e["id"] for e in events if e.get("cat") == "flow" and e["ph"] == "s"}
+        ends = {e["id"] for e in events if e.get("cat") == "flow" and e["ph"] == "f"}
+        assert len(starts) == 3 and starts == ends
+    finally:
+        twophase.set_launch_blocking(old)
+        s.close()
+
+
+def test_profiling_fills_phase_and_kernel_times_in_the_counters(dev, stream, rng):
+    twophase.stats.reset()
+    try:
+        with twophase.profile():
+            _run(dev, stream, rng)
+        c = twophase.stats.snapshot()["ops"]["softmax"]
+        assert c["phase1_timed_calls"] == 1 and c["phase2_timed_calls"] == 1 and c["kernel_count"] == 1
+        assert c["kernel_time_s"] > 0
+    finally:
+        twophase.stats.reset()
+
+
+def test_profile_restores_the_plain_entry_points_even_on_error(dev, stream):
+    plain1, plain2 = Op.get_workspace_size, Op.__call__
+    with pytest.raises(ZeroDivisionError):
+        with twophase.profile():
+            assert Op.__call__ is not plain2
+            1 / 0  # noqa: B018
+    assert Op.get_workspace_size is plain1 and Op.__call__ is plain2
