@@ -8,11 +8,11 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.reduce import build_tree
+from ..kernels.cpu.reduce import build_tree, max_level, max_level_par
 from ..layout import align, as_matrix, merge_dims
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
-from .checks import NUMERIC, as_bool, as_dims, check_dtype, need, norm_dims
+from .checks import FLOATS, NUMERIC, as_bool, as_dims, check_dtype, need, norm_dims
 
 BLOCK = 4096  # elements summed by one task of a level
 PARALLEL_MIN = 1 << 20  # elements below which one thread does the whole level
@@ -35,6 +35,7 @@ class ReduceTiling:
     pack_offset: int
     parallel: bool
     workspace: int
+    stage_offset: int = -1  # >= 0: the last level writes K accumulators here, then they are cast into out
 
 
 def tree_levels(reduced: int, block: int) -> tuple[int, ...]:
@@ -69,11 +70,12 @@ def _prod(v: list[int]) -> int:
 
 
 def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_bytes: int, pack_bytes: int,
-              block: int = BLOCK) -> ReduceTiling:
+              block: int = BLOCK, stage: bool = False) -> ReduceTiling:
     """Tiling and exact workspace of a tree reduction of ``x`` over ``red``.
 
     workspace = sum over levels of align64(K * n_level * acc_bytes), plus align64(K * R * pack_bytes) when
-    the input cannot be viewed as a (K, R) matrix or is float16 (the kernels read float32).
+    the input cannot be viewed as a (K, R) matrix or is float16 (the kernels read float32), plus
+    align64(K * acc_bytes) when ``stage`` (a float16 output: the last level writes wide values there first).
     """
     k_rows = _prod([x.shape[i] for i in kept])
     r = _prod([x.shape[i] for i in red])
@@ -89,8 +91,12 @@ def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_by
     pack_offset = off
     if pack:
         off += align(k_rows * r * pack_bytes)
+    stage_offset = -1
+    if stage and k_rows * r > 0:
+        stage_offset = off
+        off += align(k_rows * acc_bytes)
     return ReduceTiling(k_rows, r, block, levels, tuple(offsets), pack, pack_offset,
-                        k_rows * r >= PARALLEL_MIN, off)
+                        k_rows * r >= PARALLEL_MIN, off, stage_offset)
 
 
 def check_vector_out(op: str, out: TensorDesc) -> None:
@@ -132,7 +138,7 @@ def _select_sum(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -
     check_vector_out("reduce_sum", outs[0])
     red, kept = reduce_dims("reduce_sum", x, attrs["dims"])
     pack_bytes = 4 if x.dtype is DType.float16 else x.dtype.itemsize
-    t = plan_tree(x, red, kept, 8, pack_bytes)
+    t = plan_tree(x, red, kept, 8, pack_bytes, stage=x.dtype is DType.float16)
     return Plan("tree_parallel" if t.parallel else "tree", t, t.workspace)
 
 
@@ -156,12 +162,76 @@ reduce_sum = register(OpDef(
     select=_select_sum,
     kernels={"cpu": _build_sum},
     implementations=("tree", "tree_parallel"),
-    workspace_formula="K*8*sum(levels) + [K*R*itemsize if packed]; levels = ceil(R/4096), ... while > 4096",
+    workspace_formula="K*8*sum(levels) + [K*R*itemsize if packed] + [K*8 if float16]; levels = ceil(R/4096), ... while > 4096",
     doc=("Sum over ``dims`` as a block tree: level i sums blocks of 4096 into partials (float64 / int64) in "
          "the workspace, the last level writes ``out``. Workspace: sum over non-final levels of "
          "align64(K * n_i * 8) with n_1 = ceil(R / 4096), n_(i+1) = ceil(n_i / 4096) while n_i > 4096 "
          "(0 when R <= 4096), plus align64(K * R * itemsize) when the input must be packed "
-         "(its kept or reduced dims do not merge into one stride, or float16)."),
+         "(its kept or reduced dims do not merge into one stride, or float16), plus align64(K * 8) for float16 "
+         "(the last level's float64 results, then cast into out)."),
     reference=lambda x, dims=(), keep_dims=False: np.sum(
         np.asarray(x, np.float64), axis=tuple(dims) if dims else None, keepdims=keep_dims),
 ))
+
+
+# ---- mean, max, min: the same tree, another combine
+def _reduce_parts(name: str, x: Any, attrs: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    red = norm_dims(name, "dims", attrs["dims"], x.ndim) if attrs["dims"] else tuple(range(x.ndim))
+    return red, tuple(i for i in range(x.ndim) if i not in red)
+
+
+def _make_reduce(name: str, dtypes: tuple[DType, ...], kind: str) -> None:
+    def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+        x = need(name, "x", ins[0])
+        check_dtype(name, "x", x, dtypes)
+        red, _ = reduce_dims(name, x, attrs["dims"])
+        if kind == "max" and any(x.shape[i] == 0 for i in red):
+            raise ParamError(op=name, arg="dims", expected="reduced dims of size > 0 (no identity for max/min)",
+                             got=tuple(x.shape[i] for i in red))
+        return (reduced_desc(x, red, attrs["keep_dims"], x.dtype),)
+
+    def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+        x = ins[0]
+        check_vector_out(name, outs[0])
+        red, kept = reduce_dims(name, x, attrs["dims"])
+        pack_bytes = 4 if x.dtype is DType.float16 else x.dtype.itemsize
+        acc_bytes = 8 if kind == "mean" else pack_bytes
+        t = plan_tree(x, red, kept, acc_bytes, pack_bytes, stage=x.dtype is DType.float16)
+        return Plan("tree_parallel" if t.parallel else "tree", t, t.workspace)
+
+    def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+        x, out = ins[0], outs[0]
+        t: ReduceTiling = plan.tiling
+        red, kept = _reduce_parts(name, x, attrs)
+        pack_dt = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
+        col = out_column(out)
+        src = source_view(x, red, kept, t.pack)
+        if kind == "mean":
+            tree = build_tree(src, col, t, pack_dt, np.dtype(np.float64))
+            inv = 1.0 / t.reduced if t.reduced else np.nan
+
+            def mean(ws: Any) -> None:
+                tree(ws)
+                np.multiply(col, inv, out=col, casting="unsafe")
+            return mean
+        kern = max_level_par if t.parallel else max_level
+        return build_tree(src, col, t, pack_dt, pack_dt, kern, pack_dt.type(1 if name == "reduce_max" else -1))
+
+    what = {"mean": "mean (float64 partial sums, then scaled by 1/R)", "max": name[7:] + " (NaN propagates)"}[kind]
+    formula = ("K*acc*sum(levels) + [K*R*itemsize if packed] + [K*acc if float16]; levels = ceil(R/4096), ... while > 4096; "
+               f"acc = {8 if kind == 'mean' else 'itemsize (4 for float16)'}")
+    register(OpDef(
+        name=name, inputs=("x",), dtypes=dtypes, infer=infer, select=select, kernels={"cpu": build},
+        attrs=(Attr("dims", as_dims, (), "dims to reduce; () reduces all"),
+               Attr("keep_dims", as_bool, False, "keep reduced dims as size 1")),
+        implementations=("tree", "tree_parallel"), workspace_formula=formula,
+        doc=(f"The {what} over ``dims`` as the block tree of reduce_sum. Workspace: {formula} "
+             "(packed: dims that do not merge into a (K, R) view, or float16, copied densely first)."),
+        reference=lambda x, dims=(), keep_dims=False, f={"reduce_mean": np.mean, "reduce_max": np.max,
+                                                         "reduce_min": np.min}[name]: f(
+            np.asarray(x, np.float64), axis=tuple(dims) if dims else None, keepdims=keep_dims)))
+
+
+_make_reduce("reduce_mean", FLOATS, "mean")
+_make_reduce("reduce_max", NUMERIC, "max")
+_make_reduce("reduce_min", NUMERIC, "max")
