@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import math
-from threading import get_ident as _get_ident
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from threading import get_ident as _get_ident
 from typing import Any, Callable, Mapping, Sequence
 
 from .cache import thread_cache
@@ -102,6 +103,7 @@ class Op:
         self._required = tuple(not n.endswith("?") for n in spec.inputs)
         self._attr_names = frozenset(a.name for a in spec.attrs)
         self.counters = OpCounters()
+        self._launches: OrderedDict[Any, tuple[Plan, Callable[[Any], None]]] = OrderedDict()
         self.__doc__ = spec.doc
 
     def __repr__(self) -> str:
@@ -255,9 +257,29 @@ class Op:
         if builder is None:
             raise InternalError(op=self.name, arg="device", expected=f"a kernel for one of {sorted(self.spec.kernels)}",
                                 got=dev.kind, status=Status.ERR_INNER_KERNEL_NOT_FOUND)
+        # The same plan over the same memory (address and desc of every operand) yields the same launch:
+        # a launch's views keep their memory mapped, so an address cannot be reused for other memory.
+        operands = []
+        for t in ex._tensors:
+            if t is None:
+                operands.append(None)
+                continue
+            if t.block.freed:
+                raise InvalidStateError("tensor's block was freed", op=self.name, arg="operand", got=t.desc)
+            operands.append((t.block.segment.address + t.block.offset, t.desc))
+        key = (id(ex.plan), dev.kind, tuple(operands))
+        memo = self._launches
+        hit = memo.get(key)
+        if hit is not None:
+            memo.move_to_end(key)
+            return hit[1]
         n = self._n_inputs
         views = [t.view() if t is not None else None for t in ex._tensors]
-        return builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
+        launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
+        memo[key] = (ex.plan, launch)  # the plan is kept so that its id stays unique
+        if len(memo) > LAUNCH_MEMO:
+            memo.popitem(last=False)
+        return launch
 
     def _on_release(self, ex: Executor) -> None:
         self.counters.on_release(ex)
@@ -305,6 +327,8 @@ class Op:
         raise WorkspaceTooSmallError(op=self.name, arg="workspace", expected=f"a block of at least {size} bytes",
                                      got="None" if workspace is None else f"{workspace.size} bytes")
 
+
+LAUNCH_MEMO = 16  # launches remembered per op, keyed by plan and operand memory
 
 registry: dict[str, Op] = {}
 _registry_version = [0]

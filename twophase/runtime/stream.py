@@ -81,9 +81,10 @@ class _Queue:
     def enqueue_inline(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
         with self.lock:
             seq = self.submitted = self.submitted + 1
-            try:
-                self.run_one(fn, arg, owner, seq)
-            finally:
+        try:
+            self.run_one(fn, arg, owner, seq)  # outside the lock: a callback may enqueue on this stream
+        finally:
+            if seq > self.done:
                 self.done = seq
         self.raise_pending(seq)
         return seq
