@@ -105,6 +105,7 @@ def build_tiled(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: 
     lowest, tiny = _finfo(dt)
     item = dt.itemsize
     offs = t.offsets  # scores, pv, m, m_new, alpha, l, rowsum
+    online = t.online
     if nk == 0:
         return lambda _: out.fill(0)  # type: ignore[no-any-return]
 
@@ -129,6 +130,14 @@ def build_tiled(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: 
                         masker(s, slice(b, b + 1), slice(h, h + 1), q0, n_q, k0, n_k)
                         s2 = s[0, 0]
                         m_new, alpha, rs = vec(ws, 3, n_q), vec(ws, 4, n_q), vec(ws, 6, n_q)
+                        if not online:  # the keys fit one tile: plain softmax, P @ V straight into out
+                            np.max(s2, axis=1, out=m)
+                            np.maximum(m, lowest, out=m)
+                            np.subtract(s2, m[:, None], out=s2)
+                            np.exp(s2, out=s2)
+                            np.sum(s2, axis=1, out=msum)
+                            np.matmul(s2, v[b, h, k0:k0 + n_k], out=ot)
+                            continue
                         np.max(s2, axis=1, out=m_new)
                         np.maximum(m_new, m, out=m_new)
                         np.maximum(m_new, lowest, out=m_new)

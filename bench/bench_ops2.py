@@ -1,0 +1,189 @@
+"""Ratio table for matmul, conv2d and SDPA vs numpy / torch, measured side by side in one process.
+
+Run: ``.venv/bin/python -m bench.bench_ops2``. ratio = reference time / twophase time (> 1: twophase faster).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+import twophase.ops as ops
+from twophase.runtime.device import device
+
+try:
+    import torch
+    import torch.nn.functional as F
+except ImportError:  # torch is optional
+    torch = None
+
+REPS_MIN_S = 0.3
+
+
+Loop = Callable[[int], None]
+
+
+def _best(fn: Loop, reps: int) -> float:
+    """Best of 5 rounds of ``fn(reps)`` (``reps`` calls), seconds per call."""
+    fn(1)
+    best = float("inf")
+    for _ in range(5):
+        t0 = time.perf_counter()
+        fn(reps)
+        best = min(best, (time.perf_counter() - t0) / reps)
+    return best
+
+
+def _reps(fn: Loop) -> int:
+    t0 = time.perf_counter()
+    fn(1)
+    dt = time.perf_counter() - t0
+    return max(1, min(200, int(REPS_MIN_S / 5 / max(dt, 1e-6))))
+
+
+def _loop(fn: Callable[[], Any]) -> Loop:
+    def run(n: int) -> None:
+        for _ in range(n):
+            fn()
+    return run
+
+
+def twophase_call(op: Any, arrays: list[Any], limit: int | None = None, **attrs: Any) -> tuple[Loop, Any]:
+    """A phase-2 loop body (repeatable executor, pool workspace, one stream) and the executor."""
+    dev = device("cpu")
+    stream = dev.stream()
+    tensors = [None if a is None else dev.tensor(a, stream=stream) for a in arrays]
+    stream.synchronize()
+    size, ex = op.get_workspace_size(*tensors, workspace_limit=limit, **attrs)
+    ex.set_repeatable()
+    outs = [dev.empty_like(d) for d in ex.output_descs]
+    for i, t in enumerate(outs):
+        ex.set_output(i, t)
+    ws = dev.malloc(size)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            op(ws, size, ex, stream)
+        stream.synchronize()
+    return run, ex
+
+
+def row(name: str, ours: Loop, ex: Any, ref_call: Callable[[], Any] | None, ref_name: str) -> str:
+    """One table row: phase 2 in a loop then one synchronize, against the reference called as many times."""
+    reps = _reps(ours)
+    ref = None if ref_call is None else _loop(ref_call)
+    t_ours = _best(ours, reps)
+    if ref is None:
+        ex.destroy()
+        return f"| {name} | {ex.implementation} | {ex.workspace_size} | {t_ours * 1e3:.3f} | {ref_name}: n/a | n/a |"
+    t_ref = _best(ref, reps)
+    t_ours = min(t_ours, _best(ours, reps))  # interleaved second round
+    ex.destroy()
+    return (f"| {name} | {ex.implementation} | {ex.workspace_size} | {t_ours * 1e3:.3f} | "
+            f"{ref_name} {t_ref * 1e3:.3f} | {t_ref / t_ours:.2f} |")
+
+
+def bench_matmul(rng: Any) -> list[str]:
+    out = []
+    for m, k, n in ((1024, 1024, 1024), (128, 384, 384), (128, 384, 1536), (128, 1536, 384)):
+        a = rng.standard_normal((m, k)).astype(np.float32)
+        b = rng.standard_normal((k, n)).astype(np.float32)
+        for label, limit in (("", None), (" packed (a reversed)", None)):
+            if label:
+                a_in = np.ascontiguousarray(a[::-1])
+                run, ex = _reversed_matmul(a_in, b)
+                o = np.empty((m, n), np.float32)
+                av = a_in[::-1]
+                ref = lambda av=av, b=b, o=o: np.matmul(av, b, out=o)  # noqa: E731
+                out.append(row(f"matmul {m}x{k}x{n}{label}", run, ex, ref, "numpy.matmul"))
+                continue
+            run, ex = twophase_call(ops.matmul, [a, b], limit)
+            o = np.empty((m, n), np.float32)
+            out.append(row(f"matmul {m}x{k}x{n}", run, ex, lambda a=a, b=b, o=o: np.matmul(a, b, out=o),
+                           "numpy.matmul"))
+    return out
+
+
+def _reversed_matmul(a_rev_storage: Any, b: Any) -> tuple[Loop, Any]:
+    """matmul on a row-reversed view (negative stride): phase 1 packs it into the workspace."""
+    dev = device("cpu")
+    stream = dev.stream()
+    ta = dev.tensor(a_rev_storage, stream=stream)
+    m, k = a_rev_storage.shape
+    view = ta.strided((m, k), (-k, 1), offset=(m - 1) * k)
+    tb = dev.tensor(b, stream=stream)
+    stream.synchronize()
+    size, ex = ops.matmul.get_workspace_size(view, tb)
+    ex.set_repeatable()
+    o = dev.empty_like(ex.output_descs[0])
+    ex.set_output(0, o)
+    ws = dev.malloc(size)
+
+    def run(n: int) -> None:
+        for _ in range(n):
+            ops.matmul(ws, size, ex, stream)
+        stream.synchronize()
+    return run, ex
+
+
+RESNET18 = ((64, 56, 64, 3, 1, 1), (64, 56, 128, 3, 2, 1), (128, 28, 128, 3, 1, 1), (128, 28, 256, 3, 2, 1),
+            (256, 14, 256, 3, 1, 1), (256, 14, 512, 3, 2, 1), (512, 7, 512, 3, 1, 1), (64, 56, 128, 1, 2, 0),
+            (3, 224, 64, 7, 2, 3))
+
+
+def bench_conv(rng: Any, batches: tuple[int, ...]) -> list[str]:
+    out = []
+    for nb in batches:
+        for c, hw, oc, k, s, p in RESNET18:
+            x = rng.standard_normal((nb, c, hw, hw)).astype(np.float32)
+            w = (rng.standard_normal((oc, c, k, k)) * 0.05).astype(np.float32)
+            ref = None
+            if torch is not None:
+                xt, wt = torch.from_numpy(x), torch.from_numpy(w)
+                ref = lambda xt=xt, wt=wt, s=s, p=p: F.conv2d(xt, wt, None, s, p)  # noqa: E731
+            name = f"conv2d n{nb} {c}->{oc} {hw}x{hw} k{k} s{s}"
+            for label, limit in (("", None), (" tight", 1 << 18)):
+                run, ex = twophase_call(ops.conv2d, [x, w, None], limit, stride=s, padding=p)
+                out.append(row(name + label, run, ex, ref, "torch"))
+    return out
+
+
+def bench_sdpa(rng: Any) -> list[str]:
+    out = []
+    for shape in ((8, 12, 128, 32), (1, 12, 512, 64)):
+        q, k, v = (rng.standard_normal(shape).astype(np.float32) for _ in range(3))
+        ref = None
+        if torch is not None:
+            qt, kt, vt = (torch.from_numpy(a) for a in (q, k, v))
+            ref = lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
+        for label, limit in (("", None), (" tight", 1 << 16)):
+            for causal in (False, True):
+                run, ex = twophase_call(ops.scaled_dot_product_attention, [q, k, v, None], limit, is_causal=causal)
+                r = ref
+                if torch is not None and causal:
+                    r = lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # noqa: E731
+                out.append(row(f"sdpa {shape}{' causal' if causal else ''}{label}", run, ex, r, "torch"))
+    return out
+
+
+def main() -> None:
+    rng = np.random.default_rng(0)
+    core = os.environ.get("OPENBLAS_CORETYPE", "unset")
+    tv = torch.__version__ if torch is not None else "not installed"
+    threads = torch.get_num_threads() if torch is not None else "n/a"
+    print(f"# bench_ops2: OPENBLAS_CORETYPE={core}; numpy {np.__version__}; torch {tv} (threads {threads}); "
+          f"cpus {os.cpu_count()}; float32; ms per call (best of 5 rounds); "
+          "tight = workspace_limit 256 KiB (conv2d) / 64 KiB (sdpa)")
+    print("| case | implementation | workspace (B) | twophase ms | reference ms | ratio (ref/twophase) |")
+    print("| --- | --- | --- | --- | --- | --- |")
+    for section in (lambda: bench_matmul(rng), lambda: bench_conv(rng, (1, 8)), lambda: bench_sdpa(rng)):
+        for line in section():
+            print(line, flush=True)
+
+
+if __name__ == "__main__":
+    main()

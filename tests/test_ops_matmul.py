@@ -1,0 +1,180 @@
+"""matmul / linear / baddbmm: every implementation vs float64 numpy, guarded workspace, exact sizes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twophase import device
+from twophase.errors import ParamError
+from twophase.layout import align
+from twophase.ops import baddbmm, linear, matmul
+from twophase.ops.selection import forced
+from twophase.testing import run_checked
+
+IMPLS = ("gemm_folded", "batch_loop", "blas", "packed")
+
+
+def _check(r: Any, ref: np.ndarray, rtol: float = 2e-5) -> None:
+    assert r.guards_intact, "kernel wrote outside its workspace"
+    assert r.unwritten == (0,)
+    assert r.touched <= r.workspace_size and r.workspace_size - r.touched < 64 * 3 + 1 or r.workspace_size == 0
+    out = r.outputs[0]
+    assert out.shape == ref.shape
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=rtol * max(1.0, float(np.abs(ref).max(initial=0))) * 4)
+
+
+def _run_all(op: Any, *inputs: Any, ref: np.ndarray, **attrs: Any) -> set[str]:
+    """Force each implementation in turn; return those the op offered for these operands."""
+    ran = set()
+    for impl in IMPLS:
+        try:
+            with forced(impl):
+                r = run_checked(op, *inputs, **attrs)
+        except ParamError as e:
+            assert e.arg == "implementation"
+            continue
+        assert r.implementation == impl
+        _check(r, ref)
+        ran.add(impl)
+    return ran
+
+
+def _rand(rng: np.random.Generator, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+    return (rng.standard_normal(shape) + 0.25).astype(dtype)
+
+
+batch_dims = st.lists(st.integers(1, 3), min_size=0, max_size=2)
+
+
+@settings(max_examples=25, deadline=None)
+@given(ba=batch_dims, bb=batch_dims, m=st.integers(1, 9), k=st.integers(1, 9), n=st.integers(1, 9),
+       a1=st.booleans(), b1=st.booleans(), seed=st.integers(0, 2**31))
+def test_matmul_matches_numpy_for_every_implementation(ba: list[int], bb: list[int], m: int, k: int, n: int,
+                                                       a1: bool, b1: bool, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    bb = [1 if i < len(ba) and rng.random() < 0.5 else x for i, x in enumerate(bb)]  # broadcast some batch dims
+    ba_ = [x if i >= len(ba) - len(bb) or rng.random() < 0.5 else 1 for i, x in enumerate(ba)]
+    a = _rand(rng, (k,) if a1 else tuple(ba_) + (m, k))
+    b = _rand(rng, (k,) if b1 else tuple(bb[-len(ba_):] if len(bb) > len(ba_) else bb) + (k, n))
+    try:
+        ref = np.matmul(a.astype(np.float64), b.astype(np.float64))
+    except ValueError:
+        with pytest.raises(ParamError):
+            matmul.get_workspace_size(device("cpu").tensor(a), device("cpu").tensor(b))
+        return
+    ran = _run_all(matmul, a, b, ref=ref)
+    assert "packed" in ran and "blas" in ran
+
+
+def test_matmul_folds_a_batch_that_shares_b_into_one_gemm(rng: np.random.Generator) -> None:
+    a, b = _rand(rng, (3, 4, 5, 6)), _rand(rng, (6, 7))
+    r = run_checked(matmul, a, b)
+    assert (r.implementation, r.workspace_size) == ("gemm_folded", 0)
+    _check(r, a.astype(np.float64) @ b)
+
+
+def test_matmul_loops_over_batch_dims_b_varies_over_folding_the_rest(rng: np.random.Generator) -> None:
+    a, b = _rand(rng, (2, 3, 4, 5)), _rand(rng, (2, 1, 5, 6))
+    r = run_checked(matmul, a, b)
+    assert (r.implementation, r.tiling.fold) == ("batch_loop", 1)
+    _check(r, a.astype(np.float64) @ b)
+
+
+def _strided(dev: Any, base: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...], offset: int) -> Any:
+    t = dev.tensor(base)
+    return t.strided(shape, strides, offset)
+
+
+@pytest.mark.parametrize("layout", ["reversed_rows", "step2_cols", "transposed"])
+def test_matmul_packs_operands_blas_cannot_take_into_the_workspace(dev: Any, rng: np.random.Generator,
+                                                                    layout: str) -> None:
+    m, k, n = 5, 6, 7
+    base = _rand(rng, (m * k * 2,))
+    if layout == "reversed_rows":
+        ta = _strided(dev, base, (m, k), (-k, 1), (m - 1) * k)
+        av = np.lib.stride_tricks.as_strided(base[(m - 1) * k:], (m, k), (-k * 4, 4))
+    elif layout == "step2_cols":
+        ta = _strided(dev, base, (m, k), (2 * k, 2), 0)
+        av = np.lib.stride_tricks.as_strided(base, (m, k), (2 * k * 4, 8))
+    else:
+        ta = _strided(dev, base, (m, k), (1, m), 0)
+        av = np.lib.stride_tricks.as_strided(base, (m, k), (4, m * 4))
+    b = _rand(rng, (k, n))
+    r = run_checked(matmul, ta, b)
+    ref = av.astype(np.float64) @ b
+    if layout == "transposed":  # a column-major matrix is fine for BLAS as it is
+        assert (r.implementation, r.workspace_size) == ("blas", 0)
+    else:
+        assert r.implementation == "packed" and r.tiling.pack == (True, False, False)
+        assert r.workspace_size == align(m * k * 4)
+        assert r.touched == m * k * 4
+    _check(r, ref)
+
+
+def test_matmul_writes_through_a_strided_output_via_the_workspace(dev: Any, rng: np.random.Generator) -> None:
+    a, b = _rand(rng, (4, 3)), _rand(rng, (3, 5))
+    out = dev.empty((8, 5), np.float32).strided((4, 5), (10, 2), 0)  # no unit stride: not BLAS-ready
+    r = run_checked(matmul, a, b, out=out)
+    assert r.implementation == "packed" and r.tiling.pack[2]
+    np.testing.assert_allclose(out.numpy(), a.astype(np.float64) @ b, rtol=1e-5)
+
+
+def test_matmul_tight_limit_on_unpackable_operands_names_the_smallest_workspace(dev: Any,
+                                                                                rng: np.random.Generator) -> None:
+    ta = _strided(dev, _rand(rng, (40,)), (4, 5), (-5, 1), 15)
+    with pytest.raises(ParamError) as e:
+        matmul.get_workspace_size(ta, dev.tensor(_rand(rng, (5, 2))), workspace_limit=10)
+    assert e.value.arg == "workspace_limit" and f"at least {align(80)} bytes" in e.value.expected
+
+
+def test_matmul_float64_and_zero_inner_dim(rng: np.random.Generator) -> None:
+    a, b = _rand(rng, (3, 4), np.float64), _rand(rng, (4, 2), np.float64)
+    _check(run_checked(matmul, a, b), a @ b, rtol=1e-12)
+    r = run_checked(matmul, np.ones((3, 0), np.float32), np.ones((0, 2), np.float32))
+    assert np.array_equal(r.outputs[0], np.zeros((3, 2)))
+
+
+@pytest.mark.parametrize("x_shape", [(7,), (5, 7), (2, 3, 7)])
+def test_linear_matches_x_weight_transposed_plus_bias(rng: np.random.Generator, x_shape: tuple[int, ...]) -> None:
+    x, w, bias = _rand(rng, x_shape), _rand(rng, (4, 7)), _rand(rng, (4,))
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + bias
+    r = run_checked(linear, x, w, bias)
+    if len(x_shape) == 3:
+        assert r.implementation == "gemm_folded"
+    _check(r, ref)
+    assert _run_all(linear, x, w, None, ref=ref - bias)
+
+
+@pytest.mark.parametrize("alpha,beta", [(1.0, 1.0), (2.0, 1.0), (0.5, -3.0), (1.5, 0.0)])
+def test_baddbmm_scales_product_and_addend(rng: np.random.Generator, alpha: float, beta: float) -> None:
+    c, a, b = _rand(rng, (2, 1, 5)), _rand(rng, (2, 3, 4)), _rand(rng, (2, 4, 5))
+    if beta == 0:
+        c[0, 0, 0] = np.nan  # ignored when beta == 0, as in PyTorch
+    ref = alpha * (a.astype(np.float64) @ b) + (beta * c if beta else 0)
+    _check(run_checked(baddbmm, c, a, b, alpha=alpha, beta=beta), ref)
+
+
+@pytest.mark.parametrize("a_shape,b_shape,b_dtype,arg", [
+    ((3, 4), (5, 2), np.float32, "b"),
+    ((2, 3, 4), (3, 4, 2), np.float32, "b"),
+    ((3, 4), (4, 2), np.float64, "b"),
+    ((), (4,), np.float32, "a"),
+])
+def test_matmul_rejects_bad_operands_with_param_error(dev: Any, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
+                                                      b_dtype: Any, arg: str) -> None:
+    a, b = dev.tensor(np.ones(a_shape, np.float32)), dev.tensor(np.ones(b_shape, b_dtype))
+    with pytest.raises(ParamError) as e:
+        matmul.get_workspace_size(a, b)
+    assert e.value.op == "matmul" and e.value.arg == arg
+
+
+def test_linear_rejects_bias_of_wrong_size(dev: Any) -> None:
+    with pytest.raises(ParamError) as e:
+        linear.get_workspace_size(dev.tensor(np.ones((2, 3), np.float32)), dev.tensor(np.ones((4, 3), np.float32)),
+                                  dev.tensor(np.ones(3, np.float32)))
+    assert e.value.arg == "bias"
