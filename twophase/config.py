@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["settings", "on_change", "set_launch_blocking", "set_cache_limit", "set_cache_enabled",
-           "set_deterministic", "set_workspace_limit", "set_log_level"]
+           "set_deterministic", "set_workspace_limit", "set_log_level", "set_sanitize"]
 
 
 def _env_flag(name: str, default: bool = False) -> bool:
@@ -35,6 +35,7 @@ class Settings:
     deterministic: bool = field(default_factory=lambda: _env_flag("TWOPHASE_DETERMINISTIC"))
     workspace_limit: int | None = field(default_factory=lambda: _env_int("TWOPHASE_WORKSPACE_LIMIT", None))
     log_level: str = field(default_factory=lambda: os.environ.get("TWOPHASE_LOG_LEVEL", "WARNING").upper())
+    sanitize: bool = field(default_factory=lambda: _env_flag("TWOPHASE_SANITIZE"))
 
 
 settings = Settings()
@@ -84,3 +85,8 @@ def set_log_level(level: str | int) -> None:
     name = logging.getLevelName(level) if isinstance(level, int) else str(level).upper()
     _set("log_level", name)
     logging.getLogger("twophase").setLevel(name)
+
+
+def set_sanitize(enabled: bool) -> None:
+    """Turn the contract sanitizer on or off (``TWOPHASE_SANITIZE=1``); see ``twophase.sanitizer``."""
+    _set("sanitize", bool(enabled))

@@ -16,6 +16,7 @@ __all__ = [
     "InvalidStateError",
     "OutOfMemoryError",
     "KernelError",
+    "SanitizerError",
     "recent_error_message",
 ]
 
@@ -30,6 +31,7 @@ class Status(enum.IntEnum):
     ERR_RUNTIME_ERROR = 361001
     ERR_RUNTIME_OUT_OF_MEMORY = 361002
     ERR_RUNTIME_KERNEL_FAILED = 361003
+    ERR_RUNTIME_SANITIZER = 361004
     ERR_INNER = 561000
     ERR_INNER_INFERSHAPE = 561001
     ERR_INNER_TILING = 561002
@@ -123,6 +125,17 @@ class KernelError(RuntimeFailure):
     """A kernel raised while running on a stream; raised at the next synchronization point."""
 
     default_status = Status.ERR_RUNTIME_KERNEL_FAILED
+
+
+class SanitizerError(RuntimeFailure):
+    """A two-phase contract violation caught by ``twophase.sanitizer`` (guard overwrite, use after free, ...).
+
+    ``check`` names the sanitizer check that fired; subclasses in ``twophase.sanitizer`` also derive from the
+    error the plain runtime raises for the same mistake, with that error's status.
+    """
+
+    default_status = Status.ERR_RUNTIME_SANITIZER
+    check = "sanitizer"
 
 
 class OutOfMemoryError(RuntimeFailure, MemoryError):
