@@ -6,7 +6,6 @@ from __future__ import annotations
 import io
 import json
 
-import numpy as np
 import pytest
 
 import twophase

@@ -33,7 +33,7 @@ def from_dlpack(obj: Any, dev: Device | None = None) -> Tensor:
     """A Tensor over ``obj``'s memory, without copying (``obj`` must live on the host)."""
     try:
         arr = obj if isinstance(obj, np.ndarray) else np.from_dlpack(obj)
-    except (TypeError, BufferError, RuntimeError) as exc:
+    except (TypeError, AttributeError, BufferError, RuntimeError) as exc:  # no __dlpack__: AttributeError
         raise ParamError(op="from_dlpack", arg="obj", expected="a host array exporting DLPack",
                          got=f"{type(obj).__name__} ({exc})") from None
     try:
