@@ -115,6 +115,14 @@ class InvalidStateError(TwoPhaseError, RuntimeError):
     default_status = Status.ERR_PARAM_INVALID_STATE
 
 
+class CaptureError(InvalidStateError):
+    """Something a stream capture cannot record (a host read, a synchronization, another stream's launch)."""
+
+
+class PlanMismatchError(ParamError):
+    """A tensor given to a planned call or a graph replay does not have the planned desc."""
+
+
 class RuntimeFailure(TwoPhaseError, RuntimeError):
     """The runtime failed (device, stream or kernel failure)."""
 
