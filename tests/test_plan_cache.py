@@ -196,3 +196,24 @@ def test_plan_cache_belongs_to_its_thread(dev, stream, rng):
 def test_bad_max_entries_is_refused():
     with pytest.raises(twophase.ParamError):
         PlanCache(max_entries=0)
+
+
+def test_leases_are_exclusive_two_holders_get_distinct_calls_on_their_own_buffers():
+    dev = twophase.device()
+    rng = np.random.default_rng(7)
+    a = rng.standard_normal((3, 4)).astype(np.float32)
+    b = rng.standard_normal((3, 4)).astype(np.float32)
+    cache = twophase.PlanCache(max_entries=8)
+    ta, tb = dev.tensor(a), dev.tensor(b)
+    first = cache.acquire("softmax", ta, dim=-1)
+    second = cache.acquire("softmax", tb, dim=-1)
+    assert first is not second
+    ya, yb = first(), second()
+    np.testing.assert_allclose(ya.numpy(), np.exp(a) / np.exp(a).sum(-1, keepdims=True), rtol=1e-5)
+    np.testing.assert_allclose(yb.numpy(), np.exp(b) / np.exp(b).sum(-1, keepdims=True), rtol=1e-5)
+    cache.release(first)
+    third = cache.acquire("softmax", tb, dim=-1)
+    assert third is first  # an idle entry of the same metadata is reused
+    cache.release(second)
+    cache.release(third)
+    assert cache.info()["leased"] == 0

@@ -4,14 +4,30 @@ from __future__ import annotations
 
 import atexit
 import logging
+import sys
+from typing import Any
 
 from .config import settings
 from .executor import live_repeatable
 
+
+
+class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
+    """Writes to whatever ``sys.stderr`` is at emit time (test runners swap it and close the old one)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 logger = logging.getLogger("twophase")
 logger.setLevel(settings.log_level)
 if not logger.handlers:
-    _handler = logging.StreamHandler()
+    _handler = _StderrHandler()
     _handler.setFormatter(logging.Formatter("%(name)s %(levelname)s: %(message)s"))
     logger.addHandler(_handler)
     logger.propagate = False

@@ -20,11 +20,12 @@ __all__ = ["PlanCache"]
 
 
 class _Entry:
-    __slots__ = ("call", "leases")
+    __slots__ = ("call", "key", "leases")
 
-    def __init__(self, call: PlannedCall) -> None:
+    def __init__(self, call: PlannedCall, key: Any) -> None:
         self.call = call
-        self.leases = 0
+        self.key = key
+        self.leases = 0  # 0 or 1: a planned call is leased to one holder at a time
 
 
 class PlanCache:
@@ -32,6 +33,8 @@ class PlanCache:
 
     ``acquire(op, *inputs, stream=..., **attrs)`` returns a leased planned call bound to ``inputs`` (a hit
     rebinds them; a miss plans); ``release(call)`` ends the lease; ``lease(...)`` does both around a block.
+    Leases are exclusive: while one holder has a planned call, an acquire with the same metadata gets
+    another one, so two holders never run on each other's buffers.
     """
 
     def __init__(self, max_entries: int = 256, max_bytes: int | None = None) -> None:
@@ -39,8 +42,8 @@ class PlanCache:
             raise ParamError(op="PlanCache", arg="max_entries", expected=">= 1", got=max_entries)
         self.max_entries = max_entries
         self.max_bytes = max_bytes
-        self._entries: OrderedDict[Any, _Entry] = OrderedDict()
-        self._by_call: dict[int, Any] = {}
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id(call), in LRU order
+        self._by_meta: dict[Any, list[_Entry]] = {}  # (metadata key, stream) -> its planned calls
         self.hits = self.misses = self.evictions = 0
         self.bytes = 0
         self._owner = threading.get_ident()
@@ -63,11 +66,14 @@ class PlanCache:
         dev = stream.device if stream is not None else next(
             (x.device for x in inputs if isinstance(x, Tensor)), device())
         s = stream if stream is not None else dev.default_stream
-        key = (o._key(in_descs, outs, attrs.get("workspace_limit"), attrs, bound), s)
-        entry = self._entries.get(key) if key[0] is not None else None
+        meta = o._key(in_descs, outs, attrs.get("workspace_limit"), attrs, bound)
+        key = (meta, s)
+        entry = None
+        if meta is not None:  # leases are exclusive: take an idle entry of this metadata, if any
+            entry = next((e for e in self._by_meta.get(key, ()) if e.leases == 0), None)
         if entry is not None:
             self.hits += 1
-            self._entries.move_to_end(key)
+            self._entries.move_to_end(id(entry.call))
             call = entry.call
             ex = call.executor
             for i, t in bound.items():
@@ -77,30 +83,28 @@ class PlanCache:
                 for i, t in enumerate(outs):
                     if isinstance(t, Tensor) and t is not ex._tensors[len(in_descs) + i]:
                         ex.set_output(i, t)
-        else:
-            self.misses += 1
-            call = PlannedCall(o, s, *inputs, out=out, **attrs)
-            entry = _Entry(call)
-            entry.leases = 1  # leased before evicting: the new entry itself may be over the byte cap
-            if key[0] is not None:
-                self._entries[key] = entry
-                self._by_call[id(call)] = key
-                self.bytes += call.workspace_size
-                self._evict()
+            entry.leases = 1
             return call
-        entry.leases += 1
+        self.misses += 1
+        call = PlannedCall(o, s, *inputs, out=out, **attrs)
+        entry = _Entry(call, key)
+        entry.leases = 1  # leased before evicting: the new entry itself may be over the byte cap
+        if meta is not None:
+            self._entries[id(call)] = entry
+            self._by_meta.setdefault(key, []).append(entry)
+            self.bytes += call.workspace_size
+            self._evict()
         return call
 
     def release(self, call: PlannedCall) -> None:
-        """End one lease of ``call`` (an uncached call is closed in stream order)."""
-        key = self._by_call.get(id(call))
-        if key is None:
+        """End the lease of ``call`` (an uncached call is closed in stream order)."""
+        entry = self._entries.get(id(call))
+        if entry is None or entry.call is not call:
             call.close(sync=False)
             return
-        entry = self._entries[key]
         if entry.leases <= 0:
             raise InvalidStateError("release without a lease", op="PlanCache.release", arg="call")
-        entry.leases -= 1
+        entry.leases = 0
         self._evict()
 
     @contextlib.contextmanager
@@ -121,25 +125,28 @@ class PlanCache:
     def _evict(self) -> None:
         if not self._over():
             return
-        for key in list(self._entries):
+        for token in list(self._entries):
             if not self._over():
                 break
-            entry = self._entries[key]
+            entry = self._entries[token]
             if self._evictable(entry):
-                self._drop(key, entry)
+                self._drop(token, entry)
 
-    def _drop(self, key: Any, entry: _Entry) -> None:
-        del self._entries[key]
-        self._by_call.pop(id(entry.call), None)
+    def _drop(self, token: int, entry: _Entry) -> None:
+        del self._entries[token]
+        same = self._by_meta[entry.key]
+        same.remove(entry)
+        if not same:
+            del self._by_meta[entry.key]
         self.bytes -= entry.call.workspace_size
         self.evictions += 1
         entry.call.close(sync=False)  # its stream has no pending work on it: freed at once
 
     def clear(self) -> None:
         """Close every entry that is neither leased nor pending."""
-        for key, entry in list(self._entries.items()):
+        for token, entry in list(self._entries.items()):
             if self._evictable(entry):
-                self._drop(key, entry)
+                self._drop(token, entry)
 
     def info(self) -> dict[str, int | None]:
         return {"size": len(self._entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
