@@ -1,0 +1,183 @@
+"""Guard zones and poisoned fresh memory: while the sanitizer is on, every pool block is a ``GuardedBlock``
+that sits ``GUARD`` bytes inside a larger pool allocation whose head and tail hold canary bytes.
+
+``MemoryPool.malloc`` / ``free`` and ``Device.empty`` / ``empty_like`` are swapped for the guarded versions
+only while the sanitizer is on (the plain methods carry no check). ``free`` stays swapped after the sanitizer
+is turned off until every guarded block has been returned, so the pool never sees an inner block.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import numpy as np
+
+from ..errors import InvalidStateError
+from ..runtime.device import Device
+from ..runtime.memory import Block, MemoryPool
+from ..runtime.stream import CONTROL, Stream
+from .report import GuardError, where
+
+GUARD = 512  # bytes before and after each block (keeps the 512-byte alignment of the data)
+CANARY = 0xFD  # guard bytes ("no man's land")
+FRESH = 0xCD  # fresh workspace / raw memory; float tensors are filled with NaN instead
+
+_plain_malloc = MemoryPool.malloc
+_plain_free = MemoryPool.free
+_plain_empty = Device.empty
+_plain_empty_like = Device.empty_like
+
+_live: dict[int, GuardedBlock] = {}  # id -> block: guarded blocks not yet freed (what the leak report lists)
+_lock = threading.Lock()
+_state = {"malloc": False, "free": False, "generation": 0}
+
+
+class GuardedBlock(Block):
+    """A block handed out by the sanitizing pool: ``outer`` is the pool's real block (guard + data + guard).
+
+    ``uses`` maps a stream queue to ``(seq, label, writes)`` of the latest task on it that uses the block.
+    """
+
+    __slots__ = ("outer", "uses", "created", "generation", "fill")
+
+    def __init__(self, outer: Block, nbytes: int) -> None:
+        super().__init__(outer.pool, outer.segment, outer.offset + GUARD, nbytes)
+        self.outer: Block | None = outer
+        self.uses: dict[Any, tuple[int, str, bool]] = {}
+        self.created = where()
+        self.generation = 0
+        self.fill: Stream | None = None  # the stream the fresh-memory fill was ordered on, if any
+        self.allocated = True
+        self.requested = nbytes
+        if outer.data is not None:
+            self.data = outer.data[GUARD:GUARD + nbytes]
+
+
+def _fill_raw(arg: tuple[Any, int]) -> None:
+    raw, n = arg
+    raw[:GUARD] = CANARY
+    raw[GUARD:GUARD + n] = FRESH
+    raw[GUARD + n:GUARD + n + GUARD] = CANARY
+
+
+def _ordered(blk: GuardedBlock, stream: Stream | None, fn: Any, arg: Any) -> None:
+    """Run ``fn(arg)`` now when nothing may still use the memory, else in ``stream`` order (a reused block)."""
+    if stream is not None and stream._q.submitted > stream._q.done:
+        seq = stream._enqueue(fn, arg, CONTROL)
+        blk.fill = stream
+        blk.uses[stream._q] = (seq, "the sanitizer's fresh-memory fill", True)
+    else:
+        fn(arg)
+
+
+def guarded_malloc(pool: MemoryPool, nbytes: int, stream: Stream | None = None, policy: str = "huge_first") -> Block:
+    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        return _plain_malloc(pool, nbytes, stream, policy)  # raises the plain error
+    outer = _plain_malloc(pool, nbytes + 2 * GUARD, stream, policy)
+    blk = GuardedBlock(outer, nbytes)
+    blk.generation = _state["generation"]
+    if outer.data is not None:
+        _ordered(blk, stream, _fill_raw, (outer.data, nbytes))
+    with _lock:
+        _live[id(blk)] = blk
+    return blk
+
+
+def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> None:
+    if type(blk) is not GuardedBlock:
+        _plain_free(pool, blk, stream)
+        return
+    if blk.pool is not pool or not blk.allocated or blk.outer is None:
+        raise InvalidStateError("block is not allocated from this pool (double free?)", op="free", arg="block",
+                                got=blk)
+    from .tracking import check_free
+    check_free(blk, stream)  # use after free across streams (raises)
+    if not any(q.done < seq for q, (seq, _, _) in blk.uses.items()):
+        verify(blk, "freed block", None)
+    outer = blk.outer
+    blk.allocated = False
+    blk.freed = True
+    blk.outer = None
+    with _lock:
+        _live.pop(id(blk), None)
+    _plain_free(pool, outer, stream)
+    if not _state["free"] and not _live:
+        MemoryPool.free = _plain_free  # type: ignore[method-assign]
+
+
+def verify(blk: GuardedBlock, role: str, launch: Any) -> None:
+    """Raise ``GuardError`` when a guard zone of ``blk`` was overwritten (and restore it for later checks)."""
+    outer = blk.outer
+    if outer is None or outer.data is None:
+        return
+    raw = outer.data
+    n = blk.size
+    head = raw[:GUARD]
+    tail = raw[GUARD + n:GUARD + n + GUARD]
+    if (head == CANARY).all() and (tail == CANARY).all():
+        return
+    bad_tail = np.flatnonzero(tail != CANARY)
+    bad_head = np.flatnonzero(head != CANARY)
+    head[:] = CANARY
+    tail[:] = CANARY
+    parts = []
+    if bad_tail.size:
+        parts.append(f"{int(bad_tail[-1]) + 1} byte(s) past the end")
+    if bad_head.size:
+        parts.append(f"{GUARD - int(bad_head[0])} byte(s) before the start")
+    who = "a kernel" if launch is None else launch
+    raise GuardError(f"{who} wrote {' and '.join(parts)} of its {role} ({n} bytes at 0x{blk.address:x})",
+                     arg=role, op=getattr(launch, "op_name", None))
+
+
+def _poison_nan(arg: tuple[Any, Any]) -> None:
+    data, dt = arg
+    data.view(dt)[...] = np.nan
+
+
+def guarded_empty(dev: Device, shape: Any, dtype: Any = None, format: Any = None, stream: Stream | None = None,
+                  **kw: Any) -> Any:
+    args = {k: v for k, v in (("dtype", dtype), ("format", format)) if v is not None}
+    t = _plain_empty(dev, shape, stream=stream, **args, **kw)
+    _poison_tensor(t, stream)
+    return t
+
+
+def guarded_empty_like(dev: Device, desc: Any, stream: Stream | None = None) -> Any:
+    t = _plain_empty_like(dev, desc, stream)
+    _poison_tensor(t, stream)
+    return t
+
+
+def _poison_tensor(t: Any, stream: Stream | None) -> None:
+    blk = t.block
+    if type(blk) is GuardedBlock and blk.data is not None and t.dtype.is_float and blk.size:
+        if blk.size % t.dtype.itemsize == 0 and blk.fill is None:
+            _poison_nan((blk.data, t.dtype.np))
+        elif blk.fill is not None:
+            _ordered(blk, blk.fill, _poison_nan, (blk.data, t.dtype.np))
+
+
+def install() -> None:
+    _state["generation"] += 1
+    MemoryPool.malloc = guarded_malloc  # type: ignore[method-assign]
+    MemoryPool.free = guarded_free  # type: ignore[method-assign]
+    Device.empty = guarded_empty  # type: ignore[method-assign]
+    Device.empty_like = guarded_empty_like  # type: ignore[method-assign]
+    _state["malloc"] = _state["free"] = True
+
+
+def uninstall() -> None:
+    MemoryPool.malloc = _plain_malloc  # type: ignore[method-assign]
+    Device.empty = _plain_empty  # type: ignore[method-assign]
+    Device.empty_like = _plain_empty_like  # type: ignore[method-assign]
+    _state["malloc"] = _state["free"] = False
+    with _lock:
+        if not _live:
+            MemoryPool.free = _plain_free  # type: ignore[method-assign]
+
+
+def live_blocks() -> list[GuardedBlock]:
+    with _lock:
+        return list(_live.values())

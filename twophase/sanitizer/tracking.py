@@ -1,0 +1,328 @@
+"""Lifetime tracking: where each executor was planned, consumed and destroyed, which stream tasks use which
+blocks, which streams waited for which. The checks of phase 2, free, destroy, rebinding and host reads.
+
+Everything here is installed by swapping class attributes (and ``twophase.hooks``) only while the sanitizer
+is on; ``uninstall`` puts the plain functions back.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import hooks
+from ..executor import ExecState, Executor
+from ..op import Op
+from ..runtime.device import _copy_task
+from ..runtime.memory import Block
+from ..runtime.stream import Event, Stream
+from ..tensor import Tensor
+from . import guards
+from .guards import GuardedBlock
+from .report import (
+    ExecutorMisuseError,
+    Leak,
+    ReadBeforeReadyError,
+    StaleExecutorError,
+    UseAfterFreeError,
+    WorkspaceContractError,
+    first_frame,
+    stack_text,
+    where,
+)
+
+
+@dataclass
+class ExRecord:
+    """What the sanitizer knows of one executor."""
+
+    describe: str
+    created: Any
+    thread: str
+    generation: int
+    state: ExecState = ExecState.READY
+    released_at: Any = None
+    last: tuple[Any, int] | None = None  # (stream queue, seq) of its latest launch
+    ref: Any = field(default=None, repr=False)
+
+
+@dataclass
+class Launch:
+    """One enqueued phase 2: checked by the task listener after the kernel ran."""
+
+    op_name: str
+    describe: str
+    queue: Any
+    seq: int
+    blocks: list[tuple[GuardedBlock, str]]
+
+    def __str__(self) -> str:
+        return self.describe
+
+
+_records: dict[int, ExRecord] = {}
+_collected: list[Leak] = []  # executors garbage-collected while still ready (never destroyed)
+_launches: dict[tuple[str, int], Launch] = {}
+_waits: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictionary()
+_lock = threading.Lock()
+
+_plain = {
+    "release": Executor._release, "destroy": Executor.destroy, "bind": Executor._bind,
+    "bind_many": Executor._bind_many, "view": Tensor.view, "wait_event": Stream.wait_event,
+    "mark_use": Block.mark_use,
+}
+_INTERNAL_VIEW_CALLERS = {Op._build_launch.__code__, _copy_task.__code__}
+_handles: list[Any] = []
+
+
+def record_of(ex: Any) -> ExRecord | None:
+    return _records.get(id(ex))
+
+
+def _origin(ex: Any) -> str:
+    rec = record_of(ex)
+    if rec is None:
+        return "planned before the sanitizer was enabled"
+    return f"planned on thread '{rec.thread}' at\n{stack_text(rec.created)}"
+
+
+def _on_collect(key: int, _ref: Any) -> None:
+    with _lock:
+        rec = _records.pop(key, None)
+    if rec is not None and rec.state is ExecState.READY:
+        _collected.append(Leak("executor", f"{rec.describe} (garbage-collected without destroy)", rec.created,
+                               rec.generation))
+
+
+# ---- phase 1: where each executor came from
+def _phase1_done(op: Op, inputs: Any, kwargs: Any, result: Any, t0: float, t1: float) -> None:
+    ex = result[1]
+    rec = ExRecord(ex.describe(), where(), threading.current_thread().name, guards._state["generation"])
+    key = id(ex)
+    rec.ref = weakref.ref(ex, lambda r, k=key: _on_collect(k, r))
+    with _lock:
+        _records[key] = rec
+
+
+# ---- phase 2: the checks, then the uses it makes
+def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
+    if not isinstance(ex, Executor) or not isinstance(stream, Stream):
+        return  # the plain phase 2 reports these
+    rec = record_of(ex)
+    if ex._owner != threading.get_ident():
+        raise ExecutorMisuseError(f"{ex.describe()} used from thread '{threading.current_thread().name}'; it "
+                                  f"belongs to the thread that planned it ({_origin(ex)})", op=op.name, arg="executor")
+    if ex._state is not ExecState.READY:
+        how = "phase 2 on a consumed single-use executor (call set_repeatable() before the first phase 2 to reuse it)"\
+            if ex._state is ExecState.CONSUMED else "phase 2 on a destroyed executor"
+        when = stack_text(rec.released_at) if rec is not None else "    <unknown>"
+        raise ExecutorMisuseError(f"{how}: {ex.describe()}, {_origin(ex)}\n  {ex._state.value} at\n{when}",
+                                  op=op.name, arg="executor")
+    if size != ex.workspace_size or (size and (ws is None or getattr(ws, "size", 0) < size)):
+        got = f"workspace_size {size}" if size != ex.workspace_size else \
+            ("no workspace" if ws is None else f"a workspace block of {ws.size} bytes")
+        raise WorkspaceContractError(f"phase 1 returned workspace size {ex.workspace_size} for {ex.describe()}, "
+                                     f"phase 2 got {got}; the executor was {_origin(ex)}", op=op.name,
+                                     arg="workspace", expected=ex.workspace_size, got=got)
+    if ex._gate is not op:
+        return  # unbound operands: the plain phase 2 reports it
+    n_in = len(ex.input_descs)
+    seq = stream._q.submitted + 1
+    blocks: list[tuple[GuardedBlock, str]] = []
+    label = f"{ex.describe()} (launched at {first_frame(where())})"
+    descs = ex.input_descs + ex.output_descs
+    for i, t in enumerate(ex._tensors):
+        if t is None:
+            continue
+        role = f"input {i}" if i < n_in else f"output {i - n_in}"
+        if t.desc != descs[i]:
+            raise StaleExecutorError(f"{role} of {ex.describe()} is bound to a tensor of another desc",
+                                     op=op.name, arg=role, expected=descs[i], got=t.desc)
+        blk = t.block
+        if blk.freed or (type(blk) is GuardedBlock and not blk.allocated):
+            raise UseAfterFreeError(f"{ex.describe()} launched on stream '{stream.name}' with its {role} in a "
+                                    "block that was already freed", op=op.name, arg=role)
+        if type(blk) is GuardedBlock:
+            _use(blk, stream, seq, label, i >= n_in)
+            blocks.append((blk, role))
+    if type(ws) is GuardedBlock:
+        if not ws.allocated:
+            raise UseAfterFreeError(f"{ex.describe()} launched on stream '{stream.name}' with a workspace that was "
+                                    "already freed", op=op.name, arg="workspace")
+        _use(ws, stream, seq, label, True)
+        blocks.append((ws, "workspace"))
+    if rec is not None:
+        rec.last = (stream._q, seq)
+    launch = Launch(op.name, ex.describe(), stream._q, seq, blocks)
+    with _lock:
+        if len(_launches) > 4096:
+            for k, v in list(_launches.items()):
+                if v.queue.done >= v.seq:
+                    _launches.pop(k, None)
+        _launches[(stream.name, seq)] = launch
+
+
+def _use(blk: GuardedBlock, stream: Stream, seq: int, label: str, writes: bool) -> None:
+    q = stream._q
+    prev = blk.uses.get(q)
+    if prev is not None and prev[1] == label and prev[0] > q.done:
+        writes = writes or prev[2]
+    blk.uses[q] = (seq, label, writes)
+
+
+def _after_task(stream_name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
+    """On the worker after each task: verify the guard zones of every block the launch used."""
+    with _lock:
+        launch = _launches.pop((stream_name, seq), None)
+    if launch is None:
+        return
+    for blk, role in launch.blocks:
+        guards.verify(blk, role, launch)
+
+
+# ---- executors: release, destroy, rebinding
+def _release(self: Executor, state: ExecState) -> None:
+    _plain["release"](self, state)
+    rec = record_of(self)
+    if rec is not None:
+        rec.state = state
+        rec.released_at = where()
+
+
+def _destroy(self: Executor) -> None:
+    rec = record_of(self)
+    if self._owner != threading.get_ident():
+        raise ExecutorMisuseError(f"destroy of {self.describe()} from thread '{threading.current_thread().name}'; "
+                                  f"it belongs to the thread that planned it ({_origin(self)})", op=self.op.name,
+                                  arg="executor")
+    if self._state is not ExecState.READY:
+        what = "a consumed single-use executor (phase 2 already released it)" \
+            if self._state is ExecState.CONSUMED else "an executor destroyed before (double destroy)"
+        when = stack_text(rec.released_at) if rec is not None else "    <unknown>"
+        raise ExecutorMisuseError(f"destroy of {what}: {self.describe()}, {_origin(self)}\n  {self._state.value} at"
+                                  f"\n{when}", op=self.op.name, arg="executor")
+    if rec is not None and rec.last is not None and rec.last[0].done < rec.last[1]:
+        q, seq = rec.last
+        raise ExecutorMisuseError(f"destroy of {self.describe()} while its last launch (task {seq} on stream "
+                                  f"'{q.name}', {q.done} done) is pending; synchronize the stream first",
+                                  op=self.op.name, arg="executor")
+    _plain["destroy"](self)
+
+
+def _bind(self: Executor, index: int, tensor: Tensor, descs: Any, base: int, kind: str) -> None:
+    if isinstance(tensor, Tensor) and 0 <= index < len(descs) and self._state is ExecState.READY \
+            and tensor.desc != descs[index]:
+        raise StaleExecutorError(f"stale executor: {self.describe()} was planned for {kind} {index} = "
+                                 f"{descs[index]!r}, rebinding gave {tensor.desc!r} (another shape or stride: plan "
+                                 f"again); the executor was {_origin(self)}", op=self.op.name,
+                                 arg=f"{kind} {index}", expected=descs[index], got=tensor.desc)
+    _plain["bind"](self, index, tensor, descs, base, kind)
+
+
+def _bind_many(self: Executor, tensors: dict[int, Tensor]) -> None:
+    descs = self.input_descs + self.output_descs
+    for i, t in tensors.items():
+        if isinstance(t, Tensor) and 0 <= i < len(descs) and t.desc != descs[i]:
+            raise StaleExecutorError(f"stale executor: {self.describe()} was planned for operand {i} = "
+                                     f"{descs[i]!r}, binding gave {t.desc!r}", op=self.op.name, arg=f"operand {i}",
+                                     expected=descs[i], got=t.desc)
+    _plain["bind_many"](self, tensors)
+
+
+# ---- blocks: free, host reads, copy-in uses, stream ordering
+def check_free(blk: GuardedBlock, stream: Stream | None) -> None:
+    """Refuse to free ``blk`` while a not-yet-completed task on another stream uses it without ordering."""
+    for q, (seq, label, _) in list(blk.uses.items()):
+        if q.done >= seq:
+            continue
+        if stream is not None:
+            sq = stream._q
+            if sq is q or _waits.get(sq, {}).get(q, 0) >= seq:
+                continue
+        side = "the host (no stream)" if stream is None else f"stream '{stream.name}'"
+        raise UseAfterFreeError(
+            f"block of {blk.size} bytes at 0x{blk.address:x} freed on {side} while task {seq} on stream "
+            f"'{q.name}' ({q.done} done), {label}, still uses it; record an event on '{q.name}' and make the "
+            f"freeing stream wait for it (or synchronize) before freeing; the block was allocated at\n"
+            f"{stack_text(blk.created)}", op=label.split("'")[1] if "'" in label else None, arg="block")
+
+
+def _view(self: Tensor) -> Any:
+    blk = self.block
+    if type(blk) is GuardedBlock and blk.uses and not threading.current_thread().name.startswith("twophase-") \
+            and not _internal(sys._getframe(1)):
+        for q, (seq, label, writes) in list(blk.uses.items()):
+            if writes and q.done < seq:
+                raise ReadBeforeReadyError(
+                    f"host access to {self.desc!r} while task {seq} on stream '{q.name}' ({q.done} done), {label}, "
+                    "still writes it; synchronize the stream (or use numpy(), which waits) first",
+                    op=label.split("'")[1] if "'" in label else None, arg="tensor")
+    return _plain["view"](self)
+
+
+def _internal(f: Any) -> bool:
+    """True when the view is taken by the runtime itself (building a launch, a copy task), not read by the host."""
+    for _ in range(2):
+        if f is None:
+            return False
+        if f.f_code in _INTERNAL_VIEW_CALLERS:
+            return True
+        f = f.f_back
+    return False
+
+
+def _mark_use(self: Block, stream: Stream, seq: int) -> None:
+    _plain["mark_use"](self, stream, seq)
+    if type(self) is GuardedBlock:
+        _use(self, stream, seq, "a copy or marked use", True)
+
+
+def _wait_event(self: Stream, event: Event) -> None:
+    _plain["wait_event"](self, event)
+    if isinstance(event, Event) and event.stream is not self:
+        with _lock:
+            w = _waits.setdefault(self._q, {})
+            q = event.stream._q
+            w[q] = max(w.get(q, 0), event.seq)
+
+
+_PATCHES = ((Executor, "_release", _release), (Executor, "destroy", _destroy), (Executor, "_bind", _bind),
+            (Executor, "_bind_many", _bind_many), (Tensor, "view", _view), (Stream, "wait_event", _wait_event),
+            (Block, "mark_use", _mark_use))
+_PLAIN_NAMES = ("release", "destroy", "bind", "bind_many", "view", "wait_event", "mark_use")
+
+
+def install() -> None:
+    for cls, name, fn in _PATCHES:
+        setattr(cls, name, fn)
+    _handles.append(hooks.add_phase1_hook(_phase1_done))
+    _handles.append(hooks.add_phase2_hook(before=_phase2_before))
+    hooks.add_task_listener(_after_task)
+
+
+def uninstall() -> None:
+    for (cls, name, _), key in zip(_PATCHES, _PLAIN_NAMES):
+        setattr(cls, name, _plain[key])
+    while _handles:
+        hooks.remove_hook(_handles.pop())
+    hooks.remove_task_listener(_after_task)
+
+
+def leaked_executors(since: int = 0) -> list[Leak]:
+    out = [lk for lk in _collected if lk.generation >= since]
+    with _lock:
+        recs = list(_records.values())
+    for rec in recs:
+        ex = rec.ref() if rec.ref is not None else None
+        if ex is not None and ex._state is ExecState.READY and rec.generation >= since:
+            out.append(Leak("executor", ex.describe(), rec.created))
+    return out
+
+
+def reset() -> None:
+    with _lock:
+        _collected.clear()
+        _launches.clear()
