@@ -6,7 +6,7 @@ Every registered op is also a one-shot function here: ``twophase.softmax(x, dim=
 from typing import Any
 
 from . import log as _log  # noqa: F401  (configures the twophase logger and the exit leak report)
-from . import ops, stats
+from . import ops, sanitizer, stats
 from .cache import cache_info, clear_cache
 from .config import (
     set_cache_enabled,
@@ -14,6 +14,7 @@ from .config import (
     set_deterministic,
     set_launch_blocking,
     set_log_level,
+    set_sanitize,
     set_workspace_limit,
     settings,
 )
@@ -43,7 +44,7 @@ from .tensor import DType, Format, Tensor, TensorDesc
 __version__ = "0.1.0"
 
 __all__ = [
-    "ops", "stats", "cache_info", "clear_cache",
+    "ops", "sanitizer", "stats", "cache_info", "clear_cache", "set_sanitize",
     "set_cache_enabled", "set_cache_limit", "set_deterministic", "set_launch_blocking", "set_log_level",
     "set_workspace_limit", "settings",
     "InternalError", "InvalidStateError", "KernelError", "OutOfMemoryError", "ParamError", "RuntimeFailure",
