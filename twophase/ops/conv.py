@@ -135,6 +135,8 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
     oh, ow = out_size(h, kh, sh, ph, dh), out_size(wd, kw, sw, pw, dw)
     kc = cg * kh * kw
     wm = merge_dims(w.shape[1:], w.strides[1:])
+    if wm is not None and wm[0] <= 1:
+        wm = (wm[0], 1)  # a single column: any stride walks it, give BLAS the unit one
     t = ConvTiling(n, c, h, wd, oc, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, g, cg, oc // g, kc,
                    wm[1] if wm else 0, "", oh, x.format is Format.NHWC)
     orient = _orientation(xs, os_, t)

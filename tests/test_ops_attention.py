@@ -1,0 +1,134 @@
+"""scaled_dot_product_attention: materialized and tiled (online softmax) vs a float64 reference, masks,
+fully masked rows, Lq != Lk, workspace exactness and the limit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twophase.errors import ParamError
+from twophase.ops import scaled_dot_product_attention as sdpa
+from twophase.ops.attention import reference, tiled_layout
+from twophase.ops.selection import forced
+from twophase.testing import run_checked
+
+# limits that force: the materialized form, a whole-row tile, and online softmax over 1 x 4 key tiles
+MODES = (("materialized", None), ("tiled", None), ("tiled", 448))
+
+
+def _check(r: Any, ref: np.ndarray) -> None:
+    assert r.guards_intact
+    assert r.unwritten == (int(np.isnan(ref).sum()),)
+    assert r.touched <= r.workspace_size
+    np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-4, atol=1e-5)
+
+
+def _qkv(rng: np.random.Generator, b: int, h: int, lq: int, lk: int, d: int, dv: int) -> tuple[np.ndarray, ...]:
+    return tuple((rng.standard_normal(s) + 0.1).astype(np.float32) for s in ((b, h, lq, d), (b, h, lk, d),
+                                                                              (b, h, lk, dv)))
+
+
+def _run_modes(q: Any, k: Any, v: Any, mask: Any, **attrs: Any) -> list[Any]:
+    ref = reference(q, k, v, mask, **attrs)
+    runs = []
+    for impl, limit in MODES:
+        with forced(impl):
+            r = run_checked(sdpa, q, k, v, mask, workspace_limit=limit, **attrs)
+        assert r.implementation == impl
+        _check(r, ref)
+        runs.append(r)
+    return runs
+
+
+@settings(max_examples=20, deadline=None)
+@given(b=st.integers(1, 2), h=st.integers(1, 3), lq=st.integers(1, 9), lk=st.integers(1, 11), d=st.integers(1, 6),
+       dv=st.integers(1, 5), mask=st.sampled_from(["none", "causal", "bool", "additive", "bool_rows"]),
+       scale=st.sampled_from([None, 0.3]), seed=st.integers(0, 2**31))
+def test_sdpa_matches_reference_for_every_implementation(b: int, h: int, lq: int, lk: int, d: int, dv: int,
+                                                         mask: str, scale: Any, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    q, k, v = _qkv(rng, b, h, lq, lk, d, dv)
+    m, causal = None, mask == "causal"
+    if mask == "bool":
+        m = rng.random((b, 1, lq, lk)) < 0.6
+    elif mask == "bool_rows":
+        m = rng.random((lq, lk)) < 0.5
+        m[rng.integers(lq)] = False  # a fully masked row
+    elif mask == "additive":
+        m = rng.standard_normal((h, 1, lk)).astype(np.float32)
+    runs = _run_modes(q, k, v, m, is_causal=causal, scale=scale)
+    assert runs[2].workspace_size <= 448 and runs[1].workspace_size <= runs[0].workspace_size + 512
+
+
+def test_sdpa_fully_masked_rows_give_zero_not_nan(rng: np.random.Generator) -> None:
+    q, k, v = _qkv(rng, 1, 2, 5, 7, 4, 3)
+    m = np.ones((5, 7), bool)
+    m[1] = False
+    add = np.zeros((1, 2, 5, 7), np.float32)
+    add[0, 1, 3] = -np.inf
+    for mask in (m, add):
+        for r in _run_modes(q, k, v, mask):
+            assert not np.isnan(r.outputs[0]).any()
+    assert np.array_equal(_run_modes(q, k, v, m)[0].outputs[0][:, :, 1], np.zeros((1, 2, 3)))
+
+
+def test_sdpa_causal_with_more_keys_than_queries_is_top_left_aligned(rng: np.random.Generator) -> None:
+    q, k, v = _qkv(rng, 1, 1, 3, 8, 4, 4)
+    r = _run_modes(q, k, v, None, is_causal=True)[0]
+    np.testing.assert_allclose(r.outputs[0][0, 0, 0], v[0, 0, 0], rtol=1e-6)  # row 0 sees key 0 only
+
+
+def test_sdpa_float64_online_tiles(rng: np.random.Generator) -> None:
+    q, k, v = (x.astype(np.float64) for x in _qkv(rng, 1, 2, 6, 9, 3, 2))
+    r = run_checked(sdpa, q, k, v, None, workspace_limit=500, is_causal=True)
+    assert r.implementation == "tiled" and r.tiling.online
+    np.testing.assert_allclose(r.outputs[0], reference(q, k, v, is_causal=True), rtol=1e-12)
+
+
+def test_sdpa_workspace_reported_is_what_the_kernel_touches(rng: np.random.Generator) -> None:
+    q, k, v = _qkv(rng, 2, 2, 16, 16, 8, 8)
+    r = run_checked(sdpa, q, k, v, None)
+    assert r.implementation == "materialized"
+    # the scores, then the row max and row sum vectors, each aligned to 64 bytes
+    assert r.workspace_size == 2 * 2 * 16 * 16 * 4 + 2 * 256
+    assert r.workspace_size - 64 < r.touched <= r.workspace_size
+
+
+def test_sdpa_picks_tiles_that_fit_the_limit_and_reports_the_smallest(rng: np.random.Generator) -> None:
+    q, k, v = _qkv(rng, 1, 2, 32, 40, 8, 8)
+    full = run_checked(sdpa, q, k, v, None)
+    r = run_checked(sdpa, q, k, v, None, workspace_limit=full.workspace_size - 1)
+    assert r.implementation == "tiled" and r.workspace_size <= full.workspace_size - 1
+    smallest = tiled_layout(1, 4, 40, 8, 4).workspace
+    with pytest.raises(ParamError) as e:
+        sdpa.get_workspace_size(*(x for x in _dev(q, k, v)), workspace_limit=smallest - 1)
+    assert e.value.arg == "workspace_limit" and f"at least {smallest} bytes" in e.value.expected
+
+
+def _dev(*arrays: np.ndarray) -> list[Any]:
+    from twophase import device
+    return [device("cpu").tensor(a) for a in arrays]
+
+
+@pytest.mark.parametrize("change,arg", [
+    ({"k": (1, 2, 5, 3)}, "k"), ({"v": (1, 2, 6, 4)}, "v"), ({"q": (2, 5, 4)}, "q"), ({"mask": (3, 5)}, "attn_mask"),
+])
+def test_sdpa_rejects_mismatched_operands(change: dict[str, Any], arg: str) -> None:
+    shapes = {"q": (1, 2, 4, 4), "k": (1, 2, 5, 4), "v": (1, 2, 5, 4), "mask": (4, 5)}
+    shapes.update(change)
+    q, k, v = (np.ones(shapes[n], np.float32) for n in "qkv")
+    ts = _dev(q, k, v, np.ones(shapes["mask"], bool))
+    with pytest.raises(ParamError) as e:
+        sdpa.get_workspace_size(*ts)
+    assert e.value.arg == arg
+
+
+def test_sdpa_rejects_mask_together_with_is_causal() -> None:
+    ts = _dev(*(np.ones((1, 1, 2, 2), np.float32) for _ in range(3)), np.ones((2, 2), bool))
+    with pytest.raises(ParamError) as e:
+        sdpa.get_workspace_size(*ts, is_causal=True)
+    assert e.value.arg == "is_causal"

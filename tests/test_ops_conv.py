@@ -1,0 +1,130 @@
+"""conv2d: gemm_1x1, im2col (tiled under the workspace limit) and direct vs a float64 reference, NCHW and NHWC."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twophase import Format, device
+from twophase.errors import ParamError
+from twophase.layout import align
+from twophase.ops import conv2d
+from twophase.ops.conv import reference
+from twophase.ops.selection import forced
+from twophase.testing import run_checked
+
+
+def _check(r: Any, ref: np.ndarray) -> None:
+    assert r.guards_intact, "kernel wrote outside its workspace"
+    assert r.unwritten == (0,)
+    if r.workspace_size:
+        assert r.workspace_size - 64 < r.touched <= r.workspace_size  # the reported size is what is used
+    else:
+        assert r.touched == 0
+    np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-4, atol=1e-4 * max(1.0, float(np.abs(ref).max())))
+
+
+def _x(rng: np.random.Generator, shape: tuple[int, ...], nhwc: bool) -> Any:
+    x = (rng.standard_normal(shape) + 0.2).astype(np.float32)
+    return x.transpose(0, 2, 3, 1).copy() if nhwc else x
+
+
+def _input(x: np.ndarray, nhwc: bool) -> Any:
+    return device("cpu").tensor(x, format=Format.NHWC) if nhwc else x
+
+
+def _run(impl: str, x: Any, w: Any, b: Any, limit: int | None = None, **attrs: Any) -> Any:
+    with forced(impl):
+        return run_checked(conv2d, x, w, b, workspace_limit=limit, **attrs)
+
+
+@settings(max_examples=20, deadline=None)
+@given(n=st.integers(1, 2), cg=st.integers(1, 3), ocg=st.integers(1, 3), groups=st.integers(1, 2),
+       h=st.integers(3, 9), w=st.integers(3, 9), k=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       stride=st.tuples(st.integers(1, 3), st.integers(1, 2)), pad=st.tuples(st.integers(0, 2), st.integers(0, 1)),
+       dil=st.tuples(st.integers(1, 2), st.integers(1, 2)), bias=st.booleans(), nhwc=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_conv2d_matches_reference_for_every_implementation(n: int, cg: int, ocg: int, groups: int, h: int, w: int,
+                                                           k: tuple[int, int], stride: tuple[int, int],
+                                                           pad: tuple[int, int], dil: tuple[int, int], bias: bool,
+                                                           nhwc: bool, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    c, oc = cg * groups, ocg * groups
+    if (h + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) < 0 or (w + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) < 0:
+        return
+    x = _x(rng, (n, c, h, w), nhwc)
+    wt = (rng.standard_normal((oc, cg) + k) + 0.1).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32) if bias else None
+    attrs = dict(stride=stride, padding=pad, dilation=dil, groups=groups)
+    ref = reference(x, wt, b, nhwc=nhwc, **attrs)
+    full = _run("im2col", _input(x, nhwc), wt, b, **attrs)
+    _check(full, ref)
+    assert full.tiling.tile_rows == ref.shape[1 if nhwc else 2]
+    one_row = full.workspace_size // full.tiling.tile_rows + 64
+    tiled = _run("im2col", _input(x, nhwc), wt, b, limit=one_row, **attrs)  # tiles of one or a few rows
+    assert tiled.workspace_size <= one_row
+    _check(tiled, ref)
+    _check(_run("direct", _input(x, nhwc), wt, b, **attrs), ref)
+    if k == (1, 1) and stride == (1, 1) and pad == (0, 0):
+        _check(_run("gemm_1x1", _input(x, nhwc), wt, b, **attrs), ref)
+
+
+def test_conv2d_1x1_runs_as_gemm_without_workspace(rng: np.random.Generator) -> None:
+    x, w = _x(rng, (2, 6, 5, 4), False), rng.standard_normal((8, 3, 1, 1)).astype(np.float32)
+    r = run_checked(conv2d, x, w, None, groups=2)
+    assert (r.implementation, r.workspace_size) == ("gemm_1x1", 0)
+    _check(r, reference(x, w, groups=2))
+
+
+def test_conv2d_depthwise_picks_the_direct_kernel(rng: np.random.Generator) -> None:
+    x, w = _x(rng, (1, 4, 7, 7), False), rng.standard_normal((8, 1, 3, 3)).astype(np.float32)
+    r = run_checked(conv2d, x, w, None, groups=4, padding=1)
+    assert (r.implementation, r.workspace_size) == ("direct", 0)
+    _check(r, reference(x, w, groups=4, padding=1))
+
+
+def test_conv2d_im2col_tiles_fit_workspace_limit(rng: np.random.Generator) -> None:
+    x, w = _x(rng, (1, 3, 12, 10), False), rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+    per_row = 3 * 3 * 3 * 10 * 4  # C*KH*KW * OW * itemsize
+    ref = reference(x, w, padding=1)
+    full = run_checked(conv2d, x, w, None, padding=1)
+    assert (full.implementation, full.workspace_size) == ("im2col", align(per_row * 12))
+    cases = ((align(per_row * 12) - 1, 11), (align(per_row * 5), 5), (align(per_row * 5) - 1, 4), (align(per_row), 1))
+    for limit, rows in cases:
+        r = run_checked(conv2d, x, w, None, padding=1, workspace_limit=limit)
+        assert (r.implementation, r.tiling.tile_rows, r.workspace_size) == ("im2col", rows, align(per_row * rows))
+        assert r.workspace_size <= limit
+        _check(r, ref)
+    r = run_checked(conv2d, x, w, None, padding=1, workspace_limit=per_row - 1)  # not even one row: direct
+    assert (r.implementation, r.workspace_size) == ("direct", 0)
+    _check(r, ref)
+
+
+def test_conv2d_float64_nhwc_output_keeps_the_format(rng: np.random.Generator) -> None:
+    x = _x(rng, (2, 4, 6, 5), True).astype(np.float64)
+    w = rng.standard_normal((6, 4, 3, 2))
+    size, ex = conv2d.get_workspace_size(_input(x, True), device("cpu").tensor(w), stride=2)
+    assert ex.output_descs[0].format is Format.NHWC and ex.output_descs[0].shape == (2, 2, 2, 6)
+    assert ex.tiling.orient == "pm"
+    ex.destroy()
+    r = run_checked(conv2d, _input(x, True), w, None, stride=2)
+    np.testing.assert_allclose(r.outputs[0], reference(x, w, stride=2, nhwc=True), rtol=1e-12)
+
+
+@pytest.mark.parametrize("w_shape,attrs,arg", [
+    ((4, 3, 3, 3), {"groups": 2}, "groups"),
+    ((4, 2, 3, 3), {}, "weight"),
+    ((4, 3, 9, 3), {}, "x"),
+    ((4, 3, 3, 3), {"stride": 0}, "stride"),
+    ((4, 3, 3, 3), {"padding": (1, 2, 3)}, "padding"),
+])
+def test_conv2d_rejects_bad_arguments(w_shape: tuple[int, ...], attrs: dict[str, Any], arg: str) -> None:
+    dev = device("cpu")
+    with pytest.raises(ParamError) as e:
+        conv2d.get_workspace_size(dev.tensor(np.ones((1, 3, 5, 5), np.float32)),
+                                  dev.tensor(np.ones(w_shape, np.float32)), **attrs)
+    assert e.value.op == "conv2d" and e.value.arg == arg
