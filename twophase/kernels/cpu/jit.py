@@ -7,13 +7,16 @@ from typing import Any, Callable
 import numba
 import numpy as np
 
-__all__ = ["entry", "jit"]
+__all__ = ["entry", "jit", "jit_par", "jit_reduce", "jit_reduce_par", "FAST", "REDUCE"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
-jit = numba.njit(nogil=True, cache=True, fastmath=FAST)
-jit_reduce = numba.njit(nogil=True, cache=True, fastmath=REDUCE)
-jit_reduce_par = numba.njit(nogil=True, cache=True, parallel=True, fastmath=REDUCE)
+# error_model="numpy": a division by zero gives inf/nan instead of a Python exception branch, so loops vectorize
+_OPTS = {"nogil": True, "cache": True, "error_model": "numpy"}
+jit = numba.njit(fastmath=FAST, **_OPTS)
+jit_par = numba.njit(fastmath=FAST, parallel=True, **_OPTS)
+jit_reduce = numba.njit(fastmath=REDUCE, **_OPTS)
+jit_reduce_par = numba.njit(fastmath=REDUCE, parallel=True, **_OPTS)
 
 
 def _numba_type(a: Any) -> Any:
