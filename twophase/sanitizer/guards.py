@@ -88,7 +88,7 @@ def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> 
     if type(blk) is not GuardedBlock:
         _plain_free(pool, blk, stream)
         return
-    if blk.pool is not pool or not blk.allocated or blk.outer is None:
+    if blk.pool is not pool or not blk.allocated or blk.outer is None:  # outer stays set for later guard checks
         raise InvalidStateError("block is not allocated from this pool (double free?)", op="free", arg="block",
                                 got=blk)
     from .tracking import check_free
@@ -98,7 +98,6 @@ def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> 
     outer = blk.outer
     blk.allocated = False
     blk.freed = True
-    blk.outer = None
     with _lock:
         _live.pop(id(blk), None)
     _plain_free(pool, outer, stream)

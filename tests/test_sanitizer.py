@@ -1,0 +1,380 @@
+"""Planted faults: one deliberately buggy caller or kernel per sanitizer check, each detected with a clear message."""
+
+from __future__ import annotations
+
+import ctypes
+import gc
+import threading
+import warnings
+from typing import Any
+
+import numpy as np
+import pytest
+
+import twophase as tp
+from twophase import sanitizer
+from twophase.op import Op, OpDef, Plan
+from twophase.tensor import TensorDesc
+
+
+@pytest.fixture
+def san():
+    """The sanitizer on for the test; the test itself must leave no leak behind."""
+    with sanitizer.sanitize():
+        sanitizer.reset()
+        token = sanitizer.mark()
+        yield sanitizer
+        tp.device("cpu").synchronize()
+        gc.collect()
+        leaks = sanitizer.report(since=token, warn=False)
+    sanitizer.reset()
+    assert leaks == [], "\n".join(map(str, leaks))
+
+
+@pytest.fixture
+def s(san):
+    st = tp.device("cpu").stream()
+    yield st
+    try:
+        st.synchronize()
+    except tp.TwoPhaseError:
+        pass
+
+
+def _scribbler(ws_bytes: int, past_end: int = 0, before: int = 0) -> Op:
+    """A buggy op (not registered): its kernel copies x to out and writes ``past_end`` bytes past its workspace
+    (through the raw address, as a C kernel would) and ``before`` bytes before it."""
+
+    def infer(ins: Any, attrs: Any) -> Any:
+        return (ins[0],)
+
+    def select(ins: Any, outs: Any, attrs: Any, limit: Any) -> Plan:
+        return Plan("scribble", None, ws_bytes)
+
+    def build(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
+        x, out = ins[0], outs[0]
+
+        def launch(ws: Any) -> None:
+            out[...] = x
+            addr = ws.ctypes.data
+            if past_end:
+                ctypes.memset(addr + ws_bytes, 0x11, past_end)
+            if before:
+                ctypes.memset(addr - before, 0x22, before)
+        return launch
+
+    return Op(OpDef(name="scribble", inputs=("x",), infer=infer, select=select, kernels={"cpu": build},
+                    reference=lambda x: x))
+
+
+def _run(op: Op, x: tp.Tensor, s: tp.Stream) -> tp.Tensor:
+    size, ex = op.get_workspace_size(x)
+    y = x.device.empty_like(ex.output_descs[0], s)
+    ex.set_output(0, y)
+    ws = x.device.malloc(size, stream=s)
+    op(ws, size, ex, s)
+    ws.free(s)
+    return y
+
+
+# ---- 1. guard zones
+def test_kernel_writing_past_its_workspace_raises_at_next_sync_naming_op_and_bytes(s):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(8, np.float32), stream=s)
+    y = _run(_scribbler(100, past_end=13), x, s)
+    with pytest.raises(sanitizer.GuardError) as e:
+        s.synchronize()
+    msg = str(e.value)
+    assert "13 byte(s) past the end" in msg and "workspace" in msg
+    assert "op 'scribble'" in msg and "implementation 'scribble'" in msg and "executor #" in msg
+    assert e.value.status == tp.Status.ERR_RUNTIME_SANITIZER
+    s.synchronize()  # the stream works again
+    for t in (x, y):
+        t.free(s)
+
+
+def test_kernel_writing_before_its_workspace_is_reported(s):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(4, np.float32), stream=s)
+    y = _run(_scribbler(64, before=5), x, s)
+    with pytest.raises(sanitizer.GuardError, match="5 byte\\(s\\) before the start"):
+        s.synchronize()
+    x.free(s)
+    y.free(s)
+
+
+def test_kernel_within_its_workspace_is_not_reported(s):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.arange(5, dtype=np.float32), stream=s)
+    y = _run(_scribbler(64), x, s)
+    np.testing.assert_array_equal(y.numpy(), np.arange(5))
+    x.free(s)
+    y.free(s)
+
+
+# ---- 2. poisoned fresh memory
+def test_fresh_float_tensor_is_nan_and_fresh_workspace_is_0xcd(san):
+    dev = tp.device("cpu")
+    t = dev.empty((3, 5), tp.DType.float32)
+    assert np.isnan(t.numpy()).all()
+    i = dev.empty((4,), tp.DType.int32)
+    assert (i.numpy().view(np.uint8) == 0xCD).all()
+    ws = dev.malloc(100)
+    assert (ws.data == 0xCD).all() and ws.size == 100
+    for b in (t, i, ws):
+        b.free()
+
+
+def test_kernel_that_reads_its_output_before_writing_it_gives_nan(s):
+    def build(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
+        x, out = ins[0], outs[0]
+        return lambda ws: np.add(out, x, out=out)  # bug: accumulates into uninitialised memory
+
+    op = Op(OpDef(name="accumulate", inputs=("x",), infer=lambda ins, a: (ins[0],),
+                  select=lambda *a: Plan("acc", None, 0), kernels={"cpu": build}))
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(6, np.float32), stream=s)
+    y = _run(op, x, s)
+    assert np.isnan(y.numpy()).all()
+    x.free(s)
+    y.free(s)
+
+
+# ---- 3. size contract
+def test_phase2_with_another_workspace_size_names_both_sizes_and_the_planning_site(s):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(1 << 20, np.float32), stream=s)
+    size, ex = tp.ops.reduce_sum.get_workspace_size(x)
+    assert size > 0
+    ex._bind_many({1: dev.empty_like(ex.output_descs[0], s)})
+    ws = dev.malloc(size - 4, stream=s)
+    with pytest.raises(sanitizer.WorkspaceContractError) as e:
+        tp.ops.reduce_sum(ws, size - 4, ex, s)
+    assert f"phase 1 returned workspace size {size}" in str(e.value) and f"workspace_size {size - 4}" in str(e.value)
+    assert "test_sanitizer.py" in str(e.value)  # where the executor was planned
+    with pytest.raises(tp.WorkspaceTooSmallError, match=f"a workspace block of {size - 4} bytes"):
+        tp.ops.reduce_sum(ws, size, ex, s)
+    y = ex.outputs[0]
+    ex.destroy()
+    ws.free(s)
+    x.free(s)
+    y.free(s)
+
+
+# ---- 4. use after free across streams
+def test_freeing_a_workspace_another_stream_still_uses_names_both_streams_and_the_op(s, gate):
+    dev = tp.device("cpu")
+    other = dev.stream("other")
+    x = dev.tensor(np.ones(1 << 20, np.float32), stream=other)
+    size, ex = tp.ops.reduce_sum.get_workspace_size(x)
+    y = dev.empty_like(ex.output_descs[0], other)
+    ex.set_output(0, y)
+    ws = dev.malloc(size, stream=other)
+    opened = gate(other)  # keep 'other' busy: the launch is pending
+    tp.ops.reduce_sum(ws, size, ex, other)
+    with pytest.raises(sanitizer.UseAfterFreeError) as e:
+        ws.free(s)
+    msg = str(e.value)
+    assert f"stream '{s.name}'" in msg and "stream 'other'" in msg and "op 'reduce_sum'" in msg
+    opened.set()
+    other.synchronize()
+    ws.free(s)  # fine once the task completed
+    x.free(s)
+    y.free(s)
+
+
+def test_free_ordered_by_an_event_is_not_reported(s, gate):
+    dev = tp.device("cpu")
+    other = dev.stream("other2")
+    x = dev.tensor(np.ones(64, np.float32), stream=other)
+    opened = gate(other)
+    y = tp.neg(x, stream=other)
+    s.wait_event(other.record_event())
+    x.free(s)  # ordered: s runs after 'other' reached the event
+    opened.set()
+    other.synchronize()
+    s.synchronize()
+    y.free(other)
+
+
+def test_freeing_a_tensor_from_the_host_while_its_copy_in_is_pending_is_reported(s, gate):
+    dev = tp.device("cpu")
+    opened = gate(s)
+    x = dev.tensor(np.ones(16, np.float32), stream=s)
+    with pytest.raises(sanitizer.UseAfterFreeError, match="the host"):
+        x.free()
+    opened.set()
+    s.synchronize()
+    x.free()
+
+
+# ---- 5. read before ready
+def test_host_view_of_a_tensor_a_pending_task_writes_raises(s, gate):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(32, np.float32), stream=s)
+    s.synchronize()
+    opened = gate(s)
+    y = tp.exp(x, stream=s)
+    with pytest.raises(sanitizer.ReadBeforeReadyError) as e:
+        y.view()
+    assert "op 'exp'" in str(e.value) and f"stream '{s.name}'" in str(e.value)
+    opened.set()
+    np.testing.assert_allclose(y.numpy(), np.e, rtol=1e-6)  # numpy() waits: fine
+    x.free(s)
+    y.free(s)
+
+
+def test_array_and_dlpack_of_a_tensor_written_on_another_stream_raise(s, gate):
+    dev = tp.device("cpu")
+    other = dev.stream("writer")
+    x = dev.tensor(np.ones(8, np.float32), stream=other)
+    other.synchronize()
+    opened = gate(other)
+    y = dev.empty((8,))
+    tp.ops.neg.get_workspace_size(x, out=y)[1].destroy()
+    tp.neg(x, out=y, stream=other)
+    y.block.mark_use(s, s.record_event().seq)  # a later use on another stream: numpy() waits for that one only
+    with pytest.raises(sanitizer.ReadBeforeReadyError):
+        np.asarray(y)
+    with pytest.raises(sanitizer.ReadBeforeReadyError):
+        np.from_dlpack(y)
+    opened.set()
+    other.synchronize()
+    np.testing.assert_array_equal(np.asarray(y), -1)
+    x.free(other)
+    y.free(other)
+
+
+# ---- 6. executor misuse
+def test_phase2_twice_on_a_single_use_executor_says_where_it_was_consumed(s):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(4, np.float32), stream=s)
+    y = dev.empty((4,))
+    _, ex = tp.ops.relu.get_workspace_size(x, out=y)
+    tp.ops.relu(None, 0, ex, s)
+    with pytest.raises(sanitizer.ExecutorMisuseError) as e:
+        tp.ops.relu(None, 0, ex, s)
+    assert "consumed single-use executor" in str(e.value) and "consumed at" in str(e.value)
+    assert isinstance(e.value, tp.InvalidStateError) and e.value.status == tp.Status.ERR_PARAM_INVALID_STATE
+    with pytest.raises(sanitizer.ExecutorMisuseError, match="destroy of a consumed"):
+        ex.destroy()
+    s.synchronize()
+    x.free(s)
+    y.free(s)
+
+
+def test_destroy_while_the_last_launch_is_pending_raises(s, gate):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(4, np.float32), stream=s)
+    y = dev.empty((4,))
+    _, ex = tp.ops.relu.get_workspace_size(x, out=y)
+    ex.set_repeatable()
+    opened = gate(s)
+    tp.ops.relu(None, 0, ex, s)
+    with pytest.raises(sanitizer.ExecutorMisuseError, match="while its last launch .* is pending"):
+        ex.destroy()
+    opened.set()
+    s.synchronize()
+    ex.destroy()
+    x.free(s)
+    y.free(s)
+
+
+def test_phase2_from_another_thread_names_both_threads(s):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(4, np.float32), stream=s)
+    y = dev.empty((4,))
+    _, ex = tp.ops.relu.get_workspace_size(x, out=y)
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        try:
+            tp.ops.relu(None, 0, ex, s)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    th = threading.Thread(target=other, name="intruder")
+    th.start()
+    th.join()
+    assert isinstance(errors[0], sanitizer.ExecutorMisuseError)
+    assert "thread 'intruder'" in str(errors[0]) and "planned on thread 'MainThread'" in str(errors[0])
+    ex.destroy()
+    s.synchronize()
+    x.free(s)
+    y.free(s)
+
+
+# ---- 7. leaks
+def test_report_lists_leaked_executors_and_blocks_with_their_creation_stack(san):
+    token = san.mark()
+    dev = tp.device("cpu")
+    _, ex = tp.ops.relu.get_workspace_size(TensorDesc((3,)))  # never destroyed
+    blk = dev.malloc(1000)  # never freed
+
+    def dropped() -> None:
+        tp.ops.neg.get_workspace_size(TensorDesc((5,)))  # dropped without destroy: memory creep in C
+    dropped()
+    gc.collect()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        leaks = san.report(since=token)
+    kinds = sorted(lk.kind for lk in leaks)
+    assert kinds == ["block", "executor", "executor"]
+    text = "\n".join(str(lk) for lk in leaks)
+    assert "op 'relu'" in text and "op 'neg'" in text and "garbage-collected without destroy" in text
+    assert "of 1000 bytes" in text and "test_sanitizer.py" in text and "in dropped" in text
+    assert all(issubclass(x.category, sanitizer.LeakWarning) for x in w) and len(w) == 3
+    with pytest.raises(sanitizer.SanitizerError, match="3 leak"):
+        san.report(since=token, warn=False, raise_on_leak=True)
+    ex.destroy()
+    blk.free()
+    san.reset()
+    assert san.report(since=token, warn=False) == []
+
+
+# ---- 8. stale executor after a shape change
+def test_rebinding_a_tensor_of_another_shape_or_stride_shows_both_descs(s):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones((4, 6), np.float32), stream=s)
+    _, ex = tp.ops.neg.get_workspace_size(x)
+    ex.set_repeatable()
+    bigger = dev.tensor(np.ones((4, 7), np.float32), stream=s)
+    with pytest.raises(sanitizer.StaleExecutorError) as e:
+        ex.set_input(0, bigger)
+    assert "TensorDesc((4, 6), float32)" in str(e.value) and "TensorDesc((4, 7), float32)" in str(e.value)
+    base = dev.tensor(np.ones((6, 4), np.float32), stream=s)
+    with pytest.raises(sanitizer.StaleExecutorError, match="strides=\\(1, 4\\)"):
+        ex.set_input(0, base.transpose())
+    with pytest.raises(sanitizer.StaleExecutorError):
+        ex._bind_many({0: bigger})
+    ex.destroy()
+    s.synchronize()
+    for t in (x, bigger, base):
+        t.free(s)
+
+
+# ---- off: nothing installed
+def test_off_means_the_plain_functions_are_back():
+    from twophase import hooks
+    from twophase.runtime.memory import MemoryPool
+    from twophase.sanitizer import guards
+    with sanitizer.sanitize():
+        assert tp.Op.__call__ is not hooks._plain_phase2
+        assert not guards.live_blocks(), [str(b) for b in guards.live_blocks()]  # earlier tests freed everything
+        b = tp.device("cpu").malloc(10)
+    assert sanitizer.is_enabled() is False
+    assert tp.Op.__call__ is hooks._plain_phase2 and tp.Op.get_workspace_size is hooks._plain_phase1
+    assert MemoryPool.malloc is guards._plain_malloc
+    assert MemoryPool.free is guards.guarded_free  # until the last guarded block is back
+    b.free()
+    assert MemoryPool.free is guards._plain_free
+    assert tp.Tensor.view.__module__ == "twophase.tensor"
+
+
+def test_env_and_setter_turn_it_on_and_off():
+    tp.set_sanitize(True)
+    try:
+        assert sanitizer.is_enabled() and tp.settings.sanitize
+    finally:
+        tp.set_sanitize(False)
+    assert not sanitizer.is_enabled()
