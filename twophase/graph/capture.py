@@ -1,0 +1,182 @@
+"""Stream capture: launches on the captured stream are recorded as graph nodes instead of running.
+
+For the capture's duration, and only then, a few entry points are swapped for recording versions, so the
+plain (non-capturing) phase-2 and enqueue paths carry no check at all:
+
+- the stream's ``_enqueue`` (what phase 2 calls) and its queue's ``enqueue`` record executor launches and
+  refuse anything else (copies, events, callbacks);
+- the queue's ``wait_for`` refuses waits from the capturing thread (``synchronize``, host reads);
+- the device pool's ``malloc`` hands the capturing thread *virtual* blocks: no memory until the graph is
+  instantiated, where each becomes a slice of the arena (``VirtualBlock``);
+- ``Op._build_launch`` defers the launch of an executor bound to a virtual tensor (there is nothing to view
+  yet), and the device's ``_array_view`` refuses views of virtual tensors with a clear message;
+- a phase-2 hook refuses launches from the capturing thread on any other stream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+from .. import hooks
+from ..errors import CaptureError, ParamError
+from ..executor import Executor
+from ..op import Op
+from ..runtime.memory import Block
+from ..runtime.stream import Stream
+from .replay import Graph
+from .virtual import VirtualBlock
+
+__all__ = ["capture", "capturing"]
+
+_active: dict[int, Graph] = {}  # capturing thread -> its graph
+_lock = threading.Lock()
+_shared: dict[str, Any] = {"n": 0}  # swaps shared by every capture: Op._build_launch, the phase-2 hook
+_taps: dict[int, list[Any]] = {}  # id(device) -> [count, restore functions]
+
+
+def capturing() -> Graph | None:
+    """The graph the calling thread is capturing into, if any."""
+    return _active.get(threading.get_ident())
+
+
+@contextlib.contextmanager
+def capture(stream: Stream, name: str | None = None) -> Iterator[Graph]:
+    """Record the launches issued on ``stream`` by this thread into a :class:`~twophase.graph.Graph`.
+
+    Explicit phase 2 calls, ``plan`` calls and one-shot calls on ``stream`` are recorded, not executed.
+    Tensors allocated from the device's pool by this thread during the capture are virtual until
+    ``graph.instantiate()``. A launch on another stream, a synchronization of ``stream``, or a host read of
+    a tensor the capture uses raises :class:`~twophase.CaptureError`. Name the graph's inputs and outputs
+    with ``graph.input(name, tensor)`` / ``graph.output(name, tensor)``.
+    """
+    if not isinstance(stream, Stream):
+        raise ParamError(op="capture", arg="stream", expected="a twophase Stream", got=type(stream).__name__)
+    tid = threading.get_ident()
+    with _lock:
+        if tid in _active:
+            raise CaptureError("captures do not nest", op="capture", arg="stream",
+                               expected="no capture active on this thread", got=f"capturing {_active[tid]}")
+        if any(g.stream is stream for g in _active.values()):
+            raise CaptureError("stream is already being captured by another thread", op="capture", arg="stream",
+                               got=stream.name)
+        graph = Graph._new(stream, name, tid)
+        restore = _begin(graph)
+        _active[tid] = graph
+    failed = True
+    try:
+        yield graph
+        failed = False
+    finally:
+        with _lock:
+            del _active[tid]
+            for fn in reversed(restore):
+                fn()
+        graph._end_capture(failed)
+
+
+# ---- the swaps
+def _swap(obj: Any, attr: str, new: Any) -> Callable[[], None]:
+    """Set an instance attribute; the returned function puts back what was there (or removes it)."""
+    had = attr in getattr(obj, "__dict__", {}) or (hasattr(type(obj), "__slots__") and attr in type(obj).__slots__)
+    old = getattr(obj, attr)
+    setattr(obj, attr, new)
+
+    def restore() -> None:
+        if had:
+            setattr(obj, attr, old)
+        else:
+            delattr(obj, attr)
+    return restore
+
+
+def _begin(graph: Graph) -> list[Callable[[], None]]:
+    stream, q = graph.stream, graph.stream._q
+    tid = graph._thread
+    orig_wait = q.wait_for
+
+    def wait_for(seq: int, raise_errors: bool = True) -> None:
+        if threading.get_ident() == tid:
+            raise CaptureError(f"stream '{stream.name}' is being captured: no synchronization or host read of its "
+                               "work until the capture ends", op="capture", arg="stream")
+        orig_wait(seq, raise_errors)
+
+    restore = [_swap(q, "enqueue", graph._record), _swap(stream, "_enqueue", graph._record),
+               _swap(q, "wait_for", wait_for)]
+    restore.append(_tap_device(graph.device))
+    restore.append(_share())
+    return restore
+
+
+def _tap_device(dev: Any) -> Callable[[], None]:
+    """Virtual allocations for capturing threads, refused views of virtual blocks (one tap per device)."""
+    key = id(dev)
+    tap = _taps.get(key)
+    if tap is None:
+        pool = dev.pool
+        orig_malloc = pool.malloc
+        orig_view = dev._array_view
+
+        def malloc(nbytes: int, stream: Any = None, policy: str = "huge_first") -> Block:
+            g = _active.get(threading.get_ident())
+            if g is None or g.device is not dev:
+                return orig_malloc(nbytes, stream, policy)  # type: ignore[no-any-return]
+            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+                raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
+            return g._virtual_block(nbytes)
+
+        def array_view(block: Block, desc: Any) -> Any:
+            if type(block) is VirtualBlock and block.virtual:
+                raise CaptureError(f"a tensor allocated inside the capture of {block.graph} has no memory until "
+                                   "the graph is instantiated", op="Tensor.view", arg="tensor", got=desc)
+            return orig_view(block, desc)
+
+        tap = _taps[key] = [0, [_swap(pool, "malloc", malloc), _swap(dev, "_array_view", array_view)]]
+    tap[0] += 1
+
+    def release() -> None:
+        tap[0] -= 1
+        if tap[0] == 0:
+            for fn in reversed(tap[1]):
+                fn()
+            del _taps[key]
+    return release
+
+
+def _share() -> Callable[[], None]:
+    """``Op._build_launch`` deferring for virtual operands and the other-stream check, while any capture runs."""
+    if _shared["n"] == 0:
+        plain = Op._build_launch
+
+        def build_launch(op: Op, ex: Executor) -> Callable[[Any], None]:
+            for t in ex._tensors:
+                if t is not None and type(t.block) is VirtualBlock and t.block.virtual:
+                    return _deferred
+            return plain(op, ex)
+
+        Op._build_launch = build_launch  # type: ignore[method-assign]
+        _shared["plain"] = plain
+        _shared["hook"] = hooks.add_phase2_hook(before=_check_stream)
+    _shared["n"] += 1
+
+    def release() -> None:
+        _shared["n"] -= 1
+        if _shared["n"] == 0:
+            Op._build_launch = _shared.pop("plain")  # type: ignore[method-assign]
+            hooks.remove_hook(_shared.pop("hook"))
+    return release
+
+
+def _deferred(_: Any) -> None:
+    raise CaptureError("this executor is bound to tensors of a captured graph: its launch exists only in the "
+                       "instantiated graph (replay the graph, or bind real tensors)", op="phase 2", arg="executor")
+
+
+def _check_stream(op: Op, workspace: Any, size: int, executor: Any, stream: Any) -> None:
+    g = _active.get(threading.get_ident())
+    if g is not None and stream is not g.stream:
+        name = getattr(stream, "name", stream)
+        raise CaptureError(f"launch on stream '{name}' while this thread captures stream '{g.stream.name}' "
+                           "(pass stream= the captured stream)", op=op.name, arg="stream",
+                           expected=g.stream.name, got=name)

@@ -1,0 +1,471 @@
+"""A captured graph: nodes recorded by ``capture``, planned into one arena by ``instantiate``, and
+enqueued whole, as one stream task, by ``replay``."""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError
+from ..executor import Executor
+from ..runtime.memory import Block
+from ..runtime.stream import TASK_LISTENERS, Event, Stream, describe_owner
+from ..stats import bucket
+from ..tensor import Tensor, TensorDesc
+from .planner import DEFAULT_ALIGNMENT, ArenaPlan, Buffer, liveness, plan_arena
+from .virtual import VirtualBlock
+
+__all__ = ["Graph", "GraphMemory"]
+
+Operand = "tuple[TensorDesc, Block | int] | None"  # (desc, external block or virtual id)
+
+
+class _Node:
+    """One recorded launch: what phase 1 decided, and the operands bound at the time of the launch."""
+
+    __slots__ = ("op", "plan", "attrs", "input_descs", "output_descs", "workspace_size", "operands")
+
+    def __init__(self, ex: Executor, operands: tuple[Any, ...]) -> None:
+        self.op = ex.op
+        self.plan = ex.plan
+        self.attrs = ex.attrs
+        self.input_descs = ex.input_descs
+        self.output_descs = ex.output_descs
+        self.workspace_size = ex.workspace_size
+        self.operands = operands
+
+
+class _Binding:
+    """A named input or output: the tensor declared at capture, the one bound now, and the operands it feeds."""
+
+    __slots__ = ("name", "kind", "desc", "default", "current", "key", "uses")
+
+    def __init__(self, name: str, kind: str, tensor: Tensor, key: Any) -> None:
+        self.name = name
+        self.kind = kind
+        self.desc = tensor.desc
+        self.default = tensor
+        self.current = tensor
+        self.key = key  # the external Block, or the virtual id
+        self.uses: list[tuple[int, int, TensorDesc]] = []  # (node, operand slot, operand desc)
+
+
+@dataclass(frozen=True)
+class GraphMemory:
+    """What the planner did: ``arena_bytes`` hold every intermediate and workspace of the graph;
+    ``naive_bytes`` is what the same buffers take allocated one by one (pool granularity);
+    ``peak_bytes`` is the most bytes live at one node (no arena can be smaller)."""
+
+    arena_bytes: int
+    naive_bytes: int
+    peak_bytes: int
+    intermediates: int
+    workspaces: int
+    strategy: str
+
+    @property
+    def ratio(self) -> float:
+        """arena / one-by-one (1.0 when there is nothing to place)."""
+        return self.arena_bytes / self.naive_bytes if self.naive_bytes else 1.0
+
+
+class Graph:
+    """A captured sequence of launches. Made by ``twophase.capture(stream)``.
+
+    Lifecycle: capture → ``input``/``output`` declarations → ``instantiate()`` → ``replay(stream, **tensors)``
+    any number of times → ``destroy()`` (or ``with graph:``). Belongs to the thread that captured it.
+    """
+
+    _ids = itertools.count(1)
+
+    def __init__(self, *_: Any, **__: Any) -> None:
+        raise TypeError("Graphs are made by a capture: use `with twophase.capture(stream) as graph:`")
+
+    @classmethod
+    def _new(cls, stream: Stream, name: str | None, thread: int) -> Graph:
+        self = object.__new__(cls)
+        self.id = next(Graph._ids)
+        self.name = name or f"graph#{self.id}"
+        self.stream = stream
+        self.device = stream.device
+        self._thread = thread
+        self._state = "capturing"
+        self._seq0 = stream._q.submitted
+        self._nodes: list[_Node] = []
+        self._marks: dict[int, tuple[Block, Any, int]] = {}
+        self._vsizes: list[int] = []
+        self._vrefs: list[weakref.ref[VirtualBlock]] = []
+        self._vfreed: list[bool] = []
+        self._bindings: dict[str, _Binding] = {}
+        self._steps: list[tuple[Any, Any, int]] | None = None
+        self._execs: tuple[Executor, ...] = ()
+        self._arena: Block | None = None
+        self._internal: set[int] = set()
+        self._mark_blocks: tuple[Block, ...] = ()
+        self._rebound: set[str] = set()
+        self._outputs: dict[str, Tensor] = {}
+        self._last_stream: Stream | None = None
+        self._last_seq = 0
+        self._plan: ArenaPlan | None = None
+        self.replays = 0
+        return self
+
+    # ---- introspection
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    @property
+    def ops(self) -> list[str]:
+        """The op of each node, in launch order."""
+        return [n.op.name for n in self._nodes]
+
+    @property
+    def state(self) -> str:
+        """``capturing``, ``captured``, ``failed`` (the capture block raised), ``instantiated`` or ``destroyed``."""
+        return self._state
+
+    @property
+    def inputs(self) -> dict[str, Tensor]:
+        return {n: b.current for n, b in self._bindings.items() if b.kind == "input"}
+
+    @property
+    def outputs(self) -> dict[str, Tensor]:
+        return {n: b.current for n, b in self._bindings.items() if b.kind == "output"}
+
+    @property
+    def memory(self) -> GraphMemory:
+        """The planner's report (after ``instantiate``)."""
+        p = self._plan
+        if p is None:
+            raise InvalidStateError(f"{self} is {self._state}: the arena is planned by instantiate()",
+                                    op="Graph.memory", arg="graph")
+        n_ws = sum(1 for n in self._nodes if n.workspace_size)
+        return GraphMemory(p.size, p.naive, p.peak, len(p.offsets) - n_ws, n_ws, p.strategy)
+
+    def describe(self) -> str:
+        return f"graph '{self.name}' ({len(self._nodes)} nodes)"
+
+    def __str__(self) -> str:
+        return f"graph '{self.name}'"
+
+    def __repr__(self) -> str:
+        return f"Graph('{self.name}', {len(self._nodes)} nodes, {self._state})"
+
+    # ---- capture side (called through the swapped entry points)
+    def _record(self, fn: Any, arg: Any, owner: Any) -> int:
+        if threading.get_ident() != self._thread:
+            raise CaptureError(f"stream '{self.stream.name}' is being captured by another thread",
+                               op="capture", arg="stream", got=describe_owner(owner))
+        if not isinstance(owner, Executor):
+            raise CaptureError(f"{describe_owner(owner)} cannot be captured into {self}: a graph records op "
+                               "launches only (create input tensors before the capture; no events, callbacks or "
+                               "graph replays inside it)", op="capture", arg="stream")
+        operands: list[Any] = []
+        for t in owner._tensors:
+            if t is None:
+                operands.append(None)
+                continue
+            b = t.block
+            if type(b) is VirtualBlock and b.virtual:
+                if b.graph is not self:
+                    raise CaptureError(f"{owner.describe()} uses a tensor of another capture ({b.graph})",
+                                       op=owner.op.name, arg="operand")
+                operands.append((t.desc, b.vid))
+            else:
+                if id(b) not in self._marks:
+                    self._marks[id(b)] = (b, b._stream, b._seq)  # phase 2 re-marks it; put back at the end
+                operands.append((t.desc, b))
+        self._nodes.append(_Node(owner, tuple(operands)))
+        return self._seq0  # nothing ran: waits on this seq are waits on the work before the capture
+
+    def _virtual_block(self, nbytes: int) -> VirtualBlock:
+        vb = VirtualBlock(self.device.pool, self, len(self._vsizes), nbytes)
+        self._vsizes.append(nbytes)
+        self._vrefs.append(weakref.ref(vb))
+        self._vfreed.append(False)
+        return vb
+
+    def _on_virtual_free(self, vid: int) -> None:
+        if vid < len(self._vfreed):
+            self._vfreed[vid] = True
+
+    def _end_capture(self, failed: bool) -> None:
+        for b, stream, seq in self._marks.values():
+            b._stream, b._seq = stream, seq
+        self._marks = {}
+        self._state = "failed" if failed else "captured"
+
+    # ---- names
+    def input(self, name: str, tensor: Tensor) -> Tensor:
+        """Name an external input (a tensor made before the capture); ``replay(name=other)`` rebinds it."""
+        self._declare(name, tensor, "input")
+        return tensor
+
+    def output(self, name: str, tensor: Tensor) -> Tensor:
+        """Name an output: a tensor the capture allocated (arena-backed after ``instantiate``, valid until the
+        next replay) or an external one; ``replay(name=buffer)`` writes into a caller-provided buffer instead."""
+        self._declare(name, tensor, "output")
+        return tensor
+
+    def _declare(self, name: str, tensor: Tensor, kind: str) -> None:
+        if self._state not in ("capturing", "captured"):
+            raise InvalidStateError(f"{self} is {self._state}: declare inputs and outputs before instantiate()",
+                                    op=f"Graph.{kind}", arg="name", got=name)
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ParamError(op=f"Graph.{kind}", arg="name", expected="an identifier (a keyword of replay)", got=name)
+        if name in self._bindings:
+            raise ParamError(op=f"Graph.{kind}", arg="name", expected="a new name",
+                             got=f"'{name}' (already the {self._bindings[name].kind} {self._bindings[name].desc})")
+        if not isinstance(tensor, Tensor):
+            raise ParamError(op=f"Graph.{kind}", arg=name, expected="a Tensor", got=type(tensor).__name__)
+        if tensor.device is not self.device:
+            raise ParamError(op=f"Graph.{kind}", arg=name, expected=f"a tensor on {self.device.name}",
+                             got=tensor.device.name)
+        b = tensor.block
+        virtual = type(b) is VirtualBlock and b.virtual
+        if virtual and (kind == "input" or b.graph is not self):
+            raise CaptureError("an input must be a tensor made before the capture" if kind == "input" else
+                               f"the tensor belongs to another capture ({b.graph})", op=f"Graph.{kind}", arg=name)
+        key = b.vid if virtual else b  # type: ignore[union-attr]
+        for other in self._bindings.values():
+            if other.key is key:
+                raise ParamError(op=f"Graph.{kind}", arg=name, expected="memory not named yet",
+                                 got=f"the memory of {other.kind} '{other.name}'")
+        self._bindings[name] = _Binding(name, kind, tensor, key)
+
+    # ---- instantiation
+    def instantiate(self, alignment: int = DEFAULT_ALIGNMENT) -> Graph:
+        """Plan every intermediate and workspace into one arena, allocate it, and build each node's launch.
+
+        Intermediates are placed by liveness; tensors allocated by the capture and still referenced now
+        (or declared outputs) stay live to the end of the graph, so they can be read after a replay.
+        Inputs, external outputs and weights stay where they are. Returns the graph.
+        """
+        if self._state != "captured":
+            raise InvalidStateError(f"{self} is {self._state}", op="Graph.instantiate", arg="graph",
+                                    expected="a finished capture (instantiate once)", got=self._state)
+        if threading.get_ident() != self._thread:
+            raise InvalidStateError(f"{self} belongs to another thread", op="Graph.instantiate", arg="graph")
+        nodes = self._nodes
+        uses = [[op[1] for op in n.operands if op is not None and type(op[1]) is int] for n in nodes]
+        keep = {b.key for b in self._bindings.values() if type(b.key) is int}
+        keep.update(vid for vid, ref in enumerate(self._vrefs) if ref() is not None and not self._vfreed[vid])
+        used = {v for u in uses for v in u}
+        keep = {v for v in keep if v in used or any(b.key == v for b in self._bindings.values())}
+        spans = liveness(uses, keep)
+        keys: list[tuple[str, int]] = [("v", v) for v in sorted(spans)]
+        buffers = [Buffer(self._vsizes[v], *spans[v]) for v in sorted(spans)]
+        for i, n in enumerate(nodes):
+            if n.workspace_size:
+                keys.append(("w", i))
+                buffers.append(Buffer(n.workspace_size, i, i))
+        plan = plan_arena(buffers, alignment)
+        pool = self.device.pool
+        arena = pool.malloc(plan.size, stream=self.stream)
+        execs: list[Executor] = []
+        try:
+            blocks: dict[int, VirtualBlock] = {}
+            ws: dict[int, Any] = {}
+            for (kind, k), off in zip(keys, plan.offsets):
+                if kind == "v":
+                    vb = self._vrefs[k]()
+                    if vb is None or self._vfreed[k]:
+                        vb = VirtualBlock(pool, self, k, self._vsizes[k])
+                        self._internal.add(id(vb))
+                    vb._materialize(arena, off)
+                    blocks[k] = vb
+                else:
+                    ws[k] = None if arena.data is None else arena.data[off:off + nodes[k].workspace_size]
+            for n in nodes:
+                execs.append(self._clone(n, blocks))
+        except BaseException:
+            for ex in execs:
+                ex.destroy()
+            arena.free(self.stream)
+            raise
+        self._arena = arena
+        self._plan = plan
+        self._execs = tuple(execs)
+        self._steps = [(ex._launch, ws.get(i), i) for i, ex in enumerate(execs)]
+        for b in self._bindings.values():
+            b.uses = [(i, s, op[0]) for i, n in enumerate(nodes) for s, op in enumerate(n.operands)
+                      if op is not None and op[1] is b.key]
+            if b.kind == "output":
+                self._outputs[b.name] = b.current
+        self._refresh_marks()
+        self._owner = threading.get_ident()
+        self._state = "instantiated"
+        return self
+
+    def _clone(self, node: _Node, blocks: dict[int, VirtualBlock]) -> Executor:
+        """A repeatable executor of the node's plan bound to arena / external tensors (no phase 1 again)."""
+        op, dev = node.op, self.device
+        ex = Executor._make(op, node.plan, node.attrs, node.input_descs, node.output_descs)
+        c = op.counters
+        c.created += 1
+        c.live.add(ex)
+        w = bucket(node.workspace_size)
+        c.workspace[w] = c.workspace.get(w, 0) + 1
+        ex.set_repeatable()
+        bind = {s: Tensor._make(o[0], blocks[o[1]] if type(o[1]) is int else o[1], dev)
+                for s, o in enumerate(node.operands) if o is not None}
+        ex._bind_many(bind)
+        return ex
+
+    def _refresh_marks(self) -> None:
+        marks: dict[int, Block] = {id(self._arena): self._arena}  # type: ignore[dict-item]
+        for ex in self._execs:
+            for b in ex._blocks:
+                if id(b) not in self._internal:
+                    marks[id(b)] = b
+        self._mark_blocks = tuple(marks.values())
+
+    # ---- replay
+    def replay(self, stream: Stream, /, **tensors: Tensor) -> dict[str, Tensor]:
+        """Enqueue every node on ``stream`` as one task; returns the outputs by name.
+
+        Keywords rebind named inputs / outputs to tensors of the same desc (``PlanMismatchError`` otherwise)
+        for this replay; a name left out is bound to the tensor declared at capture. Only the launches
+        that read a rebound tensor are rebuilt. Arena-backed outputs are valid until the next replay.
+        """
+        steps = self._steps
+        if steps is None or threading.get_ident() != self._owner:
+            self._refuse_replay()
+        if stream is not self._last_stream:
+            self._switch_stream(stream)
+        if tensors or self._rebound:
+            self._apply(tensors)
+            steps = self._steps
+        seq = stream._enqueue(_run_graph, (steps, self, stream._q), self)
+        for b in self._mark_blocks:
+            b._stream = stream
+            b._seq = seq
+        for ex in self._execs:
+            ex.launches += 1
+        self._last_seq = seq
+        self.replays += 1
+        return self._outputs
+
+    def _refuse_replay(self) -> None:
+        if self._state != "instantiated":
+            hint = "; call instantiate() first" if self._state == "captured" else ""
+            raise InvalidStateError(f"{self} is {self._state}{hint}", op="Graph.replay", arg="graph",
+                                    expected="an instantiated graph", got=self._state)
+        raise InvalidStateError(f"{self} belongs to the thread that instantiated it", op="Graph.replay",
+                                arg="graph", got=f"replay from thread {threading.current_thread().name}")
+
+    def _switch_stream(self, stream: Stream) -> None:
+        """Validate a new stream and order it after the previous replay (they share the arena)."""
+        if not isinstance(stream, Stream):
+            raise ParamError(op="Graph.replay", arg="stream", expected="a twophase Stream", got=type(stream).__name__)
+        if stream.device is not self.device:
+            raise ParamError(op="Graph.replay", arg="stream", expected=f"a stream of {self.device.name}",
+                             got=stream.name)
+        last = self._last_stream
+        if last is not None and last._q.done < self._last_seq:
+            ev = Event._make(last)
+            ev.seq = self._last_seq
+            stream.wait_event(ev)
+        self._last_stream = stream
+
+    def _apply(self, tensors: dict[str, Tensor]) -> None:
+        changes: dict[int, dict[int, Tensor]] = {}
+        for name, t in tensors.items():
+            b = self._bindings.get(name)
+            if b is None:
+                raise ParamError(op="Graph.replay", arg=name, expected=f"one of the names {sorted(self._bindings)}",
+                                 got="an unknown name")
+            if not isinstance(t, Tensor):
+                raise ParamError(op="Graph.replay", arg=name, expected="a Tensor", got=type(t).__name__)
+            if t.desc != b.desc:
+                raise PlanMismatchError(f"{b.kind} '{name}' needs a tensor of the captured desc (capture again for "
+                                        "another shape)", op="Graph.replay", arg=name, expected=b.desc, got=t.desc)
+            if t.device is not self.device:
+                raise ParamError(op="Graph.replay", arg=name, expected=f"a tensor on {self.device.name}",
+                                 got=t.device.name)
+        for name, b in self._bindings.items():
+            t = tensors.get(name, b.default)
+            if t.block is b.current.block:
+                b.current = t
+                continue
+            for i, s, d in b.uses:
+                changes.setdefault(i, {})[s] = t if d == t.desc else Tensor._make(d, t.block, t.device)
+            b.current = t
+        self._rebound = {n for n, b in self._bindings.items() if b.current.block is not b.default.block}
+        for n, b in self._bindings.items():
+            if b.kind == "output":
+                self._outputs[n] = b.current
+        if changes:
+            steps = list(self._steps)  # type: ignore[arg-type]  # copy: enqueued replays keep their launches
+            for i, slots in changes.items():
+                ex = self._execs[i]
+                ex._bind_many(slots)
+                steps[i] = (ex._launch, steps[i][1], i)
+            self._steps = steps
+            self._refresh_marks()
+
+    # ---- release
+    def destroy(self) -> None:
+        """Synchronize the last replay's stream, free the arena, destroy the node executors."""
+        if self._state == "destroyed":
+            raise InvalidStateError(f"{self} is already destroyed", op="Graph.destroy", arg="graph")
+        if self._state == "capturing":
+            raise CaptureError(f"{self} is still capturing", op="Graph.destroy", arg="graph")
+        try:
+            if self._last_stream is not None:
+                self._last_stream.synchronize()
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._state = "destroyed"
+        self._steps = None
+        if self._arena is not None:
+            self._arena.free(self._last_stream or self.stream)
+            self._arena = None
+        for ex in self._execs:
+            ex.destroy()
+        for ref in self._vrefs:
+            vb = ref()
+            if vb is not None and not vb.virtual:
+                vb.allocated = False
+                vb.freed = True
+        self._execs = ()
+        self._mark_blocks = ()
+        self._bindings.clear()
+        self._outputs = {}
+
+    def __enter__(self) -> Graph:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._state not in ("destroyed", "capturing"):
+            self.destroy()
+
+    def _node_error(self, i: int, exc: BaseException) -> KernelError:
+        name = self._nodes[i].op.name if 0 <= i < len(self._nodes) else "?"
+        return KernelError(f"node {i} ('{name}') of {self.describe()}: {type(exc).__name__}: {exc}", op=name)
+
+
+def _run_graph(arg: tuple[list[tuple[Any, Any, int]], Graph, Any]) -> None:
+    """The replay task: every prebuilt launch in order; per-node spans for task listeners (the profiler)."""
+    steps, graph, q = arg
+    i = -1
+    try:
+        if TASK_LISTENERS:
+            execs, seq, perf = graph._execs, q.done + 1, time.perf_counter
+            for launch, ws, i in steps:
+                t0 = perf()
+                launch(ws)
+                t1 = perf()
+                for cb in TASK_LISTENERS:
+                    cb(q.name, execs[i], t0, t1, seq)
+        else:
+            for launch, ws, i in steps:
+                launch(ws)
+    except BaseException as exc:
+        raise graph._node_error(i, exc) from exc

@@ -1,0 +1,68 @@
+"""Virtual blocks: what the pool hands a capturing thread. A size and no memory until the graph is
+instantiated; then a slice of the graph's arena, so every tensor made on it reads the arena."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import CaptureError
+from ..runtime.memory import Block, Segment, round_size
+
+__all__ = ["VirtualBlock", "GraphNotInstantiated"]
+
+
+class GraphNotInstantiated:
+    """The ``data`` of a virtual block: not a buffer, so any attempt to view it fails loudly."""
+
+    def __repr__(self) -> str:
+        return "<memory of a captured graph that is not instantiated>"
+
+
+_NO_MEMORY = GraphNotInstantiated()
+_NO_SEGMENT = Segment(0, 0, False, "virtual", None)
+
+
+class VirtualBlock(Block):
+    """A pool block handed out during a capture: a size and no memory until ``Graph.instantiate`` places it
+    in the arena (then it is a slice of the arena, and every tensor made on it reads the arena)."""
+
+    __slots__ = ("graph", "vid", "virtual")
+
+    graph: Any
+    vid: int
+    virtual: bool
+
+    def __init__(self, pool: Any, graph: Graph, vid: int, nbytes: int) -> None:
+        super().__init__(pool, _NO_SEGMENT, 0, round_size(nbytes))
+        self.requested = nbytes
+        self.allocated = True
+        self.data = _NO_MEMORY
+        self.graph = graph
+        self.vid = vid
+        self.virtual = True
+
+    def __repr__(self) -> str:
+        if self.virtual:
+            return f"VirtualBlock(#{self.vid} of {self.graph}, {self.size} B)"
+        return f"VirtualBlock(#{self.vid} of {self.graph}, 0x{self.address:x}, {self.size} B)"
+
+    def _materialize(self, arena: Block, offset: int) -> None:
+        self.segment = arena.segment
+        self.offset = arena.offset + offset
+        self.data = None if arena.data is None else arena.data[offset:offset + self.size]
+        self.virtual = False
+
+    def wait(self) -> None:
+        if self.virtual:
+            raise CaptureError(f"a tensor allocated inside the capture of {self.graph} has no memory yet: "
+                               "read it after graph.instantiate() and a replay", op="capture", arg="tensor")
+        super().wait()
+
+    def free(self, stream: Any = None) -> None:
+        """During the capture: the tensor's last use has passed (its arena bytes may be reused). Afterwards
+        its memory belongs to the graph's arena, released by ``graph.destroy()``."""
+        if not self.allocated:
+            raise CaptureError("block of a captured graph freed twice", op="free", arg="block", got=self)
+        self.allocated = False
+        self.freed = True
+        self.graph._on_virtual_free(self.vid)
