@@ -19,11 +19,13 @@ from .config import (
     settings,
 )
 from .errors import (
+    CaptureError,
     InternalError,
     InvalidStateError,
     KernelError,
     OutOfMemoryError,
     ParamError,
+    PlanMismatchError,
     RuntimeFailure,
     Status,
     TwoPhaseError,
@@ -32,6 +34,7 @@ from .errors import (
 )
 from .executor import ExecState, Executor
 from .functional import functions, one_shot
+from .graph import Graph, capture
 from .interop import from_dlpack
 from .invoke import PlannedCall, invoke_two_phase, plan
 from .log import leak_report
@@ -48,7 +51,8 @@ __all__ = [
     "set_cache_enabled", "set_cache_limit", "set_deterministic", "set_launch_blocking", "set_log_level",
     "set_workspace_limit", "settings",
     "InternalError", "InvalidStateError", "KernelError", "OutOfMemoryError", "ParamError", "RuntimeFailure",
-    "Status", "TwoPhaseError", "WorkspaceTooSmallError", "recent_error_message",
+    "Status", "TwoPhaseError", "WorkspaceTooSmallError", "recent_error_message", "CaptureError", "PlanMismatchError",
+    "capture", "Graph",
     "ExecState", "Executor", "functions", "one_shot", "from_dlpack", "PlannedCall", "invoke_two_phase", "plan",
     "leak_report", "Attr", "Op", "OpDef", "Plan", "get_op", "register", "registry", "PlanCache", "profile",
     "Block", "Device", "Event", "MemoryPool", "Stream", "device",
