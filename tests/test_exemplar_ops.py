@@ -130,9 +130,6 @@ def test_add_matches_numpy_with_broadcasting_promotion_and_layouts(dev, stream, 
     check(run, ref, "float32" if "float32" in dtypes else None, ws_expected=0)
 
 
-@pytest.mark.xfail(strict=True, reason="ops/elementwise.py _build_add 'scaled': np.multiply(y, alpha, out=out) "
-                                       "computes alpha*other in other's dtype (float32) before casting to the "
-                                       "float64 output, losing float32 rounding")
 def test_add_scaled_computes_in_the_promoted_dtype(dev, stream, rng):
     a, b = rng.standard_normal(1000), rng.standard_normal(1000).astype(np.float32)
     run = run_checked(ops.add, a, b, stream=stream, alpha=3)

@@ -71,12 +71,12 @@ def _binary_build(ufunc: Any) -> Builder:
             scratch = np.empty(np.broadcast_shapes(y.shape, out.shape), out.dtype)  # in-place case, made at bind
 
             def scaled_inplace(_: Any) -> None:
-                np.multiply(y, alpha, out=scratch)
+                np.multiply(y, alpha, out=scratch, dtype=scratch.dtype)  # alpha * other in the promoted dtype
                 ufunc(x, scratch, out=out)
             return scaled_inplace
 
         def scaled(_: Any) -> None:
-            np.multiply(y, alpha, out=out)
+            np.multiply(y, alpha, out=out, dtype=out.dtype)  # in the promoted dtype, not other's
             ufunc(x, out, out=out)
         return scaled
     return build
