@@ -3,9 +3,9 @@
 For the capture's duration, and only then, a few entry points are swapped for recording versions, so the
 plain (non-capturing) phase-2 and enqueue paths carry no check at all:
 
-- the stream's ``_enqueue`` (what phase 2 calls) and its queue's ``enqueue`` record executor launches and
-  refuse anything else (copies, events, callbacks);
-- the queue's ``wait_for`` refuses waits from the capturing thread (``synchronize``, host reads);
+- the stream's ``_enqueue`` (what phase 2 calls) records executor launches and refuses anything else (copies,
+  events, callbacks); its queue ``_q`` is a stand-in whose ``wait_for`` refuses waits from the capturing
+  thread (``synchronize``, host reads of tensors the capture used);
 - the device pool's ``malloc`` hands the capturing thread *virtual* blocks: no memory until the graph is
   instantiated, where each becomes a slice of the arena (``VirtualBlock``);
 - ``Op._build_launch`` defers the launch of an executor bound to a virtual tensor (there is nothing to view
@@ -91,19 +91,41 @@ def _swap(obj: Any, attr: str, new: Any) -> Callable[[], None]:
     return restore
 
 
-def _begin(graph: Graph) -> list[Callable[[], None]]:
-    stream, q = graph.stream, graph.stream._q
-    tid = graph._thread
-    orig_wait = q.wait_for
+class _CaptureQueue:
+    """What ``stream._q`` is while the stream is captured: enqueues record, waits from the capturing thread
+    raise. ``submitted`` stays at the last real task, so whatever reads ``submitted + 1`` as the seq of the
+    task it is about to enqueue (the sanitizer, the profiler) gets a seq of this queue, which counts as done
+    once the capture ends (nothing of it will ever run). Everything else is the real queue's."""
 
-    def wait_for(seq: int, raise_errors: bool = True) -> None:
-        if threading.get_ident() == tid:
-            raise CaptureError(f"stream '{stream.name}' is being captured: no synchronization or host read of its "
+    def __init__(self, graph: Graph, real: Any) -> None:
+        self._real = real
+        self._graph = graph
+        self._capturing = True
+        self.name = real.name
+        self.submitted = real.submitted
+        self.enqueue = graph._record
+
+    @property
+    def done(self) -> int:
+        return self._real.done if self._capturing else self.submitted + 1  # type: ignore[no-any-return]
+
+    def wait_for(self, seq: int, raise_errors: bool = True) -> None:
+        if threading.get_ident() == self._graph._thread:
+            raise CaptureError(f"stream '{self.name}' is being captured: no synchronization or host read of its "
                                "work until the capture ends", op="capture", arg="stream")
-        orig_wait(seq, raise_errors)
+        self._real.wait_for(seq, raise_errors)
 
-    restore = [_swap(q, "enqueue", graph._record), _swap(stream, "_enqueue", graph._record),
-               _swap(q, "wait_for", wait_for)]
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)
+
+
+def _begin(graph: Graph) -> list[Callable[[], None]]:
+    stream = graph.stream
+    cq = _CaptureQueue(graph, stream._q)
+
+    def end() -> None:
+        cq._capturing = False
+    restore = [_swap(stream, "_q", cq), _swap(stream, "_enqueue", graph._record), end]
     restore.append(_tap_device(graph.device))
     restore.append(_share())
     return restore

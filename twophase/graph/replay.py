@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError
 from ..executor import Executor
 from ..runtime.memory import Block
-from ..runtime.stream import TASK_LISTENERS, Event, Stream, describe_owner
+from ..runtime.stream import CONTROL, TASK_LISTENERS, Event, Stream, describe_owner
 from ..stats import bucket
 from ..tensor import Tensor, TensorDesc
 from .planner import DEFAULT_ALIGNMENT, ArenaPlan, Buffer, liveness, plan_arena
@@ -161,7 +161,8 @@ class Graph:
             raise CaptureError(f"stream '{self.stream.name}' is being captured by another thread",
                                op="capture", arg="stream", got=describe_owner(owner))
         if not isinstance(owner, Executor):
-            raise CaptureError(f"{describe_owner(owner)} cannot be captured into {self}: a graph records op "
+            what = "an event record / wait" if owner is CONTROL else describe_owner(owner)
+            raise CaptureError(f"{what} cannot be captured into {self}: a graph records op "
                                "launches only (create input tensors before the capture; no events, callbacks or "
                                "graph replays inside it)", op="capture", arg="stream")
         operands: list[Any] = []
@@ -342,8 +343,7 @@ class Graph:
             steps = self._steps
         seq = stream._enqueue(_run_graph, (steps, self, stream._q), self)
         for b in self._mark_blocks:
-            b._stream = stream
-            b._seq = seq
+            b.mark_use(stream, seq)  # host reads wait for the replay (and the sanitizer sees the use)
         for ex in self._execs:
             ex.launches += 1
         self._last_seq = seq
