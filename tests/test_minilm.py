@@ -218,3 +218,23 @@ def test_cosine_matrix_orders_similar_sentences(model: Any) -> None:
     sim = minilm.cosine_matrix(model.encode(SENTENCES[:3]))
     np.testing.assert_allclose(np.diag(sim), 1.0, atol=1e-5)
     assert sim[0, 1] > 0.6 > sim[0, 2]  # the two eating sentences are close, the baby one is not
+
+
+@needs_model
+@needs_ops
+@pytest.mark.skipif(not hasattr(tp, "capture"), reason="graph capture (twophase.capture) not in this build")
+def test_graph_replay_per_shape(model: Any, reference: np.ndarray[Any, Any]) -> None:
+    got = model.encode(SENTENCES, mode="graph")
+    assert (_cos(got, reference) >= 0.9999).all()
+    shape = model.tokenize(SENTENCES).shape
+    g = model.graphs[shape]
+    other = model.tokenize(SENTENCES[::-1])  # same shape, other data: the cached graph replays with new inputs
+    before = {n: op.counters.phase1 for n, op in tp.registry.items()}
+    np.testing.assert_allclose(model.run(other, "graph"), got[::-1], atol=1e-5)
+    assert {n: op.counters.phase1 for n, op in tp.registry.items()} == before
+    assert model.graphs[shape] is g and g.graph.replays == 2
+    assert 0 < g.arena_bytes < g.graph.memory.naive_bytes  # liveness planning shares the arena
+    model.run(model.tokenize(SENTENCES[:2]), "graph")
+    assert len(model.graphs) == 2  # a new (batch, seq) shape captures a new graph
+    with pytest.raises(ValueError, match="captured for"):
+        g(model.tokenize(SENTENCES[:2]))

@@ -30,7 +30,8 @@ from twophase.tensor import DType, Tensor, contiguous_strides
 
 __all__ = [
     "PACKAGE", "INSTALL_HINT", "REQUIRED_OPS", "Config", "Batch", "Tokenizer", "MiniLM", "Program",
-    "Runner", "OneShotRunner", "Recorder", "model_dir", "require_model_dir", "load_weights", "missing_ops",
+    "Runner", "OneShotRunner", "Recorder", "CapturedForward", "INPUTS", "model_dir", "require_model_dir",
+    "load_weights", "missing_ops",
     "forward", "cosine_matrix",
 ]
 
@@ -225,6 +226,9 @@ def _layer_norm(r: Runner, x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tenso
     return out  # type: ignore[no-any-return]
 
 
+INPUTS = ("ids", "type_ids", "mask")
+
+
 def forward(r: Runner, cfg: Config, w: _Weights, ids: Tensor, type_ids: Tensor, mask: Tensor) -> Tensor:
     """Sentence embeddings (batch, hidden) of right-padded ``ids`` / ``mask`` (int64, (batch, seq)): BERT encoder,
     mean pooling over the mask, L2 normalisation. Every step is a library op run by ``r``."""
@@ -347,10 +351,55 @@ class Program:
         self.calls, self.buffers, self._inputs = [], [], ()  # type: ignore[assignment]
 
 
+class CapturedForward:
+    """The forward captured once per (batch, seq) shape as a graph (``twophase.capture``): intermediates and
+    workspaces planned into one arena by liveness, each batch one replay task with the inputs rebound by name."""
+
+    def __init__(self, model: MiniLM, batch: Batch) -> None:
+        capture = getattr(tp, "capture", None)
+        if capture is None:
+            raise NotImplementedError("graph mode needs twophase.capture (graph capture is not in this build)")
+        self.model = model
+        self.shape = batch.shape
+        s = model.stream
+        self._own = model._upload_batch(batch)  # made before the capture: the graph's named inputs
+        with capture(s, name=f"minilm{self.shape}") as g:
+            for name, t in zip(INPUTS, self._own):
+                g.input(name, t)
+            g.output("emb", forward(OneShotRunner(model.dev, s), model.config, model.weights, *self._own))
+        try:
+            g.instantiate()
+        except BaseException:
+            g.destroy()
+            raise
+        self.graph: Any = g
+
+    def __call__(self, batch: Batch) -> Tensor:
+        """Upload ``batch``, replay the graph with the inputs rebound; returns the (batch, hidden) output."""
+        if batch.shape != self.shape:
+            raise ValueError(f"graph captured for {self.shape}, got a batch of {batch.shape}")
+        ins = self.model._upload_batch(batch)
+        out = self.graph.replay(self.model.stream, **dict(zip(INPUTS, ins)))["emb"]
+        self.model.defer_free(*ins)
+        return out  # type: ignore[no-any-return]
+
+    @property
+    def arena_bytes(self) -> int:
+        return int(self.graph.memory.arena_bytes)
+
+    def close(self) -> None:
+        """Destroy the graph (synchronizes, frees the arena), then free its capture-time inputs."""
+        if self.graph is not None:
+            self.graph.destroy()
+            self.graph = None
+            for t in self._own:
+                t.free(self.model.stream)
+
+
 class MiniLM:
     """all-MiniLM-L6-v2 on a twophase device: ``encode(sentences, mode=...)`` -> (n, 384) float32 embeddings."""
 
-    MODES = ("oneshot", "planned")
+    MODES = ("oneshot", "planned", "graph")
 
     def __init__(self, path: str | Path | None = None, device: str = "cpu", stream: Stream | None = None) -> None:
         d = require_model_dir(path)
@@ -361,6 +410,7 @@ class MiniLM:
         self.stream = stream if stream is not None else self.dev.stream("minilm")
         self.weights = self._upload(load_weights(d))
         self.programs: dict[tuple[int, int], Program] = {}
+        self.graphs: dict[tuple[int, int], CapturedForward] = {}
         self._deferred: list[Tensor] = []
 
     def _upload(self, raw: dict[str, np.ndarray[Any, Any]]) -> _Weights:
@@ -398,11 +448,14 @@ class MiniLM:
     def tokenize(self, sentences: Sequence[str], pad_to: int | None = None, multiple_of: int = 1) -> Batch:
         return self.tokenizer.encode(sentences, pad_to=pad_to, multiple_of=multiple_of)
 
+    def _upload_batch(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        dev, s = self.dev, self.stream
+        return dev.tensor(batch.ids, stream=s), dev.tensor(batch.type_ids, stream=s), dev.tensor(batch.mask, stream=s)
+
     def run_oneshot(self, batch: Batch) -> Tensor:
         """The forward with the one-shot API (phase 1 via the executor cache on every op call)."""
-        dev, s = self.dev, self.stream
-        ins = (dev.tensor(batch.ids, stream=s), dev.tensor(batch.type_ids, stream=s), dev.tensor(batch.mask, stream=s))
-        out = forward(OneShotRunner(dev, s), self.config, self.weights, *ins)
+        ins = self._upload_batch(batch)
+        out = forward(OneShotRunner(self.dev, self.stream), self.config, self.weights, *ins)
         self.defer_free(*ins)
         return out
 
@@ -431,6 +484,17 @@ class MiniLM:
             return self.program(batch).output  # building it ran the forward on this batch
         return p(batch)
 
+    def graph(self, batch: Batch) -> CapturedForward:
+        """The captured graph for ``batch``'s (batch, seq) shape, captured and instantiated on first use."""
+        g = self.graphs.get(batch.shape)
+        if g is None:
+            g = self.graphs[batch.shape] = CapturedForward(self, batch)
+        return g
+
+    def run_graph(self, batch: Batch) -> Tensor:
+        """The forward as one graph replay (graphs cached by (batch, seq) shape)."""
+        return self.graph(batch)(batch)
+
     def run(self, batch: Batch, mode: str = "planned") -> np.ndarray[Any, Any]:
         """Embeddings of a tokenized batch as a host array (waits for the stream)."""
         if mode == "oneshot":
@@ -439,8 +503,8 @@ class MiniLM:
             out = t.numpy()
             t.free(self.stream)
             return out
-        if mode == "planned":
-            t = self.run_planned(batch)
+        if mode in ("planned", "graph"):
+            t = self.run_planned(batch) if mode == "planned" else self.run_graph(batch)
             self.sync()
             return t.numpy()
         raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
@@ -458,6 +522,9 @@ class MiniLM:
         for p in self.programs.values():
             p.close()
         self.programs.clear()
+        for g in self.graphs.values():
+            g.close()
+        self.graphs.clear()
         self.sync()
 
     def __enter__(self) -> MiniLM:
