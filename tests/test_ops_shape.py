@@ -109,9 +109,9 @@ def test_embedding_out_of_range_index_raises_param_error_at_sync_and_stream_reco
 
 @pytest.mark.parametrize("call,arg", [
     (lambda: ops.permute.get_workspace_size(on_device(np.ones((2, 3))), dims=(0, 0)), "dims"),
-    (lambda: ops.concat.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones((3, 3))), dim=1), "x1"),
+    (lambda: ops.concat.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones((3, 3))), dim=1), "xs[1]"),
     (lambda: ops.concat.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones((2, 3), np.float32))),
-     "x1"),
+     "xs[1]"),
     (lambda: ops.split.get_workspace_size(on_device(np.ones(5)), sizes=(2, 2)), "sizes"),
     (lambda: ops.slice.get_workspace_size(on_device(np.ones(5)), step=0), "step"),
     (lambda: ops.slice.get_workspace_size(on_device(np.ones(5)), dim=1), "dim"),

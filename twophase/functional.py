@@ -37,7 +37,7 @@ def one_shot(op: Op) -> Callable[..., Any]:
     fn = _made.get(op.name)
     if fn is not None:
         return fn
-    n_out = len(op.spec.outputs)
+    multi = len(op.spec.outputs) > 1 or op.spec.outputs[0].endswith("*")
 
     def call(*inputs: Any, out: Any = None, stream: Stream | None = None, **attrs: Any) -> Any:
         dev = _device_of(inputs, stream)
@@ -65,7 +65,7 @@ def one_shot(op: Op) -> Callable[..., Any]:
         finally:
             if ws is not None:
                 ws.free(s)
-        return outs[0] if n_out == 1 else tuple(outs)
+        return tuple(outs) if multi else outs[0]
 
     call.__name__ = call.__qualname__ = op.name
     call.__doc__ = f"One-shot ``{op.name}``: phase 1 (cached), workspace from the pool, phase 2 on ``stream``.\n\n" \

@@ -58,7 +58,9 @@ class Plan:
 class OpDef:
     """Everything that defines an op; one module per op family registers these.
 
-    ``inputs`` names ending in ``?`` are optional (``None`` allowed). ``infer`` validates and returns
+    ``inputs`` names ending in ``?`` are optional (``None`` allowed); a last name ending in ``*`` takes any
+    number (at least one) of remaining inputs. An ``outputs`` of one name ending in ``*`` means ``infer``
+    decides how many outputs there are (the one-shot API then returns a tuple). ``infer`` validates and returns
     the output descs; ``select`` returns a :class:`Plan`; ``kernels`` maps a backend kind to a builder
     ``(plan, attrs, input_views, output_views) -> launch(workspace_bytes)``, called once per binding.
     """
@@ -100,6 +102,7 @@ class Op:
         self.spec = spec
         self.name = spec.name
         self._n_inputs = len(spec.inputs)
+        self._variadic = bool(spec.inputs) and spec.inputs[-1].endswith("*")
         self._required = tuple(not n.endswith("?") for n in spec.inputs)
         self._attr_names = frozenset(a.name for a in spec.attrs)
         self.counters = OpCounters()
@@ -142,7 +145,7 @@ class Op:
         if outs is not None:
             for i, g in enumerate(outs):
                 if isinstance(g, Tensor):
-                    bound[self._n_inputs + i] = g
+                    bound[len(in_descs) + i] = g
         ex = Executor._make(self, plan, norm, in_descs, out_descs)
         counters.created += 1
         counters.live.add(ex)
@@ -189,28 +192,45 @@ class Op:
         return plan, norm, out_descs
 
     def _input_descs(self, inputs: Sequence[Any]) -> tuple[tuple[TensorDesc | None, ...], dict[int, Tensor]]:
-        spec = self.spec
-        if len(inputs) > self._n_inputs or len(inputs) < sum(self._required):
-            raise ParamError(op=self.name, arg="inputs", expected=f"{self._n_inputs} inputs {spec.inputs}",
-                             got=f"{len(inputs)}")
+        names = self._input_names(len(inputs))
+        if names is None:
+            want = f"at least {self._n_inputs} inputs {self.spec.inputs}" if self._variadic \
+                else f"{self._n_inputs} inputs {self.spec.inputs}"
+            raise ParamError(op=self.name, arg="inputs", expected=want, got=f"{len(inputs)}")
         descs: list[TensorDesc | None] = []
         bound: dict[int, Tensor] = {}
-        for i, name in enumerate(spec.inputs):
+        for i, name in enumerate(names):
             x = inputs[i] if i < len(inputs) else None
             if isinstance(x, Tensor):
                 bound[i] = x
                 descs.append(x.desc)
             elif isinstance(x, TensorDesc):
                 descs.append(x)
-            elif x is None and not self._required[i]:
+            elif x is None and name.endswith("?"):
                 descs.append(None)
             elif x is None:
-                raise ParamError(op=self.name, arg=name, expected="a Tensor or TensorDesc", got="None",
+                raise ParamError(op=self.name, arg=name.rstrip("*"), expected="a Tensor or TensorDesc", got="None",
                                  status=Status.ERR_PARAM_NULLPTR)
             else:
-                raise ParamError(op=self.name, arg=name.rstrip("?"), expected="a Tensor or TensorDesc",
+                raise ParamError(op=self.name, arg=name.rstrip("?*"), expected="a Tensor or TensorDesc",
                                  got=type(x).__name__)
         return tuple(descs), bound
+
+    def _input_names(self, given: int) -> list[str] | None:
+        """One name per operand slot for ``given`` positional inputs, or None when the count is wrong.
+
+        A last input named ``xs*`` is variadic: it takes every remaining input (at least one), as ``xs[i]``.
+        """
+        spec = self.spec
+        if self._variadic:
+            fixed = list(spec.inputs[:-1])
+            if given < len(fixed) + 1 or given < sum(self._required):
+                return None
+            base = spec.inputs[-1].rstrip("*")
+            return fixed + [f"{base}[{i}]*" for i in range(given - len(fixed))]
+        if given > self._n_inputs or given < sum(self._required):
+            return None
+        return list(spec.inputs)
 
     def _attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
         unknown = set(attrs) - self._attr_names
@@ -273,7 +293,7 @@ class Op:
         if hit is not None:
             memo.move_to_end(key)
             return hit[1]
-        n = self._n_inputs
+        n = len(ex.input_descs)
         views = [t.view() if t is not None else None for t in ex._tensors]
         launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
         memo[key] = (ex.plan, launch)  # the plan is kept so that its id stays unique

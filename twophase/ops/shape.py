@@ -14,7 +14,6 @@ from ..tensor import DType, TensorDesc
 from .checks import as_dims, as_float, as_int, check_dtype, need, norm_dim, optional
 
 ALL = tuple(DType)
-MAX_PARTS = 16  # concat inputs / split outputs
 
 
 def _zero(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
@@ -79,17 +78,18 @@ _reg("transpose", _infer_transpose,
 
 # ---- concat / split
 def _infer_concat(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
-    xs = [d for d in ins if d is not None]
-    first = need("concat", "x0", ins[0])
+    xs = list(ins)
+    first = need("concat", "xs[0]", ins[0])
     dim = norm_dim("concat", "dim", attrs["dim"], first.ndim)
     if first.ndim == 0:
-        raise ParamError(op="concat", arg="x0", expected="tensors with at least 1 dim", got=first.shape)
+        raise ParamError(op="concat", arg="xs[0]", expected="tensors with at least 1 dim", got=first.shape)
     total = 0
     for i, d in enumerate(xs):
         if d.ndim != first.ndim or any(a != b for j, (a, b) in enumerate(zip(d.shape, first.shape)) if j != dim):
-            raise ParamError(op="concat", arg=f"x{i}", expected=f"shape {first.shape} except at dim {dim}", got=d.shape)
+            raise ParamError(op="concat", arg=f"xs[{i}]", expected=f"shape {first.shape} except at dim {dim}",
+                             got=d.shape)
         if d.dtype is not first.dtype:
-            raise ParamError(op="concat", arg=f"x{i}", expected=f"dtype {first.dtype.value}", got=d.dtype.value)
+            raise ParamError(op="concat", arg=f"xs[{i}]", expected=f"dtype {first.dtype.value}", got=d.dtype.value)
         total += d.shape[dim]
     return (TensorDesc(first.shape[:dim] + (total,) + first.shape[dim + 1:], first.dtype),)
 
@@ -110,9 +110,8 @@ def _build_concat(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs:
     return launch
 
 
-_reg("concat", _infer_concat, _build_concat, f"Join up to {MAX_PARTS} tensors along dim.",
-     lambda *xs, dim=0: np.concatenate(xs, axis=dim), attrs=(Attr("dim", as_int, 0),),
-     inputs=("x0",) + tuple(f"x{i}?" for i in range(1, MAX_PARTS)))
+_reg("concat", _infer_concat, _build_concat, "Join any number (at least one) of tensors along dim.",
+     lambda *xs, dim=0: np.concatenate(xs, axis=dim), attrs=(Attr("dim", as_int, 0),), inputs=("xs*",))
 
 
 def _split_sizes(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, list[int]]:
@@ -123,8 +122,8 @@ def _split_sizes(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, list[int]]:
         if sizes <= 0:
             raise ParamError(op="split", arg="sizes", expected="a positive chunk size", got=sizes)
         sizes = [min(sizes, n - i) for i in range(0, n, sizes)] or [0]
-    if any(s < 0 for s in sizes) or sum(sizes) != n or not 0 < len(sizes) <= MAX_PARTS:
-        raise ParamError(op="split", arg="sizes", expected=f"at most {MAX_PARTS} sizes >= 0 summing to {n}", got=sizes)
+    if any(s < 0 for s in sizes) or sum(sizes) != n or not sizes:
+        raise ParamError(op="split", arg="sizes", expected=f"sizes >= 0 summing to {n}", got=sizes)
     return dim, sizes
 
 
@@ -164,7 +163,7 @@ def _split_reference(x: Any, sizes: Any, dim: int = 0) -> tuple[Any, ...]:
 
 _reg("split", _infer_split, _build_split,
      "Split x along dim into parts of the given sizes (one int: equal chunks, the last smaller); one output each.",
-     _split_reference, attrs=(Attr("sizes", _as_sizes), Attr("dim", as_int, 0)), outputs=("out0", "out1"))
+     _split_reference, attrs=(Attr("sizes", _as_sizes), Attr("dim", as_int, 0)), outputs=("outs*",))
 
 
 # ---- slice / pad
