@@ -279,7 +279,7 @@ class Op:
                                 got=dev.kind, status=Status.ERR_INNER_KERNEL_NOT_FOUND)
         # The same plan over the same memory (address and desc of every operand) yields the same launch:
         # a launch's views keep their memory mapped, so an address cannot be reused for other memory.
-        operands = []
+        operands: list[tuple[int, TensorDesc] | None] = []
         for t in ex._tensors:
             if t is None:
                 operands.append(None)
