@@ -1,10 +1,13 @@
-"""The ``twophase`` command line: ``twophase ops`` lists the registered ops from the registry."""
+"""The ``twophase`` command line: ``twophase ops`` lists the registered ops from the registry;
+``twophase embed "sentence" ...`` embeds sentences with all-MiniLM-L6-v2 and prints their cosine similarities."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
-from typing import Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from .op import REQUIRED, registry
 
@@ -22,13 +25,55 @@ def catalogue() -> str:
     return "\n".join(lines)
 
 
+def similarity_table(sentences: Sequence[str], emb: Any) -> str:
+    """Each embedding's norm and the cosine similarity matrix, sentences numbered."""
+    from .models.minilm import cosine_matrix
+    sim = cosine_matrix(emb)
+    lines = [f"[{i}] norm {float((e.astype('float64') ** 2).sum()) ** 0.5:.6f}  {s}"
+             for i, (s, e) in enumerate(zip(sentences, emb))]
+    lines.append("cosine similarity:")
+    lines.append("     " + "".join(f"{f'[{j}]':>8}" for j in range(len(sentences))))
+    for i, row in enumerate(sim):
+        lines.append(f"{f'[{i}]':<5}" + "".join(f"{v:8.4f}" for v in row))
+    return "\n".join(lines)
+
+
+def embed(sentences: Sequence[str], mode: str, trace: str | None, stats: bool) -> int:
+    """``twophase embed``: embed ``sentences`` in one batch and print norms and similarities."""
+    from . import stats as stats_mod
+    from .models.minilm import MiniLM
+    from .profile import profile
+    with MiniLM() as model:
+        ctx = profile(trace) if trace else contextlib.nullcontext()
+        with ctx:
+            emb = model.encode(list(sentences), mode=mode)
+        print(similarity_table(sentences, emb))
+        if trace:
+            print(f"trace written to {trace} (open it in https://ui.perfetto.dev)")
+        if stats:
+            stats_mod.report()
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twophase", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ops", help="list every registered op")
+    emb = sub.add_parser("embed", help="sentence embeddings (all-MiniLM-L6-v2) and their cosine similarities")
+    emb.add_argument("sentences", nargs="+", help="the sentences, one argument each")
+    emb.add_argument("--mode", choices=("graph", "planned", "oneshot"), default="graph",
+                     help="captured graph replay (default), repeatable executors, or the one-shot API")
+    emb.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the run to FILE")
+    emb.add_argument("--stats", action="store_true", help="print the per-op counters table")
     args = parser.parse_args(argv)
     if args.command == "ops":
         print(catalogue())
+    elif args.command == "embed":
+        try:
+            return embed(args.sentences, args.mode, args.trace, args.stats)
+        except (FileNotFoundError, NotImplementedError) as e:
+            print(f"twophase embed: {e}", file=sys.stderr)
+            return 2
     return 0
 
 
