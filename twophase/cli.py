@@ -59,6 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="twophase", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ops", help="list every registered op")
+    from .testing import check_cli
+    check_cli.add_parser(sub)
     emb = sub.add_parser("embed", help="sentence embeddings (all-MiniLM-L6-v2) and their cosine similarities")
     emb.add_argument("sentences", nargs="+", help="the sentences, one argument each")
     emb.add_argument("--mode", choices=("graph", "planned", "oneshot"), default="graph",
@@ -66,6 +68,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     emb.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the run to FILE")
     emb.add_argument("--stats", action="store_true", help="print the per-op counters table")
     args = parser.parse_args(argv)
+    if args.command == "check":
+        return check_cli.run(args)
     if args.command == "ops":
         print(catalogue())
     elif args.command == "embed":
