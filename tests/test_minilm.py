@@ -238,3 +238,29 @@ def test_graph_replay_per_shape(model: Any, reference: np.ndarray[Any, Any]) -> 
     assert len(model.graphs) == 2  # a new (batch, seq) shape captures a new graph
     with pytest.raises(ValueError, match="captured for"):
         g(model.tokenize(SENTENCES[:2]))
+
+
+@needs_model
+@needs_ops
+def test_cli_embed_prints_similarities_trace_and_stats(tmp_path: Path, capsys: Any) -> None:
+    from twophase.cli import main
+    trace = tmp_path / "t.json"
+    assert main(["embed", SENTENCES[0], SENTENCES[1], "--mode", "planned", "--trace", str(trace), "--stats"]) == 0
+    out = capsys.readouterr().out
+    assert "norm 1.000000" in out and "cosine similarity" in out and "layer_norm" in out
+    sim = [line for line in out.splitlines() if line.startswith("[0]  ")][0].split()
+    assert float(sim[1]) == pytest.approx(1.0, abs=1e-4) and 0.6 < float(sim[2]) < 0.9
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert "linear" in names and "phase2 scaled_dot_product_attention" in names
+
+
+@needs_model
+@needs_ops
+def test_demo_runs_and_reports(tmp_path: Path, capsys: Any) -> None:
+    from twophase.models import minilm_demo
+    assert minilm_demo.main(trace=str(tmp_path / "demo.json"), runs=1) == 0
+    out = capsys.readouterr().out
+    for want in ("cosine similarity", "per-op counters", "phase-1 / phase-2 ratio", "pool: peak allocated",
+                 "graph arena", "MiniLM demo: ok"):
+        assert want in out
+    assert (tmp_path / "demo.json").stat().st_size > 1000
