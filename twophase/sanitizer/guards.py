@@ -22,6 +22,7 @@ from .report import GuardError, where
 GUARD = 512  # bytes before and after each block (keeps the 512-byte alignment of the data)
 CANARY = 0xFD  # guard bytes ("no man's land")
 FRESH = 0xCD  # fresh workspace / raw memory; float tensors are filled with NaN instead
+FILL_LABEL = "the sanitizer's fresh-memory fill"
 
 _plain_malloc = MemoryPool.malloc
 _plain_free = MemoryPool.free
@@ -66,7 +67,7 @@ def _ordered(blk: GuardedBlock, stream: Stream | None, fn: Any, arg: Any) -> Non
     if stream is not None and stream._q.submitted > stream._q.done:
         seq = stream._enqueue(fn, arg, CONTROL)
         blk.fill = stream
-        blk.uses[stream._q] = (seq, "the sanitizer's fresh-memory fill", True)
+        blk.uses[stream._q] = (seq, FILL_LABEL, True)
     else:
         fn(arg)
 
@@ -92,6 +93,9 @@ def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> 
         raise InvalidStateError("block is not allocated from this pool (double free?)", op="free", arg="block",
                                 got=blk)
     from .tracking import check_free
+    for q, (seq, label, _) in list(blk.uses.items()):
+        if label == FILL_LABEL and q.done < seq and (stream is None or stream._q is not q):
+            q.wait_for(seq, raise_errors=False)  # our own fill must not land in memory handed out again
     check_free(blk, stream)  # use after free across streams (raises)
     if not any(q.done < seq for q, (seq, _, _) in blk.uses.items()):
         verify(blk, "freed block", None)

@@ -68,6 +68,7 @@ _collected: list[Leak] = []  # executors garbage-collected while still ready (ne
 _launches: dict[tuple[str, int], Launch] = {}
 _waits: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
+_tl = threading.local()
 
 _plain = {
     "release": Executor._release, "destroy": Executor.destroy, "bind": Executor._bind,
@@ -113,8 +114,8 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
         return  # the plain phase 2 reports these
     rec = record_of(ex)
     if ex._owner != threading.get_ident():
-        raise ExecutorMisuseError(f"{ex.describe()} used from thread '{threading.current_thread().name}'; it "
-                                  f"belongs to the thread that planned it ({_origin(ex)})", op=op.name, arg="executor")
+        raise ExecutorMisuseError(f"{ex.describe()} belongs to another thread: used from thread "
+                                  f"'{threading.current_thread().name}', {_origin(ex)}", op=op.name, arg="executor")
     if ex._state is not ExecState.READY:
         how = "phase 2 on a consumed single-use executor (call set_repeatable() before the first phase 2 to reuse it)"\
             if ex._state is ExecState.CONSUMED else "phase 2 on a destroyed executor"
@@ -132,6 +133,7 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
     n_in = len(ex.input_descs)
     seq = stream._q.submitted + 1
     blocks: list[tuple[GuardedBlock, str]] = []
+    uses: list[tuple[GuardedBlock, bool]] = []
     label = f"{ex.describe()} (launched at {first_frame(where())})"
     descs = ex.input_descs + ex.output_descs
     for i, t in enumerate(ex._tensors):
@@ -146,23 +148,39 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
             raise UseAfterFreeError(f"{ex.describe()} launched on stream '{stream.name}' with its {role} in a "
                                     "block that was already freed", op=op.name, arg=role)
         if type(blk) is GuardedBlock:
-            _use(blk, stream, seq, label, i >= n_in)
+            uses.append((blk, i >= n_in))
             blocks.append((blk, role))
     if type(ws) is GuardedBlock:
         if not ws.allocated:
             raise UseAfterFreeError(f"{ex.describe()} launched on stream '{stream.name}' with a workspace that was "
                                     "already freed", op=op.name, arg="workspace")
-        _use(ws, stream, seq, label, True)
+        uses.append((ws, True))
         blocks.append((ws, "workspace"))
-    if rec is not None:
-        rec.last = (stream._q, seq)
     launch = Launch(op.name, ex.describe(), stream._q, seq, blocks)
+    key = (stream.name, seq)
     with _lock:
+        stale = getattr(_tl, "tentative", None)
+        if stale is not None:  # the previous launch of this thread was refused after our check
+            _launches.pop(stale[0], None)
         if len(_launches) > 4096:
             for k, v in list(_launches.items()):
                 if v.queue.done >= v.seq:
                     _launches.pop(k, None)
-        _launches[(stream.name, seq)] = launch
+        _launches[key] = launch  # before the enqueue: the worker may finish the kernel before phase 2 returns
+    _tl.tentative = (key, rec, stream, seq, label, uses)
+
+
+def _phase2_after(op: Op, ws: Any, size: int, ex: Any, stream: Stream, t0: float, t1: float) -> None:
+    """The launch was enqueued: record the uses it makes."""
+    pending = getattr(_tl, "tentative", None)
+    if pending is None:
+        return
+    _tl.tentative = None
+    _, rec, stream, seq, label, uses = pending
+    for blk, writes in uses:
+        _use(blk, stream, seq, label, writes)
+    if rec is not None:
+        rec.last = (stream._q, seq)
 
 
 def _use(blk: GuardedBlock, stream: Stream, seq: int, label: str, writes: bool) -> None:
@@ -195,8 +213,8 @@ def _release(self: Executor, state: ExecState) -> None:
 def _destroy(self: Executor) -> None:
     rec = record_of(self)
     if self._owner != threading.get_ident():
-        raise ExecutorMisuseError(f"destroy of {self.describe()} from thread '{threading.current_thread().name}'; "
-                                  f"it belongs to the thread that planned it ({_origin(self)})", op=self.op.name,
+        raise ExecutorMisuseError(f"{self.describe()} belongs to another thread: destroy from thread "
+                                  f"'{threading.current_thread().name}', {_origin(self)}", op=self.op.name,
                                   arg="executor")
     if self._state is not ExecState.READY:
         what = "a consumed single-use executor (phase 2 already released it)" \
@@ -299,7 +317,7 @@ def install() -> None:
     for cls, name, fn in _PATCHES:
         setattr(cls, name, fn)
     _handles.append(hooks.add_phase1_hook(_phase1_done))
-    _handles.append(hooks.add_phase2_hook(before=_phase2_before))
+    _handles.append(hooks.add_phase2_hook(before=_phase2_before, after=_phase2_after))
     hooks.add_task_listener(_after_task)
 
 
