@@ -1,0 +1,496 @@
+"""Graph capture and replay: what a capture refuses, replay == eager bit for bit (under the sanitizer),
+rebinding inputs and outputs by name, mismatch errors, counters and trace, lifecycle."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from typing import Any, Callable, Iterator
+
+import numpy as np
+import pytest
+
+import twophase as tp
+from twophase import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError
+from twophase.graph import VirtualBlock
+from twophase.op import Op
+
+try:
+    from twophase import sanitizer
+except ImportError:  # pragma: no cover - the sanitizer lands with issue 6
+    sanitizer = None
+
+
+def _sanitized() -> contextlib.AbstractContextManager[Any]:
+    return sanitizer.sanitize() if sanitizer is not None else contextlib.nullcontext()
+
+
+def _f32(rng: np.random.Generator, *shape: int, scale: float = 0.3) -> np.ndarray:
+    return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+
+@pytest.fixture(autouse=True)
+def _destroy_graphs(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Every graph a test captures is destroyed at teardown, whatever the test did with it."""
+    made: list[tp.Graph] = []
+    real = tp.capture
+
+    @contextlib.contextmanager
+    def tracked(stream: tp.Stream, name: str | None = None) -> Iterator[tp.Graph]:
+        with real(stream, name) as g:
+            made.append(g)
+            yield g
+
+    monkeypatch.setattr(tp, "capture", tracked)
+    yield
+    for g in made:
+        if g.state == "instantiated" and g._owner == threading.get_ident():
+            g.destroy()
+
+
+# ---------------------------------------------------------------- blocks built from the library's ops
+class MLP:
+    """linear -> gelu -> linear, plus the residual: the MLP block of a transformer."""
+
+    def __init__(self, dev: tp.Device, s: tp.Stream, rng: np.random.Generator, d: int = 32) -> None:
+        self.s = s
+        self.w1, self.b1 = dev.tensor(_f32(rng, 4 * d, d), stream=s), dev.tensor(_f32(rng, 4 * d), stream=s)
+        self.w2, self.b2 = dev.tensor(_f32(rng, d, 4 * d), stream=s), dev.tensor(_f32(rng, d), stream=s)
+
+    def __call__(self, x: tp.Tensor) -> tp.Tensor:
+        s = self.s
+        h = tp.gelu(tp.linear(x, self.w1, self.b1, stream=s), stream=s)
+        return tp.add(x, tp.linear(h, self.w2, self.b2, stream=s), stream=s)
+
+
+class Encoder:
+    """A pre-norm transformer encoder block from the library's ops: layer norm (the registered op when it has
+    landed, else reduce_mean / sub / mul / rsqrt / add), q / k / v projections, heads as strided views +
+    permute, scaled_dot_product_attention, output projection, residual, layer norm, MLP, residual."""
+
+    def __init__(self, dev: tp.Device, s: tp.Stream, rng: np.random.Generator, b: int = 2, t: int = 16,
+                 d: int = 32, h: int = 4, fused_ln: bool | None = None) -> None:
+        self.s, self.shape, self.h = s, (b, t, d), h
+        self.w = {k: dev.tensor(_f32(rng, d, d), stream=s) for k in "qkvo"}
+        self.bias = {k: dev.tensor(_f32(rng, d), stream=s) for k in "qkvo"}
+        self.g = [dev.tensor(1 + _f32(rng, d), stream=s) for _ in range(2)]
+        self.beta = [dev.tensor(_f32(rng, d), stream=s) for _ in range(2)]
+        self.eps = dev.tensor(np.full((1,), 1e-5, np.float32), stream=s)
+        self.mlp = MLP(dev, s, rng, d)
+        self.fused_ln = ("layer_norm" in tp.registry) if fused_ln is None else fused_ln
+
+    def ln(self, x: tp.Tensor, i: int) -> tp.Tensor:
+        s = self.s
+        if self.fused_ln:
+            out = tp.layer_norm(x, self.g[i], self.beta[i], normalized_shape=(self.shape[2],), stream=s)
+            return out[0]  # type: ignore[no-any-return]
+        mu = tp.reduce_mean(x, dims=(-1,), keep_dims=True, stream=s)
+        xc = tp.sub(x, mu, stream=s)
+        var = tp.reduce_mean(tp.mul(xc, xc, stream=s), dims=(-1,), keep_dims=True, stream=s)
+        r = tp.rsqrt(tp.add(var, self.eps, stream=s), stream=s)
+        return tp.add(tp.mul(tp.mul(xc, r, stream=s), self.g[i], stream=s), self.beta[i], stream=s)
+
+    def heads(self, y: tp.Tensor) -> tp.Tensor:
+        b, t, d = self.shape
+        v = y.strided((b, t, self.h, d // self.h), (t * d, d, d // self.h, 1))
+        return tp.permute(v, dims=(0, 2, 1, 3), stream=self.s)
+
+    def __call__(self, x: tp.Tensor) -> tp.Tensor:
+        s, (b, t, d) = self.s, self.shape
+        h = self.ln(x, 0)
+        q, k, v = (self.heads(tp.linear(h, self.w[n], self.bias[n], stream=s)) for n in "qkv")
+        a = tp.permute(tp.scaled_dot_product_attention(q, k, v, stream=s), dims=(0, 2, 1, 3), stream=s)
+        a = a.strided((b, t, d), (t * d, d, 1))
+        x = tp.add(x, tp.linear(a, self.w["o"], self.bias["o"], stream=s), stream=s)
+        return self.mlp(self.ln(x, 1))
+
+
+def _capture_block(s: tp.Stream, block: Callable[[tp.Tensor], tp.Tensor], x: tp.Tensor) -> tp.Graph:
+    with tp.capture(s) as g:
+        g.input("x", x)
+        g.output("y", block(x))  # intermediates die with the block's frame: the planner may reuse them
+    return g
+
+
+# ---------------------------------------------------------------- replay == eager, bit for bit
+def _fused_encoder(dev: tp.Device, s: tp.Stream, rng: np.random.Generator) -> Encoder:
+    if "layer_norm" not in tp.registry:
+        pytest.skip("upgrades when the layer_norm op lands")
+    return Encoder(dev, s, rng, fused_ln=True)
+
+
+@pytest.mark.parametrize("make", [MLP, lambda *a: Encoder(*a, fused_ln=False), _fused_encoder],
+                         ids=["mlp", "encoder-composite-ln", "encoder-layer-norm-op"])
+def test_replay_equals_eager_bit_for_bit_under_the_sanitizer(make: Any, dev: tp.Device, stream: tp.Stream,
+                                                             rng: np.random.Generator) -> None:
+    with _sanitized():
+        block = make(dev, stream, rng)
+        x = dev.tensor(_f32(rng, 2, 16, 32, scale=1.0), stream=stream)
+        stream.synchronize()
+        eager = block(x).numpy()
+        g = _capture_block(stream, block, x)
+        with g.instantiate():
+            arena = f"0x{g._arena.address:x}"
+            for _ in range(3):
+                out = g.replay(stream)["y"].numpy()
+                assert np.array_equal(out, eager)
+            x2 = dev.tensor(_f32(rng, 2, 16, 32, scale=1.0), stream=stream)
+            stream.synchronize()
+            assert np.array_equal(g.replay(stream, x=x2)["y"].numpy(), block(x2).numpy())
+            assert np.array_equal(g.replay(stream)["y"].numpy(), eager)  # x left out: the captured x again
+        if sanitizer is not None:
+            assert not [lk for lk in sanitizer.report(warn=False) if arena in lk.what]  # destroy freed the arena
+
+
+def test_transformer_block_arena_is_at_most_half_the_one_by_one_sum(dev: tp.Device, stream: tp.Stream,
+                                                                     rng: np.random.Generator) -> None:
+    block = Encoder(dev, stream, rng)
+    x = dev.tensor(_f32(rng, 2, 16, 32), stream=stream)
+    stream.synchronize()
+    with _capture_block(stream, block, x).instantiate() as g:
+        m = g.memory
+        assert m.intermediates >= 10
+        assert m.peak_bytes <= m.arena_bytes <= 0.5 * m.naive_bytes
+
+
+def test_explicit_executors_and_plan_calls_are_captured(dev: tp.Device, stream: tp.Stream,
+                                                       rng: np.random.Generator) -> None:
+    s = stream
+    x = dev.tensor(_f32(rng, 64, 700), stream=s)
+    y = dev.empty((64, 700))
+    size, ex = tp.ops.softmax.get_workspace_size(x, dim=-1, out=y)
+    ex.set_repeatable()
+    ws = dev.malloc(size, stream=s)
+    z = dev.empty((64,))
+    with tp.plan("reduce_sum", y, dims=(1,), out=z, stream=s) as call:
+        s.synchronize()
+        tp.ops.softmax(ws, size, ex, s)
+        call()
+        s.synchronize()
+        eager_y, eager_z = y.numpy(), z.numpy()
+        y.view()[...] = 0
+        z.view()[...] = 0
+        with tp.capture(s) as g:
+            tp.ops.softmax(ws, size, ex, s)        # explicit phase 2
+            call()                                 # a plan call
+            w = tp.mul(z, z, stream=s)             # a one-shot call on the captured output
+            g.output("w", w)
+        assert g.ops == ["softmax", "reduce_sum", "mul"]
+        assert y.view().sum() == 0 and z.view().sum() == 0  # recorded, not run
+        g.instantiate()
+        out = g.replay(s)
+        s.synchronize()
+        assert np.array_equal(y.numpy(), eager_y) and np.array_equal(z.numpy(), eager_z)
+        assert np.array_equal(out["w"].numpy(), eager_z * eager_z)
+        tp.ops.softmax(ws, size, ex, s)  # the captured executors still work eagerly
+        call()
+        s.synchronize()
+    ws.free(s)
+    ex.destroy()
+
+
+def test_a_workspace_op_gets_its_workspace_from_the_arena(dev: tp.Device, stream: tp.Stream,
+                                                         rng: np.random.Generator) -> None:
+    x = dev.tensor(_f32(rng, 4, 40000), stream=stream)  # long rows: softmax splits them, partials in workspace
+    stream.synchronize()
+    eager = tp.softmax(tp.add(x, x, stream=stream), dim=-1, stream=stream).numpy()
+    with tp.capture(stream) as g:
+        g.output("y", tp.softmax(tp.add(x, x, stream=stream), dim=-1, stream=stream))
+    g.instantiate()
+    assert g.memory.workspaces == 1
+    assert np.array_equal(g.replay(stream)["y"].numpy(), eager)
+
+
+def test_tensors_still_referenced_stay_valid_and_dropped_ones_share_memory(dev: tp.Device, stream: tp.Stream,
+                                                                          rng: np.random.Generator) -> None:
+    x = dev.tensor(_f32(rng, 256), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        kept = tp.add(x, x, stream=stream)            # referenced after the capture: readable after replays
+        h = kept
+        for _ in range(6):
+            h = tp.mul(h, x, stream=stream)           # the chain's intermediates are dropped at once
+        last = h
+        del h
+    g.instantiate()
+    assert isinstance(kept.block, VirtualBlock) and not kept.block.virtual
+    g.replay(stream)
+    xs = x.numpy()
+    assert np.array_equal(kept.numpy(), xs + xs)
+    ref = xs + xs
+    for _ in range(6):
+        ref = ref * xs
+    assert np.array_equal(last.numpy(), ref)
+    m = g.memory
+    assert m.arena_bytes < m.naive_bytes  # 1 KiB each: kept + two chain slots at most, not 7 slots
+
+
+# ---------------------------------------------------------------- rebinding and mismatches
+def test_rebinding_inputs_and_caller_outputs(dev: tp.Device, stream: tp.Stream, rng: np.random.Generator) -> None:
+    a, b = dev.tensor(_f32(rng, 8, 8), stream=stream), dev.tensor(_f32(rng, 8, 8), stream=stream)
+    a2, b2 = dev.tensor(_f32(rng, 8, 8), stream=stream), dev.tensor(_f32(rng, 8, 8), stream=stream)
+    mine = dev.empty((8, 8))
+    stream.synchronize()
+
+    def f(u: tp.Tensor, v: tp.Tensor) -> tp.Tensor:
+        return tp.relu(tp.sub(tp.mul(u, v, stream=stream), v, stream=stream), stream=stream)
+
+    with tp.capture(stream) as g:
+        g.input("a", a)
+        g.input("b", b)
+        y = g.output("y", f(a, b))
+    g.instantiate()
+    steps = g._steps
+    out = g.replay(stream)
+    assert out["y"] is y and g._steps is steps  # nothing rebound: the prebuilt launches as they are
+    ref = lambda u, v: np.maximum(u * v - v, 0)  # noqa: E731
+    an, bn, a2n, b2n = a.numpy(), b.numpy(), a2.numpy(), b2.numpy()
+    assert np.array_equal(y.numpy(), ref(an, bn))
+    out = g.replay(stream, a=a2)
+    assert np.array_equal(out["y"].numpy(), ref(a2n, bn))
+    assert g._steps[1][0] is steps[1][0] and g._steps[0][0] is not steps[0][0]  # only the node reading 'a'
+    out = g.replay(stream, a=a2, b=b2, y=mine)
+    assert out["y"] is mine
+    assert np.array_equal(mine.numpy(), ref(a2n, b2n))
+    before = y.numpy()
+    g.replay(stream, b=b2)  # 'a' and 'y' back to the captured tensors
+    assert np.array_equal(y.numpy(), ref(an, b2n)) and not np.array_equal(y.numpy(), before)
+    g.replay(stream)
+    assert np.array_equal(y.numpy(), ref(an, bn)) and g.inputs == {"a": a, "b": b}
+
+
+def test_mismatched_desc_raises_plan_mismatch_showing_both_descs(dev: tp.Device, stream: tp.Stream) -> None:
+    x = dev.tensor(np.ones((4, 8), np.float32), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        g.input("x", x)
+        g.output("y", tp.neg(x, stream=stream))
+    g.instantiate()
+    for bad in (dev.empty((8, 4)), dev.empty((4, 8), np.float64), x.transpose().transpose().strided((4, 8), (1, 4))):
+        with pytest.raises(PlanMismatchError) as info:
+            g.replay(stream, x=bad)
+        assert isinstance(info.value, ParamError)
+        assert repr(x.desc) in str(info.value) and repr(bad.desc) in str(info.value)
+        assert info.value.expected == x.desc and info.value.got == bad.desc
+    with pytest.raises(PlanMismatchError):
+        g.replay(stream, y=dev.empty((4, 9)))
+    with pytest.raises(ParamError, match="unknown name"):
+        g.replay(stream, z=x)
+    with pytest.raises(ParamError, match="a Tensor"):
+        g.replay(stream, x=np.ones((4, 8), np.float32))
+    with pytest.raises(ParamError, match="stream"):
+        g.replay(tp.device("null").stream())
+    assert np.array_equal(g.replay(stream)["y"].numpy(), -np.ones((4, 8), np.float32))
+
+
+def test_declarations_are_checked(dev: tp.Device, stream: tp.Stream) -> None:
+    x = dev.tensor(np.ones(4, np.float32), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        y = tp.neg(x, stream=stream)
+        with pytest.raises(CaptureError, match="before the capture"):
+            g.input("y", y)
+        g.input("x", x)
+        with pytest.raises(ParamError, match="already"):
+            g.input("x", x)
+        with pytest.raises(ParamError, match="memory of input 'x'"):
+            g.output("x_again", x)
+        with pytest.raises(ParamError, match="identifier"):
+            g.output("not a name", y)
+    g.instantiate()
+    with pytest.raises(InvalidStateError):
+        g.output("late", y)
+
+
+# ---------------------------------------------------------------- what a capture refuses
+def test_capture_errors(dev: tp.Device, stream: tp.Stream) -> None:
+    other = dev.stream()
+    x = dev.tensor(np.ones((4, 4), np.float32), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        y = tp.add(x, x, stream=stream)
+        refused: dict[str, Callable[[], Any]] = {
+            "host read of a captured tensor": y.numpy,
+            "array protocol": lambda: np.asarray(y),
+            "view": y.view,
+            "host read of an input": x.numpy,
+            "synchronize": stream.synchronize,
+            "device synchronize": dev.synchronize,
+            "one-shot on another stream": lambda: tp.add(x, x, stream=other),
+            "one-shot on the default stream": lambda: tp.add(x, x),
+            "event": stream.record_event,
+            "callback": lambda: stream.launch_callback(lambda: None),
+            "copy-in": lambda: dev.tensor(np.ones(3, np.float32), stream=stream),
+            "nested capture": lambda: tp.capture(other).__enter__(),
+        }
+        for what, fn in refused.items():
+            with pytest.raises(CaptureError):
+                fn()
+            assert issubclass(CaptureError, InvalidStateError), what
+        size, ex = tp.ops.neg.get_workspace_size(x, out=dev.empty((4, 4)))
+        with pytest.raises(CaptureError, match="while this thread captures"):
+            tp.ops.neg(None, size, ex, other)  # explicit phase 2 on another stream
+        ex.destroy()
+    assert g.ops == ["add"] and g.state == "captured"
+    with pytest.raises(InvalidStateError, match="instantiate"):
+        g.replay(stream)
+    g.instantiate()
+    with pytest.raises(InvalidStateError):
+        g.instantiate()
+    other.close()
+
+
+def test_capture_of_a_stream_another_thread_captures_is_refused(dev: tp.Device, stream: tp.Stream) -> None:
+    entered, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with tp.capture(stream):
+            entered.set()
+            leave.wait(10)
+
+    t = threading.Thread(target=hold)
+    t.start()
+    entered.wait(10)
+    try:
+        with pytest.raises(CaptureError, match="another thread"):
+            tp.capture(stream).__enter__()
+        with pytest.raises(CaptureError, match="another thread"):
+            tp.neg(dev.empty((2,)), stream=stream)
+    finally:
+        leave.set()
+        t.join()
+
+
+def test_everything_is_plain_again_after_a_capture(dev: tp.Device, stream: tp.Stream) -> None:
+    plain_build = Op._build_launch
+    plain_call = Op.__call__
+    x = dev.tensor(np.arange(4, dtype=np.float32), stream=stream)
+    with pytest.raises(RuntimeError):
+        with tp.capture(stream) as g:
+            tp.neg(x, stream=stream)
+            raise RuntimeError("the capture block failed")
+    assert g.state == "failed"
+    with pytest.raises(InvalidStateError):
+        g.instantiate()
+    assert Op._build_launch is plain_build and Op.__call__ is plain_call
+    assert "malloc" not in vars(dev.pool) and "_array_view" not in vars(dev)
+    assert stream._enqueue == stream._q.enqueue and type(stream._q).__name__ == "_Queue"
+    assert np.array_equal(tp.neg(x, stream=stream).numpy(), -np.arange(4, dtype=np.float32))
+
+
+def test_failing_node_is_named_at_the_next_sync(dev: tp.Device, stream: tp.Stream) -> None:
+    w = dev.tensor(np.ones((4, 3), np.float32), stream=stream)
+    idx = dev.tensor(np.array([0, 1], np.int64), stream=stream)
+    bad = dev.tensor(np.array([0, 9], np.int64), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        g.input("idx", idx)
+        g.output("y", tp.neg(tp.embedding(w, idx, stream=stream), stream=stream))
+    g.instantiate()
+    g.replay(stream, idx=bad)
+    with pytest.raises(KernelError, match="node 0 .'embedding'. of graph"):
+        stream.synchronize()
+    assert np.array_equal(g.replay(stream)["y"].numpy(), -np.ones((2, 3), np.float32))
+
+
+# ---------------------------------------------------------------- counters, trace, streams, lifecycle
+def test_counters_count_node_launches_and_trace_nests_nodes_in_the_replay(dev: tp.Device,
+                                                                          stream: tp.Stream) -> None:
+    x = dev.tensor(np.ones(16, np.float32), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        g.output("y", tp.sqrt(tp.abs(tp.neg(x, stream=stream), stream=stream), stream=stream))
+    g.instantiate()
+    before = tp.stats.snapshot()["ops"]["abs"]["phase2_calls"]
+    with tp.profile() as prof:
+        for _ in range(3):
+            g.replay(stream)
+    assert tp.stats.snapshot()["ops"]["abs"]["phase2_calls"] == before + 3
+    kernels = [e for e in prof.trace()["traceEvents"] if e.get("cat") == "kernel"]
+    replays = [e for e in kernels if e["name"] == str(g)]
+    nodes = [e for e in kernels if e["name"] in ("neg", "abs", "sqrt")]
+    assert len(replays) == 3 and len(nodes) == 9
+    for r in replays:
+        inside = [e for e in nodes if r["ts"] <= e["ts"] and e["ts"] + e["dur"] <= r["ts"] + r["dur"] + 1e-3]
+        assert [e["name"] for e in inside] == ["neg", "abs", "sqrt"]
+        assert all(e["tid"] == r["tid"] for e in inside)
+
+
+def test_replay_on_another_stream_waits_for_the_previous_replay(dev: tp.Device, stream: tp.Stream,
+                                                                gate: Callable[[tp.Stream], threading.Event]) -> None:
+    other = dev.stream()
+    x = dev.tensor(np.ones(8, np.float32), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        y = g.output("y", tp.add(x, x, stream=stream))
+    g.instantiate()
+    open_ = gate(stream)
+    g.replay(stream)
+    g.replay(other)
+    assert not other.query()  # ordered after the gated replay: they share the arena
+    open_.set()
+    other.synchronize()
+    assert np.array_equal(y.numpy(), np.full(8, 2, np.float32))
+    g.destroy()
+    other.close()
+
+
+def test_null_device_capture_and_replay_run_no_kernel() -> None:
+    dev = tp.device("null")
+    s = dev.stream()
+    a, b = dev.empty((32,)), dev.empty((32,))
+    with tp.capture(s) as g:
+        g.input("a", a)
+        g.output("y", tp.mul(tp.add(a, b, stream=s), b, stream=s))
+    with g.instantiate():
+        for _ in range(3):
+            g.replay(s, a=dev.empty((32,)))
+        assert g.replays == 3
+
+
+def test_destroy_frees_the_arena_and_the_executors(dev: tp.Device, stream: tp.Stream) -> None:
+    x = dev.tensor(np.ones(1000, np.float32), stream=stream)
+    stream.synchronize()
+    live0 = tp.ops.exp.counters.as_dict()["executors_live"]
+    allocated0 = dev.pool.stats()["allocated_bytes"]
+    with tp.capture(stream) as g:
+        y = g.output("y", tp.exp(tp.exp(x, stream=stream), stream=stream))
+    g.instantiate()
+    assert dev.pool.stats()["allocated_bytes"] > allocated0
+    assert tp.ops.exp.counters.as_dict()["executors_live"] == live0 + 2
+    g.replay(stream)
+    g.destroy()
+    assert dev.pool.stats()["allocated_bytes"] == allocated0
+    assert tp.ops.exp.counters.as_dict()["executors_live"] == live0
+    assert y.block.freed
+    with pytest.raises(InvalidStateError):
+        g.destroy()
+    with pytest.raises(InvalidStateError):
+        g.replay(stream)
+
+
+def test_replay_from_another_thread_is_refused(dev: tp.Device, stream: tp.Stream) -> None:
+    x = dev.tensor(np.ones(4, np.float32), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        tp.neg(x, stream=stream)
+    g.instantiate()
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            g.replay(stream)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join()
+    assert len(errors) == 1 and isinstance(errors[0], InvalidStateError)
+
+
+def test_graphs_are_made_by_capture() -> None:
+    with pytest.raises(TypeError, match="capture"):
+        tp.Graph()
+    with pytest.raises(ParamError):
+        tp.capture("not a stream").__enter__()  # type: ignore[arg-type]
