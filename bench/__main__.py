@@ -2,7 +2,7 @@
 
 import importlib
 
-MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2")
+MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2", "bench.bench_graph")
 
 for name in MODULES:
     try:
