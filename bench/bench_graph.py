@@ -7,7 +7,8 @@ Run: ``.venv/bin/python -m bench.bench_graph``
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -114,8 +115,8 @@ def per_op_costs() -> list[str]:
         ratio = f"{v / base:.2f}" if base else "n/a"
         target = "<= 1.0 (moonshot 0.5)" if k == "graph replay" else ""
         lines.append(f"| {k} | {v * 1e9:.0f} ns | {ratio} | {target} |")
-    lines.append(f"| replay / explicit executors | | {per['graph replay'] / per['explicit executors (phase 2 only)']:.2f}"
-                 " | (info) |")
+    r_explicit = per["graph replay"] / per["explicit executors (phase 2 only)"]
+    lines.append(f"| replay / explicit executors | | {r_explicit:.2f} | (info) |")
     if torch is None:
         lines.append("(torch not installed: `pip install torch==2.13.0` for the comparison)")
     else:

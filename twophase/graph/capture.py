@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from .. import hooks
 from ..errors import CaptureError, ParamError
@@ -177,7 +178,7 @@ def _share() -> Callable[[], None]:
                     return _deferred
             return plain(op, ex)
 
-        Op._build_launch = build_launch  # type: ignore[method-assign]
+        Op._build_launch = build_launch  # type: ignore[method-assign, assignment]
         _shared["plain"] = plain
         _shared["hook"] = hooks.add_phase2_hook(before=_check_stream)
     _shared["n"] += 1

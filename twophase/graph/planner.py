@@ -15,8 +15,8 @@ buffers live at one node. The planner tries a few placements and keeps the small
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Sequence
 
 __all__ = ["Buffer", "ArenaPlan", "liveness", "plan_arena", "peak_bytes", "align_up"]
 

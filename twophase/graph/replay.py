@@ -21,7 +21,6 @@ from .virtual import VirtualBlock
 
 __all__ = ["Graph", "GraphMemory"]
 
-Operand = "tuple[TensorDesc, Block | int] | None"  # (desc, external block or virtual id)
 
 
 class _Node:
@@ -82,6 +81,32 @@ class Graph:
 
     _ids = itertools.count(1)
 
+    id: int
+    name: str
+    stream: Stream
+    device: Any
+    replays: int
+    _thread: int
+    _owner: int
+    _state: str
+    _seq0: int
+    _nodes: list[_Node]
+    _marks: dict[int, tuple[Block, Any, int]]
+    _vsizes: list[int]
+    _vrefs: list[weakref.ref[VirtualBlock]]
+    _vfreed: list[bool]
+    _bindings: dict[str, _Binding]
+    _steps: list[tuple[Any, Any, int]] | None
+    _execs: tuple[Executor, ...]
+    _arena: Block | None
+    _internal: set[int]
+    _mark_blocks: tuple[Block, ...]
+    _rebound: set[str]
+    _outputs: dict[str, Tensor]
+    _last_stream: Stream | None
+    _last_seq: int
+    _plan: ArenaPlan | None
+
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Graphs are made by a capture: use `with twophase.capture(stream) as graph:`")
 
@@ -95,22 +120,23 @@ class Graph:
         self._thread = thread
         self._state = "capturing"
         self._seq0 = stream._q.submitted
-        self._nodes: list[_Node] = []
-        self._marks: dict[int, tuple[Block, Any, int]] = {}
-        self._vsizes: list[int] = []
-        self._vrefs: list[weakref.ref[VirtualBlock]] = []
-        self._vfreed: list[bool] = []
-        self._bindings: dict[str, _Binding] = {}
-        self._steps: list[tuple[Any, Any, int]] | None = None
-        self._execs: tuple[Executor, ...] = ()
-        self._arena: Block | None = None
-        self._internal: set[int] = set()
-        self._mark_blocks: tuple[Block, ...] = ()
-        self._rebound: set[str] = set()
-        self._outputs: dict[str, Tensor] = {}
-        self._last_stream: Stream | None = None
+        self._owner = thread
+        self._nodes = []
+        self._marks = {}
+        self._vsizes = []
+        self._vrefs = []
+        self._vfreed = []
+        self._bindings = {}
+        self._steps = None
+        self._execs = ()
+        self._arena = None
+        self._internal = set()
+        self._mark_blocks = ()
+        self._rebound = set()
+        self._outputs = {}
+        self._last_stream = None
         self._last_seq = 0
-        self._plan: ArenaPlan | None = None
+        self._plan = None
         self.replays = 0
         return self
 
@@ -227,13 +253,13 @@ class Graph:
             raise ParamError(op=f"Graph.{kind}", arg=name, expected=f"a tensor on {self.device.name}",
                              got=tensor.device.name)
         b = tensor.block
-        virtual = type(b) is VirtualBlock and b.virtual
-        if virtual and (kind == "input" or b.graph is not self):
+        vb = b if isinstance(b, VirtualBlock) and b.virtual else None
+        if vb is not None and (kind == "input" or vb.graph is not self):
             raise CaptureError("an input must be a tensor made before the capture" if kind == "input" else
-                               f"the tensor belongs to another capture ({b.graph})", op=f"Graph.{kind}", arg=name)
-        key = b.vid if virtual else b  # type: ignore[union-attr]
+                               f"the tensor belongs to another capture ({vb.graph})", op=f"Graph.{kind}", arg=name)
+        key: Any = b if vb is None else vb.vid
         for other in self._bindings.values():
-            if other.key is key:
+            if other.key == key:  # vids compare by value, blocks by identity
                 raise ParamError(op=f"Graph.{kind}", arg=name, expected="memory not named yet",
                                  got=f"the memory of {other.kind} '{other.name}'")
         self._bindings[name] = _Binding(name, kind, tensor, key)
@@ -294,7 +320,7 @@ class Graph:
         self._steps = [(ex._launch, ws.get(i), i) for i, ex in enumerate(execs)]
         for b in self._bindings.values():
             b.uses = [(i, s, op[0]) for i, n in enumerate(nodes) for s, op in enumerate(n.operands)
-                      if op is not None and op[1] is b.key]
+                      if op is not None and op[1] == b.key]  # a vid (int) or the Block itself
             if b.kind == "output":
                 self._outputs[b.name] = b.current
         self._refresh_marks()
@@ -465,7 +491,7 @@ def _run_graph(arg: tuple[list[tuple[Any, Any, int]], Graph, Any]) -> None:
                 for cb in TASK_LISTENERS:
                     cb(q.name, execs[i], t0, t1, seq)
         else:
-            for launch, ws, i in steps:
+            for launch, ws, i in steps:  # noqa: B007  (i names the failing node)
                 launch(ws)
     except BaseException as exc:
         raise graph._node_error(i, exc) from exc

@@ -32,7 +32,7 @@ class VirtualBlock(Block):
     vid: int
     virtual: bool
 
-    def __init__(self, pool: Any, graph: Graph, vid: int, nbytes: int) -> None:
+    def __init__(self, pool: Any, graph: Any, vid: int, nbytes: int) -> None:
         super().__init__(pool, _NO_SEGMENT, 0, round_size(nbytes))
         self.requested = nbytes
         self.allocated = True
