@@ -1,15 +1,7 @@
-"""``make bench``: run every benchmark module of the suite in turn."""
+"""``make bench``: run every benchmark module of the suite in turn and write ``bench/results/report.md``."""
 
-import importlib
+from bench.report import run_suite
 
-MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2", "bench.bench_graph")
+MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2", "bench.bench_minilm")
 
-for name in MODULES:
-    try:
-        mod = importlib.import_module(name)
-    except ModuleNotFoundError as exc:
-        if exc.name != name:
-            raise
-        continue
-    print()
-    mod.main()
+run_suite(MODULES)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -264,3 +265,21 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: Any) -> None:
                  "graph arena", "MiniLM demo: ok"):
         assert want in out
     assert (tmp_path / "demo.json").stat().st_size > 1000
+
+
+def test_bench_report_tables_and_plots(tmp_path: Path, monkeypatch: Any) -> None:
+    report = pytest.importorskip("bench.report")
+    mod = type(sys)("fake_bench_mod")
+    mod.main = lambda: print("# fake\nfree text\n\n| case | ms | ratio / ref |\n| --- | --- | --- |\n"  # type: ignore
+                             "| a | 1.0 | 0.50 |\n| b | 2.0 | 2.00 |")
+    monkeypatch.setitem(sys.modules, "fake_bench_mod", mod)
+    path = report.run_suite(["fake_bench_mod", "no_such_bench_module"], tmp_path)
+    text = path.read_text()
+    assert "OPENBLAS_" in text or "no OPENBLAS_*" in text
+    assert "| a | 1.0 | 0.50 |" in text and "```\nfree text\n```" in text and "## fake_bench_mod" in text
+    assert report._tables("| x | ratio |\n| --- | --- |\n| r | 1.5 |") == [[["x", "ratio"], ["r", "1.5"]]]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "fake_bench_mod_0.png").stat().st_size > 1000 and "fake_bench_mod_0.png" in text

