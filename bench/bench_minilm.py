@@ -136,14 +136,18 @@ def torch_bert(w: dict[str, Any], heads: int, eps: float, layers: int) -> Any:
     return Bert().eval()
 
 
-def onnx_session(module: Any, ids: Any, mask: Any, path: str) -> Any:
+def onnx_session(module: Any, ids: Any, mask: Any, path: str, threads: int = 0) -> Any:
     """Export ``module`` with the legacy exporter (``dynamo=False``), dynamic batch and sequence; an ORT session."""
-    with torch.no_grad():
+    import warnings
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the legacy exporter announces its deprecation
         torch.onnx.export(module, (torch.from_numpy(ids), torch.from_numpy(mask)), path, dynamo=False,
                           input_names=["input_ids", "attention_mask"], output_names=["last_hidden_state"],
                           dynamic_axes={"input_ids": {0: "b", 1: "n"}, "attention_mask": {0: "b", 1: "n"},
                                         "last_hidden_state": {0: "b", 1: "n"}}, opset_version=17)
-    return ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads  # 0: ORT's default (one per core)
+    return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
 def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
@@ -159,7 +163,7 @@ def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, li
     return times
 
 
-def run(rounds: int = ROUNDS) -> dict[str, Any]:
+def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
     """Measure every case; returns {"rows": [...], "notes": [...]} (also used by the report)."""
     from twophase.models.minilm import MiniLM, load_weights, model_dir
     if model_dir() is None:
@@ -178,7 +182,7 @@ def run(rounds: int = ROUNDS) -> dict[str, Any]:
     if torch is not None:
         notes.append(f"torch {torch.__version__} threads {torch.get_num_threads()}")
     if ort is not None:
-        notes.append(f"onnxruntime {ort.__version__} (default session options)")
+        notes.append(f"onnxruntime {ort.__version__} (intra_op_num_threads {ort_threads or 'default'})")
     tmp = tempfile.mkdtemp(prefix="minilm_onnx_")
     sess = None
     try:
@@ -214,7 +218,7 @@ def run(rounds: int = ROUNDS) -> dict[str, Any]:
                 fns["torch eager"] = eager
                 if ort is not None:
                     if sess is None:
-                        sess = onnx_session(tmod, ids, mask, os.path.join(tmp, "minilm.onnx"))
+                        sess = onnx_session(tmod, ids, mask, os.path.join(tmp, "minilm.onnx"), ort_threads)
 
                     def onnx(ids: Any = ids, mask: Any = mask, sess: Any = sess) -> Any:
                         return _pool(sess.run(None, {"input_ids": ids, "attention_mask": mask})[0], mask)
@@ -278,9 +282,11 @@ def verdicts(result: dict[str, Any]) -> list[str]:
     return out
 
 
-def main() -> dict[str, Any]:
-    print(header("MiniLM (all-MiniLM-L6-v2) end to end (bench/bench_minilm.py)"))
-    res = run()
+SINGLE_ENV = {"OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+def _print(res: dict[str, Any], title: str) -> None:
+    print(f"### {title}")
     for note in res["notes"]:
         print(f"- {note}")
     print()
@@ -289,8 +295,39 @@ def main() -> dict[str, Any]:
     print()
     for line in verdicts(res):
         print(line)
+
+
+def main(single: bool | None = None) -> dict[str, Any]:
+    """The table with the libraries' default threads, then (``TWOPHASE_BENCH_SINGLE=0`` skips it) the same in a
+    subprocess with one thread everywhere: on a shared machine, parallel regions wait for descheduled threads."""
+    if single is None:
+        single = os.environ.get("TWOPHASE_BENCH_SINGLE", "1") != "0"
+    print(header("MiniLM (all-MiniLM-L6-v2) end to end (bench/bench_minilm.py)"))
+    res = run()
+    _print(res, "default threads (each library's own default)")
+    if single:
+        import subprocess
+        import sys
+        print()
+        env = {**os.environ, **SINGLE_ENV}
+        out = subprocess.run([sys.executable, "-m", "bench.bench_minilm", "--single-thread"], env=env,
+                             capture_output=True, text=True, check=False)
+        print(out.stdout.rstrip() if out.returncode == 0 else f"single-thread run failed:\n{out.stderr[-2000:]}")
     return res
 
 
+def _single() -> None:
+    """The subprocess side of :func:`main`: one thread in numba, OpenBLAS, torch and ONNX Runtime."""
+    if torch is not None:
+        torch.set_num_threads(1)
+    res = run(ort_threads=1)
+    _print(res, "one thread each (" + ", ".join(f"{k}={v}" for k, v in SINGLE_ENV.items())
+           + ", torch.set_num_threads(1), ORT intra_op_num_threads=1)")
+
+
 if __name__ == "__main__":
-    main()
+    import sys
+    if "--single-thread" in sys.argv:
+        _single()
+    else:
+        main()
