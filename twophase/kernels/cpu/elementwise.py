@@ -1,4 +1,10 @@
-"""Unary elementwise kernels over (rows, cols) views, using the vectorizable math of ``vmath``."""
+"""Unary elementwise kernels: one specialised numba kernel per math function, made from one template.
+
+``KERNELS[name]`` holds the kernels of ``vmath.<name>`` (or, for float32 data, of ``vmath.<name>_f32`` where that
+exists). Each kernel's inner loop runs over a 1-D contiguous span (``x[k, lo:hi]``) with the function known at compile
+time, so LLVM inlines it and vectorizes the loop (packed ``zmm``/``ymm`` math; ``tests/test_ops_elementwise.py``
+checks the assembly). The op picks the kernel in phase 1 by the function's name.
+"""
 
 from __future__ import annotations
 
@@ -16,53 +22,76 @@ from .jit import FAST, entry
 kern = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy")
 kern_par = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", parallel=True)
 
-CODES = {"exp": 0, "log": 1, "tanh": 2, "sigmoid": 3, "silu": 4, "gelu_erf": 5, "gelu_tanh": 6, "rsqrt": 7}
+FUNCS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
+         "sigmoid_f32", "silu_f32", "gelu_erf_f32", "gelu_tanh_f32")
+CODES = {name: i for i, name in enumerate(FUNCS)}
+F32 = frozenset(n[:-4] for n in FUNCS if n.endswith("_f32"))  # functions with a float32-arithmetic variant
 CHUNK = 16384  # elements per parallel task
 PARALLEL_MIN = 1 << 16
 
 
-@kern
-def _run(code: int, x: Any, out: Any, k: int, lo: int, hi: int) -> None:
+@numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", inline="always")
+def _apply(code: int, v: Any) -> Any:
+    """vmath function number ``code`` of ``v``: ``code`` is a compile-time constant in every kernel, so only one
+    branch survives (the kernels are specialised; nothing is selected per element)."""
     if code == 0:
-        for i in range(lo, hi):
-            out[k, i] = vm.exp(x[k, i])
-    elif code == 1:
-        for i in range(lo, hi):
-            out[k, i] = vm.log(x[k, i])
-    elif code == 2:
-        for i in range(lo, hi):
-            out[k, i] = vm.tanh(x[k, i])
-    elif code == 3:
-        for i in range(lo, hi):
-            out[k, i] = vm.sigmoid(x[k, i])
-    elif code == 4:
-        for i in range(lo, hi):
-            out[k, i] = vm.silu(x[k, i])
-    elif code == 5:
-        for i in range(lo, hi):
-            out[k, i] = vm.gelu_erf(x[k, i])
-    elif code == 6:
-        for i in range(lo, hi):
-            out[k, i] = vm.gelu_tanh(x[k, i])
-    else:
-        for i in range(lo, hi):
-            out[k, i] = vm.rsqrt(x[k, i])
+        return vm.exp(v)
+    if code == 1:
+        return vm.log(v)
+    if code == 2:
+        return vm.tanh(v)
+    if code == 3:
+        return vm.sigmoid(v)
+    if code == 4:
+        return vm.silu(v)
+    if code == 5:
+        return vm.gelu_erf(v)
+    if code == 6:
+        return vm.gelu_tanh(v)
+    if code == 7:
+        return vm.rsqrt(v)
+    if code == 8:
+        return vm.sigmoid_f32(v)
+    if code == 9:
+        return vm.silu_f32(v)
+    if code == 10:
+        return vm.gelu_erf_f32(v)
+    return vm.gelu_tanh_f32(v)
 
 
-@kern
-def unary_rows(code: int, x: Any, out: Any, chunk: int) -> None:
-    for k in range(x.shape[0]):
-        _run(code, x, out, k, 0, x.shape[1])
+def _specialise(code: int) -> tuple[Any, Any, Any]:
+    """(span, rows, rows_par) kernels of function ``code``: the one loop, written once; ``code`` is a closure
+    constant (numba freezes it, and caches each specialisation under its value)."""
+
+    @kern
+    def span(x: Any, out: Any) -> None:
+        for i in range(x.shape[0]):
+            out[i] = _apply(code, x[i])
+
+    @kern
+    def rows(x: Any, out: Any, chunk: int) -> None:
+        for k in range(x.shape[0]):
+            span(x[k], out[k])
+
+    @kern_par
+    def rows_par(x: Any, out: Any, chunk: int) -> None:
+        n_rows, n = x.shape
+        nc = (n + chunk - 1) // chunk
+        for t in numba.prange(n_rows * nc):
+            k = t // nc
+            lo = (t - k * nc) * chunk
+            hi = min(n, lo + chunk)
+            span(x[k, lo:hi], out[k, lo:hi])
+
+    return span, rows, rows_par
 
 
-@kern_par
-def unary_rows_par(code: int, x: Any, out: Any, chunk: int) -> None:
-    n_rows, n = x.shape
-    nc = (n + chunk - 1) // chunk
-    for t in numba.prange(n_rows * nc):
-        k = t // nc
-        j = t - k * nc
-        _run(code, x, out, k, j * chunk, min(n, (j + 1) * chunk))
+KERNELS: dict[str, tuple[Any, Any, Any]] = {name: _specialise(CODES[name]) for name in FUNCS}
+
+
+def function_for(name: str, compute: Any) -> str:
+    """The vmath function used for ``name`` on data computed in ``compute`` (float32: the float32 variant)."""
+    return name + "_f32" if np.dtype(compute) == np.float32 and name in F32 else name
 
 
 def matrix2d(a: Any) -> Any:
@@ -72,30 +101,35 @@ def matrix2d(a: Any) -> Any:
     return as_matrix(a, tuple(range(a.ndim - 1)), (a.ndim - 1,))
 
 
+def flat2d(a: Any) -> Any:
+    """A C-contiguous array as one (1, size) row (the parallel kernel splits it into chunks), else ``matrix2d``."""
+    return a.reshape(1, a.size) if a.flags.c_contiguous else matrix2d(a)
+
+
 def pack_bytes(numel: int, itemsize: int, needs_pack: bool) -> int:
     return align(numel * itemsize) if needs_pack else 0
 
 
 def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any) -> Callable[[Any], None]:
     """Launch for ``out = f(x)``: directly on (rows, cols) views, or through a dense ``compute``-dtype copy in the
-    workspace when ``pack`` (float16, or dims that do not merge)."""
-    code = CODES[name]
+    workspace when ``pack`` (float16, or dims that do not merge). The kernel is chosen and compiled here (phase 1)."""
     if x.size == 0:
         return lambda _: None
-    par = x.size >= PARALLEL_MIN
-    kernel = unary_rows_par if par else unary_rows
+    _, rows, rows_par = KERNELS[function_for(name, compute)]
+    kernel = rows_par if x.size >= PARALLEL_MIN else rows
     if not pack:
-        xm, om = matrix2d(x), matrix2d(out)
-        fn = entry(kernel, code, xm, om, CHUNK)
-        return lambda _: fn(code, xm, om, CHUNK)
+        both = x.flags.c_contiguous and out.flags.c_contiguous
+        xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))
+        fn = entry(kernel, xm, om, CHUNK)
+        return lambda _: fn(xm, om, CHUNK)  # type: ignore[no-any-return]
     sample = np.empty((1, 1), compute)
-    fn = entry(kernel, code, sample, sample, CHUNK)
+    fn = entry(kernel, sample, sample, CHUNK)
     n, nbytes = x.size, x.size * compute.itemsize
 
     def launch(ws: Any) -> None:
         area = ws[:nbytes].view(compute)
         np.copyto(area.reshape(x.shape), x, casting="unsafe")
         m = area.reshape(1, n)
-        fn(code, m, m, CHUNK)
+        fn(m, m, CHUNK)
         np.copyto(out, area.reshape(out.shape), casting="unsafe")
     return launch
