@@ -4,6 +4,7 @@ installed), on float32 4096x4096, 64x262144 and 262144x64. Prints a ratio table 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from math import erf
 from typing import Any, Callable
@@ -55,6 +56,8 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], Callable[..., Any], A
     # name: (op, attrs, naive numpy, torch)
     "softmax": (ops.softmax, {"dim": -1}, lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(
         x - x.max(-1, keepdims=True)).sum(-1, keepdims=True), lambda t, o: torch.softmax(t, -1)),
+    "log_softmax": (ops.log_softmax, {"dim": -1}, lambda x: (x - x.max(-1, keepdims=True)) - np.log(np.exp(
+        x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)), lambda t, o: torch.log_softmax(t, -1)),
     "layer_norm": (ops.layer_norm, {}, lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(
         x.var(-1, keepdims=True) + 1e-5), lambda t, o: torch.nn.functional.layer_norm(t, t.shape[-1:])),
     "rms_norm": (ops.rms_norm, {}, lambda x: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6),
@@ -83,6 +86,8 @@ def main() -> None:
         dst = np.empty_like(x)
         t_copy = best(lambda: np.copyto(dst, x))
         for name, (op, attrs, naive, tfn) in CASES.items():
+            if sys.argv[1:] and name not in sys.argv[1:]:  # `python -m bench.bench_ops1 softmax log_softmax`
+                continue
             if name in ("layer_norm", "rms_norm"):
                 attrs = {"normalized_shape": (shape[-1],)}
             ins = [xt, xt] if name == "add" else [xt]

@@ -294,14 +294,13 @@ def test_softmax_handles_extremes_and_nan(dev, stream):
     np.testing.assert_allclose(run.outputs[0][2], [0.0, 0.5, 0.5], atol=1e-7)
 
 
-@pytest.mark.xfail(strict=True, reason="ops/normalization.py softmax doc and workspace_formula say packed operands "
-                                       "take align64(K*N*4) bytes, but plan_softmax packs float64 with 8 bytes each")
 def test_softmax_op_doc_formula_matches_a_packed_float64_workspace():
     x = TensorDesc((4, 3, 5), "float64", strides=(1, 20, 4))  # kept dims (0, 1) do not merge
     size, ex = ops.softmax.get_workspace_size(x, dim=-1)
     ex.destroy()
     assert ex.tiling.pack
-    assert size == align64(4 * 3 * 5 * 4)  # what the op's doc / workspace_formula promise
+    assert size == align64(4 * 3 * 5 * 8)  # what the op's doc / workspace_formula promise: float64 packs 8 bytes
+    assert "c = 4 for float16, else itemsize" in ops.softmax.spec.workspace_formula
 
 
 def test_run_checked_waits_for_inputs_still_pending_on_another_stream(dev, stream, rng, gate):

@@ -1,25 +1,166 @@
-"""layer_norm / rms_norm (and the existing softmax) against float64 numpy references."""
+"""softmax, log_softmax, layer_norm, rms_norm, batch_norm and group_norm against float64 numpy references, with
+poisoned outputs, a guarded workspace, and workspace sizes against the documented formulas."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_layouts import LAYOUTS, on_device, random
+from ops_layouts import LAYOUTS, on_device, random, shapes
 
-from twophase import ops
+from twophase import TensorDesc, ops
 from twophase.errors import ParamError
+from twophase.kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
+from twophase.ops.normalization import SoftmaxTiling
 from twophase.testing import run_checked
 
 TOL = {np.float16: 3e-3, np.float32: 2e-5, np.float64: 1e-10}
+DTYPES = [np.float32, np.float64, np.float16]
 
 
+def align64(n: int) -> int:
+    return -(-n // 64) * 64
+
+
+def merges(shape: Any, strides: Any) -> bool:
+    """The test's own copy of the rule: dims walk memory with one stride (size-1 dims ignored)."""
+    dims = [(n, s) for n, s in zip(shape, strides) if n != 1]
+    if any(n == 0 for n, _ in dims):
+        return True
+    return all(s == dims[i + 1][1] * dims[i + 1][0] for i, (_, s) in enumerate(dims[:-1]))
+
+
+def compute_size(dtype: Any) -> int:
+    return 4 if np.dtype(dtype) == np.float16 else np.dtype(dtype).itemsize
+
+
+def check(r: Any, ref: Any, dtype: Any, ws: int | None = None) -> None:
+    """Every output written (NaN only where the reference has NaN), values close, the workspace as documented
+    and used up to its last 64-byte line, nothing written outside it."""
+    ref = np.asarray(ref)
+    assert r.guards_intact
+    assert r.unwritten == (int(np.isnan(ref).sum()),)
+    tol = TOL[dtype]
+    np.testing.assert_allclose(r.outputs[0].astype(np.float64), ref, rtol=tol, atol=tol)
+    if ws is not None:
+        assert r.workspace_size == ws
+    assert r.touched <= r.workspace_size
+    if r.workspace_size:
+        assert r.touched > r.workspace_size - 64
+
+
+# ---------------------------------------------------------------- softmax / log_softmax
+def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any) -> int:
+    """The ops' doc: align64(K*ceil(N/8192)*16) if N > 32768; + align64(K*N*c) if packed."""
+    kept = [i for i in range(len(shape)) if i != dim]
+    n = shape[dim] if shape else 1
+    k = math.prod(shape[i] for i in kept)
+    ws = align64(k * -(-n // 8192) * 16) if n > 32768 else 0
+    f16 = np.dtype(dtype) == np.float16
+    if (f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept])) and k * n:
+        ws += align64(k * n * compute_size(dtype))
+    return ws
+
+
+@st.composite
+def softmax_case(draw: Any) -> tuple[tuple[int, ...], int]:
+    shape = draw(shapes(min_dims=1, max_dims=3, max_side=6))
+    return shape, draw(st.integers(-len(shape), len(shape) - 1))
+
+
+@settings(max_examples=40, deadline=None)
+@given(case=softmax_case(), layout=st.sampled_from(LAYOUTS), dtype=st.sampled_from(DTYPES), log=st.booleans())
+def test_softmax_and_log_softmax_match_reference(case: Any, layout: str, dtype: Any, log: bool) -> None:
+    shape, dim = case
+    rng = np.random.default_rng(sum(shape) + 7 * (dim % len(shape)))
+    a = random(shape, dtype, rng)
+    x = on_device(a, layout)
+    op = ops.log_softmax if log else ops.softmax
+    r = run_checked(op, x, dim=dim)
+    assert r.outputs[0].dtype == np.dtype(dtype) and r.outputs[0].shape == shape
+    check(r, op.spec.reference(a, dim), dtype, softmax_ws(shape, x.desc.strides, dim % len(shape), dtype))
+
+
+@pytest.mark.parametrize("shape, dim, layout, dtype", [
+    ((2, 40000), -1, "dense", np.float32),      # split rows, one row per task
+    ((1, 70001), 1, "strided", np.float64),     # split, strided row (inner stride 2)
+    ((40000, 3), 0, "dense", np.float32),       # long dim not last: strided rows
+    ((2, 33000), -1, "transposed", np.float32),  # packed + split
+    ((3, 32769), -1, "dense", np.float16),      # packed float16 + split
+    ((40000, 7), -1, "reversed", np.float32),   # many short rows, parallel, negative row stride
+])
+@pytest.mark.parametrize("log", [False, True])
+def test_long_and_many_rows_use_the_documented_workspace(shape: Any, dim: int, layout: str, dtype: Any,
+                                                         log: bool) -> None:
+    a = random(shape, dtype, np.random.default_rng(shape[0]))
+    x = on_device(a, layout)
+    op = ops.log_softmax if log else ops.softmax
+    r = run_checked(op, x, dim=dim)
+    check(r, op.spec.reference(a, dim), dtype, softmax_ws(shape, x.desc.strides, dim % 2, dtype))
+    n = shape[dim]
+    assert r.implementation == ("split_rows" if n > 32768 else "rows_parallel")
+
+
+@pytest.mark.parametrize("by_rows", [True, False])
+@pytest.mark.parametrize("mode", [SOFTMAX, LOG_SOFTMAX])
+def test_split_kernels_merge_block_partials(by_rows: bool, mode: int) -> None:
+    """Both split kernels (a row per task, a block per task) on small blocks, with a block that is all -inf
+    (merges as nothing), a row of -inf (NaN, as the reference) and a row with a NaN."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 53)) * 30
+    x[0, 16:40] = -np.inf
+    x[2, :] = -np.inf
+    x[3, 20] = np.nan
+    block = 16
+    split = -(-53 // block)
+    t = SoftmaxTiling(4, 53, split, block, False, 0, True, 4 * split * 16, by_rows)
+    out = np.full_like(x, np.nan)
+    ws = np.full(t.workspace, 0xCD, np.uint8)
+    build_softmax(x, out, t, mode)(ws)
+    ref = (ops.log_softmax if mode == LOG_SOFTMAX else ops.softmax).spec.reference(x, -1)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
+    assert np.isnan(out[2]).all() and np.isnan(out[3]).all() and not np.isnan(out[[0, 1]]).any()
+
+
+def test_softmax_and_log_softmax_extremes() -> None:
+    a = np.array([[1000.0, -1000.0, 0.0], [np.nan, 1.0, 2.0], [-np.inf, 0.0, 0.0], [-np.inf] * 3], np.float32)
+    s = run_checked(ops.softmax, a, dim=-1).outputs[0]
+    ls = run_checked(ops.log_softmax, a, dim=-1).outputs[0]
+    np.testing.assert_allclose(s[0], [1.0, 0.0, 0.0], atol=1e-7)
+    np.testing.assert_allclose(ls[0], [0.0, -2000.0, -1000.0], rtol=1e-7)
+    assert np.isnan(s[1]).all() and np.isnan(ls[1]).all() and np.isnan(s[3]).all() and np.isnan(ls[3]).all()
+    np.testing.assert_allclose(s[2], [0.0, 0.5, 0.5], atol=1e-7)
+    np.testing.assert_allclose(ls[2], [-np.inf, -np.log(2), -np.log(2)], rtol=1e-7)
+
+
+@pytest.mark.parametrize("op", [ops.softmax, ops.log_softmax])
+def test_in_place_into_its_own_input(dev: Any, stream: Any, op: Any) -> None:
+    a = np.random.default_rng(1).standard_normal((5, 300))
+    x = dev.tensor(a, stream=stream)
+    size, ex = op.get_workspace_size(x, out=x, dim=-1)
+    ws = dev.malloc(size, stream=stream) if size else None
+    op(ws, size, ex, stream)
+    stream.synchronize()
+    np.testing.assert_allclose(x.numpy(), op.spec.reference(a, -1), rtol=1e-12, atol=1e-14)
+
+
+def test_softmax_workspace_grows_with_the_row_length() -> None:
+    for n in (32768, 32769, 10 ** 6):
+        for op in (ops.softmax, ops.log_softmax):
+            size, ex = op.get_workspace_size(TensorDesc((5, n)))
+            assert size == align64(5 * -(-n // 8192) * 16) * (n > 32768)
+            ex.destroy()
+
+
+# ---------------------------------------------------------------- layer_norm / rms_norm
 @settings(max_examples=30, deadline=None)
 @given(rows=st.lists(st.integers(1, 5), min_size=0, max_size=2), n=st.integers(1, 70), layout=st.sampled_from(LAYOUTS),
-       dtype=st.sampled_from([np.float32, np.float64, np.float16]), rms=st.booleans(), affine=st.booleans())
+       dtype=st.sampled_from(DTYPES), rms=st.booleans(), affine=st.booleans())
 def test_layer_and_rms_norm_match_reference(rows: list[int], n: int, layout: str, dtype: Any, rms: bool,
                                             affine: bool) -> None:
     rng = np.random.default_rng(n)
@@ -34,22 +175,121 @@ def test_layer_and_rms_norm_match_reference(rows: list[int], n: int, layout: str
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
 
 
-def test_softmax_long_rows_split_with_partials_short_rows_workspace_zero() -> None:
-    x = np.random.default_rng(0).standard_normal((2, 40000)).astype(np.float32)
-    r = run_checked(ops.softmax, x)
-    assert r.implementation == "split_rows" and r.workspace_size > 0 and r.touched > 0
-    np.testing.assert_allclose(r.outputs[0], ops.softmax.spec.reference(x, -1), rtol=1e-5, atol=1e-12)
-    assert run_checked(ops.softmax, x[:, :100]).workspace_size == 0
+# ---------------------------------------------------------------- batch_norm / group_norm
+def channel_case(min_dims: int = 2) -> Any:
+    return st.tuples(st.integers(0, 3), st.integers(1, 3), st.integers(1, 3),
+                     st.lists(st.integers(0, 5), min_size=min_dims - 2, max_size=2))
 
 
-@pytest.mark.parametrize("call,arg", [
-    (lambda: ops.layer_norm.get_workspace_size(on_device(np.ones((2, 3))), normalized_shape=(4,)),
-     "normalized_shape"),
-    (lambda: ops.layer_norm.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones(2)),
-                                               normalized_shape=(3,)), "weight"),
-    (lambda: ops.rms_norm.get_workspace_size(on_device(np.ones((2, 3), np.int32)), normalized_shape=(3,)), "x"),
+def bn_ws(shape: Any, strides: Any, dtype: Any) -> int:
+    """batch_norm's doc: align64(numel*c) + 4*align64(C*c) when packed (float16, or spatial dims don't merge)."""
+    numel, c = math.prod(shape), compute_size(dtype)
+    packed = np.dtype(dtype) == np.float16 or not merges(shape[2:], strides[2:])
+    return align64(numel * c) + 4 * align64(shape[1] * c) if packed and numel else 0
+
+
+def gn_ws(shape: Any, strides: Any, dtype: Any, groups: int) -> int:
+    """group_norm's doc: align64(N*G*ceil(L/16384)*24) if L > 65536; + align64(numel*c) + 2*align64(C*c) packed."""
+    numel, c = math.prod(shape), compute_size(dtype)
+    length = shape[1] // groups * math.prod(shape[2:])
+    ws = align64(shape[0] * groups * -(-length // 16384) * 24) if length > 65536 and numel else 0
+    if (np.dtype(dtype) == np.float16 or not merges(shape[1:], strides[1:])) and numel:
+        ws += align64(numel * c) + 2 * align64(shape[1] * c)
+    return ws
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=channel_case(), layout=st.sampled_from(LAYOUTS), dtype=st.sampled_from(DTYPES), affine=st.booleans())
+def test_batch_norm_matches_reference(case: Any, layout: str, dtype: Any, affine: bool) -> None:
+    n, c, _, sp = case
+    shape = (n, c, *sp)
+    rng = np.random.default_rng(sum(shape))
+    a = random(shape, dtype, rng)
+    mean, var = random((c,), dtype, rng), random((c,), dtype, rng, positive=True)
+    params = [random((c,), dtype, rng), random((c,), dtype, rng)] if affine else []
+    x = on_device(a, layout)
+    r = run_checked(ops.batch_norm, x, mean, var, *params, eps=1e-3)
+    check(r, ops.batch_norm.spec.reference(a, mean, var, *params, eps=1e-3), dtype, bn_ws(shape, x.desc.strides, dtype))
+
+
+@settings(max_examples=30, deadline=None)
+@given(case=channel_case(), layout=st.sampled_from(LAYOUTS), dtype=st.sampled_from(DTYPES), affine=st.booleans())
+def test_group_norm_matches_reference(case: Any, layout: str, dtype: Any, affine: bool) -> None:
+    n, groups, cg, sp = case
+    shape = (n, groups * cg, *sp)
+    rng = np.random.default_rng(sum(shape))
+    a = random(shape, dtype, rng)
+    params = [random((shape[1],), dtype, rng), random((shape[1],), dtype, rng)] if affine else []
+    x = on_device(a, layout)
+    r = run_checked(ops.group_norm, x, *params, num_groups=groups)
+    check(r, ops.group_norm.spec.reference(a, *params, num_groups=groups), dtype,
+          gn_ws(shape, x.desc.strides, dtype, groups))
+
+
+@pytest.mark.parametrize("shape, groups, layout, dtype", [
+    ((2, 4, 300, 300), 2, "dense", np.float32),      # L = 180000: split, Welford partials
+    ((1, 2, 70001), 1, "transposed", np.float32),    # split + packed
+    ((3, 70000, 1), 1, "dense", np.float16),         # split + packed float16
 ])
-def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -> None:
+def test_group_norm_huge_groups_merge_welford_partials(shape: Any, groups: int, layout: str, dtype: Any) -> None:
+    rng = np.random.default_rng(5)
+    a = (random(shape, dtype, rng) + 40).astype(dtype)  # an offset mean: the merge must not cancel
+    w, b = random((shape[1],), dtype, rng), random((shape[1],), dtype, rng)
+    x = on_device(a, layout)
+    r = run_checked(ops.group_norm, x, w, b, num_groups=groups)
+    assert r.implementation.startswith("split_groups")
+    check(r, ops.group_norm.spec.reference(a, w, b, num_groups=groups), dtype, gn_ws(shape, x.desc.strides, dtype,
+                                                                                      groups))
+
+
+def test_group_norm_welford_merge_keeps_float64_variance() -> None:
+    """A huge offset and a tiny spread: naive sum-of-squares variance would cancel to garbage."""
+    rng = np.random.default_rng(6)
+    a = 1e6 + rng.standard_normal((1, 1, 100000)) * 1e-3
+    r = run_checked(ops.group_norm, a, num_groups=1)
+    assert r.implementation == "split_groups"
+    np.testing.assert_allclose(r.outputs[0], ops.group_norm.spec.reference(a, num_groups=1), rtol=1e-7, atol=1e-7)
+
+
+def test_batch_and_group_norm_on_large_nchw() -> None:
+    rng = np.random.default_rng(8)
+    a = rng.standard_normal((4, 16, 33, 35)).astype(np.float32)
+    m, v = rng.standard_normal(16).astype(np.float32), rng.random(16).astype(np.float32) + 0.5
+    check(run_checked(ops.batch_norm, a, m, v), ops.batch_norm.spec.reference(a, m, v), np.float32, 0)
+    check(run_checked(ops.group_norm, a, num_groups=4), ops.group_norm.spec.reference(a, num_groups=4), np.float32, 0)
+
+
+# ---------------------------------------------------------------- op definitions and bad inputs
+@pytest.mark.parametrize("name", ["softmax", "log_softmax", "layer_norm", "rms_norm", "batch_norm", "group_norm"])
+def test_op_definitions_document_the_workspace(name: str) -> None:
+    spec = getattr(ops, name).spec
+    assert spec.reference is not None and spec.implementations and len(spec.dtypes) == 3
+    assert spec.workspace_formula in spec.doc
+
+
+def d(shape: Any, dtype: str = "float32") -> TensorDesc:
+    return TensorDesc(shape, dtype)
+
+
+@pytest.mark.parametrize("call, arg, expected", [
+    (lambda: ops.log_softmax.get_workspace_size(d((2, 3), "int32")), "x", "float32"),
+    (lambda: ops.softmax.get_workspace_size(d((2, 3)), dim=2), "dim", "[-2, 2)"),
+    (lambda: ops.log_softmax.get_workspace_size(d((2, 3)), dim=1.5), "dim", "int"),
+    (lambda: ops.batch_norm.get_workspace_size(d((2, 3, 4)), d((4,)), d((3,))), "running_mean", "(3,)"),
+    (lambda: ops.batch_norm.get_workspace_size(d((2, 3)), d((3,)), d((3,), "float64")), "running_var", "float32"),
+    (lambda: ops.batch_norm.get_workspace_size(d((3,)), d((3,)), d((3,))), "x", "2 dims"),
+    (lambda: ops.batch_norm.get_workspace_size(d((2, 3)), d((3,))), "inputs", "5 inputs"),
+    (lambda: ops.group_norm.get_workspace_size(d((2, 6, 4)), num_groups=4), "num_groups", "divisor"),
+    (lambda: ops.group_norm.get_workspace_size(d((2, 6, 4)), num_groups=0), "num_groups", "divisor"),
+    (lambda: ops.group_norm.get_workspace_size(d((2, 6)), d((6,), "float16"), num_groups=2), "weight", "float32"),
+    (lambda: ops.group_norm.get_workspace_size(d((2, 6), "int64"), num_groups=2), "x", "float16"),
+    (lambda: ops.group_norm.get_workspace_size(d((2, 6))), "num_groups", "required"),
+    (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), normalized_shape=(4,)), "normalized_shape", "trailing"),
+    (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), d((2,)), normalized_shape=(3,)), "weight", "(3,)"),
+    (lambda: ops.rms_norm.get_workspace_size(d((2, 3), "int32"), normalized_shape=(3,)), "x", "float64"),
+])
+def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str, expected: str) -> None:
     with pytest.raises(ParamError) as e:
         call()
     assert e.value.arg == arg
+    assert expected in str(e.value.expected)

@@ -1,16 +1,19 @@
-"""Softmax over one dim: rows tiled for cache, long rows split into blocks with partials in the workspace."""
+"""Softmax / log-softmax over one dim (rows tiled for cache, long rows split into blocks with partials in
+the workspace), layer_norm, rms_norm, batch_norm (inference) and group_norm."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
+import numba
 import numpy as np
 
 from ..errors import ParamError
 from ..kernels.cpu.jit import entry
 from ..kernels.cpu.norm import build_norm
-from ..kernels.cpu.softmax import build_softmax
+from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
 from ..layout import align, as_matrix, merge_dims
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
@@ -23,7 +26,9 @@ PARALLEL_MIN = 1 << 18  # elements below which one thread does all rows
 
 @dataclass(frozen=True)
 class SoftmaxTiling:
-    """Softmax as ``rows`` x ``length``; ``split`` blocks of ``block`` elements per row (1 = whole rows)."""
+    """Softmax as ``rows`` x ``length``; ``split`` blocks of ``block`` elements per row (1 = whole rows).
+    Split rows run one row per task when ``by_rows`` (enough rows for the threads), else one block per task;
+    whole rows run ``chunk`` rows per parallel task."""
 
     rows: int
     length: int
@@ -33,14 +38,16 @@ class SoftmaxTiling:
     pack_offset: int
     parallel: bool
     workspace: int
+    by_rows: bool = True
+    chunk: int = 1
 
 
-def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int) -> SoftmaxTiling:
-    """Tiling and exact workspace of softmax of ``x`` over ``dim``.
+def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None = None) -> SoftmaxTiling:
+    """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
-    workspace = align64(K * nb * 16) when N > 32768 (nb = ceil(N / 8192) blocks, a float64 (max, sum)
-    each), else 0; plus align64(K * N * 4 or itemsize) when the operands must be packed (float16, or
-    dims that do not merge into a (K, N) view).
+    workspace = align64(K * ceil(N / 8192) * 16) when N > 32768 (a float64 (max, sum) per block), else 0;
+    plus align64(K * N * c) when the operands are packed (float16, or other dims that do not merge into one
+    stride), c = 4 for float16 (computed in float32), else the dtype's itemsize.
     """
     kept = [i for i in range(x.ndim) if i != dim]
     n = x.shape[dim] if x.ndim else 1
@@ -56,17 +63,22 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int) -> SoftmaxTiling:
     pack_offset = ws
     if pack:
         ws += align(k * n * (4 if x.dtype is DType.float16 else x.dtype.itemsize))
-    return SoftmaxTiling(k, n, split, SPLIT_BLOCK, pack, pack_offset, k * n >= PARALLEL_MIN, ws)
+    threads = threads or numba.get_num_threads()
+    by_rows = k >= 4 * threads or (k >= threads and k % threads == 0)
+    chunk = max(1, k // (8 * threads))  # rows per parallel task: 8 tasks per thread
+    return SoftmaxTiling(k, n, split, SPLIT_BLOCK, pack, pack_offset, k * n >= PARALLEL_MIN, ws, by_rows, chunk)
 
 
-def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
-    x = need("softmax", "x", ins[0])
-    check_dtype("softmax", "x", x, FLOATS)
-    norm_dim("softmax", "dim", attrs["dim"], x.ndim)
-    return (TensorDesc(x.shape, x.dtype),)
+def _softmax_infer(name: str) -> Any:
+    def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+        x = need(name, "x", ins[0])
+        check_dtype(name, "x", x, FLOATS)
+        norm_dim(name, "dim", attrs["dim"], x.ndim)
+        return (TensorDesc(x.shape, x.dtype),)
+    return infer
 
 
-def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+def _softmax_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
     x = ins[0]
     t = plan_softmax(x, outs[0], norm_dim("softmax", "dim", attrs["dim"], x.ndim))
     impl = "split_rows" if t.split > 1 else ("rows_parallel" if t.parallel else "rows")
@@ -85,41 +97,75 @@ def _views(a: Any, dim: int, pack: bool) -> Any:
     return m
 
 
-def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
-    x, out = ins[0], outs[0]
-    dim = attrs["dim"] % max(x.ndim, 1)
-    t: SoftmaxTiling = plan.tiling
-    return build_softmax(_views(x, dim, t.pack), _views(out, dim, t.pack), t)
+def _softmax_build(mode: int) -> Any:
+    def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+        x, out = ins[0], outs[0]
+        dim = attrs["dim"] % max(x.ndim, 1)
+        t: SoftmaxTiling = plan.tiling
+        return build_softmax(_views(x, dim, t.pack), _views(out, dim, t.pack), t, mode)
+    return build
 
 
-def _reference(x: Any, dim: int) -> Any:
+def _reference(x: Any, dim: int = -1) -> Any:
     x = np.asarray(x, np.float64)
-    m = np.max(x, axis=dim, keepdims=True) if x.size else x
-    e = np.exp(x - m)
-    return e / np.sum(e, axis=dim, keepdims=True)
+    with np.errstate(all="ignore"):  # NaN / inf rows give NaN, as the kernels do
+        m = np.max(x, axis=dim, keepdims=True) if x.size else x
+        e = np.exp(x - m)
+        return e / np.sum(e, axis=dim, keepdims=True)
 
+
+def _log_reference(x: Any, dim: int = -1) -> Any:
+    x = np.asarray(x, np.float64)
+    with np.errstate(all="ignore"):
+        m = np.max(x, axis=dim, keepdims=True) if x.size else x
+        y = x - m
+        return y - np.log(np.sum(np.exp(y), axis=dim, keepdims=True))
+
+
+SOFTMAX_FORMULA = ("align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*c) if packed "
+                   "(c = 4 for float16, else itemsize)")
+_SOFTMAX_DOC = (
+    "{what} over ``dim`` (K rows of length N; dtypes float32, float64, float16 computed in float32). Rows of "
+    "length N <= 32768 run whole, in cache (max; exp(x - max) stored and summed in float64; {last}) with "
+    "workspace 0; longer rows are split into ceil(N/8192) blocks whose float64 (max, sum) partials take "
+    "align64(K * ceil(N/8192) * 16) bytes of workspace and are merged per row (M = max m_b, "
+    "S = sum s_b exp(m_b - M)). float16 operands, or operands whose other dims do not merge into one stride, "
+    "are packed: + align64(K * N * c) bytes, c = 4 for float16 (computed in float32), else the dtype's itemsize. "
+    "Workspace: " + SOFTMAX_FORMULA + ".")
 
 softmax = register(OpDef(
     name="softmax",
     inputs=("x",),
     attrs=(Attr("dim", as_int, -1, "the dim normalised over"),),
     dtypes=FLOATS,
-    infer=_infer,
-    select=_select,
-    kernels={"cpu": _build},
+    infer=_softmax_infer("softmax"),
+    select=_softmax_select,
+    kernels={"cpu": _softmax_build(SOFTMAX)},
     implementations=("rows", "rows_parallel", "split_rows"),
-    workspace_formula="align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*4) if packed",
-    doc=("Softmax over ``dim``. Rows of length N <= 32768 run whole (max, exp-sum, scale) with workspace 0; "
-         "longer rows are split into ceil(N/8192) blocks whose float64 (max, sum) partials take "
-         "align64(K * ceil(N/8192) * 16) bytes of workspace and are merged per row. float16 operands, or "
-         "operands whose other dims do not merge into one stride, are packed: + align64(K * N * 4) bytes."),
+    workspace_formula=SOFTMAX_FORMULA,
+    doc=_SOFTMAX_DOC.format(what="Softmax exp(x - max) / sum", last="scaled by 1/sum"),
     reference=_reference,
+))
+log_softmax = register(OpDef(
+    name="log_softmax",
+    inputs=("x",),
+    attrs=(Attr("dim", as_int, -1, "the dim normalised over"),),
+    dtypes=FLOATS,
+    infer=_softmax_infer("log_softmax"),
+    select=_softmax_select,
+    kernels={"cpu": _softmax_build(LOG_SOFTMAX)},
+    implementations=("rows", "rows_parallel", "split_rows"),
+    workspace_formula=SOFTMAX_FORMULA,
+    doc=_SOFTMAX_DOC.format(what="Log-softmax (x - max) - log(sum exp(x - max))",
+                            last="written as (x - max) - log(sum)"),
+    reference=_log_reference,
 ))
 
 
 # ---- layer_norm / rms_norm
 def _norm_shape(v: Any) -> tuple[int, ...]:
-    return as_dims(v)
+    dims: tuple[int, ...] = as_dims(v)
+    return dims
 
 
 _norm_shape.expects = "an int or a sequence of ints"  # type: ignore[attr-defined]
@@ -230,3 +276,177 @@ register(OpDef(
          f"the mean output is 0, rstd is 1/rms. Workspace: {_LN_FORMULA}."),
     reference=lambda x, weight=None, normalized_shape=(), eps=1e-6: _ln_reference(x, weight, None, normalized_shape,
                                                                                    eps, rms=True)))
+
+
+# ---- batch_norm (inference) / group_norm over channel dim 1
+def _channel_infer(name: str, params: tuple[str, ...]) -> Any:
+    def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+        x = need(name, "x", ins[0])
+        check_dtype(name, "x", x, FLOATS)
+        if x.ndim < 2:
+            raise ParamError(op=name, arg="x", expected="at least 2 dims (N, C, ...)", got=f"shape {x.shape}")
+        c = x.shape[1]
+        for arg, d in zip(params, ins[1:]):
+            if arg in ("running_mean", "running_var"):
+                d = need(name, arg, d)
+            if d is not None and (d.shape != (c,) or d.dtype is not x.dtype):
+                raise ParamError(op=name, arg=arg, expected=f"shape {(c,)} dtype {x.dtype.value}",
+                                 got=f"shape {d.shape} dtype {d.dtype.value}")
+        if name == "group_norm":
+            g = attrs["num_groups"]
+            if g < 1 or c % g:
+                raise ParamError(op=name, arg="num_groups", expected=f"a positive divisor of C = {c}", got=g)
+        return (TensorDesc(x.shape, x.dtype),)
+    return infer
+
+
+def _merges(d: TensorDesc, first: int) -> bool:
+    """Whether dims ``first..`` of ``d`` walk memory with one stride."""
+    return merge_dims(d.shape[first:], d.strides[first:]) is not None
+
+
+def _compute(dt: DType) -> Any:
+    return np.dtype(np.float32) if dt is DType.float16 else dt.np
+
+
+def _bn_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+    x = ins[0]
+    pack = x.numel > 0 and (x.dtype is DType.float16 or not _merges(x, 2) or not _merges(outs[0], 2))
+    c = _compute(x.dtype).itemsize
+    area, pvec = align(x.numel * c), align(x.shape[1] * c)
+    return Plan("channels_packed" if pack else "channels", (pack, area, pvec), area + 4 * pvec if pack else 0)
+
+
+def _ncs(a: Any, groups: int = 0) -> Any:
+    """(N, C, S) view (or (N, G, C/G * S) when ``groups``) of an N-d array whose trailing dims merge."""
+    n, c = a.shape[0], a.shape[1]
+    s = int(np.prod(a.shape[2:], dtype=np.int64))
+    if groups:
+        return a.reshape((n, groups, c // groups * s), copy=False)
+    return a.reshape((n, c, s), copy=False)
+
+
+def _bn_build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+    from ..kernels.cpu.norm import build_batch_norm
+    x, mean, var, w, b = (tuple(ins) + (None, None))[:5]
+    pack, area, pvec = plan.tiling
+    c = x.shape[1]
+    w = np.ones(c, x.dtype) if w is None else w  # constants for absent weight / bias, made at bind
+    b = np.zeros(c, x.dtype) if b is None else b
+    if pack:
+        return build_batch_norm(x, outs[0], (mean, var, w, b), attrs["eps"], True, _compute(DType.of(x.dtype)),
+                                area, pvec)
+    return build_batch_norm(_ncs(x), _ncs(outs[0]), (mean, var, w, b), attrs["eps"], False, x.dtype, 0, 0)
+
+
+def _bn_reference(x: Any, running_mean: Any, running_var: Any, weight: Any = None, bias: Any = None,
+                  eps: float = 1e-5) -> Any:
+    x = np.asarray(x, np.float64)
+    shape = (1, -1) + (1,) * (x.ndim - 2)
+
+    def p(v: Any, default: float) -> Any:
+        return default if v is None else np.asarray(v, np.float64).reshape(shape)
+    return (x - p(running_mean, 0.0)) / np.sqrt(p(running_var, 1.0) + eps) * p(weight, 1.0) + p(bias, 0.0)
+
+
+_BN_FORMULA = "0, or align64(numel*c) + 4*align64(C*c) when packed (c = 4 for float16, else itemsize)"
+register(OpDef(
+    name="batch_norm", inputs=("x", "running_mean", "running_var", "weight?", "bias?"),
+    attrs=(Attr("eps", as_float, 1e-5),), dtypes=FLOATS, infer=_channel_infer(
+        "batch_norm", ("running_mean", "running_var", "weight", "bias")),
+    select=_bn_select, kernels={"cpu": _bn_build}, implementations=("channels", "channels_packed"),
+    workspace_formula=_BN_FORMULA,
+    doc=("Batch norm for inference over channel dim 1 of an (N, C, ...) tensor (NC, NCL, NCHW, ...): "
+         "out = (x - running_mean[c]) * weight[c] / sqrt(running_var[c] + eps) + bias[c] in one fused pass "
+         "(parallel over (n, c) planes, vectorized along the plane; over rows of C channels when there is no "
+         f"spatial dim). dtypes float32, float64, float16 (computed in float32). Workspace: {_BN_FORMULA}; "
+         "packed = float16, or spatial dims that do not merge into one stride (x, the four parameters)."),
+    reference=_bn_reference))
+
+
+LONG_GROUP = 65536  # groups longer than this (C/G * S elements) are split across blocks
+GROUP_BLOCK = 16384
+
+
+@dataclass(frozen=True)
+class GroupNormTiling:
+    groups: int
+    n_sp: int
+    split: int
+    block: int
+    pack: bool
+    pack_offset: int
+    param_offset: int
+    param_stride: int
+    workspace: int
+
+
+def plan_group_norm(x: TensorDesc, out: TensorDesc, groups: int) -> GroupNormTiling:
+    """workspace = align64(N*G*ceil(L/16384)*24) when L = C/G*S > 65536 (Welford (count, mean, M2) float64
+    partials per block), else 0; + align64(numel*c) + 2*align64(C*c) when packed (float16, or channel and
+    spatial dims that do not merge into one stride), c = 4 for float16 else itemsize."""
+    n, c = x.shape[0], x.shape[1]
+    n_sp = 1
+    for s in x.shape[2:]:
+        n_sp *= s
+    length = c // groups * n_sp
+    split = -(-length // GROUP_BLOCK) if length > LONG_GROUP else 1
+    ws = align(n * groups * split * 24) if split > 1 and x.numel else 0
+    pack = x.numel > 0 and (x.dtype is DType.float16 or not _merges(x, 1) or not _merges(out, 1))
+    item = _compute(x.dtype).itemsize
+    pack_offset = ws
+    param_offset = pvec = 0
+    if pack:
+        param_offset = ws + align(x.numel * item)
+        pvec = align(c * item)
+        ws = param_offset + 2 * pvec
+    return GroupNormTiling(groups, n_sp, split, GROUP_BLOCK, pack, pack_offset, param_offset, pvec, ws)
+
+
+def _gn_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+    t = plan_group_norm(ins[0], outs[0], attrs["num_groups"])
+    return Plan(("split_groups" if t.split > 1 else "groups") + ("_packed" if t.pack else ""), t, t.workspace)
+
+
+def _gn_build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+    from ..kernels.cpu.groupnorm import build_group_norm
+    x, w, b = (tuple(ins) + (None, None))[:3]
+    t: GroupNormTiling = plan.tiling
+    c = x.shape[1]
+    w = np.ones(c, x.dtype) if w is None else w
+    b = np.zeros(c, x.dtype) if b is None else b
+    compute = _compute(DType.of(x.dtype))
+    if t.pack:
+        return build_group_norm(x, outs[0], w, b, t, attrs["eps"], compute)
+    return build_group_norm(_ncs(x, t.groups), _ncs(outs[0], t.groups), w, b, t, attrs["eps"], compute)
+
+
+def _gn_reference(x: Any, weight: Any = None, bias: Any = None, num_groups: int = 1, eps: float = 1e-5) -> Any:
+    x = np.asarray(x, np.float64)
+    n, c = x.shape[0], x.shape[1]
+    if x.size == 0:
+        return x.copy()
+    g = x.reshape(n, num_groups, -1)
+    mu = g.mean(axis=2, keepdims=True)
+    var = ((g - mu) ** 2).mean(axis=2, keepdims=True)
+    y = ((g - mu) / np.sqrt(var + eps)).reshape(x.shape)
+    shape = (1, c) + (1,) * (x.ndim - 2)
+    return y * (1.0 if weight is None else np.asarray(weight, np.float64).reshape(shape)) + (
+        0.0 if bias is None else np.asarray(bias, np.float64).reshape(shape))
+
+
+_GN_FORMULA = ("align64(N*G*ceil(L/16384)*24) if L = C/G*S > 65536 else 0; + align64(numel*c) + 2*align64(C*c) "
+               "when packed (c = 4 for float16, else itemsize)")
+register(OpDef(
+    name="group_norm", inputs=("x", "weight?", "bias?"),
+    attrs=(Attr("num_groups", as_int), Attr("eps", as_float, 1e-5)), dtypes=FLOATS,
+    infer=_channel_infer("group_norm", ("weight", "bias")), select=_gn_select, kernels={"cpu": _gn_build},
+    implementations=("groups", "split_groups", "groups_packed", "split_groups_packed"),
+    workspace_formula=_GN_FORMULA,
+    doc=("Group norm of an (N, C, ...) tensor: channels split into ``num_groups`` groups of L = C/G * S "
+         "elements; per (n, group) mean and variance in float64 (sum, then squared deviations: two passes over "
+         "the group in cache), out = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]. Groups of L > 65536 "
+         "are split into blocks of 16384 whose Welford partials (count, mean, M2) take 24 bytes each and merge "
+         "per group (Chan: n = na + nb, d = mb - ma, mean = ma + d*nb/n, M2 = M2a + M2b + d^2*na*nb/n; "
+         f"var = M2 / L). dtypes float32, float64, float16 (computed in float32). Workspace: {_GN_FORMULA}."),
+    reference=_gn_reference))

@@ -3,12 +3,18 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
 
+from . import jit as _jit
 from .jit import FAST, entry
+
+Kernel = Callable[[Callable[..., Any]], Any]
+jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
+jit_par: Kernel = _jit.jit_par
 
 kern_par = numba.njit(nogil=True, cache=True, parallel=True, error_model="numpy", fastmath=FAST | {"reassoc"})
 
@@ -40,11 +46,14 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
     """Launch over (K, N) views, or through a dense ``compute`` copy of the rows in the workspace when ``pack``."""
     k, n = (src.shape[0], src.shape[1]) if not pack else (mean.size, src.size // max(mean.size, 1))
     if k * n == 0:
-        return lambda _: (mean.fill(np.nan), rstd.fill(np.nan))  # type: ignore[func-returns-value]
+        def empty(_: Any) -> None:
+            mean.fill(np.nan)
+            rstd.fill(np.nan)
+        return empty
     sample = np.empty((1, 1), compute) if pack else src
     fn = entry(layer_norm_rows, sample, w, b, eps, rms, sample if pack else dst, mean, rstd)
     if not pack:
-        return lambda _: fn(src, w, b, eps, rms, dst, mean, rstd)  # type: ignore[no-any-return]
+        return lambda _: fn(src, w, b, eps, rms, dst, mean, rstd)
     nbytes = k * n * compute.itemsize
 
     def launch(ws: Any) -> None:
@@ -53,4 +62,63 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
         m = area.reshape(k, n)
         fn(m, w, b, eps, rms, m, mean, rstd)
         np.copyto(dst, area.reshape(dst.shape), casting="unsafe")
+    return launch
+
+
+# ---- batch norm (inference): out = (x - mean[c]) * w[c] / sqrt(var[c] + eps) + b[c] over a (N, C, S) view
+@jit
+def _affine(x: Any, out: Any, mu: float, a: float, b: float) -> None:
+    for i in range(x.shape[0]):
+        out[i] = (x[i] - mu) * a + b
+
+
+@jit
+def _channels(x: Any, out: Any, mean: Any, var: Any, w: Any, b: Any, eps: float) -> None:
+    for c in range(x.shape[0]):
+        out[c] = (x[c] - mean[c]) * (w[c] / math.sqrt(var[c] + eps)) + b[c]
+
+
+@jit_par
+def batch_norm_ncs(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any) -> None:
+    """One fused pass. S == 1 (N, C input): rows of C channels, vectorized over c; else one (n, c) plane per
+    task, vectorized over the S spatial elements."""
+    n_rows, n_ch, n_sp = x.shape
+    if n_sp == 1:
+        for k in numba.prange(n_rows):
+            _channels(x[k, :, 0], out[k, :, 0], mean, var, w, b, eps)
+    else:
+        for t in numba.prange(n_rows * n_ch):
+            k = t // n_ch
+            c = t - k * n_ch
+            a = w[c] / math.sqrt(var[c] + eps)
+            _affine(x[k, c], out[k, c], float(mean[c]), a, float(b[c]))
+
+
+def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pack: bool, compute: Any,
+                     p_offset: int, p_stride: int) -> Callable[[Any], None]:
+    """Launch over (N, C, S) views ``src`` / ``dst``; when ``pack`` (float16, or spatial dims that do not merge)
+    they are the N-d operands, copied through a dense ``compute`` area at the start of the workspace, and the
+    four (C,) parameters (mean, var, weight, bias) through ``compute`` vectors at ``p_offset + i * p_stride``."""
+    if src.size == 0:
+        return lambda _: None
+    if not pack:
+        fn = entry(batch_norm_ncs, src, *params, eps, dst)
+        return lambda _: fn(src, *params, eps, dst)
+    n_ch = src.shape[1]
+    shape3 = (src.shape[0], n_ch, src.size // max(src.shape[0] * n_ch, 1))
+    sample, p_sample = np.empty((1, 1, 1), compute), np.empty(1, compute)
+    fn = entry(batch_norm_ncs, sample, p_sample, p_sample, p_sample, p_sample, eps, sample)
+    nbytes, pbytes = src.size * compute.itemsize, n_ch * compute.itemsize
+
+    def launch(ws: Any) -> None:
+        area = ws[:nbytes].view(compute).reshape(src.shape)
+        np.copyto(area, src, casting="unsafe")
+        ps = []
+        for i, p in enumerate(params):
+            v = ws[p_offset + i * p_stride:p_offset + i * p_stride + pbytes].view(compute)
+            np.copyto(v, p, casting="unsafe")
+            ps.append(v)
+        a3 = area.reshape(shape3)
+        fn(a3, ps[0], ps[1], ps[2], ps[3], eps, a3)
+        np.copyto(dst, area, casting="unsafe")
     return launch

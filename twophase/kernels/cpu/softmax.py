@@ -1,110 +1,212 @@
-"""Softmax over the last axis of a (rows, length) view: whole rows per task, or long rows split in blocks
-whose (max, sum) partials live in the workspace."""
+"""Softmax and log-softmax over the last axis of a (rows, length) view, on vectorized loops.
+
+A row (or a block of a long row) takes three passes while it sits in cache: its max (``llvm.maximum``,
+NaN-propagating, vectorizes as a reduction), ``exp(x - max)`` stored into ``out`` (``vmath.exp``, no
+reassociation, so the range reduction stays exact), and the float64 sum of what was stored (reassociated:
+vectorized). A last pass writes the result: ``out *= 1/sum`` (softmax) or ``out = (x - max) - log(sum)``
+(log-softmax). Long rows are split in blocks whose float64 ``(max, sum)`` partials live in the workspace and
+are merged per row: ``M = max_b m_b``, ``S = sum_b s_b * exp(m_b - M)``; block b is then scaled by
+``exp(m_b - M) / S`` (softmax) or rewritten as ``(x - M) - log S`` (log-softmax).
+"""
 
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 
-from .jit import entry, jit, jit_reduce
+from . import jit as _jit
+from . import vmath as vm
+from .jit import entry
+
+SOFTMAX, LOG_SOFTMAX = 0, 1
+Kernel = Callable[[Callable[..., Any]], Any]
+jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
+jit_par: Kernel = _jit.jit_par
+jit_reduce: Kernel = _jit.jit_reduce
+
+
+def _maximum_typer(typingctx: Any, a: Any, b: Any) -> Any:
+    """``llvm.maximum``: NaN if either is NaN; unlike a compare-and-select it vectorizes as a reduction."""
+    if a != b or not isinstance(a, types.Float):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ty = context.get_value_type(sig.args[0])
+        name = "llvm.maximum.f32" if sig.args[0] == types.float32 else "llvm.maximum.f64"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), name)  # type: ignore[no-untyped-call]
+        return builder.call(fn, args)
+    return a(a, b), codegen
+
+
+_maximum: Any = intrinsic(_maximum_typer)
+
+
+@jit
+def _max(x: Any) -> float:
+    """max of a non-empty 1-d view, NaN if any is NaN; in x's dtype, widened at the end."""
+    m = x[0]
+    for i in range(1, x.shape[0]):
+        m = _maximum(m, x[i])
+    return float(m)
+
+
+@jit
+def _exp_store(x: Any, out: Any, m: float) -> None:
+    for i in range(x.shape[0]):
+        out[i] = vm.exp(x[i] - m)
 
 
 @jit_reduce
-def _row_max(x: Any, k: int, lo: int, hi: int) -> float:
-    m = -np.inf
-    for i in range(lo, hi):
-        v = x[k, i]
-        if v > m or v != v:
-            m = v
-    return m
-
-
-@jit_reduce
-def _exp_sum(x: Any, k: int, lo: int, hi: int, m: float, out: Any, store: bool) -> float:
+def _sum(a: Any) -> float:
     s = 0.0
-    for i in range(lo, hi):
-        e = math.exp(x[k, i] - m)
-        if store:
-            out[k, i] = e
-        s += e
+    for i in range(a.shape[0]):
+        s += a[i]
     return s
 
 
 @jit
-def _softmax_row(x: Any, out: Any, k: int) -> None:
-    n = x.shape[1]
-    m = _row_max(x, k, 0, n)
-    s = _exp_sum(x, k, 0, n, m, out, True)
-    inv = 1.0 / s
-    for i in range(n):
-        out[k, i] = out[k, i] * inv
+def _stats(x: Any, out: Any) -> tuple[float, float]:
+    """(m, s) of a 1-d view with out = exp(x - m) and s its sum. An all -inf block shifts by 0 (its exps are
+    0, s = 0) so that it merges as nothing; a whole row of -inf still gives NaN."""
+    m = _max(x)
+    _exp_store(x, out, m if m != -np.inf else 0.0)
+    return m, _sum(out)
 
 
 @jit
-def softmax_rows(x: Any, out: Any) -> None:
+def _scale(out: Any, c: float) -> None:
+    for i in range(out.shape[0]):
+        out[i] = out[i] * c
+
+
+@jit
+def _shift(x: Any, out: Any, m: float, c: float) -> None:
+    for i in range(x.shape[0]):
+        out[i] = (x[i] - m) - c
+
+
+@jit
+def _block_stats(x: Any, out: Any, tmp: Any, mode: int) -> Any:
+    """softmax keeps its exps in ``out`` (scaled later); log-softmax sums them in the scratch ``tmp`` so that
+    ``x`` survives when it is ``out`` (packed, or an in-place call)."""
+    if mode == SOFTMAX:
+        return _stats(x, out)
+    return _stats(x, tmp[:x.shape[0]])
+
+
+@jit
+def _row(x: Any, out: Any, tmp: Any, mode: int) -> None:
+    m, s = _block_stats(x, out, tmp, mode)
+    if m == -np.inf:
+        s = np.nan  # every element -inf: exp(x - max) is NaN, as in the reference
+    if mode == SOFTMAX:
+        _scale(out, 1.0 / s)
+    else:
+        _shift(x, out, m, math.log(s))
+
+
+@jit
+def rows(x: Any, out: Any, mode: int, chunk: int) -> None:
+    tmp = np.empty(x.shape[1] if mode == LOG_SOFTMAX else 0, x.dtype)
     for k in range(x.shape[0]):
-        _softmax_row(x, out, k)
+        _row(x[k], out[k], tmp, mode)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"contract", "arcp", "nsz"})
-def softmax_rows_par(x: Any, out: Any) -> None:
+@jit_par
+def rows_par(x: Any, out: Any, mode: int, chunk: int) -> None:
+    """``chunk`` rows per task (one scratch row each task)."""
+    n_rows = x.shape[0]
+    for t in numba.prange((n_rows + chunk - 1) // chunk):
+        tmp = np.empty(x.shape[1] if mode == LOG_SOFTMAX else 0, x.dtype)
+        for k in range(t * chunk, min(n_rows, (t + 1) * chunk)):
+            _row(x[k], out[k], tmp, mode)
+
+
+@jit
+def _merge(part: Any, k: int, mode: int) -> None:
+    """Merge row k's block partials (m_b, s_b): M = max m_b, S = sum s_b exp(m_b - M); then rewrite each
+    block's slot with what its write needs: (exp(m_b - M) / S, S) for softmax, (M, log S) for log-softmax."""
+    nb = part.shape[1]
+    big = -np.inf
+    for b in range(nb):
+        big = _maximum(big, part[k, b, 0])
+    s = 0.0
+    for b in range(nb):
+        s += part[k, b, 1] * math.exp(part[k, b, 0] - big)
+    ls = math.log(s)
+    for b in range(nb):
+        if mode == SOFTMAX:
+            part[k, b, 0] = math.exp(part[k, b, 0] - big) / s
+            part[k, b, 1] = s
+        else:
+            part[k, b, 0] = big
+            part[k, b, 1] = ls
+
+
+@jit
+def _partial(x: Any, out: Any, tmp: Any, block: int, part: Any, k: int, j: int, mode: int) -> None:
+    lo, hi = j * block, min(x.shape[1], (j + 1) * block)
+    part[k, j, 0], part[k, j, 1] = _block_stats(x[k, lo:hi], out[k, lo:hi], tmp, mode)
+
+
+@jit
+def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int) -> None:
+    lo, hi = j * block, min(x.shape[1], (j + 1) * block)
+    if mode == SOFTMAX:
+        _scale(out[k, lo:hi], part[k, j, 0])
+    else:
+        _shift(x[k, lo:hi], out[k, lo:hi], part[k, j, 0], part[k, j, 1])
+
+
+@jit_par
+def split_by_rows(x: Any, out: Any, block: int, part: Any, mode: int) -> None:
+    """Long rows, one row per task: its blocks' partials, merge, write (the row stays in L2 / L3)."""
+    nb = part.shape[1]
     for k in numba.prange(x.shape[0]):
-        _softmax_row(x, out, k)
+        tmp = np.empty(block if mode == LOG_SOFTMAX else 0, x.dtype)
+        for j in range(nb):
+            _partial(x, out, tmp, block, part, k, j, mode)
+        _merge(part, k, mode)
+        for j in range(nb):
+            _write(x, out, block, part, k, j, mode)
 
 
-@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"contract", "arcp", "nsz", "reassoc"})
-def softmax_partials(x: Any, block: int, part: Any) -> None:
-    """part[k, j] = (max, sum exp(x - max)) of block j of row k."""
-    n_rows, n = x.shape
+@jit_par
+def split_by_blocks(x: Any, out: Any, block: int, part: Any, mode: int) -> None:
+    """Long rows, fewer than the threads: every block is a task (partials), rows merge, every block writes."""
+    n_rows = x.shape[0]
     nb = part.shape[1]
     for t in numba.prange(n_rows * nb):
-        k = t // nb
-        j = t - k * nb
-        lo = j * block
-        hi = min(n, lo + block)
-        m = _row_max(x, k, lo, hi)
-        part[k, j, 0] = m
-        part[k, j, 1] = _exp_sum(x, k, lo, hi, m, x, False)
-
-
-@numba.njit(nogil=True, cache=True, parallel=True, fastmath={"contract", "arcp", "nsz"})
-def softmax_from_partials(x: Any, block: int, part: Any, out: Any) -> None:
-    """Merge each row's partials into (max, sum), then write exp(x - max) / sum block by block."""
-    n_rows, n = x.shape
-    nb = part.shape[1]
+        tmp = np.empty(block if mode == LOG_SOFTMAX else 0, x.dtype)
+        _partial(x, out, tmp, block, part, t // nb, t % nb, mode)
+    for k in numba.prange(n_rows):
+        _merge(part, k, mode)
     for t in numba.prange(n_rows * nb):
-        k = t // nb
-        j = t - k * nb
-        m = -np.inf
-        for b in range(nb):
-            if part[k, b, 0] > m or part[k, b, 0] != part[k, b, 0]:
-                m = part[k, b, 0]
-        s = 0.0
-        for b in range(nb):
-            s += part[k, b, 1] * math.exp(part[k, b, 0] - m)
-        inv = 1.0 / s
-        for i in range(j * block, min(n, (j + 1) * block)):
-            out[k, i] = math.exp(x[k, i] - m) * inv
+        _write(x, out, block, part, t // nb, t % nb, mode)
 
 
-def build_softmax(src: Any, dst: Any, tiling: Any) -> Callable[[Any], None]:
-    """Launch for softmax of ``src`` into ``dst`` (both (K, N) views, or permuted N-d views when packed)."""
+def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Callable[[Any], None]:
+    """Launch for (log-)softmax of ``src`` into ``dst`` (both (K, N) views, or permuted N-d views when packed)."""
     t = tiling
     if t.rows * t.length == 0:
         return lambda _: None
     compute_dt = np.dtype(np.float32) if t.pack and src.dtype == np.float16 else src.dtype
     sample = np.empty((1, 1), compute_dt) if t.pack else src
     out_sample = sample if t.pack else dst
-    if t.split > 1:
-        part_sample = np.empty((1, 1, 2), np.float64)
-        k_part = entry(softmax_partials, sample, t.block, part_sample)
-        k_write = entry(softmax_from_partials, sample, t.block, part_sample, out_sample)
-    else:
-        k_rows = entry(softmax_rows_par if t.parallel else softmax_rows, sample, out_sample)
     k, n, split, block = t.rows, t.length, t.split, t.block
+    if split > 1:
+        part_sample = np.empty((1, 1, 2), np.float64)
+        kern = split_by_rows if t.by_rows else split_by_blocks
+        fn = entry(kern, sample, out_sample, block, part_sample, mode)
+    else:
+        fn = entry(rows_par if t.parallel else rows, sample, out_sample, mode, t.chunk)
     pack_bytes = k * n * compute_dt.itemsize
 
     def launch(ws: Any) -> None:
@@ -115,11 +217,9 @@ def build_softmax(src: Any, dst: Any, tiling: Any) -> Callable[[Any], None]:
         else:
             x, out = src, dst
         if split > 1:
-            part = ws[:k * split * 16].view(np.float64).reshape(k, split, 2)
-            k_part(x, block, part)
-            k_write(x, block, part, out)
+            fn(x, out, block, ws[:k * split * 16].view(np.float64).reshape(k, split, 2), mode)
         else:
-            k_rows(x, out)
+            fn(x, out, mode, t.chunk)
         if t.pack:
             np.copyto(dst, out.reshape(dst.shape), casting="unsafe")
     return launch
