@@ -233,6 +233,10 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
                 rows.append({"case": f"{b}x{n}", "impl": name, "ms": statistics.median(ts) * 1e3,
                              "p10": float(np.percentile(ts, 10)) * 1e3, "p90": float(np.percentile(ts, 90)) * 1e3,
                              "runs": len(ts)})
+            from twophase.models.minilm import host_costs
+            hc = host_costs(model, batch)
+            notes.append(f"{b}x{n}: host cost per forward on the null device (no kernels): "
+                         + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hc.items()))
             if "twophase graph replay" in fns:
                 g = model.graphs[batch.shape].graph
                 gm = g.memory

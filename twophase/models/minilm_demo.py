@@ -52,7 +52,7 @@ def counters_table(impls: dict[str, set[str]]) -> str:
 
 
 def main(trace: str = TRACE, runs: int = 5) -> int:
-    from .minilm import INSTALL_HINT, MiniLM, cosine_matrix, model_dir
+    from .minilm import INSTALL_HINT, MiniLM, cosine_matrix, host_costs, model_dir
     if model_dir() is None:
         print(f"== MiniLM demo skipped: the model package is not installed ({INSTALL_HINT})")
         return 0
@@ -121,6 +121,10 @@ def main(trace: str = TRACE, runs: int = 5) -> int:
               "(what planning once saves per forward, on the host)")
         print(f"   planning the program (phase 1 x {n_ops}, workspaces, outputs): {plan_s * 1e3:.0f} ms"
               + (f"; capturing + instantiating the graph: {capture_s * 1e3:.0f} ms" if has_graph else ""))
+        host = host_costs(model, batch)
+        print("   host cost per forward on the null device (phases run, no kernels), median: "
+              + ", ".join(f"{m} {v * 1e3:.3f} ms" for m, v in host.items())
+              + f"; one-shot / repeatable executors = {host['oneshot'] / host['planned']:.0f}x")
         print("   wall per forward, median of " + str(runs) + ": "
               + ", ".join(f"{m} {wall[m] * 1e3:.1f} ms" for m in modes))
 
