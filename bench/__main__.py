@@ -2,6 +2,6 @@
 
 from bench.report import run_suite
 
-MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2", "bench.bench_minilm")
+MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2", "bench.bench_minilm", "bench.bench_sanitizer")
 
 run_suite(MODULES)

@@ -1,0 +1,83 @@
+"""Phase-2 cost with the sanitizer off vs the plain entry point (issue 6): the sanitizer installs itself by
+swapping class attributes only while on, so "off" must cost nothing. Rounds are interleaved.
+
+Run: ``.venv/bin/python -m bench.bench_sanitizer``
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+import twophase as tp
+from twophase import hooks, sanitizer
+from twophase.op import Op
+
+from .common import header, median_ratio
+
+N = 20000
+
+
+def _gated(stream: tp.Stream, fn: Callable[[], None], n: int) -> float:
+    gate = threading.Event()
+    stream.launch_callback(gate.wait)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t0) / n
+    gate.set()
+    stream.synchronize()
+    return dt
+
+
+def main() -> None:
+    print(header("sanitizer: phase-2 cost, sanitizer off vs the plain (hook-free) phase 2"))
+    dev = tp.device("cpu")
+    s = dev.stream()
+    x = dev.tensor(np.ones(8, np.float32), stream=s)
+    y = dev.empty((8,))
+    size, ex = tp.ops.relu.get_workspace_size(x, out=y)
+    ex.set_repeatable()
+    plain: Any = hooks._plain_phase2
+    op = tp.ops.relu
+
+    def build_plain() -> float:  # the hook-free phase 2 (what a build without the sanitizer runs)
+        Op.__call__ = plain
+        return _gated(s, lambda: op(None, size, ex, s), N)
+
+    def off() -> float:  # the entry point after the sanitizer was turned on and off again (untimed)
+        with sanitizer.sanitize():
+            pass
+        return _gated(s, lambda: op(None, size, ex, s), N)
+
+    def noop_hook() -> float:  # for comparison: what any installed phase-2 hook costs
+        h = hooks.add_phase2_hook(before=lambda *a: None)
+        try:
+            return _gated(s, lambda: op(None, size, ex, s), N)
+        finally:
+            hooks.remove_hook(h)
+
+    with sanitizer.sanitize():
+        pass
+    assert tp.Op.__call__ is plain, "sanitizer off must restore the plain phase 2"
+    ratio, t_off, t_plain = median_ratio(off, build_plain, rounds=9)
+    print(f"phase 2 (relu, 8 floats, worker parked), {N} calls x 9 interleaved rounds")
+    print(f"  plain phase 2 (no hooks):      {t_plain * 1e9:8.0f} ns/call")
+    print(f"  sanitizer off (after on/off):  {t_off * 1e9:8.0f} ns/call")
+    print(f"  ratio off / plain:             {ratio:8.3f}  (target <= 1.03)")
+    r_hook, t_hook, _ = median_ratio(noop_hook, build_plain, rounds=5)
+    print(f"  a no-op phase-2 hook installed:{t_hook * 1e9:8.0f} ns/call (ratio {r_hook:.3f}: why off swaps it out)")
+    with sanitizer.sanitize():
+        t_on = _gated(s, lambda: op(None, size, ex, s), 2000)
+    print(f"  sanitizer on (for reference):  {t_on * 1e9:8.0f} ns/call")
+    s.synchronize()
+    ex.destroy()
+    x.free(s)
+    y.free(s)
+
+
+if __name__ == "__main__":
+    main()
