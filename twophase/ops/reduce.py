@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.reduce import build_tree, max_level, max_level_par
+from ..kernels.cpu.reduce import build_argmax, build_tree, build_var, max_level, max_level_par
 from ..layout import align, as_matrix, merge_dims
-from ..op import Attr, OpDef, Plan, register
+from ..op import REQUIRED, Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
-from .checks import FLOATS, NUMERIC, as_bool, as_dims, check_dtype, need, norm_dims
+from .checks import FLOATS, NUMERIC, as_bool, as_dims, as_float, as_int, check_dtype, need, norm_dim, norm_dims
 
 BLOCK = 4096  # elements summed by one task of a level
 PARALLEL_MIN = 1 << 20  # elements below which one thread does the whole level
@@ -20,10 +22,13 @@ PARALLEL_MIN = 1 << 20  # elements below which one thread does the whole level
 
 @dataclass(frozen=True)
 class ReduceTiling:
-    """A reduction as a (kept K, reduced R) matrix summed block by block, level by level.
+    """A reduction as a (kept K, reduced R) matrix combined block by block, level by level.
 
     ``levels`` are the partial counts per row after each non-final level and ``offsets`` their byte
-    offsets in the workspace; ``pack`` means the input is first copied densely to ``pack_offset``.
+    offsets in the workspace (``part_offsets``: one offset per partial array of the level, e.g. argmax's values
+    and indices); ``pack`` means the input is first copied densely to ``pack_offset``. ``orient`` is ``rows``
+    (the reduced elements of a row are walked) or ``cols`` (the kept dim is the contiguous one: blocks of rows
+    are added into vectors of partials).
     """
 
     kept: int
@@ -36,6 +41,9 @@ class ReduceTiling:
     parallel: bool
     workspace: int
     stage_offset: int = -1  # >= 0: the last level writes K accumulators here, then they are cast into out
+    orient: str = "rows"
+    part_offsets: tuple[tuple[int, ...], ...] = ()
+    final_offset: int = -1  # >= 0: the last level's K partials (var's final (count, mean, M2) triples)
 
 
 def tree_levels(reduced: int, block: int) -> tuple[int, ...]:
@@ -69,24 +77,37 @@ def _prod(v: list[int]) -> int:
     return out
 
 
-def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_bytes: int, pack_bytes: int,
-              block: int = BLOCK, stage: bool = False) -> ReduceTiling:
+def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_bytes: int | tuple[int, ...],
+              pack_bytes: int, block: int | None = None, stage: bool = False, final: bool = False,
+              cols: bool = True) -> ReduceTiling:
     """Tiling and exact workspace of a tree reduction of ``x`` over ``red``.
 
-    workspace = sum over levels of align64(K * n_level * acc_bytes), plus align64(K * R * pack_bytes) when
-    the input cannot be viewed as a (K, R) matrix or is float16 (the kernels read float32), plus
-    align64(K * acc_bytes) when ``stage`` (a float16 output: the last level writes wide values there first).
+    workspace = sum over levels and over partial arrays (``acc_bytes``: the bytes per partial of each array) of
+    align64(K * n_level * bytes), plus align64(K * sum(acc_bytes)) when ``final`` (the last level's partials too),
+    plus align64(K * R * pack_bytes) when the input cannot be viewed as a (K, R) matrix or is float16 (the
+    kernels read float32), plus align64(K * 8) when ``stage`` (a float16 output: the last level writes float64
+    values there first). ``block`` defaults to the module's ``BLOCK`` (tests make it small for deep trees).
     """
+    block = BLOCK if block is None else block
+    parts = (acc_bytes,) if isinstance(acc_bytes, int) else tuple(acc_bytes)
     k_rows = _prod([x.shape[i] for i in kept])
     r = _prod([x.shape[i] for i in red])
     levels = tree_levels(r, block)
-    offsets, off = [], 0
+    offsets, part_offsets, off = [], [], 0
     for n in levels:
         offsets.append(off)
-        off += align(k_rows * n * acc_bytes)
-    pack = x.dtype is DType.float16 or (
-        merge_dims([x.shape[i] for i in kept], [x.strides[i] for i in kept]) is None
-        or merge_dims([x.shape[i] for i in red], [x.strides[i] for i in red]) is None)
+        here = []
+        for b in parts:
+            here.append(off)
+            off += align(k_rows * n * b)
+        part_offsets.append(tuple(here))
+    final_offset = -1
+    if final and k_rows * r > 0:
+        final_offset = off
+        off += align(k_rows * sum(parts))
+    mk = merge_dims([x.shape[i] for i in kept], [x.strides[i] for i in kept])
+    mr = merge_dims([x.shape[i] for i in red], [x.strides[i] for i in red])
+    pack = x.dtype is DType.float16 or mk is None or mr is None
     pack = pack and k_rows * r > 0
     pack_offset = off
     if pack:
@@ -94,9 +115,13 @@ def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_by
     stage_offset = -1
     if stage and k_rows * r > 0:
         stage_offset = off
-        off += align(k_rows * acc_bytes)
+        off += align(k_rows * acc_bytes if isinstance(acc_bytes, int) else k_rows * 8)
+    orient = "rows"
+    if cols and not pack and mk is not None and mr is not None and mk[1] == 1 and mr[1] != 1 and k_rows > 1 \
+            and r > 1:
+        orient = "cols"  # a reduction over outer dims: add rows into vectors of partials
     return ReduceTiling(k_rows, r, block, levels, tuple(offsets), pack, pack_offset,
-                        k_rows * r >= PARALLEL_MIN, off, stage_offset)
+                        k_rows * r >= PARALLEL_MIN, off, stage_offset, orient, tuple(part_offsets), final_offset)
 
 
 def check_vector_out(op: str, out: TensorDesc) -> None:
@@ -138,7 +163,7 @@ def _select_sum(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -
     check_vector_out("reduce_sum", outs[0])
     red, kept = reduce_dims("reduce_sum", x, attrs["dims"])
     pack_bytes = 4 if x.dtype is DType.float16 else x.dtype.itemsize
-    t = plan_tree(x, red, kept, 8, pack_bytes, stage=x.dtype is DType.float16)
+    t = plan_tree(x, red, kept, 8, pack_bytes, block=BLOCK, stage=x.dtype is DType.float16)
     return Plan("tree_parallel" if t.parallel else "tree", t, t.workspace)
 
 
@@ -162,7 +187,8 @@ reduce_sum = register(OpDef(
     select=_select_sum,
     kernels={"cpu": _build_sum},
     implementations=("tree", "tree_parallel"),
-    workspace_formula="K*8*sum(levels) + [K*R*itemsize if packed] + [K*8 if float16]; levels = ceil(R/4096), ... while > 4096",
+    workspace_formula=("K*8*sum(levels) + [K*R*itemsize if packed] + [K*8 if float16]; "
+                       "levels = ceil(R/4096), ... while > 4096"),
     doc=("Sum over ``dims`` as a block tree: level i sums blocks of 4096 into partials (float64 / int64) in "
          "the workspace, the last level writes ``out``. Workspace: sum over non-final levels of "
          "align64(K * n_i * 8) with n_1 = ceil(R / 4096), n_(i+1) = ceil(n_i / 4096) while n_i > 4096 "
@@ -196,7 +222,7 @@ def _make_reduce(name: str, dtypes: tuple[DType, ...], kind: str) -> None:
         red, kept = reduce_dims(name, x, attrs["dims"])
         pack_bytes = 4 if x.dtype is DType.float16 else x.dtype.itemsize
         acc_bytes = 8 if kind == "mean" else pack_bytes
-        t = plan_tree(x, red, kept, acc_bytes, pack_bytes, stage=x.dtype is DType.float16)
+        t = plan_tree(x, red, kept, acc_bytes, pack_bytes, block=BLOCK, stage=x.dtype is DType.float16)
         return Plan("tree_parallel" if t.parallel else "tree", t, t.workspace)
 
     def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
@@ -218,7 +244,8 @@ def _make_reduce(name: str, dtypes: tuple[DType, ...], kind: str) -> None:
         return build_tree(src, col, t, pack_dt, pack_dt, kern, pack_dt.type(1 if name == "reduce_max" else -1))
 
     what = {"mean": "mean (float64 partial sums, then scaled by 1/R)", "max": name[7:] + " (NaN propagates)"}[kind]
-    formula = ("K*acc*sum(levels) + [K*R*itemsize if packed] + [K*acc if float16]; levels = ceil(R/4096), ... while > 4096; "
+    formula = ("K*acc*sum(levels) + [K*R*itemsize if packed] + [K*acc if float16]; "
+               "levels = ceil(R/4096), ... while > 4096; "
                f"acc = {8 if kind == 'mean' else 'itemsize (4 for float16)'}")
     register(OpDef(
         name=name, inputs=("x",), dtypes=dtypes, infer=infer, select=select, kernels={"cpu": build},
@@ -235,3 +262,128 @@ def _make_reduce(name: str, dtypes: tuple[DType, ...], kind: str) -> None:
 _make_reduce("reduce_mean", FLOATS, "mean")
 _make_reduce("reduce_max", NUMERIC, "max")
 _make_reduce("reduce_min", NUMERIC, "max")
+
+
+# ---- argmax: (value, index) partials
+def _argmax_dims(x: TensorDesc, dim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    d = norm_dim("argmax", "dim", dim, x.ndim)
+    red = (d,) if x.ndim else ()
+    return red, tuple(i for i in range(x.ndim) if i not in red)
+
+
+def _infer_argmax(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+    x = need("argmax", "x", ins[0])
+    check_dtype("argmax", "x", x, NUMERIC)
+    red, _ = _argmax_dims(x, attrs["dim"])
+    if any(x.shape[i] == 0 for i in red):
+        raise ParamError(op="argmax", arg="dim", expected="a dim of size > 0 (argmax of an empty sequence)",
+                         got=f"dim {attrs['dim']} of shape {x.shape}")
+    return (reduced_desc(x, red, attrs["keep_dims"], DType.int64),)
+
+
+def _argmax_value_bytes(x: TensorDesc) -> int:
+    return 4 if x.dtype is DType.float16 else x.dtype.itemsize
+
+
+def _select_argmax(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+    x = ins[0]
+    check_vector_out("argmax", outs[0])
+    red, kept = _argmax_dims(x, attrs["dim"])
+    vb = _argmax_value_bytes(x)
+    t = plan_tree(x, red, kept, (vb, 8), vb, block=BLOCK, cols=False)
+    return Plan("tree_parallel" if t.parallel else "tree", t, t.workspace)
+
+
+def _build_argmax(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
+                  outs: tuple[Any, ...]) -> Callable[[Any], None]:
+    x, out = ins[0], outs[0]
+    t: ReduceTiling = plan.tiling
+    d = attrs["dim"] % max(x.ndim, 1)
+    red = (d,) if x.ndim else ()
+    kept = tuple(i for i in range(x.ndim) if i not in red)
+    value_dt = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
+    return build_argmax(source_view(x, red, kept, t.pack), out_column(out), t, value_dt)
+
+
+_ARGMAX_WS = ("sum over levels of align64(K*n_i*v) + align64(K*n_i*8), plus align64(K*R*v) when packed; "
+              "v = itemsize (4 for float16), n_1 = ceil(R/4096), n_(i+1) = ceil(n_i/4096) while n_i > 4096")
+
+argmax = register(OpDef(
+    name="argmax",
+    inputs=("x",),
+    attrs=(Attr("dim", as_int, REQUIRED, "the dim to search"),
+           Attr("keep_dims", as_bool, False, "keep the dim as size 1")),
+    dtypes=NUMERIC,
+    infer=_infer_argmax,
+    select=_select_argmax,
+    kernels={"cpu": _build_argmax},
+    implementations=("tree", "tree_parallel"),
+    workspace_formula=_ARGMAX_WS,
+    doc=("Index (int64) of the first maximum along ``dim``; NaN counts as the maximum (numpy's argmax). A block "
+         "tree: level 1 writes (max, index) of every block of 4096 to the workspace, later levels reduce those "
+         "pairs, the last writes ``out``. Workspace: " + _ARGMAX_WS + " (packed: the other dims do not merge into "
+         "one stride, or float16, whose values are compared in float32). An empty ``dim`` is a ParamError."),
+    reference=lambda x, dim, keep_dims=False: np.argmax(np.asarray(x, np.float64), axis=dim if np.ndim(x) else None,
+                                                        keepdims=keep_dims),
+))
+
+
+# ---- var: Welford (count, mean, M2) partials, merged pairwise with Chan et al.'s formula
+def _as_correction(v: Any) -> float:
+    c = as_float(v)
+    if not (c >= 0.0 and math.isfinite(c)):
+        raise ValueError(v)
+    return c
+
+
+_as_correction.expects = "a finite real number >= 0"  # type: ignore[attr-defined]
+
+
+def _infer_var(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
+    x = need("var", "x", ins[0])
+    check_dtype("var", "x", x, FLOATS)
+    red, _ = reduce_dims("var", x, attrs["dims"])
+    return (reduced_desc(x, red, attrs["keep_dims"], x.dtype),)
+
+
+def _select_var(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+    x = ins[0]
+    check_vector_out("var", outs[0])
+    red, kept = reduce_dims("var", x, attrs["dims"])
+    pack_bytes = 4 if x.dtype is DType.float16 else x.dtype.itemsize
+    t = plan_tree(x, red, kept, 24, pack_bytes, block=BLOCK, stage=x.dtype is DType.float16, final=True,
+                  cols=False)
+    return Plan("tree_parallel" if t.parallel else "tree", t, t.workspace)
+
+
+def _build_var(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+    x, out = ins[0], outs[0]
+    t: ReduceTiling = plan.tiling
+    red, kept = _reduce_parts("var", x, attrs)
+    pack_dt = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
+    return build_var(source_view(x, red, kept, t.pack), out_column(out), t, pack_dt, attrs["correction"])
+
+
+_VAR_WS = ("sum over levels of align64(K*n_i*24) + align64(K*24) + [align64(K*R*itemsize) if packed] + "
+           "[align64(K*8) if float16]; n_1 = ceil(R/4096), n_(i+1) = ceil(n_i/4096) while n_i > 4096")
+
+var = register(OpDef(
+    name="var",
+    inputs=("x",),
+    attrs=(Attr("dims", as_dims, (), "dims to reduce; () reduces all"),
+           Attr("correction", _as_correction, 1, "divide M2 by max(N - correction, 0) (1: unbiased)"),
+           Attr("keep_dims", as_bool, False, "keep reduced dims as size 1")),
+    dtypes=FLOATS,
+    infer=_infer_var,
+    select=_select_var,
+    kernels={"cpu": _build_var},
+    implementations=("tree", "tree_parallel"),
+    workspace_formula=_VAR_WS,
+    doc=("Variance over ``dims``: M2 / max(N - correction, 0) (numpy's ddof rule: 0/0 is NaN, an empty "
+         "reduction NaN). A block tree: level 1 writes the (count, mean, M2) float64 triple of every block of 4096 "
+         "(two passes over the block, in cache), later levels merge triples pairwise with Chan et al.'s formula, "
+         "the last level's triples go to a final area, then the division writes ``out``. Workspace: " + _VAR_WS
+         + " (24 bytes per triple; packed: dims that do not merge into a (K, R) view, or float16)."),
+    reference=lambda x, dims=(), correction=1, keep_dims=False: np.var(
+        np.asarray(x, np.float64), axis=tuple(dims) if dims else None, ddof=correction, keepdims=keep_dims),
+))

@@ -1,76 +1,451 @@
-"""Tree reductions over a (kept, reduced) matrix view: each level sums blocks into partials."""
+"""Tree reductions over a (kept K, reduced R) matrix: each level combines blocks of ``block`` into partials.
+
+Two loop orders compute the same partials (same levels, same workspace):
+
+- ``rows``: the reduced elements of a row are contiguous (or strided): a task reduces one block of one row with a
+  vectorized span loop (several accumulators: ``reassoc`` sums in float64, ``llvm.maximum`` / ``smax`` for max).
+- ``cols``: the *kept* dim is the contiguous one (a reduction over an outer dim): the matrix is walked as (R, K)
+  rows, and a task adds a block of rows into a vector of K-chunk accumulators (cache-friendly, vectorized over K).
+  Its partials are stored transposed, (n, K), which is again a ``cols`` input for the next level.
+
+Argmax partials are (value, index) pairs; var partials are (count, mean, M2) triples merged with Chan et al.'s
+pairwise formula.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
+import llvmlite.ir as llir
 import numba
 import numpy as np
+from numba.core import types
+from numba.extending import intrinsic
 
 from .jit import entry, jit_reduce, jit_reduce_par
 
+KC = 1024  # kept columns per task of a ``cols`` level
 
+
+def _llvm_binary(float_name: str, int_name: str) -> Any:
+    @intrinsic
+    def op(typingctx: Any, a: Any, b: Any) -> Any:
+        if a != b:
+            return None
+
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ty = context.get_value_type(sig.return_type)
+            name = float_name if isinstance(sig.return_type, types.Float) else int_name
+            fn = builder.module.declare_intrinsic(name, [ty], llir.FunctionType(ty, [ty, ty]))
+            return builder.call(fn, args)
+        return a(a, a), codegen
+    return op
+
+
+# NaN-propagating float max / min (LLVM vectorizes their reductions; a compare-and-select loop stays scalar)
+vmax = _llvm_binary("llvm.maximum", "llvm.smax")
+vmin = _llvm_binary("llvm.minimum", "llvm.smin")
+
+
+# ---------------------------------------------------------------- spans (1-D)
+# Spans take a whole row ``v`` (``x[k]`` keeps a C-contiguous matrix's layout; a slice would type as 'A', whose
+# unknown stride blocks vectorization) and the bounds [lo, hi).
 @jit_reduce
-def _sum_block(x: Any, k: int, lo: int, hi: int, zero: Any) -> Any:
+def _sum_span(v: Any, lo: int, hi: int, zero: Any) -> Any:
     acc = zero
     for i in range(lo, hi):
-        acc += x[k, i]
+        acc += v[i]
     return acc
+
+
+@jit_reduce
+def _max_span(v: Any, lo: int, hi: int, sign: Any) -> Any:
+    """max (sign > 0) or min (sign < 0) of a non-empty span; NaN wins."""
+    m = v[lo]
+    if sign > 0:
+        for i in range(lo + 1, hi):
+            m = vmax(m, v[i])
+    else:
+        for i in range(lo + 1, hi):
+            m = vmin(m, v[i])
+    return m
+
+
+@jit_reduce
+def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, int]:
+    """(max, index of its first occurrence) of a non-empty span; the first NaN wins (numpy's argmax)."""
+    m = v[lo]
+    for i in range(lo + 1, hi):
+        m = vmax(m, v[i])
+    if m != m:
+        for i in range(lo, hi):
+            if v[i] != v[i]:
+                return m, i
+    for i in range(lo, hi):
+        if v[i] == m:
+            return m, i
+    return m, lo
+
+
+@jit_reduce
+def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
+    """(count, mean, M2) of a span, two passes (the span is one block: it stays in cache)."""
+    n = hi - lo
+    s = 0.0
+    for i in range(lo, hi):
+        s += v[i]
+    mean = s / n if n > 0 else 0.0
+    m2 = 0.0
+    for i in range(lo, hi):
+        d = v[i] - mean
+        m2 += d * d
+    return float(n), mean, m2
+
+
+@jit_reduce
+def _chan(na: float, ma: float, qa: float, nb: float, mb: float, qb: float) -> tuple[float, float, float]:
+    """Merge two (count, mean, M2) partials (Chan, Golub and LeVeque)."""
+    n = na + nb
+    if n == 0.0:
+        return 0.0, 0.0, 0.0
+    d = mb - ma
+    return n, ma + d * (nb / n), qa + qb + d * d * (na * nb / n)
+
+
+# ---------------------------------------------------------------- rows levels: x (K, n) -> out (K, nb)
+@jit_reduce
+def _sum_task(x: Any, block: int, zero: Any, out: Any, t: int) -> None:
+    nb = out.shape[1]
+    k = t // nb
+    j = t - k * nb
+    out[k, j] = _sum_span(x[k], j * block, min(x.shape[1], (j + 1) * block), zero)
 
 
 @jit_reduce
 def sum_level(x: Any, block: int, zero: Any, out: Any) -> None:
     """out[k, j] = sum of x[k, j*block:(j+1)*block] (accumulated in the type of ``zero``)."""
-    n_rows, n = x.shape
-    nb = out.shape[1]
-    for t in range(n_rows * nb):
-        k = t // nb
-        j = t - k * nb
-        out[k, j] = _sum_block(x, k, j * block, min(n, (j + 1) * block), zero)
+    for t in range(out.shape[0] * out.shape[1]):
+        _sum_task(x, block, zero, out, t)
 
 
 @jit_reduce_par
 def sum_level_par(x: Any, block: int, zero: Any, out: Any) -> None:
-    """Parallel ``sum_level`` over blocks."""
-    n_rows, n = x.shape
+    for t in numba.prange(out.shape[0] * out.shape[1]):
+        _sum_task(x, block, zero, out, t)
+
+
+@jit_reduce
+def _max_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
     nb = out.shape[1]
-    for t in numba.prange(n_rows * nb):
-        k = t // nb
-        j = t - k * nb
-        out[k, j] = _sum_block(x, k, j * block, min(n, (j + 1) * block), zero)
+    k = t // nb
+    j = t - k * nb
+    out[k, j] = _max_span(x[k], j * block, min(x.shape[1], (j + 1) * block), sign)
+
+
+@jit_reduce
+def max_level(x: Any, block: int, sign: Any, out: Any) -> None:
+    """out[k, j] = max (sign 1) or min (sign -1) of x[k, j*block:(j+1)*block]."""
+    for t in range(out.shape[0] * out.shape[1]):
+        _max_task(x, block, sign, out, t)
+
+
+@jit_reduce_par
+def max_level_par(x: Any, block: int, sign: Any, out: Any) -> None:
+    for t in numba.prange(out.shape[0] * out.shape[1]):
+        _max_task(x, block, sign, out, t)
+
+
+# ---------------------------------------------------------------- cols levels: x (n, K) -> out (nb, K)
+@jit_reduce
+def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, t: int) -> None:
+    n, kk = x.shape
+    nk = (kk + KC - 1) // KC
+    j = t // nk
+    c0 = (t - j * nk) * KC
+    w = min(kk, c0 + KC) - c0
+    acc = np.full(w, zero)
+    u0 = np.uint64(c0)  # unsigned indices: no negative-index wrap-around select in the inner loop
+    for r in range(j * block, min(n, (j + 1) * block)):
+        row = x[r]
+        for c in range(np.uint64(w)):
+            acc[c] += row[u0 + c]
+    dst = out[j]
+    for c in range(w):
+        dst[c0 + c] = acc[c]
+
+
+@jit_reduce
+def sum_cols(x: Any, block: int, zero: Any, out: Any) -> None:
+    """out[j, :] = sum of rows x[j*block:(j+1)*block, :] (vectorized along the contiguous kept dim)."""
+    nk = (x.shape[1] + KC - 1) // KC
+    for t in range(out.shape[0] * nk):
+        _sum_cols_task(x, block, zero, out, t)
+
+
+@jit_reduce_par
+def sum_cols_par(x: Any, block: int, zero: Any, out: Any) -> None:
+    nk = (x.shape[1] + KC - 1) // KC
+    for t in numba.prange(out.shape[0] * nk):
+        _sum_cols_task(x, block, zero, out, t)
+
+
+@jit_reduce
+def _max_cols_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
+    n, kk = x.shape
+    nk = (kk + KC - 1) // KC
+    j = t // nk
+    c0 = (t - j * nk) * KC
+    w = min(kk, c0 + KC) - c0
+    acc = x[j * block, c0:c0 + w].copy()
+    u0 = np.uint64(c0)
+    for r in range(j * block + 1, min(n, (j + 1) * block)):
+        row = x[r]
+        if sign > 0:
+            for c in range(np.uint64(w)):
+                acc[c] = vmax(acc[c], row[u0 + c])
+        else:
+            for c in range(np.uint64(w)):
+                acc[c] = vmin(acc[c], row[u0 + c])
+    dst = out[j]
+    for c in range(w):
+        dst[c0 + c] = acc[c]
+
+
+@jit_reduce
+def max_cols(x: Any, block: int, sign: Any, out: Any) -> None:
+    nk = (x.shape[1] + KC - 1) // KC
+    for t in range(out.shape[0] * nk):
+        _max_cols_task(x, block, sign, out, t)
+
+
+@jit_reduce_par
+def max_cols_par(x: Any, block: int, sign: Any, out: Any) -> None:
+    nk = (x.shape[1] + KC - 1) // KC
+    for t in numba.prange(out.shape[0] * nk):
+        _max_cols_task(x, block, sign, out, t)
+
+
+COLS = {sum_level: sum_cols, sum_level_par: sum_cols_par, max_level: max_cols, max_level_par: max_cols_par}
+SERIAL = {sum_level_par: sum_level, max_level_par: max_level, sum_cols_par: sum_cols, max_cols_par: max_cols}
+LEVEL_PARALLEL_MIN = 1 << 18  # elements read by a level below which it runs on one thread (a parallel region
+# costs a wake-up of every worker: on a busy machine, more than a small level's work)
+
+
+def level_kernels(kern: Any, k_rows: int, counts: tuple[int, ...]) -> list[Any]:
+    """The kernel of each level reading ``counts[i]`` elements per row: parallel ones only where the level reads
+    at least LEVEL_PARALLEL_MIN elements."""
+    serial = SERIAL.get(kern, kern)
+    return [kern if k_rows * n >= LEVEL_PARALLEL_MIN else serial for n in counts]
 
 
 def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
                level_kernel: Any = None, scalar: Any = None) -> Callable[[Any], None]:
-    """A launch that runs the levels of block sums from the input to ``out2d`` (K, 1).
+    """A launch that runs the levels of block reductions from the input to ``out2d`` (K, 1).
 
     ``src`` is the (K, R) matrix view of the input, or, when ``tiling.pack``, the input with its axes
     permuted (kept, reduced), which the launch first copies densely into the workspace as ``pack_dtype``.
     The workspace also holds each level's partials (``acc`` dtype). ``level_kernel(x, block, scalar, out)``
-    combines blocks (default: sums, ``scalar`` the zero of ``acc``; ``max_level``: ``scalar`` +1 max / -1 min).
+    combines blocks (default: sums, ``scalar`` the zero of ``acc``; ``max_level``: ``scalar`` +1 max / -1 min);
+    ``tiling.orient == "cols"`` runs its ``cols`` twin on the transposed views.
     """
     k_rows, r = tiling.kept, tiling.reduced
     block = tiling.block
     zero = acc.type(0) if scalar is None else scalar
     kern = level_kernel or (sum_level_par if tiling.parallel else sum_level)
+    cols = getattr(tiling, "orient", "rows") == "cols" and not tiling.pack
+    if cols:
+        kern = COLS[kern]
     levels = tiling.levels
     offsets = tiling.offsets
     if r == 0:
         return lambda _: out2d.fill(0)  # type: ignore[no-any-return]
     if k_rows == 0:
         return lambda _: None
+    first = src.T if cols else src
+    dst_out = out2d.T if cols else out2d
+
+    def shaped(n: int) -> tuple[int, int]:
+        return (n, k_rows) if cols else (k_rows, n)
+
     # compile every level's signature now (phase 1), never in phase 2
+    kerns = level_kernels(kern, k_rows, (r,) + levels)
     steps = []
-    prev = np.empty((1, 1), pack_dtype) if tiling.pack else src
-    for n in levels:
-        dst = np.empty((1, n), acc)
-        steps.append(entry(kern, prev, block, zero, dst))
+    prev = np.empty((1, 1), pack_dtype) if tiling.pack else first
+    for n, kn in zip(levels, kerns):
+        dst = np.empty(shaped(n), acc)
+        steps.append(entry(kn, prev, block, zero, dst))
         prev = dst
     stage = getattr(tiling, "stage_offset", -1)
-    final_out = np.empty((1, 1), acc) if stage >= 0 else out2d
-    final = entry(kern, prev, block, zero, final_out)
+    final_out = np.empty(shaped(1), acc) if stage >= 0 else dst_out
+    final = entry(kerns[-1], prev, block, zero, final_out)
 
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * pack_dtype.itemsize
+
+    def launch(ws: Any) -> None:
+        x = first
+        if pack:
+            area = ws[pack_offset:pack_offset + pack_bytes].view(pack_dtype)
+            np.copyto(area.reshape(src.shape), src, casting="unsafe")
+            x = area.reshape(k_rows, r)
+        for n, off, step in zip(levels, offsets, steps):
+            dst = ws[off:off + k_rows * n * acc.itemsize].view(acc).reshape(shaped(n))
+            step(x, block, zero, dst)
+            x = dst
+        if stage >= 0:
+            wide = ws[stage:stage + k_rows * acc.itemsize].view(acc).reshape(shaped(1))
+            final(x, block, zero, wide)
+            np.copyto(dst_out, wide, casting="unsafe")
+        else:
+            final(x, block, zero, dst_out)
+    return launch
+
+
+# ---------------------------------------------------------------- argmax: (value, index) partials
+@jit_reduce
+def _argmax_task(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t: int) -> None:
+    """Block j of row k: the first max and its index (``idx`` None-like when x is the data: positions are indices)."""
+    nb = out_v.shape[1]
+    k = t // nb
+    j = t - k * nb
+    lo = j * block
+    m, p = _argmax_span(x[k], lo, min(x.shape[1], lo + block))
+    out_v[k, j] = m
+    out_i[k, j] = p if idx.shape[1] == 0 else idx[k, p]
+
+
+@jit_reduce
+def argmax_level(x: Any, idx: Any, block: int, out_v: Any, out_i: Any) -> None:
+    """(out_v, out_i)[k, j] = first max of x[k, block j] and its index (positions, or ``idx`` of the partials)."""
+    for t in range(out_v.shape[0] * out_v.shape[1]):
+        _argmax_task(x, idx, block, out_v, out_i, t)
+
+
+@jit_reduce_par
+def argmax_level_par(x: Any, idx: Any, block: int, out_v: Any, out_i: Any) -> None:
+    for t in numba.prange(out_v.shape[0] * out_v.shape[1]):
+        _argmax_task(x, idx, block, out_v, out_i, t)
+
+
+def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callable[[Any], None]:
+    """Launch of the argmax tree: level partials are (value, int64 index) arrays at ``tiling.part_offsets``;
+    the last level writes indices into ``out2d`` (K, 1) int64 (its values go to a scratch made here, in phase 1)."""
+    k_rows, r, block = tiling.kept, tiling.reduced, tiling.block
+    if k_rows == 0:
+        return lambda _: None
+    kerns = [argmax_level_par if tiling.parallel and k_rows * n >= LEVEL_PARALLEL_MIN else argmax_level
+             for n in (r,) + tiling.levels]
+    no_idx = np.empty((1, 0), np.int64)
+    steps = []
+    prev_v = np.empty((1, 1), value_dtype) if tiling.pack else src
+    prev_i = no_idx
+    for n, kn in zip(tiling.levels, kerns):
+        dv, di = np.empty((1, n), value_dtype), np.empty((1, n), np.int64)
+        steps.append(entry(kn, prev_v, prev_i, block, dv, di))
+        prev_v, prev_i = dv, di
+    final_v = np.empty((k_rows, 1), value_dtype)  # the maxima themselves are not an output
+    final = entry(kerns[-1], prev_v, prev_i, block, final_v, out2d)
+    pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * value_dtype.itemsize
+    parts = tiling.part_offsets
+
+    def launch(ws: Any) -> None:
+        x, idx = src, no_idx
+        if pack:
+            area = ws[pack_offset:pack_offset + pack_bytes].view(value_dtype)
+            np.copyto(area.reshape(src.shape), src, casting="unsafe")
+            x = area.reshape(k_rows, r)
+        for n, (ov, oi), step in zip(tiling.levels, parts, steps):
+            dv = ws[ov:ov + k_rows * n * value_dtype.itemsize].view(value_dtype).reshape(k_rows, n)
+            di = ws[oi:oi + k_rows * n * 8].view(np.int64).reshape(k_rows, n)
+            step(x, idx, block, dv, di)
+            x, idx = dv, di
+        final(x, idx, block, final_v, out2d)
+    return launch
+
+
+# ---------------------------------------------------------------- var: (count, mean, M2) partials
+@jit_reduce
+def _moments_task(x: Any, block: int, out: Any, t: int) -> None:
+    nb = out.shape[1]
+    k = t // nb
+    j = t - k * nb
+    n, mean, m2 = _moments_span(x[k], j * block, min(x.shape[1], (j + 1) * block))
+    out[k, j, 0] = n
+    out[k, j, 1] = mean
+    out[k, j, 2] = m2
+
+
+@jit_reduce
+def moments_level(x: Any, block: int, out: Any) -> None:
+    """out[k, j] = (count, mean, M2) of the data block x[k, j*block:(j+1)*block]."""
+    for t in range(out.shape[0] * out.shape[1]):
+        _moments_task(x, block, out, t)
+
+
+@jit_reduce_par
+def moments_level_par(x: Any, block: int, out: Any) -> None:
+    for t in numba.prange(out.shape[0] * out.shape[1]):
+        _moments_task(x, block, out, t)
+
+
+@jit_reduce
+def _merge_task(p: Any, block: int, out: Any, t: int) -> None:
+    nb = out.shape[1]
+    k = t // nb
+    j = t - k * nb
+    n, mean, m2 = 0.0, 0.0, 0.0
+    for i in range(j * block, min(p.shape[1], (j + 1) * block)):
+        n, mean, m2 = _chan(n, mean, m2, p[k, i, 0], p[k, i, 1], p[k, i, 2])
+    out[k, j, 0] = n
+    out[k, j, 1] = mean
+    out[k, j, 2] = m2
+
+
+@jit_reduce
+def merge_level(p: Any, block: int, out: Any) -> None:
+    """out[k, j] = the Chan merge of the (count, mean, M2) partials p[k, j*block:(j+1)*block]."""
+    for t in range(out.shape[0] * out.shape[1]):
+        _merge_task(p, block, out, t)
+
+
+@jit_reduce_par
+def merge_level_par(p: Any, block: int, out: Any) -> None:
+    for t in numba.prange(out.shape[0] * out.shape[1]):
+        _merge_task(p, block, out, t)
+
+
+@jit_reduce
+def var_final(p: Any, correction: float, out: Any) -> None:
+    """out[k, 0] = M2 / max(count - correction, 0) of each row's single merged partial (numpy's ddof rule)."""
+    for k in range(p.shape[0]):
+        d = p[k, 0, 0] - correction
+        out[k, 0] = p[k, 0, 2] / (d if d > 0.0 else 0.0)
+
+
+def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: float) -> Callable[[Any], None]:
+    """Launch of the var tree: every level writes (count, mean, M2) float64 triples, (K, n, 3), to the workspace
+    (the last level too, to a final (K, 1, 3) area), then ``var_final`` divides into ``out2d`` (through the stage
+    area for float16)."""
+    k_rows, r, block = tiling.kept, tiling.reduced, tiling.block
+    if k_rows == 0:
+        return lambda _: None
+    if r == 0:
+        return lambda _: out2d.fill(np.nan)  # type: ignore[no-any-return]
+    counts = tiling.levels + (1,)
+    steps = []
+    x_t = np.empty((1, 1), pack_dtype) if tiling.pack else src
+    p_t = np.empty((1, 1, 3))
+    for i, n_in in enumerate((r,) + tiling.levels):
+        par = tiling.parallel and k_rows * n_in >= LEVEL_PARALLEL_MIN
+        if i == 0:
+            steps.append(entry(moments_level_par if par else moments_level, x_t, block, p_t))
+        else:
+            steps.append(entry(merge_level_par if par else merge_level, p_t, block, p_t))
+    stage = tiling.stage_offset
+    wide_t = np.empty((1, 1)) if stage >= 0 else out2d
+    fin = entry(var_final, p_t, float(correction), wide_t)
+    pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * pack_dtype.itemsize
+    offs = tiling.offsets + (tiling.final_offset,)
 
     def launch(ws: Any) -> None:
         x = src
@@ -78,50 +453,14 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
             area = ws[pack_offset:pack_offset + pack_bytes].view(pack_dtype)
             np.copyto(area.reshape(src.shape), src, casting="unsafe")
             x = area.reshape(k_rows, r)
-        for n, off, step in zip(levels, offsets, steps):
-            dst = ws[off:off + k_rows * n * acc.itemsize].view(acc).reshape(k_rows, n)
-            step(x, block, zero, dst)
+        for n, off, step in zip(counts, offs, steps):
+            dst = ws[off:off + k_rows * n * 24].view(np.float64).reshape(k_rows, n, 3)
+            step(x, block, dst)
             x = dst
         if stage >= 0:
-            wide = ws[stage:stage + k_rows * acc.itemsize].view(acc).reshape(k_rows, 1)
-            final(x, block, zero, wide)
+            wide = ws[stage:stage + k_rows * 8].view(np.float64).reshape(k_rows, 1)
+            fin(x, float(correction), wide)
             np.copyto(out2d, wide, casting="unsafe")
         else:
-            final(x, block, zero, out2d)
+            fin(x, float(correction), out2d)
     return launch
-
-
-@jit_reduce
-def _max_block(x: Any, k: int, lo: int, hi: int, sign: Any) -> Any:
-    """max (sign > 0) or min (sign < 0) of a non-empty block of row k; NaN wins."""
-    m = x[k, lo]
-    if sign > 0:
-        for i in range(lo + 1, hi):
-            v = x[k, i]
-            m = v if (v > m or v != v) else m
-    else:
-        for i in range(lo + 1, hi):
-            v = x[k, i]
-            m = v if (v < m or v != v) else m
-    return m
-
-
-@jit_reduce
-def max_level(x: Any, block: int, sign: Any, out: Any) -> None:
-    """out[k, j] = max (sign 1) or min (sign -1) of x[k, j*block:(j+1)*block]."""
-    n_rows, n = x.shape
-    nb = out.shape[1]
-    for t in range(n_rows * nb):
-        k = t // nb
-        j = t - k * nb
-        out[k, j] = _max_block(x, k, j * block, min(n, (j + 1) * block), sign)
-
-
-@jit_reduce_par
-def max_level_par(x: Any, block: int, sign: Any, out: Any) -> None:
-    n_rows, n = x.shape
-    nb = out.shape[1]
-    for t in numba.prange(n_rows * nb):
-        k = t // nb
-        j = t - k * nb
-        out[k, j] = _max_block(x, k, j * block, min(n, (j + 1) * block), sign)
