@@ -88,7 +88,7 @@ def test_softmax_and_log_softmax_match_reference(case: Any, layout: str, dtype: 
 @pytest.mark.parametrize("shape, dim, layout, dtype", [
     ((2, 40000), -1, "dense", np.float32),      # split rows, one row per task
     ((1, 70001), 1, "strided", np.float64),     # split, strided row (inner stride 2)
-    ((40000, 3), 0, "dense", np.float32),       # long dim not last: strided rows
+    ((40000, 3), 0, "dense", np.float64),       # long dim not last: strided rows
     ((2, 33000), -1, "transposed", np.float32),  # packed + split
     ((3, 32769), -1, "dense", np.float16),      # packed float16 + split
     ((40000, 7), -1, "reversed", np.float32),   # many short rows, parallel, negative row stride

@@ -57,14 +57,14 @@ def _max(x: Any) -> float:
     return float(m)
 
 
-@intrinsic
-def _as_f32(typingctx: Any, bits: Any) -> Any:
+def _as_f32_typer(typingctx: Any, bits: Any) -> Any:
     """Reinterpret int32 bits as a float32."""
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.bitcast(args[0], context.get_value_type(types.float32))
     return types.float32(types.int32), codegen
 
 
+_as_f32: Any = intrinsic(_as_f32_typer)
 _F = np.float32
 _L2E, _LN2_HI, _LN2_LO = _F(1.44269504), _F(0.693359375), _F(-2.12194440e-4)  # Cody-Waite split of ln 2
 _C = tuple(_F(1.0 / math.factorial(k)) for k in range(8))[::-1]  # degree 7 on |r| <= ln2/2
