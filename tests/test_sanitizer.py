@@ -361,14 +361,14 @@ def test_off_means_the_plain_functions_are_back():
     from twophase.sanitizer import guards
     with sanitizer.sanitize():
         assert tp.Op.__call__ is not hooks._plain_phase2
-        assert not guards.live_blocks(), [str(b) for b in guards.live_blocks()]  # earlier tests freed everything
+        others = guards.live_blocks()  # guarded blocks other test files left allocated keep free swapped
         b = tp.device("cpu").malloc(10)
     assert sanitizer.is_enabled() is False
     assert tp.Op.__call__ is hooks._plain_phase2 and tp.Op.get_workspace_size is hooks._plain_phase1
     assert MemoryPool.malloc is guards._plain_malloc
     assert MemoryPool.free is guards.guarded_free  # until the last guarded block is back
     b.free()
-    assert MemoryPool.free is guards._plain_free
+    assert MemoryPool.free is (guards.guarded_free if others else guards._plain_free)
     assert tp.Tensor.view.__module__ == "twophase.tensor"
 
 
