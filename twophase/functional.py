@@ -20,7 +20,7 @@ from .tensor import Tensor
 
 __all__ = ["one_shot", "functions"]
 
-_made: dict[str, Callable[..., Any]] = {}
+_made: dict[Op, Callable[..., Any]] = {}
 
 
 def _device_of(inputs: tuple[Any, ...], stream: Stream | None) -> Any:
@@ -34,7 +34,7 @@ def _device_of(inputs: tuple[Any, ...], stream: Stream | None) -> Any:
 
 def one_shot(op: Op) -> Callable[..., Any]:
     """The functional form of ``op``: ``f(*inputs, out=None, stream=None, **attrs) -> Tensor | tuple``."""
-    fn = _made.get(op.name)
+    fn = _made.get(op)
     if fn is not None:
         return fn
     multi = len(op.spec.outputs) > 1 or op.spec.outputs[0].endswith("*")
@@ -70,7 +70,7 @@ def one_shot(op: Op) -> Callable[..., Any]:
     call.__name__ = call.__qualname__ = op.name
     call.__doc__ = f"One-shot ``{op.name}``: phase 1 (cached), workspace from the pool, phase 2 on ``stream``.\n\n" \
         + (op.spec.doc or "")
-    _made[op.name] = call
+    _made[op] = call
     return call
 
 

@@ -107,7 +107,8 @@ class Device:
         stream = stream if stream is not None else self.default_stream
         t = self.empty(src.shape, src.dtype, format, stream)
         if self.runs_kernels and src.size:
-            seq = stream._enqueue(_copy_task, (self, t, src), "copy-in")
+            seq = stream._enqueue(_copy_task, (self, t.view(), src), "copy-in")  # view taken now: a stream-
+            # ordered free of the tensor may follow before the copy runs
             t.block.mark_use(stream, seq)
         return t
 
@@ -116,9 +117,9 @@ class Device:
         return self.tensor(array)
 
 
-def _copy_task(arg: tuple[Device, Tensor, np.ndarray[Any, Any]]) -> None:
-    dev, t, src = arg
-    dev._copyin(t.view(), src)
+def _copy_task(arg: tuple[Device, np.ndarray[Any, Any], np.ndarray[Any, Any]]) -> None:
+    dev, dst, src = arg
+    dev._copyin(dst, src)
 
 
 _SUPPORTED = {d.np for d in DType}
