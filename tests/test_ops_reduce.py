@@ -70,3 +70,188 @@ def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -
     with pytest.raises(ParamError) as e:
         call()
     assert e.value.arg == arg
+
+
+# ---------------------------------------------------------------- argmax, var and the tree's workspace formulas
+def _align64(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+def _levels(r: int, block: int) -> list[int]:
+    out, n = [], r
+    while n > block:
+        n = -(-n // block)
+        out.append(n)
+    return out
+
+
+def _merges(shape: tuple[int, ...], strides: tuple[int, ...], dims: tuple[int, ...]) -> bool:
+    d = [(n, s) for n, s in zip((shape[i] for i in dims), (strides[i] for i in dims)) if n != 1]
+    return all(d[i][1] == d[i + 1][1] * d[i + 1][0] for i in range(len(d) - 1))
+
+
+def documented_workspace(name: str, x: Any, red: tuple[int, ...], block: int = 4096) -> int:
+    """The workspace formula of each op's doc, computed independently from the tensor desc."""
+    shape, strides, dt = x.desc.shape, x.desc.strides, x.desc.dtype.np
+    kept = tuple(i for i in range(len(shape)) if i not in red)
+    k_rows = int(np.prod([shape[i] for i in kept], dtype=np.int64))
+    r = int(np.prod([shape[i] for i in red], dtype=np.int64))
+    if k_rows * r == 0:
+        return 0
+    f16 = dt == np.float16
+    v = 4 if f16 else np.dtype(dt).itemsize
+    packed = f16 or not _merges(shape, strides, kept) or not _merges(shape, strides, red)
+    ws = 0
+    for n in _levels(r, block):
+        ws += _align64(k_rows * n * v) + _align64(k_rows * n * 8) if name == "argmax" else _align64(k_rows * n * 24)
+    if name == "var":
+        ws += _align64(k_rows * 24)
+    if packed:
+        ws += _align64(k_rows * r * v)
+    if name == "var" and f16:
+        ws += _align64(k_rows * 8)
+    return ws
+
+
+def check_workspace(r: Any, expected: int) -> None:
+    assert r.guards_intact and r.workspace_size == expected
+    assert r.touched <= r.workspace_size and (expected == 0 or r.touched > expected - 64)
+
+
+@settings(max_examples=50, deadline=None)
+@given(shape=shapes(1, 4, 6), layout=st.sampled_from(LAYOUTS), keep=st.booleans(),
+       dtype=st.sampled_from([np.float32, np.float64, np.int32, np.int64, np.float16]), nans=st.booleans(),
+       data=st.data())
+def test_argmax_matches_numpy_first_index_nan_wins(shape: tuple[int, ...], layout: str, keep: bool, dtype: Any,
+                                                   nans: bool, data: Any) -> None:
+    dim = data.draw(st.integers(-len(shape), len(shape) - 1))
+    shape = tuple(max(n, 1) if i == dim % len(shape) else n for i, n in enumerate(shape))
+    rng = np.random.default_rng(sum(shape) + len(shape))
+    x = random(shape, dtype, rng)
+    if np.dtype(dtype).kind == "f":
+        x = np.round(x).astype(dtype)  # ties: the first index must win
+        if nans and x.size:
+            x.reshape(-1)[rng.integers(0, x.size, 1 + x.size // 5)] = np.nan
+    t = on_device(x, layout)
+    r = run_checked(ops.argmax, t, dim=dim, keep_dims=keep)
+    ref = np.argmax(x, axis=dim, keepdims=keep)
+    assert r.outputs[0].dtype == np.int64
+    np.testing.assert_array_equal(r.outputs[0], ref)
+    check_workspace(r, documented_workspace("argmax", t, (dim % len(shape),)))
+
+
+@settings(max_examples=50, deadline=None)
+@given(shape=shapes(1, 4, 6), layout=st.sampled_from(LAYOUTS), keep=st.booleans(),
+       dtype=st.sampled_from([np.float32, np.float64, np.float16]), correction=st.sampled_from([0, 1, 2, 0.5]),
+       data=st.data())
+def test_var_matches_float64_numpy(shape: tuple[int, ...], layout: str, keep: bool, dtype: Any, correction: float,
+                                   data: Any) -> None:
+    dims = tuple(data.draw(st.lists(st.integers(-len(shape), len(shape) - 1), max_size=len(shape),
+                                    unique_by=lambda d: d % len(shape))))
+    x = random(shape, dtype, np.random.default_rng(len(shape))) + np.asarray(100, dtype)  # an offset: no cancellation
+    t = on_device(x, layout)
+    r = run_checked(ops.var, t, dims=dims, correction=correction, keep_dims=keep)
+    with np.errstate(all="ignore"):
+        ref = np.var(x.astype(np.float64), axis=tuple(dims) if dims else None, ddof=correction, keepdims=keep)
+    assert r.outputs[0].dtype == dtype and r.unwritten == (int(np.isnan(ref).sum()),)
+    tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(r.outputs[0].astype(np.float64), ref.astype(dtype).astype(np.float64) if
+                               dtype == np.float16 else ref, rtol=tol, atol=tol)
+    red = tuple(sorted(d % len(shape) for d in dims)) if dims else tuple(range(len(shape)))
+    check_workspace(r, documented_workspace("var", t, red))
+
+
+@pytest.fixture
+def small_blocks(monkeypatch: Any) -> Any:
+    """Blocks of 4 elements: small inputs make trees of several levels (the plan cache is cleared around it)."""
+    import twophase.ops.reduce as reduce_mod
+    from twophase.cache import clear_cache
+    clear_cache()
+    monkeypatch.setattr(reduce_mod, "BLOCK", 4)
+    yield 4
+    clear_cache()
+
+
+@pytest.mark.parametrize("shape,layout", [((3, 1000), "dense"), ((3, 1000), "reversed"), ((2, 301), "transposed"),
+                                          ((2, 77), "strided")])
+def test_multi_level_argmax_and_var_with_small_blocks(small_blocks: int, shape: tuple[int, ...], layout: str) -> None:
+    rng = np.random.default_rng(7)
+    x = np.round(rng.standard_normal(shape) * 4).astype(np.float32)
+    x[0, shape[1] // 2] = 50.0
+    x[0, shape[1] - 3] = 50.0  # a tie in another block: the first index wins
+    t = on_device(x, layout)
+    r = run_checked(ops.argmax, t, dim=1)
+    assert len(r.tiling.levels) >= 3 and r.tiling.block == 4
+    np.testing.assert_array_equal(r.outputs[0], np.argmax(x, axis=1))
+    check_workspace(r, documented_workspace("argmax", t, (1,), block=4))
+    v = run_checked(ops.var, t, dims=(1,), correction=1)
+    np.testing.assert_allclose(v.outputs[0], np.var(x.astype(np.float64), axis=1, ddof=1), rtol=1e-6)
+    check_workspace(v, documented_workspace("var", t, (1,), block=4))
+    x[1, 5] = np.nan
+    r = run_checked(ops.argmax, on_device(x, layout), dim=1)
+    assert r.outputs[0][1] == 5
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_multi_level_sum_max_in_both_loop_orders_with_small_blocks(small_blocks: int, name: str) -> None:
+    x = np.random.default_rng(8).standard_normal((1001, 37)).astype(np.float32)
+    op = getattr(ops, name)
+    for dims in ((0,), (1,)):
+        r = run_checked(op, x, dims=dims)
+        assert r.tiling.orient == ("cols" if dims == (0,) else "rows")
+        assert len(r.tiling.levels) == len(_levels(x.shape[dims[0]], 4))
+        np.testing.assert_allclose(r.outputs[0], op.spec.reference(x, dims=dims), rtol=1e-5, atol=1e-5)
+
+
+def test_long_reductions_and_many_short_rows() -> None:
+    rng = np.random.default_rng(9)
+    long = rng.standard_normal((2, 600_000)).astype(np.float32)
+    long[1, 450_001] = 9.0
+    r = run_checked(ops.argmax, long, dim=1)
+    assert r.tiling.levels == (147,) and r.implementation == "tree_parallel"
+    np.testing.assert_array_equal(r.outputs[0], np.argmax(long, axis=1))
+    v = run_checked(ops.var, long, dims=(1,), correction=0)
+    np.testing.assert_allclose(v.outputs[0], np.var(long.astype(np.float64), axis=1), rtol=1e-6)
+    short = rng.standard_normal((400_000, 3))
+    r = run_checked(ops.argmax, short, dim=-1, keep_dims=True)
+    np.testing.assert_array_equal(r.outputs[0], np.argmax(short, axis=-1, keepdims=True))
+    v = run_checked(ops.var, short, dims=(1,))
+    np.testing.assert_allclose(v.outputs[0], np.var(short, axis=1, ddof=1), rtol=1e-12)
+    cols = rng.standard_normal((300_000, 5)).astype(np.float32)
+    for name in NAMES:
+        op = getattr(ops, name)
+        r = run_checked(op, cols, dims=(0,))
+        assert r.tiling.orient == "cols" and r.implementation == "tree_parallel"
+        np.testing.assert_allclose(r.outputs[0], op.spec.reference(cols, dims=(0,)), rtol=1e-5)
+
+
+def test_float32_sum_at_least_as_accurate_as_numpy() -> None:
+    x = (np.random.default_rng(10).random(3_000_000) * 1000 + 1e4).astype(np.float32)
+    exact = float(np.sum(x.astype(np.float64)))
+    ours = float(run_checked(ops.reduce_sum, x).outputs[0])
+    assert abs(ours - exact) <= abs(float(np.sum(x)) - exact) + abs(exact) * 2 ** -24
+
+
+def test_var_degenerate_counts_follow_numpy_ddof() -> None:
+    x = np.array([[1.0, 3.0], [2.0, 2.0]])
+    got = run_checked(ops.var, x, dims=(1,), correction=2).outputs[0]
+    assert np.isinf(got[0]) and np.isnan(got[1])  # M2 / 0 and 0 / 0
+    assert np.isnan(run_checked(ops.var, np.zeros((3, 0)), dims=(1,)).outputs[0]).all()
+    assert run_checked(ops.argmax, np.float64(3.0), dim=0).outputs[0] == 0
+
+
+@pytest.mark.parametrize("call,arg", [
+    (lambda: ops.argmax.get_workspace_size(on_device(np.ones((2, 0))), dim=1), "dim"),
+    (lambda: ops.argmax.get_workspace_size(on_device(np.ones((2, 3))), dim=2), "dim"),
+    (lambda: ops.argmax.get_workspace_size(on_device(np.ones((2, 3)))), "dim"),
+    (lambda: ops.argmax.get_workspace_size(on_device(np.ones(3, bool)), dim=0), "x"),
+    (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), correction=-1), "correction"),
+    (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), correction=float("nan")), "correction"),
+    (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), correction="1"), "correction"),
+    (lambda: ops.var.get_workspace_size(on_device(np.ones(3, np.int32))), "x"),
+    (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), dims=(1, -1)), "dims"),
+])
+def test_argmax_var_bad_inputs_raise_param_error(call: Any, arg: str) -> None:
+    with pytest.raises(ParamError) as e:
+        call()
+    assert e.value.arg == arg

@@ -79,14 +79,14 @@ def _prod(v: list[int]) -> int:
 
 def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_bytes: int | tuple[int, ...],
               pack_bytes: int, block: int | None = None, stage: bool = False, final: bool = False,
-              cols: bool = True) -> ReduceTiling:
+              cols: bool = True, stage_bytes: int | None = None) -> ReduceTiling:
     """Tiling and exact workspace of a tree reduction of ``x`` over ``red``.
 
     workspace = sum over levels and over partial arrays (``acc_bytes``: the bytes per partial of each array) of
     align64(K * n_level * bytes), plus align64(K * sum(acc_bytes)) when ``final`` (the last level's partials too),
     plus align64(K * R * pack_bytes) when the input cannot be viewed as a (K, R) matrix or is float16 (the
-    kernels read float32), plus align64(K * 8) when ``stage`` (a float16 output: the last level writes float64
-    values there first). ``block`` defaults to the module's ``BLOCK`` (tests make it small for deep trees).
+    kernels read float32), plus align64(K * stage_bytes) when ``stage`` (a float16 output: the last level writes
+    wide values there first; ``stage_bytes`` defaults to sum(acc_bytes)). ``block`` defaults to the module's ``BLOCK`` (tests make it small for deep trees).
     """
     block = BLOCK if block is None else block
     parts = (acc_bytes,) if isinstance(acc_bytes, int) else tuple(acc_bytes)
@@ -115,7 +115,7 @@ def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_by
     stage_offset = -1
     if stage and k_rows * r > 0:
         stage_offset = off
-        off += align(k_rows * acc_bytes if isinstance(acc_bytes, int) else k_rows * 8)
+        off += align(k_rows * (stage_bytes if stage_bytes is not None else sum(parts)))
     orient = "rows"
     if cols and not pack and mk is not None and mr is not None and mk[1] == 1 and mr[1] != 1 and k_rows > 1 \
             and r > 1:
@@ -352,7 +352,7 @@ def _select_var(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -
     red, kept = reduce_dims("var", x, attrs["dims"])
     pack_bytes = 4 if x.dtype is DType.float16 else x.dtype.itemsize
     t = plan_tree(x, red, kept, 24, pack_bytes, block=BLOCK, stage=x.dtype is DType.float16, final=True,
-                  cols=False)
+                  cols=False, stage_bytes=8)
     return Plan("tree_parallel" if t.parallel else "tree", t, t.workspace)
 
 
