@@ -107,8 +107,8 @@ class Device:
         stream = stream if stream is not None else self.default_stream
         t = self.empty(src.shape, src.dtype, format, stream)
         if self.runs_kernels and src.size:
-            seq = stream._enqueue(_copy_task, (self, t.view(), src), "copy-in")  # view taken now: a stream-
-            # ordered free of the tensor may follow before the copy runs
+            # the destination view is made now (not a host read): a stream-ordered free may follow before it runs
+            seq = stream._enqueue(_copy_task, (self, self._array_view(t.block, t.desc), src), "copy-in")
             t.block.mark_use(stream, seq)
         return t
 
