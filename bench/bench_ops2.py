@@ -1,11 +1,15 @@
 """Ratio table for matmul, conv2d and SDPA vs numpy / torch, measured side by side in one process.
 
-Run: ``.venv/bin/python -m bench.bench_ops2``. ratio = reference time / twophase time (> 1: twophase faster).
+Run: ``.venv/bin/python -m bench.bench_ops2``. ratio = reference time / twophase time (> 1: twophase faster),
+the median over rounds that time twophase and the reference back to back (the machines drift, so each round's
+ratio is taken from times measured together); the ms columns are the medians of each side.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
+import subprocess
 import time
 from collections.abc import Callable
 from typing import Any
@@ -27,15 +31,13 @@ REPS_MIN_S = 0.3
 Loop = Callable[[int], None]
 
 
-def _best(fn: Loop, reps: int) -> float:
-    """Best of 5 rounds of ``fn(reps)`` (``reps`` calls), seconds per call."""
-    fn(1)
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn(reps)
-        best = min(best, (time.perf_counter() - t0) / reps)
-    return best
+ROUNDS = 7
+
+
+def _per_call(fn: Loop, reps: int) -> float:
+    t0 = time.perf_counter()
+    fn(reps)
+    return (time.perf_counter() - t0) / reps
 
 
 def _reps(fn: Loop) -> int:
@@ -73,18 +75,30 @@ def twophase_call(op: Any, arrays: list[Any], limit: int | None = None, **attrs:
 
 
 def row(name: str, ours: Loop, ex: Any, ref_call: Callable[[], Any] | None, ref_name: str) -> str:
-    """One table row: phase 2 in a loop then one synchronize, against the reference called as many times."""
+    """One table row: phase 2 in a loop then one synchronize, against the reference called as many times,
+    interleaved over ``ROUNDS`` rounds (median ratio)."""
+    ours(1)
     reps = _reps(ours)
-    ref = None if ref_call is None else _loop(ref_call)
-    t_ours = _best(ours, reps)
-    if ref is None:
+    if ref_call is None:
+        t = statistics.median(_per_call(ours, reps) for _ in range(ROUNDS))
         ex.destroy()
-        return f"| {name} | {ex.implementation} | {ex.workspace_size} | {t_ours * 1e3:.3f} | {ref_name}: n/a | n/a |"
-    t_ref = _best(ref, reps)
-    t_ours = min(t_ours, _best(ours, reps))  # interleaved second round
+        return f"| {name} | {ex.implementation} | {ex.workspace_size} | {t * 1e3:.3f} | {ref_name}: n/a | n/a |"
+    ref = _loop(ref_call)
+    ref(1)
+    t_ours, t_ref, ratios = [], [], []
+    for i in range(ROUNDS):
+        if i % 2 == 0:  # alternate which side goes first
+            to = _per_call(ours, reps)
+            tr = _per_call(ref, reps)
+        else:
+            tr = _per_call(ref, reps)
+            to = _per_call(ours, reps)
+        t_ours.append(to)
+        t_ref.append(tr)
+        ratios.append(tr / to)
     ex.destroy()
-    return (f"| {name} | {ex.implementation} | {ex.workspace_size} | {t_ours * 1e3:.3f} | "
-            f"{ref_name} {t_ref * 1e3:.3f} | {t_ref / t_ours:.2f} |")
+    return (f"| {name} | {ex.implementation} | {ex.workspace_size} | {statistics.median(t_ours) * 1e3:.3f} | "
+            f"{ref_name} {statistics.median(t_ref) * 1e3:.3f} | {statistics.median(ratios):.2f} |")
 
 
 def bench_matmul(rng: Any) -> list[str]:
@@ -175,14 +189,24 @@ def main() -> None:
     core = os.environ.get("OPENBLAS_CORETYPE", "unset")
     tv = torch.__version__ if torch is not None else "not installed"
     threads = torch.get_num_threads() if torch is not None else "n/a"
-    print(f"# bench_ops2: OPENBLAS_CORETYPE={core}; numpy {np.__version__}; torch {tv} (threads {threads}); "
-          f"cpus {os.cpu_count()}; float32; ms per call (best of 5 rounds); "
-          "tight = workspace_limit 256 KiB (conv2d) / 64 KiB (sdpa)")
+    blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
+    print(f"# bench_ops2: OPENBLAS_CORETYPE={core} OPENBLAS_NUM_THREADS={blas}; numpy {np.__version__}; torch {tv} "
+          f"(threads {threads}); cpus {os.cpu_count()}; float32; ms per call (median of {ROUNDS} interleaved rounds), "
+          "ratio = median of the rounds' ratios; tight = workspace_limit 256 KiB (conv2d) / 64 KiB (sdpa)")
+    print(f"# uptime: {_uptime()}")
     print("| case | implementation | workspace (B) | twophase ms | reference ms | ratio (ref/twophase) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for section in (lambda: bench_matmul(rng), lambda: bench_conv(rng, (1, 8)), lambda: bench_sdpa(rng)):
         for line in section():
             print(line, flush=True)
+    print(f"# uptime: {_uptime()}")
+
+
+def _uptime() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True, timeout=5).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "n/a"
 
 
 if __name__ == "__main__":

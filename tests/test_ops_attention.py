@@ -1,5 +1,5 @@
-"""scaled_dot_product_attention: materialized and tiled (online softmax) vs a float64 reference, masks,
-fully masked rows, Lq != Lk, workspace exactness and the limit."""
+"""scaled_dot_product_attention: materialized, tiled (whole key rows) and online (softmax over key tiles) vs a
+float64 reference, masks, fully masked rows, Lq != Lk, packed operands, workspace exactness and the limit."""
 
 from __future__ import annotations
 
@@ -10,20 +10,24 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from twophase import device
 from twophase.errors import ParamError
+from twophase.layout import align
 from twophase.ops import scaled_dot_product_attention as sdpa
-from twophase.ops.attention import reference, tiled_layout
+from twophase.ops.attention import Dims, reference, rows_layout, tiled_layout
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
-# limits that force: the materialized form, a whole-row tile, and online softmax over 1 x 4 key tiles
-MODES = (("materialized", None), ("tiled", None), ("tiled", 448))
+# the materialized form, whole-row tiles (as large as fit; a few rows of one head), online softmax over 1 x 4 key tiles
+MODES = (("materialized", None), ("tiled", None), ("tiled", 400), ("online", 448))
 
 
 def _check(r: Any, ref: np.ndarray) -> None:
     assert r.guards_intact
     assert r.unwritten == (int(np.isnan(ref).sum()),)
     assert r.touched <= r.workspace_size
+    if r.implementation != "online":  # the reported size is what is used
+        assert r.workspace_size - 64 < r.touched or r.workspace_size == 0
     np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-4, atol=1e-5)
 
 
@@ -61,7 +65,8 @@ def test_sdpa_matches_reference_for_every_implementation(b: int, h: int, lq: int
     elif mask == "additive":
         m = rng.standard_normal((h, 1, lk)).astype(np.float32)
     runs = _run_modes(q, k, v, m, is_causal=causal, scale=scale)
-    assert runs[2].workspace_size <= 448 and runs[1].workspace_size <= runs[0].workspace_size + 512
+    assert runs[2].workspace_size <= 400 and runs[3].workspace_size <= 448
+    assert runs[1].workspace_size == runs[0].workspace_size  # the largest tile is the whole problem
 
 
 def test_sdpa_fully_masked_rows_give_zero_not_nan(rng: np.random.Generator) -> None:
@@ -84,8 +89,9 @@ def test_sdpa_causal_with_more_keys_than_queries_is_top_left_aligned(rng: np.ran
 
 def test_sdpa_float64_online_tiles(rng: np.random.Generator) -> None:
     q, k, v = (x.astype(np.float64) for x in _qkv(rng, 1, 2, 6, 9, 3, 2))
-    r = run_checked(sdpa, q, k, v, None, workspace_limit=500, is_causal=True)
-    assert r.implementation == "tiled" and r.tiling.online
+    with forced("online"):
+        r = run_checked(sdpa, q, k, v, None, workspace_limit=500, is_causal=True)
+    assert r.implementation == "online" and r.tiling.online
     np.testing.assert_allclose(r.outputs[0], reference(q, k, v, is_causal=True), rtol=1e-12)
 
 
@@ -93,9 +99,51 @@ def test_sdpa_workspace_reported_is_what_the_kernel_touches(rng: np.random.Gener
     q, k, v = _qkv(rng, 2, 2, 16, 16, 8, 8)
     r = run_checked(sdpa, q, k, v, None)
     assert r.implementation == "materialized"
-    # the scores, then the row max and row sum vectors, each aligned to 64 bytes
-    assert r.workspace_size == 2 * 2 * 16 * 16 * 4 + 2 * 256
+    # the scores, then k^T packed (BLAS runs the plain layout), each aligned to 64 bytes
+    assert r.workspace_size == 2 * 2 * 16 * 16 * 4 + 2 * 2 * 8 * 16 * 4
     assert r.workspace_size - 64 < r.touched <= r.workspace_size
+
+
+def test_sdpa_tiles_are_the_largest_that_fit_and_causal_tiles_skip_later_keys(rng: np.random.Generator) -> None:
+    q, k, v = _qkv(rng, 2, 3, 10, 12, 4, 5)
+    p = Dims(2, 3, 10, 12, 4, 5, 4)
+    ref = reference(q, k, v)
+    cases = ((rows_layout(p, 2, 3, 10).workspace, (2, 3, 10)), (rows_layout(p, 1, 3, 10).workspace, (1, 3, 10)),
+             (rows_layout(p, 1, 2, 10).workspace + 63, (1, 2, 10)), (rows_layout(p, 1, 1, 8).workspace, (1, 1, 8)),
+             (rows_layout(p, 1, 1, 8).workspace - 1, (1, 1, 6)),  # 7 rows of scores align to 8 rows' 384 bytes
+             (rows_layout(p, 1, 1, 1).workspace, (1, 1, 1)))
+    for limit, tile in cases:
+        with forced("tiled"):
+            r = run_checked(sdpa, q, k, v, None, workspace_limit=limit)
+        assert (r.tiling.block_b, r.tiling.block_h, r.tiling.block_q) == tile and r.workspace_size <= limit
+        _check(r, ref)
+    # scores align64(2*3*10*12*4) + k^T align64(2*3*4*12*4)
+    assert rows_layout(p, 2, 3, 10).workspace == align(2 * 3 * 10 * 12 * 4) + align(2 * 3 * 4 * 12 * 4)
+    causal = run_checked(sdpa, q, k, v, None, is_causal=True)  # no query sees keys past the 10th
+    assert causal.workspace_size == align(2 * 3 * 10 * 10 * 4) + align(2 * 3 * 4 * 10 * 4)
+    _check(causal, reference(q, k, v, is_causal=True))
+
+
+def _every_other(a: np.ndarray) -> Any:
+    """A (B, H, L, D) tensor whose last dim has stride 2: BLAS cannot take its matrices."""
+    store = np.zeros(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
+    store[..., ::2] = a
+    b, h, n, d = a.shape
+    return device("cpu").tensor(store).strided(a.shape, (h * n * 2 * d, n * 2 * d, 2 * d, 2))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_packs_operands_blas_cannot_take(rng: np.random.Generator, causal: bool) -> None:
+    q, k, v = _qkv(rng, 2, 3, 7, 9, 5, 4)
+    ref = reference(q, k, v, is_causal=causal)
+    out = device("cpu").tensor(np.zeros((2, 3, 7, 8), np.float32)).strided((2, 3, 7, 4), (3 * 7 * 8, 7 * 8, 8, 2))
+    for impl, limit in (("materialized", None), ("tiled", 1200), ("online", 448)):  # 1200: a few rows per tile
+        with forced(impl):
+            r = run_checked(sdpa, _every_other(q), _every_other(k), _every_other(v), None, out=out,
+                            is_causal=causal, workspace_limit=limit)
+        if impl != "online":
+            assert min(r.tiling.offsets) >= 0  # q, v and out packed too
+        _check(r, ref)
 
 
 def test_sdpa_picks_tiles_that_fit_the_limit_and_reports_the_smallest(rng: np.random.Generator) -> None:

@@ -104,6 +104,24 @@ def test_conv2d_im2col_tiles_fit_workspace_limit(rng: np.random.Generator) -> No
     _check(r, ref)
 
 
+@pytest.mark.parametrize("nhwc", [False, True])
+def test_conv2d_im2col_unfolds_whole_images_per_tile(rng: np.random.Generator, nhwc: bool) -> None:
+    n, c, oc, h, w = 3, 4, 5, 6, 7
+    x, wt = _x(rng, (n, c, h, w), nhwc), rng.standard_normal((oc, c, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32)
+    ref = reference(x, wt, b, padding=1, nhwc=nhwc)
+    per_img, out_img = c * 9 * h * w * 4, oc * h * w * 4  # unfolded input and GEMM result of one image
+
+    def size(tn: int) -> int:  # NCHW: several images' GEMM result is staged in the workspace
+        return align(per_img * tn) + (align(out_img * tn) if tn > 1 and not nhwc else 0)
+
+    for limit, tn in ((None, 3), (size(3), 3), (size(3) - 1, 2), (size(2) - 1, 1)):
+        r = run_checked(conv2d, _input(x, nhwc), wt, b, padding=1, workspace_limit=limit)
+        assert (r.implementation, r.tiling.tile_n, r.tiling.tile_rows, r.workspace_size) == ("im2col", tn, h, size(tn))
+        assert (r.tiling.out_offset > 0) == (tn > 1 and not nhwc)
+        _check(r, ref)
+
+
 def test_conv2d_float64_nhwc_output_keeps_the_format(rng: np.random.Generator) -> None:
     x = _x(rng, (2, 4, 6, 5), True).astype(np.float64)
     w = rng.standard_normal((6, 4, 3, 2))

@@ -1,4 +1,5 @@
-"""scaled_dot_product_attention on (B, H, L, D) operands: materialized scores or tiled online softmax."""
+"""scaled_dot_product_attention on (B, H, L, D) operands: materialized scores, tiles of whole score rows, or an
+online softmax over key tiles."""
 
 from __future__ import annotations
 
@@ -10,40 +11,98 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.attention import build_materialized, build_tiled
+from ..kernels.cpu.attention import build_online, build_rows
 from ..layout import align, broadcast_shape
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
 from .checks import as_bool, as_float, check_dtype, need, optional
-from .selection import Candidate, choose
+from .matmul import matrix_ok
+from .selection import Candidate, choose, effective_limit
 
 OP = "scaled_dot_product_attention"
 DTYPES = (DType.float32, DType.float64)
-MATERIALIZE_MAX = 8 << 20  # score bytes up to which the materialized implementation ranks first
-TILES = ((128, 1024), (64, 256), (16, 64), (4, 16), (1, 4), (1, 1))  # (queries, keys) per tile, largest first
+MATERIALIZE_MAX = 32 << 20  # score bytes up to which the materialized implementation ranks first
+TILE_TARGET = 4 << 20  # workspace bytes per tile of the tiled implementation when no limit binds
+TILES = ((128, 1024), (64, 256), (16, 64), (4, 16), (1, 4), (1, 1))  # online: (queries, keys), largest first
 
 
 @dataclass(frozen=True)
 class AttentionTiling:
-    """``block_q`` x ``block_k`` score tiles (the whole problem for materialized); ``offsets`` of the
-    workspace areas: scores, pv, m, m_new, alpha, l, rowsum (unused areas have size 0)."""
+    """Score tiles of ``block_b`` batch entries x ``block_h`` heads x ``block_q`` queries x ``block_k`` keys.
+
+    materialized / tiled (whole key rows): ``offsets`` of the workspace areas (scores, k^T, q, v, out), -1 for
+    an operand used in place (k^T is always packed: BLAS runs the plain layout much faster). online:
+    ``offsets`` of scores, pv, m, m_new, alpha, l, rowsum (unused areas of size 0)."""
 
     block_q: int
     block_k: int
     online: bool
     offsets: tuple[int, ...]
     workspace: int
+    block_b: int = 1
+    block_h: int = 1
 
 
-def materialized_workspace(b: int, h: int, lq: int, lk: int, item: int) -> int:
-    """align64(B*H*Lq*Lk*item) for the scores + 2 * align64(B*H*Lq*item) for row max and row sum."""
-    if lk == 0:
-        return 0
-    return align(b * h * lq * lk * item) + 2 * align(b * h * lq * item)
+@dataclass(frozen=True)
+class Dims:
+    """Problem sizes (``lk``: the keys any query sees, min(Lk, Lq) when causal) and which of q, v, out BLAS
+    cannot take as they are (packed per tile)."""
+
+    b: int
+    h: int
+    lq: int
+    lk: int
+    d: int
+    dv: int
+    item: int
+    pack_q: bool = False
+    pack_v: bool = False
+    pack_o: bool = False
+
+
+def rows_layout(p: Dims, tb: int, th: int, tq: int) -> AttentionTiling:
+    """A tile of whole key rows and its workspace: align64(rows*Lk*item) scores (rows = tb*th*tq),
+    align64(tb*th*D*Lk*item) for k^T, then align64(rows*D*item) for q, align64(tb*th*Lk*Dv*item) for v and
+    align64(rows*Dv*item) for out when those are packed; 0 when Lk == 0."""
+    heads, rows = tb * th, tb * th * tq
+    sizes = [align(rows * p.lk * p.item), align(heads * p.d * p.lk * p.item),
+             align(rows * p.d * p.item) if p.pack_q else -1, align(heads * p.lk * p.dv * p.item) if p.pack_v else -1,
+             align(rows * p.dv * p.item) if p.pack_o else -1]
+    offsets, off = [], 0
+    for size in sizes:
+        offsets.append(off if size >= 0 else -1)
+        off += max(size, 0)
+    return AttentionTiling(tq, p.lk, False, tuple(offsets), off if p.lk else 0, tb, th)
+
+
+def materialized_workspace(p: Dims) -> int:
+    """The materialized form's workspace: the whole problem as one tile (see ``rows_layout``)."""
+    return rows_layout(p, p.b, p.h, p.lq).workspace
+
+
+def row_tiling(p: Dims, budget: int) -> AttentionTiling | None:
+    """The largest tile of whole key rows whose workspace fits ``budget`` bytes: whole batch entries, whole
+    heads of one batch entry, or queries of one head; None when not even one row fits."""
+    for tb in range(p.b, 1, -1):
+        t = rows_layout(p, tb, p.h, p.lq)
+        if t.workspace <= budget:
+            return t
+    for th in range(p.h, 1, -1):
+        t = rows_layout(p, 1, th, p.lq)
+        if t.workspace <= budget:
+            return t
+    lo, hi = 0, max(p.lq, 1)  # the workspace grows with the queries per tile: the largest that fits
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if rows_layout(p, 1, 1, mid).workspace <= budget:
+            lo = mid
+        else:
+            hi = mid - 1
+    return rows_layout(p, 1, 1, lo) if lo else None
 
 
 def tiled_layout(bq: int, bk: int, lk: int, dv: int, item: int) -> AttentionTiling:
-    """Workspace of one tile: align64(bq*bk*item) scores, then for the online form (bk < Lk)
+    """Online tile workspace: align64(bq*bk*item) scores, then for the online form (bk < Lk)
     align64(bq*Dv*item) for P@V and 5 * align64(bq*item) vectors, else 5 vectors too (max, sum used)."""
     online = bk < lk
     sizes = [align(bq * bk * item), align(bq * dv * item) if online else 0] + [align(bq * item)] * 5
@@ -54,21 +113,30 @@ def tiled_layout(bq: int, bk: int, lk: int, dv: int, item: int) -> AttentionTili
     return AttentionTiling(bq, bk, online, tuple(offsets), off if lk else 0)
 
 
-def plan_attention(b: int, h: int, lq: int, lk: int, dv: int, item: int, limit: Any) -> Plan:
-    """Candidates ranked by size: materialized first while its scores take <= 8 MiB, then tiles largest first."""
-    mat_ws = materialized_workspace(b, h, lq, lk, item)
-    mat = Candidate("materialized", AttentionTiling(lq, lk, False, (0, align(b * h * lq * lk * item)), mat_ws),
-                    mat_ws)
-    tiles: list[Candidate] = []
+def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
+    """Candidates: materialized (first while its scores take <= 32 MiB), tiled (whole key rows, the largest tile
+    that fits the limit, at most 4 MiB of workspace when the materialized form is too big), then online tiles
+    largest first (``lk_all``: every key, for the online layout; default ``p.lk``)."""
+    lim = effective_limit(OP, limit)
+    lk_all = p.lk if lk_all is None else lk_all
+    full = rows_layout(p, p.b, p.h, p.lq)
+    mat = Candidate("materialized", full, full.workspace)
+    big = p.b * p.h * p.lq * p.lk * p.item > MATERIALIZE_MAX
+    budget = TILE_TARGET if big else full.workspace
+    if lim is not None:
+        budget = min(budget, lim)
+    rows = row_tiling(p, budget)
+    tiled = [] if rows is None else [Candidate("tiled", rows, rows.workspace)]
+    online: list[Candidate] = []
     seen = set()
     for bq, bk in TILES:
-        bq, bk = max(min(bq, lq), 1), max(min(bk, lk), 1)
+        bq, bk = max(min(bq, p.lq), 1), max(min(bk, lk_all), 1)
         if (bq, bk) not in seen:
             seen.add((bq, bk))
-            t = tiled_layout(bq, bk, lk, dv, item)
-            tiles.append(Candidate("tiled", t, t.workspace))
-    cands = [mat] + tiles if b * h * lq * lk * item <= MATERIALIZE_MAX else tiles[:1] + [mat] + tiles[1:]
-    return choose(OP, cands, limit)
+            t = tiled_layout(bq, bk, lk_all, p.dv, p.item)
+            online.append(Candidate("online", t, t.workspace))
+    cands = tiled + [mat] + online if big else [mat] + tiled + online
+    return choose(OP, cands, lim)
 
 
 def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
@@ -99,9 +167,12 @@ def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[T
 
 
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
-    q, k, v = ins[0], ins[1], ins[2]
-    b, h, lq, _ = q.shape
-    return plan_attention(b, h, lq, k.shape[2], v.shape[3], q.dtype.itemsize, limit)
+    q, k, v, out = ins[0], ins[1], ins[2], outs[0]
+    b, h, lq, d = q.shape
+    lk = min(k.shape[2], lq) if attrs["is_causal"] else k.shape[2]  # causal: no query sees a later key
+    p = Dims(b, h, lq, lk, d, v.shape[3], q.dtype.itemsize, not matrix_ok(q.shape, q.strides),
+             not matrix_ok(v.shape, v.strides), not matrix_ok(out.shape, out.strides, out=True))
+    return plan_attention(p, limit, k.shape[2])
 
 
 def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
@@ -112,7 +183,7 @@ def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[
     if mask is not None:
         kind = "bool" if mask.dtype == np.bool_ else "additive"
         mask = np.broadcast_to(mask, q.shape[:3] + (k.shape[2],))
-    build = build_materialized if plan.implementation == "materialized" else build_tiled
+    build = build_online if plan.implementation == "online" else build_rows
     if out.size == 0:
         return lambda _: None
     return build(q, k, v, out, mask, kind, attrs["is_causal"], scale, plan.tiling)
@@ -147,15 +218,23 @@ scaled_dot_product_attention = register(OpDef(
     infer=_infer,
     select=_select,
     kernels={"cpu": _build},
-    implementations=("materialized", "tiled"),
-    workspace_formula=("materialized: align64(B*H*Lq*Lk*item) + 2*align64(B*H*Lq*item); tiled (bq x bk tile): "
-                       "align64(bq*bk*item) + 5*align64(bq*item) [+ align64(bq*Dv*item) if bk < Lk]; 0 if Lk == 0"),
+    implementations=("materialized", "tiled", "online"),
+    workspace_formula=("materialized: the tiled formula with one tile (tb, th, tq) = (B, H, Lq); tiled (tb x th x tq "
+                       "rows): align64(tb*th*tq*Lk*item) + align64(tb*th*D*Lk*item) [+ align64(tb*th*tq*D*item) if "
+                       "q is packed] [+ align64(tb*th*Lk*Dv*item) if v is packed] [+ align64(tb*th*tq*Dv*item) if "
+                       "out is packed] (packed: BLAS cannot take its matrices); "
+                       "online (bq x bk tile): align64(bq*bk*item) + 5*align64(bq*item) [+ align64(bq*Dv*item) if "
+                       "bk < Lk]; 0 if Lk == 0"),
     doc=("softmax(scale * q @ k^T + mask) @ v for (B, H, L, D) operands, float32 / float64; attn_mask is boolean "
-         "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. "
-         "materialized: the whole score matrix in the workspace, align64(B*H*Lq*Lk*item) + "
-         "2*align64(B*H*Lq*item) bytes. tiled: query tiles of bq rows against key tiles of bk keys with an online "
-         "softmax, workspace per tile only: align64(bq*bk*item) + 5*align64(bq*item), + align64(bq*Dv*item) when "
-         "the keys take more than one tile. Ranked: materialized first while its scores take <= 8 MiB, then tiles "
-         "from (128, 1024) down to (1, 1); the first that fits workspace_limit wins."),
+         "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. materialized:"
+         " the whole score matrix in the workspace, with k^T packed (and q, v, out when BLAS cannot take them): "
+         "one batched GEMM for the scores, one fused parallel pass over the rows (scale, mask, max, exp, sum, "
+         "normalize), one batched GEMM into out. tiled: the same per tile of whole key rows (queries of one head, "
+         "whole heads, or whole batch entries; causal tiles skip the keys they cannot see), the largest tile that "
+         "fits workspace_limit (see workspace_formula). online: query tiles of bq rows against key tiles of bk "
+         "keys with an online softmax, align64(bq*bk*item) + 5*align64(bq*item), + align64(bq*Dv*item) when the "
+         "keys take more than one tile, for limits below one row of scores. Ranked: materialized first while its "
+         "scores take <= 32 MiB (else after tiled, whose tiles then take at most 4 MiB), then online tiles from "
+         "(128, 1024) down to (1, 1); the first that fits workspace_limit wins."),
     reference=reference,
 ))

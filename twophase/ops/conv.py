@@ -42,7 +42,8 @@ as_pair.expects = "an int or a pair of ints"  # type: ignore[attr-defined]
 @dataclass(frozen=True)
 class ConvTiling:
     """Geometry (logical NCHW), GEMM orientation (``cm``: out = W @ cols, ``pm``: out = cols @ W^T, ``""``: none)
-    and the im2col tile of ``tile_rows`` output rows."""
+    and the im2col tile: ``tile_n`` whole images (then ``tile_rows`` = OH) or ``tile_rows`` output rows of one
+    image; ``out_offset`` > 0: the GEMM result is staged there in the workspace, then copied into out."""
 
     n: int
     c: int
@@ -67,6 +68,8 @@ class ConvTiling:
     orient: str
     tile_rows: int
     nhwc: bool
+    tile_n: int = 1
+    out_offset: int = 0
 
 
 def nchw(d: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -124,9 +127,12 @@ def _orientation(xs: tuple[int, ...], os_: tuple[int, ...], t: ConvTiling) -> st
 
 
 def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, Any], limit: Any) -> Plan:
-    """Candidates ranked by expected speed; im2col's tile is the most output rows whose unfolded input fits.
+    """Candidates ranked by expected speed; im2col's tile is the most whole images (else output rows of one
+    image) whose unfolded input fits.
 
-    Workspace: gemm_1x1 and direct 0; im2col align64(Cg*KH*KW * tile_rows*OW * itemsize).
+    Workspace: gemm_1x1 and direct 0; im2col align64(Cg*KH*KW * tile_n*tile_rows*OW * itemsize) [+
+    align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not pixel-major with mergeable
+    (N, H, W)].
     """
     (n, c, h, wd), xs = nchw(x)
     _, os_ = nchw(out)
@@ -153,15 +159,39 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
                                       else matrix_ok((cg, h * wd), (xs[1], xs[3])))
         if kh == kw == 1 and (sh, sw, ph, pw) == (1, 1, 0, 0) and x_ok:
             cands.append(Candidate("gemm_1x1", t, 0))
-        per_row = kc * ow * item
-        rows = oh if limit is None else max(1, min(oh, (limit // 64 * 64) // max(per_row, 1)))
-        ti = ConvTiling(**{**t.__dict__, "tile_rows": rows})
-        cands.append(Candidate("im2col", ti, align(per_row * rows)))
+        cands.append(_im2col_candidate(t, os_, item, limit))
     if cg == 1 and g > 1:
         cands.insert(0, direct)
     else:
         cands.append(direct)
     return choose(OP, cands, limit)
+
+
+IM2COL_TARGET = 32 << 20  # workspace bytes up to which im2col unfolds several whole images when no limit binds
+
+
+def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int | None) -> Candidate:
+    """The im2col tile: the most whole images whose unfolded input (plus, for several images whose outputs are
+    not one BLAS matrix, the staged GEMM result) fits ``limit`` (else 32 MiB), at least one; under a limit that
+    one image exceeds, the most output rows of one image that fit."""
+    per_img = t.kc * t.oh * t.ow * item
+    merged = t.orient == "pm" and merge_dims((t.n, t.oh, t.ow), (os_[0], os_[2], os_[3])) is not None
+
+    def ws(tn: int) -> tuple[int, int]:
+        cols = align(per_img * tn)
+        staged = tn > 1 and not merged
+        return cols + (align(t.ocg * t.oh * t.ow * tn * item) if staged else 0), cols if staged else 0
+
+    budget = IM2COL_TARGET if limit is None else limit
+    if ws(1)[0] <= budget or limit is None:
+        tn = 1
+        while tn < t.n and ws(tn + 1)[0] <= budget:
+            tn += 1
+        size, off = ws(tn)
+        return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_n": tn, "out_offset": off}), size)
+    per_row = t.kc * t.ow * item
+    rows = max(1, min(t.oh, (limit // 64 * 64) // max(per_row, 1)))
+    return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_rows": rows}), align(per_row * rows))
 
 
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
@@ -216,12 +246,16 @@ conv2d = register(OpDef(
     select=_select,
     kernels={"cpu": _build},
     implementations=("gemm_1x1", "im2col", "direct"),
-    workspace_formula="gemm_1x1: 0; im2col: align64(C/groups*KH*KW * tile_rows*OW * itemsize); direct: 0",
+    workspace_formula=("gemm_1x1: 0; im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
+                       "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
+                       "pixel-major with mergeable (N, H, W)]; direct: 0"),
     doc=("2-D convolution (cross-correlation, as PyTorch), float32 / float64, NCHW or NHWC (Format.NHWC, shape "
          "(N, H, W, C)), weight (OC, C/groups, KH, KW), optional bias (OC,). gemm_1x1 (1x1, stride 1, padding 0): "
-         "GEMM per group on the operands, workspace 0. im2col: per image, group and tile of output rows, the "
-         "unfolded input (C/groups*KH*KW, tile_rows*OW) in the workspace and one GEMM, workspace "
-         "align64(C/groups*KH*KW * tile_rows*OW * itemsize), tile_rows = OH unless workspace_limit forces fewer. "
+         "GEMM per group on the operands, workspace 0. im2col: per tile and group, the unfolded input "
+         "(C/groups*KH*KW, tile_n*tile_rows*OW) in the workspace and one GEMM (for several NCHW images into a "
+         "second workspace area, then one copy into out that adds the bias); tiles of whole images (as many as "
+         "fit workspace_limit, else 32 MiB) or, when one image does not fit, of tile_rows output rows; see "
+         "workspace_formula. "
          "direct: loop nest parallel over (N, OC), workspace 0, ranked first when depthwise (C/groups == 1)."),
     reference=reference,
 ))

@@ -1,19 +1,174 @@
-"""Scaled dot-product attention launches: the full score matrix in the workspace, or query tiles with an
-online softmax over key tiles (workspace per tile only). Fully masked rows give 0, never NaN."""
+"""Scaled dot-product attention launches. Fully masked rows give 0, never NaN.
+
+* ``build_rows`` (materialized and tiled): per tile of whole score rows (a block of batch entries, of heads, or
+  of queries of one head), one batched BLAS call ``S = q @ k^T`` into the workspace, one fused numba pass over
+  the rows (scale, mask, max, exp, sum, normalize, in place, parallel over rows) and one batched BLAS call
+  ``out = P @ v``. The materialized form is the single tile holding every score.
+* ``build_online``: query tiles against key tiles with an online softmax (the workspace holds one tile only).
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+import numba
 import numpy as np
 
-from ...layout import align
-from .jit import entry, jit
+from . import vmath
+from .jit import REDUCE, entry, jit, jit_reduce, jit_reduce_par
 
 Launch = Callable[[Any], None]
+jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, inline="always")
+
+NONE, ADDITIVE, BOOL = 0, 1, 2
+PARALLEL_MIN = 1 << 18  # score elements per tile from which the row pass runs on numba's threads
 
 
+@jit_reduce
+def softmax_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float,
+                 tiny: float) -> None:
+    """Rows of ``s`` (nb, nh, nq, nk; query rows from ``q0``, keys from 0) become softmax(scale * s + mask), 0
+    where masked or (``causal``) after the query. ``mask`` is (nb, nh, nq, nk)-indexable, any strides (unused
+    when ``kind`` is NONE)."""
+    nb, nh, nq, nk = s.shape
+    per_b = nh * nq
+    for t in range(nb * per_b):
+        _row(s, mask, kind, causal, q0, scale, lowest, tiny, t, per_b, nq, nk)
+
+
+@jit_reduce_par
+def softmax_rows_par(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float,
+                     tiny: float) -> None:
+    """``softmax_rows``, parallel over rows."""
+    nb, nh, nq, nk = s.shape
+    per_b = nh * nq
+    for t in numba.prange(nb * per_b):
+        _row(s, mask, kind, causal, q0, scale, lowest, tiny, t, per_b, nq, nk)
+
+
+@jit_inline
+def _rowmax(row: Any, n: int, m: float) -> float:
+    """max(m, row[:n]), eight independent accumulators (a float max reduction does not vectorize here)."""
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = m
+    n8 = n - n % 8
+    for j in range(0, n8, 8):
+        m0, m1, m2, m3 = max(m0, row[j]), max(m1, row[j + 1]), max(m2, row[j + 2]), max(m3, row[j + 3])
+        m4, m5, m6, m7 = max(m4, row[j + 4]), max(m5, row[j + 5]), max(m6, row[j + 6]), max(m7, row[j + 7])
+    for j in range(n8, n):
+        m0 = max(m0, row[j])
+    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+
+
+@jit_inline
+def _row(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float, tiny: float,
+         t: int, per_b: int, nq: int, nk: int) -> None:
+    b = t // per_b
+    r = t - b * per_b
+    h = r // nq
+    i = r - h * nq
+    row = s[b, h, i]
+    kend = min(nk, q0 + i + 1) if causal else nk
+    if kind == ADDITIVE:
+        mrow = mask[b, h, i]
+        for j in range(kend):
+            row[j] = row[j] * scale + mrow[j]
+    elif kind == BOOL:
+        brow = mask[b, h, i]
+        for j in range(kend):
+            row[j] = row[j] * scale if brow[j] else -np.inf
+    else:
+        for j in range(kend):
+            row[j] = row[j] * scale
+    m = _rowmax(row, kend, lowest)  # a fully masked row keeps max -FLT_MAX: its exps are 0, not NaN
+    total = 0.0
+    for j in range(kend):
+        e = vmath.exp(row[j] - m)
+        row[j] = e
+        total += e
+    inv = 1.0 / max(total, tiny)  # and its sum is tiny: 0 * (1 / tiny) = 0
+    for j in range(kend):
+        row[j] = row[j] * inv
+    for j in range(kend, nk):
+        row[j] = 0.0
+
+
+def _finfo(dtype: Any) -> tuple[float, float]:
+    fi = np.finfo(dtype)
+    return float(-fi.max), float(fi.tiny)
+
+
+def _mask_arg(mask: Any, kind: str, dtype: Any) -> tuple[Any, int]:
+    if kind == "none":
+        return np.zeros((1, 1, 1, 1), dtype), NONE
+    return mask, (BOOL if kind == "bool" else ADDITIVE)
+
+
+def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float,
+               t: Any) -> Launch:
+    """Tiles of ``t.block_b`` batch entries x ``t.block_h`` heads x ``t.block_q`` queries, every key (only the
+    keys a causal tile can see): k^T (and q, v when packed) copied into the workspace, S there, the fused row
+    pass, out = P @ v (through the workspace when out is packed)."""
+    nb, nh, nq, d = q.shape
+    nk, dv = k.shape[2], v.shape[3]
+    dt = q.dtype
+    if nk == 0:
+        return lambda _: out.fill(0)
+    lowest, tiny = _finfo(dt)
+    marr, mkind = _mask_arg(mask, kind, dt)
+    kt = k.swapaxes(-1, -2)
+    tb, th, tq = t.block_b, t.block_h, t.block_q
+    o_s, o_k, o_q, o_v, o_o = t.offsets
+    item = dt.itemsize
+    steps = []
+    for b0 in range(0, nb, tb):
+        for h0 in range(0, nh, th):
+            for q0 in range(0, nq, tq):
+                sb, sh, sq = min(tb, nb - b0), min(th, nh - h0), min(tq, nq - q0)
+                kend = min(nk, q0 + sq) if causal else nk
+                idx = (slice(b0, b0 + sb), slice(h0, h0 + sh))
+                qi = (*idx, slice(q0, q0 + sq))
+                mv = marr[(*qi, slice(0, kend))] if mkind != NONE else marr
+                kk = min(nk, nq) if causal else nk  # the keys the group's last tile sees
+                pack_kv = q0 == 0
+                steps.append(((sb, sh, sq, kend), (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
+                              v[(*idx, slice(0, kk))], out[qi], mv, q0, pack_kv))
+    big = max(st[0][0] * st[0][1] * st[0][2] * st[0][3] for st in steps) >= PARALLEL_MIN
+    sample = np.empty((1, 1, 1, 1), dt)
+    kern = entry(softmax_rows_par if big else softmax_rows, sample, marr, 0, False, 0, 0.0, 0.0, 0.0)
+
+    def area(ws: Any, off: int, shape: tuple[int, ...]) -> Any:
+        n = shape[0] * shape[1] * shape[2] * shape[3]
+        return ws[off:off + n * item].view(dt).reshape(shape)
+
+    def launch(ws: Any) -> None:
+        ktp = vp = None
+        for shape, kshape, qv, ktv, vv, ov, mv, q0, pack_kv in steps:
+            sb, sh, sq, kend = shape
+            if pack_kv:  # packed for the whole head group (a causal group: the keys its last tile sees)
+                ktp = area(ws, o_k, kshape)
+                np.copyto(ktp, ktv)
+                if o_v >= 0:
+                    vp = area(ws, o_v, (sb, sh, kshape[3], dv))
+                    np.copyto(vp, vv)
+            if o_q >= 0:
+                qp = area(ws, o_q, (sb, sh, sq, d))
+                np.copyto(qp, qv)
+                qv = qp
+            s = area(ws, o_s, shape)
+            np.matmul(qv, ktp[..., :kend], out=s)  # type: ignore[index]
+            kern(s, mv, mkind, causal, q0, scale, lowest, tiny)
+            vt = vv if vp is None else vp
+            if o_o >= 0:
+                op = area(ws, o_o, (sb, sh, sq, dv))
+                np.matmul(s, vt[..., :kend, :], out=op)
+                np.copyto(ov, op)
+            else:
+                np.matmul(s, vt[..., :kend, :], out=ov)
+    return launch
+
+
+# ---- online softmax over key tiles (the workspace holds one bq x bk tile)
 @jit
 def mask_bool(s: Any, keep: Any) -> None:
     """s[b, h, i, j] = -inf where not keep[b, h, i, j] (``keep`` broadcast to ``s``'s shape)."""
@@ -43,8 +198,8 @@ class _Masker:
     def __init__(self, dtype: Any, scale: float, mask: Any, kind: str, causal: bool) -> None:
         self.scale, self.mask, self.kind, self.causal = scale, mask, kind, causal
         sample = np.empty((1, 1, 1, 1), dtype)
-        self.k_causal = entry(mask_causal, sample, 0, 0) if causal else None
-        self.k_bool = entry(mask_bool, sample, mask) if kind == "bool" else None
+        self.k_causal: Any = entry(mask_causal, sample, 0, 0) if causal else None
+        self.k_bool: Any = entry(mask_bool, sample, mask) if kind == "bool" else None
 
     def __call__(self, s: Any, b: Any, h: Any, q0: int, nq: int, k0: int, nk: int) -> None:
         np.multiply(s, self.scale, out=s)
@@ -56,45 +211,8 @@ class _Masker:
             self.k_causal(s, q0, k0)
 
 
-def _finfo(dtype: Any) -> tuple[float, float]:
-    fi = np.finfo(dtype)
-    return float(-fi.max), float(fi.tiny)
-
-
-def build_materialized(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float,
-                       t: Any) -> Launch:
-    """S = scale * q @ k^T (+ mask) over the whole batch in the workspace, softmax rows, out = P @ v."""
-    nb, nh, nq, _ = q.shape
-    nk = k.shape[2]
-    dt = q.dtype
-    masker = _Masker(dt, scale, mask, kind, causal)
-    kt = k.swapaxes(-1, -2)
-    lowest, tiny = _finfo(dt)
-    s_bytes = nb * nh * nq * nk * dt.itemsize
-    v_bytes = nb * nh * nq * dt.itemsize
-    off_m, off_l = align(s_bytes), align(s_bytes) + align(v_bytes)
-    if nk == 0:
-        return lambda _: out.fill(0)  # type: ignore[no-any-return]
-
-    def launch(ws: Any) -> None:
-        s = ws[:s_bytes].view(dt).reshape(nb, nh, nq, nk)
-        m = ws[off_m:off_m + v_bytes].view(dt).reshape(nb, nh, nq, 1)
-        lsum = ws[off_l:off_l + v_bytes].view(dt).reshape(nb, nh, nq, 1)
-        np.matmul(q, kt, out=s)
-        masker(s, slice(None), slice(None), 0, nq, 0, nk)
-        np.max(s, axis=-1, keepdims=True, out=m)
-        np.maximum(m, lowest, out=m)  # a fully masked row keeps max -FLT_MAX: its exps are 0, not NaN
-        np.subtract(s, m, out=s)
-        np.exp(s, out=s)
-        np.sum(s, axis=-1, keepdims=True, out=lsum)
-        np.maximum(lsum, tiny, out=lsum)  # and its sum is tiny: 0 / tiny = 0
-        np.matmul(s, v, out=out)
-        np.divide(out, lsum, out=out)
-    return launch
-
-
-def build_tiled(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float,
-                t: Any) -> Launch:
+def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float,
+                 t: Any) -> Launch:
     """Per (batch, head, query tile): scores of one key tile at a time, running max / sum (online softmax),
     the output tile accumulating in place."""
     nb, nh, nq, _ = q.shape
@@ -107,7 +225,7 @@ def build_tiled(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: 
     offs = t.offsets  # scores, pv, m, m_new, alpha, l, rowsum
     online = t.online
     if nk == 0:
-        return lambda _: out.fill(0)  # type: ignore[no-any-return]
+        return lambda _: out.fill(0)
 
     def vec(ws: Any, i: int, n: int) -> Any:
         return ws[offs[i]:offs[i] + n * item].view(dt)
