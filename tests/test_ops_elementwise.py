@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -12,6 +14,8 @@ from ops_layouts import LAYOUTS, on_device, random, shapes
 
 from twophase import ops
 from twophase.errors import ParamError
+from twophase.kernels.cpu.elementwise import KERNELS, function_for
+from twophase.kernels.cpu.jit import FAST
 from twophase.ops.elementwise import BINARY, COMPARE, UNARY
 from twophase.testing import run_checked
 
@@ -131,3 +135,43 @@ def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -
 def test_unsupported_dtype_message_names_supported_dtypes() -> None:
     with pytest.raises(ParamError, match="float32"):
         ops.tanh.get_workspace_size(on_device(np.ones(3, np.int64)))
+
+
+PACKED_FMA = re.compile(r"vfmadd\w+p[sd]\s+%[yz]mm")
+
+
+@pytest.mark.parametrize("name,dtype", [("silu_f32", np.float32), ("gelu_erf_f32", np.float32),
+                                        ("gelu_tanh", np.float32), ("exp", np.float64), ("silu", np.float64)])
+def test_unary_kernel_inner_loop_is_vectorized(name: str, dtype: Any) -> None:
+    """The specialised span kernel, recompiled uncached (cached code has no assembly), uses packed FMAs."""
+    span = KERNELS[name][0]
+    fresh = numba.njit(nogil=True, fastmath=FAST, error_model="numpy")(span.py_func)
+    arr = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C")
+    fresh.compile((arr, arr))
+    assert PACKED_FMA.search(fresh.inspect_asm((arr, arr)))
+
+
+def test_float32_data_uses_the_float32_kernels() -> None:
+    assert function_for("gelu_erf", np.float32) == "gelu_erf_f32"
+    assert function_for("gelu_erf", np.float64) == "gelu_erf" and function_for("exp", np.float32) == "exp"
+
+
+@pytest.mark.parametrize("name", ["gelu", "silu", "sigmoid"])
+def test_float32_unary_within_a_few_ulp_of_float64_reference(name: str) -> None:
+    x = np.concatenate([np.linspace(-20, 20, 200_001), [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30]]).astype(np.float32)
+    op = getattr(ops, name)
+    for attrs in ([{}, {"approximate": "tanh"}] if name == "gelu" else [{}]):
+        got = run_checked(op, x, **attrs).outputs[0].astype(np.float64)
+        ref = op.spec.reference(x.astype(np.float64), **attrs)
+        ok = np.abs(ref) > 1e-30
+        assert np.max(np.abs(got[ok] - ref[ok]) / np.abs(ref[ok])) < 8 * 2.0 ** -24
+
+
+def test_unary_special_values() -> None:
+    x = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0], np.float32)
+    with np.errstate(all="ignore"):
+        for name in ("gelu", "silu", "sigmoid"):
+            for dt in (np.float32, np.float64):
+                got = run_checked(getattr(ops, name), x.astype(dt)).outputs[0]
+                ref = getattr(ops, name).spec.reference(x.astype(np.float64))
+                np.testing.assert_array_equal(got, ref.astype(dt), err_msg=f"{name} {dt}")

@@ -159,11 +159,14 @@ UNARY: dict[str, tuple[str, Any, tuple[DType, ...], Callable[..., Any]]] = {
 
 
 def _gelu_reference(x: Any, approximate: str = "none") -> Any:
-    from math import erf
+    """float64 gelu in forms without cancellation for negative x: x/2 erfc(-x/sqrt 2) and x sigmoid(2u)."""
+    from math import erfc
     x = np.asarray(x, np.float64)
     if approximate == "tanh":
-        return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)))
-    return 0.5 * x * (1.0 + np.vectorize(erf, otypes=[np.float64])(x / np.sqrt(2.0)))
+        u = np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)
+        with np.errstate(over="ignore"):
+            return x / (1.0 + np.exp(-2.0 * u))
+    return 0.5 * x * np.vectorize(erfc, otypes=[np.float64])(-x / np.sqrt(2.0))
 
 
 def unary_needs_pack(x: TensorDesc, out: TensorDesc) -> bool:
