@@ -34,8 +34,9 @@ def _apply(code: int, x: Any, out: Any) -> None:
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 _erfc = np.vectorize(math.erfc, otypes=[np.float64])
-FUNCS = {"exp": (0, np.exp), "log": (1, np.log), "tanh": (2, np.tanh), "erf": (3, _erf), "erfc": (4, _erfc),
-         "sigmoid": (5, lambda x: 1.0 / (1.0 + np.exp(-x)))}
+FUNCS: dict[str, tuple[int, Any]] = {
+    "exp": (0, np.exp), "log": (1, np.log), "tanh": (2, np.tanh), "erf": (3, _erf), "erfc": (4, _erfc),
+    "sigmoid": (5, lambda x: 1.0 / (1.0 + np.exp(-x)))}
 F32_TINY = float(np.finfo(np.float32).tiny)
 
 

@@ -102,7 +102,8 @@ COMPARE: dict[str, Any] = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "l
 
 def _register_compare() -> None:
     for name, ufunc in COMPARE.items():
-        def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any], name: str = name) -> tuple[TensorDesc, ...]:
+        def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any],
+                  name: str = name) -> tuple[TensorDesc, ...]:
             x, other = need(name, "x", ins[0]), need(name, "other", ins[1])
             shape, _ = _promote(name, [("x", x), ("other", other)], WITH_BOOL)
             return (TensorDesc(shape, DType.bool),)
@@ -124,7 +125,8 @@ def _infer_where(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> t
     return (TensorDesc(full, dtype),)
 
 
-def _build_where(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_where(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
+                 outs: tuple[Any, ...]) -> Callable[[Any], None]:
     cond, x, y = ins
     out = outs[0]
 
@@ -142,7 +144,7 @@ register(OpDef(
 
 
 # ---- unary
-UNARY: dict[str, tuple[str, Any, tuple[DType, ...], Callable[..., Any]]] = {
+UNARY: dict[str, tuple[str, Any, tuple[DType, ...], Callable[..., Any] | None]] = {
     # name: (kind, ufunc or vmath kernel name, dtypes, float64 reference)
     "neg": ("ufunc", np.negative, NUMERIC, np.negative),
     "abs": ("ufunc", np.abs, NUMERIC, np.abs),
@@ -202,7 +204,7 @@ def _vmath_build(kname: str | None) -> Builder:
 def _ufunc_build(fn: Any) -> Builder:
     def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
         x, out = ins[0], outs[0]
-        return lambda _: fn(x, out=out)  # type: ignore[no-any-return]
+        return lambda _: fn(x, out=out)
     return build
 
 
@@ -238,9 +240,10 @@ def _infer_cast(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tu
     return (TensorDesc(x.shape, attrs["dtype"]),)
 
 
-def _build_cast(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_cast(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
+                outs: tuple[Any, ...]) -> Callable[[Any], None]:
     x, out = ins[0], outs[0]
-    return lambda _: np.copyto(out, x, casting="unsafe")  # type: ignore[func-returns-value]
+    return lambda _: np.copyto(out, x, casting="unsafe")
 
 
 _register_binary()

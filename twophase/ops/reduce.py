@@ -86,7 +86,8 @@ def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_by
     align64(K * n_level * bytes), plus align64(K * sum(acc_bytes)) when ``final`` (the last level's partials too),
     plus align64(K * R * pack_bytes) when the input cannot be viewed as a (K, R) matrix or is float16 (the
     kernels read float32), plus align64(K * stage_bytes) when ``stage`` (a float16 output: the last level writes
-    wide values there first; ``stage_bytes`` defaults to sum(acc_bytes)). ``block`` defaults to the module's ``BLOCK`` (tests make it small for deep trees).
+    wide values there first; ``stage_bytes`` defaults to sum(acc_bytes)).
+    ``block`` defaults to the module's ``BLOCK`` (tests make it small for deep trees).
     """
     block = BLOCK if block is None else block
     parts = (acc_bytes,) if isinstance(acc_bytes, int) else tuple(acc_bytes)
@@ -330,7 +331,7 @@ argmax = register(OpDef(
 
 # ---- var: Welford (count, mean, M2) partials, merged pairwise with Chan et al.'s formula
 def _as_correction(v: Any) -> float:
-    c = as_float(v)
+    c = float(as_float(v))
     if not (c >= 0.0 and math.isfinite(c)):
         raise ValueError(v)
     return c

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -23,12 +24,13 @@ def _zero(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan
 def _copy_build(view: Callable[[Any, dict[str, Any]], Any]) -> Any:
     def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
         src, out = view(ins[0], attrs), outs[0]
-        return lambda _: np.copyto(out, src)  # type: ignore[func-returns-value]
+        return lambda _: np.copyto(out, src)
     return build
 
 
 def _reg(name: str, infer: Any, build: Any, doc: str, reference: Any, attrs: tuple[Attr, ...] = (),
-         inputs: tuple[str, ...] = ("x",), outputs: tuple[str, ...] = ("out",), dtypes: tuple[DType, ...] = ALL) -> None:
+         inputs: tuple[str, ...] = ("x",), outputs: tuple[str, ...] = ("out",),
+         dtypes: tuple[DType, ...] = ALL) -> None:
     register(OpDef(name=name, inputs=inputs, outputs=outputs, attrs=attrs, dtypes=dtypes, infer=infer, select=_zero,
                    kernels={"cpu": build}, implementations=("copy",), workspace_formula="0",
                    doc=doc + " Workspace: 0 bytes.", reference=reference))
@@ -94,7 +96,8 @@ def _infer_concat(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     return (TensorDesc(first.shape[:dim] + (total,) + first.shape[dim + 1:], first.dtype),)
 
 
-def _build_concat(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_concat(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
+                  outs: tuple[Any, ...]) -> Callable[[Any], None]:
     out = outs[0]
     dim = attrs["dim"] % out.ndim
     pairs, lo = [], 0
@@ -128,7 +131,7 @@ def _split_sizes(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, list[int]]:
 
 
 def _as_sizes(v: Any) -> int | tuple[int, ...]:
-    return as_int(v) if isinstance(v, int) else as_dims(v)
+    return int(as_int(v)) if isinstance(v, int) else tuple(as_dims(v))
 
 
 _as_sizes.expects = "a chunk size or a sequence of sizes"  # type: ignore[attr-defined]
@@ -140,7 +143,8 @@ def _infer_split(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     return tuple(TensorDesc(x.shape[:dim] + (s,) + x.shape[dim + 1:], x.dtype) for s in sizes)
 
 
-def _build_split(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_split(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
+                 outs: tuple[Any, ...]) -> Callable[[Any], None]:
     x = ins[0]
     dim = attrs["dim"] % x.ndim
     pairs, lo = [], 0

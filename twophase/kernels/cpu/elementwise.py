@@ -121,7 +121,7 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any) -> Callab
         both = x.flags.c_contiguous and out.flags.c_contiguous
         xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))
         fn = entry(kernel, xm, om, CHUNK)
-        return lambda _: fn(xm, om, CHUNK)  # type: ignore[no-any-return]
+        return lambda _: fn(xm, om, CHUNK)
     sample = np.empty((1, 1), compute)
     fn = entry(kernel, sample, sample, CHUNK)
     n, nbytes = x.size, x.size * compute.itemsize

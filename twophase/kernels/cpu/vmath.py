@@ -31,24 +31,27 @@ __all__ = ["exp", "log", "tanh", "erf", "erfc", "sigmoid", "silu", "gelu_erf", "
            "exp_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32"]
 
 
-@intrinsic
-def _as_f64(typingctx: Any, bits: Any) -> Any:
+def __as_f64_typer(typingctx: Any, bits: Any) -> Any:
     """Reinterpret int64 bits as a float64."""
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.bitcast(args[0], context.get_value_type(types.float64))
     return types.float64(types.int64), codegen
 
 
-@intrinsic
-def _as_i64(typingctx: Any, x: Any) -> Any:
+_as_f64: Any = intrinsic(__as_f64_typer)  # numba's intrinsic wrapper; Any: called with the value args only
+
+
+def __as_i64_typer(typingctx: Any, x: Any) -> Any:
     """Reinterpret float64 bits as an int64."""
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.bitcast(args[0], context.get_value_type(types.int64))
     return types.int64(types.float64), codegen
 
 
-@intrinsic
-def _as_f32(typingctx: Any, bits: Any) -> Any:
+_as_i64: Any = intrinsic(__as_i64_typer)  # numba's intrinsic wrapper; Any: called with the value args only
+
+
+def __as_f32_typer(typingctx: Any, bits: Any) -> Any:
     """Reinterpret the low 32 bits of an int64 as a float32."""
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         low = builder.trunc(args[0], context.get_value_type(types.int32))
@@ -56,12 +59,17 @@ def _as_f32(typingctx: Any, bits: Any) -> Any:
     return types.float32(types.int64), codegen
 
 
-@intrinsic
-def _fma32(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
+_as_f32: Any = intrinsic(__as_f32_typer)  # numba's intrinsic wrapper; Any: called with the value args only
+
+
+def __fma32_typer(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
     """a * b + c rounded once (float32)."""
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.fma(*args)
     return types.float32(types.float32, types.float32, types.float32), codegen
+
+
+_fma32: Any = intrinsic(__fma32_typer)  # numba's intrinsic wrapper; Any: called with the value args only
 
 
 # ---- coefficients (exact series, or Chebyshev fits of libm's erf / erfc made once at import)
@@ -146,7 +154,7 @@ def _clenshaw16(c: Any, u: float) -> float:
     u2 = 2.0 * u
     b1, b2 = _clenshaw_steps(c[:8], u2, 0.0, 0.0)
     b1, b2 = _clenshaw_steps(c[8:15], u2, b1, b2)
-    return u * b1 - b2 + c[15]
+    return float(u * b1 - b2 + c[15])
 
 
 @jit
@@ -156,7 +164,7 @@ def _clenshaw32(c: Any, u: float) -> float:
     b1, b2 = _clenshaw_steps(c[8:16], u2, b1, b2)
     b1, b2 = _clenshaw_steps(c[16:24], u2, b1, b2)
     b1, b2 = _clenshaw_steps(c[24:31], u2, b1, b2)
-    return u * b1 - b2 + c[31]
+    return float(u * b1 - b2 + c[31])
 
 
 @jit
@@ -196,7 +204,7 @@ def log(x: float) -> float:
         y = np.nan
     if x == np.inf or x != x:
         y = x
-    return y
+    return float(y)
 
 
 @jit
