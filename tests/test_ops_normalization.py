@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -54,12 +55,16 @@ def check(r: Any, ref: Any, dtype: Any, ws: int | None = None) -> None:
 
 
 # ---------------------------------------------------------------- softmax / log_softmax
-def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any) -> int:
-    """The ops' doc: align64(K*ceil(N/8192)*16) if N > 32768; + align64(K*N*c) if packed."""
+def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False) -> int:
+    """The ops' doc: [log: align64(T*L*c) scratch] + align64(K*ceil(N/8192)*16) if N > 32768; + align64(K*N*c)
+    if packed."""
     kept = [i for i in range(len(shape)) if i != dim]
     n = shape[dim] if shape else 1
     k = math.prod(shape[i] for i in kept)
-    ws = align64(k * -(-n // 8192) * 16) if n > 32768 else 0
+    split = n > 32768
+    rows = numba.get_num_threads() if split or k * n >= 1 << 18 else 1
+    ws = align64(rows * (8192 if split else n) * compute_size(dtype)) if log and k * n else 0
+    ws += align64(k * -(-n // 8192) * 16) if split else 0
     f16 = np.dtype(dtype) == np.float16
     if (f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept])) and k * n:
         ws += align64(k * n * compute_size(dtype))
@@ -82,7 +87,7 @@ def test_softmax_and_log_softmax_match_reference(case: Any, layout: str, dtype: 
     op = ops.log_softmax if log else ops.softmax
     r = run_checked(op, x, dim=dim)
     assert r.outputs[0].dtype == np.dtype(dtype) and r.outputs[0].shape == shape
-    check(r, op.spec.reference(a, dim), dtype, softmax_ws(shape, x.desc.strides, dim % len(shape), dtype))
+    check(r, op.spec.reference(a, dim), dtype, softmax_ws(shape, x.desc.strides, dim % len(shape), dtype, log))
 
 
 @pytest.mark.parametrize("shape, dim, layout, dtype", [
@@ -100,7 +105,7 @@ def test_long_and_many_rows_use_the_documented_workspace(shape: Any, dim: int, l
     x = on_device(a, layout)
     op = ops.log_softmax if log else ops.softmax
     r = run_checked(op, x, dim=dim)
-    check(r, op.spec.reference(a, dim), dtype, softmax_ws(shape, x.desc.strides, dim % 2, dtype))
+    check(r, op.spec.reference(a, dim), dtype, softmax_ws(shape, x.desc.strides, dim % 2, dtype, log))
     n = shape[dim]
     assert r.implementation == ("split_rows" if n > 32768 else "rows_parallel")
 
@@ -119,7 +124,10 @@ def test_split_kernels_merge_block_partials(by_rows: bool, mode: int) -> None:
     x[3, 20] = np.nan
     block = 16
     split = -(-53 // block)
-    t = SoftmaxTiling(4, 53, split, block, False, 0, True, 4 * split * 16, by_rows)
+    threads = numba.get_num_threads()
+    scratch = threads * block * 8 if mode == LOG_SOFTMAX else 0  # one float64 block row per thread, first
+    t = SoftmaxTiling(4, 53, split, block, False, 0, True, scratch + 4 * split * 16, by_rows, 1, threads, 0,
+                      block if mode == LOG_SOFTMAX else 0, scratch)
     out = np.full((4, 53), np.nan)
     ws = np.full(t.workspace, 0xCD, np.uint8)
     build_softmax(x, out, t, mode)(ws)
@@ -155,7 +163,8 @@ def test_softmax_workspace_grows_with_the_row_length() -> None:
     for n in (32768, 32769, 10 ** 6):
         for op in (ops.softmax, ops.log_softmax):
             size, ex = op.get_workspace_size(TensorDesc((5, n)))
-            assert size == align64(5 * -(-n // 8192) * 16) * (n > 32768)
+            assert size == softmax_ws((5, n), (n, 1), 1, np.float32, op is ops.log_softmax)
+            assert size >= align64(5 * -(-n // 8192) * 16) * (n > 32768)
             ex.destroy()
 
 

@@ -40,14 +40,21 @@ class SoftmaxTiling:
     workspace: int
     by_rows: bool = True
     chunk: int = 1
+    threads: int = 1  # scratch rows: one per worker thread when parallel, else 1
+    scratch_offset: int = 0  # log-softmax: one scratch row (N, or a block when split) per worker thread
+    scratch_len: int = 0
+    part_offset: int = 0  # where the split rows' (max, sum) partials start
 
 
-def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None = None) -> SoftmaxTiling:
+def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None = None,
+                 log: bool = False) -> SoftmaxTiling:
     """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
-    workspace = align64(K * ceil(N / 8192) * 16) when N > 32768 (a float64 (max, sum) per block), else 0;
-    plus align64(K * N * c) when the operands are packed (float16, or other dims that do not merge into one
-    stride), c = 4 for float16 (computed in float32), else the dtype's itemsize.
+    workspace, in this order: for log-softmax only, align64(T * L * c) of scratch, one row of L = N elements
+    (8192 when split) per worker thread (T = numba's thread count when parallel or split, else 1); then
+    align64(K * ceil(N / 8192) * 16) when N > 32768 (a float64 (max, sum) per block); then align64(K * N * c)
+    when the operands are packed (float16, or other dims that do not merge into one stride); c = 4 for float16
+    (computed in float32), else the dtype's itemsize.
     """
     kept = [i for i in range(x.ndim) if i != dim]
     n = x.shape[dim] if x.ndim else 1
@@ -55,18 +62,26 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None =
     for i in kept:
         k *= x.shape[i]
     split = -(-n // SPLIT_BLOCK) if n > LONG_ROW else 1
-    ws = align(k * split * 16) if split > 1 else 0
+    item = 4 if x.dtype is DType.float16 else x.dtype.itemsize
+    threads = threads or numba.get_num_threads()
+    parallel = k * n >= PARALLEL_MIN
+    scratch_len = (SPLIT_BLOCK if split > 1 else n) if log and k * n > 0 else 0
+    scratch_rows = threads if parallel or split > 1 else 1
+    ws = align(scratch_rows * scratch_len * item)  # first: log-softmax's per-thread scratch rows
+    part_offset = ws
+    if split > 1:
+        ws += align(k * split * 16)
 
     def mergeable(d: TensorDesc) -> bool:
         return merge_dims([d.shape[i] for i in kept], [d.strides[i] for i in kept]) is not None
     pack = (x.dtype is DType.float16 or not mergeable(x) or not mergeable(out)) and k * n > 0
     pack_offset = ws
     if pack:
-        ws += align(k * n * (4 if x.dtype is DType.float16 else x.dtype.itemsize))
-    threads = threads or numba.get_num_threads()
+        ws += align(k * n * item)
     by_rows = k >= 4 * threads or (k >= threads and k % threads == 0)
     chunk = max(1, k // (8 * threads))  # rows per parallel task: 8 tasks per thread
-    return SoftmaxTiling(k, n, split, SPLIT_BLOCK, pack, pack_offset, k * n >= PARALLEL_MIN, ws, by_rows, chunk)
+    return SoftmaxTiling(k, n, split, SPLIT_BLOCK, pack, pack_offset, parallel, ws, by_rows, chunk,
+                         scratch_rows, 0, scratch_len, part_offset)
 
 
 def _softmax_infer(name: str) -> Any:
@@ -78,11 +93,15 @@ def _softmax_infer(name: str) -> Any:
     return infer
 
 
-def _softmax_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
-    x = ins[0]
-    t = plan_softmax(x, outs[0], norm_dim("softmax", "dim", attrs["dim"], x.ndim))
-    impl = "split_rows" if t.split > 1 else ("rows_parallel" if t.parallel else "rows")
-    return Plan(impl, t, t.workspace)
+def _softmax_select(log: bool) -> Any:
+    name = "log_softmax" if log else "softmax"
+
+    def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+        x = ins[0]
+        t = plan_softmax(x, outs[0], norm_dim(name, "dim", attrs["dim"], x.ndim), log=log)
+        impl = "split_rows" if t.split > 1 else ("rows_parallel" if t.parallel else "rows")
+        return Plan(impl, t, t.workspace)
+    return select
 
 
 def _views(a: Any, dim: int, pack: bool) -> Any:
@@ -124,6 +143,7 @@ def _log_reference(x: Any, dim: int = -1) -> Any:
 
 SOFTMAX_FORMULA = ("align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*c) if packed "
                    "(c = 4 for float16, else itemsize)")
+LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + "; + align64(T*L*c) scratch, L = N (8192 if split), T = threads if parallel"
 _SOFTMAX_DOC = (
     "{what} over ``dim`` (K rows of length N; dtypes float32, float64, float16 computed in float32). Rows of "
     "length N <= 32768 run whole, in cache (max; exp(x - max) stored and summed in float64; {last}) with "
@@ -139,7 +159,7 @@ softmax = register(OpDef(
     attrs=(Attr("dim", as_int, -1, "the dim normalised over"),),
     dtypes=FLOATS,
     infer=_softmax_infer("softmax"),
-    select=_softmax_select,
+    select=_softmax_select(log=False),
     kernels={"cpu": _softmax_build(SOFTMAX)},
     implementations=("rows", "rows_parallel", "split_rows"),
     workspace_formula=SOFTMAX_FORMULA,
@@ -152,12 +172,15 @@ log_softmax = register(OpDef(
     attrs=(Attr("dim", as_int, -1, "the dim normalised over"),),
     dtypes=FLOATS,
     infer=_softmax_infer("log_softmax"),
-    select=_softmax_select,
+    select=_softmax_select(log=True),
     kernels={"cpu": _softmax_build(LOG_SOFTMAX)},
     implementations=("rows", "rows_parallel", "split_rows"),
-    workspace_formula=SOFTMAX_FORMULA,
+    workspace_formula=LOG_SOFTMAX_FORMULA,
     doc=_SOFTMAX_DOC.format(what="Log-softmax (x - max) - log(sum exp(x - max))",
-                            last="written as (x - max) - log(sum)"),
+                            last="written as (x - max) - log(sum)").replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
+    + "Log-softmax also takes scratch before the rest of its workspace: one row of L = N elements (8192 when "
+      "split) per worker thread (T = numba's thread count at planning when the rows run in parallel or split, "
+      "else 1), where the exponentials are summed. Workspace: " + LOG_SOFTMAX_FORMULA + ".",
     reference=_log_reference,
 ))
 

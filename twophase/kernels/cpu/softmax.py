@@ -23,6 +23,7 @@ from numba.extending import intrinsic, overload
 
 from . import jit as _jit
 from . import vmath as vm
+from ...errors import InternalError, Status
 from .jit import FAST, entry
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
@@ -163,18 +164,18 @@ def _row(x: Any, out: Any, tmp: Any, mode: int) -> None:
 
 
 @jit
-def rows(x: Any, out: Any, mode: int, chunk: int) -> None:
-    tmp = np.empty(x.shape[1] if mode == LOG_SOFTMAX else 0, x.dtype)
+def rows(x: Any, out: Any, mode: int, chunk: int, scratch: Any) -> None:
+    tmp = scratch[0]
     for k in range(x.shape[0]):
         _row(x[k], out[k], tmp, mode)
 
 
 @jit_par
-def rows_par(x: Any, out: Any, mode: int, chunk: int) -> None:
-    """``chunk`` rows per task (one scratch row each task)."""
+def rows_par(x: Any, out: Any, mode: int, chunk: int, scratch: Any) -> None:
+    """``chunk`` rows per task; log-softmax sums in its thread's scratch row (planned in the workspace)."""
     n_rows = x.shape[0]
     for t in numba.prange((n_rows + chunk - 1) // chunk):
-        tmp = np.empty(x.shape[1] if mode == LOG_SOFTMAX else 0, x.dtype)
+        tmp = scratch[numba.get_thread_id()]
         for k in range(t * chunk, min(n_rows, (t + 1) * chunk)):
             _row(x[k], out[k], tmp, mode)
 
@@ -216,14 +217,14 @@ def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int) -
 
 
 @jit_par
-def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, by_rows: bool) -> None:
+def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, by_rows: bool, scratch: Any) -> None:
     """Long rows. ``by_rows``: one row per task (its blocks' partials, merge, write: the row stays in L2 / L3);
     else (fewer rows than threads) every block is a task for the partials, rows merge, every block writes."""
     n_rows = x.shape[0]
     nb = part.shape[1]
     if by_rows:
         for k in numba.prange(n_rows):
-            tmp = np.empty(block if mode == LOG_SOFTMAX else 0, x.dtype)
+            tmp = scratch[numba.get_thread_id()]
             for j in range(nb):
                 _partial(x, out, tmp, block, part, k, j, mode)
             _merge(part, k, mode)
@@ -231,7 +232,7 @@ def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, by_rows: bool
                 _write(x, out, block, part, k, j, mode)
     else:
         for t in numba.prange(n_rows * nb):
-            tmp = np.empty(block if mode == LOG_SOFTMAX else 0, x.dtype)
+            tmp = scratch[numba.get_thread_id()]
             _partial(x, out, tmp, block, part, t // nb, t % nb, mode)
         for k in numba.prange(n_rows):
             _merge(part, k, mode)
@@ -248,12 +249,18 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     sample = np.empty((1, 1), compute_dt) if t.pack else src
     out_sample = sample if t.pack else dst
     k, n, split, block = t.rows, t.length, t.split, t.block
+    need_rows = numba.get_num_threads() if t.parallel or split > 1 else 1
+    if mode == LOG_SOFTMAX and (t.scratch_len < (block if split > 1 else n) or t.threads < need_rows):
+        raise InternalError("log-softmax tiling lacks its per-thread scratch rows", op="log_softmax",
+                            status=Status.ERR_INNER_TILING)
+    no_scratch = np.empty((1, 0), compute_dt)  # softmax keeps its exps in out: a zero-size stand-in
     if split > 1:
         part_sample = np.empty((1, 1, 2), np.float64)
-        fn = entry(split_rows, sample, out_sample, block, part_sample, mode, t.by_rows)
+        fn = entry(split_rows, sample, out_sample, block, part_sample, mode, t.by_rows, no_scratch)
     else:
-        fn = entry(rows_par if t.parallel else rows, sample, out_sample, mode, t.chunk)
+        fn = entry(rows_par if t.parallel else rows, sample, out_sample, mode, t.chunk, no_scratch)
     pack_bytes = k * n * compute_dt.itemsize
+    scratch_bytes = t.threads * t.scratch_len * compute_dt.itemsize
 
     def launch(ws: Any) -> None:
         if t.pack:
@@ -262,10 +269,16 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
             x = out = area.reshape(k, n)
         else:
             x, out = src, dst
-        if split > 1:
-            fn(x, out, block, ws[:k * split * 16].view(np.float64).reshape(k, split, 2), mode, t.by_rows)
+        if t.scratch_len:
+            area = ws[t.scratch_offset:t.scratch_offset + scratch_bytes].view(compute_dt)
+            scratch = area.reshape(t.threads, t.scratch_len)
         else:
-            fn(x, out, mode, t.chunk)
+            scratch = no_scratch
+        if split > 1:
+            part = ws[t.part_offset:t.part_offset + k * split * 16].view(np.float64).reshape(k, split, 2)
+            fn(x, out, block, part, mode, t.by_rows, scratch)
+        else:
+            fn(x, out, mode, t.chunk, scratch)
         if t.pack:
             np.copyto(dst, out.reshape(dst.shape), casting="unsafe")
     return launch
