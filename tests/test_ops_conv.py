@@ -71,6 +71,8 @@ def test_conv2d_matches_reference_for_every_implementation(n: int, cg: int, ocg:
     _check(_run("direct", _input(x, nhwc), wt, b, **attrs), ref)
     if k == (1, 1) and stride == (1, 1) and pad == (0, 0):
         _check(_run("gemm_1x1", _input(x, nhwc), wt, b, **attrs), ref)
+    if k == (3, 3) and stride == (1, 1) and dil == (1, 1) and groups == 1:
+        _check(_run("winograd", _input(x, nhwc), wt, b, **attrs), ref)
 
 
 def test_conv2d_1x1_runs_as_gemm_without_workspace(rng: np.random.Generator) -> None:
@@ -122,6 +124,28 @@ def test_conv2d_im2col_unfolds_whole_images_per_tile(rng: np.random.Generator, n
         _check(r, ref)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv2d_winograd_chunks_fit_workspace_limit(rng: np.random.Generator, dtype: Any) -> None:
+    n, c, oc, h, w = 2, 3, 4, 7, 6
+    x = _x(rng, (n, c, h, w), False).astype(dtype)
+    wt, b = rng.standard_normal((oc, c, 3, 3)).astype(dtype), rng.standard_normal(oc).astype(dtype)
+    ref = reference(x, wt, b, padding=1)
+    item = np.dtype(dtype).itemsize
+    tiles = n * 4 * 3  # 2x2 output tiles: ceil(7/2) * ceil(6/2) per image
+
+    def size(chunk: int) -> int:  # transformed weights, transformed input tiles, GEMM result
+        return align(16 * oc * c * item) + align(16 * c * chunk * item) + align(16 * oc * chunk * item)
+
+    for limit, chunk in ((None, tiles), (size(tiles), tiles), (size(5), 5), (size(1), 1)):
+        r = _run("winograd", x, wt, b, limit=limit, padding=1)
+        assert (r.tiling.chunk, r.workspace_size) == (chunk, size(chunk))
+        _check(r, ref)
+        if dtype == np.float64:
+            np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ParamError):
+        _run("winograd", x, wt, b, limit=size(1) - 1, padding=1)
+
+
 def test_conv2d_float64_nhwc_output_keeps_the_format(rng: np.random.Generator) -> None:
     x = _x(rng, (2, 4, 6, 5), True).astype(np.float64)
     w = rng.standard_normal((6, 4, 3, 2))
@@ -146,3 +170,16 @@ def test_conv2d_rejects_bad_arguments(w_shape: tuple[int, ...], attrs: dict[str,
         conv2d.get_workspace_size(dev.tensor(np.ones((1, 3, 5, 5), np.float32)),
                                   dev.tensor(np.ones(w_shape, np.float32)), **attrs)
     assert e.value.op == "conv2d" and e.value.arg == arg
+
+
+@pytest.mark.parametrize("first", [False, True])
+def test_conv2d_winograd_ranks_first_only_with_single_threaded_blas(monkeypatch: pytest.MonkeyPatch,
+                                                                    first: bool) -> None:
+    import twophase.ops.conv as conv_mod
+    monkeypatch.setattr(conv_mod, "WINOGRAD_FIRST", first)
+    dev = device("cpu")
+    x, w = dev.tensor(np.ones((1, 4, 16, 16), np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
+    with forced("winograd", "im2col", "direct"):  # the cache is off inside: the flag is read again
+        _, ex = conv2d.get_workspace_size(x, w, padding=1)  # 8 x 8 = 64 output tiles
+    assert ex.implementation == ("winograd" if first else "im2col")
+    ex.destroy()

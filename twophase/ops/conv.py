@@ -1,12 +1,15 @@
 """conv2d, NCHW or NHWC (``Format.NHWC``: shape (N, H, W, C)); weight (OC, C/groups, KH, KW) as PyTorch.
 
 Implementations, ranked: gemm_1x1 (1x1, stride 1, no padding: GEMM on the operands, workspace 0), im2col (the
-unfolded input of a tile of output rows in the workspace, then one GEMM per tile; the tile shrinks to fit
-``workspace_limit``) and direct (a numba loop nest, workspace 0; ranked first for depthwise convolutions).
+unfolded input of a tile of whole images or output rows in the workspace, then one GEMM per tile; the tile
+shrinks to fit ``workspace_limit``), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated single-group convolutions:
+16 GEMMs on transformed tiles; ranked first when BLAS runs one thread and there are >= 64 output tiles) and
+direct (a numba loop nest, workspace 0; ranked first for depthwise convolutions).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -14,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.conv import build_direct, build_gemm_1x1, build_im2col
+from ..kernels.cpu.conv import build_direct, build_gemm_1x1, build_im2col, build_winograd
 from ..layout import align, merge_dims
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, Format, TensorDesc
@@ -43,7 +46,8 @@ as_pair.expects = "an int or a pair of ints"  # type: ignore[attr-defined]
 class ConvTiling:
     """Geometry (logical NCHW), GEMM orientation (``cm``: out = W @ cols, ``pm``: out = cols @ W^T, ``""``: none)
     and the im2col tile: ``tile_n`` whole images (then ``tile_rows`` = OH) or ``tile_rows`` output rows of one
-    image; ``out_offset`` > 0: the GEMM result is staged there in the workspace, then copied into out."""
+    image; ``out_offset`` > 0: the GEMM result is staged there in the workspace, then copied into out.
+    winograd: ``chunk`` 2x2 output tiles per round."""
 
     n: int
     c: int
@@ -70,6 +74,7 @@ class ConvTiling:
     nhwc: bool
     tile_n: int = 1
     out_offset: int = 0
+    chunk: int = 0
 
 
 def nchw(d: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -160,6 +165,11 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         if kh == kw == 1 and (sh, sw, ph, pw) == (1, 1, 0, 0) and x_ok:
             cands.append(Candidate("gemm_1x1", t, 0))
         cands.append(_im2col_candidate(t, os_, item, limit))
+    if (kh, kw, sh, sw, dh, dw, g) == (3, 3, 1, 1, 1, 1, 1):
+        wino = _winograd_candidate(t, item, limit)
+        if wino is not None:
+            first = WINOGRAD_FIRST and t.n * ((oh + 1) // 2) * ((ow + 1) // 2) >= WINOGRAD_MIN_TILES
+            cands.insert(0 if first else len(cands), wino)
     if cg == 1 and g > 1:
         cands.insert(0, direct)
     else:
@@ -194,6 +204,48 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
     return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_rows": rows}), align(per_row * rows))
 
 
+WINOGRAD_MIN_TILES = 64  # 2x2 output tiles from which winograd may rank first (its GEMMs are (OC, C) x (C, tiles))
+
+
+def _blas_single_threaded() -> bool:
+    """Whether the process runs BLAS on one thread (set before numpy loads it; read once)."""
+    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
+        v = os.environ.get(var)
+        if v is not None:
+            return v.strip() == "1"
+    return False
+
+
+# winograd does 2.25x fewer multiplies than im2col but as 16 GEMMs instead of one: with multithreaded BLAS on a
+# busy machine every GEMM pays a thread rendezvous, so it ranks first only when BLAS runs one thread
+WINOGRAD_FIRST = _blas_single_threaded()
+
+
+def winograd_workspace(oc: int, c: int, chunk: int, item: int) -> int:
+    """align64(16*OC*C*item) transformed weights + align64(16*C*chunk*item) transformed input +
+    align64(16*OC*chunk*item) GEMM result."""
+    return align(16 * oc * c * item) + align(16 * c * chunk * item) + align(16 * oc * chunk * item)
+
+
+def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate | None:
+    """Winograd F(2x2, 3x3) with the most 2x2 output tiles per round that fit ``limit`` (all when none)."""
+    tiles = t.n * ((t.oh + 1) // 2) * ((t.ow + 1) // 2)
+    chunk = tiles
+    if limit is not None and winograd_workspace(t.oc, t.c, chunk, item) > limit:
+        lo, hi = 0, tiles
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if winograd_workspace(t.oc, t.c, mid, item) <= limit:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo == 0:
+            return None
+        chunk = lo
+    tw = ConvTiling(**{**t.__dict__, "chunk": chunk})
+    return Candidate("winograd", tw, winograd_workspace(t.oc, t.c, chunk, item))
+
+
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
     return plan_conv(ins[0], ins[1], outs[0], attrs, effective_limit(OP, limit))
 
@@ -207,7 +259,8 @@ def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[
     x, w, bias = ins
     t: ConvTiling = plan.tiling
     xv, ov = logical(x, t.nhwc), logical(outs[0], t.nhwc)
-    build = {"gemm_1x1": build_gemm_1x1, "im2col": build_im2col, "direct": build_direct}[plan.implementation]
+    build = {"gemm_1x1": build_gemm_1x1, "im2col": build_im2col, "direct": build_direct,
+             "winograd": build_winograd}[plan.implementation]
     return build(t, xv, w, bias, ov)
 
 
@@ -245,8 +298,10 @@ conv2d = register(OpDef(
     infer=_infer,
     select=_select,
     kernels={"cpu": _build},
-    implementations=("gemm_1x1", "im2col", "direct"),
-    workspace_formula=("gemm_1x1: 0; im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
+    implementations=("gemm_1x1", "winograd", "im2col", "direct"),
+    workspace_formula=("gemm_1x1: 0; winograd: align64(16*OC*C*itemsize) + align64(16*C*chunk*itemsize) + "
+                       "align64(16*OC*chunk*itemsize), chunk = 2x2 output tiles per round; "
+                       "im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
                        "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
                        "pixel-major with mergeable (N, H, W)]; direct: 0"),
     doc=("2-D convolution (cross-correlation, as PyTorch), float32 / float64, NCHW or NHWC (Format.NHWC, shape "
@@ -256,6 +311,9 @@ conv2d = register(OpDef(
          "second workspace area, then one copy into out that adds the bias); tiles of whole images (as many as "
          "fit workspace_limit, else 32 MiB) or, when one image does not fit, of tile_rows output rows; see "
          "workspace_formula. "
+         "winograd F(2x2, 3x3) (3x3, stride 1, dilation 1, groups 1): weights, input tiles and 16 GEMMs of (OC, C) "
+         "x (C, chunk) in the workspace, output transform adds the bias; see workspace_formula; ranked first when "
+         "BLAS runs one thread (OPENBLAS_NUM_THREADS=1) and N*ceil(OH/2)*ceil(OW/2) >= 64, else after im2col. "
          "direct: loop nest parallel over (N, OC), workspace 0, ranked first when depthwise (C/groups == 1)."),
     reference=reference,
 ))

@@ -10,6 +10,7 @@ import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from ...layout import align
 from .jit import FAST, entry, jit, jit_par
 
 Launch = Callable[[Any], None]
@@ -217,4 +218,176 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                     np.add(src, bv, out=o)
             elif bv is not None:
                 np.add(o, bv, out=o)
+    return launch
+
+
+# ---- Winograd F(2x2, 3x3): 3x3, stride 1, dilation 1, one group; 16 GEMMs of (OC, C) x (C, tiles)
+@jit_inline
+def _wino_w_row(u: Any, i: int, oc: int, c: int, a0: float, a1: float, a2: float) -> None:
+    u[4 * i, oc, c] = a0
+    u[4 * i + 1, oc, c] = 0.5 * (a0 + a1 + a2)
+    u[4 * i + 2, oc, c] = 0.5 * (a0 - a1 + a2)
+    u[4 * i + 3, oc, c] = a2
+
+
+@jit
+def wino_weights(w: Any, u: Any) -> None:
+    """u[4*i + j, oc, c] = (G g G^T)[i, j] for g = w[oc, c], G = [[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]]."""
+    oc_n, c_n = w.shape[0], w.shape[1]
+    for oc in range(oc_n):
+        for c in range(c_n):
+            g00, g01, g02 = w[oc, c, 0, 0], w[oc, c, 0, 1], w[oc, c, 0, 2]
+            g10, g11, g12 = w[oc, c, 1, 0], w[oc, c, 1, 1], w[oc, c, 1, 2]
+            g20, g21, g22 = w[oc, c, 2, 0], w[oc, c, 2, 1], w[oc, c, 2, 2]
+            _wino_w_row(u, 0, oc, c, g00, g01, g02)
+            _wino_w_row(u, 1, oc, c, 0.5 * (g00 + g10 + g20), 0.5 * (g01 + g11 + g21), 0.5 * (g02 + g12 + g22))
+            _wino_w_row(u, 2, oc, c, 0.5 * (g00 - g10 + g20), 0.5 * (g01 - g11 + g21), 0.5 * (g02 - g12 + g22))
+            _wino_w_row(u, 3, oc, c, g20, g21, g22)
+
+
+@jit_inline
+def _wino_input(x: Any, v: Any, c: int, t0: int, geo: Any, rows: Any) -> None:
+    """Tiles t0 .. t0 + v.shape[2] of channel c, a row of tiles at a time: the 4 padded input rows, B^T down the
+    columns (vectorized over the row), then B across each tile's 4 columns."""
+    ph, pw, th_n, tw_n = geo[0], geo[1], geo[2], geo[3]
+    height, width = x.shape[2], x.shape[3]
+    per_img = th_n * tw_n
+    wp = rows.shape[1]
+    end = t0 + v.shape[2]
+    t = t0
+    while t < end:
+        n = t // per_img
+        r = t - n * per_img
+        ty = r // tw_n
+        tx0 = r - ty * tw_n
+        tx1 = min(tw_n, tx0 + end - t)
+        for i in range(4):
+            yy = 2 * ty - ph + i
+            if yy < 0 or yy >= height:
+                for j in range(wp):
+                    rows[i, j] = 0.0
+                continue
+            lo = min(max(pw, 0), wp)
+            hi = min(width + pw, wp)
+            for j in range(lo):
+                rows[i, j] = 0.0
+            for j in range(lo, hi):
+                rows[i, j] = x[n, c, yy, j - pw]
+            for j in range(max(hi, lo), wp):
+                rows[i, j] = 0.0
+        for j in range(wp):  # B^T d: (d0 - d2, d1 + d2, d2 - d1, d1 - d3)
+            d0, d1, d2, d3 = rows[0, j], rows[1, j], rows[2, j], rows[3, j]
+            rows[0, j], rows[1, j], rows[2, j], rows[3, j] = d0 - d2, d1 + d2, d2 - d1, d1 - d3
+        base = t - t0 - tx0
+        for i in range(4):
+            for tx in range(tx0, tx1):
+                j = 2 * tx
+                a0, a1, a2, a3 = rows[i, j], rows[i, j + 1], rows[i, j + 2], rows[i, j + 3]
+                v[4 * i, c, base + tx] = a0 - a2
+                v[4 * i + 1, c, base + tx] = a1 + a2
+                v[4 * i + 2, c, base + tx] = a2 - a1
+                v[4 * i + 3, c, base + tx] = a1 - a3
+        t += tx1 - tx0
+
+
+@jit_par
+def wino_input_par(x: Any, v: Any, t0: int, geo: Any) -> None:
+    """v[4*i + j, c, t - t0] = (B^T d B)[i, j] for the 4x4 input patch d of tile t (zero padded); ``geo`` =
+    (ph, pw, tiles per column, tiles per row)."""
+    wp = 2 * geo[3] + 2
+    for c in numba.prange(v.shape[1]):
+        rows = np.empty((4, wp), v.dtype)
+        _wino_input(x, v, c, t0, geo, rows)
+
+
+@jit
+def wino_input(x: Any, v: Any, t0: int, geo: Any) -> None:
+    """``wino_input_par``, serial."""
+    rows = np.empty((4, 2 * geo[3] + 2), v.dtype)
+    for c in range(v.shape[1]):
+        _wino_input(x, v, c, t0, geo, rows)
+
+
+@jit_inline
+def _wino_output(m: Any, bias: Any, has_bias: bool, out: Any, oc: int, t0: int, geo: Any, s: Any) -> None:
+    """Tiles of output channel oc, a row of tiles at a time: A^T down the 4 rows (vectorized over the tiles),
+    then A across, + bias, into out's 2x2 blocks (clipped at the edges)."""
+    th_n, tw_n = geo[2], geo[3]
+    oh_n, ow_n = out.shape[2], out.shape[3]
+    per_img = th_n * tw_n
+    b0 = bias[oc] if has_bias else 0.0
+    end = t0 + m.shape[2]
+    t = t0
+    while t < end:
+        n = t // per_img
+        r = t - n * per_img
+        ty = r // tw_n
+        tx0 = r - ty * tw_n
+        tx1 = min(tw_n, tx0 + end - t)
+        base = t - t0 - tx0
+        for j in range(4):  # A^T m: (m0 + m1 + m2, m1 - m2 - m3) per column j of each tile
+            for tx in range(tx0, tx1):
+                a0, a1 = m[j, oc, base + tx], m[4 + j, oc, base + tx]
+                a2, a3 = m[8 + j, oc, base + tx], m[12 + j, oc, base + tx]
+                s[j, tx] = a0 + a1 + a2
+                s[4 + j, tx] = a1 - a2 - a3
+        for i in range(2):
+            y = 2 * ty + i
+            if y >= oh_n:
+                continue
+            for tx in range(tx0, tx1):
+                a0, a1, a2, a3 = s[4 * i, tx], s[4 * i + 1, tx], s[4 * i + 2, tx], s[4 * i + 3, tx]
+                out[n, oc, y, 2 * tx] = a0 + a1 + a2 + b0
+                if 2 * tx + 1 < ow_n:
+                    out[n, oc, y, 2 * tx + 1] = a1 - a2 - a3 + b0
+        t += tx1 - tx0
+
+
+@jit_par
+def wino_output_par(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any) -> None:
+    """out's 2x2 block of tile t = A^T m A + bias, m[4*i + j, oc, t - t0], A^T = [[1, 1, 1, 0], [0, 1, -1, -1]]."""
+    for oc in numba.prange(m.shape[1]):
+        s = np.empty((8, geo[3]), m.dtype)
+        _wino_output(m, bias, has_bias, out, oc, t0, geo, s)
+
+
+@jit
+def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any) -> None:
+    """``wino_output_par``, serial."""
+    s = np.empty((8, geo[3]), m.dtype)
+    for oc in range(m.shape[1]):
+        _wino_output(m, bias, has_bias, out, oc, t0, geo, s)
+
+
+def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
+    """Transformed weights U (16, OC, C), per chunk of ``t.chunk`` 2x2 output tiles the transformed input
+    V (16, C, chunk) and M = U @ V (16, OC, chunk) in the workspace, then the output transform (+ bias)."""
+    dt = x.dtype
+    item = dt.itemsize
+    th_n, tw_n = (t.oh + 1) // 2, (t.ow + 1) // 2
+    tiles = t.n * th_n * tw_n
+    chunk = t.chunk
+    geo = np.array([t.ph, t.pw, th_n, tw_n], np.int64)
+    b = bias if bias is not None else np.zeros(1, dt)
+    has = bias is not None
+    u_bytes = 16 * t.oc * t.c * item
+    o_v = align(u_bytes)
+    o_m = o_v + align(16 * t.c * chunk * item)
+    s3 = np.empty((1, 1, 1), dt)
+    big = 16 * (t.c + t.oc) * chunk >= PARALLEL_MIN
+    k_w = entry(wino_weights, w, s3)
+    k_in = entry(wino_input_par if big else wino_input, x, s3, 0, geo)
+    k_out = entry(wino_output_par if big else wino_output, s3, b, has, out, 0, geo)
+    starts = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
+    c, oc = t.c, t.oc
+
+    def launch(ws: Any) -> None:
+        u = ws[:u_bytes].view(dt).reshape(16, oc, c)
+        k_w(w, u)
+        for t0, nt in starts:
+            v = ws[o_v:o_v + 16 * c * nt * item].view(dt).reshape(16, c, nt)
+            m = ws[o_m:o_m + 16 * oc * nt * item].view(dt).reshape(16, oc, nt)
+            k_in(x, v, t0, geo)
+            np.matmul(u, v, out=m)
+            k_out(m, b, has, out, t0, geo)
     return launch
