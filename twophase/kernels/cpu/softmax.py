@@ -21,12 +21,13 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
+from ...errors import InternalError, Status
 from . import jit as _jit
 from . import vmath as vm
-from ...errors import InternalError, Status
 from .jit import FAST, entry
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
+_thread_id = numba.get_thread_id  # type: ignore[attr-defined]  # index of the worker running a prange body
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_par: Kernel = _jit.jit_par
@@ -175,7 +176,7 @@ def rows_par(x: Any, out: Any, mode: int, chunk: int, scratch: Any) -> None:
     """``chunk`` rows per task; log-softmax sums in its thread's scratch row (planned in the workspace)."""
     n_rows = x.shape[0]
     for t in numba.prange((n_rows + chunk - 1) // chunk):
-        tmp = scratch[numba.get_thread_id()]
+        tmp = scratch[_thread_id()]
         for k in range(t * chunk, min(n_rows, (t + 1) * chunk)):
             _row(x[k], out[k], tmp, mode)
 
@@ -224,7 +225,7 @@ def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, by_rows: bool
     nb = part.shape[1]
     if by_rows:
         for k in numba.prange(n_rows):
-            tmp = scratch[numba.get_thread_id()]
+            tmp = scratch[_thread_id()]
             for j in range(nb):
                 _partial(x, out, tmp, block, part, k, j, mode)
             _merge(part, k, mode)
@@ -232,7 +233,7 @@ def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, by_rows: bool
                 _write(x, out, block, part, k, j, mode)
     else:
         for t in numba.prange(n_rows * nb):
-            tmp = scratch[numba.get_thread_id()]
+            tmp = scratch[_thread_id()]
             _partial(x, out, tmp, block, part, t // nb, t % nb, mode)
         for k in numba.prange(n_rows):
             _merge(part, k, mode)
