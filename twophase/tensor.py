@@ -222,11 +222,13 @@ class Tensor:
         raise TypeError("Tensors are made by a device: use dev.tensor(array) or dev.empty(shape, dtype)")
 
     @classmethod
-    def _make(cls, desc: TensorDesc, block: Block, device: Device) -> Tensor:
+    def _make(cls, desc: TensorDesc, block: Block, device: Device, checked: bool = True) -> Tensor:
+        """Bind ``desc`` to ``block``; ``checked=False`` only for a dense desc on a block sized for it."""
         self = object.__new__(cls)
-        lo, hi = desc.span()
-        if lo < 0 or hi * desc.dtype.itemsize > block.size:
-            raise ParamError(arg="desc", expected=f"a desc inside a {block.size}-byte block", got=desc)
+        if checked:
+            lo, hi = desc.span()
+            if lo < 0 or hi * desc.dtype.itemsize > block.size:
+                raise ParamError(arg="desc", expected=f"a desc inside a {block.size}-byte block", got=desc)
         self.desc = desc
         self.block = block
         self.device = device

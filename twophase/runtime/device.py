@@ -88,13 +88,13 @@ class Device:
               stream: Stream | None = None) -> Tensor:
         """An uninitialised dense tensor from the pool."""
         desc = TensorDesc(shape, dtype, None, 0, format)
-        return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self)
+        return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self, checked=False)
 
     def empty_like(self, desc: TensorDesc, stream: Stream | None = None) -> Tensor:
         """An uninitialised tensor with ``desc``'s shape, dtype and format (dense)."""
         if desc.offset or not desc.is_contiguous:
             return self.empty(desc.shape, desc.dtype, desc.format, stream)
-        return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self)
+        return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self, checked=False)
 
     def tensor(self, array: Any, stream: Stream | None = None, format: Format = Format.ND,
                dtype: Any = None) -> Tensor:
