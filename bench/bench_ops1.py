@@ -1,16 +1,22 @@
 """Operator library I: each kernel side by side with np.copyto of the same bytes, naive numpy and torch (if
-installed), on float32 4096x4096, 64x262144 and 262144x64. Prints a ratio table (higher is better for us)."""
+installed), on float32 4096x4096, 64x262144 and 262144x64. Prints a ratio table (higher is better for us).
+
+Every row is timed in interleaved rounds (``bench.common.interleaved``: ours, the baselines, ours, ...; median
+per function), so machine drift and load hit all of them alike. ``python -m bench.bench_ops1 gelu silu`` runs
+only the named kernels.
+"""
 
 from __future__ import annotations
 
 import os
 import sys
-import time
+from collections.abc import Callable
 from math import erf
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
+from bench.common import interleaved
 from twophase import device, ops
 
 try:
@@ -19,37 +25,8 @@ except ImportError:  # optional
     torch = None
 
 SHAPES = [(4096, 4096), (64, 262144), (262144, 64)]
-REPS = 5
-
-
-def best(fn: Callable[[], Any], reps: int = REPS) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t)
-    return min(times)
-
-
-def ours(op: Any, ins: list[Any], **attrs: Any) -> float:
-    dev = device("cpu")
-    s = dev.stream()
-    size, ex = op.get_workspace_size(*ins, **attrs)
-    for i, d in enumerate(ex.output_descs):
-        ex.set_output(i, dev.empty_like(d))
-    ex.set_repeatable()
-    ws = dev.malloc(size, stream=s)
-
-    def run() -> None:
-        for _ in range(3):
-            op(ws, size, ex, s)
-        s.synchronize()
-    t = best(run) / 3
-    ws.free(s)
-    ex.destroy()
-    return t
-
+CALLS, ROUNDS = 3, 5  # calls per timing, interleaved rounds (median)
+REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_sum0", "reduce_max0", "argmax", "var")
 
 _verf = np.vectorize(erf, otypes=[np.float32])
 CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], Callable[..., Any], Any]] = {
@@ -68,41 +45,85 @@ CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], Callable[..., Any], A
     "add": (ops.add, {}, lambda x: x + x, lambda t, o: torch.add(t, t, out=o)),
     "reduce_sum": (ops.reduce_sum, {"dims": (-1,)}, lambda x: x.sum(-1), lambda t, o: t.sum(-1)),
     "reduce_max": (ops.reduce_max, {"dims": (-1,)}, lambda x: x.max(-1), lambda t, o: t.amax(-1)),
+    "reduce_min": (ops.reduce_min, {"dims": (-1,)}, lambda x: x.min(-1), lambda t, o: t.amin(-1)),
+    "reduce_sum0": (ops.reduce_sum, {"dims": (0,)}, lambda x: x.sum(0), lambda t, o: t.sum(0)),
+    "reduce_max0": (ops.reduce_max, {"dims": (0,)}, lambda x: x.max(0), lambda t, o: t.amax(0)),
+    "argmax": (ops.argmax, {"dim": -1}, lambda x: x.argmax(-1), lambda t, o: t.argmax(-1)),
+    "var": (ops.var, {"dims": (-1,)}, lambda x: x.var(-1, ddof=1), lambda t, o: t.var(-1)),
 }
 
 
+def ours(op: Any, ins: list[Any], **attrs: Any) -> tuple[Callable[[], None], Callable[[], None]]:
+    """(run: CALLS launches then a synchronize, release)."""
+    dev = device("cpu")
+    s = dev.stream()
+    size, ex = op.get_workspace_size(*ins, **attrs)
+    for i, d in enumerate(ex.output_descs):
+        ex.set_output(i, dev.empty_like(d))
+    ex.set_repeatable()
+    ws = dev.malloc(size, stream=s)
+
+    def run() -> None:
+        for _ in range(CALLS):
+            op(ws, size, ex, s)
+        s.synchronize()
+
+    def release() -> None:
+        ws.free(s)
+        ex.destroy()
+    return run, release
+
+
 def main() -> None:
-    print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}  cpus={os.cpu_count()}  "
-          f"torch={'%s' % torch.__version__ if torch else 'not installed'}")
-    print("ratios: copyto = t(np.copyto of the output bytes; for reductions too: np.copyto of the input, which also writes) / t(ours); "
-          "naive = t(numpy) / t(ours); torch = t(torch) / t(ours)")
-    print(f"{'kernel':<11} {'shape':<12} {'ours ms':>8} {'copyto':>7} {'naive':>7} {'torch':>7}")
+    print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}  "
+          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}  cpus={os.cpu_count()}  "
+          f"torch={torch.__version__ if torch else 'not installed'}")
+    print("ratios (higher is better for us), medians of interleaved rounds: copyto = t(np.copyto of the output "
+          "bytes; for reductions: of the input, which also writes) / t(ours); read = t(one SIMD pass that only "
+          "reads the input: np.max of its int32 view) / t(ours), reductions only; naive = t(numpy) / t(ours); "
+          "torch = t(torch) / t(ours)")
+    print(f"{'kernel':<11} {'shape':<12} {'ours ms':>8} {'copyto':>7} {'read':>7} {'naive':>7} {'torch':>7}")
     dev = device("cpu")
     rng = np.random.default_rng(0)
     for shape in SHAPES:
         x = rng.standard_normal(shape).astype(np.float32)
+        xi = x.view(np.int32).reshape(-1)
         xt = dev.tensor(x)
         xt.synchronize()
         dst = np.empty_like(x)
-        t_copy = best(lambda: np.copyto(dst, x))
         for name, (op, attrs, naive, tfn) in CASES.items():
             if sys.argv[1:] and name not in sys.argv[1:]:  # `python -m bench.bench_ops1 softmax log_softmax`
                 continue
             if name in ("layer_norm", "rms_norm"):
                 attrs = {"normalized_shape": (shape[-1],)}
-            ins = [xt, xt] if name == "add" else [xt]
-            t = ours(op, ins, **attrs)
-            if name == "gelu":  # scalar erf per element: time 1/64 of the rows
-                part = x[: max(1, shape[0] // 64)]
-                t_naive = best(lambda: naive(part), 1) * shape[0] / part.shape[0]
-            else:
-                t_naive = best(lambda: naive(x), 1)
-            t_torch = float("nan")
+            run, release = ours(op, [xt, xt] if name == "add" else [xt], **attrs)
+            def copy(dst: Any = dst, x: Any = x) -> None:
+                for _ in range(CALLS):
+                    np.copyto(dst, x)
+
+            def read(xi: Any = xi) -> None:
+                for _ in range(CALLS):
+                    np.max(xi)
+            fns: dict[str, Callable[[], Any]] = {"ours": run, "copyto": copy}
+            if name in REDUCTIONS:
+                fns["read"] = read
             if torch is not None:
                 tx, to = torch.from_numpy(x), torch.empty(shape)
-                t_torch = best(lambda: tfn(tx, to))
-            print(f"{name:<11} {'x'.join(map(str, shape)):<12} {t * 1e3:8.2f} {t_copy / t:7.2f} {t_naive / t:7.2f} "
-                  f"{t_torch / t:7.2f}")
+                fns["torch"] = lambda tfn=tfn, tx=tx, to=to: [tfn(tx, to) for _ in range(CALLS)]
+            if name == "gelu":  # scalar erf per element: time 1/64 of the rows, scaled
+                part = x[: max(1, shape[0] // 64)]
+                scale = shape[0] / part.shape[0]
+                fns["naive"] = lambda part=part, naive=naive: naive(part)
+            else:
+                scale = 1.0
+                fns["naive"] = lambda naive=naive, x=x: naive(x)
+            t = interleaved(fns, 1, rounds=ROUNDS)
+            release()
+            t["naive"] *= scale * CALLS  # one naive call stands for CALLS calls, like the others
+            nan = float("nan")
+            print(f"{name:<11} {'x'.join(map(str, shape)):<12} {t['ours'] / CALLS * 1e3:8.2f} "
+                  f"{t['copyto'] / t['ours']:7.2f} {t.get('read', nan) / t['ours']:7.2f} "
+                  f"{t['naive'] / t['ours']:7.2f} {t.get('torch', nan) / t['ours']:7.2f}")
 
 
 if __name__ == "__main__":

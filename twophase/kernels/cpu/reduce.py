@@ -63,12 +63,14 @@ vmin = _llvm_binary("llvm.minimum", "llvm.smin")
 
 # ---------------------------------------------------------------- spans (1-D)
 # Spans take a whole row ``v`` (``x[k]`` keeps a C-contiguous matrix's layout; a slice would type as 'A', whose
-# unknown stride blocks vectorization) and the bounds [lo, hi).
+# unknown stride blocks vectorization) and the bounds [lo, hi). Indices are unsigned: a signed index gets numba's
+# negative-index wrap-around select, which turns the vector loads into gathers (6x slower).
 @jit_reduce
 def _sum_span(v: Any, lo: int, hi: int, zero: Any) -> Any:
     acc = zero
-    for i in range(lo, hi):
-        acc += v[i]
+    base = np.uint64(lo)
+    for i in range(np.uint64(hi - lo)):
+        acc += v[base + i]
     return acc
 
 
@@ -76,12 +78,13 @@ def _sum_span(v: Any, lo: int, hi: int, zero: Any) -> Any:
 def _max_span(v: Any, lo: int, hi: int, sign: Any) -> Any:
     """max (sign > 0) or min (sign < 0) of a non-empty span; NaN wins."""
     m = v[lo]
+    base = np.uint64(lo)
     if sign > 0:
-        for i in range(lo + 1, hi):
-            m = vmax(m, v[i])
+        for i in range(np.uint64(hi - lo)):
+            m = vmax(m, v[base + i])
     else:
-        for i in range(lo + 1, hi):
-            m = vmin(m, v[i])
+        for i in range(np.uint64(hi - lo)):
+            m = vmin(m, v[base + i])
     return m
 
 
@@ -89,8 +92,9 @@ def _max_span(v: Any, lo: int, hi: int, sign: Any) -> Any:
 def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, int]:
     """(max, index of its first occurrence) of a non-empty span; the first NaN wins (numpy's argmax)."""
     m = v[lo]
-    for i in range(lo + 1, hi):
-        m = vmax(m, v[i])
+    base = np.uint64(lo)
+    for i in range(np.uint64(hi - lo)):
+        m = vmax(m, v[base + i])
     if m != m:
         for i in range(lo, hi):
             if v[i] != v[i]:
@@ -105,13 +109,14 @@ def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, int]:
 def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
     """(count, mean, M2) of a span, two passes (the span is one block: it stays in cache)."""
     n = hi - lo
+    base = np.uint64(lo)
     s = 0.0
-    for i in range(lo, hi):
-        s += v[i]
+    for i in range(np.uint64(n)):
+        s += v[base + i]
     mean = s / n if n > 0 else 0.0
     m2 = 0.0
-    for i in range(lo, hi):
-        d = v[i] - mean
+    for i in range(np.uint64(n)):
+        d = v[base + i] - mean
         m2 += d * d
     return float(n), mean, m2
 
