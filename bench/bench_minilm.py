@@ -8,6 +8,7 @@ alike; each figure is the median of ``ROUNDS`` runs. torch / onnxruntime are opt
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import statistics
@@ -27,7 +28,7 @@ except ImportError:  # pragma: no cover - optional
 try:
     import onnxruntime as ort
 except ImportError:  # pragma: no cover - optional
-    ort = None  # type: ignore[assignment]
+    ort = None
 
 CASES = ((1, 128), (8, 128))
 ROUNDS = int(os.environ.get("TWOPHASE_BENCH_ROUNDS", "21"))
@@ -46,7 +47,7 @@ def _erf() -> Callable[[Any], Any]:
         from scipy.special import erf
         return erf  # type: ignore[no-any-return]
     except ImportError:
-        return np.vectorize(math.erf, otypes=[np.float32])  # type: ignore[no-any-return]
+        return np.vectorize(math.erf, otypes=[np.float32])
 
 
 class NumpyBert:
@@ -100,7 +101,7 @@ def torch_bert(w: dict[str, Any], heads: int, eps: float, layers: int) -> Any:
     nn, F = torch.nn, torch.nn.functional
     hidden = int(w["embeddings.LayerNorm.weight"].shape[0])
 
-    class Bert(nn.Module):  # type: ignore[misc, name-defined]
+    class Bert(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.p = nn.ParameterDict({k.replace(".", "__"): nn.Parameter(torch.from_numpy(v), requires_grad=False)
@@ -223,7 +224,7 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
                     def onnx(ids: Any = ids, mask: Any = mask, sess: Any = sess) -> Any:
                         return _pool(sess.run(None, {"input_ids": ids, "attention_mask": mask})[0], mask)
                     fns["ONNX Runtime"] = onnx
-            fns["numpy op-by-op"] = lambda ids=ids, mask=mask: npb(ids, mask)
+            fns["numpy op-by-op"] = functools.partial(npb, ids, mask)
             for name, fn in fns.items():  # every row computes the same embeddings
                 cos = (np.asarray(fn(), np.float64) * want).sum(-1)
                 if cos.min() < 0.9999:
@@ -286,7 +287,15 @@ def verdicts(result: dict[str, Any]) -> list[str]:
     return out
 
 
-SINGLE_ENV = {"OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+# variants run in a subprocess each (the thread settings must be in place before numba / OpenBLAS start)
+VARIANTS = {
+    "numba1": ("twophase's numba kernels on one thread (NUMBA_NUM_THREADS=1; BLAS, torch and ORT at their defaults)",
+               {"NUMBA_NUM_THREADS": "1"}, 0),
+    "single": ("one thread each (OPENBLAS_NUM_THREADS=1, NUMBA_NUM_THREADS=1, OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, "
+               "torch.set_num_threads(1), ORT intra_op_num_threads=1)",
+               {"OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
+               1),
+}
 
 
 def _print(res: dict[str, Any], title: str) -> None:
@@ -301,37 +310,36 @@ def _print(res: dict[str, Any], title: str) -> None:
         print(line)
 
 
-def main(single: bool | None = None) -> dict[str, Any]:
-    """The table with the libraries' default threads, then (``TWOPHASE_BENCH_SINGLE=0`` skips it) the same in a
-    subprocess with one thread everywhere: on a shared machine, parallel regions wait for descheduled threads."""
-    if single is None:
-        single = os.environ.get("TWOPHASE_BENCH_SINGLE", "1") != "0"
+def main(variants: bool | None = None) -> dict[str, Any]:
+    """The table with every library's default threads, then (``TWOPHASE_BENCH_VARIANTS=0`` skips them) the same
+    in subprocesses with other thread settings (:data:`VARIANTS`)."""
+    if variants is None:
+        variants = os.environ.get("TWOPHASE_BENCH_VARIANTS", "1") != "0"
     print(header("MiniLM (all-MiniLM-L6-v2) end to end (bench/bench_minilm.py)"))
     res = run()
     _print(res, "default threads (each library's own default)")
-    if single:
+    if variants:
         import subprocess
         import sys
-        print()
-        env = {**os.environ, **SINGLE_ENV}
-        out = subprocess.run([sys.executable, "-m", "bench.bench_minilm", "--single-thread"], env=env,
-                             capture_output=True, text=True, check=False)
-        print(out.stdout.rstrip() if out.returncode == 0 else f"single-thread run failed:\n{out.stderr[-2000:]}")
+        for name, (_, env, _threads) in VARIANTS.items():
+            print()
+            out = subprocess.run([sys.executable, "-m", "bench.bench_minilm", "--variant", name],
+                                 env={**os.environ, **env}, capture_output=True, text=True, check=False)
+            print(out.stdout.rstrip() if out.returncode == 0 else f"variant {name} failed:\n{out.stderr[-2000:]}")
     return res
 
 
-def _single() -> None:
-    """The subprocess side of :func:`main`: one thread in numba, OpenBLAS, torch and ONNX Runtime."""
-    if torch is not None:
-        torch.set_num_threads(1)
-    res = run(ort_threads=1)
-    _print(res, "one thread each (" + ", ".join(f"{k}={v}" for k, v in SINGLE_ENV.items())
-           + ", torch.set_num_threads(1), ORT intra_op_num_threads=1)")
+def _variant(name: str) -> None:
+    """The subprocess side of :func:`main`."""
+    title, _env, threads = VARIANTS[name]
+    if torch is not None and threads:
+        torch.set_num_threads(threads)
+    _print(run(ort_threads=threads), title)
 
 
 if __name__ == "__main__":
     import sys
-    if "--single-thread" in sys.argv:
-        _single()
+    if "--variant" in sys.argv:
+        _variant(sys.argv[sys.argv.index("--variant") + 1])
     else:
         main()

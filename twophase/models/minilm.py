@@ -287,7 +287,7 @@ class Program:
         self.shape = batch.shape
         self.stream = model.stream
         rec = Recorder(model.dev, self.stream)
-        ins = self._upload(batch)
+        ins = model._upload_batch(batch)
         try:
             self.output = forward(rec, model.config, model.weights, *ins)
         except BaseException:
@@ -302,18 +302,13 @@ class Program:
         self.bindings = [(ci, ii, which) for ci, c in enumerate(self.calls)
                          for ii, t in enumerate(c.executor._tensors[:len(c.executor.input_descs)])
                          for which, src in enumerate(ins) if t is not None and t.block is src.block]
-        self.graph: Any = None
         self._inputs = ins
-
-    def _upload(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
-        dev, s = self.model.dev, self.stream
-        return dev.tensor(batch.ids, stream=s), dev.tensor(batch.type_ids, stream=s), dev.tensor(batch.mask, stream=s)
 
     def bind(self, batch: Batch) -> None:
         """Copy a batch in and rebind the executors that read the model inputs (same descs: no re-planning)."""
         if batch.shape != self.shape:
             raise ValueError(f"program planned for {self.shape}, got a batch of {batch.shape}")
-        old, ins = self._inputs, self._upload(batch)
+        old, ins = self._inputs, self.model._upload_batch(batch)
         for ci, ii, which in self.bindings:
             ex = self.calls[ci].executor
             ex.set_input(ii, _view(ins[which], ex.input_descs[ii].shape))  # type: ignore[union-attr]
