@@ -159,7 +159,7 @@ def run_suite(modules: Sequence[str], out_dir: Path = RESULTS) -> Path:
             continue
         print()
         tee = _Tee(sys.stdout)
-        with contextlib.redirect_stdout(tee):  # type: ignore[type-var]
+        with contextlib.redirect_stdout(tee):
             result = mod.main()
         sections.append((name, tee.buf.getvalue(), result))
     try:
