@@ -124,6 +124,16 @@ def test_sdpa_tiles_are_the_largest_that_fit_and_causal_tiles_skip_later_keys(rn
     _check(causal, reference(q, k, v, is_causal=True))
 
 
+def test_sdpa_tiles_use_k_in_place_when_its_packed_copy_does_not_fit(rng: np.random.Generator) -> None:
+    q, k, v = _qkv(rng, 1, 2, 6, 40, 8, 3)
+    p = Dims(1, 2, 6, 40, 8, 3, 4)
+    limit = rows_layout(p, 1, 1, 1).workspace - 1  # one row of scores fits, not with k^T (8 x 40) beside it
+    r = run_checked(sdpa, q, k, v, None, workspace_limit=limit)
+    assert r.implementation == "tiled" and r.tiling.offsets[1] == -1 and r.tiling.block_q == 6
+    assert r.workspace_size == rows_layout(p, 1, 1, 6, pack_k=False).workspace <= limit
+    _check(r, reference(q, k, v))
+
+
 def _every_other(a: np.ndarray) -> Any:
     """A (B, H, L, D) tensor whose last dim has stride 2: BLAS cannot take its matrices."""
     store = np.zeros(a.shape[:-1] + (2 * a.shape[-1],), a.dtype)
@@ -151,7 +161,8 @@ def test_sdpa_picks_tiles_that_fit_the_limit_and_reports_the_smallest(rng: np.ra
     full = run_checked(sdpa, q, k, v, None)
     r = run_checked(sdpa, q, k, v, None, workspace_limit=full.workspace_size - 1)
     assert r.implementation == "tiled" and r.workspace_size <= full.workspace_size - 1
-    smallest = tiled_layout(1, 4, 40, 8, 4).workspace
+    smallest = rows_layout(Dims(1, 2, 32, 40, 8, 8, 4), 1, 1, 1, pack_k=False).workspace  # one row, k in place
+    assert smallest < tiled_layout(1, 4, 40, 8, 4).workspace
     with pytest.raises(ParamError) as e:
         sdpa.get_workspace_size(*(x for x in _dev(q, k, v)), workspace_limit=smallest - 1)
     assert e.value.arg == "workspace_limit" and f"at least {smallest} bytes" in e.value.expected

@@ -31,7 +31,7 @@ class AttentionTiling:
     """Score tiles of ``block_b`` batch entries x ``block_h`` heads x ``block_q`` queries x ``block_k`` keys.
 
     materialized / tiled (whole key rows): ``offsets`` of the workspace areas (scores, k^T, q, v, out), -1 for
-    an operand used in place (k^T is always packed: BLAS runs the plain layout much faster). online:
+    an operand used in place (k^T is packed unless the limit leaves no room: BLAS runs the plain layout faster). online:
     ``offsets`` of scores, pv, m, m_new, alpha, l, rowsum (unused areas of size 0)."""
 
     block_q: int
@@ -45,8 +45,8 @@ class AttentionTiling:
 
 @dataclass(frozen=True)
 class Dims:
-    """Problem sizes (``lk``: the keys any query sees, min(Lk, Lq) when causal) and which of q, v, out BLAS
-    cannot take as they are (packed per tile)."""
+    """Problem sizes (``lk``: the keys any query sees, min(Lk, Lq) when causal), which of q, v, out BLAS
+    cannot take as they are (packed per tile) and whether it can take k^T in place."""
 
     b: int
     h: int
@@ -58,14 +58,15 @@ class Dims:
     pack_q: bool = False
     pack_v: bool = False
     pack_o: bool = False
+    k_ok: bool = True
 
 
-def rows_layout(p: Dims, tb: int, th: int, tq: int) -> AttentionTiling:
+def rows_layout(p: Dims, tb: int, th: int, tq: int, pack_k: bool = True) -> AttentionTiling:
     """A tile of whole key rows and its workspace: align64(rows*Lk*item) scores (rows = tb*th*tq),
-    align64(tb*th*D*Lk*item) for k^T, then align64(rows*D*item) for q, align64(tb*th*Lk*Dv*item) for v and
-    align64(rows*Dv*item) for out when those are packed; 0 when Lk == 0."""
+    align64(tb*th*D*Lk*item) for k^T when ``pack_k``, then align64(rows*D*item) for q, align64(tb*th*Lk*Dv*item)
+    for v and align64(rows*Dv*item) for out when those are packed; 0 when Lk == 0."""
     heads, rows = tb * th, tb * th * tq
-    sizes = [align(rows * p.lk * p.item), align(heads * p.d * p.lk * p.item),
+    sizes = [align(rows * p.lk * p.item), align(heads * p.d * p.lk * p.item) if pack_k else -1,
              align(rows * p.d * p.item) if p.pack_q else -1, align(heads * p.lk * p.dv * p.item) if p.pack_v else -1,
              align(rows * p.dv * p.item) if p.pack_o else -1]
     offsets, off = [], 0
@@ -80,25 +81,25 @@ def materialized_workspace(p: Dims) -> int:
     return rows_layout(p, p.b, p.h, p.lq).workspace
 
 
-def row_tiling(p: Dims, budget: int) -> AttentionTiling | None:
+def row_tiling(p: Dims, budget: int, pack_k: bool = True) -> AttentionTiling | None:
     """The largest tile of whole key rows whose workspace fits ``budget`` bytes: whole batch entries, whole
     heads of one batch entry, or queries of one head; None when not even one row fits."""
     for tb in range(p.b, 1, -1):
-        t = rows_layout(p, tb, p.h, p.lq)
+        t = rows_layout(p, tb, p.h, p.lq, pack_k)
         if t.workspace <= budget:
             return t
     for th in range(p.h, 1, -1):
-        t = rows_layout(p, 1, th, p.lq)
+        t = rows_layout(p, 1, th, p.lq, pack_k)
         if t.workspace <= budget:
             return t
     lo, hi = 0, max(p.lq, 1)  # the workspace grows with the queries per tile: the largest that fits
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if rows_layout(p, 1, 1, mid).workspace <= budget:
+        if rows_layout(p, 1, 1, mid, pack_k).workspace <= budget:
             lo = mid
         else:
             hi = mid - 1
-    return rows_layout(p, 1, 1, lo) if lo else None
+    return rows_layout(p, 1, 1, lo, pack_k) if lo else None
 
 
 def tiled_layout(bq: int, bk: int, lk: int, dv: int, item: int) -> AttentionTiling:
@@ -127,6 +128,13 @@ def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
         budget = min(budget, lim)
     rows = row_tiling(p, budget)
     tiled = [] if rows is None else [Candidate("tiled", rows, rows.workspace)]
+    if rows is None and p.k_ok:  # k^T used in place (a slower GEMM layout) when no tile with its copy fits
+        bare = row_tiling(p, budget, pack_k=False)
+        if bare is not None:
+            tiled.append(Candidate("tiled", bare, bare.workspace))
+    if not tiled and p.lq:  # one row: it does not fit, but the error then names the smallest workspace
+        one = rows_layout(p, 1, 1, 1, pack_k=not p.k_ok)
+        tiled.append(Candidate("tiled", one, one.workspace))
     online: list[Candidate] = []
     seen = set()
     for bq, bk in TILES:
@@ -171,7 +179,8 @@ def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Pl
     b, h, lq, d = q.shape
     lk = min(k.shape[2], lq) if attrs["is_causal"] else k.shape[2]  # causal: no query sees a later key
     p = Dims(b, h, lq, lk, d, v.shape[3], q.dtype.itemsize, not matrix_ok(q.shape, q.strides),
-             not matrix_ok(v.shape, v.strides), not matrix_ok(out.shape, out.strides, out=True))
+             not matrix_ok(v.shape, v.strides), not matrix_ok(out.shape, out.strides, out=True),
+             matrix_ok(k.shape, k.strides))
     return plan_attention(p, limit, k.shape[2])
 
 
@@ -220,9 +229,10 @@ scaled_dot_product_attention = register(OpDef(
     kernels={"cpu": _build},
     implementations=("materialized", "tiled", "online"),
     workspace_formula=("materialized: the tiled formula with one tile (tb, th, tq) = (B, H, Lq); tiled (tb x th x tq "
-                       "rows): align64(tb*th*tq*Lk*item) + align64(tb*th*D*Lk*item) [+ align64(tb*th*tq*D*item) if "
-                       "q is packed] [+ align64(tb*th*Lk*Dv*item) if v is packed] [+ align64(tb*th*tq*Dv*item) if "
-                       "out is packed] (packed: BLAS cannot take its matrices); "
+                       "rows): align64(tb*th*tq*Lk*item) [+ align64(tb*th*D*Lk*item) for k^T, unless no tile with "
+                       "it fits the limit] [+ align64(tb*th*tq*D*item) if q is packed] [+ align64(tb*th*Lk*Dv*item) "
+                       "if v is packed] [+ align64(tb*th*tq*Dv*item) if out is packed] (q, v, out are packed when "
+                       "BLAS cannot take their matrices); "
                        "online (bq x bk tile): align64(bq*bk*item) + 5*align64(bq*item) [+ align64(bq*Dv*item) if "
                        "bk < Lk]; 0 if Lk == 0"),
     doc=("softmax(scale * q @ k^T + mask) @ v for (B, H, L, D) operands, float32 / float64; attn_mask is boolean "

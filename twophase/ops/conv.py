@@ -228,14 +228,16 @@ def winograd_workspace(oc: int, c: int, chunk: int, item: int) -> int:
 
 
 def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate | None:
-    """Winograd F(2x2, 3x3) with the most 2x2 output tiles per round that fit ``limit`` (all when none)."""
+    """Winograd F(2x2, 3x3) with the most 2x2 output tiles per round that fit ``limit`` (else 32 MiB, at least
+    one tile)."""
     tiles = t.n * ((t.oh + 1) // 2) * ((t.ow + 1) // 2)
     chunk = tiles
-    if limit is not None and winograd_workspace(t.oc, t.c, chunk, item) > limit:
+    budget = limit if limit is not None else max(IM2COL_TARGET, winograd_workspace(t.oc, t.c, 1, item))
+    if winograd_workspace(t.oc, t.c, chunk, item) > budget:
         lo, hi = 0, tiles
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if winograd_workspace(t.oc, t.c, mid, item) <= limit:
+            if winograd_workspace(t.oc, t.c, mid, item) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
@@ -312,7 +314,8 @@ conv2d = register(OpDef(
          "fit workspace_limit, else 32 MiB) or, when one image does not fit, of tile_rows output rows; see "
          "workspace_formula. "
          "winograd F(2x2, 3x3) (3x3, stride 1, dilation 1, groups 1): weights, input tiles and 16 GEMMs of (OC, C) "
-         "x (C, chunk) in the workspace, output transform adds the bias; see workspace_formula; ranked first when "
+         "x (C, chunk) in the workspace (chunk: all tiles that fit workspace_limit, else 32 MiB), output transform "
+         "adds the bias; see workspace_formula; ranked first when "
          "BLAS runs one thread (OPENBLAS_NUM_THREADS=1) and N*ceil(OH/2)*ceil(OW/2) >= 64, else after im2col. "
          "direct: loop nest parallel over (N, OC), workspace 0, ranked first when depthwise (C/groups == 1)."),
     reference=reference,

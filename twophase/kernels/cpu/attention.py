@@ -146,8 +146,11 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         for shape, kshape, qv, ktv, vv, ov, mv, q0, pack_kv in steps:
             sb, sh, sq, kend = shape
             if pack_kv:  # packed for the whole head group (a causal group: the keys its last tile sees)
-                ktp = area(ws, o_k, kshape)
-                np.copyto(ktp, ktv)
+                if o_k >= 0:
+                    ktp = area(ws, o_k, kshape)
+                    np.copyto(ktp, ktv)
+                else:
+                    ktp = ktv
                 if o_v >= 0:
                     vp = area(ws, o_v, (sb, sh, kshape[3], dv))
                     np.copyto(vp, vv)
