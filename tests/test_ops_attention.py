@@ -191,3 +191,13 @@ def test_sdpa_rejects_mask_together_with_is_causal() -> None:
     with pytest.raises(ParamError) as e:
         sdpa.get_workspace_size(*ts, is_causal=True)
     assert e.value.arg == "is_causal"
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_scores_of_many_keys_are_computed_in_key_chunks(rng: np.random.Generator, causal: bool) -> None:
+    q, k, v = _qkv(rng, 1, 2, 40, 300, 16, 8)  # 300 keys: score GEMMs of 128, 128 and 44 keys
+    ref = reference(q, k, v, is_causal=causal)
+    for impl, limit in (("materialized", None), ("tiled", 30000)):
+        with forced(impl):
+            r = run_checked(sdpa, q, k, v, None, is_causal=causal, workspace_limit=limit)
+        _check(r, ref)
