@@ -95,14 +95,13 @@ def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, int]:
     base = np.uint64(lo)
     for i in range(np.uint64(hi - lo)):
         m = vmax(m, v[base + i])
-    if m != m:
-        for i in range(lo, hi):
-            if v[i] != v[i]:
-                return m, i
-    for i in range(lo, hi):
-        if v[i] == m:
-            return m, i
-    return m, lo
+    nan = m != m
+    first = np.int64(hi)  # a min-reduction of the matching indices: vectorizes (a search with an early exit does not)
+    for i in range(np.uint64(hi - lo)):
+        e = v[base + i]
+        hit = (e != e) if nan else (e == m)
+        first = vmin(first, np.int64(base + i) if hit else np.int64(hi))
+    return m, first
 
 
 @jit_reduce
