@@ -89,7 +89,7 @@ def _max_span(v: Any, lo: int, hi: int, sign: Any) -> Any:
 
 
 @jit_reduce
-def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, int]:
+def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, Any]:
     """(max, index of its first occurrence) of a non-empty span; the first NaN wins (numpy's argmax)."""
     m = v[lo]
     base = np.uint64(lo)
