@@ -120,6 +120,8 @@ def _fold_point(a: Spec, b: Spec, out: Spec) -> tuple[int, Spec, Spec] | None:
         fa, fo = _fold(a, gg), _fold(out, gg)
         if fa is None or fo is None:
             continue
+        if fa.rows_stride is None or fo.rows_stride is None:
+            return None
         if matrix_ok((fa.folded_rows, a.shape[-1]), (fa.rows_stride, a.strides[-1])) and \
                 matrix_ok((fo.folded_rows, out.shape[-1]), (fo.rows_stride, out.strides[-1]), out=True):
             return gg, fa, fo

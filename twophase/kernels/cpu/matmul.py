@@ -75,10 +75,10 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, epilogue: Launch |
 def _build_packed(t: Any, av: Any, bv: Any, ov: Any, post: Launch) -> Launch:
     dt = ov.dtype
     areas = []
-    for view, packed, off in zip((av, bv, ov), t.pack, t.offsets):
-        areas.append((view.shape, off, align(view.size * dt.itemsize) if packed else 0, packed))
+    for view, is_packed, off in zip((av, bv, ov), t.pack, t.offsets):
+        areas.append((view.shape, off, align(view.size * dt.itemsize) if is_packed else 0, is_packed))
 
-    def packed(ws: Any) -> None:
+    def launch(ws: Any) -> None:
         ops = []
         for (shape, off, nbytes, is_packed), view in zip(areas, (av, bv, ov)):
             ops.append(ws[off:off + nbytes].view(dt)[:view.size].reshape(shape) if is_packed else view)
@@ -90,7 +90,7 @@ def _build_packed(t: Any, av: Any, bv: Any, ov: Any, post: Launch) -> Launch:
         if areas[2][3]:
             np.copyto(ov, ops[2])
         post(ws)
-    return packed
+    return launch
 
 
 def build_epilogue(out: Any, c: Any, alpha: float, beta: float) -> Launch | None:
@@ -98,10 +98,10 @@ def build_epilogue(out: Any, c: Any, alpha: float, beta: float) -> Launch | None
     if c is None or beta == 0:
         if alpha == 1:
             return None
-        return lambda _: np.multiply(out, alpha, out=out)  # type: ignore[no-any-return]
+        return lambda _: np.multiply(out, alpha, out=out)
     if beta == 1:
         if alpha == 1:
-            return lambda _: np.add(out, c, out=out)  # type: ignore[no-any-return]
+            return lambda _: np.add(out, c, out=out)
 
         def scale_add(_: Any) -> None:
             np.multiply(out, alpha, out=out)

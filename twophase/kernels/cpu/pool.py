@@ -92,9 +92,9 @@ def build_pool(kind: str, x: Any, out: Any, geo: tuple[int, ...], include_pad: b
     g = np.array(geo, np.int64)
     if kind == "max":
         k = entry(max_pool, x, out, g)
-        return lambda _: k(x, out, g)  # type: ignore[no-any-return]
+        return lambda _: k(x, out, g)
     if kind == "avg":
         k = entry(avg_pool, x, out, g, include_pad)
-        return lambda _: k(x, out, g, include_pad)  # type: ignore[no-any-return]
+        return lambda _: k(x, out, g, include_pad)
     k = entry(adaptive_avg_pool, x, out)
-    return lambda _: k(x, out)  # type: ignore[no-any-return]
+    return lambda _: k(x, out)
