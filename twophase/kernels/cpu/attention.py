@@ -15,11 +15,16 @@ from typing import Any
 import numba
 import numpy as np
 
+from . import jit as _jit
 from . import vmath
-from .jit import REDUCE, entry, jit, jit_reduce, jit_reduce_par
+from .jit import REDUCE, entry
 
 Launch = Callable[[Any], None]
-jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, inline="always")
+Kernel = Callable[[Callable[..., Any]], Any]
+jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
+jit_reduce: Kernel = _jit.jit_reduce
+jit_reduce_par: Kernel = _jit.jit_reduce_par
+jit_inline: Kernel = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, inline="always")
 
 NONE, ADDITIVE, BOOL = 0, 1, 2
 QK_CHUNK = 128  # keys per score GEMM call (measured: 4 calls of N=128 beat one of N=512 with threaded BLAS)

@@ -11,10 +11,14 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align
-from .jit import FAST, entry, jit, jit_par
+from . import jit as _jit
+from .jit import FAST, entry
 
 Launch = Callable[[Any], None]
-jit_inline = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", inline="always")
+Kernel = Callable[[Callable[..., Any]], Any]
+jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
+jit_par: Kernel = _jit.jit_par
+jit_inline: Kernel = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", inline="always")
 PARALLEL_MIN = 1 << 20  # unfolded elements from which im2col runs on numba's threads
 
 
