@@ -133,8 +133,9 @@ def test_conv2d_winograd_chunks_fit_workspace_limit(rng: np.random.Generator, dt
     item = np.dtype(dtype).itemsize
     tiles = n * 4 * 3  # 2x2 output tiles: ceil(7/2) * ceil(6/2) per image
 
-    def size(chunk: int) -> int:  # transformed weights, transformed input tiles, GEMM result
-        return align(16 * oc * c * item) + align(16 * c * chunk * item) + align(16 * oc * chunk * item)
+    def size(chunk: int) -> int:  # transformed weights, transformed input tiles, GEMM result, scratch rows
+        return (align(16 * oc * c * item) + align(16 * c * chunk * item) + align(16 * oc * chunk * item)
+                + align(c * 4 * (2 * 3 + 2) * item) + align(oc * 8 * 3 * item))  # 3 tiles per row (OW 6)
 
     for limit, chunk in ((None, tiles), (size(tiles), tiles), (size(5), 5), (size(1), 1)):
         r = _run("winograd", x, wt, b, limit=limit, padding=1)

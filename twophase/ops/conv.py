@@ -221,10 +221,13 @@ def _blas_single_threaded() -> bool:
 WINOGRAD_FIRST = _blas_single_threaded()
 
 
-def winograd_workspace(oc: int, c: int, chunk: int, item: int) -> int:
+def winograd_workspace(oc: int, c: int, chunk: int, item: int, ow: int) -> int:
     """align64(16*OC*C*item) transformed weights + align64(16*C*chunk*item) transformed input +
-    align64(16*OC*chunk*item) GEMM result."""
-    return align(16 * oc * c * item) + align(16 * c * chunk * item) + align(16 * oc * chunk * item)
+    align64(16*OC*chunk*item) GEMM result + align64(C*4*(2*TW + 2)*item) + align64(OC*8*TW*item) scratch rows of
+    the transforms, TW = ceil(OW/2)."""
+    tw = (ow + 1) // 2
+    return (align(16 * oc * c * item) + align(16 * c * chunk * item) + align(16 * oc * chunk * item)
+            + align(c * 4 * (2 * tw + 2) * item) + align(oc * 8 * tw * item))
 
 
 def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate | None:
@@ -232,12 +235,12 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
     one tile)."""
     tiles = t.n * ((t.oh + 1) // 2) * ((t.ow + 1) // 2)
     chunk = tiles
-    budget = limit if limit is not None else max(IM2COL_TARGET, winograd_workspace(t.oc, t.c, 1, item))
-    if winograd_workspace(t.oc, t.c, chunk, item) > budget:
+    budget = limit if limit is not None else max(IM2COL_TARGET, winograd_workspace(t.oc, t.c, 1, item, t.ow))
+    if winograd_workspace(t.oc, t.c, chunk, item, t.ow) > budget:
         lo, hi = 0, tiles
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if winograd_workspace(t.oc, t.c, mid, item) <= budget:
+            if winograd_workspace(t.oc, t.c, mid, item, t.ow) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
@@ -245,7 +248,7 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
             return None
         chunk = lo
     tw = ConvTiling(**{**t.__dict__, "chunk": chunk})
-    return Candidate("winograd", tw, winograd_workspace(t.oc, t.c, chunk, item))
+    return Candidate("winograd", tw, winograd_workspace(t.oc, t.c, chunk, item, t.ow))
 
 
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
@@ -302,7 +305,8 @@ conv2d = register(OpDef(
     kernels={"cpu": _build},
     implementations=("gemm_1x1", "winograd", "im2col", "direct"),
     workspace_formula=("gemm_1x1: 0; winograd: align64(16*OC*C*itemsize) + align64(16*C*chunk*itemsize) + "
-                       "align64(16*OC*chunk*itemsize), chunk = 2x2 output tiles per round; "
+                       "align64(16*OC*chunk*itemsize) + align64(C*4*(2*TW+2)*itemsize) + align64(OC*8*TW*itemsize), "
+                       "chunk = 2x2 output tiles per round, TW = ceil(OW/2); "
                        "im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
                        "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
                        "pixel-major with mergeable (N, H, W)]; direct: 0"),

@@ -295,21 +295,18 @@ def _wino_input(x: Any, v: Any, c: int, t0: int, geo: Any, rows: Any) -> None:
 
 
 @jit_par
-def wino_input_par(x: Any, v: Any, t0: int, geo: Any) -> None:
+def wino_input_par(x: Any, v: Any, t0: int, geo: Any, scratch: Any) -> None:
     """v[4*i + j, c, t - t0] = (B^T d B)[i, j] for the 4x4 input patch d of tile t (zero padded); ``geo`` =
-    (ph, pw, tiles per column, tiles per row)."""
-    wp = 2 * geo[3] + 2
+    (ph, pw, tiles per column, tiles per row); ``scratch`` (C, 4, 2*tiles per row + 2) from the workspace."""
     for c in numba.prange(v.shape[1]):
-        rows = np.empty((4, wp), v.dtype)
-        _wino_input(x, v, c, t0, geo, rows)
+        _wino_input(x, v, c, t0, geo, scratch[c])
 
 
 @jit
-def wino_input(x: Any, v: Any, t0: int, geo: Any) -> None:
+def wino_input(x: Any, v: Any, t0: int, geo: Any, scratch: Any) -> None:
     """``wino_input_par``, serial."""
-    rows = np.empty((4, 2 * geo[3] + 2), v.dtype)
     for c in range(v.shape[1]):
-        _wino_input(x, v, c, t0, geo, rows)
+        _wino_input(x, v, c, t0, geo, scratch[c])
 
 
 @jit_inline
@@ -348,24 +345,24 @@ def _wino_output(m: Any, bias: Any, has_bias: bool, out: Any, oc: int, t0: int, 
 
 
 @jit_par
-def wino_output_par(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any) -> None:
-    """out's 2x2 block of tile t = A^T m A + bias, m[4*i + j, oc, t - t0], A^T = [[1, 1, 1, 0], [0, 1, -1, -1]]."""
+def wino_output_par(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any, scratch: Any) -> None:
+    """out's 2x2 block of tile t = A^T m A + bias, m[4*i + j, oc, t - t0], A^T = [[1, 1, 1, 0], [0, 1, -1, -1]];
+    ``scratch`` (OC, 8, tiles per row) from the workspace."""
     for oc in numba.prange(m.shape[1]):
-        s = np.empty((8, geo[3]), m.dtype)
-        _wino_output(m, bias, has_bias, out, oc, t0, geo, s)
+        _wino_output(m, bias, has_bias, out, oc, t0, geo, scratch[oc])
 
 
 @jit
-def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any) -> None:
+def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any, scratch: Any) -> None:
     """``wino_output_par``, serial."""
-    s = np.empty((8, geo[3]), m.dtype)
     for oc in range(m.shape[1]):
-        _wino_output(m, bias, has_bias, out, oc, t0, geo, s)
+        _wino_output(m, bias, has_bias, out, oc, t0, geo, scratch[oc])
 
 
 def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """Transformed weights U (16, OC, C), per chunk of ``t.chunk`` 2x2 output tiles the transformed input
-    V (16, C, chunk) and M = U @ V (16, OC, chunk) in the workspace, then the output transform (+ bias)."""
+    V (16, C, chunk) and M = U @ V (16, OC, chunk) in the workspace, then the output transform (+ bias); the
+    transforms' scratch rows are in the workspace too (no allocation in the launch)."""
     dt = x.dtype
     item = dt.itemsize
     th_n, tw_n = (t.oh + 1) // 2, (t.ow + 1) // 2
@@ -377,21 +374,27 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     u_bytes = 16 * t.oc * t.c * item
     o_v = align(u_bytes)
     o_m = o_v + align(16 * t.c * chunk * item)
+    o_si = o_m + align(16 * t.oc * chunk * item)  # per-channel scratch rows of the two transforms
+    si_n = t.c * 4 * (2 * tw_n + 2)
+    o_so = o_si + align(si_n * item)
+    so_n = t.oc * 8 * tw_n
     s3 = np.empty((1, 1, 1), dt)
     big = 16 * (t.c + t.oc) * chunk >= PARALLEL_MIN
     k_w = entry(wino_weights, w, s3)
-    k_in = entry(wino_input_par if big else wino_input, x, s3, 0, geo)
-    k_out = entry(wino_output_par if big else wino_output, s3, b, has, out, 0, geo)
+    k_in = entry(wino_input_par if big else wino_input, x, s3, 0, geo, s3)
+    k_out = entry(wino_output_par if big else wino_output, s3, b, has, out, 0, geo, s3)
     starts = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
     c, oc = t.c, t.oc
 
     def launch(ws: Any) -> None:
         u = ws[:u_bytes].view(dt).reshape(16, oc, c)
+        s_in = ws[o_si:o_si + si_n * item].view(dt).reshape(c, 4, 2 * tw_n + 2)
+        s_out = ws[o_so:o_so + so_n * item].view(dt).reshape(oc, 8, tw_n)
         k_w(w, u)
         for t0, nt in starts:
             v = ws[o_v:o_v + 16 * c * nt * item].view(dt).reshape(16, c, nt)
             m = ws[o_m:o_m + 16 * oc * nt * item].view(dt).reshape(16, oc, nt)
-            k_in(x, v, t0, geo)
+            k_in(x, v, t0, geo, s_in)
             np.matmul(u, v, out=m)
-            k_out(m, b, has, out, t0, geo)
+            k_out(m, b, has, out, t0, geo, s_out)
     return launch
