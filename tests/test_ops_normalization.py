@@ -17,6 +17,7 @@ from twophase import TensorDesc, ops
 from twophase.errors import ParamError
 from twophase.kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
 from twophase.ops.normalization import SoftmaxTiling
+from twophase.runtime.ops_cpu import kernel_threads
 from twophase.testing import run_checked
 
 TOL = {np.float16: 3e-3, np.float32: 2e-5, np.float64: 1e-10}
@@ -62,7 +63,7 @@ def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False
     n = shape[dim] if shape else 1
     k = math.prod(shape[i] for i in kept)
     split = n > 32768
-    rows = numba.get_num_threads() if split or k * n >= 1 << 18 else 1
+    rows = kernel_threads() if split or k * n >= 1 << 18 else 1
     ws = align64(rows * (8192 if split else n) * compute_size(dtype)) if log and k * n else 0
     ws += align64(k * -(-n // 8192) * 16) if split else 0
     f16 = np.dtype(dtype) == np.float16

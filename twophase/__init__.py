@@ -14,6 +14,7 @@ from .config import (
     set_deterministic,
     set_launch_blocking,
     set_log_level,
+    set_num_threads,
     set_sanitize,
     set_workspace_limit,
     settings,
@@ -47,7 +48,7 @@ from .tensor import DType, Format, Tensor, TensorDesc
 __version__ = "0.1.0"
 
 __all__ = [
-    "ops", "sanitizer", "stats", "cache_info", "clear_cache", "set_sanitize",
+    "ops", "sanitizer", "stats", "cache_info", "clear_cache", "set_sanitize", "set_num_threads",
     "set_cache_enabled", "set_cache_limit", "set_deterministic", "set_launch_blocking", "set_log_level",
     "set_workspace_limit", "settings",
     "InternalError", "InvalidStateError", "KernelError", "OutOfMemoryError", "ParamError", "RuntimeFailure",

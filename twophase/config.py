@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["settings", "on_change", "set_launch_blocking", "set_cache_limit", "set_cache_enabled",
-           "set_deterministic", "set_workspace_limit", "set_log_level", "set_sanitize"]
+           "set_deterministic", "set_workspace_limit", "set_log_level", "set_sanitize", "set_num_threads"]
 
 
 def _env_flag(name: str, default: bool = False) -> bool:
@@ -34,6 +34,7 @@ class Settings:
     cache_enabled: bool = field(default_factory=lambda: not _env_flag("TWOPHASE_DISABLE_CACHE"))
     deterministic: bool = field(default_factory=lambda: _env_flag("TWOPHASE_DETERMINISTIC"))
     workspace_limit: int | None = field(default_factory=lambda: _env_int("TWOPHASE_WORKSPACE_LIMIT", None))
+    num_threads: int = field(default_factory=lambda: _env_int("TWOPHASE_NUM_THREADS", 1) or 1)
     log_level: str = field(default_factory=lambda: os.environ.get("TWOPHASE_LOG_LEVEL", "WARNING").upper())
     sanitize: bool = field(default_factory=lambda: _env_flag("TWOPHASE_SANITIZE"))
 
@@ -78,6 +79,17 @@ def set_deterministic(enabled: bool) -> None:
 def set_workspace_limit(nbytes: int | None) -> None:
     """Default ``workspace_limit`` of every phase 1 (``TWOPHASE_WORKSPACE_LIMIT``; None = unlimited)."""
     _set("workspace_limit", None if nbytes is None else int(nbytes))
+
+
+def set_num_threads(n: int) -> None:
+    """Threads each parallel CPU kernel may use (``TWOPHASE_NUM_THREADS``, default 1; clamped to numba's pool).
+
+    1 by default because numba's OpenMP pool and OpenBLAS's pool spin-wait after their work: running both
+    on the same cores made a MiniLM forward several times slower than with kernels on one thread.
+    """
+    if int(n) < 1:
+        raise ValueError("num_threads must be >= 1")
+    _set("num_threads", int(n))
 
 
 def set_log_level(level: str | int) -> None:

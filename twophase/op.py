@@ -166,13 +166,13 @@ class Op:
         dev = next(iter(bound.values())).device.name if bound else None
         try:
             attr_key = tuple((k, _typed(v)) for k, v in attrs.items())
-            key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, limit,
+            key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, settings.num_threads, limit,
                    in_descs, out_key, attr_key)
             hash(key)
         except TypeError:  # an unhashable attribute value (a list of dims): key on the normalised form
             try:
                 norm = self._attrs(attrs)
-                key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, limit,
+                key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, settings.num_threads, limit,
                        in_descs, out_key, tuple((k, _typed(v)) for k, v in norm.items()))
                 hash(key)
             except TypeError:

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import ParamError
 from ..kernels.cpu.jit import entry
+from ..runtime.ops_cpu import kernel_threads
 from ..kernels.cpu.norm import build_norm
 from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
 from ..layout import align, as_matrix, merge_dims
@@ -63,7 +64,7 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None =
         k *= x.shape[i]
     split = -(-n // SPLIT_BLOCK) if n > LONG_ROW else 1
     item = 4 if x.dtype is DType.float16 else x.dtype.itemsize
-    threads = threads or numba.get_num_threads()
+    threads = threads or kernel_threads()
     parallel = k * n >= PARALLEL_MIN
     scratch_len = (SPLIT_BLOCK if split > 1 else n) if log and k * n > 0 else 0
     scratch_rows = threads if parallel or split > 1 else 1

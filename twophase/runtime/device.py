@@ -12,7 +12,7 @@ from .. import config
 from ..errors import ParamError
 from ..tensor import DType, Format, Tensor, TensorDesc
 from .memory import Block, MemoryPool, Segment
-from .stream import Stream
+from .stream import CONTROL, Stream
 
 __all__ = ["Device", "device", "register_backend"]
 
@@ -34,6 +34,7 @@ class Device:
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self._local = threading.local()
         config.on_change("launch_blocking", self._apply_launch_blocking)
+        config.on_change("num_threads", self._apply_num_threads)
 
     def __repr__(self) -> str:
         return f"Device('{self.name}')"
@@ -53,6 +54,9 @@ class Device:
 
     def _copyin(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         raise NotImplementedError
+
+    def _worker_init(self) -> None:
+        """Runs first on every stream worker thread (backends set per-thread kernel settings here)."""
 
     # ---- streams
     def stream(self, name: str | None = None) -> Stream:
@@ -78,6 +82,10 @@ class Device:
     def _apply_launch_blocking(self, value: object) -> None:
         for s in list(self._streams):
             s._set_blocking(bool(value))
+
+    def _apply_num_threads(self, value: object) -> None:
+        for s in list(self._streams):
+            s._enqueue(lambda _: self._worker_init(), None, CONTROL)  # in order, on each worker
 
     # ---- memory
     def malloc(self, nbytes: int, policy: str = "huge_first", stream: Stream | None = None) -> Block:

@@ -7,6 +7,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import config
 from ..tensor import TensorDesc
 from .device import Device, register_backend
 from .memory import Block, Segment
@@ -49,6 +50,22 @@ class CpuDevice(Device):
 
     def _copyin(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         np.copyto(dst, src)
+
+    def _worker_init(self) -> None:
+        apply_kernel_threads()
+
+
+def apply_kernel_threads() -> None:
+    """Give the calling thread's parallel numba kernels ``settings.num_threads`` threads (numba's count is
+    per calling thread; BLAS keeps its own pool)."""
+    import numba
+    numba.set_num_threads(kernel_threads())
+
+
+def kernel_threads() -> int:
+    """Threads a parallel kernel runs on: the ``num_threads`` setting, clamped to numba's pool."""
+    import numba
+    return max(1, min(config.settings.num_threads, numba.config.NUMBA_NUM_THREADS))
 
 
 register_backend("cpu", CpuDevice)

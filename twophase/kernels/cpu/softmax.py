@@ -250,8 +250,7 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     sample = np.empty((1, 1), compute_dt) if t.pack else src
     out_sample = sample if t.pack else dst
     k, n, split, block = t.rows, t.length, t.split, t.block
-    need_rows = numba.get_num_threads() if t.parallel or split > 1 else 1
-    if mode == LOG_SOFTMAX and (t.scratch_len < (block if split > 1 else n) or t.threads < need_rows):
+    if mode == LOG_SOFTMAX and (t.scratch_len < (block if split > 1 else n) or t.threads < 1):
         raise InternalError("log-softmax tiling lacks its per-thread scratch rows", op="log_softmax",
                             status=Status.ERR_INNER_TILING)
     no_scratch = np.empty((1, 0), compute_dt)  # softmax keeps its exps in out: a zero-size stand-in
@@ -270,16 +269,24 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
             x = out = area.reshape(k, n)
         else:
             x, out = src, dst
+        threads = 0
         if t.scratch_len:
             area = ws[t.scratch_offset:t.scratch_offset + scratch_bytes].view(compute_dt)
             scratch = area.reshape(t.threads, t.scratch_len)
+            threads = numba.get_num_threads()
+            if threads > t.threads:  # never more workers than planned scratch rows
+                numba.set_num_threads(t.threads)
         else:
             scratch = no_scratch
-        if split > 1:
-            part = ws[t.part_offset:t.part_offset + k * split * 16].view(np.float64).reshape(k, split, 2)
-            fn(x, out, block, part, mode, t.by_rows, scratch)
-        else:
-            fn(x, out, mode, t.chunk, scratch)
+        try:
+            if split > 1:
+                part = ws[t.part_offset:t.part_offset + k * split * 16].view(np.float64).reshape(k, split, 2)
+                fn(x, out, block, part, mode, t.by_rows, scratch)
+            else:
+                fn(x, out, mode, t.chunk, scratch)
+        finally:
+            if threads > t.threads:
+                numba.set_num_threads(threads)
         if t.pack:
             np.copyto(dst, out.reshape(dst.shape), casting="unsafe")
     return launch
