@@ -10,7 +10,8 @@ import inspect
 import textwrap
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

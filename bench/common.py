@@ -6,7 +6,7 @@ import os
 import platform
 import statistics
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 __all__ = ["settings", "on_change", "set_launch_blocking", "set_cache_limit", "set_cache_enabled",
            "set_deterministic", "set_workspace_limit", "set_log_level", "set_sanitize", "set_num_threads"]

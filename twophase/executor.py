@@ -8,7 +8,8 @@ import os
 import sys
 import threading
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from .errors import InvalidStateError, ParamError
 from .tensor import Tensor, TensorDesc

@@ -7,7 +7,8 @@ frees the workspace in stream order. It returns at once with the output tensor(s
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 

@@ -8,7 +8,8 @@ installed hook; removing the last one swaps the plain function back.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from .op import Op
 from .runtime.stream import TASK_LISTENERS

@@ -11,7 +11,6 @@ from .config import settings
 from .executor import live_repeatable
 
 
-
 class _StderrHandler(logging.StreamHandler):  # type: ignore[type-arg]
     """Writes to whatever ``sys.stderr`` is at emit time (test runners swap it and close the old one)."""
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from threading import get_ident as _get_ident
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 from .cache import thread_cache
 from .config import settings

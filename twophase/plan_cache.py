@@ -7,7 +7,8 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections import OrderedDict
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from .errors import InvalidStateError, ParamError
 from .invoke import PlannedCall

@@ -10,7 +10,8 @@ import json
 import os
 import threading
 import time
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 from . import hooks
 from .op import Op

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import numbers
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from ..errors import ParamError
 from ..tensor import DType, TensorDesc

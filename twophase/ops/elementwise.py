@@ -66,7 +66,7 @@ def _binary_build(ufunc: Any) -> Builder:
         out = outs[0]
         alpha = attrs.get("alpha", 1)
         if alpha == 1:
-            return lambda _: ufunc(x, y, out=out)  # type: ignore[no-any-return]
+            return lambda _: ufunc(x, y, out=out)
         if np.shares_memory(out, x):
             scratch = np.empty(np.broadcast_shapes(y.shape, out.shape), out.dtype)  # in-place case, made at bind
 

@@ -7,16 +7,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import numba
 import numpy as np
 
 from ..errors import ParamError
 from ..kernels.cpu.jit import entry
-from ..runtime.ops_cpu import kernel_threads
 from ..kernels.cpu.norm import build_norm
 from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
 from ..layout import align, as_matrix, merge_dims
 from ..op import Attr, OpDef, Plan, register
+from ..runtime.ops_cpu import kernel_threads
 from ..tensor import DType, TensorDesc
 from .checks import FLOATS, as_dims, as_float, as_int, check_dtype, need, norm_dim
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidStateError, OutOfMemoryError, ParamError
 

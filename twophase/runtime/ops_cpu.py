@@ -65,7 +65,8 @@ def apply_kernel_threads() -> None:
 def kernel_threads() -> int:
     """Threads a parallel kernel runs on: the ``num_threads`` setting, clamped to numba's pool."""
     import numba
-    return max(1, min(config.settings.num_threads, numba.config.NUMBA_NUM_THREADS))
+    pool: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
+    return max(1, min(config.settings.num_threads, pool))
 
 
 register_backend("cpu", CpuDevice)

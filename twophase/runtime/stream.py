@@ -10,7 +10,8 @@ import collections
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidStateError, KernelError, ParamError, TwoPhaseError
 

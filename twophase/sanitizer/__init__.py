@@ -22,7 +22,7 @@ import atexit
 import contextlib
 import logging
 import warnings
-from typing import Iterator
+from collections.abc import Iterator
 
 from .. import config
 from ..errors import SanitizerError

@@ -164,10 +164,10 @@ def _poison_tensor(t: Any, stream: Stream | None) -> None:
 
 def install() -> None:
     _state["generation"] += 1
-    MemoryPool.malloc = guarded_malloc  # type: ignore[method-assign]
-    MemoryPool.free = guarded_free  # type: ignore[method-assign]
-    Device.empty = guarded_empty  # type: ignore[method-assign]
-    Device.empty_like = guarded_empty_like  # type: ignore[method-assign]
+    MemoryPool.malloc = guarded_malloc  # type: ignore[method-assign,assignment]
+    MemoryPool.free = guarded_free  # type: ignore[method-assign,assignment]
+    Device.empty = guarded_empty  # type: ignore[method-assign,assignment]
+    Device.empty_like = guarded_empty_like  # type: ignore[method-assign,assignment]
     _state["malloc"] = _state["free"] = True
 
 

@@ -70,7 +70,7 @@ _waits: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictiona
 _lock = threading.Lock()
 _tl = threading.local()
 
-_plain = {
+_plain: dict[str, Any] = {
     "release": Executor._release, "destroy": Executor.destroy, "bind": Executor._bind,
     "bind_many": Executor._bind_many, "view": Tensor.view, "wait_event": Stream.wait_event,
     "mark_use": Block.mark_use,
@@ -103,7 +103,7 @@ def _phase1_done(op: Op, inputs: Any, kwargs: Any, result: Any, t0: float, t1: f
     ex = result[1]
     rec = ExRecord(ex.describe(), where(), threading.current_thread().name, guards._state["generation"])
     key = id(ex)
-    rec.ref = weakref.ref(ex, lambda r, k=key: _on_collect(k, r))
+    rec.ref = weakref.ref(ex, lambda r, k=key: _on_collect(k, r))  # type: ignore[misc]
     with _lock:
         _records[key] = rec
 

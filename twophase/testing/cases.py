@@ -7,8 +7,9 @@ An op with no generator here gets generic elementwise-shaped cases built from it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 
@@ -170,7 +171,7 @@ def _conv2d(rng: np.random.Generator, dtype: DType, long_n: int) -> list[Case]:
     for n, c, h, w, o, kh, kw, attrs in ((1, 1, 1, 1, 1, 1, 1, {}), (2, 3, 7, 9, 4, 3, 3, {"padding": (1, 1)}),
                                          (1, 4, 8, 8, 6, 1, 1, {}), (1, 2, 11, 13, 3, 3, 2, {"stride": (2, 1)}),
                                          (1, 4, 9, 9, 4, 3, 3, {"groups": 2, "dilation": (2, 2)})):
-        g = attrs.get("groups", 1)
+        g = int(attrs.get("groups", 1))  # type: ignore[call-overload]
         x, wt, b = _mm(rng, dtype, (n, c, h, w), (o, c // g, kh, kw), (o,))
         out.append(_one(f"x {(n, c, h, w)} w {(o, c // g, kh, kw)} {attrs}", x, wt, b, **attrs))
     return out

@@ -4,8 +4,9 @@ exceptions may come out (never another exception type, a hang or a crash)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any
 
 import numpy as np
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import numba
 import numpy as np
@@ -12,15 +13,14 @@ __all__ = ["entry", "jit", "jit_par", "jit_reduce", "jit_reduce_par", "FAST", "R
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
 # error_model="numpy": a division by zero gives inf/nan instead of a Python exception branch, so loops vectorize
-_OPTS = {"nogil": True, "cache": True, "error_model": "numpy"}
-jit = numba.njit(fastmath=FAST, **_OPTS)
-jit_par = numba.njit(fastmath=FAST, parallel=True, **_OPTS)
-jit_reduce = numba.njit(fastmath=REDUCE, **_OPTS)
-jit_reduce_par = numba.njit(fastmath=REDUCE, parallel=True, **_OPTS)
+jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST)
+jit_par = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST, parallel=True)
+jit_reduce = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE)
+jit_reduce_par = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 
 
 def _numba_type(a: Any) -> Any:
-    t = numba.typeof(a)
+    t = numba.typeof(a)  # type: ignore[no-untyped-call]
     if isinstance(a, np.ndarray):
         return t.copy(layout="C" if a.flags.c_contiguous else "A", readonly=False)
     return t
