@@ -17,9 +17,8 @@ from twophase.testing.matrix import run_case
 
 CI_LONG_N = 65_537  # (a prime) the CLI default is 2,000,003
 
-# known failures of other ops, found by this harness (see the issue 6 report): (op, case label)
-KNOWN = {("slice", "float32 scalar ()"): "slice infer indexes x.shape[dim] of a 0-d tensor (IndexError)",
-         ("contiguous", "float32 scalar ()"): "the reference np.ascontiguousarray turns a 0-d array into shape (1,)"}
+# known failures of ops found by this harness and not fixed yet: (op, case label) -> reason
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 @pytest.mark.slow
@@ -82,5 +81,16 @@ def test_check_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> N
 
 
 def test_check_command_fails_on_a_failing_op(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "slice", "--long-n", "257"]) == 1
-    assert "FAIL slice" in capsys.readouterr().out
+    """A planted op whose kernel disagrees with its reference (x + 1 vs -x) makes `twophase check` fail."""
+    name = "planted_wrong_neg"
+    tp.register(OpDef(
+        name=name, inputs=("x",), dtypes=(tp.DType.float32,),
+        infer=lambda ins, attrs: (tp.TensorDesc(ins[0].shape, ins[0].dtype),),
+        select=lambda ins, outs, attrs, limit: Plan("wrong", None, 0),
+        kernels={"cpu": lambda plan, attrs, ins, outs: lambda _: np.add(ins[0], 1, out=outs[0])},
+        reference=lambda x: -np.asarray(x, np.float64)))
+    try:
+        assert main(["check", name, "--long-n", "257"]) == 1
+        assert f"FAIL {name}" in capsys.readouterr().out
+    finally:
+        del tp.registry[name]

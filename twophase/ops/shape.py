@@ -68,7 +68,7 @@ def _infer_transpose(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
 
 
 _reg("contiguous", _infer_contiguous, _copy_build(lambda x, a: x),
-     "Dense row-major copy of a strided tensor.", lambda x: np.ascontiguousarray(x))
+     "Dense row-major copy of a strided tensor.", lambda x: np.array(x, copy=True, order="C"))
 _reg("permute", _infer_permute, _copy_build(lambda x, a: x.transpose(tuple(d % x.ndim for d in a["dims"]))),
      "Dense copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]].",
      lambda x, dims: np.ascontiguousarray(np.transpose(x, dims)), attrs=(Attr("dims", as_dims),))
@@ -172,6 +172,8 @@ _reg("split", _infer_split, _build_split,
 
 # ---- slice / pad
 def _slice_range(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, slice]:
+    if x.ndim == 0:
+        raise ParamError(op="slice", arg="x", expected="a tensor with at least 1 dim", got=x.shape)
     dim = norm_dim("slice", "dim", attrs["dim"], x.ndim)
     if attrs["step"] <= 0:
         raise ParamError(op="slice", arg="step", expected="a step > 0", got=attrs["step"])
