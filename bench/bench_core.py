@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import inspect
 import textwrap
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -19,20 +18,7 @@ import twophase as tp
 from twophase import config
 from twophase.op import Op
 
-from .common import header, interleaved, median_ratio
-
-
-def _gated(stream: tp.Stream, fn: Callable[[], None], n: int) -> float:
-    """Seconds per ``fn`` call while the stream's worker is parked, so only the enqueue is timed."""
-    gate = threading.Event()
-    stream.launch_callback(gate.wait)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = (time.perf_counter() - t0) / n
-    gate.set()
-    stream.synchronize()
-    return dt
+from .common import header, interleaved, median_ratio, parked
 
 
 def contract_costs() -> list[str]:
@@ -61,7 +47,7 @@ def contract_costs() -> list[str]:
         return timed  # type: ignore[return-value]
 
     def phase2() -> float:
-        return _gated(s, lambda: tp.ops.softmax(ws, size, ex, s), 2000)
+        return parked(s, lambda: tp.ops.softmax(ws, size, ex, s), 2000)
 
     miss = phase1(False)
     hit = phase1(True)
@@ -83,7 +69,7 @@ def contract_costs() -> list[str]:
             np.add(A, B, out=C)
         return (time.perf_counter() - t0) / 2000
 
-    r_enq, t_enq, t_bare = median_ratio(lambda: _gated(s, lambda: tp.ops.add(None, 0, ex_add, s), 2000), bare)
+    r_enq, t_enq, t_bare = median_ratio(lambda: parked(s, lambda: tp.ops.add(None, 0, ex_add, s), 2000), bare)
 
     def through() -> float:
         t0 = time.perf_counter()
@@ -220,8 +206,8 @@ def _counter_row(name: str) -> str:
                          "without": lambda: plain(op, None, 0, ex, s)}, 20000, rounds=15)
         with_, without = t["with"], t["without"]
     else:
-        _, with_, without = median_ratio(lambda: _gated(s, lambda: full(op, None, 0, ex, s), 5000),
-                                         lambda: _gated(s, lambda: plain(op, None, 0, ex, s), 5000), rounds=15)
+        _, with_, without = median_ratio(lambda: parked(s, lambda: full(op, None, 0, ex, s), 5000),
+                                         lambda: parked(s, lambda: plain(op, None, 0, ex, s), 5000), rounds=15)
     ex.destroy()
     return f"| {name} | {without * 1e9:.0f} ns | {with_ * 1e9:.0f} ns | {with_ / without:.3f} | <= 1.05 |"
 

@@ -6,9 +6,6 @@ Run: ``.venv/bin/python -m bench.bench_sanitizer``
 
 from __future__ import annotations
 
-import threading
-import time
-from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,21 +14,12 @@ import twophase as tp
 from twophase import hooks, sanitizer
 from twophase.op import Op
 
-from .common import header, median_ratio
+from .common import header, median_ratio, parked
 
 N = 20000
 
 
-def _gated(stream: tp.Stream, fn: Callable[[], None], n: int) -> float:
-    gate = threading.Event()
-    stream.launch_callback(gate.wait)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    dt = (time.perf_counter() - t0) / n
-    gate.set()
-    stream.synchronize()
-    return dt
+
 
 
 def main() -> None:
@@ -47,17 +35,17 @@ def main() -> None:
 
     def build_plain() -> float:  # the hook-free phase 2 (what a build without the sanitizer runs)
         Op.__call__ = plain
-        return _gated(s, lambda: op(None, size, ex, s), N)
+        return parked(s, lambda: op(None, size, ex, s), N)
 
     def off() -> float:  # the entry point after the sanitizer was turned on and off again (untimed)
         with sanitizer.sanitize():
             pass
-        return _gated(s, lambda: op(None, size, ex, s), N)
+        return parked(s, lambda: op(None, size, ex, s), N)
 
     def noop_hook() -> float:  # for comparison: what any installed phase-2 hook costs
         h = hooks.add_phase2_hook(before=lambda *a: None)
         try:
-            return _gated(s, lambda: op(None, size, ex, s), N)
+            return parked(s, lambda: op(None, size, ex, s), N)
         finally:
             hooks.remove_hook(h)
 
@@ -72,7 +60,7 @@ def main() -> None:
     r_hook, t_hook, _ = median_ratio(noop_hook, build_plain, rounds=5)
     print(f"  a no-op phase-2 hook installed:{t_hook * 1e9:8.0f} ns/call (ratio {r_hook:.3f}: why off swaps it out)")
     with sanitizer.sanitize():
-        t_on = _gated(s, lambda: op(None, size, ex, s), 2000)
+        t_on = parked(s, lambda: op(None, size, ex, s), 2000)
     print(f"  sanitizer on (for reference):  {t_on * 1e9:8.0f} ns/call")
     s.synchronize()
     ex.destroy()

@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -52,3 +54,17 @@ def median_ratio(a: Callable[[], float], b: Callable[[], float], rounds: int = 7
         rb.append(tb)
         rr.append(ta / tb)
     return statistics.median(rr), statistics.median(ra), statistics.median(rb)
+
+
+def parked(stream: Any, fn: Callable[[], object], n: int) -> float:
+    """Seconds per ``fn`` call while ``stream``'s worker is parked, so only the host side (the enqueue) is
+    timed; the queued work runs afterwards."""
+    gate = threading.Event()
+    stream.launch_callback(gate.wait)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dt = (time.perf_counter() - t0) / n
+    gate.set()
+    stream.synchronize()
+    return dt

@@ -45,3 +45,20 @@ def gate() -> Callable[[twophase.Stream], threading.Event]:
     yield block
     for ev in events:
         ev.set()
+
+
+@pytest.fixture
+def fresh_cache():
+    """Executor cache on with the default limit, emptied, counters zeroed; settings restored afterwards."""
+    enabled, limit = twophase.settings.cache_enabled, twophase.settings.cache_limit
+    try:
+        twophase.set_cache_enabled(True)
+        twophase.set_cache_limit(10000)
+        twophase.clear_cache()
+        twophase.stats.reset()
+        yield
+    finally:
+        twophase.set_cache_enabled(enabled)
+        twophase.set_cache_limit(limit)
+        twophase.clear_cache()
+        twophase.stats.reset()

@@ -19,22 +19,6 @@ from twophase import TensorDesc, ops
 from twophase.cache import thread_cache
 
 
-@pytest.fixture
-def fresh_cache():
-    """Cache enabled with the default limit, emptied, counters zeroed; the settings are restored after."""
-    enabled, limit = twophase.settings.cache_enabled, twophase.settings.cache_limit
-    try:
-        twophase.set_cache_enabled(True)
-        twophase.set_cache_limit(10000)
-        twophase.clear_cache()
-        twophase.stats.reset()
-        yield
-    finally:
-        twophase.set_cache_enabled(enabled)
-        twophase.set_cache_limit(limit)
-        twophase.clear_cache()
-
-
 def _counts(op):
     c = op.counters
     return c.hits, c.misses

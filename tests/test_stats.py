@@ -6,26 +6,8 @@ from __future__ import annotations
 import io
 import json
 
-import pytest
-
 import twophase
 from twophase import ops
-
-
-@pytest.fixture
-def counted():
-    enabled, limit = twophase.settings.cache_enabled, twophase.settings.cache_limit
-    try:
-        twophase.set_cache_enabled(True)
-        twophase.set_cache_limit(10000)
-        twophase.clear_cache()
-        twophase.stats.reset()
-        yield
-    finally:
-        twophase.set_cache_enabled(enabled)
-        twophase.set_cache_limit(limit)
-        twophase.clear_cache()
-        twophase.stats.reset()
 
 
 def _adds_up(c):
@@ -37,7 +19,7 @@ def _adds_up(c):
     assert c["phase2_calls"] <= weighted  # buckets are powers of two >= the launches
 
 
-def test_scripted_sequence_gives_exact_counts(counted, dev, stream, rng):
+def test_scripted_sequence_gives_exact_counts(fresh_cache, dev, stream, rng):
     a = rng.standard_normal((4, 6))
     for _ in range(3):
         twophase.add(dev.tensor(a), dev.tensor(a))  # 1 miss, 2 hits, 3 single launches
@@ -72,7 +54,7 @@ def test_scripted_sequence_gives_exact_counts(counted, dev, stream, rng):
     _adds_up(rs)
 
 
-def test_counters_add_up_after_reset_with_a_live_executor(counted, dev, stream, rng):
+def test_counters_add_up_after_reset_with_a_live_executor(fresh_cache, dev, stream, rng):
     x = dev.tensor(rng.standard_normal((3, 3)), stream=stream)
     call = twophase.plan("softmax", x, stream=stream)
     call()
@@ -84,14 +66,14 @@ def test_counters_add_up_after_reset_with_a_live_executor(counted, dev, stream, 
     _adds_up(c)
 
 
-def test_reset_zeroes_the_counters(counted, dev, rng):
+def test_reset_zeroes_the_counters(fresh_cache, dev, rng):
     twophase.softmax(dev.tensor(rng.standard_normal((2, 2))))
     assert ops.softmax.counters.phase1 == 1
     twophase.stats.reset()
     assert "softmax" not in twophase.stats.snapshot()["ops"]
 
 
-def test_report_lists_each_called_op_with_its_counts(counted, dev, rng):
+def test_report_lists_each_called_op_with_its_counts(fresh_cache, dev, rng):
     for _ in range(2):
         twophase.reduce_sum(dev.tensor(rng.standard_normal((3, 3))), dims=1)
     buf = io.StringIO()
