@@ -175,8 +175,8 @@ def _slice_range(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, slice]:
     if x.ndim == 0:
         raise ParamError(op="slice", arg="x", expected="a tensor with at least 1 dim", got=x.shape)
     dim = norm_dim("slice", "dim", attrs["dim"], x.ndim)
-    if attrs["step"] <= 0:
-        raise ParamError(op="slice", arg="step", expected="a step > 0", got=attrs["step"])
+    if attrs["step"] == 0:
+        raise ParamError(op="slice", arg="step", expected="a non-zero step", got=attrs["step"])
     return dim, slice(attrs["start"], attrs["end"], attrs["step"])
 
 
@@ -189,7 +189,7 @@ def _infer_slice(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
 
 _reg("slice", _infer_slice,
      _copy_build(lambda x, a: x[(slice(None),) * (a["dim"] % x.ndim) + (slice(a["start"], a["end"], a["step"]),)]),
-     "Dense copy of x[start:end:step] along dim (Python slice rules; step > 0).",
+     "Dense copy of x[start:end:step] along dim (Python slice rules; a negative step walks backwards).",
      lambda x, dim=0, start=None, end=None, step=1: x[(slice(None),) * (dim % np.ndim(x)) + (slice(start, end, step),)],
      attrs=(Attr("dim", as_int, 0), Attr("start", optional(as_int), None), Attr("end", optional(as_int), None),
             Attr("step", as_int, 1)))
