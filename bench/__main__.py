@@ -2,6 +2,7 @@
 
 from bench.report import run_suite
 
-MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2", "bench.bench_minilm", "bench.bench_sanitizer")
+MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2", "bench.bench_graph", "bench.bench_minilm",
+           "bench.bench_sanitizer")
 
 run_suite(MODULES)
