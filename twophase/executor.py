@@ -117,6 +117,12 @@ class Executor:
         return self._state
 
     @property
+    def phase2_calls(self) -> int:
+        """Phase-2 calls made: 1 for a consumed single-use executor (phase 2 released it before its task ran),
+        else ``launches``, which the stream worker counts as each task completes."""
+        return 1 if self._state is ExecState.CONSUMED else self.launches
+
+    @property
     def repeatable(self) -> bool:
         return self._repeatable
 

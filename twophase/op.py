@@ -305,7 +305,7 @@ class Op:
     def _on_release(self, ex: Executor) -> None:
         self.counters.on_release(ex)
         if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("destroy %s after %d launch(es)", ex.describe(), ex.launches)
+            _log.debug("destroy %s after %d launch(es)", ex.describe(), ex.phase2_calls)
 
     # ---- phase 2
     def __call__(self, workspace: Block | None, workspace_size: int, executor: Executor, stream: Stream) -> None:
@@ -325,7 +325,6 @@ class Op:
         for b in ex._blocks:
             b._stream = stream
             b._seq = seq
-        ex.launches += 1
         if ex._gate is None:
             ex._release(ExecState.CONSUMED)  # single-use: phase 2 consumed it
 

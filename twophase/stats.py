@@ -1,5 +1,6 @@
-"""Counters, always on and cheap: per op and per device. Phase 2 only bumps ``executor.launches``;
-everything else is counted in phase 1, at executor release, or derived when a snapshot is taken."""
+"""Counters, always on and cheap: per op and per device. Phase 2 counts nothing: an executor's
+``launches`` goes up on the stream worker once its task has run; everything else is counted in phase 1,
+at executor release, or derived when a snapshot is taken (exact once the streams are synchronized)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,10 @@ class OpCounters:
             self.workspace[b] = self.workspace.get(b, 0) + 1
 
     def on_release(self, ex: Executor) -> None:
+        n = ex.phase2_calls
         self.destroyed += 1
-        self.retired_launches += ex.launches
-        b = bucket(ex.launches)
+        self.retired_launches += n
+        b = bucket(n)
         self.reuse[b] = self.reuse.get(b, 0) + 1
         self.live.discard(ex)
 
@@ -87,7 +89,7 @@ def snapshot() -> dict[str, Any]:
 
 
 def reset() -> None:
-    """Zero every op counter and the pools' peak watermarks."""
+    """Zero every op counter and the pools' peak watermarks (a launch still pending is counted after it)."""
     from .op import registry
     from .runtime.device import _DEVICES
     for op in registry.values():

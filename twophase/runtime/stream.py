@@ -27,6 +27,15 @@ CONTROL = "<control>"
 TASK_LISTENERS: list[Callable[[str, Any, float, float, int], None]] = []
 
 
+def _count(owner: Any) -> None:
+    """An executor's launch count goes up when its task has run (on the worker: nothing on the enqueue path)."""
+    if type(owner) is not str:
+        try:
+            owner.launches += 1
+        except AttributeError:
+            pass
+
+
 def describe_owner(owner: Any) -> str:
     """How a failed task is named: ``op 'softmax' (executor #3, implementation 'rows')``."""
     describe = getattr(owner, "describe", None)
@@ -80,6 +89,11 @@ class _Queue:
         seq = self.submitted = self.done = self.submitted + 1
         if owner is CONTROL or type(owner) is str:
             fn(arg)
+        else:
+            try:
+                owner.launches += 1
+            except AttributeError:
+                pass
         return seq
 
     def enqueue_inline(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
@@ -110,6 +124,8 @@ class _Queue:
                 fn(arg)
         except BaseException as exc:  # noqa: BLE001 - any failure is reported at the next sync
             self.error = (exc, owner, seq)
+        else:
+            _count(owner)
         finally:
             self.current = None
 

@@ -242,3 +242,59 @@ def _softmax(rng: np.random.Generator, dtype: DType, long_n: int) -> list[Case]:
     out = generic_cases("softmax", 1, rng, dtype, long_n)
     out += [_one(f"{s} dim {d}", values(rng, s, dtype, True), dim=d) for s, d in (((13, 17), 0), ((3, 5, 7), 1))]
     return out
+
+
+@cases_for("layer_norm")
+def _row_norm(rng: np.random.Generator, dtype: DType, long_n: int) -> list[Case]:
+    """Rows normalised over trailing dims, with and without the affine inputs (rms_norm has no bias)."""
+    def c(label: str, shape: tuple[int, ...], ns: tuple[int, ...], affine: bool, layout: str | None = None) -> Case:
+        x = values(rng, shape, dtype, True)
+        xs = Layout(x, layout) if layout else x
+        if not affine:
+            return _one(label, xs, normalized_shape=ns)
+        w, b = values(rng, ns, dtype, True), values(rng, ns, dtype, True)
+        return _one(label, xs, w, b, normalized_shape=ns)
+    cases = [c("one row (1, 1)", (1, 1), (1,), True), c("empty rows (0, 5)", (0, 5), (5,), True),
+             c("prime (13, 17)", (13, 17), (17,), True), c("plain (13, 17)", (13, 17), (17,), False),
+             c("two dims (3, 5, 7)", (3, 5, 7), (5, 7), True),
+             c(f"long row (2, {long_n})", (2, long_n), (long_n,), True),
+             c(f"many rows ({long_n}, 3)", (long_n, 3), (3,), True),
+             c("transposed (6, 5)", (6, 5), (5,), True, "transposed"),
+             c("negative (4, 9)", (4, 9), (9,), True, "negative")]
+    cases.append(Case("sequence", [Call((values(rng, s, dtype, True),), {"normalized_shape": s[-1:]})
+                                   for s in ((3, 5), (2, 9), (3, 5), (1, 2, 9))]))
+    return cases
+
+
+@cases_for("rms_norm")
+def _rms_norm(rng: np.random.Generator, dtype: DType, long_n: int) -> list[Case]:
+    out = []
+    for case in _row_norm(rng, dtype, long_n):
+        for call in case.calls:
+            call.inputs = call.inputs[:2]  # x and weight: rms_norm has no bias
+        out.append(case)
+    return out
+
+
+@cases_for("group_norm")
+def _group_norm(rng: np.random.Generator, dtype: DType, long_n: int) -> list[Case]:
+    def c(shape: tuple[int, ...], groups: int, affine: bool) -> Case:
+        x = values(rng, shape, dtype, True)
+        if not affine:
+            return _one(f"{shape} groups {groups}", x, num_groups=groups)
+        w, b = values(rng, (shape[1],), dtype, True), values(rng, (shape[1],), dtype, True)
+        return _one(f"{shape} groups {groups} affine", x, w, b, num_groups=groups)
+    return [c((1, 1), 1, False), c((2, 6, 5), 3, True), c((3, 4, 7, 5), 2, True), c((2, 8, 9), 8, False),
+            c((1, 4, max(long_n // 4, 1)), 2, True)]
+
+
+@cases_for("argmax")
+def _argmax(rng: np.random.Generator, dtype: DType, long_n: int) -> list[Case]:
+    def c(label: str, shape: tuple[int, ...], dim: int, keep: bool = False, layout: str | None = None) -> Case:
+        distinct = (rng.permutation(int(np.prod(shape))) + 1).reshape(shape)  # no ties: one right answer
+        x = np.asarray(np.sign(values(rng, shape, dtype, True)) * distinct, dtype.np)
+        return _one(label, Layout(x, layout) if layout else x, dim=dim, keep_dims=keep)
+    return [c("one element (1,)", (1,), 0), c("prime (13, 17) dim 1", (13, 17), 1),
+            c("prime (13, 17) dim 0 keep", (13, 17), 0, True), c("three dims (3, 5, 7) dim 1", (3, 5, 7), 1),
+            c(f"long (1, {long_n})", (1, long_n), 1), c(f"long ({long_n}, 2) dim 0", (long_n, 2), 0),
+            c("transposed (6, 5)", (6, 5), 1, layout="transposed"), c("negative (4, 9)", (4, 9), 1, layout="negative")]
