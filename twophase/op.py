@@ -166,15 +166,15 @@ class Op:
         out_key = None if outs is None else tuple(g.desc if isinstance(g, Tensor) else g for g in outs)
         dev = next(iter(bound.values())).device.name if bound else None
         try:
-            attr_key = tuple((k, _typed(v)) for k, v in attrs.items())
-            key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, settings.num_threads, limit,
-                   in_descs, out_key, attr_key)
+            flags = (settings.deterministic, settings.num_threads, limit)
+            key = (self, self.spec.version, _registry_version[0], dev, flags, in_descs, out_key,
+                   tuple((k, _typed(v)) for k, v in attrs.items()))
             hash(key)
         except TypeError:  # an unhashable attribute value (a list of dims): key on the normalised form
             try:
                 norm = self._attrs(attrs)
-                key = (self, self.spec.version, _registry_version[0], dev, settings.deterministic, settings.num_threads, limit,
-                       in_descs, out_key, tuple((k, _typed(v)) for k, v in norm.items()))
+                key = (self, self.spec.version, _registry_version[0], dev, flags, in_descs, out_key,
+                       tuple((k, _typed(v)) for k, v in norm.items()))
                 hash(key)
             except TypeError:
                 return None
