@@ -211,6 +211,21 @@ class Executor:
                              op=self.op.name, arg=f"{kind} {index}", expected=descs[index], got=tensor.desc)
         self._bind_many({base + index: tensor})
 
+    def _bind_new_outputs(self, dev: Any, stream: Any) -> list[Tensor]:
+        """Allocate a dense tensor from ``dev``'s pool for every unbound output and bind them all at once;
+        returns the new tensors (freed again in ``stream`` order if binding fails)."""
+        n_in = len(self.input_descs)
+        new = {n_in + i: dev.empty_like(d, stream) for i, (t, d) in enumerate(zip(self.outputs, self.output_descs))
+               if t is None}
+        if new:
+            try:
+                self._bind_many(new)
+            except BaseException:
+                for t in new.values():
+                    t.free(stream)
+                raise
+        return list(new.values())
+
     def _bind_many(self, tensors: dict[int, Tensor]) -> None:
         for i, t in tensors.items():
             if self.device is not None and t.device is not self.device:

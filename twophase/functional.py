@@ -15,22 +15,13 @@ import numpy as np
 from .errors import ParamError
 from .executor import ExecState
 from .op import Op, registry
-from .runtime.device import device
+from .runtime.device import placement
 from .runtime.stream import Stream
 from .tensor import Tensor
 
 __all__ = ["one_shot", "functions"]
 
 _made: dict[Op, Callable[..., Any]] = {}
-
-
-def _device_of(inputs: tuple[Any, ...], stream: Stream | None) -> Any:
-    if stream is not None:
-        return stream.device
-    for x in inputs:
-        if isinstance(x, Tensor):
-            return x.device
-    return device()
 
 
 def one_shot(op: Op) -> Callable[..., Any]:
@@ -41,26 +32,20 @@ def one_shot(op: Op) -> Callable[..., Any]:
     multi = len(op.spec.outputs) > 1 or op.spec.outputs[0].endswith("*")
 
     def call(*inputs: Any, out: Any = None, stream: Stream | None = None, **attrs: Any) -> Any:
-        dev = _device_of(inputs, stream)
-        s = stream if stream is not None else dev.default_stream
+        dev, s = placement(inputs, stream)
         ins = tuple(x if x is None or isinstance(x, Tensor) else _to_device(op, dev, x, s) for x in inputs)
         size, ex = op.get_workspace_size(*ins, out=out, **attrs)
-        outs = list(ex.outputs)
-        n_in = len(ex.input_descs)
-        missing: dict[int, Tensor] = {}
+        new: list[Tensor] = []
         try:
-            for i, d in enumerate(ex.output_descs):
-                if outs[i] is None:
-                    outs[i] = missing[n_in + i] = dev.empty_like(d, s)
-            if missing:
-                ex._bind_many(missing)
+            new = ex._bind_new_outputs(dev, s)
             ws = dev.malloc(size, stream=s) if size else None
         except BaseException:
-            for t in missing.values():
+            for t in new:
                 t.free(s)
             if ex.state is ExecState.READY:
                 ex.destroy()
             raise
+        outs = ex.outputs
         try:
             op(ws, size, ex, s)
         finally:

@@ -7,7 +7,7 @@ from typing import Any
 
 from .executor import ExecState, Executor
 from .op import Op, get_op
-from .runtime.device import device
+from .runtime.device import placement
 from .runtime.memory import Block
 from .runtime.stream import Stream
 from .tensor import Tensor
@@ -58,22 +58,13 @@ class PlannedCall:
 
     def __init__(self, op: Op | str, stream: Stream | None, *inputs: Any, **kwargs: Any) -> None:
         self.op = get_op(op) if isinstance(op, str) else op
-        dev = stream.device if stream is not None else next(
-            (x.device for x in inputs if isinstance(x, Tensor)), device())
-        self.stream = stream if stream is not None else dev.default_stream
+        dev, self.stream = placement(inputs, stream)
         self.workspace_size, self.executor = self.op.get_workspace_size(*inputs, **kwargs)
         self.workspace: Block | None = None
         self._owned: list[Tensor] = []
         try:
             self.executor.set_repeatable()
-            n_in = len(self.executor.input_descs)
-            missing = {}
-            for i, (t, d) in enumerate(zip(self.executor.outputs, self.executor.output_descs)):
-                if t is None:
-                    missing[n_in + i] = dev.empty_like(d, self.stream)
-                    self._owned.append(missing[n_in + i])
-            if missing:
-                self.executor._bind_many(missing)
+            self._owned = self.executor._bind_new_outputs(dev, self.stream)
             self.workspace = dev.malloc(self.workspace_size, stream=self.stream)
         except BaseException:
             self._free_owned()

@@ -13,7 +13,7 @@ from typing import Any
 from .errors import InvalidStateError, ParamError
 from .invoke import PlannedCall
 from .op import Op, get_op
-from .runtime.device import device
+from .runtime.device import placement
 from .runtime.stream import Stream
 from .tensor import Tensor
 
@@ -64,9 +64,7 @@ class PlanCache:
         o = get_op(op) if isinstance(op, str) else op
         in_descs, bound = o._input_descs(inputs)
         outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
-        dev = stream.device if stream is not None else next(
-            (x.device for x in inputs if isinstance(x, Tensor)), device())
-        s = stream if stream is not None else dev.default_stream
+        _, s = placement(inputs, stream)
         meta = o._key(in_descs, outs, attrs.get("workspace_limit"), attrs, bound)
         key = (meta, s)
         entry = None

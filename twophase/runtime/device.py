@@ -14,7 +14,7 @@ from ..tensor import DType, Format, Tensor, TensorDesc
 from .memory import Block, MemoryPool, Segment
 from .stream import CONTROL, Stream
 
-__all__ = ["Device", "device", "register_backend"]
+__all__ = ["Device", "device", "placement", "register_backend"]
 
 
 class Device:
@@ -135,6 +135,15 @@ _SUPPORTED_NAMES = {d.value for d in DType}
 _BACKENDS: dict[str, type[Device]] = {}
 _DEVICES: dict[str, Device] = {}
 _lock = threading.Lock()
+
+
+def placement(inputs: Any, stream: Stream | None) -> tuple[Device, Stream]:
+    """Where a call runs: ``stream``'s device and ``stream``; else the first Tensor input's device (or the
+    default device) and that device's default stream for the calling thread."""
+    if stream is not None:
+        return stream.device, stream
+    dev = next((x.device for x in inputs if isinstance(x, Tensor)), None) or device()
+    return dev, dev.default_stream
 
 
 def register_backend(name: str, cls: type[Device]) -> None:

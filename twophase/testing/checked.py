@@ -74,12 +74,8 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
         if isinstance(t, Tensor):
             t.synchronize()  # tensors made on another stream may still be copying in
     size, ex = op.get_workspace_size(*tensors, out=out, **attrs)
-    outs: list[Tensor] = []
-    for i, (t, d) in enumerate(zip(ex.outputs, ex.output_descs)):
-        if t is None:
-            t = dev.empty_like(d)
-            ex.set_output(i, t)
-        outs.append(t)
+    ex._bind_new_outputs(dev, stream)
+    outs = [t for t in ex.outputs if t is not None]
     for t in outs:
         _poison(t)
     outer, inner = guarded_workspace(dev, size, stream)
