@@ -6,6 +6,7 @@ import logging
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from threading import get_ident as _get_ident
 from typing import Any
@@ -20,6 +21,10 @@ from .stats import OpCounters, bucket
 from .tensor import DType, Tensor, TensorDesc
 
 _log = logging.getLogger("twophase")
+
+# Anything outside the call's metadata that restricts planning in the current context (e.g. a test forcing
+# implementations); part of every executor-cache key, so a restricted plan is never served elsewhere.
+planning_scope: ContextVar[Any] = ContextVar("twophase_planning_scope", default=None)
 
 __all__ = ["Attr", "OpDef", "Op", "Plan", "REQUIRED", "register", "registry", "get_op"]
 
@@ -166,7 +171,7 @@ class Op:
         out_key = None if outs is None else tuple(g.desc if isinstance(g, Tensor) else g for g in outs)
         dev = next(iter(bound.values())).device.name if bound else None
         try:
-            flags = (settings.deterministic, settings.num_threads, limit)
+            flags = (settings.deterministic, settings.num_threads, limit, planning_scope.get())
             key = (self, self.spec.version, _registry_version[0], dev, flags, in_descs, out_key,
                    tuple((k, _typed(v)) for k, v in attrs.items()))
             hash(key)

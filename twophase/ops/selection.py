@@ -16,7 +16,7 @@ from typing import Any
 
 from .. import config
 from ..errors import ParamError
-from ..op import Plan
+from ..op import Plan, planning_scope
 
 __all__ = ["Candidate", "choose", "effective_limit", "forced"]
 
@@ -48,15 +48,16 @@ def effective_limit(op: str, limit: Any) -> int | None:
 def forced(*implementations: str) -> Iterator[None]:
     """Test hook: inside the block, phase 1 only considers the named implementations (still ranked).
 
-    The executor cache is off inside the block (its key does not know about the restriction).
+    The restriction is part of the executor-cache key (``op.planning_scope``), so plans made inside the block
+    are never served outside it, nor the other way round.
     """
-    token = _only.set(frozenset(implementations))
-    cached = config.settings.cache_enabled
-    config.set_cache_enabled(False)
+    only = frozenset(implementations)
+    token = _only.set(only)
+    scope = planning_scope.set(("forced", only))
     try:
         yield
     finally:
-        config.set_cache_enabled(cached)
+        planning_scope.reset(scope)
         _only.reset(token)
 
 
