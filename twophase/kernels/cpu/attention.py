@@ -37,66 +37,62 @@ def softmax_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: flo
     """Rows of ``s`` (nb, nh, nq, nk; query rows from ``q0``, keys from 0) become softmax(scale * s + mask), 0
     where masked or (``causal``) after the query. ``mask`` is (nb, nh, nq, nk)-indexable, any strides (unused
     when ``kind`` is NONE)."""
-    nb, nh, nq, nk = s.shape
-    per_b = nh * nq
-    for t in range(nb * per_b):
-        _row(s, mask, kind, causal, q0, scale, lowest, tiny, t, per_b, nq, nk)
+    nb, nh = s.shape[0], s.shape[1]
+    for b in range(nb):
+        for h in range(nh):
+            _head_rows(s, mask, kind, causal, q0, scale, lowest, tiny, b, h)
 
 
 @jit_reduce_par
 def softmax_rows_par(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float,
                      tiny: float) -> None:
-    """``softmax_rows``, parallel over rows."""
-    nb, nh, nq, nk = s.shape
-    per_b = nh * nq
-    for t in numba.prange(nb * per_b):
-        _row(s, mask, kind, causal, q0, scale, lowest, tiny, t, per_b, nq, nk)
+    """``softmax_rows``, parallel over (batch, head) blocks."""
+    nh = s.shape[1]
+    for t in numba.prange(s.shape[0] * nh):
+        b = t // nh
+        _head_rows(s, mask, kind, causal, q0, scale, lowest, tiny, b, t - b * nh)
 
 
 @jit_inline
-def _rowmax(row: Any, n: int, m: float) -> float:
-    """max(m, row[:n]), eight independent accumulators (a float max reduction does not vectorize here)."""
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = m
-    n8 = n - n % 8
-    for j in range(0, n8, 8):
-        m0, m1, m2, m3 = max(m0, row[j]), max(m1, row[j + 1]), max(m2, row[j + 2]), max(m3, row[j + 3])
-        m4, m5, m6, m7 = max(m4, row[j + 4]), max(m5, row[j + 5]), max(m6, row[j + 6]), max(m7, row[j + 7])
-    for j in range(n8, n):
-        m0 = max(m0, row[j])
-    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
-
-
-@jit_inline
-def _row(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float, tiny: float,
-         t: int, per_b: int, nq: int, nk: int) -> None:
-    b = t // per_b
-    r = t - b * per_b
-    h = r // nq
-    i = r - h * nq
-    row = s[b, h, i]
-    kend = min(nk, q0 + i + 1) if causal else nk
-    if kind == ADDITIVE:
-        mrow = mask[b, h, i]
+def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float, tiny: float,
+               b: int, h: int) -> None:
+    """The rows of one (batch, head) block in s's precision: scale and mask fused with the max, exp and sum
+    (float64) in a second pass, normalize in a third; keys past a causal row's end become 0."""
+    nq, nk = s.shape[2], s.shape[3]
+    ft = s.dtype.type
+    sc = ft(scale)
+    ninf = ft(-np.inf)
+    for i in range(nq):
+        row = s[b, h, i]
+        kend = min(nk, q0 + i + 1) if causal else nk
+        m = ft(lowest)  # a fully masked row keeps max -FLT_MAX: its exps are 0, not NaN
+        if kind == ADDITIVE:
+            mrow = mask[b, h, i]
+            for j in range(kend):
+                x = row[j] * sc + mrow[j]
+                row[j] = x
+                m = vmath.maximum(m, x)
+        elif kind == BOOL:
+            brow = mask[b, h, i]
+            for j in range(kend):
+                x = row[j] * sc if brow[j] else ninf
+                row[j] = x
+                m = vmath.maximum(m, x)
+        else:
+            for j in range(kend):
+                x = row[j] * sc
+                row[j] = x
+                m = vmath.maximum(m, x)
+        total = 0.0
         for j in range(kend):
-            row[j] = row[j] * scale + mrow[j]
-    elif kind == BOOL:
-        brow = mask[b, h, i]
+            e = vmath.exp_shifted(row[j], m)
+            row[j] = e
+            total += e
+        inv = ft(1.0 / max(total, tiny))  # and its sum is tiny: 0 * (1 / tiny) = 0
         for j in range(kend):
-            row[j] = row[j] * scale if brow[j] else -np.inf
-    else:
-        for j in range(kend):
-            row[j] = row[j] * scale
-    m = _rowmax(row, kend, lowest)  # a fully masked row keeps max -FLT_MAX: its exps are 0, not NaN
-    total = 0.0
-    for j in range(kend):
-        e = vmath.exp(row[j] - m)
-        row[j] = e
-        total += e
-    inv = 1.0 / max(total, tiny)  # and its sum is tiny: 0 * (1 / tiny) = 0
-    for j in range(kend):
-        row[j] = row[j] * inv
-    for j in range(kend, nk):
-        row[j] = 0.0
+            row[j] = row[j] * inv
+        for j in range(kend, nk):
+            row[j] = 0.0
 
 
 def _finfo(dtype: Any) -> tuple[float, float]:

@@ -38,7 +38,7 @@ def _typed(deco: Any) -> Callable[[_Fn], _Fn]:
 jit_reduce = _typed(_jit_reduce)
 jit_reduce_par = _typed(_jit_reduce_par)
 
-KC = 1024  # kept columns per task of a ``cols`` level
+KC = 4096  # kept columns per task of a ``cols`` level (16 KiB of float32 rows: the prefetcher runs across pages)
 
 
 def _llvm_binary(float_name: str, int_name: str) -> Any:
@@ -183,8 +183,15 @@ def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, t: int) -> None:
     w = min(kk, c0 + KC) - c0
     acc = np.full(w, zero)
     u0 = np.uint64(c0)  # unsigned indices: no negative-index wrap-around select in the inner loop
-    for r in range(j * block, min(n, (j + 1) * block)):
-        row = x[r]
+    r, end = j * block, min(n, (j + 1) * block)
+    while r + 4 <= end:  # four rows per pass over acc: a quarter of the accumulator traffic
+        r0, r1, r2, r3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+        for c in range(np.uint64(w)):
+            k = u0 + c
+            acc[c] += (zero + r0[k] + r1[k]) + (zero + r2[k] + r3[k])
+        r += 4
+    for rr in range(r, end):
+        row = x[rr]
         for c in range(np.uint64(w)):
             acc[c] += row[u0 + c]
     dst = out[j]
@@ -216,8 +223,20 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
     w = min(kk, c0 + KC) - c0
     acc = x[j * block, c0:c0 + w].copy()
     u0 = np.uint64(c0)
-    for r in range(j * block + 1, min(n, (j + 1) * block)):
-        row = x[r]
+    r, end = j * block + 1, min(n, (j + 1) * block)
+    while r + 4 <= end:  # four rows per pass over acc, as in sums
+        r0, r1, r2, r3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+        if sign > 0:
+            for c in range(np.uint64(w)):
+                k = u0 + c
+                acc[c] = vmax(acc[c], vmax(vmax(r0[k], r1[k]), vmax(r2[k], r3[k])))
+        else:
+            for c in range(np.uint64(w)):
+                k = u0 + c
+                acc[c] = vmin(acc[c], vmin(vmin(r0[k], r1[k]), vmin(r2[k], r3[k])))
+        r += 4
+    for rr in range(r, end):
+        row = x[rr]
         if sign > 0:
             for c in range(np.uint64(w)):
                 acc[c] = vmax(acc[c], row[u0 + c])

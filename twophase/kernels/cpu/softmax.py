@@ -1,7 +1,7 @@
 """Softmax and log-softmax over the last axis of a (rows, length) view, on vectorized loops.
 
 A row (or a block of a long row) takes three passes while it sits in cache: its max (``llvm.maximum``,
-NaN-propagating, vectorizes as a reduction), ``exp(x - max)`` stored into ``out`` (``vmath.exp``, no
+NaN-propagating, vectorizes as a reduction), ``exp(x - max)`` stored into ``out`` (``vmath.exp_shifted``, no
 reassociation, so the range reduction stays exact), and the float64 sum of what was stored (reassociated:
 vectorized). A last pass writes the result: ``out *= 1/sum`` (softmax) or ``out = (x - max) - log(sum)``
 (log-softmax). Long rows are split in blocks whose float64 ``(max, sum)`` partials live in the workspace and
@@ -17,14 +17,11 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import ir
-from numba.core import cgutils, types
-from numba.extending import intrinsic, overload
 
 from ...errors import InternalError, Status
 from . import jit as _jit
 from . import vmath as vm
-from .jit import FAST, entry
+from .jit import entry
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
 _thread_id = numba.get_thread_id  # type: ignore[attr-defined]  # index of the worker running a prange body
@@ -34,85 +31,19 @@ jit_par: Kernel = _jit.jit_par
 jit_reduce: Kernel = _jit.jit_reduce
 
 
-def _maximum_typer(typingctx: Any, a: Any, b: Any) -> Any:
-    """``llvm.maximum``: NaN if either is NaN; unlike a compare-and-select it vectorizes as a reduction."""
-    if a != b or not isinstance(a, types.Float):
-        return None
-
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ty = context.get_value_type(sig.args[0])
-        name = "llvm.maximum.f32" if sig.args[0] == types.float32 else "llvm.maximum.f64"
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), name)  # type: ignore[no-untyped-call]
-        return builder.call(fn, args)
-    return a(a, b), codegen
-
-
-_maximum: Any = intrinsic(_maximum_typer)
-
-
 @jit
 def _max(x: Any) -> float:
     """max of a non-empty 1-d view, NaN if any is NaN; in x's dtype, widened at the end."""
     m = x[0]
     for i in range(1, x.shape[0]):
-        m = _maximum(m, x[i])
+        m = vm.maximum(m, x[i])
     return float(m)
-
-
-def _as_f32_typer(typingctx: Any, bits: Any) -> Any:
-    """Reinterpret int32 bits as a float32."""
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        return builder.bitcast(args[0], context.get_value_type(types.float32))
-    return types.float32(types.int32), codegen
-
-
-_as_f32: Any = intrinsic(_as_f32_typer)
-_F = np.float32
-_L2E, _LN2_HI, _LN2_LO = _F(1.44269504), _F(0.693359375), _F(-2.12194440e-4)  # Cody-Waite split of ln 2
-_C = tuple(_F(1.0 / math.factorial(k)) for k in range(8))[::-1]  # degree 7 on |r| <= ln2/2
-_ONE, _LO, _HI = np.int32(1), _F(-104.0), _F(89.0)
-_BIAS, _MANT = np.int32(127), np.int32(23)
-
-
-@numba.njit(nogil=True, cache=True, fastmath=FAST, inline="always", error_model="numpy")
-def _exp32(x: Any) -> Any:
-    """e**x in float32 arithmetic (16 lanes per zmm instead of vmath's 8 float64 lanes): within 1.3 ulp over
-    the normal range (measured against float64 exp), 0 below -104, overflow to inf, NaN propagates."""
-    xc = max(min(x, _HI), _LO)
-    n = np.floor(xc * _L2E + _F(0.5))
-    r = (xc - n * _LN2_HI) - n * _LN2_LO
-    p = _C[0]
-    p = p * r + _C[1]
-    p = p * r + _C[2]
-    p = p * r + _C[3]
-    p = p * r + _C[4]
-    p = p * r + _C[5]
-    p = p * r + _C[6]
-    p = p * r + _C[7]
-    ni = np.int32(n)
-    n1 = ni >> _ONE
-    n2 = ni - n1
-    y = p * _as_f32((n1 + _BIAS) << _MANT) * _as_f32((n2 + _BIAS) << _MANT)
-    y = _F(0.0) if x < _LO else y
-    return y if x == x else x
-
-
-def _exp_shifted(v: Any, m: float) -> Any:
-    """exp(v - m): float32 data in float32 arithmetic (``_exp32``), float64 data with ``vmath.exp``."""
-    raise NotImplementedError  # only called from numba kernels
-
-
-@overload(_exp_shifted, inline="always")
-def _exp_shifted_impl(v, m):  # type: ignore[no-untyped-def]  # unannotated, as the implementations (numba checks)
-    if v == types.float32:
-        return lambda v, m: _exp32(v - np.float32(m))
-    return lambda v, m: vm.exp(v - m)
 
 
 @jit
 def _exp_store(x: Any, out: Any, m: float) -> None:
     for i in range(x.shape[0]):
-        out[i] = _exp_shifted(x[i], m)
+        out[i] = vm.exp_shifted(x[i], m)
 
 
 @jit_reduce
@@ -188,7 +119,7 @@ def _merge(part: Any, k: int, mode: int) -> None:
     nb = part.shape[1]
     big = -np.inf
     for b in range(nb):
-        big = _maximum(big, part[k, b, 0])
+        big = vm.maximum(big, part[k, b, 0])
     s = 0.0
     for b in range(nb):
         s += part[k, b, 1] * math.exp(part[k, b, 0] - big)

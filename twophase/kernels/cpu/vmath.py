@@ -18,8 +18,9 @@ from typing import Any
 
 import numba
 import numpy as np
-from numba.core import types
-from numba.extending import intrinsic
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic, overload
 from numpy.polynomial import Chebyshev, Polynomial
 from numpy.polynomial import chebyshev as cheb
 
@@ -28,7 +29,7 @@ from .jit import FAST
 jit = numba.njit(nogil=True, cache=True, fastmath=FAST, inline="always")  # inlined into the calling kernel
 
 __all__ = ["exp", "log", "tanh", "erf", "erfc", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
-           "exp_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32"]
+           "exp_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32", "maximum", "exp_shifted"]
 
 
 def __as_f64_typer(typingctx: Any, bits: Any) -> Any:
@@ -307,6 +308,7 @@ _F_LOG2E = _F(_LOG2E)
 _F_LN2_HI = _F(0.693359375)  # 12 significant bits: n * hi is exact for |n| <= 2^12
 _F_LN2_LO = _F(math.log(2.0) - 0.693359375)
 _F_EXP_LO, _F_EXP_HI = _F(-104.0), _F(89.0)
+_I1, _I23, _I127 = np.int32(1), np.int32(23), np.int32(127)  # int32 constants keep the arithmetic in int32
 _F_SQRT1_2_HALF = _F(0.5 * _SQRT1_2)
 _F_GELU_B = _F(_GELU_B)
 _F_GELU_CLAMP = _F(20.0)  # Phi(-20) = 2.8e-89 is 0 in float32
@@ -328,10 +330,10 @@ def exp_f32(x: Any) -> Any:
     n = np.floor(xc * _F_LOG2E + _FH)
     r = (xc - n * _F_LN2_HI) - n * _F_LN2_LO
     p = _horner32(_EXP_F32, r)
-    ni = np.int64(n)
-    n1 = ni >> 1
+    ni = np.int32(n)  # int32 lanes: twice as many per vector as int64 (n is within [-150, 128])
+    n1 = ni >> _I1
     n2 = ni - n1
-    y = p * _as_f32((n1 + 127) << 23) * _as_f32((n2 + 127) << 23)
+    y = p * _as_f32((n1 + _I127) << _I23) * _as_f32((n2 + _I127) << _I23)
     return y if x == x else x
 
 
@@ -365,3 +367,32 @@ def gelu_erf_f32(x: Any) -> Any:
     tail = _FH * exp_f32(-_FH * hi) * (_F1 - _FH * lo) * t * _horner32(_GELU_H, t)  # Phi(-|x|)
     big = x * (tail if x < _F0 else _F1 - tail)
     return small if a < _F_GELU_B else big
+
+
+def _maximum_typer(typingctx: Any, a: Any, b: Any) -> Any:
+    """``llvm.maximum``: NaN if either is NaN; unlike a compare-and-select it vectorizes as a reduction."""
+    if a != b or not isinstance(a, types.Float):
+        return None
+
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        ty = context.get_value_type(sig.args[0])
+        name = "llvm.maximum.f32" if sig.args[0] == types.float32 else "llvm.maximum.f64"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), name)  # type: ignore[no-untyped-call]
+        return builder.call(fn, args)
+    return a(a, b), codegen
+
+
+maximum: Any = intrinsic(_maximum_typer)  # numba's intrinsic wrapper; Any: called with the value args only
+
+
+def exp_shifted(v: Any, m: float) -> Any:
+    """exp(v - m) in v's precision: float32 data in float32 arithmetic (``exp_f32``, 16 lanes per zmm),
+    float64 data with ``exp``."""
+    raise NotImplementedError  # only called from numba kernels
+
+
+@overload(exp_shifted, inline="always")
+def _exp_shifted_impl(v, m):  # type: ignore[no-untyped-def]  # unannotated, as the implementations (numba checks)
+    if v == types.float32:
+        return lambda v, m: exp_f32(v - np.float32(m))
+    return lambda v, m: exp(v - m)
