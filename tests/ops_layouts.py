@@ -43,7 +43,8 @@ def shapes(min_dims: int = 0, max_dims: int = 4, max_side: int = 7) -> st.Search
     return st.lists(st.integers(0, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
 
 
-def random(shape: tuple[int, ...], dtype: Any, rng: np.random.Generator, positive: bool = False) -> np.ndarray[Any, Any]:
+def random(shape: tuple[int, ...], dtype: Any, rng: np.random.Generator,
+           positive: bool = False) -> np.ndarray[Any, Any]:
     dt = np.dtype(dtype)
     if dt.kind == "b":
         return rng.random(shape) < 0.5

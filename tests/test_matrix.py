@@ -50,7 +50,8 @@ def _op(kernel: Any, ws: int = 0) -> Op:
     # (one-shot functions are cached by op name: each planted op gets its own name)
     def build(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
         return lambda w: kernel(ins[0], outs[0], w)
-    return Op(OpDef(name=f"planted_{kernel.__name__}", inputs=("x",), infer=lambda i, a: (tp.TensorDesc(i[0].shape, i[0].dtype),),
+    return Op(OpDef(name=f"planted_{kernel.__name__}", inputs=("x",),
+                    infer=lambda i, a: (tp.TensorDesc(i[0].shape, i[0].dtype),),
                     select=lambda *a: Plan("p", None, ws), kernels={"cpu": build}, reference=lambda x: -x))
 
 

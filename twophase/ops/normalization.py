@@ -21,7 +21,7 @@ from .checks import FLOATS, as_dims, as_float, as_int, check_dtype, need, norm_d
 
 LONG_ROW = 32768  # rows longer than this are split across blocks
 SPLIT_BLOCK = 8192  # elements per block of a split row
-PARALLEL_MIN = 1 << 18  # elements below which one thread does all rows
+PARALLEL_MIN = 1 << 20  # elements below which one thread does all rows (a parallel region wakes sleeping workers)
 
 
 @dataclass(frozen=True)
