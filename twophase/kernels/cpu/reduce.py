@@ -23,7 +23,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import intrinsic
 
-from .jit import entry
+from .jit import REDUCE, entry
 from .jit import jit_reduce as _jit_reduce
 from .jit import jit_reduce_par as _jit_reduce_par
 
@@ -37,6 +37,8 @@ def _typed(deco: Any) -> Callable[[_Fn], _Fn]:
 
 jit_reduce = _typed(_jit_reduce)
 jit_reduce_par = _typed(_jit_reduce_par)
+# helpers inlined into each level kernel (a call per row costs more than a short row's work)
+jit_inline = _typed(numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, inline="always"))
 
 KC = 4096  # kept columns per task of a ``cols`` level (16 KiB of float32 rows: the prefetcher runs across pages)
 
@@ -65,7 +67,7 @@ vmin = _llvm_binary("llvm.minimum", "llvm.smin")
 # Spans take a whole row ``v`` (``x[k]`` keeps a C-contiguous matrix's layout; a slice would type as 'A', whose
 # unknown stride blocks vectorization) and the bounds [lo, hi). Indices are unsigned: a signed index gets numba's
 # negative-index wrap-around select, which turns the vector loads into gathers (6x slower).
-@jit_reduce
+@jit_inline
 def _sum_span(v: Any, lo: int, hi: int, zero: Any) -> Any:
     acc = zero
     base = np.uint64(lo)
@@ -74,7 +76,7 @@ def _sum_span(v: Any, lo: int, hi: int, zero: Any) -> Any:
     return acc
 
 
-@jit_reduce
+@jit_inline
 def _max_span(v: Any, lo: int, hi: int, sign: Any) -> Any:
     """max (sign > 0) or min (sign < 0) of a non-empty span; NaN wins."""
     m = v[lo]
@@ -88,7 +90,7 @@ def _max_span(v: Any, lo: int, hi: int, sign: Any) -> Any:
     return m
 
 
-@jit_reduce
+@jit_inline
 def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, Any]:
     """(max, index of its first occurrence) of a non-empty span; the first NaN wins (numpy's argmax)."""
     m = v[lo]
@@ -104,7 +106,7 @@ def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, Any]:
     return m, first
 
 
-@jit_reduce
+@jit_inline
 def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
     """(count, mean, M2) of a span, two passes (the span is one block: it stays in cache)."""
     n = hi - lo
@@ -120,7 +122,7 @@ def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
     return float(n), mean, m2
 
 
-@jit_reduce
+@jit_inline
 def _chan(na: float, ma: float, qa: float, nb: float, mb: float, qb: float) -> tuple[float, float, float]:
     """Merge two (count, mean, M2) partials (Chan, Golub and LeVeque)."""
     n = na + nb
@@ -131,7 +133,7 @@ def _chan(na: float, ma: float, qa: float, nb: float, mb: float, qb: float) -> t
 
 
 # ---------------------------------------------------------------- rows levels: x (K, n) -> out (K, nb)
-@jit_reduce
+@jit_inline
 def _sum_task(x: Any, block: int, zero: Any, out: Any, t: int) -> None:
     nb = out.shape[1]
     k = t // nb
@@ -152,7 +154,7 @@ def sum_level_par(x: Any, block: int, zero: Any, out: Any) -> None:
         _sum_task(x, block, zero, out, t)
 
 
-@jit_reduce
+@jit_inline
 def _max_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
     nb = out.shape[1]
     k = t // nb
@@ -338,7 +340,7 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
 
 
 # ---------------------------------------------------------------- argmax: (value, index) partials
-@jit_reduce
+@jit_inline
 def _argmax_task(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t: int) -> None:
     """Block j of row k: the first max and its index (``idx`` None-like when x is the data: positions are indices)."""
     nb = out_v.shape[1]
@@ -400,7 +402,7 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
 
 
 # ---------------------------------------------------------------- var: (count, mean, M2) partials
-@jit_reduce
+@jit_inline
 def _moments_task(x: Any, block: int, out: Any, t: int) -> None:
     nb = out.shape[1]
     k = t // nb
@@ -424,7 +426,7 @@ def moments_level_par(x: Any, block: int, out: Any) -> None:
         _moments_task(x, block, out, t)
 
 
-@jit_reduce
+@jit_inline
 def _merge_task(p: Any, block: int, out: Any, t: int) -> None:
     nb = out.shape[1]
     k = t // nb
