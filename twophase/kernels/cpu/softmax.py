@@ -29,9 +29,12 @@ Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_par: Kernel = _jit.jit_par
 jit_reduce: Kernel = _jit.jit_reduce
+# per-row helpers, inlined into each kernel (a call per row costs more than a short row's work); _sum is not:
+# an inlined body takes its caller's fastmath flags, and the sum needs reassociation to vectorize
+jit_inline: Kernel = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=_jit.FAST, inline="always")
 
 
-@jit
+@jit_inline
 def _max(x: Any) -> float:
     """max of a non-empty 1-d view, NaN if any is NaN; in x's dtype, widened at the end."""
     m = x[0]
@@ -40,7 +43,7 @@ def _max(x: Any) -> float:
     return float(m)
 
 
-@jit
+@jit_inline
 def _exp_store(x: Any, out: Any, m: float) -> None:
     for i in range(x.shape[0]):
         out[i] = vm.exp_shifted(x[i], m)
@@ -54,7 +57,7 @@ def _sum(a: Any) -> float:
     return s
 
 
-@jit
+@jit_inline
 def _stats(x: Any, out: Any) -> tuple[float, float]:
     """(m, s) of a 1-d view with out = exp(x - m) and s its sum. An all -inf block shifts by 0 (its exps are
     0, s = 0) so that it merges as nothing; a whole row of -inf still gives NaN."""
@@ -63,19 +66,19 @@ def _stats(x: Any, out: Any) -> tuple[float, float]:
     return m, _sum(out)
 
 
-@jit
+@jit_inline
 def _scale(out: Any, c: float) -> None:
     for i in range(out.shape[0]):
         out[i] = out[i] * c
 
 
-@jit
+@jit_inline
 def _shift(x: Any, out: Any, m: float, c: float) -> None:
     for i in range(x.shape[0]):
         out[i] = (x[i] - m) - c
 
 
-@jit
+@jit_inline
 def _block_stats(x: Any, out: Any, tmp: Any, mode: int) -> Any:
     """softmax keeps its exps in ``out`` (scaled later); log-softmax sums them in the scratch ``tmp`` so that
     ``x`` survives when it is ``out`` (packed, or an in-place call)."""
@@ -84,7 +87,7 @@ def _block_stats(x: Any, out: Any, tmp: Any, mode: int) -> Any:
     return _stats(x, tmp[:x.shape[0]])
 
 
-@jit
+@jit_inline
 def _row(x: Any, out: Any, tmp: Any, mode: int) -> None:
     m, s = _block_stats(x, out, tmp, mode)
     if m == -np.inf:
@@ -112,7 +115,7 @@ def rows_par(x: Any, out: Any, mode: int, chunk: int, scratch: Any) -> None:
             _row(x[k], out[k], tmp, mode)
 
 
-@jit
+@jit_inline
 def _merge(part: Any, k: int, mode: int) -> None:
     """Merge row k's block partials (m_b, s_b): M = max m_b, S = sum s_b exp(m_b - M); then rewrite each
     block's slot with what its write needs: (exp(m_b - M) / S, S) for softmax, (M, log S) for log-softmax."""
@@ -133,13 +136,13 @@ def _merge(part: Any, k: int, mode: int) -> None:
             part[k, b, 1] = ls
 
 
-@jit
+@jit_inline
 def _partial(x: Any, out: Any, tmp: Any, block: int, part: Any, k: int, j: int, mode: int) -> None:
     lo, hi = j * block, min(x.shape[1], (j + 1) * block)
     part[k, j, 0], part[k, j, 1] = _block_stats(x[k, lo:hi], out[k, lo:hi], tmp, mode)
 
 
-@jit
+@jit_inline
 def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int) -> None:
     lo, hi = j * block, min(x.shape[1], (j + 1) * block)
     if mode == SOFTMAX:

@@ -391,7 +391,7 @@ def exp_shifted(v: Any, m: float) -> Any:
     raise NotImplementedError  # only called from numba kernels
 
 
-@overload(exp_shifted, inline="always")
+@overload(exp_shifted)
 def _exp_shifted_impl(v, m):  # type: ignore[no-untyped-def]  # unannotated, as the implementations (numba checks)
     if v == types.float32:
         return lambda v, m: exp_f32(v - np.float32(m))
