@@ -74,7 +74,8 @@ def ours(op: Any, ins: list[Any], **attrs: Any) -> tuple[Callable[[], None], Cal
     return run, release
 
 
-def main() -> None:
+def table() -> None:
+    """The ratio table in this process's environment."""
     print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}  "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}  cpus={os.cpu_count()}  "
           f"torch={torch.__version__ if torch else 'not installed'}")
@@ -124,6 +125,20 @@ def main() -> None:
             print(f"{name:<11} {'x'.join(map(str, shape)):<12} {t['ours'] / CALLS * 1e3:8.2f} "
                   f"{t['copyto'] / t['ours']:7.2f} {t.get('read', nan) / t['ours']:7.2f} "
                   f"{t['naive'] / t['ours']:7.2f} {t.get('torch', nan) / t['ours']:7.2f}")
+
+
+def main() -> None:
+    """The table as the environment stands, then (unless ``TWOPHASE_BENCH_VARIANTS=0`` or the policy is already
+    set) again in a subprocess with ``OMP_WAIT_POLICY=PASSIVE``, where twophase's kernels use every core (its
+    automatic thread count) and torch, which shares libgomp, runs passive too."""
+    table()
+    if os.environ.get("TWOPHASE_BENCH_VARIANTS", "1") == "0" or "OMP_WAIT_POLICY" in os.environ:
+        return
+    import subprocess
+    print("\nthe same with OMP_WAIT_POLICY=PASSIVE (twophase kernels on every core; torch's OpenMP passive too):")
+    out = subprocess.run([sys.executable, "-m", "bench.bench_ops1", *sys.argv[1:]], capture_output=True, text=True,
+                         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, check=False)
+    print(out.stdout.rstrip() if out.returncode == 0 else f"variant failed:\n{out.stderr[-2000:]}")
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ class Settings:
     cache_enabled: bool = field(default_factory=lambda: not _env_flag("TWOPHASE_DISABLE_CACHE"))
     deterministic: bool = field(default_factory=lambda: _env_flag("TWOPHASE_DETERMINISTIC"))
     workspace_limit: int | None = field(default_factory=lambda: _env_int("TWOPHASE_WORKSPACE_LIMIT", None))
-    num_threads: int = field(default_factory=lambda: _env_int("TWOPHASE_NUM_THREADS", 0) or 0)  # 0: all
+    num_threads: int = field(default_factory=lambda: _env_int("TWOPHASE_NUM_THREADS", 0) or 0)  # 0: automatic
     log_level: str = field(default_factory=lambda: os.environ.get("TWOPHASE_LOG_LEVEL", "WARNING").upper())
     sanitize: bool = field(default_factory=lambda: _env_flag("TWOPHASE_SANITIZE"))
 
@@ -82,13 +82,10 @@ def set_workspace_limit(nbytes: int | None) -> None:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads each parallel CPU kernel may use (``TWOPHASE_NUM_THREADS``; default 0: all of numba's pool).
-
-    numba's OpenMP workers are started passive (``runtime.ops_cpu.start_quiet_pool``): idle, they sleep
-    instead of spinning against BLAS's pool for the same cores.
-    """
+    """Threads each parallel CPU kernel may use (``TWOPHASE_NUM_THREADS``); 0, the default, means all of numba's
+    pool when ``OMP_WAIT_POLICY=PASSIVE`` is set, else 1 (see ``runtime.ops_cpu.kernel_threads``)."""
     if int(n) < 0:
-        raise ValueError("num_threads must be >= 0 (0: all of numba's pool)")
+        raise ValueError("num_threads must be >= 0 (0: automatic)")
     _set("num_threads", int(n))
 
 

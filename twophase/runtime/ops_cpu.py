@@ -64,32 +64,20 @@ def apply_kernel_threads() -> None:
 
 
 def kernel_threads() -> int:
-    """Threads a parallel kernel runs on: the ``num_threads`` setting (0: all of numba's pool), clamped to the pool."""
+    """Threads a parallel kernel runs on: the ``num_threads`` setting, clamped to numba's pool; when unset (0),
+    all of the pool if ``OMP_WAIT_POLICY=PASSIVE`` is in the environment, else 1.
+
+    numba's OpenMP workers spin after each kernel, as OpenBLAS's do after each GEMM: on the same cores the two
+    pools take turns spinning (measured on 2 cores: a MiniLM forward 2.2x slower with 2 kernel threads). With a
+    passive policy idle workers sleep. The library does not set the policy itself: libgomp reads it once per
+    process, and torch shares the same libgomp, so it would change torch's threads too.
+    """
     import numba
     pool: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
-    return max(1, min(config.settings.num_threads or pool, pool))
-
-
-def start_quiet_pool() -> None:
-    """Start numba's thread pool with OpenMP workers that sleep when idle.
-
-    libgomp reads ``OMP_WAIT_POLICY`` once, when it loads: it is set to PASSIVE only while numba's pool starts,
-    then restored, so other OpenMP runtimes loaded later keep their own defaults. Spinning workers would hold
-    the cores that BLAS's pool needs between kernels (measured on 2 cores: a MiniLM forward with 2 kernel
-    threads took 353 ms with spinning workers, 163 ms with sleeping ones). A policy the user set is kept.
-    """
-    from numba.np.ufunc import parallel
-    if "OMP_WAIT_POLICY" in os.environ or "GOMP_SPINCOUNT" in os.environ:
-        parallel._launch_threads()  # type: ignore[no-untyped-call]
-        return
-    os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
-    try:
-        parallel._launch_threads()  # type: ignore[no-untyped-call]
-    finally:
-        os.environ.pop("OMP_WAIT_POLICY", None)
-
-
-start_quiet_pool()
+    n = config.settings.num_threads
+    if n == 0:
+        n = pool if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 1
+    return max(1, min(n, pool))
 
 
 register_backend("cpu", CpuDevice)

@@ -98,8 +98,16 @@ def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, Any]:
     for i in range(np.uint64(hi - lo)):
         m = vmax(m, v[base + i])
     nan = m != m
-    first = np.int64(hi)  # a min-reduction of the matching indices: vectorizes (a search with an early exit does not)
-    for i in range(np.uint64(hi - lo)):
+    n = hi - lo
+    if n < 2**31:  # int32 offsets: twice the lanes of int64 indices
+        f32 = np.int32(n)  # a min-reduction of the matching offsets: vectorizes (a search with an early exit does not)
+        for i in range(np.uint64(n)):
+            e = v[base + i]
+            hit = (e != e) if nan else (e == m)
+            f32 = vmin(f32, np.int32(i) if hit else np.int32(n))
+        return m, np.int64(lo) + np.int64(f32)
+    first = np.int64(hi)
+    for i in range(np.uint64(n)):
         e = v[base + i]
         hit = (e != e) if nan else (e == m)
         first = vmin(first, np.int64(base + i) if hit else np.int64(hi))
@@ -342,12 +350,18 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
 # ---------------------------------------------------------------- argmax: (value, index) partials
 @jit_inline
 def _argmax_task(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t: int) -> None:
-    """Block j of row k: the first max and its index (``idx`` None-like when x is the data: positions are indices)."""
     nb = out_v.shape[1]
     k = t // nb
-    j = t - k * nb
+    _argmax_block(x, idx, block, out_v, out_i, k, t - k * nb)
+
+
+@jit_inline
+def _argmax_block(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, k: int, j: int) -> None:
+    """Block j of row k: the first max and its index (``idx`` None-like when x is the data: positions are indices)."""
     lo = j * block
-    m, p = _argmax_span(x[k], lo, min(x.shape[1], lo + block))
+    hi = min(x.shape[1], lo + block)
+    m, p = _argmax_span(x[k, lo:hi], 0, hi - lo)  # a span from 0: the offsets below vectorize
+    p += lo
     out_v[k, j] = m
     out_i[k, j] = p if idx.shape[1] == 0 else idx[k, p]
 
@@ -355,8 +369,13 @@ def _argmax_task(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t: int) -
 @jit_reduce
 def argmax_level(x: Any, idx: Any, block: int, out_v: Any, out_i: Any) -> None:
     """(out_v, out_i)[k, j] = first max of x[k, block j] and its index (positions, or ``idx`` of the partials)."""
-    for t in range(out_v.shape[0] * out_v.shape[1]):
-        _argmax_task(x, idx, block, out_v, out_i, t)
+    if out_v.shape[1] == 1 and idx.shape[1] == 0:  # one block per row of the data (short rows): the lean loop
+        for k in range(out_v.shape[0]):
+            out_v[k, 0], out_i[k, 0] = _argmax_span(x[k], 0, x.shape[1])
+        return
+    for k in range(out_v.shape[0]):
+        for j in range(out_v.shape[1]):
+            _argmax_block(x, idx, block, out_v, out_i, k, j)
 
 
 @jit_reduce_par
