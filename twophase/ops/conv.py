@@ -3,7 +3,7 @@
 Implementations, ranked: gemm_1x1 (1x1, stride 1, no padding: GEMM on the operands, workspace 0), im2col (the
 unfolded input of a tile of whole images or output rows in the workspace, then one GEMM per tile; the tile
 shrinks to fit ``workspace_limit``), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated single-group convolutions:
-16 GEMMs on transformed tiles; ranked first when BLAS runs one thread and there are >= 64 output tiles) and
+16 GEMMs on transformed tiles; ranked first from 64 output tiles when BLAS runs one thread, from 256 otherwise) and
 direct (a numba loop nest, workspace 0; ranked first for depthwise convolutions).
 """
 
@@ -168,7 +168,8 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
     if (kh, kw, sh, sw, dh, dw, g) == (3, 3, 1, 1, 1, 1, 1):
         wino = _winograd_candidate(t, item, limit)
         if wino is not None:
-            first = WINOGRAD_FIRST and t.n * ((oh + 1) // 2) * ((ow + 1) // 2) >= WINOGRAD_MIN_TILES
+            tiles = t.n * ((oh + 1) // 2) * ((ow + 1) // 2)
+            first = tiles >= (WINOGRAD_MIN_TILES if WINOGRAD_FIRST else WINOGRAD_MIN_TILES_THREADED)
             cands.insert(0 if first else len(cands), wino)
     if cg == 1 and g > 1:
         cands.insert(0, direct)
@@ -216,9 +217,12 @@ def _blas_single_threaded() -> bool:
     return False
 
 
-# winograd does 2.25x fewer multiplies than im2col but as 16 GEMMs instead of one: with multithreaded BLAS on a
-# busy machine every GEMM pays a thread rendezvous, so it ranks first only when BLAS runs one thread
+# winograd does 2.25x fewer multiplies than im2col but as 16 GEMMs instead of one: with multithreaded BLAS every
+# GEMM pays a thread rendezvous, so there it needs wider GEMMs to win. Measured side by side (ResNet-18 3x3 layers,
+# 2 cores, threaded OpenBLAS; t(winograd)/t(im2col)): 6272 tiles 0.63, 1568 0.73, 784 0.64, 392 0.91, 196 1.03,
+# 128 1.48, 49 2.1, 16 6.4.
 WINOGRAD_FIRST = _blas_single_threaded()
+WINOGRAD_MIN_TILES_THREADED = 256  # tiles from which winograd ranks first when BLAS runs several threads
 
 
 def winograd_workspace(oc: int, c: int, chunk: int, item: int, ow: int) -> int:
@@ -319,8 +323,8 @@ conv2d = register(OpDef(
          "workspace_formula. "
          "winograd F(2x2, 3x3) (3x3, stride 1, dilation 1, groups 1): weights, input tiles and 16 GEMMs of (OC, C) "
          "x (C, chunk) in the workspace (chunk: all tiles that fit workspace_limit, else 32 MiB), output transform "
-         "adds the bias; see workspace_formula; ranked first when "
-         "BLAS runs one thread (OPENBLAS_NUM_THREADS=1) and N*ceil(OH/2)*ceil(OW/2) >= 64, else after im2col. "
+         "adds the bias; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 64 with BLAS on one "
+         "thread (OPENBLAS_NUM_THREADS=1), >= 256 otherwise; else after im2col. "
          "direct: loop nest parallel over (N, OC), workspace 0, ranked first when depthwise (C/groups == 1)."),
     reference=reference,
 ))
