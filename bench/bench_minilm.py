@@ -291,6 +291,9 @@ def verdicts(result: dict[str, Any]) -> list[str]:
 VARIANTS = {
     "numba1": ("twophase's numba kernels on one thread (NUMBA_NUM_THREADS=1; BLAS, torch and ORT at their defaults)",
                {"NUMBA_NUM_THREADS": "1"}, 0),
+    "passive": ("OMP_WAIT_POLICY=PASSIVE: twophase's kernels on every core (its automatic thread count); torch shares "
+                "libgomp, so its OpenMP threads are passive too",
+                {"OMP_WAIT_POLICY": "PASSIVE"}, 0),
     "single": ("one thread each (OPENBLAS_NUM_THREADS=1, NUMBA_NUM_THREADS=1, OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, "
                "torch.set_num_threads(1), ORT intra_op_num_threads=1)",
                {"OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
