@@ -178,3 +178,52 @@ def test_linear_rejects_bias_of_wrong_size(dev: Any) -> None:
         linear.get_workspace_size(dev.tensor(np.ones((2, 3), np.float32)), dev.tensor(np.ones((4, 3), np.float32)),
                                   dev.tensor(np.ones(3, np.float32)))
     assert e.value.arg == "bias"
+
+
+# ---------------------------------------------------------------- the bias / addend fused into one BLAS call
+def test_numpy_blas_binding_is_found_and_agrees() -> None:
+    """The ILP64 cblas_?gemm of numpy's wheel OpenBLAS (checked against numpy when it is bound)."""
+    from twophase.kernels.cpu.blas import gemm_for
+    if gemm_for(np.float32) is None:
+        pytest.skip("numpy's BLAS is not the bundled OpenBLAS: linear keeps matmul + a separate bias pass")
+    assert gemm_for(np.float64) is not None
+    assert gemm_for(np.int64) is None and gemm_for(np.float16) is None
+
+
+@pytest.mark.parametrize("layout", ["dense", "x transposed", "weight transposed", "out strided"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_linear_bias_fused_into_the_gemm_matches_every_layout(dev: Any, rng: np.random.Generator, layout: str,
+                                                             dtype: Any) -> None:
+    from twophase.kernels.cpu.blas import fused_gemm, gemm_for
+    x, w, bias = _rand(rng, (6, 9), dtype), _rand(rng, (5, 9), dtype), _rand(rng, (5,), dtype)
+    if layout == "x transposed":
+        x = np.ascontiguousarray(x.T).T
+    if layout == "weight transposed":
+        w = np.ascontiguousarray(w.T).T
+    ref = x.astype(np.float64) @ w.T.astype(np.float64) + bias
+    out = None
+    if layout == "out strided":
+        out = dev.tensor(np.zeros((6, 16), dtype)).strided((6, 5), (16, 1), 0)
+    r = run_checked(linear, x, w, bias, out=out) if out is not None else run_checked(linear, x, w, bias)
+    _check(r, ref)
+    assert _run_all(linear, x, w, bias, ref=ref)
+    # the fused launch itself, where it applies, equals the reference too (and declines an aliasing addend)
+    if gemm_for(dtype) is not None:
+        o = np.full((6, 5), np.nan, dtype)
+        launch = fused_gemm(x, w.T, o, o, bias, 1.0, 1.0)
+        assert launch is not None
+        launch(None)
+        np.testing.assert_allclose(o, ref, rtol=2e-5, atol=1e-4)
+        assert fused_gemm(x, w.T, o, o, o[0], 1.0, 1.0) is None  # c inside out: not fused
+        assert fused_gemm(x, w.T, o, o, bias, 0.0, 1.0) is None  # alpha 0: the product's NaN must propagate
+
+
+def test_baddbmm_alpha_zero_still_propagates_the_products_nan(rng: np.random.Generator) -> None:
+    c, a, b = _rand(rng, (3, 5)), _rand(rng, (3, 4)), _rand(rng, (4, 5))
+    a[1, 2] = np.inf
+    with np.errstate(invalid="ignore"):
+        ref = 0.0 * (a.astype(np.float64) @ b) + 2.0 * c
+    r = run_checked(baddbmm, c, a, b, alpha=0.0, beta=2.0)
+    out = r.outputs[0]
+    assert np.isnan(out[1]).all() and np.isnan(ref[1]).all()
+    np.testing.assert_allclose(np.delete(out, 1, 0), np.delete(ref, 1, 0), rtol=1e-6)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.matmul import build_epilogue, build_matmul
+from ..kernels.cpu.matmul import build_matmul
 from ..layout import align, broadcast_shape, merge_dims
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
@@ -205,7 +205,7 @@ def _select_matmul(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None
 
 def _build_matmul(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
                   outs: tuple[Any, ...]) -> Callable[[Any], None]:
-    return build_matmul(plan.tiling, plan.implementation, ins[0], ins[1], outs[0], None)
+    return build_matmul(plan.tiling, plan.implementation, ins[0], ins[1], outs[0])
 
 
 WS_DOC = ("gemm_folded, batch_loop, blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
@@ -252,7 +252,7 @@ def _select_linear(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None
 def _build_linear(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
                   outs: tuple[Any, ...]) -> Callable[[Any], None]:
     x, w, bias = ins
-    return build_matmul(plan.tiling, plan.implementation, x, w.T, outs[0], build_epilogue(outs[0], bias, 1.0, 1.0))
+    return build_matmul(plan.tiling, plan.implementation, x, w.T, outs[0], None if bias is None else (bias, 1.0, 1.0))
 
 
 def _ref_linear(x: Any, weight: Any, bias: Any = None) -> Any:
@@ -292,8 +292,7 @@ def _select_baddbmm(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | Non
 def _build_baddbmm(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
                    outs: tuple[Any, ...]) -> Callable[[Any], None]:
     c, a, b = ins
-    epi = build_epilogue(outs[0], c, attrs["alpha"], attrs["beta"])
-    return build_matmul(plan.tiling, plan.implementation, a, b, outs[0], epi)
+    return build_matmul(plan.tiling, plan.implementation, a, b, outs[0], (c, attrs["alpha"], attrs["beta"]))
 
 
 def _ref_baddbmm(c: Any, a: Any, b: Any, beta: float = 1.0, alpha: float = 1.0) -> Any:

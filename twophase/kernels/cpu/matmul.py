@@ -10,6 +10,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align
+from .blas import fused_gemm
 
 Launch = Callable[[Any], None]
 
@@ -39,20 +40,28 @@ def _fold_blocks(t: Any, a: Any, b: Any, out: Any) -> list[tuple[Any, Any, Any]]
     return blocks
 
 
-def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, epilogue: Launch | None) -> Launch:
-    """Launch computing ``out = a @ b`` (then ``epilogue``) for tiling ``t`` of implementation ``impl``.
+def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any, float, float] | None = None,
+                 ) -> Launch:
+    """Launch computing ``out = alpha * (a @ b) + beta * c`` (``addend = (c, alpha, beta)``; None: ``a @ b``) for
+    tiling ``t`` of implementation ``impl``.
 
-    ``a``, ``b``, ``out`` are the arrays as bound; their promoted views come from the tiling's specs.
+    ``a``, ``b``, ``out`` are the arrays as bound; their promoted views come from the tiling's specs. A single
+    2-D GEMM with an addend runs as one BLAS call with ``beta`` (``blas.fused_gemm``) where numpy's BLAS allows,
+    else as ``np.matmul`` followed by the epilogue.
     """
     av = strided_view(a, t.a.shape, t.a.strides)
     bv = strided_view(b, t.b.shape, t.b.strides)
     ov = strided_view(out, t.out.shape, t.out.strides)
+    epilogue = None if addend is None else build_epilogue(out, *addend)
     post = epilogue or (lambda _: None)
     if impl in ("gemm_folded", "batch_loop"):
         full = [strided_view(x, s.bshape, s.bstrides) for x, s in ((a, t.a), (b, t.b), (out, t.out))]
         blocks = _fold_blocks(t, full[0], full[1], full[2])
         if len(blocks) == 1:
             a2, b2, o2 = blocks[0]
+            fused = None if addend is None else fused_gemm(a2, b2, o2, out, *addend)
+            if fused is not None:
+                return fused
 
             def gemm(ws: Any) -> None:
                 np.matmul(a2, b2, out=o2)
@@ -65,6 +74,10 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, epilogue: Launch |
             post(ws)
         return loop
     if impl == "blas":
+        fused = None if addend is None or av.ndim != 2 else fused_gemm(av, bv, ov, out, *addend)
+        if fused is not None:
+            return fused
+
         def blas(ws: Any) -> None:
             np.matmul(av, bv, out=ov)
             post(ws)
