@@ -359,9 +359,7 @@ def _argmax_task(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t: int) -
 def _argmax_block(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, k: int, j: int) -> None:
     """Block j of row k: the first max and its index (``idx`` None-like when x is the data: positions are indices)."""
     lo = j * block
-    hi = min(x.shape[1], lo + block)
-    m, p = _argmax_span(x[k, lo:hi], 0, hi - lo)  # a span from 0: the offsets below vectorize
-    p += lo
+    m, p = _argmax_span(x[k], lo, min(x.shape[1], lo + block))
     out_v[k, j] = m
     out_i[k, j] = p if idx.shape[1] == 0 else idx[k, p]
 
