@@ -107,14 +107,17 @@ def test_kernel_threads_default_follows_the_omp_wait_policy(monkeypatch: pytest.
     """Automatic (0): one thread unless OpenMP workers are passive; an explicit count wins, clamped to the pool."""
     import numba
 
-    from twophase.runtime.ops_cpu import kernel_threads
+    from twophase.runtime.ops_cpu import kernel_threads, omp_passive
     pool = numba.config.NUMBA_NUM_THREADS
     old = twophase.settings.num_threads
     try:
         twophase.set_num_threads(0)
         monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+        omp_passive.cache_clear()
         assert kernel_threads() == 1
         monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
+        assert kernel_threads() == 1  # read once per process, as libgomp reads it
+        omp_passive.cache_clear()
         assert kernel_threads() == pool
         twophase.set_num_threads(1)
         assert kernel_threads() == 1
@@ -124,3 +127,4 @@ def test_kernel_threads_default_follows_the_omp_wait_policy(monkeypatch: pytest.
             twophase.set_num_threads(-1)
     finally:
         twophase.set_num_threads(old)
+        omp_passive.cache_clear()

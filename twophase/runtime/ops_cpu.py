@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 from typing import Any
@@ -76,8 +77,15 @@ def kernel_threads() -> int:
     pool: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
     n = config.settings.num_threads
     if n == 0:
-        n = pool if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE" else 1
+        n = pool if omp_passive() else 1
     return max(1, min(n, pool))
+
+
+@functools.cache
+def omp_passive() -> bool:
+    """Whether ``OMP_WAIT_POLICY=PASSIVE`` was set when first asked: read once, as libgomp does, so that tilings
+    planned with one thread count never meet workers started with another."""
+    return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
 
 
 register_backend("cpu", CpuDevice)
