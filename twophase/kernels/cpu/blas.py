@@ -100,11 +100,8 @@ def fused_gemm(a: Any, b: Any, o: Any, out: Any, c: Any, alpha: float, beta: flo
     args = (ROW_MAJOR, ta[0], tb[0], m, n, k, alpha, a.ctypes.data, ta[1], b.ctypes.data, tb[1], beta,
             o.ctypes.data, to[1])
 
-    operands = (a, b, o)  # the views own the memory the pointers in args point into
-
-    def launch(_: Any) -> None:
+    def launch(_: Any, _owners: tuple[Any, ...] = (a, b, o)) -> None:  # the views own the memory args points at
         if c is not out:
             np.copyto(out, c)
         fn(*args)
-    launch.operands = operands  # type: ignore[attr-defined]
     return launch

@@ -52,37 +52,36 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any,
     av = strided_view(a, t.a.shape, t.a.strides)
     bv = strided_view(b, t.b.shape, t.b.strides)
     ov = strided_view(out, t.out.shape, t.out.strides)
-    epilogue = None if addend is None else build_epilogue(out, *addend)
-    post = epilogue or (lambda _: None)
-    if impl in ("gemm_folded", "batch_loop"):
+    if impl == "packed":
+        return _build_packed(t, av, bv, ov, _epilogue_or_nothing(out, addend))
+    if impl == "blas":
+        blocks = [(av, bv, ov)]
+    else:  # gemm_folded, batch_loop
         full = [strided_view(x, s.bshape, s.bstrides) for x, s in ((a, t.a), (b, t.b), (out, t.out))]
         blocks = _fold_blocks(t, full[0], full[1], full[2])
-        if len(blocks) == 1:
-            a2, b2, o2 = blocks[0]
-            fused = None if addend is None else fused_gemm(a2, b2, o2, out, *addend)
-            if fused is not None:
-                return fused
-
-            def gemm(ws: Any) -> None:
-                np.matmul(a2, b2, out=o2)
-                post(ws)
-            return gemm
-
-        def loop(ws: Any) -> None:
-            for a2, b2, o2 in blocks:
-                np.matmul(a2, b2, out=o2)
-            post(ws)
-        return loop
-    if impl == "blas":
-        fused = None if addend is None or av.ndim != 2 else fused_gemm(av, bv, ov, out, *addend)
+    if addend is not None and len(blocks) == 1:
+        fused = fused_gemm(*blocks[0], out, *addend)  # None unless one 2-D GEMM BLAS can take as it is
         if fused is not None:
             return fused
+    post = _epilogue_or_nothing(out, addend)
+    if len(blocks) == 1:
+        a2, b2, o2 = blocks[0]
 
-        def blas(ws: Any) -> None:
-            np.matmul(av, bv, out=ov)
+        def gemm(ws: Any) -> None:
+            np.matmul(a2, b2, out=o2)
             post(ws)
-        return blas
-    return _build_packed(t, av, bv, ov, post)
+        return gemm
+
+    def gemms(ws: Any) -> None:
+        for a2, b2, o2 in blocks:
+            np.matmul(a2, b2, out=o2)
+        post(ws)
+    return gemms
+
+
+def _epilogue_or_nothing(out: Any, addend: tuple[Any, float, float] | None) -> Launch:
+    epilogue = None if addend is None else build_epilogue(out, *addend)
+    return epilogue or (lambda _: None)
 
 
 def _build_packed(t: Any, av: Any, bv: Any, ov: Any, post: Launch) -> Launch:
