@@ -17,6 +17,7 @@ import numba
 import numpy as np
 
 from . import jit as _jit
+from . import vmath as vm
 from .jit import entry
 from .norm import _affine
 
@@ -24,14 +25,6 @@ Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_par: Kernel = _jit.jit_par
 jit_reduce: Kernel = _jit.jit_reduce
-
-
-@jit_reduce
-def _sum(x: Any) -> float:
-    s = 0.0
-    for i in range(x.shape[0]):
-        s += x[i]
-    return s
 
 
 @jit_reduce
@@ -63,7 +56,7 @@ def group_norm_rows(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any) -> 
         k = t // g
         j = t - k * g
         row, orow = x[k, j], out[k, j]
-        mu = _sum(row) / length
+        mu = vm.fsum(row) / length
         r = 1.0 / math.sqrt(_sq_dev(row, mu) / length + eps)
         _write(row, orow, 0, length, n_sp, j * cg, w, b, mu, r)
 
@@ -97,7 +90,7 @@ def group_norm_split(x: Any, w: Any, b: Any, n_sp: int, eps: float, block: int, 
         j = t - row * nb
         lo, hi = j * block, min(length, (j + 1) * block)
         seg = x[row // g, row % g, lo:hi]
-        mu = _sum(seg) / (hi - lo)
+        mu = vm.fsum(seg) / (hi - lo)
         part[row, j, 0] = hi - lo
         part[row, j, 1] = mu
         part[row, j, 2] = _sq_dev(seg, mu)

@@ -17,15 +17,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
-import llvmlite.ir as llir
 import numba
 import numpy as np
-from numba.core import types
-from numba.extending import intrinsic
 
 from .jit import REDUCE, entry
 from .jit import jit_reduce as _jit_reduce
 from .jit import jit_reduce_par as _jit_reduce_par
+from .vmath import maximum as vmax
+from .vmath import minimum as vmin
 
 _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
@@ -41,26 +40,6 @@ jit_reduce_par = _typed(_jit_reduce_par)
 jit_inline = _typed(numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, inline="always"))
 
 KC = 4096  # kept columns per task of a ``cols`` level (16 KiB of float32 rows: the prefetcher runs across pages)
-
-
-def _llvm_binary(float_name: str, int_name: str) -> Any:
-    @intrinsic
-    def op(typingctx: Any, a: Any, b: Any) -> Any:
-        if a != b:
-            return None
-
-        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            ty = context.get_value_type(sig.return_type)
-            name = float_name if isinstance(sig.return_type, types.Float) else int_name
-            fn = builder.module.declare_intrinsic(name, [ty], llir.FunctionType(ty, [ty, ty]))
-            return builder.call(fn, args)
-        return a(a, a), codegen
-    return op
-
-
-# NaN-propagating float max / min (LLVM vectorizes their reductions; a compare-and-select loop stays scalar)
-vmax = _llvm_binary("llvm.maximum", "llvm.smax")
-vmin = _llvm_binary("llvm.minimum", "llvm.smin")
 
 
 # ---------------------------------------------------------------- spans (1-D)

@@ -28,9 +28,7 @@ _thread_id = numba.get_thread_id  # type: ignore[attr-defined]  # index of the w
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_par: Kernel = _jit.jit_par
-jit_reduce: Kernel = _jit.jit_reduce
-# per-row helpers, inlined into each kernel (a call per row costs more than a short row's work); _sum is not:
-# an inlined body takes its caller's fastmath flags, and the sum needs reassociation to vectorize
+# per-row helpers, inlined into each kernel (a call per row costs more than a short row's work)
 jit_inline: Kernel = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=_jit.FAST, inline="always")
 
 
@@ -49,21 +47,13 @@ def _exp_store(x: Any, out: Any, m: float) -> None:
         out[i] = vm.exp_shifted(x[i], m)
 
 
-@jit_reduce
-def _sum(a: Any) -> float:
-    s = 0.0
-    for i in range(a.shape[0]):
-        s += a[i]
-    return s
-
-
 @jit_inline
 def _stats(x: Any, out: Any) -> tuple[float, float]:
     """(m, s) of a 1-d view with out = exp(x - m) and s its sum. An all -inf block shifts by 0 (its exps are
     0, s = 0) so that it merges as nothing; a whole row of -inf still gives NaN."""
     m = _max(x)
     _exp_store(x, out, m if m != -np.inf else 0.0)
-    return m, _sum(out)
+    return m, vm.fsum(out)
 
 
 @jit_inline

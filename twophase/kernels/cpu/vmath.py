@@ -19,17 +19,17 @@ from typing import Any
 import numba
 import numpy as np
 from llvmlite import ir
-from numba.core import cgutils, types
+from numba.core import types
 from numba.extending import intrinsic, overload
 from numpy.polynomial import Chebyshev, Polynomial
 from numpy.polynomial import chebyshev as cheb
 
-from .jit import FAST
+from .jit import FAST, REDUCE
 
 jit = numba.njit(nogil=True, cache=True, fastmath=FAST, inline="always")  # inlined into the calling kernel
 
 __all__ = ["exp", "log", "tanh", "erf", "erfc", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
-           "exp_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32", "maximum", "exp_shifted"]
+           "exp_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32", "maximum", "minimum", "fsum", "exp_shifted"]
 
 
 def __as_f64_typer(typingctx: Any, bits: Any) -> Any:
@@ -369,20 +369,35 @@ def gelu_erf_f32(x: Any) -> Any:
     return small if a < _F_GELU_B else big
 
 
-def _maximum_typer(typingctx: Any, a: Any, b: Any) -> Any:
-    """``llvm.maximum``: NaN if either is NaN; unlike a compare-and-select it vectorizes as a reduction."""
-    if a != b or not isinstance(a, types.Float):
-        return None
+def _llvm_binary(float_name: str, int_name: str) -> Any:
+    """An intrinsic calling ``float_name`` on floats, ``int_name`` on integers (both operands of one type)."""
+    @intrinsic
+    def op(typingctx: Any, a: Any, b: Any) -> Any:
+        if a != b:
+            return None
 
-    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-        ty = context.get_value_type(sig.args[0])
-        name = "llvm.maximum.f32" if sig.args[0] == types.float32 else "llvm.maximum.f64"
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]), name)  # type: ignore[no-untyped-call]
-        return builder.call(fn, args)
-    return a(a, b), codegen
+        def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+            ty = context.get_value_type(sig.return_type)
+            name = float_name if isinstance(sig.return_type, types.Float) else int_name
+            fn = builder.module.declare_intrinsic(name, [ty], ir.FunctionType(ty, [ty, ty]))
+            return builder.call(fn, args)
+        return a(a, a), codegen
+    return op
 
 
-maximum: Any = intrinsic(_maximum_typer)  # numba's intrinsic wrapper; Any: called with the value args only
+# NaN-propagating float max / min (LLVM vectorizes their reductions; a compare-and-select loop stays scalar)
+maximum: Any = _llvm_binary("llvm.maximum", "llvm.smax")
+minimum: Any = _llvm_binary("llvm.minimum", "llvm.smin")
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE)
+def fsum(a: Any) -> float:
+    """float64 sum of a 1-d view. Reassociated, so it vectorizes; not inlined, because an inlined body takes its
+    caller's fastmath flags (and kernels calling exp must not reassociate)."""
+    s = 0.0
+    for i in range(a.shape[0]):
+        s += a[i]
+    return s
 
 
 def exp_shifted(v: Any, m: float) -> Any:
