@@ -77,20 +77,13 @@ def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, Any]:
     for i in range(np.uint64(hi - lo)):
         m = vmax(m, v[base + i])
     nan = m != m
-    n = hi - lo
-    if n < 2**31:  # int32 offsets: twice the lanes of int64 indices
-        f32 = np.int32(n)  # a min-reduction of the matching offsets: vectorizes (a search with an early exit does not)
-        for i in range(np.uint64(n)):
-            e = v[base + i]
-            hit = (e != e) if nan else (e == m)
-            f32 = vmin(f32, np.int32(i) if hit else np.int32(n))
-        return m, np.int64(lo) + np.int64(f32)
-    first = np.int64(hi)
+    n = np.int32(hi - lo)  # a span is at most one block (ops.reduce.BLOCK): int32 offsets, twice int64's lanes
+    first = n  # a min-reduction of the matching offsets: vectorizes (a search with an early exit does not)
     for i in range(np.uint64(n)):
         e = v[base + i]
         hit = (e != e) if nan else (e == m)
-        first = vmin(first, np.int64(base + i) if hit else np.int64(hi))
-    return m, first
+        first = vmin(first, np.int32(i) if hit else n)
+    return m, np.int64(lo) + np.int64(first)
 
 
 @jit_inline
