@@ -250,6 +250,17 @@ def wino_weights(w: Any, u: Any) -> None:
 
 
 @jit_inline
+def _tile_run(t: int, end: int, per_img: int, tw_n: int) -> tuple[int, int, int, int]:
+    """(image, tile row, first and past-last tile column) of the run of tiles from tile t that stays in one row of
+    tiles and before ``end``."""
+    n = t // per_img
+    r = t - n * per_img
+    ty = r // tw_n
+    tx0 = r - ty * tw_n
+    return n, ty, tx0, min(tw_n, tx0 + end - t)
+
+
+@jit_inline
 def _wino_input(x: Any, v: Any, c: int, t0: int, geo: Any, rows: Any) -> None:
     """Tiles t0 .. t0 + v.shape[2] of channel c, a row of tiles at a time: the 4 padded input rows, B^T down the
     columns (vectorized over the row), then B across each tile's 4 columns."""
@@ -260,11 +271,7 @@ def _wino_input(x: Any, v: Any, c: int, t0: int, geo: Any, rows: Any) -> None:
     end = t0 + v.shape[2]
     t = t0
     while t < end:
-        n = t // per_img
-        r = t - n * per_img
-        ty = r // tw_n
-        tx0 = r - ty * tw_n
-        tx1 = min(tw_n, tx0 + end - t)
+        n, ty, tx0, tx1 = _tile_run(t, end, per_img, tw_n)
         for i in range(4):
             yy = 2 * ty - ph + i
             if yy < 0 or yy >= height:
@@ -320,11 +327,7 @@ def _wino_output(m: Any, bias: Any, has_bias: bool, out: Any, oc: int, t0: int, 
     end = t0 + m.shape[2]
     t = t0
     while t < end:
-        n = t // per_img
-        r = t - n * per_img
-        ty = r // tw_n
-        tx0 = r - ty * tw_n
-        tx1 = min(tw_n, tx0 + end - t)
+        n, ty, tx0, tx1 = _tile_run(t, end, per_img, tw_n)
         base = t - t0 - tx0
         for j in range(4):  # A^T m: (m0 + m1 + m2, m1 - m2 - m3) per column j of each tile
             for tx in range(tx0, tx1):
