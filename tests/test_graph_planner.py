@@ -6,14 +6,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twophase.graph.planner import Buffer, align_up, liveness, peak_bytes, plan_arena
+from twophase.graph.planner import Buffer, liveness, peak_bytes, plan_arena
+from twophase.layout import align
 
 ALIGNMENTS = (1, 64, 512, 4096)
 
 
 def _check(buffers: list[Buffer], alignment: int) -> None:
     plan = plan_arena(buffers, alignment)
-    sizes = [align_up(b.size, alignment) if b.size else 0 for b in buffers]
+    sizes = [align(b.size, alignment) if b.size else 0 for b in buffers]
     assert len(plan.offsets) == len(buffers)
     for i, (b, o, s) in enumerate(zip(buffers, plan.offsets, sizes)):
         assert o % alignment == 0, f"buffer {i} at offset {o} breaks alignment {alignment}"

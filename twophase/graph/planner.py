@@ -18,13 +18,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["Buffer", "ArenaPlan", "liveness", "plan_arena", "peak_bytes", "align_up"]
+from ..layout import align
+
+__all__ = ["Buffer", "ArenaPlan", "liveness", "plan_arena", "peak_bytes"]
 
 DEFAULT_ALIGNMENT = 512  # the pool's granularity: an arena slot is aligned like a pool block
-
-
-def align_up(n: int, alignment: int) -> int:
-    return (n + alignment - 1) // alignment * alignment
 
 
 @dataclass(frozen=True)
@@ -69,7 +67,7 @@ def liveness(uses: Sequence[Iterable[int]], keep: Iterable[int] = ()) -> dict[in
 
 
 def _sizes(buffers: Sequence[Buffer], alignment: int) -> list[int]:
-    return [align_up(b.size, alignment) if b.size else 0 for b in buffers]
+    return [align(b.size, alignment) if b.size else 0 for b in buffers]
 
 
 def peak_bytes(buffers: Sequence[Buffer], alignment: int = DEFAULT_ALIGNMENT) -> int:

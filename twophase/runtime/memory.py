@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import InvalidStateError, OutOfMemoryError, ParamError
+from ..layout import align
 
 if TYPE_CHECKING:
     from .stream import Stream
@@ -27,14 +28,14 @@ POLICIES = ("huge_first", "normal_only")
 
 def round_size(nbytes: int) -> int:
     """Pool granularity: at least 512 bytes, multiples of 512 (a 0-byte request still gets a block)."""
-    return max(ALIGNMENT, (nbytes + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)
+    return max(ALIGNMENT, align(nbytes, ALIGNMENT))
 
 
 def segment_size(rounded: int) -> int:
     """Size of the segment reserved for a request: small ones share 2 MiB, large ones round to 2 MiB."""
     if rounded <= SMALL_REQUEST:
         return SMALL_SEGMENT
-    return (rounded + SMALL_SEGMENT - 1) // SMALL_SEGMENT * SMALL_SEGMENT
+    return align(rounded, SMALL_SEGMENT)
 
 
 @dataclass(eq=False)
