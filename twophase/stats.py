@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .executor import Executor
 
-__all__ = ["OpCounters", "snapshot", "report", "reset", "bucket"]
+__all__ = ["OpCounters", "snapshot", "report", "reset", "bucket", "means"]
 
 
 def bucket(n: int) -> int:
@@ -98,6 +98,14 @@ def reset() -> None:
         dev.pool.reset_peak()
 
 
+def means(c: dict[str, Any]) -> tuple[float, float, float, int]:
+    """(phase-1 us, phase-2 us, kernel us) per timed call and the largest workspace bucket of one op's snapshot."""
+    p1 = c["phase1_time_s"] / c["phase1_timed_calls"] * 1e6 if c["phase1_timed_calls"] else 0.0
+    p2 = c["phase2_time_s"] / c["phase2_timed_calls"] * 1e6 if c["phase2_timed_calls"] else 0.0
+    k = c["kernel_time_s"] / c["kernel_count"] * 1e6 if c["kernel_count"] else 0.0
+    return p1, p2, k, max((int(b) for b in c["workspace_histogram"]), default=0)
+
+
 def _fmt_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
@@ -113,10 +121,7 @@ def report(file: Any = None) -> str:
             f"{'p1 us':>9}{'p2 us':>8}{'kern us':>9}  workspace (max bucket)")
     lines = [head, "-" * len(head)]
     for name, c in snap["ops"].items():
-        p1 = c["phase1_time_s"] / c["phase1_timed_calls"] * 1e6 if c["phase1_timed_calls"] else 0.0
-        p2 = c["phase2_time_s"] / c["phase2_timed_calls"] * 1e6 if c["phase2_timed_calls"] else 0.0
-        k = c["kernel_time_s"] / c["kernel_count"] * 1e6 if c["kernel_count"] else 0.0
-        ws = max((int(b) for b in c["workspace_histogram"]), default=0)
+        p1, p2, k, ws = means(c)
         lines.append(f"{name:<28}{c['phase1_calls']:>8}{c['cache_hits']:>8}{c['cache_misses']:>6}"
                      f"{c['phase2_calls']:>9}{c['executors_live']:>6}{p1:>9.1f}{p2:>8.2f}{k:>9.1f}  {_fmt_bytes(ws)}")
     for name, p in snap["devices"].items():

@@ -42,10 +42,7 @@ def counters_table(impls: dict[str, set[str]]) -> str:
             f"{'kern us':>9}{'ws max B':>10}  implementation")
     lines = [head, "-" * len(head)]
     for name, c in snap.items():
-        p1 = c["phase1_time_s"] / c["phase1_timed_calls"] * 1e6 if c["phase1_timed_calls"] else 0.0
-        p2 = c["phase2_time_s"] / c["phase2_timed_calls"] * 1e6 if c["phase2_timed_calls"] else 0.0
-        k = c["kernel_time_s"] / c["kernel_count"] * 1e6 if c["kernel_count"] else 0.0
-        ws = max((int(b) for b in c["workspace_histogram"]), default=0)
+        p1, p2, k, ws = tp.stats.means(c)
         lines.append(f"{name:<29}{c['phase1_calls']:>9}{p1:>8.1f}{c['cache_hits']:>7}{c['cache_misses']:>6}"
                      f"{c['phase2_calls']:>9}{p2:>7.1f}{k:>9.1f}{ws:>10}  {', '.join(sorted(impls.get(name, ())))}")
     return "\n".join(lines)
