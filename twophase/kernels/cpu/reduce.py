@@ -205,9 +205,9 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
     w = min(kk, c0 + KC) - c0
     acc = x[j * block, c0:c0 + w].copy()
     u0 = np.uint64(c0)
-    r, end = j * block + 1, min(n, (j + 1) * block)
-    while r + 4 <= end:  # four rows per pass over acc, as in sums
-        r0, r1, r2, r3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+    last = min(n, (j + 1) * block) - 1
+    for r in range(j * block + 1, last + 1, 4):  # four rows per pass over acc, as in sums; the last pass repeats
+        r0, r1, r2, r3 = x[r], x[min(r + 1, last)], x[min(r + 2, last)], x[min(r + 3, last)]  # rows (max is idempotent)
         if sign > 0:
             for c in range(np.uint64(w)):
                 k = u0 + c
@@ -216,15 +216,6 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
             for c in range(np.uint64(w)):
                 k = u0 + c
                 acc[c] = vmin(acc[c], vmin(vmin(r0[k], r1[k]), vmin(r2[k], r3[k])))
-        r += 4
-    for rr in range(r, end):
-        row = x[rr]
-        if sign > 0:
-            for c in range(np.uint64(w)):
-                acc[c] = vmax(acc[c], row[u0 + c])
-        else:
-            for c in range(np.uint64(w)):
-                acc[c] = vmin(acc[c], row[u0 + c])
     dst = out[j]
     for c in range(w):
         dst[c0 + c] = acc[c]
