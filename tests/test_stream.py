@@ -244,3 +244,24 @@ def test_concurrent_producers_keep_each_threads_order_and_lose_no_task(stream):
     assert len(seen) == 1200
     for k in range(4):
         assert [i for tag, i in seen if tag == k] == list(range(300))
+
+
+def test_a_closed_stream_takes_no_work_and_device_wide_calls_skip_it(dev):
+    """A closed stream still referenced: a launch on it raises (it used to queue work no worker would run, and
+    the next synchronize hung); changing a setting and synchronizing the device pass it by."""
+    s = dev.stream()
+    s.launch_callback(lambda: None)
+    s.close()
+    assert s.closed
+    with pytest.raises(twophase.InvalidStateError, match="closed"):
+        s.launch_callback(lambda: None)
+    old = twophase.settings.num_threads
+    try:
+        twophase.set_num_threads(old + 1)  # enqueues the new count on every open stream's worker
+    finally:
+        twophase.set_num_threads(old)
+    waiter = threading.Thread(target=dev.synchronize, daemon=True)
+    waiter.start()
+    waiter.join(60)  # a hang guard, not a timing check
+    assert not waiter.is_alive()
+    assert s._submitted == s._done

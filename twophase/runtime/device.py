@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import config
-from ..errors import ParamError
+from ..errors import InvalidStateError, ParamError
 from ..tensor import DType, Format, Tensor, TensorDesc
 from .memory import Block, MemoryPool, Segment
 from .stream import CONTROL, Stream
@@ -74,18 +74,24 @@ class Device:
             self._local.stream = s
         return s
 
+    def _open_streams(self) -> list[Stream]:
+        return [s for s in list(self._streams) if not s.closed]
+
     def synchronize(self) -> None:
-        """Wait for every stream of this device."""
-        for s in list(self._streams):
+        """Wait for every stream of this device (a closed one has nothing left to wait for)."""
+        for s in self._open_streams():
             s.synchronize()
 
     def _apply_launch_blocking(self, value: object) -> None:
-        for s in list(self._streams):
+        for s in self._open_streams():
             s._set_blocking(bool(value))
 
     def _apply_num_threads(self, value: object) -> None:
-        for s in list(self._streams):
-            s._enqueue(lambda _: self._worker_init(), None, CONTROL)  # in order, on each worker
+        for s in self._open_streams():
+            try:
+                s._enqueue(lambda _: self._worker_init(), None, CONTROL)  # in order, on each worker
+            except InvalidStateError:  # closed since it was listed
+                pass
 
     # ---- memory
     def malloc(self, nbytes: int, policy: str = "huge_first", stream: Stream | None = None) -> Block:

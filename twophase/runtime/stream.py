@@ -180,9 +180,13 @@ class _Queue:
         op = getattr(getattr(owner, "op", None), "name", None)
         raise KernelError(f"{where}: {type(exc).__name__}: {exc}; {tail}", op=op) from exc
 
+    def enqueue_closed(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
+        raise InvalidStateError(f"stream '{self.name}' is closed: it takes no more work", op="stream", arg="stream")
+
     def shutdown(self) -> None:
         if not self.closed:
             self.closed = True
+            self.enqueue = self.enqueue_closed
             if self.thread is not None:
                 self.tasks.append((None, None, None))  # type: ignore[arg-type]
                 try:
@@ -283,9 +287,14 @@ class Stream:
         self._enqueue(_call, fn, f"callback {getattr(fn, '__qualname__', fn)!s}")
 
     def close(self) -> None:
-        """Finish pending work and stop the worker thread."""
+        """Finish pending work and stop the worker thread; later launches raise ``InvalidStateError``."""
         self.synchronize()
         self._finalizer()
+        self._enqueue = self._q.enqueue
+
+    @property
+    def closed(self) -> bool:
+        return self._q.closed
 
 
 def _nothing(_: Any) -> None:
