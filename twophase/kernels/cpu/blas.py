@@ -9,16 +9,18 @@ BLAS build ``gemm_for`` returns None and callers keep ``np.matmul`` plus a separ
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import glob
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
-__all__ = ["gemm_for", "fused_gemm"]
+__all__ = ["gemm_for", "fused_gemm", "quiet_threads", "serial_calls"]
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 _SYMBOLS = {np.dtype(np.float32): ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
@@ -55,6 +57,95 @@ def gemm_for(dtype: Any) -> Gemm | None:
             if _agrees(fn, dt):
                 return fn  # type: ignore[no-any-return]
     return None
+
+
+TIMEOUT_VARS = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
+QUIET_TIMEOUT = "4"  # OpenBLAS's minimum: idle workers go to sleep after 2^4 cycles
+
+
+@functools.cache
+def quiet_threads() -> bool:
+    """Make the worker threads of numpy's OpenBLAS sleep as soon as a threaded call ends; True if done.
+
+    By default they spin for 2^28 cycles (~0.1 s) after every threaded GEMM: a whole core taken from the kernels
+    that follow (twophase's helper threads, another stream, torch or ONNX Runtime in the same process). With
+    the minimum timeout the next GEMM wakes them through a condition variable instead (measured: 2-5% on a
+    0.2 ms GEMM called back to back, nothing on large ones). OpenBLAS reads the timeout when it starts its
+    threads, so this sets it, has OpenBLAS re-read its environment, and stops the threads; the next threaded
+    call starts them again with the new timeout. Left alone when the user set ``OPENBLAS_THREAD_TIMEOUT`` or
+    ``GOTO_THREAD_TIMEOUT``. Call it before any thread runs a BLAS call concurrently (the CPU device does, when
+    it is created)."""
+    if any(v in os.environ for v in TIMEOUT_VARS):
+        return False
+    for path in _libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        read_env = getattr(lib, "openblas_read_env", None)
+        timeout = getattr(lib, "openblas_thread_timeout", None)
+        shutdown = getattr(lib, "blas_thread_shutdown_", None)
+        if read_env is None or timeout is None or shutdown is None:
+            continue
+        timeout.restype = ctypes.c_int
+        os.environ[TIMEOUT_VARS[0]] = QUIET_TIMEOUT
+        try:
+            read_env()
+        finally:
+            del os.environ[TIMEOUT_VARS[0]]  # child processes keep the user's environment
+        if timeout() != int(QUIET_TIMEOUT):
+            return False
+        shutdown()
+        return True
+    return False
+
+
+@functools.cache
+def _thread_count_calls() -> tuple[Any, Any] | None:
+    """(get, set) of the thread count of numpy's OpenBLAS, or None."""
+    for path in _libraries():
+        try:
+            lib = ctypes.CDLL(path)
+        except OSError:
+            continue
+        get = getattr(lib, "scipy_openblas_get_num_threads64_", None)
+        put = getattr(lib, "scipy_openblas_set_num_threads64_", None)
+        if get is not None and put is not None:
+            get.restype = ctypes.c_int
+            put.argtypes = [ctypes.c_int]
+            return get, put
+    return None
+
+
+_serial_lock = threading.Lock()
+_serial_depth = 0
+_serial_saved = 0
+
+
+@contextlib.contextmanager
+def serial_calls() -> Iterator[None]:
+    """BLAS calls run on their calling thread while inside: for launches whose parts, on helper threads, each
+    call BLAS (two parts each starting OpenBLAS's threads would fight over the same cores). The count is
+    process-wide in OpenBLAS: the first launch in sets it to 1, the last one out restores it; a GEMM of
+    someone else's that starts meanwhile runs on one thread (slower, never wrong)."""
+    global _serial_depth, _serial_saved
+    calls = _thread_count_calls()
+    if calls is None:
+        yield
+        return
+    get, put = calls
+    with _serial_lock:
+        if _serial_depth == 0:
+            _serial_saved = get()
+            put(1)
+        _serial_depth += 1
+    try:
+        yield
+    finally:
+        with _serial_lock:
+            _serial_depth -= 1
+            if _serial_depth == 0:
+                put(_serial_saved)
 
 
 def _agrees(fn: Any, dt: np.dtype[Any]) -> bool:
