@@ -6,7 +6,6 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -17,7 +16,7 @@ from twophase import TensorDesc, ops
 from twophase.errors import ParamError
 from twophase.kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
 from twophase.ops.normalization import SoftmaxTiling
-from twophase.runtime.ops_cpu import kernel_threads
+from twophase.runtime.fanout import fanout_parts
 from twophase.testing import run_checked
 
 TOL = {np.float16: 3e-3, np.float32: 2e-5, np.float64: 1e-10}
@@ -63,7 +62,7 @@ def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False
     n = shape[dim] if shape else 1
     k = math.prod(shape[i] for i in kept)
     split = n > 32768
-    rows = kernel_threads() if split or k * n >= 1 << 20 else 1
+    rows = fanout_parts() if k * n >= 1 << 20 else 1
     ws = align64(rows * (8192 if split else n) * compute_size(dtype)) if log and k * n else 0
     ws += align64(k * -(-n // 8192) * 16) if split else 0
     f16 = np.dtype(dtype) == np.float16
@@ -111,11 +110,12 @@ def test_long_and_many_rows_use_the_documented_workspace(shape: Any, dim: int, l
     assert r.implementation == ("split_rows" if n > 32768 else "rows_parallel")
 
 
+@pytest.mark.parametrize("parts", [1, 3])
 @pytest.mark.parametrize("by_rows", [True, False])
 @pytest.mark.parametrize("mode", [SOFTMAX, LOG_SOFTMAX])
-def test_split_kernels_merge_block_partials(by_rows: bool, mode: int) -> None:
-    """Both split kernels (a row per task, a block per task) on small blocks, with a block that is all -inf
-    (merges as nothing), a row of -inf (NaN, as the reference) and a row with a NaN."""
+def test_split_kernels_merge_block_partials(by_rows: bool, mode: int, parts: int) -> None:
+    """Both split launches (row ranges, block ranges) in one or several parts on small blocks, with a block that
+    is all -inf (merges as nothing), a row of -inf (NaN, as the reference) and a row with a NaN."""
     rng = np.random.default_rng(3)
     wide = np.zeros((4, 60))
     x = wide[:, :53]  # rows with a gap: the same kernel signature as a strided float64 long row
@@ -125,9 +125,8 @@ def test_split_kernels_merge_block_partials(by_rows: bool, mode: int) -> None:
     x[3, 20] = np.nan
     block = 16
     split = -(-53 // block)
-    threads = numba.get_num_threads()
-    scratch = threads * block * 8 if mode == LOG_SOFTMAX else 0  # one float64 block row per thread, first
-    t = SoftmaxTiling(4, 53, split, block, False, 0, True, scratch + 4 * split * 16, by_rows, 1, threads, 0,
+    scratch = parts * block * 8 if mode == LOG_SOFTMAX else 0  # one float64 block row per part, first
+    t = SoftmaxTiling(4, 53, split, block, False, 0, True, scratch + 4 * split * 16, by_rows, parts, 0,
                       block if mode == LOG_SOFTMAX else 0, scratch)
     out = np.full((4, 53), np.nan)
     ws = np.full(t.workspace, 0xCD, np.uint8)

@@ -82,8 +82,9 @@ def set_workspace_limit(nbytes: int | None) -> None:
 
 
 def set_num_threads(n: int) -> None:
-    """Threads each parallel CPU kernel may use (``TWOPHASE_NUM_THREADS``); 0, the default, means all of numba's
-    pool when ``OMP_WAIT_POLICY=PASSIVE`` is set, else 1 (see ``runtime.ops_cpu.kernel_threads``)."""
+    """Parts a large kernel is cut into for helper threads, and numba threads of the ``prange`` kernels
+    (``TWOPHASE_NUM_THREADS``); 0, the default, is automatic (see ``runtime.fanout.fanout_parts`` and
+    ``runtime.ops_cpu.kernel_threads``)."""
     if int(n) < 0:
         raise ValueError("num_threads must be >= 0 (0: automatic)")
     _set("num_threads", int(n))

@@ -3,15 +3,17 @@ unary (vectorized math kernels for the transcendental ones) and cast."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.elementwise import build_unary
+from ..kernels.cpu.elementwise import FANOUT_MIN, broadcast_pieces, build_unary
 from ..layout import align, broadcast_shape, merge_dims
 from ..op import Attr, Op, OpDef, Plan, register
+from ..runtime.fanout import fanout_parts, run_parts
 from ..tensor import DType, TensorDesc
 from .checks import FLOATS, NUMERIC, as_scalar, check_dtype, choice, need
 
@@ -65,9 +67,7 @@ def _binary_build(ufunc: Any) -> Builder:
         x, y = ins
         out = outs[0]
         alpha = attrs.get("alpha", 1)
-        if alpha == 1:
-            return lambda _: ufunc(x, y, out=out)
-        if np.shares_memory(out, x):
+        if alpha != 1 and np.shares_memory(out, x):
             scratch = np.empty(np.broadcast_shapes(y.shape, out.shape), out.dtype)  # in-place case, made at bind
 
             def scaled_inplace(_: Any) -> None:
@@ -75,10 +75,16 @@ def _binary_build(ufunc: Any) -> Builder:
                 ufunc(x, scratch, out=out)
             return scaled_inplace
 
-        def scaled(_: Any) -> None:
-            np.multiply(y, alpha, out=out, dtype=out.dtype)  # in the promoted dtype, not other's
-            ufunc(x, out, out=out)
-        return scaled
+        def piece(o: Any, a: Any, b: Any) -> None:
+            if alpha != 1:
+                np.multiply(b, alpha, out=o, dtype=o.dtype)  # in the promoted dtype, not other's
+                b = o
+            ufunc(a, b, out=o)
+        parts = fanout_parts() if out.size >= FANOUT_MIN else 1
+        calls = [functools.partial(piece, *p) for p in broadcast_pieces(out, (x, y), parts, FANOUT_MIN // 2)]
+        if len(calls) == 1:
+            return lambda _: calls[0]()
+        return lambda _: run_parts(calls)
     return build
 
 

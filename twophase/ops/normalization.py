@@ -15,20 +15,20 @@ from ..kernels.cpu.norm import build_norm
 from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
 from ..layout import align, as_matrix, merge_dims
 from ..op import Attr, OpDef, Plan, register
-from ..runtime.ops_cpu import kernel_threads
+from ..runtime.fanout import fanout_parts
 from ..tensor import DType, TensorDesc
 from .checks import FLOATS, as_dims, as_float, as_int, check_dtype, need, norm_dim
 
 LONG_ROW = 32768  # rows longer than this are split across blocks
 SPLIT_BLOCK = 8192  # elements per block of a split row
-PARALLEL_MIN = 1 << 20  # elements below which one thread does all rows (a parallel region wakes sleeping workers)
+PARALLEL_MIN = 1 << 20  # elements below which one thread does all rows (handing parts to helpers costs ~50 us)
 
 
 @dataclass(frozen=True)
 class SoftmaxTiling:
     """Softmax as ``rows`` x ``length``; ``split`` blocks of ``block`` elements per row (1 = whole rows).
-    Split rows run one row per task when ``by_rows`` (enough rows for the threads), else one block per task;
-    whole rows run ``chunk`` rows per parallel task."""
+    ``threads`` parts for helper threads (1 below ``PARALLEL_MIN`` elements), each a range of rows, or (split
+    rows, not ``by_rows``: fewer rows than parts share out evenly) a range of blocks."""
 
     rows: int
     length: int
@@ -39,9 +39,8 @@ class SoftmaxTiling:
     parallel: bool
     workspace: int
     by_rows: bool = True
-    chunk: int = 1
-    threads: int = 1  # scratch rows: one per worker thread when parallel, else 1
-    scratch_offset: int = 0  # log-softmax: one scratch row (N, or a block when split) per worker thread
+    threads: int = 1  # parts, each with its own scratch row
+    scratch_offset: int = 0  # log-softmax: one scratch row (N, or a block when split) per part
     scratch_len: int = 0
     part_offset: int = 0  # where the split rows' (max, sum) partials start
 
@@ -51,7 +50,7 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None =
     """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
     workspace, in this order: for log-softmax only, align64(T * L * c) of scratch, one row of L = N elements
-    (8192 when split) per worker thread (T = numba's thread count when parallel or split, else 1); then
+    (8192 when split) per part (T = the helper threads' part count from 2^20 elements, else 1); then
     align64(K * ceil(N / 8192) * 16) when N > 32768 (a float64 (max, sum) per block); then align64(K * N * c)
     when the operands are packed (float16, or other dims that do not merge into one stride); c = 4 for float16
     (computed in float32), else the dtype's itemsize.
@@ -63,11 +62,10 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None =
         k *= x.shape[i]
     split = -(-n // SPLIT_BLOCK) if n > LONG_ROW else 1
     item = 4 if x.dtype is DType.float16 else x.dtype.itemsize
-    threads = threads or kernel_threads()
     parallel = k * n >= PARALLEL_MIN
+    threads = (threads or fanout_parts()) if parallel else 1
     scratch_len = (SPLIT_BLOCK if split > 1 else n) if log and k * n > 0 else 0
-    scratch_rows = threads if parallel or split > 1 else 1
-    ws = align(scratch_rows * scratch_len * item)  # first: log-softmax's per-thread scratch rows
+    ws = align(threads * scratch_len * item)  # first: log-softmax's per-part scratch rows
     part_offset = ws
     if split > 1:
         ws += align(k * split * 16)
@@ -78,10 +76,9 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None =
     pack_offset = ws
     if pack:
         ws += align(k * n * item)
-    by_rows = k >= 4 * threads or (k >= threads and k % threads == 0)
-    chunk = max(1, k // (8 * threads))  # rows per parallel task: 8 tasks per thread
-    return SoftmaxTiling(k, n, split, SPLIT_BLOCK, pack, pack_offset, parallel, ws, by_rows, chunk,
-                         scratch_rows, 0, scratch_len, part_offset)
+    by_rows = k >= 4 * threads or k % threads == 0  # else row ranges would be uneven: share out blocks
+    return SoftmaxTiling(k, n, split, SPLIT_BLOCK, pack, pack_offset, parallel, ws, by_rows, threads, 0,
+                         scratch_len, part_offset)
 
 
 def _softmax_infer(name: str) -> Any:
@@ -143,7 +140,8 @@ def _log_reference(x: Any, dim: int = -1) -> Any:
 
 SOFTMAX_FORMULA = ("align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*c) if packed "
                    "(c = 4 for float16, else itemsize)")
-LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + "; + align64(T*L*c) scratch, L = N (8192 if split), T = threads if parallel"
+LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + ("; + align64(T*L*c) scratch, L = N (8192 if split), T = parts "
+                                         "(helper threads) from 2^20 elements, else 1")
 _SOFTMAX_DOC = (
     "{what} over ``dim`` (K rows of length N; dtypes float32, float64, float16 computed in float32). Rows of "
     "length N <= 32768 run whole, in cache (max; exp(x - max) stored and summed in float64; {last}) with "
@@ -179,8 +177,8 @@ log_softmax = register(OpDef(
     doc=_SOFTMAX_DOC.format(what="Log-softmax (x - max) - log(sum exp(x - max))",
                             last="written as (x - max) - log(sum)").replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
     + "Log-softmax also takes scratch before the rest of its workspace: one row of L = N elements (8192 when "
-      "split) per worker thread (T = numba's thread count at planning when the rows run in parallel or split, "
-      "else 1), where the exponentials are summed. Workspace: " + LOG_SOFTMAX_FORMULA + ".",
+      "split) per part run by a helper thread (T = the part count at planning from 2^20 elements, else 1), "
+      "where the exponentials are summed. Workspace: " + LOG_SOFTMAX_FORMULA + ".",
     reference=_log_reference,
 ))
 
@@ -286,7 +284,7 @@ register(OpDef(
     attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_float, 1e-5)),
     dtypes=FLOATS, infer=_norm_infer("layer_norm"), select=_norm_select, kernels={"cpu": _norm_build(False)},
     implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
-    doc=("Layer norm over the trailing ``normalized_shape`` dims, one row per parallel task (sum, squared "
+    doc=("Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (sum, squared "
          "deviations, write: three passes over a row in cache); mean / rstd outputs have the reduced dims as 1 "
          f"(float32 for float16). Workspace: {_LN_FORMULA} (float16, or dims that do not merge)."),
     reference=_ln_reference))

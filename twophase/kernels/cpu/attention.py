@@ -2,33 +2,36 @@
 
 * ``build_rows`` (materialized and tiled): per tile of whole score rows (a block of batch entries, of heads, or
   of queries of one head), one batched BLAS call ``S = q @ k^T`` into the workspace, one fused numba pass over
-  the rows (scale, mask, max, exp, sum, normalize, in place, parallel over rows) and one batched BLAS call
-  ``out = P @ v``. The materialized form is the single tile holding every score.
+  the rows (scale, mask, max, exp, sum, normalize, in place) and one batched BLAS call ``out = P @ v``; a
+  large tile is cut into parts (batch entries, heads or query rows) run by helper threads, each part with its
+  own GEMMs and row pass. The materialized form is the single tile holding every score.
 * ``build_online``: query tiles against key tiles with an online softmax (the workspace holds one tile only).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import numba
 import numpy as np
 
+from ...runtime.fanout import fanout_parts, run_parts, split_range
 from . import jit as _jit
 from . import vmath
+from .blas import serial_calls
 from .jit import REDUCE, entry
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_reduce: Kernel = _jit.jit_reduce
-jit_reduce_par: Kernel = _jit.jit_reduce_par
 jit_inline: Kernel = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, inline="always")
 
 NONE, ADDITIVE, BOOL = 0, 1, 2
 QK_CHUNK = 128  # keys per score GEMM call (measured: 4 calls of N=128 beat one of N=512 with threaded BLAS)
-PARALLEL_MIN = 1 << 18  # score elements per tile from which the row pass runs on numba's threads
+FANOUT_MIN = 1 << 16  # score elements per tile from which it is cut into parts for helper threads
 
 
 @jit_reduce
@@ -41,16 +44,6 @@ def softmax_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: flo
     for b in range(nb):
         for h in range(nh):
             _head_rows(s, mask, kind, causal, q0, scale, lowest, tiny, b, h)
-
-
-@jit_reduce_par
-def softmax_rows_par(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float,
-                     tiny: float) -> None:
-    """``softmax_rows``, parallel over (batch, head) blocks."""
-    nh = s.shape[1]
-    for t in numba.prange(s.shape[0] * nh):
-        b = t // nh
-        _head_rows(s, mask, kind, causal, q0, scale, lowest, tiny, b, t - b * nh)
 
 
 @jit_inline
@@ -106,11 +99,31 @@ def _mask_arg(mask: Any, kind: str, dtype: Any) -> tuple[Any, int]:
     return mask, (BOOL if kind == "bool" else ADDITIVE)
 
 
+def _cuts(shape: tuple[int, int, int, int], parts: int) -> tuple[int, list[tuple[int, int]]]:
+    """How a (batch, heads, queries, keys) tile is cut for helper threads: along batch entries when there are
+    enough, else heads, else query rows; (axis, ranges)."""
+    for axis in range(3):
+        if shape[axis] >= parts:
+            return axis, split_range(shape[axis], parts)
+    return 2, split_range(shape[2], parts)
+
+
+def _part(axis: int, lo: int, hi: int, views: tuple[Any, ...]) -> tuple[Any, ...]:
+    """One part's views of a tile, ``[lo:hi]`` along ``axis``: (q, k^T, v, out, mask, scores, packed q, packed
+    out); None stays None, and a query-row part (axis 2) shares the keys and values whole."""
+    def cut(a: Any) -> Any:
+        return None if a is None else a[(slice(None),) * axis + (slice(lo, hi),)]
+    q, kt, v, *rest = views
+    shared = axis == 2
+    return (cut(q), kt if shared else cut(kt), v if shared else cut(v), *map(cut, rest))
+
+
 def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float,
                t: Any) -> Launch:
     """Tiles of ``t.block_b`` batch entries x ``t.block_h`` heads x ``t.block_q`` queries, every key (only the
-    keys a causal tile can see): k^T (and q, v when packed) copied into the workspace, S there, the fused row
-    pass, out = P @ v (through the workspace when out is packed)."""
+    keys a causal tile can see): k^T (and v when packed) copied into the workspace, then per part of the tile
+    (its batch entries, heads or query rows cut for helper threads from ``FANOUT_MIN`` score elements) q packed
+    when needed, S there, the fused row pass, out = P @ v (through the workspace when out is packed)."""
     nb, nh, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[3]
     dt = q.dtype
@@ -122,6 +135,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     tb, th, tq = t.block_b, t.block_h, t.block_q
     o_s, o_k, o_q, o_v, o_o = t.offsets
     item = dt.itemsize
+    parts = fanout_parts()
     steps = []
     for b0 in range(0, nb, tb):
         for h0 in range(0, nh, th):
@@ -133,19 +147,39 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 mv = marr[(*qi, slice(0, kend))] if mkind != NONE else marr
                 kk = min(nk, nq) if causal else nk  # the keys the group's last tile sees
                 pack_kv = q0 == 0
-                steps.append(((sb, sh, sq, kend), (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
-                              v[(*idx, slice(0, kk))], out[qi], mv, q0, pack_kv))
-    big = max(st[0][0] * st[0][1] * st[0][2] * st[0][3] for st in steps) >= PARALLEL_MIN
+                shape = (sb, sh, sq, kend)
+                cuts = _cuts(shape, parts) if sb * sh * sq * kend >= FANOUT_MIN else (0, [(0, sb)])
+                steps.append((shape, (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
+                              v[(*idx, slice(0, kk))], out[qi], mv, q0, pack_kv, cuts))
     sample = np.empty((1, 1, 1, 1), dt)
-    kern = entry(softmax_rows_par if big else softmax_rows, sample, marr, 0, False, 0, 0.0, 0.0, 0.0)
+    kern = entry(softmax_rows, sample, marr, 0, False, 0, 0.0, 0.0, 0.0)
 
     def area(ws: Any, off: int, shape: tuple[int, ...]) -> Any:
         n = shape[0] * shape[1] * shape[2] * shape[3]
         return ws[off:off + n * item].view(dt).reshape(shape)
 
+    def piece(qv: Any, ktp: Any, vt: Any, ov: Any, mv: Any, s: Any, qp: Any, op: Any, q0: int, chunk: int,
+              rows: Any = kern) -> None:
+        """One part of a tile; ``rows``: the row pass compiled for this part's score layout (a range of heads
+        of several batch entries is not C-contiguous)."""
+        if qp is not None:
+            np.copyto(qp, qv)
+            qv = qp
+        kend = s.shape[3]
+        for j0 in range(0, kend, chunk):
+            j1 = min(kend, j0 + chunk)
+            np.matmul(qv, ktp[..., j0:j1], out=s[..., j0:j1])
+        rows(s, mv, mkind, causal, q0, scale, lowest, tiny)
+        if op is not None:
+            np.matmul(s, vt, out=op)
+            np.copyto(ov, op)
+        else:
+            np.matmul(s, vt, out=ov)
+
     def launch(ws: Any) -> None:
-        ktp = vp = None
-        for shape, kshape, qv, ktv, vv, ov, mv, q0, pack_kv in steps:
+        ktp: Any = None
+        vp: Any = None
+        for shape, kshape, qv, ktv, vv, ov, mv, q0, pack_kv, (axis, ranges) in steps:
             sb, sh, sq, kend = shape
             if pack_kv:  # packed for the whole head group (a causal group: the keys its last tile sees)
                 if o_k >= 0:
@@ -156,22 +190,24 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 if o_v >= 0:
                     vp = area(ws, o_v, (sb, sh, kshape[3], dv))
                     np.copyto(vp, vv)
-            if o_q >= 0:
-                qp = area(ws, o_q, (sb, sh, sq, d))
-                np.copyto(qp, qv)
-                qv = qp
             s = area(ws, o_s, shape)
-            for j0 in range(0, kend, QK_CHUNK):  # key chunks: a wide-N, small-K GEMM threads badly in OpenBLAS
-                j1 = min(kend, j0 + QK_CHUNK)
-                np.matmul(qv, ktp[..., j0:j1], out=s[..., j0:j1])  # type: ignore[index]
-            kern(s, mv, mkind, causal, q0, scale, lowest, tiny)
-            vt = vv if vp is None else vp
-            if o_o >= 0:
-                op = area(ws, o_o, (sb, sh, sq, dv))
-                np.matmul(s, vt[..., :kend, :], out=op)
-                np.copyto(ov, op)
-            else:
-                np.matmul(s, vt[..., :kend, :], out=ov)
+            qp = area(ws, o_q, (sb, sh, sq, d)) if o_q >= 0 else None
+            op = area(ws, o_o, (sb, sh, sq, dv)) if o_o >= 0 else None
+            vt = (vv if vp is None else vp)[..., :kend, :]
+            kt_ = ktp[..., :kend]
+            if len(ranges) == 1:  # key chunks: a wide-N, small-K GEMM threads badly in OpenBLAS
+                piece(qv, kt_, vt, ov, mv, s, qp, op, q0, QK_CHUNK)
+                continue
+            with serial_calls():  # each part's GEMMs on its own thread, all keys at once
+                views = (qv, kt_, vt, ov, mv if mkind != NONE else None, s, qp, op)
+                calls = []
+                for lo, hi in ranges:
+                    pq, pk, pv, po, pm, ps, pqp, pop = _part(axis, lo, hi, views)
+                    calls.append(functools.partial(piece, pq, pk, pv, po, marr if pm is None else pm, ps, pqp, pop,
+                                                   q0 + (lo if axis == 2 else 0), kend,
+                                                   entry(softmax_rows, ps, marr if pm is None else pm, 0, False, 0,
+                                                         0.0, 0.0, 0.0)))
+                run_parts(calls)
     return launch
 
 

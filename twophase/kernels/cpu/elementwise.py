@@ -8,6 +8,7 @@ checks the assembly). The op picks the kernel in phase 1 by the function's name.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -15,12 +16,12 @@ import numba
 import numpy as np
 
 from ...layout import align, as_matrix
+from ...runtime.fanout import fanout_parts, run_parts, split_range
 from . import vmath as vm
 from .jit import FAST, entry
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
 kern = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy")
-kern_par = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", parallel=True)
 
 FUNCS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
          "sigmoid_f32", "silu_f32", "gelu_erf_f32")
@@ -28,8 +29,7 @@ CODES = {name: i for i, name in enumerate(FUNCS)}
 # functions with a float32-arithmetic variant: those whose exp argument is exact in float32 (gelu_tanh's 2u is not:
 # its rounding, amplified by exp, would cost ~|2u| ulp, so it stays in float64)
 F32 = frozenset(n[:-4] for n in FUNCS if n.endswith("_f32"))
-CHUNK = 16384  # elements per parallel task
-PARALLEL_MIN = 1 << 16
+FANOUT_MIN = 1 << 18  # elements from which a launch is cut into parts for helper threads (a hand-off costs ~50 us)
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", inline="always")
@@ -59,9 +59,9 @@ def _apply(code: int, v: Any) -> Any:
     return vm.gelu_erf_f32(v)
 
 
-def _specialise(code: int) -> tuple[Any, Any, Any]:
-    """(span, rows, rows_par) kernels of function ``code``: the one loop, written once; ``code`` is a closure
-    constant (numba freezes it, and caches each specialisation under its value)."""
+def _specialise(code: int) -> tuple[Any, Any]:
+    """(span, rows) kernels of function ``code``: the one loop, written once; ``code`` is a closure constant
+    (numba freezes it, and caches each specialisation under its value)."""
 
     @kern
     def span(x: Any, out: Any) -> None:
@@ -69,24 +69,14 @@ def _specialise(code: int) -> tuple[Any, Any, Any]:
             out[i] = _apply(code, x[i])
 
     @kern
-    def rows(x: Any, out: Any, chunk: int) -> None:
+    def rows(x: Any, out: Any) -> None:
         for k in range(x.shape[0]):
             span(x[k], out[k])
 
-    @kern_par
-    def rows_par(x: Any, out: Any, chunk: int) -> None:
-        n_rows, n = x.shape
-        nc = (n + chunk - 1) // chunk
-        for t in numba.prange(n_rows * nc):
-            k = t // nc
-            lo = (t - k * nc) * chunk
-            hi = min(n, lo + chunk)
-            span(x[k, lo:hi], out[k, lo:hi])
-
-    return span, rows, rows_par
+    return span, rows
 
 
-KERNELS: dict[str, tuple[Any, Any, Any]] = {name: _specialise(CODES[name]) for name in FUNCS}
+KERNELS: dict[str, tuple[Any, Any]] = {name: _specialise(CODES[name]) for name in FUNCS}
 
 
 def function_for(name: str, compute: Any) -> str:
@@ -110,26 +100,66 @@ def pack_bytes(numel: int, itemsize: int, needs_pack: bool) -> int:
     return align(numel * itemsize) if needs_pack else 0
 
 
+def pieces(a: Any, b: Any, parts: int, grain: int) -> list[tuple[Any, Any]]:
+    """Matching 2-D pieces of two (rows, cols) views for ``parts`` helper threads: row ranges when there are
+    enough rows, else column ranges of every row; one piece when the views hold fewer than ``grain`` elements
+    per part."""
+    n_rows, n_cols = a.shape
+    if n_rows >= parts:
+        return [(a[lo:hi], b[lo:hi]) for lo, hi in split_range(n_rows, parts, max(1, grain // max(n_cols, 1)))]
+    return [(a[:, lo:hi], b[:, lo:hi]) for lo, hi in split_range(n_cols, parts, max(1, grain // max(n_rows, 1)))]
+
+
+def broadcast_pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[tuple[Any, ...]]:
+    """``(out piece, operand pieces...)`` cut along the first axis of ``out`` long enough for ``parts``
+    ranges; an operand broadcast along that axis (missing, or of size 1) is passed whole. One piece, the arrays
+    themselves, when ``out`` is small or an operand overlaps ``out`` other than as the same view (numpy buffers
+    such overlaps within one call, and pieces would break that)."""
+    whole = [(out, *operands)]
+    if parts < 2 or out.size < 2 * grain:
+        return whole
+    for a in operands:
+        if np.may_share_memory(a, out) and not (a.ctypes.data == out.ctypes.data and a.shape == out.shape
+                                                 and a.strides == out.strides):
+            return whole
+    axis = next((i for i, n in enumerate(out.shape) if n >= parts), None)
+    if axis is None:
+        return whole
+    inner = out.size // out.shape[axis]
+    ranges = split_range(out.shape[axis], parts, max(1, grain // max(inner, 1)))
+
+    def cut(a: Any, lo: int, hi: int) -> Any:
+        ax = axis - (out.ndim - a.ndim)
+        if ax < 0 or a.shape[ax] == 1:
+            return a
+        return a[(slice(None),) * ax + (slice(lo, hi),)]
+    return [(cut(out, lo, hi), *(cut(a, lo, hi) for a in operands)) for lo, hi in ranges]
+
+
 def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any) -> Callable[[Any], None]:
     """Launch for ``out = f(x)``: directly on (rows, cols) views, or through a dense ``compute``-dtype copy in the
-    workspace when ``pack`` (float16, or dims that do not merge). The kernel is chosen and compiled here (phase 1)."""
+    workspace when ``pack`` (float16, or dims that do not merge). The kernel is chosen and compiled here
+    (phase 1), and from ``FANOUT_MIN`` elements the views are cut into one piece per helper thread."""
     if x.size == 0:
         return lambda _: None
-    _, rows, rows_par = KERNELS[function_for(name, compute)]
-    kernel = rows_par if x.size >= PARALLEL_MIN else rows
+    _, rows = KERNELS[function_for(name, compute)]
+    parts = fanout_parts() if x.size >= FANOUT_MIN else 1
+    grain = FANOUT_MIN // 2
     if not pack:
         both = x.flags.c_contiguous and out.flags.c_contiguous
         xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))
-        fn = entry(kernel, xm, om, CHUNK)
-        return lambda _: fn(xm, om, CHUNK)
+        # compiled per piece: a column range of a C-contiguous matrix is not C-contiguous itself
+        calls = [functools.partial(entry(rows, a, b), a, b) for a, b in pieces(xm, om, parts, grain)]
+        return lambda _: run_parts(calls)
     sample = np.empty((1, 1), compute)
-    fn = entry(kernel, sample, sample, CHUNK)
+    fn = entry(rows, sample, sample)
     n, nbytes = x.size, x.size * compute.itemsize
+    spans = split_range(n, parts, grain)
 
     def launch(ws: Any) -> None:
         area = ws[:nbytes].view(compute)
         np.copyto(area.reshape(x.shape), x, casting="unsafe")
         m = area.reshape(1, n)
-        fn(m, m, CHUNK)
+        run_parts([functools.partial(fn, m[:, lo:hi], m[:, lo:hi]) for lo, hi in spans])
         np.copyto(out, area.reshape(out.shape), casting="unsafe")
     return launch

@@ -1,7 +1,9 @@
-"""Row normalizations over a (rows, n) view: layer norm and RMS norm, one row per task, kept in cache."""
+"""Row normalizations over a (rows, n) view: layer norm and RMS norm, each row kept in cache, row ranges on
+helper threads."""
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -9,6 +11,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from ...runtime.fanout import fanout_parts, run_parts, split_range
 from . import jit as _jit
 from .jit import FAST, entry
 
@@ -16,14 +19,15 @@ Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_par: Kernel = _jit.jit_par
 
-kern_par = numba.njit(nogil=True, cache=True, parallel=True, error_model="numpy", fastmath=FAST | {"reassoc"})
+kern = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {"reassoc"})
+FANOUT_MIN = 1 << 19  # elements from which the rows are cut into ranges for helper threads
 
 
-@kern_par
+@kern
 def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mean: Any, rstd: Any) -> None:
     """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b."""
     n = x.shape[1]
-    for k in numba.prange(x.shape[0]):
+    for k in range(x.shape[0]):
         mu = 0.0
         if not rms:
             s = 0.0
@@ -52,15 +56,21 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
         return empty
     sample = np.empty((1, 1), compute) if pack else src
     fn = entry(layer_norm_rows, sample, w, b, eps, rms, sample if pack else dst, mean, rstd)
+    ranges = split_range(k, fanout_parts() if k * n >= FANOUT_MIN else 1)
+
+    def parts(x: Any, out: Any) -> list[Callable[[], None]]:
+        return [functools.partial(fn, x[lo:hi], w, b, eps, rms, out[lo:hi], mean[lo:hi], rstd[lo:hi])
+                for lo, hi in ranges]
     if not pack:
-        return lambda _: fn(src, w, b, eps, rms, dst, mean, rstd)
+        calls = parts(src, dst)
+        return lambda _: run_parts(calls)
     nbytes = k * n * compute.itemsize
 
     def launch(ws: Any) -> None:
         area = ws[:nbytes].view(compute)
         np.copyto(area.reshape(src.shape), src, casting="unsafe")
         m = area.reshape(k, n)
-        fn(m, w, b, eps, rms, m, mean, rstd)
+        run_parts(parts(m, m))
         np.copyto(dst, area.reshape(dst.shape), casting="unsafe")
     return launch
 

@@ -11,6 +11,7 @@ are merged per row: ``M = max_b m_b``, ``S = sum_b s_b * exp(m_b - M)``; block b
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -19,15 +20,14 @@ import numba
 import numpy as np
 
 from ...errors import InternalError, Status
+from ...runtime.fanout import run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
 from .jit import entry
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
-_thread_id = numba.get_thread_id  # type: ignore[attr-defined]  # index of the worker running a prange body
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
-jit_par: Kernel = _jit.jit_par
 # per-row helpers, inlined into each kernel (a call per row costs more than a short row's work)
 jit_inline: Kernel = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=_jit.FAST, inline="always")
 
@@ -89,20 +89,11 @@ def _row(x: Any, out: Any, tmp: Any, mode: int) -> None:
 
 
 @jit
-def rows(x: Any, out: Any, mode: int, chunk: int, scratch: Any) -> None:
+def rows(x: Any, out: Any, mode: int, scratch: Any) -> None:
+    """Whole rows, one after the other (log-softmax sums in the scratch row)."""
     tmp = scratch[0]
     for k in range(x.shape[0]):
         _row(x[k], out[k], tmp, mode)
-
-
-@jit_par
-def rows_par(x: Any, out: Any, mode: int, chunk: int, scratch: Any) -> None:
-    """``chunk`` rows per task; log-softmax sums in its thread's scratch row (planned in the workspace)."""
-    n_rows = x.shape[0]
-    for t in numba.prange((n_rows + chunk - 1) // chunk):
-        tmp = scratch[_thread_id()]
-        for k in range(t * chunk, min(n_rows, (t + 1) * chunk)):
-            _row(x[k], out[k], tmp, mode)
 
 
 @jit_inline
@@ -141,32 +132,47 @@ def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int) -
         _shift(x[k, lo:hi], out[k, lo:hi], part[k, j, 0], part[k, j, 1])
 
 
-@jit_par
-def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, by_rows: bool, scratch: Any) -> None:
-    """Long rows. ``by_rows``: one row per task (its blocks' partials, merge, write: the row stays in L2 / L3);
-    else (fewer rows than threads) every block is a task for the partials, rows merge, every block writes."""
-    n_rows = x.shape[0]
+@jit
+def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, scratch: Any) -> None:
+    """Long rows, one after the other: a row's block partials, their merge, its writes (the row stays in L2 /
+    L3 between the passes)."""
+    tmp = scratch[0]
     nb = part.shape[1]
-    if by_rows:
-        for k in numba.prange(n_rows):
-            tmp = scratch[_thread_id()]
-            for j in range(nb):
-                _partial(x, out, tmp, block, part, k, j, mode)
-            _merge(part, k, mode)
-            for j in range(nb):
-                _write(x, out, block, part, k, j, mode)
-    else:
-        for t in numba.prange(n_rows * nb):
-            tmp = scratch[_thread_id()]
-            _partial(x, out, tmp, block, part, t // nb, t % nb, mode)
-        for k in numba.prange(n_rows):
-            _merge(part, k, mode)
-        for t in numba.prange(n_rows * nb):
-            _write(x, out, block, part, t // nb, t % nb, mode)
+    for k in range(x.shape[0]):
+        for j in range(nb):
+            _partial(x, out, tmp, block, part, k, j, mode)
+        _merge(part, k, mode)
+        for j in range(nb):
+            _write(x, out, block, part, k, j, mode)
+
+
+@jit
+def split_partials(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int, scratch: Any) -> None:
+    """Blocks ``t0 <= t < t1`` of the row-major (row, block) task list: their partials (fewer long rows than
+    helper threads: the blocks are shared out instead of the rows)."""
+    tmp = scratch[0]
+    nb = part.shape[1]
+    for t in range(t0, t1):
+        _partial(x, out, tmp, block, part, t // nb, t % nb, mode)
+
+
+@jit
+def split_merge(part: Any, mode: int) -> None:
+    for k in range(part.shape[0]):
+        _merge(part, k, mode)
+
+
+@jit
+def split_writes(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int) -> None:
+    nb = part.shape[1]
+    for t in range(t0, t1):
+        _write(x, out, block, part, t // nb, t % nb, mode)
 
 
 def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Callable[[Any], None]:
-    """Launch for (log-)softmax of ``src`` into ``dst`` (both (K, N) views, or permuted N-d views when packed)."""
+    """Launch for (log-)softmax of ``src`` into ``dst`` (both (K, N) views, or permuted N-d views when packed):
+    ``tiling.threads`` parts (row ranges, or block ranges when long rows are fewer than the parts) for helper
+    threads, each with its own scratch row."""
     t = tiling
     if t.rows * t.length == 0:
         return lambda _: None
@@ -175,16 +181,37 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     out_sample = sample if t.pack else dst
     k, n, split, block = t.rows, t.length, t.split, t.block
     if mode == LOG_SOFTMAX and (t.scratch_len < (block if split > 1 else n) or t.threads < 1):
-        raise InternalError("log-softmax tiling lacks its per-thread scratch rows", op="log_softmax",
+        raise InternalError("log-softmax tiling lacks its per-part scratch rows", op="log_softmax",
                             status=Status.ERR_INNER_TILING)
-    no_scratch = np.empty((1, 0), compute_dt)  # softmax keeps its exps in out: a zero-size stand-in
-    if split > 1:
-        part_sample = np.empty((1, 1, 2), np.float64)
-        fn = entry(split_rows, sample, out_sample, block, part_sample, mode, t.by_rows, no_scratch)
+    no_scratch = np.empty((t.threads, 0), compute_dt)  # softmax keeps its exps in out: zero-size stand-ins
+    part_sample = np.empty((1, 1, 2), np.float64)
+    if split == 1:
+        fn = entry(rows, sample, out_sample, mode, no_scratch)
+    elif t.by_rows:
+        fn = entry(split_rows, sample, out_sample, block, part_sample, mode, no_scratch)
     else:
-        fn = entry(rows_par if t.parallel else rows, sample, out_sample, mode, t.chunk, no_scratch)
+        f_part = entry(split_partials, sample, out_sample, block, part_sample, mode, 0, 0, no_scratch)
+        f_merge = entry(split_merge, part_sample, mode)
+        f_write = entry(split_writes, sample, out_sample, block, part_sample, mode, 0, 0)
+    by_rows = split == 1 or t.by_rows
+    ranges = split_range(k if by_rows else k * split, t.threads)
     pack_bytes = k * n * compute_dt.itemsize
     scratch_bytes = t.threads * t.scratch_len * compute_dt.itemsize
+
+    def run(x: Any, out: Any, scratch: Any, ws: Any) -> None:
+        if split == 1:
+            run_parts([functools.partial(fn, x[lo:hi], out[lo:hi], mode, scratch[i:i + 1])
+                       for i, (lo, hi) in enumerate(ranges)])
+            return
+        part = ws[t.part_offset:t.part_offset + k * split * 16].view(np.float64).reshape(k, split, 2)
+        if by_rows:
+            run_parts([functools.partial(fn, x[lo:hi], out[lo:hi], block, part[lo:hi], mode, scratch[i:i + 1])
+                       for i, (lo, hi) in enumerate(ranges)])
+            return
+        run_parts([functools.partial(f_part, x, out, block, part, mode, lo, hi, scratch[i:i + 1])
+                   for i, (lo, hi) in enumerate(ranges)])
+        f_merge(part, mode)
+        run_parts([functools.partial(f_write, x, out, block, part, mode, lo, hi) for lo, hi in ranges])
 
     def launch(ws: Any) -> None:
         if t.pack:
@@ -193,24 +220,12 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
             x = out = area.reshape(k, n)
         else:
             x, out = src, dst
-        threads = 0
         if t.scratch_len:
             area = ws[t.scratch_offset:t.scratch_offset + scratch_bytes].view(compute_dt)
             scratch = area.reshape(t.threads, t.scratch_len)
-            threads = numba.get_num_threads()
-            if threads > t.threads:  # never more workers than planned scratch rows
-                numba.set_num_threads(t.threads)
         else:
             scratch = no_scratch
-        try:
-            if split > 1:
-                part = ws[t.part_offset:t.part_offset + k * split * 16].view(np.float64).reshape(k, split, 2)
-                fn(x, out, block, part, mode, t.by_rows, scratch)
-            else:
-                fn(x, out, mode, t.chunk, scratch)
-        finally:
-            if threads > t.threads:
-                numba.set_num_threads(threads)
+        run(x, out, scratch, ws)
         if t.pack:
             np.copyto(dst, out.reshape(dst.shape), casting="unsafe")
     return launch

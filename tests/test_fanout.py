@@ -1,0 +1,294 @@
+"""Helper-thread fan-out (runtime.fanout), numpy's OpenBLAS kept from spinning (blas.quiet_threads) and run on
+one thread inside parts (blas.serial_calls), and the ops whose launches are cut into parts, checked in 3 parts
+against float64 references with poisoned outputs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from ops_layouts import on_device
+
+import twophase
+from twophase import ops
+from twophase.kernels.cpu import attention as attention_kernels
+from twophase.kernels.cpu import blas
+from twophase.ops.attention import reference as sdpa_reference
+from twophase.runtime.device import device
+from twophase.runtime.fanout import fanout_parts, run_parts, split_range
+from twophase.testing import run_checked
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(0, 5000), parts=st.integers(1, 9), grain=st.integers(1, 700))
+def test_split_range_covers_the_range_in_even_pieces(n: int, parts: int, grain: int) -> None:
+    ranges = split_range(n, parts, grain)
+    if n == 0:
+        assert ranges == []
+        return
+    assert 1 <= len(ranges) <= parts
+    assert [lo for lo, _ in ranges] == [0] + [hi for _, hi in ranges[:-1]]  # contiguous
+    if n:
+        assert ranges[-1][1] == n
+        sizes = [hi - lo for lo, hi in ranges]
+        assert min(sizes) >= 1 and max(sizes) - min(sizes) <= 1
+        assert len(ranges) == 1 or min(sizes) >= grain
+
+
+def test_parts_run_once_each_and_at_the_same_time() -> None:
+    """Three parts that each wait for the others at a barrier: they only finish if they run concurrently."""
+    barrier = threading.Barrier(3, timeout=10)
+    seen: list[int] = []
+    lock = threading.Lock()
+
+    def part(i: int) -> None:
+        barrier.wait()
+        with lock:
+            seen.append(i)
+    run_parts([lambda i=i: part(i) for i in range(3)])  # type: ignore[misc]
+    assert sorted(seen) == [0, 1, 2]
+
+
+def test_no_parts_is_nothing_to_do() -> None:
+    run_parts([])
+
+
+def test_a_failing_part_raises_after_every_part_has_finished() -> None:
+    done: list[int] = []
+
+    def slow(i: int) -> None:
+        time.sleep(0.05)
+        done.append(i)
+
+    def bad() -> None:
+        raise ValueError("part failed")
+    with pytest.raises(ValueError, match="part failed"):
+        run_parts([bad, lambda: slow(1), lambda: slow(2)])
+    assert sorted(done) == [1, 2]  # nothing still writing when the error reaches the caller
+
+
+def test_launches_from_several_threads_share_the_helpers() -> None:
+    results: dict[int, list[int]] = {}
+    errors: list[BaseException] = []
+
+    def launch(t: int) -> None:
+        out = [0] * 6
+        try:
+            for _ in range(50):
+                run_parts([lambda i=i: out.__setitem__(i, out[i] + 1) for i in range(6)])  # type: ignore[misc]
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+        results[t] = out
+    threads = [threading.Thread(target=launch, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(30)
+    assert not errors
+    assert results == {t: [50] * 6 for t in range(4)}
+
+
+def test_parts_follow_the_num_threads_setting() -> None:
+    old = twophase.settings.num_threads
+    try:
+        twophase.set_num_threads(5)
+        assert fanout_parts() == 5
+        twophase.set_num_threads(0)
+        assert fanout_parts() == len(os.sched_getaffinity(0))
+    finally:
+        twophase.set_num_threads(old)
+
+
+# ---- numpy's OpenBLAS
+_BURN = """
+import resource, time, numpy as np
+{setup}
+a = np.ones((512, 512), np.float32)
+for _ in range(3):
+    a @ a  # threaded: OpenBLAS's workers then spin (default) or sleep (quiet)
+r0 = resource.getrusage(resource.RUSAGE_SELF)
+time.sleep(0.1)
+r1 = resource.getrusage(resource.RUSAGE_SELF)
+print((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) * 1e3)
+"""
+
+
+def _cpu_ms_while_asleep(setup: str) -> float:
+    env = {k: v for k, v in os.environ.items() if k not in blas.TIMEOUT_VARS}  # OpenBLAS's own default
+    out = subprocess.run([sys.executable, "-c", _BURN.format(setup=setup)], capture_output=True, text=True,
+                         env=env, timeout=120, check=True)
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or "OPENBLAS_NUM_THREADS" in os.environ,
+                    reason="OpenBLAS runs no worker threads here")
+def test_the_cpu_device_keeps_openblas_workers_from_spinning() -> None:
+    """After a threaded GEMM, a 100 ms sleep: with OpenBLAS's default timeout its worker spins through it; once
+    the CPU device exists it sleeps too."""
+    spun = _cpu_ms_while_asleep("")  # numpy alone
+    quiet = _cpu_ms_while_asleep("import twophase; twophase.device('cpu')")
+    assert spun > 30, spun  # the measurement sees a spinning worker
+    assert quiet < 10, quiet
+
+
+def test_a_timeout_the_user_set_is_left_alone() -> None:
+    code = ("import os, twophase; from twophase.kernels.cpu.blas import quiet_threads; twophase.device('cpu'); "
+            "print(quiet_threads(), os.environ['OPENBLAS_THREAD_TIMEOUT'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
+                         env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "28"})
+    assert out.stdout.split() == ["False", "28"]
+
+
+def test_serial_calls_runs_blas_on_one_thread_and_restores_the_count() -> None:
+    calls = blas._thread_count_calls()
+    if calls is None:
+        pytest.skip("numpy is not linked to its bundled OpenBLAS")
+    get, _ = calls
+    before = get()
+    seen: list[int] = []
+    gate = threading.Barrier(2, timeout=10)
+
+    def nested() -> None:
+        with blas.serial_calls():
+            gate.wait()  # both launches inside at once
+            seen.append(get())
+            gate.wait()
+    with blas.serial_calls():
+        th = threading.Thread(target=nested)
+        th.start()
+        gate.wait()
+        seen.append(get())
+        gate.wait()
+        th.join()
+        seen.append(get())  # the other launch left: still 1 while this one is inside
+    assert seen == [1, 1, 1]
+    assert get() == before
+
+
+# ---- ops whose launches are cut into parts: 3 parts, whatever the machine
+@pytest.fixture
+def three_parts() -> Iterator[None]:
+    old = twophase.settings.num_threads
+    twophase.set_num_threads(3)
+    try:
+        yield
+    finally:
+        twophase.set_num_threads(old)
+
+
+def _close(r: Any, ref: Any, rtol: float) -> None:
+    assert r.unwritten[0] == int(np.isnan(ref).sum())
+    np.testing.assert_allclose(r.outputs[0].astype(np.float64), ref, rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("shape, layout, dtype", [
+    ((1031, 517), "dense", np.float32),      # flat: column ranges of one row
+    ((3, 200003), "strided", np.float32),    # rows >= parts
+    ((2, 150001), "strided", np.float64),    # fewer rows than parts: column ranges of every row
+    ((700, 401), "transposed", np.float16),  # packed
+])
+@pytest.mark.parametrize("name", ["gelu", "silu", "exp"])
+def test_unary_in_parts(three_parts: None, shape: Any, layout: str, dtype: Any, name: str) -> None:
+    rng = np.random.default_rng(len(name) + shape[0])
+    a = (rng.standard_normal(shape) * (1 if name == "exp" else 3)).astype(dtype)  # exp: within float16's range
+    op = getattr(ops, name)
+    r = run_checked(op, on_device(a, layout))
+    tol = 2e-3 if dtype == np.float16 else 1e-6
+    _close(r, op.spec.reference(a.astype(np.float64)), tol)
+
+
+@pytest.mark.parametrize("x_shape, y_shape", [
+    ((777, 513), (777, 513)),
+    ((777, 513), (513,)),       # y broadcast along the cut axis
+    ((1, 600, 700), (600, 1)),  # cut along axis 1; y broadcast along axis 2
+    ((3, 1, 90001), (3, 4, 1)),
+])
+@pytest.mark.parametrize("alpha", [1, 2.5])
+def test_binary_in_parts(three_parts: None, x_shape: Any, y_shape: Any, alpha: float) -> None:
+    rng = np.random.default_rng(sum(x_shape))
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    y = rng.standard_normal(y_shape).astype(np.float32)
+    r = run_checked(ops.add, x, y, alpha=alpha)
+    _close(r, x.astype(np.float64) + alpha * y.astype(np.float64), 1e-6)
+
+
+def test_binary_in_place_in_parts(three_parts: None) -> None:
+    dev = device("cpu")
+    s = dev.stream()
+    rng = np.random.default_rng(4)
+    a, b = rng.standard_normal((2, 800, 400)).astype(np.float32)
+    x, y = dev.tensor(a, stream=s), dev.tensor(b, stream=s)
+    twophase.mul(x, y, out=x, stream=s)
+    s.synchronize()
+    np.testing.assert_allclose(x.numpy(), a.astype(np.float64) * b, rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape, dim, layout", [
+    ((2100, 513), -1, "dense"),        # whole rows, row ranges
+    ((3, 7, 50001), -1, "dense"),     # split rows, 21 rows: row ranges
+    ((2, 600001), -1, "strided"),     # split rows, fewer than the parts: block ranges
+    ((1100, 1001), 0, "dense"),       # over dim 0: strided rows
+])
+@pytest.mark.parametrize("log", [False, True])
+def test_softmax_in_parts(three_parts: None, shape: Any, dim: int, layout: str, log: bool) -> None:
+    rng = np.random.default_rng(shape[-1])
+    a = (rng.standard_normal(shape) * 4).astype(np.float32)
+    op = ops.log_softmax if log else ops.softmax
+    r = run_checked(op, on_device(a, layout), dim=dim)
+    assert r.tiling.threads == 3
+    _close(r, op.spec.reference(a, dim), 2e-5 if log else 1e-6)
+
+
+@pytest.mark.parametrize("rms", [False, True])
+def test_layer_norm_in_parts(three_parts: None, rms: bool) -> None:
+    rng = np.random.default_rng(5)
+    a = rng.standard_normal((1601, 384)).astype(np.float32) * 2 + 1
+    w = rng.standard_normal(384).astype(np.float32)
+    b = rng.standard_normal(384).astype(np.float32)
+    if rms:
+        r = run_checked(ops.rms_norm, a, w, normalized_shape=(384,))
+    else:
+        r = run_checked(ops.layer_norm, a, w, b, normalized_shape=(384,), eps=1e-5)
+    y, mu, rstd = ops.layer_norm.spec.reference(a, w, None if rms else b, normalized_shape=(384,),
+                                                eps=1e-6 if rms else 1e-5, rms=rms)
+    assert r.unwritten == (0, 0, 0)
+    for got, want in zip(r.outputs, (y, mu, rstd)):
+        np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-4, atol=1e-4)
+
+
+# cut along batch, heads (C-contiguous parts; parts of several batch entries, which are not), query rows
+@pytest.mark.parametrize("b, h, lq, lk", [(4, 2, 100, 90), (1, 5, 120, 130), (2, 5, 85, 90), (1, 1, 300, 257),
+                                          (2, 1, 200, 190)])
+@pytest.mark.parametrize("mask", ["none", "causal", "bool", "additive"])
+def test_sdpa_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, b: int, h: int, lq: int, lk: int,
+                       mask: str) -> None:
+    launched: list[int] = []
+
+    def spy(parts: Any) -> None:
+        launched.append(len(parts))
+        run_parts(parts)
+    monkeypatch.setattr(attention_kernels, "run_parts", spy)
+    rng = np.random.default_rng(lq + lk)
+    q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((b, h, lq, 16), (b, h, lk, 16), (b, h, lk, 8)))
+    m: Any = None
+    if mask == "bool":
+        m = rng.random((b, 1, lq, lk)) > 0.3
+        m[..., 0, :] = False  # a fully masked row: zeros
+    elif mask == "additive":
+        m = rng.standard_normal((lq, lk)).astype(np.float32)
+    causal = mask == "causal"
+    r = run_checked(ops.scaled_dot_product_attention, q, k, v, m, is_causal=causal)
+    assert r.implementation == "materialized"
+    assert launched == [3]
+    ref = sdpa_reference(q, k, v, m, is_causal=causal)
+    assert r.unwritten == (0,) and r.guards_intact
+    np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,110 @@
+"""Fan a kernel's parts out to helper threads that sleep when idle.
+
+A launch planned in phase 1 as ``P`` independent parts (row ranges, head groups: closures over precomputed
+views) runs them with :func:`run_parts`: the calling thread (a stream worker) and up to ``P - 1`` helpers claim
+parts until none is left. Helpers block on a queue between launches, so unlike OpenMP or OpenBLAS workers they
+never spin on cores that BLAS, another stream or another library needs. Each part calls a serial ``nogil``
+numba kernel or a numpy / BLAS routine that releases the GIL, so the parts run in parallel.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import queue
+import threading
+from collections.abc import Callable, Sequence
+
+from .. import config
+
+__all__ = ["fanout_parts", "run_parts", "split_range"]
+
+Part = Callable[[], None]
+
+
+def fanout_parts() -> int:
+    """How many parts a parallel kernel is cut into: the ``num_threads`` setting, else the CPUs this process
+    may run on."""
+    n = config.settings.num_threads
+    if n > 0:
+        return n
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def split_range(n: int, parts: int, grain: int = 1) -> list[tuple[int, int]]:
+    """``[0, n)`` cut into at most ``parts`` contiguous, non-empty ranges of nearly equal size, each at least
+    ``grain`` long (fewer ranges when ``n`` is small)."""
+    count = max(1, min(parts, n // max(grain, 1)))
+    bounds = [n * i // count for i in range(count + 1)]
+    return [(bounds[i], bounds[i + 1]) for i in range(count) if bounds[i + 1] > bounds[i]]
+
+
+class _Job:
+    """One launch's parts, claimed one at a time by whichever thread is free."""
+
+    __slots__ = ("parts", "claim", "left", "lock", "done", "error")
+
+    def __init__(self, parts: Sequence[Part]) -> None:
+        self.parts = parts
+        self.claim = itertools.count()
+        self.left = len(parts)
+        self.lock = threading.Lock()
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+    def work(self) -> None:
+        n = len(self.parts)
+        while (i := next(self.claim)) < n:
+            try:
+                self.parts[i]()
+            except BaseException as exc:  # noqa: BLE001  (re-raised on the launching thread)
+                if self.error is None:
+                    self.error = exc
+            with self.lock:
+                self.left -= 1
+                if self.left == 0:
+                    self.done.set()
+
+
+class _Helpers:
+    """Daemon threads taking jobs from one queue; started on first use, one fewer than the parts asked for."""
+
+    def __init__(self) -> None:
+        self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.count = 0
+        self.lock = threading.Lock()
+
+    def ensure(self, n: int) -> None:
+        if self.count >= n:
+            return
+        with self.lock:
+            while self.count < n:
+                threading.Thread(target=self._loop, name=f"twophase-fanout-{self.count}", daemon=True).start()
+                self.count += 1
+
+    def _loop(self) -> None:
+        while True:
+            self.jobs.get().work()
+
+
+_helpers = _Helpers()
+
+
+def run_parts(parts: Sequence[Part]) -> None:
+    """Run every part, on the calling thread and on helpers, and return when all are done; the first error a
+    part raised is raised here (the other parts still run to the end, so no kernel is left writing)."""
+    if len(parts) <= 1:
+        for part in parts:
+            part()
+        return
+    job = _Job(parts)
+    _helpers.ensure(len(parts) - 1)
+    for _ in range(len(parts) - 1):
+        _helpers.jobs.put(job)
+    job.work()
+    job.done.wait()
+    if job.error is not None:
+        raise job.error
