@@ -22,6 +22,7 @@ import twophase
 from twophase import ops
 from twophase.kernels.cpu import attention as attention_kernels
 from twophase.kernels.cpu import blas
+from twophase.kernels.cpu import reduce as reduce_kernels
 from twophase.ops.attention import reference as sdpa_reference
 from twophase.runtime.device import device
 from twophase.runtime.fanout import fanout_parts, run_parts, split_range
@@ -292,3 +293,35 @@ def test_sdpa_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, b: in
     ref = sdpa_reference(q, k, v, m, is_causal=causal)
     assert r.unwritten == (0,) and r.guards_intact
     np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, dims", [
+    ((1500, 1000), (1,)),      # rows: one block per row, ranges of rows
+    ((2, 700001), (1,)),       # two rows of 171 blocks (two levels): ranges of (row, block) tasks
+    ((300001, 5), (0,)),       # cols: 74 blocks of rows, one chunk of kept columns
+    ((8500, 200), (0,)),       # cols: 3 blocks of rows
+    ((3, 400, 1000), ()),      # everything: one row of blocks
+])
+@pytest.mark.parametrize("name", ["reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "argmax", "var"])
+def test_reductions_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, shape: Any, dims: Any,
+                             name: str) -> None:
+    launched: list[int] = []
+
+    def spy(parts: Any) -> None:
+        launched.append(len(parts))
+        run_parts(parts)
+    monkeypatch.setattr(reduce_kernels, "run_parts", spy)
+    if name == "argmax" and len(dims) != 1:  # argmax takes one dim
+        dims = (len(shape) - 1,)
+    rng = np.random.default_rng(shape[0])
+    a = (rng.standard_normal(shape) + 0.5).astype(np.float32)
+    attrs: dict[str, Any] = {"dim": dims[0]} if name == "argmax" else {"dims": dims}
+    op = getattr(ops, name)
+    r = run_checked(op, a, **attrs)
+    ref = op.spec.reference(a, **attrs)
+    assert 3 in launched  # the first level, at least, ran in three ranges of tasks
+    assert r.unwritten[0] == 0 if r.outputs[0].dtype.kind == "f" else True
+    if name == "argmax":
+        np.testing.assert_array_equal(r.outputs[0], ref)
+    else:
+        np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-5, atol=1e-5)

@@ -14,15 +14,16 @@ pairwise formula.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any, TypeVar, cast
 
 import numba
 import numpy as np
 
+from ...runtime.fanout import fanout_parts, run_parts, split_range
 from .jit import REDUCE, entry
 from .jit import jit_reduce as _jit_reduce
-from .jit import jit_reduce_par as _jit_reduce_par
 from .vmath import maximum as vmax
 from .vmath import minimum as vmin
 
@@ -35,7 +36,6 @@ def _typed(deco: Any) -> Callable[[_Fn], _Fn]:
 
 
 jit_reduce = _typed(_jit_reduce)
-jit_reduce_par = _typed(_jit_reduce_par)
 # helpers inlined into each level kernel (a call per row costs more than a short row's work)
 jit_inline = _typed(numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, inline="always"))
 
@@ -122,15 +122,10 @@ def _sum_task(x: Any, block: int, zero: Any, out: Any, t: int) -> None:
 
 
 @jit_reduce
-def sum_level(x: Any, block: int, zero: Any, out: Any) -> None:
-    """out[k, j] = sum of x[k, j*block:(j+1)*block] (accumulated in the type of ``zero``)."""
-    for t in range(out.shape[0] * out.shape[1]):
-        _sum_task(x, block, zero, out, t)
-
-
-@jit_reduce_par
-def sum_level_par(x: Any, block: int, zero: Any, out: Any) -> None:
-    for t in numba.prange(out.shape[0] * out.shape[1]):
+def sum_level(x: Any, block: int, zero: Any, out: Any, t0: int, t1: int) -> None:
+    """out[k, j] = sum of x[k, j*block:(j+1)*block] (accumulated in the type of ``zero``), for the tasks
+    ``t0 <= t = k * nb + j < t1`` (a range of them per helper thread; all of them on one)."""
+    for t in range(t0, t1):
         _sum_task(x, block, zero, out, t)
 
 
@@ -143,15 +138,9 @@ def _max_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
 
 
 @jit_reduce
-def max_level(x: Any, block: int, sign: Any, out: Any) -> None:
-    """out[k, j] = max (sign 1) or min (sign -1) of x[k, j*block:(j+1)*block]."""
-    for t in range(out.shape[0] * out.shape[1]):
-        _max_task(x, block, sign, out, t)
-
-
-@jit_reduce_par
-def max_level_par(x: Any, block: int, sign: Any, out: Any) -> None:
-    for t in numba.prange(out.shape[0] * out.shape[1]):
+def max_level(x: Any, block: int, sign: Any, out: Any, t0: int, t1: int) -> None:
+    """out[k, j] = max (sign 1) or min (sign -1) of x[k, j*block:(j+1)*block], tasks t0 <= t < t1."""
+    for t in range(t0, t1):
         _max_task(x, block, sign, out, t)
 
 
@@ -182,17 +171,10 @@ def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, t: int) -> None:
 
 
 @jit_reduce
-def sum_cols(x: Any, block: int, zero: Any, out: Any) -> None:
-    """out[j, :] = sum of rows x[j*block:(j+1)*block, :] (vectorized along the contiguous kept dim)."""
-    nk = (x.shape[1] + KC - 1) // KC
-    for t in range(out.shape[0] * nk):
-        _sum_cols_task(x, block, zero, out, t)
-
-
-@jit_reduce_par
-def sum_cols_par(x: Any, block: int, zero: Any, out: Any) -> None:
-    nk = (x.shape[1] + KC - 1) // KC
-    for t in numba.prange(out.shape[0] * nk):
+def sum_cols(x: Any, block: int, zero: Any, out: Any, t0: int, t1: int) -> None:
+    """out[j, :] = sum of rows x[j*block:(j+1)*block, :] (vectorized along the contiguous kept dim), tasks
+    t0 <= t = j * nk + chunk < t1 (nk chunks of KC kept columns)."""
+    for t in range(t0, t1):
         _sum_cols_task(x, block, zero, out, t)
 
 
@@ -222,30 +204,35 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
 
 
 @jit_reduce
-def max_cols(x: Any, block: int, sign: Any, out: Any) -> None:
-    nk = (x.shape[1] + KC - 1) // KC
-    for t in range(out.shape[0] * nk):
+def max_cols(x: Any, block: int, sign: Any, out: Any, t0: int, t1: int) -> None:
+    for t in range(t0, t1):
         _max_cols_task(x, block, sign, out, t)
 
 
-@jit_reduce_par
-def max_cols_par(x: Any, block: int, sign: Any, out: Any) -> None:
-    nk = (x.shape[1] + KC - 1) // KC
-    for t in numba.prange(out.shape[0] * nk):
-        _max_cols_task(x, block, sign, out, t)
+COLS = {sum_level: sum_cols, max_level: max_cols}
+LEVEL_PARALLEL_MIN = 1 << 18  # elements read by a level below which it runs on one thread (handing parts to
+# helper threads costs ~50 us: more than a small level's work)
 
 
-COLS = {sum_level: sum_cols, sum_level_par: sum_cols_par, max_level: max_cols, max_level_par: max_cols_par}
-SERIAL = {sum_level_par: sum_level, max_level_par: max_level, sum_cols_par: sum_cols, max_cols_par: max_cols}
-LEVEL_PARALLEL_MIN = 1 << 18  # elements read by a level below which it runs on one thread (a parallel region
-# costs a wake-up of every worker: on a busy machine, more than a small level's work)
+def level_fans(tiling: Any, counts: tuple[int, ...]) -> list[int]:
+    """Parts of each level reading ``counts[i]`` elements per row: the helper threads' count where the tiling
+    is parallel and the level reads at least LEVEL_PARALLEL_MIN elements, else 1."""
+    parts = fanout_parts() if tiling.parallel else 1
+    return [parts if tiling.kept * n >= LEVEL_PARALLEL_MIN else 1 for n in counts]
 
 
-def level_kernels(kern: Any, k_rows: int, counts: tuple[int, ...]) -> list[Any]:
-    """The kernel of each level reading ``counts[i]`` elements per row: parallel ones only where the level reads
-    at least LEVEL_PARALLEL_MIN elements."""
-    serial = SERIAL.get(kern, kern)
-    return [kern if k_rows * n >= LEVEL_PARALLEL_MIN else serial for n in counts]
+def level_tasks(out: Any, cols: bool) -> int:
+    """Tasks of a level writing ``out``: (row, block) pairs, or for ``cols`` (block, chunk of KC kept columns)."""
+    return int(out.shape[0] * (-(-out.shape[1] // KC) if cols else out.shape[1]))
+
+
+def run_level(fn: Any, parts: int, tasks: int, *args: Any) -> None:
+    """One level ``fn(*args, t0, t1)`` (its entry, compiled in phase 1): all tasks at once, or ``parts`` ranges
+    of them on helper threads (every range a contiguous run of rows, or of blocks when rows are few)."""
+    if parts == 1 or tasks < 2:
+        fn(*args, 0, tasks)
+        return
+    run_parts([functools.partial(fn, *args, lo, hi) for lo, hi in split_range(tasks, parts)])
 
 
 def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
@@ -261,7 +248,7 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
     k_rows, r = tiling.kept, tiling.reduced
     block = tiling.block
     zero = acc.type(0) if scalar is None else scalar
-    kern = level_kernel or (sum_level_par if tiling.parallel else sum_level)
+    kern = level_kernel or sum_level
     cols = getattr(tiling, "orient", "rows") == "cols" and not tiling.pack
     if cols:
         kern = COLS[kern]
@@ -278,16 +265,16 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
         return (n, k_rows) if cols else (k_rows, n)
 
     # compile every level's signature now (phase 1), never in phase 2
-    kerns = level_kernels(kern, k_rows, (r,) + levels)
+    fans = level_fans(tiling, (r,) + levels)
     steps = []
     prev = np.empty((1, 1), pack_dtype) if tiling.pack else first
-    for n, kn in zip(levels, kerns):
+    for n in levels:
         dst = np.empty(shaped(n), acc)
-        steps.append(entry(kn, prev, block, zero, dst))
+        steps.append(entry(kern, prev, block, zero, dst, 0, 0))
         prev = dst
     stage = getattr(tiling, "stage_offset", -1)
     final_out = np.empty(shaped(1), acc) if stage >= 0 else dst_out
-    final = entry(kerns[-1], prev, block, zero, final_out)
+    final = entry(kern, prev, block, zero, final_out, 0, 0)
 
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * pack_dtype.itemsize
 
@@ -297,16 +284,17 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
             area = ws[pack_offset:pack_offset + pack_bytes].view(pack_dtype)
             np.copyto(area.reshape(src.shape), src, casting="unsafe")
             x = area.reshape(k_rows, r)
-        for n, off, step in zip(levels, offsets, steps):
+        for n, off, step, parts in zip(levels, offsets, steps, fans):
             dst = ws[off:off + k_rows * n * acc.itemsize].view(acc).reshape(shaped(n))
-            step(x, block, zero, dst)
+            run_level(step, parts, level_tasks(dst, cols), x, block, zero, dst)
             x = dst
+        last = fans[-1], level_tasks(final_out, cols)
         if stage >= 0:
             wide = ws[stage:stage + k_rows * acc.itemsize].view(acc).reshape(shaped(1))
-            final(x, block, zero, wide)
+            run_level(final, *last, x, block, zero, wide)
             np.copyto(dst_out, wide, casting="unsafe")
         else:
-            final(x, block, zero, dst_out)
+            run_level(final, *last, x, block, zero, dst_out)
     return launch
 
 
@@ -328,20 +316,14 @@ def _argmax_block(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, k: int, 
 
 
 @jit_reduce
-def argmax_level(x: Any, idx: Any, block: int, out_v: Any, out_i: Any) -> None:
-    """(out_v, out_i)[k, j] = first max of x[k, block j] and its index (positions, or ``idx`` of the partials)."""
+def argmax_level(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t0: int, t1: int) -> None:
+    """(out_v, out_i)[k, j] = first max of x[k, block j] and its index (positions, or ``idx`` of the partials),
+    tasks t0 <= t = k * nb + j < t1."""
     if out_v.shape[1] == 1 and idx.shape[1] == 0:  # one block per row of the data (short rows): the lean loop
-        for k in range(out_v.shape[0]):
+        for k in range(t0, t1):
             out_v[k, 0], out_i[k, 0] = _argmax_span(x[k], 0, x.shape[1])
         return
-    for k in range(out_v.shape[0]):
-        for j in range(out_v.shape[1]):
-            _argmax_block(x, idx, block, out_v, out_i, k, j)
-
-
-@jit_reduce_par
-def argmax_level_par(x: Any, idx: Any, block: int, out_v: Any, out_i: Any) -> None:
-    for t in numba.prange(out_v.shape[0] * out_v.shape[1]):
+    for t in range(t0, t1):
         _argmax_task(x, idx, block, out_v, out_i, t)
 
 
@@ -351,18 +333,17 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
     k_rows, r, block = tiling.kept, tiling.reduced, tiling.block
     if k_rows == 0:
         return lambda _: None
-    kerns = [argmax_level_par if tiling.parallel and k_rows * n >= LEVEL_PARALLEL_MIN else argmax_level
-             for n in (r,) + tiling.levels]
+    fans = level_fans(tiling, (r,) + tiling.levels)
     no_idx = np.empty((1, 0), np.int64)
     steps = []
     prev_v = np.empty((1, 1), value_dtype) if tiling.pack else src
     prev_i = no_idx
-    for n, kn in zip(tiling.levels, kerns):
+    for n in tiling.levels:
         dv, di = np.empty((1, n), value_dtype), np.empty((1, n), np.int64)
-        steps.append(entry(kn, prev_v, prev_i, block, dv, di))
+        steps.append(entry(argmax_level, prev_v, prev_i, block, dv, di, 0, 0))
         prev_v, prev_i = dv, di
     final_v = np.empty((k_rows, 1), value_dtype)  # the maxima themselves are not an output
-    final = entry(kerns[-1], prev_v, prev_i, block, final_v, out2d)
+    final = entry(argmax_level, prev_v, prev_i, block, final_v, out2d, 0, 0)
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * value_dtype.itemsize
     parts = tiling.part_offsets
 
@@ -372,12 +353,12 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
             area = ws[pack_offset:pack_offset + pack_bytes].view(value_dtype)
             np.copyto(area.reshape(src.shape), src, casting="unsafe")
             x = area.reshape(k_rows, r)
-        for n, (ov, oi), step in zip(tiling.levels, parts, steps):
+        for n, (ov, oi), step, p in zip(tiling.levels, parts, steps, fans):
             dv = ws[ov:ov + k_rows * n * value_dtype.itemsize].view(value_dtype).reshape(k_rows, n)
             di = ws[oi:oi + k_rows * n * 8].view(np.int64).reshape(k_rows, n)
-            step(x, idx, block, dv, di)
+            run_level(step, p, level_tasks(dv, False), x, idx, block, dv, di)
             x, idx = dv, di
-        final(x, idx, block, final_v, out2d)
+        run_level(final, fans[-1], k_rows, x, idx, block, final_v, out2d)
     return launch
 
 
@@ -394,15 +375,9 @@ def _moments_task(x: Any, block: int, out: Any, t: int) -> None:
 
 
 @jit_reduce
-def moments_level(x: Any, block: int, out: Any) -> None:
-    """out[k, j] = (count, mean, M2) of the data block x[k, j*block:(j+1)*block]."""
-    for t in range(out.shape[0] * out.shape[1]):
-        _moments_task(x, block, out, t)
-
-
-@jit_reduce_par
-def moments_level_par(x: Any, block: int, out: Any) -> None:
-    for t in numba.prange(out.shape[0] * out.shape[1]):
+def moments_level(x: Any, block: int, out: Any, t0: int, t1: int) -> None:
+    """out[k, j] = (count, mean, M2) of the data block x[k, j*block:(j+1)*block], tasks t0 <= t < t1."""
+    for t in range(t0, t1):
         _moments_task(x, block, out, t)
 
 
@@ -420,15 +395,10 @@ def _merge_task(p: Any, block: int, out: Any, t: int) -> None:
 
 
 @jit_reduce
-def merge_level(p: Any, block: int, out: Any) -> None:
-    """out[k, j] = the Chan merge of the (count, mean, M2) partials p[k, j*block:(j+1)*block]."""
-    for t in range(out.shape[0] * out.shape[1]):
-        _merge_task(p, block, out, t)
-
-
-@jit_reduce_par
-def merge_level_par(p: Any, block: int, out: Any) -> None:
-    for t in numba.prange(out.shape[0] * out.shape[1]):
+def merge_level(p: Any, block: int, out: Any, t0: int, t1: int) -> None:
+    """out[k, j] = the Chan merge of the (count, mean, M2) partials p[k, j*block:(j+1)*block], tasks
+    t0 <= t < t1."""
+    for t in range(t0, t1):
         _merge_task(p, block, out, t)
 
 
@@ -450,15 +420,11 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
     if r == 0:
         return lambda _: out2d.fill(np.nan)
     counts = tiling.levels + (1,)
-    steps = []
     x_t = np.empty((1, 1), pack_dtype) if tiling.pack else src
     p_t = np.empty((1, 1, 3))
-    for i, n_in in enumerate((r,) + tiling.levels):
-        par = tiling.parallel and k_rows * n_in >= LEVEL_PARALLEL_MIN
-        if i == 0:
-            steps.append(entry(moments_level_par if par else moments_level, x_t, block, p_t))
-        else:
-            steps.append(entry(merge_level_par if par else merge_level, p_t, block, p_t))
+    steps = [entry(moments_level, x_t, block, p_t, 0, 0)] + [entry(merge_level, p_t, block, p_t, 0, 0)] * len(
+        tiling.levels)
+    fans = level_fans(tiling, (r,) + tiling.levels)
     stage = tiling.stage_offset
     wide_t = np.empty((1, 1)) if stage >= 0 else out2d
     fin = entry(var_final, p_t, float(correction), wide_t)
@@ -471,9 +437,9 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
             area = ws[pack_offset:pack_offset + pack_bytes].view(pack_dtype)
             np.copyto(area.reshape(src.shape), src, casting="unsafe")
             x = area.reshape(k_rows, r)
-        for n, off, step in zip(counts, offs, steps):
+        for n, off, step, parts in zip(counts, offs, steps, fans):
             dst = ws[off:off + k_rows * n * 24].view(np.float64).reshape(k_rows, n, 3)
-            step(x, block, dst)
+            run_level(step, parts, k_rows * n, x, block, dst)
             x = dst
         if stage >= 0:
             wide = ws[stage:stage + k_rows * 8].view(np.float64).reshape(k_rows, 1)
