@@ -186,6 +186,17 @@ def three_parts() -> Iterator[None]:
         twophase.set_num_threads(old)
 
 
+def _spy_on_parts(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[int]:
+    """The part counts of every ``run_parts`` call ``module`` makes (the parts still run)."""
+    launched: list[int] = []
+
+    def spy(parts: Any) -> None:
+        launched.append(len(parts))
+        run_parts(parts)
+    monkeypatch.setattr(module, "run_parts", spy)
+    return launched
+
+
 def _close(r: Any, ref: Any, rtol: float) -> None:
     assert r.unwritten[0] == int(np.isnan(ref).sum())
     np.testing.assert_allclose(r.outputs[0].astype(np.float64), ref, rtol=rtol, atol=rtol)
@@ -272,12 +283,7 @@ def test_layer_norm_in_parts(three_parts: None, rms: bool) -> None:
 @pytest.mark.parametrize("mask", ["none", "causal", "bool", "additive"])
 def test_sdpa_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, b: int, h: int, lq: int, lk: int,
                        mask: str) -> None:
-    launched: list[int] = []
-
-    def spy(parts: Any) -> None:
-        launched.append(len(parts))
-        run_parts(parts)
-    monkeypatch.setattr(attention_kernels, "run_parts", spy)
+    launched = _spy_on_parts(monkeypatch, attention_kernels)
     rng = np.random.default_rng(lq + lk)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((b, h, lq, 16), (b, h, lk, 16), (b, h, lk, 8)))
     m: Any = None
@@ -305,12 +311,7 @@ def test_sdpa_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, b: in
 @pytest.mark.parametrize("name", ["reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "argmax", "var"])
 def test_reductions_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, shape: Any, dims: Any,
                              name: str) -> None:
-    launched: list[int] = []
-
-    def spy(parts: Any) -> None:
-        launched.append(len(parts))
-        run_parts(parts)
-    monkeypatch.setattr(reduce_kernels, "run_parts", spy)
+    launched = _spy_on_parts(monkeypatch, reduce_kernels)
     if name == "argmax" and len(dims) != 1:  # argmax takes one dim
         dims = (len(shape) - 1,)
     rng = np.random.default_rng(shape[0])

@@ -77,44 +77,45 @@ def quiet_threads() -> bool:
     it is created)."""
     if any(v in os.environ for v in TIMEOUT_VARS):
         return False
+    found = _functions("openblas_read_env", "openblas_thread_timeout", "blas_thread_shutdown_")
+    if found is None:
+        return False
+    read_env, timeout, shutdown = found
+    timeout.restype = ctypes.c_int
+    os.environ[TIMEOUT_VARS[0]] = QUIET_TIMEOUT
+    try:
+        read_env()
+    finally:
+        del os.environ[TIMEOUT_VARS[0]]  # child processes keep the user's environment
+    if timeout() != int(QUIET_TIMEOUT):
+        return False
+    shutdown()
+    return True
+
+
+def _functions(*names: str) -> tuple[Any, ...] | None:
+    """The named functions of the first of numpy's BLAS libraries that has all of them, or None."""
     for path in _libraries():
         try:
             lib = ctypes.CDLL(path)
         except OSError:
             continue
-        read_env = getattr(lib, "openblas_read_env", None)
-        timeout = getattr(lib, "openblas_thread_timeout", None)
-        shutdown = getattr(lib, "blas_thread_shutdown_", None)
-        if read_env is None or timeout is None or shutdown is None:
-            continue
-        timeout.restype = ctypes.c_int
-        os.environ[TIMEOUT_VARS[0]] = QUIET_TIMEOUT
-        try:
-            read_env()
-        finally:
-            del os.environ[TIMEOUT_VARS[0]]  # child processes keep the user's environment
-        if timeout() != int(QUIET_TIMEOUT):
-            return False
-        shutdown()
-        return True
-    return False
+        fns = tuple(getattr(lib, name, None) for name in names)
+        if all(fn is not None for fn in fns):
+            return fns
+    return None
 
 
 @functools.cache
 def _thread_count_calls() -> tuple[Any, Any] | None:
     """(get, set) of the thread count of numpy's OpenBLAS, or None."""
-    for path in _libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
-            continue
-        get = getattr(lib, "scipy_openblas_get_num_threads64_", None)
-        put = getattr(lib, "scipy_openblas_set_num_threads64_", None)
-        if get is not None and put is not None:
-            get.restype = ctypes.c_int
-            put.argtypes = [ctypes.c_int]
-            return get, put
-    return None
+    found = _functions("scipy_openblas_get_num_threads64_", "scipy_openblas_set_num_threads64_")
+    if found is None:
+        return None
+    get, put = found
+    get.restype = ctypes.c_int
+    put.argtypes = [ctypes.c_int]
+    return get, put
 
 
 _serial_lock = threading.Lock()
