@@ -294,6 +294,9 @@ VARIANTS = {
     "passive": ("OMP_WAIT_POLICY=PASSIVE: twophase's kernels on every core (its automatic thread count); torch shares "
                 "libgomp, so its OpenMP threads are passive too",
                 {"OMP_WAIT_POLICY": "PASSIVE"}, 0),
+    "openblas_spin": ("numpy's OpenBLAS left at its default spin (OPENBLAS_THREAD_TIMEOUT=28: twophase then leaves "
+                      "it alone): its workers spin ~0.1 s after every threaded GEMM, which slows whatever runs next, "
+                      "torch and ONNX Runtime in this process included", {"OPENBLAS_THREAD_TIMEOUT": "28"}, 0),
     "single": ("one thread each (OPENBLAS_NUM_THREADS=1, NUMBA_NUM_THREADS=1, OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, "
                "torch.set_num_threads(1), ORT intra_op_num_threads=1)",
                {"OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
