@@ -22,8 +22,11 @@ import twophase
 from twophase import ops
 from twophase.kernels.cpu import attention as attention_kernels
 from twophase.kernels.cpu import blas
+from twophase.kernels.cpu import conv as conv_kernels
 from twophase.kernels.cpu import reduce as reduce_kernels
 from twophase.ops.attention import reference as sdpa_reference
+from twophase.ops.conv import reference as conv_reference
+from twophase.ops.selection import forced
 from twophase.runtime.device import device
 from twophase.runtime.fanout import fanout_parts, run_parts, split_range
 from twophase.testing import run_checked
@@ -326,3 +329,24 @@ def test_reductions_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch,
         np.testing.assert_array_equal(r.outputs[0], ref)
     else:
         np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", ["NCHW", "NHWC"])
+def test_conv2d_im2col_rows_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, layout: str) -> None:
+    launched = _spy_on_parts(monkeypatch, conv_kernels)
+    rng = np.random.default_rng(9)
+    x = rng.standard_normal((2, 32, 60, 61)).astype(np.float32)
+    w = (rng.standard_normal((8, 32, 3, 3)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(8).astype(np.float32)
+    xin: Any = x
+    if layout == "NHWC":  # the same logical NCHW tensor, stored channels-last
+        xin = device("cpu").tensor(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), format=twophase.Format.NHWC)
+        xin.synchronize()
+    with forced("im2col"):
+        r = run_checked(ops.conv2d, xin, w, b, stride=1, padding=1)
+    assert r.implementation == "im2col" and 3 in launched
+    ref = conv_reference(x, w, b, stride=1, padding=1)
+    assert r.unwritten == (0,)
+    got = r.outputs[0]
+    np.testing.assert_allclose(got.transpose(0, 3, 1, 2) if got.shape != ref.shape else got, ref, rtol=1e-4,
+                               atol=1e-4)

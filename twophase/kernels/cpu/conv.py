@@ -3,6 +3,7 @@ workspace tiled over output rows + GEMM, and a direct kernel (depthwise, or no w
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align
+from ...runtime.fanout import fanout_parts, run_parts, split_range
 from . import jit as _jit
 from .jit import FAST, entry
 
@@ -19,7 +21,7 @@ Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_par: Kernel = _jit.jit_par
 jit_inline: Kernel = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", inline="always")
-PARALLEL_MIN = 1 << 20  # unfolded elements from which im2col runs on numba's threads
+PARALLEL_MIN = 1 << 20  # unfolded elements from which im2col's rows are cut into ranges for helper threads
 
 
 @jit
@@ -65,19 +67,12 @@ def _im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k: int) -> 
 _im2col_inl = jit_inline(_im2col)
 
 
-@jit_par
-def im2col_par(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any) -> None:
-    """``im2col`` parallel over the rows of ``cols``."""
-    for k in numba.prange(cols.shape[0]):
-        _im2col_inl(x, n0, c0, oh0, geo, cols, k)
-
-
 @jit
-def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any) -> None:
+def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k0: int, k1: int) -> None:
     """cols[(c*KH + kh)*KW + kw, (i*rows + r)*OW + ow] = x[n0 + i, c0 + c, (oh0 + r)*sh - ph + kh*dh,
-    ow*sw - pw + kw*dw] (0 in the padding) for ``geo[9]`` images i; ``geo`` = (KH, KW, sh, sw, ph, pw, dh, dw,
-    OW, images)."""
-    for k in range(cols.shape[0]):
+    ow*sw - pw + kw*dw] (0 in the padding) for ``geo[9]`` images i, rows ``k0 <= k < k1`` of cols (a range per
+    helper thread); ``geo`` = (KH, KW, sh, sw, ph, pw, dh, dw, OW, images)."""
+    for k in range(k0, k1):
         _im2col_inl(x, n0, c0, oh0, geo, cols, k)
 
 
@@ -192,10 +187,12 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                 else:  # one image, or pixel-major images that merge into one run of rows
                     o = _mat(blk, (t.ocg, p), (so[1], so[3])) if cm else _mat(blk, (p, t.ocg), (so[3], so[1]))
                     steps.append((n0, nn, g * t.cg, oh0, p, wm, o, bv, False))
-    par = kc * tn * t.tile_rows * ow >= PARALLEL_MIN
-    kern = im2col_par if par else im2col
+    ranges = split_range(kc, fanout_parts() if kc * tn * t.tile_rows * ow >= PARALLEL_MIN else 1)
     sample = np.empty((2, 2), dt)  # C-contiguous cols (channel-major) or a transposed view (pixel-major)
-    k_im2col = entry(kern, x, 0, 0, 0, _geo(t), sample if cm else sample.T)
+    k_im2col = entry(im2col, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0)
+
+    def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any) -> None:
+        run_parts([functools.partial(k_im2col, x, n0, c0, oh0, geo, cols, lo, hi) for lo, hi in ranges])
     geos = {nn: _geo(t, nn) for nn in {min(tn, t.n - n0) for n0 in range(0, t.n, tn)}}
     o_off = t.out_offset
     ocg = t.ocg
@@ -206,12 +203,12 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             geo = geos[nn]
             if cm:
                 cols = area.reshape(kc, p)
-                k_im2col(x, n0, c0, oh0, geo, cols)
+                unfold(n0, c0, oh0, geo, cols)
                 res = ws[o_off:o_off + ocg * p * item].view(dt).reshape(ocg, p) if stage else o
                 np.matmul(wm, cols, out=res)
             else:
                 cols = area.reshape(p, kc)
-                k_im2col(x, n0, c0, oh0, geo, cols.T)
+                unfold(n0, c0, oh0, geo, cols.T)
                 res = ws[o_off:o_off + ocg * p * item].view(dt).reshape(p, ocg) if stage else o
                 np.matmul(cols, wm.T, out=res)
             if stage:
