@@ -298,18 +298,12 @@ def _wino_input(x: Any, v: Any, c: int, t0: int, geo: Any, rows: Any) -> None:
         t += tx1 - tx0
 
 
-@jit_par
-def wino_input_par(x: Any, v: Any, t0: int, geo: Any, scratch: Any) -> None:
-    """v[4*i + j, c, t - t0] = (B^T d B)[i, j] for the 4x4 input patch d of tile t (zero padded); ``geo`` =
-    (ph, pw, tiles per column, tiles per row); ``scratch`` (C, 4, 2*tiles per row + 2) from the workspace."""
-    for c in numba.prange(v.shape[1]):
-        _wino_input(x, v, c, t0, geo, scratch[c])
-
-
 @jit
-def wino_input(x: Any, v: Any, t0: int, geo: Any, scratch: Any) -> None:
-    """``wino_input_par``, serial."""
-    for c in range(v.shape[1]):
+def wino_input(x: Any, v: Any, t0: int, geo: Any, scratch: Any, c0: int, c1: int) -> None:
+    """v[4*i + j, c, t - t0] = (B^T d B)[i, j] for the 4x4 input patch d of tile t (zero padded), channels
+    ``c0 <= c < c1`` (a range per helper thread); ``geo`` = (ph, pw, tiles per column, tiles per row);
+    ``scratch`` (C, 4, 2*tiles per row + 2) from the workspace."""
+    for c in range(c0, c1):
         _wino_input(x, v, c, t0, geo, scratch[c])
 
 
@@ -344,18 +338,12 @@ def _wino_output(m: Any, bias: Any, has_bias: bool, out: Any, oc: int, t0: int, 
         t += tx1 - tx0
 
 
-@jit_par
-def wino_output_par(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any, scratch: Any) -> None:
-    """out's 2x2 block of tile t = A^T m A + bias, m[4*i + j, oc, t - t0], A^T = [[1, 1, 1, 0], [0, 1, -1, -1]];
-    ``scratch`` (OC, 8, tiles per row) from the workspace."""
-    for oc in numba.prange(m.shape[1]):
-        _wino_output(m, bias, has_bias, out, oc, t0, geo, scratch[oc])
-
-
 @jit
-def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any, scratch: Any) -> None:
-    """``wino_output_par``, serial."""
-    for oc in range(m.shape[1]):
+def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any, scratch: Any, oc0: int,
+                oc1: int) -> None:
+    """out's 2x2 block of tile t = A^T m A + bias, m[4*i + j, oc, t - t0], A^T = [[1, 1, 1, 0], [0, 1, -1, -1]],
+    output channels ``oc0 <= oc < oc1``; ``scratch`` (OC, 8, tiles per row) from the workspace."""
+    for oc in range(oc0, oc1):
         _wino_output(m, bias, has_bias, out, oc, t0, geo, scratch[oc])
 
 
@@ -379,10 +367,11 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     o_so = o_si + align(si_n * item)
     so_n = t.oc * 8 * tw_n
     s3 = np.empty((1, 1, 1), dt)
-    big = 16 * (t.c + t.oc) * chunk >= PARALLEL_MIN
+    parts = fanout_parts() if 16 * (t.c + t.oc) * chunk >= PARALLEL_MIN else 1
+    c_ranges, oc_ranges = split_range(t.c, parts), split_range(t.oc, parts)
     k_w = entry(wino_weights, w, s3)
-    k_in = entry(wino_input_par if big else wino_input, x, s3, 0, geo, s3)
-    k_out = entry(wino_output_par if big else wino_output, s3, b, has, out, 0, geo, s3)
+    k_in = entry(wino_input, x, s3, 0, geo, s3, 0, 0)
+    k_out = entry(wino_output, s3, b, has, out, 0, geo, s3, 0, 0)
     starts = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
     c, oc = t.c, t.oc
 
@@ -394,7 +383,7 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         for t0, nt in starts:
             v = ws[o_v:o_v + 16 * c * nt * item].view(dt).reshape(16, c, nt)
             m = ws[o_m:o_m + 16 * oc * nt * item].view(dt).reshape(16, oc, nt)
-            k_in(x, v, t0, geo, s_in)
+            run_parts([functools.partial(k_in, x, v, t0, geo, s_in, lo, hi) for lo, hi in c_ranges])
             np.matmul(u, v, out=m)
-            k_out(m, b, has, out, t0, geo, s_out)
+            run_parts([functools.partial(k_out, m, b, has, out, t0, geo, s_out, lo, hi) for lo, hi in oc_ranges])
     return launch
