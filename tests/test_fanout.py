@@ -350,3 +350,16 @@ def test_conv2d_im2col_rows_in_parts(three_parts: None, monkeypatch: pytest.Monk
     got = r.outputs[0]
     np.testing.assert_allclose(got.transpose(0, 3, 1, 2) if got.shape != ref.shape else got, ref, rtol=1e-4,
                                atol=1e-4)
+
+
+def test_conv2d_winograd_channels_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    launched = _spy_on_parts(monkeypatch, conv_kernels)
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((4, 48, 47, 48)).astype(np.float32)  # odd height: clipped edge tiles
+    w = (rng.standard_normal((40, 48, 3, 3)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    with forced("winograd"):
+        r = run_checked(ops.conv2d, x, w, b, stride=1, padding=1)
+    assert r.implementation == "winograd" and 3 in launched
+    assert r.unwritten == (0,)
+    np.testing.assert_allclose(r.outputs[0], conv_reference(x, w, b, stride=1, padding=1), rtol=1e-4, atol=1e-4)
