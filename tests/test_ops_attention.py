@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ops_layouts import on_device
 
+import twophase
 from twophase import device
 from twophase.errors import ParamError
 from twophase.layout import align
@@ -201,3 +203,20 @@ def test_sdpa_scores_of_many_keys_are_computed_in_key_chunks(rng: np.random.Gene
         with forced(impl):
             r = run_checked(sdpa, q, k, v, None, is_causal=causal, workspace_limit=limit)
         _check(r, ref)
+
+
+@pytest.mark.parametrize("layout", ["dense", "strided"])  # strided: q and out go through the workspace
+@pytest.mark.parametrize("lq, lk", [(300, 280), (260, 400)])
+def test_causal_materialized_long_heads_in_one_part(layout: str, lq: int, lk: int) -> None:
+    """Causal heads of a few hundred rows, Lq != Lk, in one part (no helper threads), q and out packed or not."""
+    rng = np.random.default_rng(lq)
+    q, k, v = _qkv(rng, 1, 2, lq, lk, 16, 8)
+    old = twophase.settings.num_threads
+    twophase.set_num_threads(1)  # one part: the key-chunked GEMMs of the serial path
+    try:
+        with forced("materialized"):
+            r = run_checked(sdpa, on_device(q, layout), k, v, None, is_causal=True)
+    finally:
+        twophase.set_num_threads(old)
+    assert r.implementation == "materialized"
+    _check(r, reference(q, k, v, None, is_causal=True))
