@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.elementwise import FANOUT_MIN, broadcast_pieces, build_unary
+from ..kernels.cpu.elementwise import FANOUT_MIN, build_unary, pieces
 from ..layout import align, broadcast_shape, merge_dims
 from ..op import Attr, Op, OpDef, Plan, register
-from ..runtime.fanout import fanout_parts, run_parts
+from ..runtime.fanout import fanout_parts, launcher
 from ..tensor import DType, TensorDesc
 from .checks import FLOATS, NUMERIC, as_scalar, check_dtype, choice, need
 
@@ -75,16 +75,14 @@ def _binary_build(ufunc: Any) -> Builder:
                 ufunc(x, scratch, out=out)
             return scaled_inplace
 
-        def piece(o: Any, a: Any, b: Any) -> None:
-            if alpha != 1:
-                np.multiply(b, alpha, out=o, dtype=o.dtype)  # in the promoted dtype, not other's
-                b = o
-            ufunc(a, b, out=o)
+        def scaled(o: Any, a: Any, b: Any) -> None:
+            np.multiply(b, alpha, out=o, dtype=o.dtype)  # in the promoted dtype, not other's
+            ufunc(a, o, out=o)
         parts = fanout_parts() if out.size >= FANOUT_MIN else 1
-        calls = [functools.partial(piece, *p) for p in broadcast_pieces(out, (x, y), parts, FANOUT_MIN // 2)]
-        if len(calls) == 1:
-            return lambda _: calls[0]()
-        return lambda _: run_parts(calls)
+        cut = pieces(out, (x, y), parts, FANOUT_MIN // 2)
+        if alpha == 1:
+            return launcher([functools.partial(ufunc, a, b, out=o) for o, a, b in cut])
+        return launcher([functools.partial(scaled, o, a, b) for o, a, b in cut])
     return build
 
 

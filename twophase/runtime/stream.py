@@ -87,13 +87,10 @@ class _Queue:
     def enqueue_null(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
         """NULL backend: count the task as done at once; run only the runtime's markers and callbacks."""
         seq = self.submitted = self.done = self.submitted + 1
-        if owner is CONTROL or type(owner) is str:
+        if type(owner) is str:  # the runtime's markers and callbacks (CONTROL is one)
             fn(arg)
         else:
-            try:
-                owner.launches += 1
-            except AttributeError:
-                pass
+            _count(owner)
         return seq
 
     def enqueue_inline(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:

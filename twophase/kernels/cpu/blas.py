@@ -43,19 +43,15 @@ def gemm_for(dtype: Any) -> Gemm | None:
         return None
     scalar = ctypes.c_float if dt == np.float32 else ctypes.c_double
     i64, ptr, enum = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int
-    for path in _libraries():
-        try:
-            lib = ctypes.CDLL(path)
-        except OSError:
+    for name in _SYMBOLS[dt]:
+        found = _functions(name)
+        if found is None:
             continue
-        for name in _SYMBOLS[dt]:
-            fn = getattr(lib, name, None)
-            if fn is None:
-                continue
-            fn.argtypes = [enum, enum, enum, i64, i64, i64, scalar, ptr, i64, ptr, i64, scalar, ptr, i64]
-            fn.restype = None
-            if _agrees(fn, dt):
-                return fn  # type: ignore[no-any-return]
+        fn = found[0]
+        fn.argtypes = [enum, enum, enum, i64, i64, i64, scalar, ptr, i64, ptr, i64, scalar, ptr, i64]
+        fn.restype = None
+        if _agrees(fn, dt):
+            return fn  # type: ignore[no-any-return]
     return None
 
 

@@ -16,7 +16,7 @@ import numba
 import numpy as np
 
 from ...layout import align, as_matrix
-from ...runtime.fanout import fanout_parts, run_parts, split_range
+from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
 from .jit import FAST, entry
 
@@ -100,17 +100,7 @@ def pack_bytes(numel: int, itemsize: int, needs_pack: bool) -> int:
     return align(numel * itemsize) if needs_pack else 0
 
 
-def pieces(a: Any, b: Any, parts: int, grain: int) -> list[tuple[Any, Any]]:
-    """Matching 2-D pieces of two (rows, cols) views for ``parts`` helper threads: row ranges when there are
-    enough rows, else column ranges of every row; one piece when the views hold fewer than ``grain`` elements
-    per part."""
-    n_rows, n_cols = a.shape
-    if n_rows >= parts:
-        return [(a[lo:hi], b[lo:hi]) for lo, hi in split_range(n_rows, parts, max(1, grain // max(n_cols, 1)))]
-    return [(a[:, lo:hi], b[:, lo:hi]) for lo, hi in split_range(n_cols, parts, max(1, grain // max(n_rows, 1)))]
-
-
-def broadcast_pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[tuple[Any, ...]]:
+def pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[tuple[Any, ...]]:
     """``(out piece, operand pieces...)`` cut along the first axis of ``out`` long enough for ``parts``
     ranges; an operand broadcast along that axis (missing, or of size 1) is passed whole. One piece, the arrays
     themselves, when ``out`` is small or an operand overlaps ``out`` other than as the same view (numpy buffers
@@ -149,8 +139,7 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any) -> Callab
         both = x.flags.c_contiguous and out.flags.c_contiguous
         xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))
         # compiled per piece: a column range of a C-contiguous matrix is not C-contiguous itself
-        calls = [functools.partial(entry(rows, a, b), a, b) for a, b in pieces(xm, om, parts, grain)]
-        return lambda _: run_parts(calls)
+        return launcher([functools.partial(entry(rows, a, o), a, o) for o, a in pieces(om, (xm,), parts, grain)])
     sample = np.empty((1, 1), compute)
     fn = entry(rows, sample, sample)
     n, nbytes = x.size, x.size * compute.itemsize

@@ -11,7 +11,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from ...runtime.fanout import fanout_parts, run_parts, split_range
+from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
 from .jit import FAST, entry
 
@@ -62,8 +62,7 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
         return [functools.partial(fn, x[lo:hi], w, b, eps, rms, out[lo:hi], mean[lo:hi], rstd[lo:hi])
                 for lo, hi in ranges]
     if not pack:
-        calls = parts(src, dst)
-        return lambda _: run_parts(calls)
+        return launcher(parts(src, dst))
     nbytes = k * n * compute.itemsize
 
     def launch(ws: Any) -> None:

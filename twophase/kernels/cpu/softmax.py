@@ -199,6 +199,13 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     scratch_bytes = t.threads * t.scratch_len * compute_dt.itemsize
 
     def run(x: Any, out: Any, scratch: Any, ws: Any) -> None:
+        if len(ranges) == 1 and by_rows:  # one part of whole rows: no views to cut
+            if split == 1:
+                fn(x, out, mode, scratch)
+            else:
+                fn(x, out, block, ws[t.part_offset:t.part_offset + k * split * 16].view(np.float64).reshape(
+                    k, split, 2), mode, scratch)
+            return
         if split == 1:
             run_parts([functools.partial(fn, x[lo:hi], out[lo:hi], mode, scratch[i:i + 1])
                        for i, (lo, hi) in enumerate(ranges)])
