@@ -9,9 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twophase import Format, clear_cache, device
+from twophase import Format, device
 from twophase.errors import ParamError
-from twophase.layout import align
+from twophase.layout import align, spread_stride
 from twophase.ops import conv2d
 from twophase.ops.conv import reference
 from twophase.ops.selection import forced
@@ -118,7 +118,8 @@ def test_conv2d_im2col_unfolds_whole_images_per_tile(rng: np.random.Generator, n
         return align(per_img * tn) + (align(out_img * tn) if tn > 1 and not nhwc else 0)
 
     for limit, tn in ((None, 3), (size(3), 3), (size(3) - 1, 2), (size(2) - 1, 1)):
-        r = run_checked(conv2d, _input(x, nhwc), wt, b, padding=1, workspace_limit=limit)
+        with forced("im2col", "direct"):  # 36 output tiles: winograd would rank first
+            r = run_checked(conv2d, _input(x, nhwc), wt, b, padding=1, workspace_limit=limit)
         assert (r.implementation, r.tiling.tile_n, r.tiling.tile_rows, r.workspace_size) == ("im2col", tn, h, size(tn))
         assert (r.tiling.out_offset > 0) == (tn > 1 and not nhwc)
         _check(r, ref)
@@ -133,11 +134,17 @@ def test_conv2d_winograd_chunks_fit_workspace_limit(rng: np.random.Generator, dt
     item = np.dtype(dtype).itemsize
     tiles = n * 4 * 3  # 2x2 output tiles: ceil(7/2) * ceil(6/2) per image
 
-    def size(chunk: int) -> int:  # transformed weights, transformed input tiles, GEMM result, scratch rows
-        return (align(16 * oc * c * item) + align(16 * c * chunk * item) + align(16 * oc * chunk * item)
+    def size(chunk: int) -> int:  # transformed weights, transformed input tiles, GEMM result (16 matrices each,
+        # spread_stride apart), scratch rows
+        return (16 * (spread_stride(oc * c * item) + spread_stride(c * chunk * item)
+                      + spread_stride(oc * chunk * item))
                 + align(c * 4 * (2 * 3 + 2) * item) + align(oc * 8 * 3 * item))  # 3 tiles per row (OW 6)
 
-    for limit, chunk in ((None, tiles), (size(tiles), tiles), (size(5), 5), (size(1), 1)):
+    def most(limit: int) -> int:  # the most tiles per round that fit (strides grow in 64-byte steps)
+        return max(k for k in range(1, tiles + 1) if size(k) <= limit)
+
+    assert most(size(1)) < most(size(5)) < tiles
+    for limit, chunk in ((None, tiles), (size(tiles), tiles), (size(5), most(size(5))), (size(1), most(size(1)))):
         r = _run("winograd", x, wt, b, limit=limit, padding=1)
         assert (r.tiling.chunk, r.workspace_size) == (chunk, size(chunk))
         _check(r, ref)
@@ -173,15 +180,27 @@ def test_conv2d_rejects_bad_arguments(w_shape: tuple[int, ...], attrs: dict[str,
     assert e.value.op == "conv2d" and e.value.arg == arg
 
 
-@pytest.mark.parametrize("first", [False, True])
-def test_conv2d_winograd_ranks_first_only_with_single_threaded_blas(monkeypatch: pytest.MonkeyPatch,
-                                                                    first: bool) -> None:
-    import twophase.ops.conv as conv_mod
-    monkeypatch.setattr(conv_mod, "WINOGRAD_FIRST", first)
-    dev = device("cpu")
-    x, w = dev.tensor(np.ones((1, 4, 16, 16), np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
-    clear_cache()  # the flag is a process constant outside tests: plans cached with the other value must go
+@pytest.mark.parametrize(("shape", "first"), [((1, 4, 10, 10), False), ((1, 4, 2, 62), False),
+                                              ((1, 4, 2, 63), True), ((2, 4, 7, 7), True), ((1, 4, 11, 11), True)])
+def test_conv2d_winograd_ranks_first_from_32_tiles(shape: tuple[int, ...], first: bool) -> None:
+    dev = device("cpu")  # 2x2 output tiles: 25, 31, 32, 2 * 16, 36
+    x, w = dev.tensor(np.ones(shape, np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
     with forced("winograd", "im2col", "direct"):
-        _, ex = conv2d.get_workspace_size(x, w, padding=1)  # 8 x 8 = 64 output tiles
+        _, ex = conv2d.get_workspace_size(x, w, padding=1)
     assert ex.implementation == ("winograd" if first else "im2col")
     ex.destroy()
+
+
+@given(st.integers(0, 1 << 22), st.integers(1, 64))
+@settings(max_examples=200, deadline=None)
+def test_spread_stride_puts_blocks_on_distinct_sets(nbytes: int, count: int) -> None:
+    s = spread_stride(nbytes, count)
+    assert s >= nbytes and s % 64 == 0 and s - align(nbytes) < 64 * 64
+    assert len({k * s % 4096 for k in range(count)}) == count
+
+
+def test_spread_stride_moves_power_of_two_blocks_apart() -> None:
+    assert spread_stride(1 << 18) == (1 << 18) + 64
+    assert spread_stride(200) == 256  # already spread: just aligned
+    with pytest.raises(ValueError):
+        spread_stride(64, 65)

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["merge_dims", "as_matrix", "broadcast_shape", "align"]
+__all__ = ["merge_dims", "as_matrix", "broadcast_shape", "align", "spread_stride"]
 
 
 def merge_dims(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
@@ -62,3 +62,15 @@ def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...] | None:
 def align(nbytes: int, to: int = 64) -> int:
     """Round ``nbytes`` up to a multiple of ``to`` (workspace sub-buffers start on cache lines)."""
     return (nbytes + to - 1) // to * to
+
+
+def spread_stride(nbytes: int, count: int = 16) -> int:
+    """The byte stride (>= ``nbytes``, a multiple of 64) at which ``count`` consecutive blocks start on distinct
+    cache lines modulo 4 KiB, so distinct L1 sets: blocks a power of two apart would put their ``count`` streams
+    in one set, and a loop writing all of them at once would evict itself (7x slower winograd transforms)."""
+    if not 1 <= count <= 64:
+        raise ValueError(f"count {count} outside 1..64")
+    stride = align(nbytes)
+    while len({k * stride % 4096 for k in range(count)}) < count:
+        stride += 64
+    return stride

@@ -9,7 +9,6 @@ direct (a numba loop nest, workspace 0; ranked first for depthwise convolutions)
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +17,7 @@ import numpy as np
 
 from ..errors import ParamError
 from ..kernels.cpu.conv import build_direct, build_gemm_1x1, build_im2col, build_winograd
-from ..layout import align, merge_dims
+from ..layout import align, merge_dims, spread_stride
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, Format, TensorDesc
 from .checks import as_int, check_dtype, need
@@ -169,8 +168,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         wino = _winograd_candidate(t, item, limit)
         if wino is not None:
             tiles = t.n * ((oh + 1) // 2) * ((ow + 1) // 2)
-            first = tiles >= (WINOGRAD_MIN_TILES if WINOGRAD_FIRST else WINOGRAD_MIN_TILES_THREADED)
-            cands.insert(0 if first else len(cands), wino)
+            cands.insert(0 if tiles >= WINOGRAD_MIN_TILES else len(cands), wino)
     if cg == 1 and g > 1:
         cands.insert(0, direct)
     else:
@@ -205,32 +203,19 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
     return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_rows": rows}), align(per_row * rows))
 
 
-WINOGRAD_MIN_TILES = 64  # 2x2 output tiles from which winograd may rank first (its GEMMs are (OC, C) x (C, tiles))
-
-
-def _blas_single_threaded() -> bool:
-    """Whether the process runs BLAS on one thread (set before numpy loads it; read once)."""
-    for var in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS"):
-        v = os.environ.get(var)
-        if v is not None:
-            return v.strip() == "1"
-    return False
-
-
-# winograd does 2.25x fewer multiplies than im2col but as 16 GEMMs instead of one: with multithreaded BLAS every
-# GEMM pays a thread rendezvous, so there it needs wider GEMMs to win. Measured side by side (ResNet-18 3x3 layers,
-# 2 cores, threaded OpenBLAS; t(winograd)/t(im2col)): 6272 tiles 0.63, 1568 0.73, 784 0.64, 392 0.91, 196 1.03,
-# 128 1.48, 49 2.1, 16 6.4.
-WINOGRAD_FIRST = _blas_single_threaded()
-WINOGRAD_MIN_TILES_THREADED = 256  # tiles from which winograd ranks first when BLAS runs several threads
+# 2x2 output tiles from which winograd ranks first. Measured side by side (make-bench shapes and smaller, 2
+# cores; its 16 GEMMs fan out over helper threads on one BLAS thread each; t(winograd) / t(im2col)): 6272 tiles
+# 0.51, 1568 0.57, 784 0.57, 392 0.51, 196 0.45-0.58, 128 0.71, 64 0.78, 49 0.47-0.74, 32 0.96, 16 1.03-1.57
+# (16 * OC * C transformed weights per launch outweigh the GEMM's savings on few tiles).
+WINOGRAD_MIN_TILES = 32
 
 
 def winograd_workspace(oc: int, c: int, chunk: int, item: int, ow: int) -> int:
-    """align64(16*OC*C*item) transformed weights + align64(16*C*chunk*item) transformed input +
-    align64(16*OC*chunk*item) GEMM result + align64(C*4*(2*TW + 2)*item) + align64(OC*8*TW*item) scratch rows of
-    the transforms, TW = ceil(OW/2)."""
+    """16 * (spread(OC*C*item) + spread(C*chunk*item) + spread(OC*chunk*item)) for the transformed weights, the
+    transformed input and the GEMM result (16 matrices each, ``spread_stride`` apart) + align64(C*4*(2*TW +
+    2)*item) + align64(OC*8*TW*item) scratch rows of the transforms, TW = ceil(OW/2)."""
     tw = (ow + 1) // 2
-    return (align(16 * oc * c * item) + align(16 * c * chunk * item) + align(16 * oc * chunk * item)
+    return (16 * (spread_stride(oc * c * item) + spread_stride(c * chunk * item) + spread_stride(oc * chunk * item))
             + align(c * 4 * (2 * tw + 2) * item) + align(oc * 8 * tw * item))
 
 

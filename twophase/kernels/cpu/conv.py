@@ -11,9 +11,10 @@ import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ...layout import align
+from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, run_parts, split_range
 from . import jit as _jit
+from .blas import serial_calls
 from .jit import FAST, entry
 
 Launch = Callable[[Any], None]
@@ -232,10 +233,11 @@ def _wino_w_row(u: Any, i: int, oc: int, c: int, a0: float, a1: float, a2: float
 
 
 @jit
-def wino_weights(w: Any, u: Any) -> None:
-    """u[4*i + j, oc, c] = (G g G^T)[i, j] for g = w[oc, c], G = [[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]]."""
-    oc_n, c_n = w.shape[0], w.shape[1]
-    for oc in range(oc_n):
+def wino_weights(w: Any, u: Any, oc0: int, oc1: int) -> None:
+    """u[4*i + j, oc, c] = (G g G^T)[i, j] for g = w[oc, c], G = [[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]],
+    output channels ``oc0 <= oc < oc1`` (a range per helper thread)."""
+    c_n = w.shape[1]
+    for oc in range(oc0, oc1):
         for c in range(c_n):
             g00, g01, g02 = w[oc, c, 0, 0], w[oc, c, 0, 1], w[oc, c, 0, 2]
             g10, g11, g12 = w[oc, c, 1, 0], w[oc, c, 1, 1], w[oc, c, 1, 2]
@@ -347,10 +349,19 @@ def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any, 
         _wino_output(m, bias, has_bias, out, oc, t0, geo, scratch[oc])
 
 
+def _batched(ws: Any, offset: int, stride: int, shape: tuple[int, int, int], dt: np.dtype[Any]) -> Any:
+    """16 matrices of ``shape[1:]`` in the workspace from ``offset``, ``stride`` bytes apart (``spread_stride``)."""
+    return as_strided(ws[offset:offset + 16 * stride].view(dt), shape,
+                      (stride, shape[2] * dt.itemsize, dt.itemsize))
+
+
 def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """Transformed weights U (16, OC, C), per chunk of ``t.chunk`` 2x2 output tiles the transformed input
     V (16, C, chunk) and M = U @ V (16, OC, chunk) in the workspace, then the output transform (+ bias); the
-    transforms' scratch rows are in the workspace too (no allocation in the launch)."""
+    transforms' scratch rows are in the workspace too (no allocation in the launch). The 16 matrices of U, V and
+    M lie ``spread_stride`` apart (the transforms write or read all 16 at once). Large launches run the weight
+    and input transforms as channel ranges, the 16 GEMMs as batch ranges (each on one BLAS thread) and the output
+    transform as channel ranges, on helper threads."""
     dt = x.dtype
     item = dt.itemsize
     th_n, tw_n = (t.oh + 1) // 2, (t.ow + 1) // 2
@@ -359,31 +370,45 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     geo = np.array([t.ph, t.pw, th_n, tw_n], np.int64)
     b = bias if bias is not None else np.zeros(1, dt)
     has = bias is not None
-    u_bytes = 16 * t.oc * t.c * item
-    o_v = align(u_bytes)
-    o_m = o_v + align(16 * t.c * chunk * item)
-    o_si = o_m + align(16 * t.oc * chunk * item)  # per-channel scratch rows of the two transforms
+    su, sv, sm = (spread_stride(n * item) for n in (t.oc * t.c, t.c * chunk, t.oc * chunk))
+    o_v = 16 * su
+    o_m = o_v + 16 * sv
+    o_si = o_m + 16 * sm  # per-channel scratch rows of the two transforms
     si_n = t.c * 4 * (2 * tw_n + 2)
     o_so = o_si + align(si_n * item)
     so_n = t.oc * 8 * tw_n
     s3 = np.empty((1, 1, 1), dt)
-    parts = fanout_parts() if 16 * (t.c + t.oc) * chunk >= PARALLEL_MIN else 1
-    c_ranges, oc_ranges = split_range(t.c, parts), split_range(t.oc, parts)
-    k_w = entry(wino_weights, w, s3)
-    k_in = entry(wino_input, x, s3, 0, geo, s3, 0, 0)
-    k_out = entry(wino_output, s3, b, has, out, 0, geo, s3, 0, 0)
+    a3 = np.empty((2, 2, 3), dt)[:, :, :2]  # a non-contiguous stand-in: U, V and M are typed as 'A' arrays
+    parts = fanout_parts() if 16 * (t.oc * t.c + (t.c + t.oc) * chunk) >= PARALLEL_MIN else 1
+    c_ranges, oc_ranges, k_ranges = split_range(t.c, parts), split_range(t.oc, parts), split_range(16, parts)
+    in_parts = max(len(c_ranges), len(oc_ranges))
+    k_w = entry(wino_weights, w, a3, 0, 0)
+    k_in = entry(wino_input, x, a3, 0, geo, s3, 0, 0)
+    k_out = entry(wino_output, a3, b, has, out, 0, geo, s3, 0, 0)
     starts = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
     c, oc = t.c, t.oc
 
+    def transforms_in(u: Any, v: Any, t0: int, s_in: Any, weights: bool, i: int) -> None:
+        if weights and i < len(oc_ranges):
+            k_w(w, u, *oc_ranges[i])
+        if i < len(c_ranges):
+            k_in(x, v, t0, geo, s_in, *c_ranges[i])
+
+    def gemms(u: Any, v: Any, m: Any) -> None:
+        if len(k_ranges) == 1:
+            np.matmul(u, v, out=m)
+            return
+        with serial_calls():
+            run_parts([functools.partial(np.matmul, u[lo:hi], v[lo:hi], out=m[lo:hi]) for lo, hi in k_ranges])
+
     def launch(ws: Any) -> None:
-        u = ws[:u_bytes].view(dt).reshape(16, oc, c)
+        u = _batched(ws, 0, su, (16, oc, c), dt)
         s_in = ws[o_si:o_si + si_n * item].view(dt).reshape(c, 4, 2 * tw_n + 2)
         s_out = ws[o_so:o_so + so_n * item].view(dt).reshape(oc, 8, tw_n)
-        k_w(w, u)
         for t0, nt in starts:
-            v = ws[o_v:o_v + 16 * c * nt * item].view(dt).reshape(16, c, nt)
-            m = ws[o_m:o_m + 16 * oc * nt * item].view(dt).reshape(16, oc, nt)
-            run_parts([functools.partial(k_in, x, v, t0, geo, s_in, lo, hi) for lo, hi in c_ranges])
-            np.matmul(u, v, out=m)
+            v = _batched(ws, o_v, sv, (16, c, nt), dt)
+            m = _batched(ws, o_m, sm, (16, oc, nt), dt)
+            run_parts([functools.partial(transforms_in, u, v, t0, s_in, t0 == 0, i) for i in range(in_parts)])
+            gemms(u, v, m)
             run_parts([functools.partial(k_out, m, b, has, out, t0, geo, s_out, lo, hi) for lo, hi in oc_ranges])
     return launch
