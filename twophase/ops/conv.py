@@ -212,11 +212,11 @@ WINOGRAD_MIN_TILES = 32
 
 def winograd_workspace(oc: int, c: int, chunk: int, item: int, ow: int) -> int:
     """16 * (spread(OC*C*item) + spread(C*chunk*item) + spread(OC*chunk*item)) for the transformed weights, the
-    transformed input and the GEMM result (16 matrices each, ``spread_stride`` apart) + align64(C*4*(2*TW +
-    2)*item) + align64(OC*8*TW*item) scratch rows of the transforms, TW = ceil(OW/2)."""
+    transformed input and the GEMM result (16 matrices each, ``spread_stride`` apart) + align64(C*8*(TW +
+    1)*item) + align64(OC*8*TW*item) scratch rows of the transforms, TW = ceil(OW/2)."""
     tw = (ow + 1) // 2
     return (16 * (spread_stride(oc * c * item) + spread_stride(c * chunk * item) + spread_stride(oc * chunk * item))
-            + align(c * 4 * (2 * tw + 2) * item) + align(oc * 8 * tw * item))
+            + align(c * 8 * (tw + 1) * item) + align(oc * 8 * tw * item))
 
 
 def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate | None:

@@ -224,28 +224,31 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
 
 
 # ---- Winograd F(2x2, 3x3): 3x3, stride 1, dilation 1, one group; 16 GEMMs of (OC, C) x (C, tiles)
+# U, V and M are each held as 16 rows of a C-contiguous 2-d buffer (row k: matrix k flattened, rows
+# ``spread_stride`` apart), so the transforms' inner loops see unit strides and vectorize.
 @jit_inline
-def _wino_w_row(u: Any, i: int, oc: int, c: int, a0: float, a1: float, a2: float) -> None:
-    u[4 * i, oc, c] = a0
-    u[4 * i + 1, oc, c] = 0.5 * (a0 + a1 + a2)
-    u[4 * i + 2, oc, c] = 0.5 * (a0 - a1 + a2)
-    u[4 * i + 3, oc, c] = a2
+def _wino_w_row(u: Any, i: int, at: int, a0: float, a1: float, a2: float) -> None:
+    u[4 * i, at] = a0
+    u[4 * i + 1, at] = 0.5 * (a0 + a1 + a2)
+    u[4 * i + 2, at] = 0.5 * (a0 - a1 + a2)
+    u[4 * i + 3, at] = a2
 
 
 @jit
 def wino_weights(w: Any, u: Any, oc0: int, oc1: int) -> None:
-    """u[4*i + j, oc, c] = (G g G^T)[i, j] for g = w[oc, c], G = [[1, 0, 0], [.5, .5, .5], [.5, -.5, .5], [0, 0, 1]],
-    output channels ``oc0 <= oc < oc1`` (a range per helper thread)."""
+    """u[4*i + j, oc*C + c] = (G g G^T)[i, j] for g = w[oc, c], G = [[1, 0, 0], [.5, .5, .5], [.5, -.5, .5],
+    [0, 0, 1]], output channels ``oc0 <= oc < oc1`` (a range per helper thread)."""
     c_n = w.shape[1]
     for oc in range(oc0, oc1):
         for c in range(c_n):
+            at = oc * c_n + c
             g00, g01, g02 = w[oc, c, 0, 0], w[oc, c, 0, 1], w[oc, c, 0, 2]
             g10, g11, g12 = w[oc, c, 1, 0], w[oc, c, 1, 1], w[oc, c, 1, 2]
             g20, g21, g22 = w[oc, c, 2, 0], w[oc, c, 2, 1], w[oc, c, 2, 2]
-            _wino_w_row(u, 0, oc, c, g00, g01, g02)
-            _wino_w_row(u, 1, oc, c, 0.5 * (g00 + g10 + g20), 0.5 * (g01 + g11 + g21), 0.5 * (g02 + g12 + g22))
-            _wino_w_row(u, 2, oc, c, 0.5 * (g00 - g10 + g20), 0.5 * (g01 - g11 + g21), 0.5 * (g02 - g12 + g22))
-            _wino_w_row(u, 3, oc, c, g20, g21, g22)
+            _wino_w_row(u, 0, at, g00, g01, g02)
+            _wino_w_row(u, 1, at, 0.5 * (g00 + g10 + g20), 0.5 * (g01 + g11 + g21), 0.5 * (g02 + g12 + g22))
+            _wino_w_row(u, 2, at, 0.5 * (g00 - g10 + g20), 0.5 * (g01 - g11 + g21), 0.5 * (g02 - g12 + g22))
+            _wino_w_row(u, 3, at, g20, g21, g22)
 
 
 @jit_inline
@@ -260,99 +263,117 @@ def _tile_run(t: int, end: int, per_img: int, tw_n: int) -> tuple[int, int, int,
 
 
 @jit_inline
-def _wino_input(x: Any, v: Any, c: int, t0: int, geo: Any, rows: Any) -> None:
-    """Tiles t0 .. t0 + v.shape[2] of channel c, a row of tiles at a time: the 4 padded input rows, B^T down the
-    columns (vectorized over the row), then B across each tile's 4 columns."""
+def _deinterleave(x: Any, n: int, c: int, yy: int, pw: int, ev: Any, od: Any) -> None:
+    """ev[j] = d[2j], od[j] = d[2j + 1] for the input row d = x[n, c, yy, . - pw] zero padded."""
+    width = x.shape[3]
+    nj = ev.shape[0]
+    row = x[n, c, yy]
+    lo = min((pw + 1) // 2, nj)  # j in [lo, hi): both columns 2j - pw and 2j + 1 - pw inside [0, width)
+    hi = max(lo, min(nj, (width + pw) // 2))
+    for j in range(lo, hi):
+        ev[j] = row[2 * j - pw]
+        od[j] = row[2 * j + 1 - pw]
+    for e in range(lo + nj - hi):  # the padded edges: j < lo, then j >= hi
+        j = e if e < lo else hi + e - lo
+        ce = 2 * j - pw
+        ev[j] = row[ce] if 0 <= ce < width else 0.0
+        od[j] = row[ce + 1] if 0 <= ce + 1 < width else 0.0
+
+
+@jit_inline
+def _wino_input(x: Any, v: Any, c: int, t0: int, nt: int, geo: Any, ev: Any, od: Any) -> None:
+    """Tiles t0 .. t0 + nt of channel c, a row of tiles at a time: the 4 padded input rows split into even and
+    odd columns, B^T down the columns, then B across each tile's 4 columns (unit strides throughout)."""
     ph, pw, th_n, tw_n = geo[0], geo[1], geo[2], geo[3]
-    height, width = x.shape[2], x.shape[3]
+    height = x.shape[2]
     per_img = th_n * tw_n
-    wp = rows.shape[1]
-    end = t0 + v.shape[2]
+    nj = ev.shape[1]
+    end = t0 + nt
     t = t0
     while t < end:
         n, ty, tx0, tx1 = _tile_run(t, end, per_img, tw_n)
         for i in range(4):
             yy = 2 * ty - ph + i
             if yy < 0 or yy >= height:
-                for j in range(wp):
-                    rows[i, j] = 0.0
-                continue
-            lo = min(max(pw, 0), wp)
-            hi = min(width + pw, wp)
-            for j in range(lo):
-                rows[i, j] = 0.0
-            for j in range(lo, hi):
-                rows[i, j] = x[n, c, yy, j - pw]
-            for j in range(max(hi, lo), wp):
-                rows[i, j] = 0.0
-        for j in range(wp):  # B^T d: (d0 - d2, d1 + d2, d2 - d1, d1 - d3)
-            d0, d1, d2, d3 = rows[0, j], rows[1, j], rows[2, j], rows[3, j]
-            rows[0, j], rows[1, j], rows[2, j], rows[3, j] = d0 - d2, d1 + d2, d2 - d1, d1 - d3
-        base = t - t0 - tx0
+                for j in range(nj):
+                    ev[i, j] = 0.0
+                    od[i, j] = 0.0
+            else:
+                _deinterleave(x, n, c, yy, pw, ev[i], od[i])
+        for a in (ev, od):  # B^T d: (d0 - d2, d1 + d2, d2 - d1, d1 - d3)
+            for j in range(nj):
+                d0, d1, d2, d3 = a[0, j], a[1, j], a[2, j], a[3, j]
+                a[0, j], a[1, j], a[2, j], a[3, j] = d0 - d2, d1 + d2, d2 - d1, d1 - d3
+        at = c * nt + t - t0 - tx0
         for i in range(4):
             for tx in range(tx0, tx1):
-                j = 2 * tx
-                a0, a1, a2, a3 = rows[i, j], rows[i, j + 1], rows[i, j + 2], rows[i, j + 3]
-                v[4 * i, c, base + tx] = a0 - a2
-                v[4 * i + 1, c, base + tx] = a1 + a2
-                v[4 * i + 2, c, base + tx] = a2 - a1
-                v[4 * i + 3, c, base + tx] = a1 - a3
+                a0, a1, a2, a3 = ev[i, tx], od[i, tx], ev[i, tx + 1], od[i, tx + 1]
+                v[4 * i, at + tx] = a0 - a2
+                v[4 * i + 1, at + tx] = a1 + a2
+                v[4 * i + 2, at + tx] = a2 - a1
+                v[4 * i + 3, at + tx] = a1 - a3
         t += tx1 - tx0
 
 
 @jit
-def wino_input(x: Any, v: Any, t0: int, geo: Any, scratch: Any, c0: int, c1: int) -> None:
-    """v[4*i + j, c, t - t0] = (B^T d B)[i, j] for the 4x4 input patch d of tile t (zero padded), channels
+def wino_input(x: Any, v: Any, t0: int, nt: int, geo: Any, scratch: Any, c0: int, c1: int) -> None:
+    """v[4*i + j, c*nt + t - t0] = (B^T d B)[i, j] for the 4x4 input patch d of tile t (zero padded), channels
     ``c0 <= c < c1`` (a range per helper thread); ``geo`` = (ph, pw, tiles per column, tiles per row);
-    ``scratch`` (C, 4, 2*tiles per row + 2) from the workspace."""
+    ``scratch`` (C, 8, tiles per row + 1) from the workspace (even then odd columns of 4 input rows)."""
     for c in range(c0, c1):
-        _wino_input(x, v, c, t0, geo, scratch[c])
+        _wino_input(x, v, c, t0, nt, geo, scratch[c, :4], scratch[c, 4:])
 
 
 @jit_inline
-def _wino_output(m: Any, bias: Any, has_bias: bool, out: Any, oc: int, t0: int, geo: Any, s: Any) -> None:
+def _wino_output(m: Any, bias: Any, has_bias: bool, out: Any, oc: int, t0: int, nt: int, geo: Any, s: Any) -> None:
     """Tiles of output channel oc, a row of tiles at a time: A^T down the 4 rows (vectorized over the tiles),
     then A across, + bias, into out's 2x2 blocks (clipped at the edges)."""
     th_n, tw_n = geo[2], geo[3]
     oh_n, ow_n = out.shape[2], out.shape[3]
     per_img = th_n * tw_n
     b0 = bias[oc] if has_bias else 0.0
-    end = t0 + m.shape[2]
+    end = t0 + nt
     t = t0
     while t < end:
         n, ty, tx0, tx1 = _tile_run(t, end, per_img, tw_n)
-        base = t - t0 - tx0
+        at = oc * nt + t - t0 - tx0
         for j in range(4):  # A^T m: (m0 + m1 + m2, m1 - m2 - m3) per column j of each tile
             for tx in range(tx0, tx1):
-                a0, a1 = m[j, oc, base + tx], m[4 + j, oc, base + tx]
-                a2, a3 = m[8 + j, oc, base + tx], m[12 + j, oc, base + tx]
+                a0, a1, a2, a3 = m[j, at + tx], m[4 + j, at + tx], m[8 + j, at + tx], m[12 + j, at + tx]
                 s[j, tx] = a0 + a1 + a2
                 s[4 + j, tx] = a1 - a2 - a3
+        whole = min(tx1, ow_n // 2)  # tiles whose two output columns are both inside
         for i in range(2):
             y = 2 * ty + i
             if y >= oh_n:
                 continue
-            for tx in range(tx0, tx1):
+            for tx in range(tx0, whole):
                 a0, a1, a2, a3 = s[4 * i, tx], s[4 * i + 1, tx], s[4 * i + 2, tx], s[4 * i + 3, tx]
                 out[n, oc, y, 2 * tx] = a0 + a1 + a2 + b0
-                if 2 * tx + 1 < ow_n:
-                    out[n, oc, y, 2 * tx + 1] = a1 - a2 - a3 + b0
+                out[n, oc, y, 2 * tx + 1] = a1 - a2 - a3 + b0
+            for tx in range(max(whole, tx0), tx1):
+                out[n, oc, y, 2 * tx] = s[4 * i, tx] + s[4 * i + 1, tx] + s[4 * i + 2, tx] + b0
         t += tx1 - tx0
 
 
 @jit
-def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, geo: Any, scratch: Any, oc0: int,
+def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, nt: int, geo: Any, scratch: Any, oc0: int,
                 oc1: int) -> None:
-    """out's 2x2 block of tile t = A^T m A + bias, m[4*i + j, oc, t - t0], A^T = [[1, 1, 1, 0], [0, 1, -1, -1]],
-    output channels ``oc0 <= oc < oc1``; ``scratch`` (OC, 8, tiles per row) from the workspace."""
+    """out's 2x2 block of tile t = A^T m A + bias, m[4*i + j, oc*nt + t - t0], A^T = [[1, 1, 1, 0],
+    [0, 1, -1, -1]], output channels ``oc0 <= oc < oc1``; ``scratch`` (OC, 8, tiles per row) from the
+    workspace."""
     for oc in range(oc0, oc1):
-        _wino_output(m, bias, has_bias, out, oc, t0, geo, scratch[oc])
+        _wino_output(m, bias, has_bias, out, oc, t0, nt, geo, scratch[oc])
 
 
-def _batched(ws: Any, offset: int, stride: int, shape: tuple[int, int, int], dt: np.dtype[Any]) -> Any:
-    """16 matrices of ``shape[1:]`` in the workspace from ``offset``, ``stride`` bytes apart (``spread_stride``)."""
-    return as_strided(ws[offset:offset + 16 * stride].view(dt), shape,
-                      (stride, shape[2] * dt.itemsize, dt.itemsize))
+def _rows16(ws: Any, offset: int, stride: int, dt: np.dtype[Any]) -> Any:
+    """The 16 rows, ``stride`` bytes apart (``spread_stride``), that hold U, V or M: a C-contiguous (16, .)."""
+    return ws[offset:offset + 16 * stride].view(dt).reshape(16, stride // dt.itemsize)
+
+
+def _matrices(rows: Any, r: int, c: int) -> Any:
+    """The same memory as 16 (r, c) matrices, for the GEMMs."""
+    return as_strided(rows, (16, r, c), (rows.strides[0], c * rows.itemsize, rows.itemsize))
 
 
 def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
@@ -374,25 +395,24 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     o_v = 16 * su
     o_m = o_v + 16 * sv
     o_si = o_m + 16 * sm  # per-channel scratch rows of the two transforms
-    si_n = t.c * 4 * (2 * tw_n + 2)
+    si_n = t.c * 8 * (tw_n + 1)
     o_so = o_si + align(si_n * item)
     so_n = t.oc * 8 * tw_n
-    s3 = np.empty((1, 1, 1), dt)
-    a3 = np.empty((2, 2, 3), dt)[:, :, :2]  # a non-contiguous stand-in: U, V and M are typed as 'A' arrays
+    s2, s3 = np.empty((1, 1), dt), np.empty((1, 1, 1), dt)
     parts = fanout_parts() if 16 * (t.oc * t.c + (t.c + t.oc) * chunk) >= PARALLEL_MIN else 1
     c_ranges, oc_ranges, k_ranges = split_range(t.c, parts), split_range(t.oc, parts), split_range(16, parts)
     in_parts = max(len(c_ranges), len(oc_ranges))
-    k_w = entry(wino_weights, w, a3, 0, 0)
-    k_in = entry(wino_input, x, a3, 0, geo, s3, 0, 0)
-    k_out = entry(wino_output, a3, b, has, out, 0, geo, s3, 0, 0)
+    k_w = entry(wino_weights, w, s2, 0, 0)
+    k_in = entry(wino_input, x, s2, 0, 0, geo, s3, 0, 0)
+    k_out = entry(wino_output, s2, b, has, out, 0, 0, geo, s3, 0, 0)
     starts = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
     c, oc = t.c, t.oc
 
-    def transforms_in(u: Any, v: Any, t0: int, s_in: Any, weights: bool, i: int) -> None:
+    def transforms_in(u: Any, v: Any, t0: int, nt: int, s_in: Any, weights: bool, i: int) -> None:
         if weights and i < len(oc_ranges):
             k_w(w, u, *oc_ranges[i])
         if i < len(c_ranges):
-            k_in(x, v, t0, geo, s_in, *c_ranges[i])
+            k_in(x, v, t0, nt, geo, s_in, *c_ranges[i])
 
     def gemms(u: Any, v: Any, m: Any) -> None:
         if len(k_ranges) == 1:
@@ -402,13 +422,13 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             run_parts([functools.partial(np.matmul, u[lo:hi], v[lo:hi], out=m[lo:hi]) for lo, hi in k_ranges])
 
     def launch(ws: Any) -> None:
-        u = _batched(ws, 0, su, (16, oc, c), dt)
-        s_in = ws[o_si:o_si + si_n * item].view(dt).reshape(c, 4, 2 * tw_n + 2)
+        u = _rows16(ws, 0, su, dt)
+        v, m = _rows16(ws, o_v, sv, dt), _rows16(ws, o_m, sm, dt)
+        s_in = ws[o_si:o_si + si_n * item].view(dt).reshape(c, 8, tw_n + 1)
         s_out = ws[o_so:o_so + so_n * item].view(dt).reshape(oc, 8, tw_n)
+        u_mats = _matrices(u, oc, c)
         for t0, nt in starts:
-            v = _batched(ws, o_v, sv, (16, c, nt), dt)
-            m = _batched(ws, o_m, sm, (16, oc, nt), dt)
-            run_parts([functools.partial(transforms_in, u, v, t0, s_in, t0 == 0, i) for i in range(in_parts)])
-            gemms(u, v, m)
-            run_parts([functools.partial(k_out, m, b, has, out, t0, geo, s_out, lo, hi) for lo, hi in oc_ranges])
+            run_parts([functools.partial(transforms_in, u, v, t0, nt, s_in, t0 == 0, i) for i in range(in_parts)])
+            gemms(u_mats, _matrices(v, c, nt), _matrices(m, oc, nt))
+            run_parts([functools.partial(k_out, m, b, has, out, t0, nt, geo, s_out, lo, hi) for lo, hi in oc_ranges])
     return launch
