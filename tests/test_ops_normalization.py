@@ -56,17 +56,18 @@ def check(r: Any, ref: Any, dtype: Any, ws: int | None = None) -> None:
 
 # ---------------------------------------------------------------- softmax / log_softmax
 def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False) -> int:
-    """The ops' doc: [log: align64(T*L*c) scratch] + align64(K*ceil(N/8192)*16) if N > 32768; + align64(K*N*c)
-    if packed."""
+    """The ops' doc: [packed log: align64(T*L*c) scratch] + align64(K*ceil(N/8192)*16) if N > 32768;
+    + align64(K*N*c) if packed."""
     kept = [i for i in range(len(shape)) if i != dim]
     n = shape[dim] if shape else 1
     k = math.prod(shape[i] for i in kept)
     split = n > 32768
     rows = fanout_parts() if k * n >= 1 << 20 else 1
-    ws = align64(rows * (8192 if split else n) * compute_size(dtype)) if log and k * n else 0
-    ws += align64(k * -(-n // 8192) * 16) if split else 0
     f16 = np.dtype(dtype) == np.float16
-    if (f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept])) and k * n:
+    packed = (f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept])) and k * n > 0
+    ws = align64(rows * (8192 if split else n) * compute_size(dtype)) if log and packed else 0
+    ws += align64(k * -(-n // 8192) * 16) if split else 0
+    if packed:
         ws += align64(k * n * compute_size(dtype))
     return ws
 
@@ -148,9 +149,10 @@ def test_softmax_and_log_softmax_extremes() -> None:
     np.testing.assert_allclose(ls[2], [-np.inf, -np.log(2), -np.log(2)], rtol=1e-7)
 
 
+@pytest.mark.parametrize("shape", [(5, 300), (3, 40000), (1024, 1100)])  # whole rows, split rows, in parts
 @pytest.mark.parametrize("op", [ops.softmax, ops.log_softmax])
-def test_in_place_into_its_own_input(dev: Any, stream: Any, op: Any) -> None:
-    a = np.random.default_rng(1).standard_normal((5, 300))
+def test_in_place_into_its_own_input(dev: Any, stream: Any, op: Any, shape: tuple[int, int]) -> None:
+    a = np.random.default_rng(1).standard_normal(shape)
     x = dev.tensor(a, stream=stream)
     size, ex = op.get_workspace_size(x, out=x, dim=-1)
     ws = dev.malloc(size, stream=stream) if size else None

@@ -49,8 +49,8 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None =
                  log: bool = False) -> SoftmaxTiling:
     """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
-    workspace, in this order: for log-softmax only, align64(T * L * c) of scratch, one row of L = N elements
-    (8192 when split) per part (T = the helper threads' part count from 2^20 elements, else 1); then
+    workspace, in this order: for packed log-softmax only, align64(T * L * c) of scratch, one row of L = N
+    elements (8192 when split) per part (T = the helper threads' part count from 2^20 elements, else 1); then
     align64(K * ceil(N / 8192) * 16) when N > 32768 (a float64 (max, sum) per block); then align64(K * N * c)
     when the operands are packed (float16, or other dims that do not merge into one stride); c = 4 for float16
     (computed in float32), else the dtype's itemsize.
@@ -64,15 +64,15 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None =
     item = 4 if x.dtype is DType.float16 else x.dtype.itemsize
     parallel = k * n >= PARALLEL_MIN
     threads = (threads or fanout_parts()) if parallel else 1
-    scratch_len = (SPLIT_BLOCK if split > 1 else n) if log and k * n > 0 else 0
-    ws = align(threads * scratch_len * item)  # first: log-softmax's per-part scratch rows
-    part_offset = ws
-    if split > 1:
-        ws += align(k * split * 16)
-
     def mergeable(d: TensorDesc) -> bool:
         return merge_dims([d.shape[i] for i in kept], [d.strides[i] for i in kept]) is not None
     pack = (x.dtype is DType.float16 or not mergeable(x) or not mergeable(out)) and k * n > 0
+    # packed log-softmax runs in place in the pack: its exps need scratch rows (first in the workspace)
+    scratch_len = (SPLIT_BLOCK if split > 1 else n) if log and pack else 0
+    ws = align(threads * scratch_len * item)
+    part_offset = ws
+    if split > 1:
+        ws += align(k * split * 16)
     pack_offset = ws
     if pack:
         ws += align(k * n * item)
@@ -140,8 +140,8 @@ def _log_reference(x: Any, dim: int = -1) -> Any:
 
 SOFTMAX_FORMULA = ("align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*c) if packed "
                    "(c = 4 for float16, else itemsize)")
-LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + ("; + align64(T*L*c) scratch, L = N (8192 if split), T = parts "
-                                         "(helper threads) from 2^20 elements, else 1")
+LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + ("; + align64(T*L*c) scratch if packed, L = N (8192 if split), "
+                                         "T = parts (helper threads) from 2^20 elements, else 1")
 _SOFTMAX_DOC = (
     "{what} over ``dim`` (K rows of length N; dtypes float32, float64, float16 computed in float32). Rows of "
     "length N <= 32768 run whole, in cache (max; exp(x - max) stored and summed in float64; {last}) with "
@@ -176,9 +176,11 @@ log_softmax = register(OpDef(
     workspace_formula=LOG_SOFTMAX_FORMULA,
     doc=_SOFTMAX_DOC.format(what="Log-softmax (x - max) - log(sum exp(x - max))",
                             last="written as (x - max) - log(sum)").replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
-    + "Log-softmax also takes scratch before the rest of its workspace: one row of L = N elements (8192 when "
-      "split) per part run by a helper thread (T = the part count at planning from 2^20 elements, else 1), "
-      "where the exponentials are summed. Workspace: " + LOG_SOFTMAX_FORMULA + ".",
+    + "Log-softmax sums its exponentials in out (rewritten afterwards); packed, where it runs in place in the "
+      "pack, it takes scratch before the rest of its workspace instead: one row of L = N elements (8192 when "
+      "split) per part run by a helper thread (T = the part count at planning from 2^20 elements, else 1). "
+      "Called in place (out is x) unpacked, it keeps such rows from binding time. Workspace: "
+    + LOG_SOFTMAX_FORMULA + ".",
     reference=_log_reference,
 ))
 

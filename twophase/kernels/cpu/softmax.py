@@ -3,8 +3,10 @@
 A row (or a block of a long row) takes three passes while it sits in cache: its max (``llvm.maximum``,
 NaN-propagating, vectorizes as a reduction), ``exp(x - max)`` stored into ``out`` (``vmath.exp_shifted``, no
 reassociation, so the range reduction stays exact), and the float64 sum of what was stored (reassociated:
-vectorized). A last pass writes the result: ``out *= 1/sum`` (softmax) or ``out = (x - max) - log(sum)``
-(log-softmax). Long rows are split in blocks whose float64 ``(max, sum)`` partials live in the workspace and
+vectorized). The max pass of the next row (or block) runs inside this one's exp loop: its memory traffic then
+overlaps the exps' arithmetic instead of leaving the core idle. A last pass writes the result: ``out *= 1/sum``
+(softmax) or ``out = (x - max) - log(sum)`` (log-softmax; its exps go to out too, or to scratch rows when it
+runs in place). Long rows are split in blocks whose float64 ``(max, sum)`` partials live in the workspace and
 are merged per row: ``M = max_b m_b``, ``S = sum_b s_b * exp(m_b - M)``; block b is then scaled by
 ``exp(m_b - M) / S`` (softmax) or rewritten as ``(x - M) - log S`` (log-softmax).
 """
@@ -26,6 +28,7 @@ from . import vmath as vm
 from .jit import entry
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
+LOG_SOFTMAX_IN_OUT = 2  # log-softmax whose out does not overlap x: its exps go to out, as softmax's do
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 # per-row helpers, inlined into each kernel (a call per row costs more than a short row's work)
@@ -48,52 +51,63 @@ def _exp_store(x: Any, out: Any, m: float) -> None:
 
 
 @jit_inline
-def _stats(x: Any, out: Any) -> tuple[float, float]:
-    """(m, s) of a 1-d view with out = exp(x - m) and s its sum. An all -inf block shifts by 0 (its exps are
-    0, s = 0) so that it merges as nothing; a whole row of -inf still gives NaN."""
-    m = _max(x)
-    _exp_store(x, out, m if m != -np.inf else 0.0)
-    return m, vm.fsum(out)
-
-
-@jit_inline
 def _scale(out: Any, c: float) -> None:
+    """out *= c in out's precision (float32 data: one float32 multiply per element, no widening)."""
+    cc = out.dtype.type(c)
     for i in range(out.shape[0]):
-        out[i] = out[i] * c
+        out[i] = out[i] * cc
 
 
 @jit_inline
 def _shift(x: Any, out: Any, m: float, c: float) -> None:
+    """out = (x - m) - c in x's precision."""
+    mm, cc = x.dtype.type(m), x.dtype.type(c)
     for i in range(x.shape[0]):
-        out[i] = (x[i] - m) - c
+        out[i] = (x[i] - mm) - cc
 
 
 @jit_inline
-def _block_stats(x: Any, out: Any, tmp: Any, mode: int) -> Any:
-    """softmax keeps its exps in ``out`` (scaled later); log-softmax sums them in the scratch ``tmp`` so that
-    ``x`` survives when it is ``out`` (packed, or an in-place call)."""
-    if mode == SOFTMAX:
-        return _stats(x, out)
-    return _stats(x, tmp[:x.shape[0]])
-
-
-@jit_inline
-def _row(x: Any, out: Any, tmp: Any, mode: int) -> None:
-    m, s = _block_stats(x, out, tmp, mode)
-    if m == -np.inf:
-        s = np.nan  # every element -inf: exp(x - max) is NaN, as in the reference
-    if mode == SOFTMAX:
-        _scale(out, 1.0 / s)
-    else:
-        _shift(x, out, m, math.log(s))
+def _exp_store_max(x: Any, out: Any, m: float, y: Any) -> float:
+    """out = exp(x - m), and the max of y (as ``_max``) read in the same loop: y is the next row or block,
+    streamed from memory while this one's exps keep the core busy."""
+    mx = y[0]
+    nx, ny = x.shape[0], y.shape[0]
+    both = min(nx, ny)
+    for i in range(both):
+        out[i] = vm.exp_shifted(x[i], m)
+        mx = vm.maximum(mx, y[i])
+    for i in range(both, nx):
+        out[i] = vm.exp_shifted(x[i], m)
+    for i in range(both, ny):
+        mx = vm.maximum(mx, y[i])
+    return float(mx)
 
 
 @jit
 def rows(x: Any, out: Any, mode: int, scratch: Any) -> None:
-    """Whole rows, one after the other (log-softmax sums in the scratch row)."""
+    """Whole rows, one after the other (log-softmax in place keeps its exps in the scratch row); row k + 1's
+    max is taken in row k's exp loop, so that its memory traffic overlaps row k's arithmetic."""
     tmp = scratch[0]
-    for k in range(x.shape[0]):
-        _row(x[k], out[k], tmp, mode)
+    n = x.shape[1]
+    nk = x.shape[0]
+    if nk == 0 or n == 0:
+        return
+    m_next = _max(x[0])
+    for k in range(nk):
+        m = m_next
+        e = tmp[:n] if mode == LOG_SOFTMAX else out[k]
+        shift = m if m != -np.inf else 0.0  # as _stats: an all -inf row is NaN below
+        if k + 1 < nk:
+            m_next = _exp_store_max(x[k], e, shift, x[k + 1])
+        else:
+            _exp_store(x[k], e, shift)
+        s = vm.fsum(e)
+        if m == -np.inf:
+            s = np.nan
+        if mode == SOFTMAX:
+            _scale(out[k], 1.0 / s)
+        else:
+            _shift(x[k], out[k], m, math.log(s))
 
 
 @jit_inline
@@ -118,9 +132,30 @@ def _merge(part: Any, k: int, mode: int) -> None:
 
 
 @jit_inline
-def _partial(x: Any, out: Any, tmp: Any, block: int, part: Any, k: int, j: int, mode: int) -> None:
-    lo, hi = j * block, min(x.shape[1], (j + 1) * block)
-    part[k, j, 0], part[k, j, 1] = _block_stats(x[k, lo:hi], out[k, lo:hi], tmp, mode)
+def _block(x: Any, block: int, t: int, nb: int) -> Any:
+    k, j = t // nb, t % nb
+    return x[k, j * block:min(x.shape[1], (j + 1) * block)]
+
+
+@jit_inline
+def _partials(x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: int, t1: int) -> None:
+    """(m, s) of blocks ``t0 <= t < t1`` of the row-major (row, block) task list into ``part``: m the block's max,
+    s the sum of exp(x - m) stored into out (softmax, log-softmax not in place) or the scratch ``tmp``. Block
+    t + 1's max is read in block t's exp loop. An all -inf block shifts by 0 (its exps are 0, s = 0) so that it
+    merges as nothing; a whole row of -inf still gives NaN."""
+    if t0 >= t1:
+        return
+    nb = part.shape[1]
+    m_next = _max(_block(x, block, t0, nb))
+    for t in range(t0, t1):
+        k, j = t // nb, t % nb
+        lo, hi = j * block, min(x.shape[1], (j + 1) * block)
+        xb = x[k, lo:hi]
+        e = tmp[:hi - lo] if mode == LOG_SOFTMAX else out[k, lo:hi]
+        m = m_next
+        y = _block(x, block, t + 1, nb) if t + 1 < t1 else xb  # the last block re-reads itself (max unused)
+        m_next = _exp_store_max(xb, e, m if m != -np.inf else 0.0, y)
+        part[k, j, 0], part[k, j, 1] = m, vm.fsum(e)
 
 
 @jit_inline
@@ -139,8 +174,7 @@ def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, scratch: Any)
     tmp = scratch[0]
     nb = part.shape[1]
     for k in range(x.shape[0]):
-        for j in range(nb):
-            _partial(x, out, tmp, block, part, k, j, mode)
+        _partials(x, out, tmp, block, part, mode, k * nb, (k + 1) * nb)
         _merge(part, k, mode)
         for j in range(nb):
             _write(x, out, block, part, k, j, mode)
@@ -150,10 +184,7 @@ def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, scratch: Any)
 def split_partials(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int, scratch: Any) -> None:
     """Blocks ``t0 <= t < t1`` of the row-major (row, block) task list: their partials (fewer long rows than
     helper threads: the blocks are shared out instead of the rows)."""
-    tmp = scratch[0]
-    nb = part.shape[1]
-    for t in range(t0, t1):
-        _partial(x, out, tmp, block, part, t // nb, t % nb, mode)
+    _partials(x, out, scratch[0], block, part, mode, t0, t1)
 
 
 @jit
@@ -180,10 +211,17 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     sample = np.empty((1, 1), compute_dt) if t.pack else src
     out_sample = sample if t.pack else dst
     k, n, split, block = t.rows, t.length, t.split, t.block
-    if mode == LOG_SOFTMAX and (t.scratch_len < (block if split > 1 else n) or t.threads < 1):
-        raise InternalError("log-softmax tiling lacks its per-part scratch rows", op="log_softmax",
+    row = block if split > 1 else n
+    if mode == LOG_SOFTMAX and t.pack and (t.scratch_len < row or t.threads < 1):
+        raise InternalError("packed log-softmax tiling lacks its per-part scratch rows", op="log_softmax",
                             status=Status.ERR_INNER_TILING)
     no_scratch = np.empty((t.threads, 0), compute_dt)  # softmax keeps its exps in out: zero-size stand-ins
+    own_scratch = no_scratch
+    if mode == LOG_SOFTMAX and not t.pack:
+        if np.may_share_memory(src, dst):  # in place: x must survive its exps; rows made at binding, once
+            own_scratch = np.empty((t.threads, row), compute_dt)
+        else:
+            mode = LOG_SOFTMAX_IN_OUT  # the exps' stores also bring out's lines in, during the exp loop
     part_sample = np.empty((1, 1, 2), np.float64)
     if split == 1:
         fn = entry(rows, sample, out_sample, mode, no_scratch)
@@ -231,7 +269,7 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
             area = ws[t.scratch_offset:t.scratch_offset + scratch_bytes].view(compute_dt)
             scratch = area.reshape(t.threads, t.scratch_len)
         else:
-            scratch = no_scratch
+            scratch = own_scratch
         run(x, out, scratch, ws)
         if t.pack:
             np.copyto(dst, out.reshape(dst.shape), casting="unsafe")
