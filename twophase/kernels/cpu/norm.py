@@ -25,22 +25,34 @@ FANOUT_MIN = 1 << 19  # elements from which the rows are cut into ranges for hel
 
 @kern
 def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mean: Any, rstd: Any) -> None:
-    """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b."""
+    """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b in
+    the data's precision. Sums in float64; float32 data takes the sum and the sum of squares in one pass
+    (var = E[x^2] - mean^2: float64 sums of float32 values keep it to ~1e-16 * (mean / std)^2 relative),
+    float64 data two passes (the centred sum of squares)."""
     n = x.shape[1]
+    one_pass = x.itemsize <= 4
     for k in range(x.shape[0]):
-        mu = 0.0
-        if not rms:
-            s = 0.0
+        s = 0.0
+        q = 0.0
+        if rms or one_pass:
+            for i in range(n):
+                v = np.float64(x[k, i])  # v * v exact for float32 data
+                s += v
+                q += v * v
+            mu = 0.0 if rms else s / n
+            var = q / n if rms else max(q / n - mu * mu, 0.0)
+        else:
             for i in range(n):
                 s += x[k, i]
             mu = s / n
-        v = 0.0
+            for i in range(n):
+                d = x[k, i] - mu
+                q += d * d
+            var = q / n
+        r = 1.0 / math.sqrt(var + eps)
+        mm, rr = x.dtype.type(mu), x.dtype.type(r)
         for i in range(n):
-            d = x[k, i] - mu
-            v += d * d
-        r = 1.0 / math.sqrt(v / n + eps)
-        for i in range(n):
-            out[k, i] = (x[k, i] - mu) * r * w[i] + b[i]
+            out[k, i] = (x[k, i] - mm) * rr * w[i] + b[i]
         mean[k] = mu
         rstd[k] = r
 
