@@ -104,7 +104,7 @@ def documented_workspace(name: str, x: Any, red: tuple[int, ...], block: int = 4
     ws = 0
     for n in _levels(r, block):
         ws += _align64(k_rows * n * v) + _align64(k_rows * n * 8) if name == "argmax" else _align64(k_rows * n * 24)
-    if name == "var":
+    if name == "var" and _levels(r, block):  # a one-block row goes straight to out
         ws += _align64(k_rows * 24)
     if packed:
         ws += _align64(k_rows * r * v)

@@ -83,10 +83,10 @@ def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_by
     """Tiling and exact workspace of a tree reduction of ``x`` over ``red``.
 
     workspace = sum over levels and over partial arrays (``acc_bytes``: the bytes per partial of each array) of
-    align64(K * n_level * bytes), plus align64(K * sum(acc_bytes)) when ``final`` (the last level's partials too),
-    plus align64(K * R * pack_bytes) when the input cannot be viewed as a (K, R) matrix or is float16 (the
-    kernels read float32), plus align64(K * stage_bytes) when ``stage`` (a float16 output: the last level writes
-    wide values there first; ``stage_bytes`` defaults to sum(acc_bytes)).
+    align64(K * n_level * bytes), plus align64(K * sum(acc_bytes)) when ``final`` and R > ``block`` (the last
+    level's partials too), plus align64(K * R * pack_bytes) when the input cannot be viewed as a (K, R) matrix
+    or is float16 (the kernels read float32), plus align64(K * stage_bytes) when ``stage`` (a float16 output: the
+    last level writes wide values there first; ``stage_bytes`` defaults to sum(acc_bytes)).
     ``block`` defaults to the module's ``BLOCK`` (tests make it small for deep trees).
     """
     block = BLOCK if block is None else block
@@ -103,7 +103,7 @@ def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_by
             off += align(k_rows * n * b)
         part_offsets.append(tuple(here))
     final_offset = -1
-    if final and k_rows * r > 0:
+    if final and levels and k_rows * r > 0:
         final_offset = off
         off += align(k_rows * sum(parts))
     mk = merge_dims([x.shape[i] for i in kept], [x.strides[i] for i in kept])
@@ -364,7 +364,7 @@ def _build_var(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tu
     return build_var(source_view(x, red, kept, t.pack), out_column(out), t, pack_dt, attrs["correction"])
 
 
-_VAR_WS = ("sum over levels of align64(K*n_i*24) + align64(K*24) + [align64(K*R*itemsize) if packed] + "
+_VAR_WS = ("sum over levels of align64(K*n_i*24) + [align64(K*24) if R > 4096] + [align64(K*R*itemsize) if packed] + "
            "[align64(K*8) if float16]; n_1 = ceil(R/4096), n_(i+1) = ceil(n_i/4096) while n_i > 4096")
 
 var = register(OpDef(
@@ -381,8 +381,10 @@ var = register(OpDef(
     workspace_formula=_VAR_WS,
     doc=("Variance over ``dims``: M2 / max(N - correction, 0) (numpy's ddof rule: 0/0 is NaN, an empty "
          "reduction NaN). A block tree: level 1 writes the (count, mean, M2) float64 triple of every block of 4096 "
-         "(two passes over the block, in cache), later levels merge triples pairwise with Chan et al.'s formula, "
-         "the last level's triples go to a final area, then the division writes ``out``. Workspace: " + _VAR_WS
+         "(float32: one pass of float64 sums of x and x^2; float64: two passes; the block is in cache), later levels "
+         "merge triples pairwise with Chan et al.'s formula, the last level's triples go to a final area, then the "
+         "division writes ``out``; rows of R <= 4096 go straight from their moments to ``out``. Workspace: "
+         + _VAR_WS
          + " (24 bytes per triple; packed: dims that do not merge into a (K, R) view, or float16)."),
     reference=lambda x, dims=(), correction=1, keep_dims=False: np.var(
         np.asarray(x, np.float64), axis=tuple(dims) if dims else None, ddof=correction, keepdims=keep_dims),
