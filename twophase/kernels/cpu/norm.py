@@ -26,9 +26,9 @@ FANOUT_MIN = 1 << 19  # elements from which the rows are cut into ranges for hel
 @kern
 def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mean: Any, rstd: Any) -> None:
     """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b in
-    the data's precision. Sums in float64; float32 data takes the sum and the sum of squares in one pass
-    (var = E[x^2] - mean^2: float64 sums of float32 values keep it to ~1e-16 * (mean / std)^2 relative),
-    float64 data two passes (the centred sum of squares)."""
+    the data's precision (but x - mean in float64). Sums in float64: float32 data takes the sum and the sum of
+    squares in one pass (var = E[x^2] - mean^2: float64 sums of float32 values keep it to ~1e-16 * (mean /
+    std)^2 relative), float64 data two passes (the centred sum of squares)."""
     n = x.shape[1]
     one_pass = x.itemsize <= 4
     for k in range(x.shape[0]):
@@ -50,9 +50,9 @@ def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mea
                 q += d * d
             var = q / n
         r = 1.0 / math.sqrt(var + eps)
-        mm, rr = x.dtype.type(mu), x.dtype.type(r)
-        for i in range(n):
-            out[k, i] = (x[k, i] - mm) * rr * w[i] + b[i]
+        rr = x.dtype.type(r)
+        for i in range(n):  # x - mean in float64 (exact for float32 x), rounded once: accurate when rstd is large
+            out[k, i] = x.dtype.type(np.float64(x[k, i]) - mu) * rr * w[i] + b[i]
         mean[k] = mu
         rstd[k] = r
 
