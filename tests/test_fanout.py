@@ -352,15 +352,27 @@ def test_conv2d_im2col_rows_in_parts(three_parts: None, monkeypatch: pytest.Monk
                                atol=1e-4)
 
 
-def test_conv2d_winograd_channels_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("x_shape, oc, limit, rounds", [
+    ((4, 48, 47, 48), 40, None, 1),  # 2304 tiles in one round
+    ((4, 48, 47, 48), 40, 4 << 20, 4),  # rounds of a few hundred tiles, the last one short
+    ((1, 176, 21, 22), 176, None, 1),  # 121 tiles, many channels
+])
+def test_conv2d_winograd_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, ...],
+                                  oc: int, limit: int | None, rounds: int) -> None:
+    """Every round in three hand-offs of three parts: the input transform (with U in the first) in channel
+    ranges, the GEMMs in batch ranges, the output transform in channel ranges."""
     launched = _spy_on_parts(monkeypatch, conv_kernels)
     rng = np.random.default_rng(10)
-    x = rng.standard_normal((4, 48, 47, 48)).astype(np.float32)  # odd height: clipped edge tiles
-    w = (rng.standard_normal((40, 48, 3, 3)) * 0.1).astype(np.float32)
-    b = rng.standard_normal(40).astype(np.float32)
+    x = rng.standard_normal(x_shape).astype(np.float32)  # odd sizes: clipped edge tiles
+    w = (rng.standard_normal((oc, x_shape[1], 3, 3)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32)
     with forced("winograd"):
-        r = run_checked(ops.conv2d, x, w, b, stride=1, padding=1)
-    assert r.implementation == "winograd"
-    assert launched == [3, 3, 3] * (len(launched) // 3) and launched  # per round: transforms in, GEMMs, out
-    assert r.unwritten == (0,)
+        r = run_checked(ops.conv2d, x, w, b, stride=1, padding=1, workspace_limit=limit)
+    assert r.implementation == "winograd" and r.tiling.parts == 3
+    n, h, w_ = x_shape[0], x_shape[2], x_shape[3]
+    tiles, chunk = n * ((h + 1) // 2) * ((w_ + 1) // 2), r.tiling.chunk
+    sizes = [min(chunk, tiles - t0) for t0 in range(0, tiles, chunk)]
+    assert len(sizes) == rounds
+    assert launched == [3, 3, 3] * len(sizes)
+    assert r.guards_intact and r.workspace_size - 64 < r.touched <= r.workspace_size and r.unwritten == (0,)
     np.testing.assert_allclose(r.outputs[0], conv_reference(x, w, b, stride=1, padding=1), rtol=1e-4, atol=1e-4)

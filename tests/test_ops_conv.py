@@ -135,10 +135,10 @@ def test_conv2d_winograd_chunks_fit_workspace_limit(rng: np.random.Generator, dt
     tiles = n * 4 * 3  # 2x2 output tiles: ceil(7/2) * ceil(6/2) per image
 
     def size(chunk: int) -> int:  # transformed weights, transformed input tiles, GEMM result (16 matrices each,
-        # spread_stride apart), scratch rows
+        # spread_stride apart), one part's scratch rows (a small problem: one part)
         return (16 * (spread_stride(oc * c * item) + spread_stride(c * chunk * item)
                       + spread_stride(oc * chunk * item))
-                + align(c * 4 * (2 * 3 + 2) * item) + align(oc * 8 * 3 * item))  # 3 tiles per row (OW 6)
+                + align(8 * (3 + 1) * item) + align(8 * 3 * item))  # 3 tiles per row (OW 6)
 
     def most(limit: int) -> int:  # the most tiles per round that fit (strides grow in 64-byte steps)
         return max(k for k in range(1, tiles + 1) if size(k) <= limit)

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.conv import build_direct, build_gemm_1x1, build_im2col, build_winograd
+from ..kernels.cpu.conv import build_direct, build_gemm_1x1, build_im2col, build_winograd, winograd_parts
 from ..layout import align, merge_dims, spread_stride
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, Format, TensorDesc
@@ -46,7 +46,7 @@ class ConvTiling:
     """Geometry (logical NCHW), GEMM orientation (``cm``: out = W @ cols, ``pm``: out = cols @ W^T, ``""``: none)
     and the im2col tile: ``tile_n`` whole images (then ``tile_rows`` = OH) or ``tile_rows`` output rows of one
     image; ``out_offset`` > 0: the GEMM result is staged there in the workspace, then copied into out.
-    winograd: ``chunk`` 2x2 output tiles per round."""
+    winograd: ``chunk`` 2x2 output tiles per round, ``parts`` for helper threads (a scratch row set each)."""
 
     n: int
     c: int
@@ -74,6 +74,7 @@ class ConvTiling:
     tile_n: int = 1
     out_offset: int = 0
     chunk: int = 0
+    parts: int = 1
 
 
 def nchw(d: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -210,34 +211,40 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
 WINOGRAD_MIN_TILES = 32
 
 
-def winograd_workspace(oc: int, c: int, chunk: int, item: int, ow: int) -> int:
+def winograd_workspace(oc: int, c: int, chunk: int, item: int, ow: int, parts: int = 1) -> int:
     """16 * (spread(OC*C*item) + spread(C*chunk*item) + spread(OC*chunk*item)) for the transformed weights, the
-    transformed input and the GEMM result (16 matrices each, ``spread_stride`` apart) + align64(C*8*(TW +
-    1)*item) + align64(OC*8*TW*item) scratch rows of the transforms, TW = ceil(OW/2)."""
+    transformed input and the GEMM result (16 matrices each, ``spread_stride`` apart) + P * (align64(8*(TW +
+    1)*item) + align64(8*TW*item)) scratch rows of the transforms (one set per part, on cache lines of their own),
+    TW = ceil(OW/2), P = parts (helper threads: 1 below 2^20 elements moved, else the fan-out count capped by C
+    and OC)."""
     tw = (ow + 1) // 2
     return (16 * (spread_stride(oc * c * item) + spread_stride(c * chunk * item) + spread_stride(oc * chunk * item))
-            + align(c * 8 * (tw + 1) * item) + align(oc * 8 * tw * item))
+            + parts * (align(8 * (tw + 1) * item) + align(8 * tw * item)))
 
 
 def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate | None:
     """Winograd F(2x2, 3x3) with the most 2x2 output tiles per round that fit ``limit`` (else 32 MiB, at least
     one tile)."""
     tiles = t.n * ((t.oh + 1) // 2) * ((t.ow + 1) // 2)
+    parts = winograd_parts(t.oc, t.c, tiles)
+
+    def size(chunk: int) -> int:
+        return winograd_workspace(t.oc, t.c, chunk, item, t.ow, parts)
     chunk = tiles
-    budget = limit if limit is not None else max(IM2COL_TARGET, winograd_workspace(t.oc, t.c, 1, item, t.ow))
-    if winograd_workspace(t.oc, t.c, chunk, item, t.ow) > budget:
+    budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
+    if size(chunk) > budget:
         lo, hi = 0, tiles
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if winograd_workspace(t.oc, t.c, mid, item, t.ow) <= budget:
+            if size(mid) <= budget:
                 lo = mid
             else:
                 hi = mid - 1
         if lo == 0:
             return None
         chunk = lo
-    tw = ConvTiling(**{**t.__dict__, "chunk": chunk})
-    return Candidate("winograd", tw, winograd_workspace(t.oc, t.c, chunk, item, t.ow))
+    tw = ConvTiling(**{**t.__dict__, "chunk": chunk, "parts": parts})
+    return Candidate("winograd", tw, size(chunk))
 
 
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
