@@ -33,6 +33,17 @@ def _ow_range(off: int, sw: int, width: int, ow_n: int) -> tuple[int, int]:
     return lo, max(hi, lo)
 
 
+@jit_inline
+def _copy_span(dst: Any, d0: Any, src: Any, s0: Any, step: Any, n: Any) -> None:
+    """dst[d0 + u] = src[s0 + u * step] for u < n, all unsigned."""
+    if step == 1:
+        for u in range(n):
+            dst[d0 + u] = src[s0 + u]
+    else:
+        for u in range(n):
+            dst[d0 + u] = src[s0 + u * step]
+
+
 def _im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k: int) -> None:
     """Row ``k`` of the unfolded input (see ``im2col``)."""
     kh_n, kw_n, sh, sw, ph, pw, dh, dw, ow_n = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6], geo[7], geo[8]
@@ -55,7 +66,10 @@ def _im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k: int) -> 
                 continue
             for ow in range(lo):
                 cols[k, base + ow] = 0
-            if sw == 1:
+            if hi - lo >= 8:  # unsigned indices: no wrap-around selects, so the copy vectorizes (2x on 28-56 wide)
+                _copy_span(cols[k], np.uint64(base + lo), x[n0 + i, c0 + c, ih], np.uint64(lo * sw + off),
+                           np.uint64(sw), np.uint64(hi - lo))
+            elif sw == 1:  # a short row (7-wide maps): the plain loop, faster than the vector loop's entry checks
                 for ow in range(lo, hi):
                     cols[k, base + ow] = x[n0 + i, c0 + c, ih, ow + off]
             else:
@@ -270,9 +284,10 @@ def _deinterleave(x: Any, n: int, c: int, yy: int, pw: int, ev: Any, od: Any) ->
     row = x[n, c, yy]
     lo = min((pw + 1) // 2, nj)  # j in [lo, hi): both columns 2j - pw and 2j + 1 - pw inside [0, width)
     hi = max(lo, min(nj, (width + pw) // 2))
-    for j in range(lo, hi):
-        ev[j] = row[2 * j - pw]
-        od[j] = row[2 * j + 1 - pw]
+    u_lo, base, one, two = np.uint64(lo), np.uint64(2 * lo - pw), np.uint64(1), np.uint64(2)
+    for u in range(np.uint64(hi - lo)):  # unsigned indices: no wrap-around select (3x faster here)
+        ev[u_lo + u] = row[base + two * u]
+        od[u_lo + u] = row[base + two * u + one]
     for e in range(lo + nj - hi):  # the padded edges: j < lo, then j >= hi
         j = e if e < lo else hi + e - lo
         ce = 2 * j - pw
@@ -304,14 +319,17 @@ def _wino_input(x: Any, v: Any, c: int, t0: int, nt: int, geo: Any, ev: Any, od:
             for j in range(nj):
                 d0, d1, d2, d3 = a[0, j], a[1, j], a[2, j], a[3, j]
                 a[0, j], a[1, j], a[2, j], a[3, j] = d0 - d2, d1 + d2, d2 - d1, d1 - d3
-        at = c * nt + t - t0 - tx0
+        u_at, u_tx0, one = np.uint64(c * nt + t - t0), np.uint64(tx0), np.uint64(1)
         for i in range(4):
-            for tx in range(tx0, tx1):
-                a0, a1, a2, a3 = ev[i, tx], od[i, tx], ev[i, tx + 1], od[i, tx + 1]
-                v[4 * i, at + tx] = a0 - a2
-                v[4 * i + 1, at + tx] = a1 + a2
-                v[4 * i + 2, at + tx] = a2 - a1
-                v[4 * i + 3, at + tx] = a1 - a3
+            e_i, o_i = ev[i], od[i]
+            v0, v1, v2, v3 = v[4 * i], v[4 * i + 1], v[4 * i + 2], v[4 * i + 3]
+            for u in range(np.uint64(tx1 - tx0)):
+                k, d = u_tx0 + u, u_at + u
+                a0, a1, a2, a3 = e_i[k], o_i[k], e_i[k + one], o_i[k + one]
+                v0[d] = a0 - a2
+                v1[d] = a1 + a2
+                v2[d] = a2 - a1
+                v3[d] = a1 - a3
         t += tx1 - tx0
 
 
@@ -337,21 +355,27 @@ def _wino_output(m: Any, bias: Any, has_bias: bool, out: Any, oc: int, t0: int, 
     t = t0
     while t < end:
         n, ty, tx0, tx1 = _tile_run(t, end, per_img, tw_n)
-        at = oc * nt + t - t0 - tx0
-        for j in range(4):  # A^T m: (m0 + m1 + m2, m1 - m2 - m3) per column j of each tile
-            for tx in range(tx0, tx1):
-                a0, a1, a2, a3 = m[j, at + tx], m[4 + j, at + tx], m[8 + j, at + tx], m[12 + j, at + tx]
-                s[j, tx] = a0 + a1 + a2
-                s[4 + j, tx] = a1 - a2 - a3
+        u_at, u_tx0, one, two = np.uint64(oc * nt + t - t0), np.uint64(tx0), np.uint64(1), np.uint64(2)
+        for j in range(4):  # A^T m: (m0 + m1 + m2, m1 - m2 - m3) per column j of each tile (unsigned indices)
+            m0, m1, m2, m3 = m[j], m[4 + j], m[8 + j], m[12 + j]
+            s0, s1 = s[j], s[4 + j]
+            for u in range(np.uint64(tx1 - tx0)):
+                k, d = u_tx0 + u, u_at + u
+                a0, a1, a2, a3 = m0[d], m1[d], m2[d], m3[d]
+                s0[k] = a0 + a1 + a2
+                s1[k] = a1 - a2 - a3
         whole = min(tx1, ow_n // 2)  # tiles whose two output columns are both inside
         for i in range(2):
             y = 2 * ty + i
             if y >= oh_n:
                 continue
-            for tx in range(tx0, whole):
-                a0, a1, a2, a3 = s[4 * i, tx], s[4 * i + 1, tx], s[4 * i + 2, tx], s[4 * i + 3, tx]
-                out[n, oc, y, 2 * tx] = a0 + a1 + a2 + b0
-                out[n, oc, y, 2 * tx + 1] = a1 - a2 - a3 + b0
+            orow = out[n, oc, y]
+            r0, r1, r2, r3 = s[4 * i], s[4 * i + 1], s[4 * i + 2], s[4 * i + 3]
+            for u in range(np.uint64(max(whole - tx0, 0))):
+                k = u_tx0 + u
+                a0, a1, a2, a3 = r0[k], r1[k], r2[k], r3[k]
+                orow[two * k] = a0 + a1 + a2 + b0
+                orow[two * k + one] = a1 - a2 - a3 + b0
             for tx in range(max(whole, tx0), tx1):
                 out[n, oc, y, 2 * tx] = s[4 * i, tx] + s[4 * i + 1, tx] + s[4 * i + 2, tx] + b0
         t += tx1 - tx0
