@@ -27,6 +27,7 @@ from twophase.kernels.cpu import reduce as reduce_kernels
 from twophase.ops.attention import reference as sdpa_reference
 from twophase.ops.conv import reference as conv_reference
 from twophase.ops.selection import forced
+from twophase.runtime import fanout as fanout_module
 from twophase.runtime.device import device
 from twophase.runtime.fanout import fanout_parts, run_parts, split_range
 from twophase.testing import run_checked
@@ -376,3 +377,47 @@ def test_conv2d_winograd_in_parts(three_parts: None, monkeypatch: pytest.MonkeyP
     assert launched == [3, 3, 3] * len(sizes)
     assert r.guards_intact and r.workspace_size - 64 < r.touched <= r.workspace_size and r.unwritten == (0,)
     np.testing.assert_allclose(r.outputs[0], conv_reference(x, w, b, stride=1, padding=1), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("groups, stride, nhwc", [(24, 1, False), (24, 2, True), (3, 1, False)])
+def test_conv2d_direct_planes_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, groups: int, stride: int,
+                                       nhwc: bool) -> None:
+    """Depthwise (and grouped) direct convolution in three ranges of (image, output channel) planes; odd sizes and
+    padding put the row copies' first and last columns at the edges."""
+    launched = _spy_on_parts(monkeypatch, fanout_module)  # the launch is fanout.launcher's
+    rng = np.random.default_rng(11)
+    h, w_ = (61, 59) if stride == 1 else (121, 119)  # at least 2^20 multiply-adds: cut into parts
+    x = rng.standard_normal((2, 24, h, w_)).astype(np.float32)
+    w = rng.standard_normal((48, 24 // groups, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(48).astype(np.float32)
+    xin: Any = x
+    if nhwc:
+        xin = device("cpu").tensor(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), format=twophase.Format.NHWC)
+        xin.synchronize()
+    with forced("direct"):
+        r = run_checked(ops.conv2d, xin, w, b, stride=stride, padding=1, groups=groups)
+    assert r.implementation == "direct" and launched == [3]
+    ref = conv_reference(x, w, b, stride=stride, padding=1, groups=groups)
+    got = r.outputs[0]
+    assert r.unwritten == (0,)
+    np.testing.assert_allclose(got.transpose(0, 3, 1, 2) if got.shape != ref.shape else got, ref, rtol=1e-4,
+                               atol=1e-4)
+
+
+@pytest.mark.parametrize("name, attrs", [
+    ("max_pool2d", {"kernel_size": 3, "stride": 2, "padding": 1}),
+    ("max_pool2d", {"kernel_size": (3, 2), "stride": (1, 2), "padding": (1, 1), "dilation": (2, 1), "ceil_mode": True}),
+    ("avg_pool2d", {"kernel_size": 3, "stride": 2, "padding": 1, "count_include_pad": False}),
+    ("adaptive_avg_pool2d", {"output_size": (7, 5)}),
+])
+def test_pooling_planes_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, name: str,
+                                 attrs: dict[str, Any]) -> None:
+    launched = _spy_on_parts(monkeypatch, fanout_module)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((2, 40, 113, 111)).astype(np.float32)
+    x[1, 7, 50, 60] = np.nan  # one window's max is NaN
+    op = getattr(ops, name)
+    r = run_checked(op, x, **attrs)
+    ref = op.spec.reference(x, **attrs)
+    assert launched == [3] and r.unwritten[0] == int(np.isnan(ref).sum())
+    np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align, spread_stride
-from ...runtime.fanout import fanout_parts, run_parts, split_range
+from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
 from .blas import serial_calls
 from .jit import FAST, entry
@@ -20,13 +20,12 @@ from .jit import FAST, entry
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
-jit_par: Kernel = _jit.jit_par
 jit_inline: Kernel = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", inline="always")
 PARALLEL_MIN = 1 << 20  # unfolded elements from which im2col's rows are cut into ranges for helper threads
 
 
 @jit
-def _ow_range(off: int, sw: int, width: int, ow_n: int) -> tuple[int, int]:
+def ow_range(off: int, sw: int, width: int, ow_n: int) -> tuple[int, int]:
     """Output columns whose input column ow*sw + off lies in [0, width)."""
     lo = max(0, (-off + sw - 1) // sw)
     hi = min(ow_n, (width - 1 - off) // sw + 1) if width - 1 - off >= 0 else 0
@@ -55,7 +54,7 @@ def _im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k: int) -> 
     kh = (k - c * kk) // kw_n
     kw = k - c * kk - kh * kw_n
     off = kw * dw - pw
-    lo, hi = _ow_range(off, sw, width, ow_n)
+    lo, hi = ow_range(off, sw, width, ow_n)
     for i in range(nn):
         for r in range(rows):
             ih = (oh0 + r) * sh - ph + kh * dh
@@ -91,15 +90,18 @@ def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k0: int, k1:
         _im2col_inl(x, n0, c0, oh0, geo, cols, k)
 
 
-@jit_par
-def conv_direct(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int) -> None:
-    """out[n, oc] = bias[oc] + sum over its group's channels and the kernel window (``geo`` as im2col's)."""
+@jit
+def conv_direct(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int, t1: int) -> None:
+    """out[n, oc] = bias[oc] + sum over its group's channels and the kernel window (``geo`` as im2col's), for the
+    (image, output channel) planes t0 <= t = n * OC + oc < t1 (a range per helper thread). Each kernel tap adds a
+    shifted input row to an output row, indexed unsigned (no wrap-around select: the row loop vectorizes)."""
     sh, sw, ph, pw, dh, dw = geo[2], geo[3], geo[4], geo[5], geo[6], geo[7]
-    n_n, _, height, width = x.shape
+    height, width = x.shape[2], x.shape[3]
     oc_n, cg_n, kh_n, kw_n = w.shape
     oh_n, ow_n = out.shape[2], out.shape[3]
     ocg = oc_n // groups
-    for t in numba.prange(n_n * oc_n):
+    u_sw = np.uint64(sw)
+    for t in range(t0, t1):
         n = t // oc_n
         oc = t - n * oc_n
         g = oc // ocg
@@ -113,13 +115,16 @@ def conv_direct(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, g
                 for kw in range(kw_n):
                     wv = w[oc, cg, kh, kw]
                     off = kw * dw - pw
-                    lo, hi = _ow_range(off, sw, width, ow_n)
+                    lo, hi = ow_range(off, sw, width, ow_n)
+                    s0, cnt = np.uint64(lo * sw + off), np.uint64(hi - lo)
                     for oh in range(oh_n):
                         ih = oh * sh - ph + kh * dh
                         if ih < 0 or ih >= height:
                             continue
-                        for ow in range(lo, hi):
-                            out[n, oc, oh, ow] += wv * x[n, c, ih, ow * sw + off]
+                        orow = out[n, oc, oh, lo:]
+                        xrow = x[n, c, ih]
+                        for u in range(cnt):
+                            orow[u] += wv * xrow[s0 + u * u_sw]
 
 
 def _geo(t: Any, images: int = 1) -> Any:
@@ -127,12 +132,16 @@ def _geo(t: Any, images: int = 1) -> Any:
 
 
 def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
-    """Direct convolution, workspace 0; x and out are logical NCHW views."""
+    """Direct convolution, workspace 0; x and out are logical NCHW views; ranges of (image, output channel)
+    planes on helper threads when the multiply-adds reach PARALLEL_MIN."""
     b = bias if bias is not None else np.zeros(1, x.dtype)
     geo = _geo(t)
-    k = entry(conv_direct, x, w, b, bias is not None, out, geo, t.groups)
+    k = entry(conv_direct, x, w, b, bias is not None, out, geo, t.groups, 0, 0)
     has = bias is not None
-    return lambda _: k(x, w, b, has, out, geo, t.groups)
+    planes = t.n * t.oc
+    work = planes * t.cg * t.kh * t.kw * t.oh * t.ow
+    ranges = split_range(planes, fanout_parts() if work >= PARALLEL_MIN else 1)
+    return launcher([functools.partial(k, x, w, b, has, out, geo, t.groups, lo, hi) for lo, hi in ranges])
 
 
 def _mat(a: Any, shape: tuple[int, ...], strides: tuple[int, ...]) -> Any:

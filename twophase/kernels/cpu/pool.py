@@ -1,51 +1,63 @@
-"""Pooling kernels on logical NCHW views (NHWC passed transposed), parallel over (N, C); no workspace."""
+"""Pooling kernels on logical NCHW views (NHWC passed transposed); ranges of (N, C) planes on helper threads;
+no workspace."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
-import numba
 import numpy as np
 
-from .jit import FAST, entry
+from ...runtime.fanout import fanout_parts, launcher, split_range
+from . import vmath as vm
+from .conv import ow_range
+from .jit import entry
+from .jit import jit as _jit
 
 Launch = Callable[[Any], None]
-jit_par = numba.njit(nogil=True, cache=True, parallel=True, fastmath=FAST)
+jit: Callable[[Callable[..., Any]], Any] = _jit
+PARALLEL_MIN = 1 << 20  # window elements read from which the planes are cut into ranges for helper threads
 
 
-@jit_par
-def max_pool(x: Any, out: Any, geo: Any) -> None:
-    """Max over each window (``geo`` = KH, KW, sh, sw, ph, pw, dh, dw); NaN propagates."""
+@jit
+def max_pool(x: Any, out: Any, geo: Any, t0: int, t1: int) -> None:
+    """Max over each window (``geo`` = KH, KW, sh, sw, ph, pw, dh, dw), planes t0 <= t = n * C + c < t1; NaN
+    propagates. Each window tap takes the max of an output row with a shifted input row (unsigned indices: the
+    row loop vectorizes)."""
     kh_n, kw_n, sh, sw, ph, pw, dh, dw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6], geo[7]
-    n_n, c_n, height, width = x.shape
+    c_n, height, width = x.shape[1], x.shape[2], x.shape[3]
     oh_n, ow_n = out.shape[2], out.shape[3]
-    for t in numba.prange(n_n * c_n):
+    u_sw = np.uint64(sw)
+    for t in range(t0, t1):
         n = t // c_n
         c = t - n * c_n
         for oh in range(oh_n):
+            orow = out[n, c, oh]
             for ow in range(ow_n):
-                m = -np.inf
-                for kh in range(kh_n):
-                    ih = oh * sh - ph + kh * dh
-                    if ih < 0 or ih >= height:
-                        continue
-                    for kw in range(kw_n):
-                        iw = ow * sw - pw + kw * dw
-                        if 0 <= iw < width:
-                            v = x[n, c, ih, iw]
-                            if v > m or v != v:
-                                m = v
-                out[n, c, oh, ow] = m
+                orow[ow] = -np.inf
+            for kh in range(kh_n):
+                ih = oh * sh - ph + kh * dh
+                if ih < 0 or ih >= height:
+                    continue
+                xrow = x[n, c, ih]
+                for kw in range(kw_n):
+                    off = kw * dw - pw
+                    lo, hi = ow_range(off, sw, width, ow_n)
+                    dst = orow[lo:]
+                    s0 = np.uint64(lo * sw + off)
+                    for u in range(np.uint64(hi - lo)):
+                        dst[u] = vm.maximum(dst[u], xrow[s0 + u * u_sw])
 
 
-@jit_par
-def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool) -> None:
-    """Mean over each window, PyTorch's divisor (window clipped to the padded input, or to the input)."""
+@jit
+def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool, t0: int, t1: int) -> None:
+    """Mean over each window, PyTorch's divisor (window clipped to the padded input, or to the input), planes
+    t0 <= t < t1."""
     kh_n, kw_n, sh, sw, ph, pw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
-    n_n, c_n, height, width = x.shape
+    c_n, height, width = x.shape[1], x.shape[2], x.shape[3]
     oh_n, ow_n = out.shape[2], out.shape[3]
-    for t in numba.prange(n_n * c_n):
+    for t in range(t0, t1):
         n = t // c_n
         c = t - n * c_n
         for oh in range(oh_n):
@@ -64,12 +76,12 @@ def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool) -> None:
                 out[n, c, oh, ow] = s / div if div > 0 else 0.0
 
 
-@jit_par
-def adaptive_avg_pool(x: Any, out: Any) -> None:
-    """Mean over rows [floor(i*H/OH), ceil((i+1)*H/OH)) and likewise for columns."""
-    n_n, c_n, height, width = x.shape
+@jit
+def adaptive_avg_pool(x: Any, out: Any, t0: int, t1: int) -> None:
+    """Mean over rows [floor(i*H/OH), ceil((i+1)*H/OH)) and likewise for columns, planes t0 <= t < t1."""
+    c_n, height, width = x.shape[1], x.shape[2], x.shape[3]
     oh_n, ow_n = out.shape[2], out.shape[3]
-    for t in numba.prange(n_n * c_n):
+    for t in range(t0, t1):
         n = t // c_n
         c = t - n * c_n
         for oh in range(oh_n):
@@ -86,15 +98,22 @@ def adaptive_avg_pool(x: Any, out: Any) -> None:
 
 
 def build_pool(kind: str, x: Any, out: Any, geo: tuple[int, ...], include_pad: bool) -> Launch:
-    """The launch of pooling ``kind`` (max / avg / adaptive_avg) of ``x`` into ``out`` (logical NCHW views)."""
+    """The launch of pooling ``kind`` (max / avg / adaptive) of ``x`` into ``out`` (logical NCHW views): ranges
+    of (N, C) planes on helper threads when the windows read at least PARALLEL_MIN elements."""
     if out.size == 0:
         return lambda _: None
     g = np.array(geo, np.int64)
+    planes = out.shape[0] * out.shape[1]
+    if kind in ("max", "avg"):
+        window = geo[0] * geo[1]
+    else:  # adaptive: the largest window
+        window = -(-x.shape[2] // out.shape[2]) * -(-x.shape[3] // out.shape[3])
+    ranges = split_range(planes, fanout_parts() if out.size * window >= PARALLEL_MIN else 1)
     if kind == "max":
-        k = entry(max_pool, x, out, g)
-        return lambda _: k(x, out, g)
+        k = entry(max_pool, x, out, g, 0, 0)
+        return launcher([functools.partial(k, x, out, g, lo, hi) for lo, hi in ranges])
     if kind == "avg":
-        k = entry(avg_pool, x, out, g, include_pad)
-        return lambda _: k(x, out, g, include_pad)
-    k = entry(adaptive_avg_pool, x, out)
-    return lambda _: k(x, out)
+        k = entry(avg_pool, x, out, g, include_pad, 0, 0)
+        return launcher([functools.partial(k, x, out, g, include_pad, lo, hi) for lo, hi in ranges])
+    k = entry(adaptive_avg_pool, x, out, 0, 0)
+    return launcher([functools.partial(k, x, out, lo, hi) for lo, hi in ranges])
