@@ -166,6 +166,30 @@ def bench_conv(rng: Any, batches: tuple[int, ...]) -> list[str]:
     return out
 
 
+def bench_pool_depthwise(rng: Any) -> list[str]:
+    """Beyond the issue's table: ResNet's stem max pool and its avg twin, and MobileNet-style 3x3 depthwise
+    convolutions (the direct kernel), batch 1 and 8, against torch."""
+    out = []
+    for nb in (1, 8):
+        x = rng.standard_normal((nb, 64, 112, 112)).astype(np.float32)
+        xt = torch.from_numpy(x) if torch is not None else None
+        for name in ("max_pool2d", "avg_pool2d"):
+            op, fn = getattr(ops, name), name
+            run, ex = twophase_call(op, [x], kernel_size=3, stride=2, padding=1)
+            ref = None if xt is None else (lambda xt=xt, fn=fn: getattr(F, fn)(xt, 3, 2, 1))  # noqa: E731
+            out.append(row(f"{name} n{nb} 64x112x112 k3 s2", run, ex, ref, "torch"))
+        for c, hw, s in ((64, 56, 1), (128, 56, 2), (256, 28, 1)):
+            x = rng.standard_normal((nb, c, hw, hw)).astype(np.float32)
+            w = rng.standard_normal((c, 1, 3, 3)).astype(np.float32)
+            run, ex = twophase_call(ops.conv2d, [x, w, None], stride=s, padding=1, groups=c)
+            ref = None
+            if torch is not None:
+                ref = lambda xt=torch.from_numpy(x), wt=torch.from_numpy(w), s=s, c=c: F.conv2d(  # noqa: E731
+                    xt, wt, None, s, 1, 1, c)
+            out.append(row(f"conv2d depthwise n{nb} {c} {hw}x{hw} k3 s{s}", run, ex, ref, "torch"))
+    return out
+
+
 def bench_sdpa(rng: Any) -> list[str]:
     out = []
     for shape in ((8, 12, 128, 32), (1, 12, 512, 64)):
@@ -196,7 +220,8 @@ def main() -> None:
     print(f"# uptime: {_uptime()}")
     print("| case | implementation | workspace (B) | twophase ms | reference ms | ratio (ref/twophase) |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for section in (lambda: bench_matmul(rng), lambda: bench_conv(rng, (1, 8)), lambda: bench_sdpa(rng)):
+    for section in (lambda: bench_matmul(rng), lambda: bench_conv(rng, (1, 8)), lambda: bench_sdpa(rng),
+                    lambda: bench_pool_depthwise(rng)):
         for line in section():
             print(line, flush=True)
     print(f"# uptime: {_uptime()}")

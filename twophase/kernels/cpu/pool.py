@@ -53,10 +53,12 @@ def max_pool(x: Any, out: Any, geo: Any, t0: int, t1: int) -> None:
 @jit
 def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool, t0: int, t1: int) -> None:
     """Mean over each window, PyTorch's divisor (window clipped to the padded input, or to the input), planes
-    t0 <= t < t1."""
+    t0 <= t < t1. Each window tap adds a shifted input row into the output row (unsigned indices: the row loop
+    vectorizes), then the row is divided element by element."""
     kh_n, kw_n, sh, sw, ph, pw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
     c_n, height, width = x.shape[1], x.shape[2], x.shape[3]
     oh_n, ow_n = out.shape[2], out.shape[3]
+    u_sw = np.uint64(sw)
     for t in range(t0, t1):
         n = t // c_n
         c = t - n * c_n
@@ -64,16 +66,24 @@ def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool, t0: int, t1: int) ->
             h0 = oh * sh - ph
             h1 = min(h0 + kh_n, height + ph)
             hs, he = max(h0, 0), min(h1, height)
+            orow = out[n, c, oh]
+            for ow in range(ow_n):
+                orow[ow] = 0.0
+            for ih in range(hs, he):
+                xrow = x[n, c, ih]
+                for kw in range(kw_n):
+                    off = kw - pw
+                    lo, hi = ow_range(off, sw, width, ow_n)
+                    dst = orow[lo:]
+                    s0 = np.uint64(lo * sw + off)
+                    for u in range(np.uint64(hi - lo)):
+                        dst[u] += xrow[s0 + u * u_sw]
             for ow in range(ow_n):
                 w0 = ow * sw - pw
                 w1 = min(w0 + kw_n, width + pw)
                 ws, we = max(w0, 0), min(w1, width)
-                s = 0.0
-                for ih in range(hs, he):
-                    for iw in range(ws, we):
-                        s += x[n, c, ih, iw]
                 div = (h1 - h0) * (w1 - w0) if include_pad else (he - hs) * (we - ws)
-                out[n, c, oh, ow] = s / div if div > 0 else 0.0
+                orow[ow] = orow[ow] / div if div > 0 else 0.0
 
 
 @jit
