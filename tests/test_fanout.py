@@ -310,6 +310,7 @@ def test_sdpa_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, b: in
     ((2, 700001), (1,)),       # two rows of 171 blocks (two levels): ranges of (row, block) tasks
     ((300001, 5), (0,)),       # cols: 74 blocks of rows, one chunk of kept columns
     ((8500, 200), (0,)),       # cols: 3 blocks of rows
+    ((3000, 1000), (0,)),      # cols: one block of rows, cut into 3 chunks of kept columns (384, 384, 232)
     ((3, 400, 1000), ()),      # everything: one row of blocks
 ])
 @pytest.mark.parametrize("name", ["reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "argmax", "var"])

@@ -154,12 +154,12 @@ def max_level(x: Any, block: int, sign: Any, out: Any, t0: int, t1: int) -> None
 
 # ---------------------------------------------------------------- cols levels: x (n, K) -> out (nb, K)
 @jit_reduce
-def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, t: int) -> None:
+def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int) -> None:
     n, kk = x.shape
-    nk = (kk + KC - 1) // KC
+    nk = (kk + kc - 1) // kc
     j = t // nk
-    c0 = (t - j * nk) * KC
-    w = min(kk, c0 + KC) - c0
+    c0 = (t - j * nk) * kc
+    w = min(kk, c0 + kc) - c0
     acc = np.full(w, zero)
     u0 = np.uint64(c0)  # unsigned indices: no negative-index wrap-around select in the inner loop
     r, end = j * block, min(n, (j + 1) * block)
@@ -179,20 +179,20 @@ def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, t: int) -> None:
 
 
 @jit_reduce
-def sum_cols(x: Any, block: int, zero: Any, out: Any, t0: int, t1: int) -> None:
+def sum_cols(x: Any, block: int, zero: Any, out: Any, kc: int, t0: int, t1: int) -> None:
     """out[j, :] = sum of rows x[j*block:(j+1)*block, :] (vectorized along the contiguous kept dim), tasks
-    t0 <= t = j * nk + chunk < t1 (nk chunks of KC kept columns)."""
+    t0 <= t = j * nk + chunk < t1 (nk chunks of ``kc`` kept columns)."""
     for t in range(t0, t1):
-        _sum_cols_task(x, block, zero, out, t)
+        _sum_cols_task(x, block, zero, out, kc, t)
 
 
 @jit_reduce
-def _max_cols_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
+def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int) -> None:
     n, kk = x.shape
-    nk = (kk + KC - 1) // KC
+    nk = (kk + kc - 1) // kc
     j = t // nk
-    c0 = (t - j * nk) * KC
-    w = min(kk, c0 + KC) - c0
+    c0 = (t - j * nk) * kc
+    w = min(kk, c0 + kc) - c0
     acc = x[j * block, c0:c0 + w].copy()
     u0 = np.uint64(c0)
     last = min(n, (j + 1) * block) - 1
@@ -212,9 +212,9 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, t: int) -> None:
 
 
 @jit_reduce
-def max_cols(x: Any, block: int, sign: Any, out: Any, t0: int, t1: int) -> None:
+def max_cols(x: Any, block: int, sign: Any, out: Any, kc: int, t0: int, t1: int) -> None:
     for t in range(t0, t1):
-        _max_cols_task(x, block, sign, out, t)
+        _max_cols_task(x, block, sign, out, kc, t)
 
 
 COLS = {sum_level: sum_cols, max_level: max_cols}
@@ -229,9 +229,18 @@ def level_fans(tiling: Any, counts: tuple[int, ...]) -> list[int]:
     return [parts if tiling.kept * n >= LEVEL_PARALLEL_MIN else 1 for n in counts]
 
 
-def level_tasks(out: Any, cols: bool) -> int:
-    """Tasks of a level writing ``out``: (row, block) pairs, or for ``cols`` (block, chunk of KC kept columns)."""
-    return int(out.shape[0] * (-(-out.shape[1] // KC) if cols else out.shape[1]))
+def level_tasks(out: Any, cols: bool, kc: int = KC) -> int:
+    """Tasks of a level writing ``out``: (row, block) pairs, or for ``cols`` (block, chunk of ``kc`` kept
+    columns)."""
+    return int(out.shape[0] * (-(-out.shape[1] // kc) if cols else out.shape[1]))
+
+
+def cols_chunk(kept: int, parts: int) -> int:
+    """Kept columns per ``cols`` task: KC, or fewer (a multiple of 64) when KC would leave helper threads without
+    a chunk (a 4096 x 4096 reduction over dim 0 is one block of rows: its chunks are its only tasks)."""
+    if kept >= parts * KC:
+        return KC
+    return max(64, -(-kept // (parts * 64)) * 64)
 
 
 def run_level(fn: Any, parts: int, tasks: int, *args: Any) -> None:
@@ -274,15 +283,16 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
 
     # compile every level's signature now (phase 1), never in phase 2
     fans = level_fans(tiling, (r,) + levels)
+    extra = (cols_chunk(k_rows, max(fans)),) if cols else ()  # cols kernels take their chunk width
     steps = []
     prev = np.empty((1, 1), pack_dtype) if tiling.pack else first
     for n in levels:
         dst = np.empty(shaped(n), acc)
-        steps.append(entry(kern, prev, block, zero, dst, 0, 0))
+        steps.append(entry(kern, prev, block, zero, dst, *extra, 0, 0))
         prev = dst
     stage = getattr(tiling, "stage_offset", -1)
     final_out = np.empty(shaped(1), acc) if stage >= 0 else dst_out
-    final = entry(kern, prev, block, zero, final_out, 0, 0)
+    final = entry(kern, prev, block, zero, final_out, *extra, 0, 0)
 
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * pack_dtype.itemsize
 
@@ -294,15 +304,15 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
             x = area.reshape(k_rows, r)
         for n, off, step, parts in zip(levels, offsets, steps, fans):
             dst = ws[off:off + k_rows * n * acc.itemsize].view(acc).reshape(shaped(n))
-            run_level(step, parts, level_tasks(dst, cols), x, block, zero, dst)
+            run_level(step, parts, level_tasks(dst, cols, *extra), x, block, zero, dst, *extra)
             x = dst
-        last = fans[-1], level_tasks(final_out, cols)
+        last = fans[-1], level_tasks(final_out, cols, *extra)
         if stage >= 0:
             wide = ws[stage:stage + k_rows * acc.itemsize].view(acc).reshape(shaped(1))
-            run_level(final, *last, x, block, zero, wide)
+            run_level(final, *last, x, block, zero, wide, *extra)
             np.copyto(dst_out, wide, casting="unsafe")
         else:
-            run_level(final, *last, x, block, zero, dst_out)
+            run_level(final, *last, x, block, zero, dst_out, *extra)
     return launch
 
 
