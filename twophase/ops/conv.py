@@ -300,9 +300,11 @@ conv2d = register(OpDef(
     select=_select,
     kernels={"cpu": _build},
     implementations=("gemm_1x1", "winograd", "im2col", "direct"),
-    workspace_formula=("gemm_1x1: 0; winograd: align64(16*OC*C*itemsize) + align64(16*C*chunk*itemsize) + "
-                       "align64(16*OC*chunk*itemsize) + align64(C*4*(2*TW+2)*itemsize) + align64(OC*8*TW*itemsize), "
-                       "chunk = 2x2 output tiles per round, TW = ceil(OW/2); "
+    workspace_formula=("gemm_1x1: 0; winograd: 16*(spread(OC*C*itemsize) + spread(C*chunk*itemsize) + "
+                       "spread(OC*chunk*itemsize)) + P*(align64(8*(TW+1)*itemsize) + align64(8*TW*itemsize)), "
+                       "spread(b) = the smallest multiple of 64 >= b at which 16 blocks start on distinct cache "
+                       "lines mod 4 KiB, chunk = 2x2 output tiles per round, TW = ceil(OW/2), P = helper-thread "
+                       "parts (1 below 2^20 elements moved, else the fan-out count capped by C and OC); "
                        "im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
                        "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
                        "pixel-major with mergeable (N, H, W)]; direct: 0"),
@@ -315,8 +317,10 @@ conv2d = register(OpDef(
          "workspace_formula. "
          "winograd F(2x2, 3x3) (3x3, stride 1, dilation 1, groups 1): weights, input tiles and 16 GEMMs of (OC, C) "
          "x (C, chunk) in the workspace (chunk: all tiles that fit workspace_limit, else 32 MiB), output transform "
-         "adds the bias; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 64 with BLAS on one "
-         "thread (OPENBLAS_NUM_THREADS=1), >= 256 otherwise; else after im2col. "
-         "direct: loop nest parallel over (N, OC), workspace 0, ranked first when depthwise (C/groups == 1)."),
+         "adds the bias; transforms in channel ranges and the GEMMs in batch ranges (one BLAS thread each) on "
+         "helper threads; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 32, else after "
+         "im2col. "
+         "direct: shifted row updates per kernel tap, ranges of (N, OC) planes on helper threads, workspace 0, "
+         "ranked first when depthwise (C/groups == 1)."),
     reference=reference,
 ))

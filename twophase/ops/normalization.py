@@ -286,8 +286,9 @@ register(OpDef(
     attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_float, 1e-5)),
     dtypes=FLOATS, infer=_norm_infer("layer_norm"), select=_norm_select, kernels={"cpu": _norm_build(False)},
     implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
-    doc=("Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (sum, squared "
-         "deviations, write: three passes over a row in cache); mean / rstd outputs have the reduced dims as 1 "
+    doc=("Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (float32 rows: "
+         "sum and sum of squares in one float64 pass, then the write; float64 rows: sum, squared deviations, "
+         "write; each row in cache); mean / rstd outputs have the reduced dims as 1 "
          f"(float32 for float16). Workspace: {_LN_FORMULA} (float16, or dims that do not merge)."),
     reference=_ln_reference))
 register(OpDef(

@@ -158,7 +158,8 @@ max_pool2d = register(OpDef(
     attrs=_WINDOW + (Attr("dilation", as_pair, (1, 1)), Attr("ceil_mode", as_bool, False)),
     dtypes=DTYPES, infer=_infer_max, select=_select("max_pool2d"), kernels={"cpu": _builder("max")},
     implementations=("direct",), workspace_formula="0",
-    doc="2-D max pooling (NaN propagates), NCHW or NHWC, PyTorch's output size and ceil_mode. Workspace: 0.",
+    doc=("2-D max pooling (NaN propagates), NCHW or NHWC, PyTorch's output size and ceil_mode; ranges of (N, C) "
+         "planes on helper threads, a window tap per pass over an output row. Workspace: 0."),
     reference=_ref_max,
 ))
 
