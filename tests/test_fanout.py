@@ -20,7 +20,6 @@ from ops_layouts import on_device
 
 import twophase
 from twophase import ops
-from twophase.kernels.cpu import attention as attention_kernels
 from twophase.kernels.cpu import blas
 from twophase.kernels.cpu import conv as conv_kernels
 from twophase.kernels.cpu import reduce as reduce_kernels
@@ -287,7 +286,7 @@ def test_layer_norm_in_parts(three_parts: None, rms: bool) -> None:
 @pytest.mark.parametrize("mask", ["none", "causal", "bool", "additive"])
 def test_sdpa_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, b: int, h: int, lq: int, lk: int,
                        mask: str) -> None:
-    launched = _spy_on_parts(monkeypatch, attention_kernels)
+    launched = _spy_on_parts(monkeypatch, blas)  # each part calls BLAS: blas.run_blas_parts runs them
     rng = np.random.default_rng(lq + lk)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((b, h, lq, 16), (b, h, lk, 16), (b, h, lk, 8)))
     m: Any = None
@@ -364,6 +363,7 @@ def test_conv2d_winograd_in_parts(three_parts: None, monkeypatch: pytest.MonkeyP
     """Every round in three hand-offs of three parts: the input transform (with U in the first) in channel
     ranges, the GEMMs in batch ranges, the output transform in channel ranges."""
     launched = _spy_on_parts(monkeypatch, conv_kernels)
+    gemms = _spy_on_parts(monkeypatch, blas)  # the GEMM parts run through blas.run_blas_parts
     rng = np.random.default_rng(10)
     x = rng.standard_normal(x_shape).astype(np.float32)  # odd sizes: clipped edge tiles
     w = (rng.standard_normal((oc, x_shape[1], 3, 3)) * 0.1).astype(np.float32)
@@ -375,7 +375,7 @@ def test_conv2d_winograd_in_parts(three_parts: None, monkeypatch: pytest.MonkeyP
     tiles, chunk = n * ((h + 1) // 2) * ((w_ + 1) // 2), r.tiling.chunk
     sizes = [min(chunk, tiles - t0) for t0 in range(0, tiles, chunk)]
     assert len(sizes) == rounds
-    assert launched == [3, 3, 3] * len(sizes)
+    assert launched == [3, 3] * len(sizes) and gemms == [3] * len(sizes)
     assert r.guards_intact and r.workspace_size - 64 < r.touched <= r.workspace_size and r.unwritten == (0,)
     np.testing.assert_allclose(r.outputs[0], conv_reference(x, w, b, stride=1, padding=1), rtol=1e-4, atol=1e-4)
 

@@ -17,10 +17,10 @@ from typing import Any
 import numba
 import numpy as np
 
-from ...runtime.fanout import fanout_parts, run_parts, split_range
+from ...runtime.fanout import fanout_parts, split_range
 from . import jit as _jit
 from . import vmath
-from .blas import serial_calls
+from .blas import run_blas_parts
 from .jit import REDUCE, entry
 
 Launch = Callable[[Any], None]
@@ -108,14 +108,17 @@ def _cuts(shape: tuple[int, int, int, int], parts: int) -> tuple[int, list[tuple
     return 2, split_range(shape[2], parts)
 
 
+def _cut(a: Any, axis: int, lo: int, hi: int) -> Any:
+    return None if a is None else a[(slice(None),) * axis + (slice(lo, hi),)]
+
+
 def _part(axis: int, lo: int, hi: int, views: tuple[Any, ...]) -> tuple[Any, ...]:
-    """One part's views of a tile, ``[lo:hi]`` along ``axis``: (q, k^T, v, out, mask, scores, packed q, packed
-    out); None stays None, and a query-row part (axis 2) shares the keys and values whole."""
-    def cut(a: Any) -> Any:
-        return None if a is None else a[(slice(None),) * axis + (slice(lo, hi),)]
+    """One part's views of a tile, ``[lo:hi]`` along ``axis``: (q, k^T, v, out, scores, packed q, packed out);
+    None stays None, and a query-row part (axis 2) shares the keys and values whole."""
     q, kt, v, *rest = views
     shared = axis == 2
-    return (cut(q), kt if shared else cut(kt), v if shared else cut(v), *map(cut, rest))
+    return (_cut(q, axis, lo, hi), kt if shared else _cut(kt, axis, lo, hi), v if shared else _cut(v, axis, lo, hi),
+            *(_cut(a, axis, lo, hi) for a in rest))
 
 
 def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float,
@@ -136,6 +139,8 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     o_s, o_k, o_q, o_v, o_o = t.offsets
     item = dt.itemsize
     parts = fanout_parts()
+    sample = np.empty((1, 1, 1, 1), dt)  # score layouts: C-contiguous, or not ('A')
+    strided = np.empty((2, 1, 1, 2), dt)[..., :1]
     steps = []
     for b0 in range(0, nb, tb):
         for h0 in range(0, nh, th):
@@ -148,18 +153,23 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 kk = min(nk, nq) if causal else nk  # the keys the group's last tile sees
                 pack_kv = q0 == 0
                 shape = (sb, sh, sq, kend)
-                cuts = _cuts(shape, parts) if sb * sh * sq * kend >= FANOUT_MIN else (0, [(0, sb)])
+                axis, ranges = _cuts(shape, parts) if sb * sh * sq * kend >= FANOUT_MIN else (0, [(0, sb)])
+                # per part, fixed in phase 1: its mask view and its row pass, compiled for its score layout (a
+                # part's scores are C-contiguous when the dims before the cut axis are 1, else not)
+                layout = sample if all(n == 1 for n in shape[:axis]) else strided
+                plans = []
+                for lo, hi in ranges:
+                    pm = _cut(mv, axis, lo, hi) if mkind != NONE else marr
+                    plans.append((lo, hi, pm, entry(softmax_rows, layout, pm, 0, False, 0, 0.0, 0.0, 0.0)))
                 steps.append((shape, (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
-                              v[(*idx, slice(0, kk))], out[qi], mv, q0, pack_kv, cuts))
-    sample = np.empty((1, 1, 1, 1), dt)
-    kern = entry(softmax_rows, sample, marr, 0, False, 0, 0.0, 0.0, 0.0)
+                              v[(*idx, slice(0, kk))], out[qi], q0, pack_kv, axis, plans))
 
     def area(ws: Any, off: int, shape: tuple[int, ...]) -> Any:
         n = shape[0] * shape[1] * shape[2] * shape[3]
         return ws[off:off + n * item].view(dt).reshape(shape)
 
     def piece(qv: Any, ktp: Any, vt: Any, ov: Any, mv: Any, s: Any, qp: Any, op: Any, q0: int, chunk: int,
-              rows: Any = kern) -> None:
+              rows: Any) -> None:
         """One part of a tile; ``rows``: the row pass compiled for this part's score layout (a range of heads
         of several batch entries is not C-contiguous)."""
         if qp is not None:
@@ -179,7 +189,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     def launch(ws: Any) -> None:
         ktp: Any = None
         vp: Any = None
-        for shape, kshape, qv, ktv, vv, ov, mv, q0, pack_kv, (axis, ranges) in steps:
+        for shape, kshape, qv, ktv, vv, ov, q0, pack_kv, axis, plans in steps:
             sb, sh, sq, kend = shape
             if pack_kv:  # packed for the whole head group (a causal group: the keys its last tile sees)
                 if o_k >= 0:
@@ -193,21 +203,16 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
             s = area(ws, o_s, shape)
             qp = area(ws, o_q, (sb, sh, sq, d)) if o_q >= 0 else None
             op = area(ws, o_o, (sb, sh, sq, dv)) if o_o >= 0 else None
-            vt = (vv if vp is None else vp)[..., :kend, :]
-            kt_ = ktp[..., :kend]
-            if len(ranges) == 1:  # key chunks: a wide-N, small-K GEMM threads badly in OpenBLAS
-                piece(qv, kt_, vt, ov, mv, s, qp, op, q0, QK_CHUNK)
-                continue
-            with serial_calls():  # each part's GEMMs on its own thread, all keys at once
-                views = (qv, kt_, vt, ov, mv if mkind != NONE else None, s, qp, op)
-                calls = []
-                for lo, hi in ranges:
-                    pq, pk, pv, po, pm, ps, pqp, pop = _part(axis, lo, hi, views)
-                    calls.append(functools.partial(piece, pq, pk, pv, po, marr if pm is None else pm, ps, pqp, pop,
-                                                   q0 + (lo if axis == 2 else 0), kend,
-                                                   entry(softmax_rows, ps, marr if pm is None else pm, 0, False, 0,
-                                                         0.0, 0.0, 0.0)))
-                run_parts(calls)
+            views = (qv, ktp[..., :kend], (vv if vp is None else vp)[..., :kend, :], ov, s, qp, op)
+            # one part: its score GEMM in key chunks (a wide-N, small-K GEMM threads badly in OpenBLAS); several:
+            # each part's GEMMs on one BLAS thread, all keys at once
+            chunk = QK_CHUNK if len(plans) == 1 else kend
+            calls = []
+            for lo, hi, pm, rows in plans:
+                pq, pk, pv, po, ps, pqp, pop = _part(axis, lo, hi, views)
+                calls.append(functools.partial(piece, pq, pk, pv, po, pm, ps, pqp, pop,
+                                               q0 + (lo if axis == 2 else 0), chunk, rows))
+            run_blas_parts(calls)
     return launch
 
 

@@ -15,12 +15,14 @@ import functools
 import glob
 import os
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["gemm_for", "fused_gemm", "quiet_threads", "serial_calls"]
+from ...runtime.fanout import run_parts
+
+__all__ = ["gemm_for", "fused_gemm", "quiet_threads", "serial_calls", "run_blas_parts"]
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 _SYMBOLS = {np.dtype(np.float32): ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
@@ -143,6 +145,16 @@ def serial_calls() -> Iterator[None]:
             _serial_depth -= 1
             if _serial_depth == 0:
                 put(_serial_saved)
+
+
+def run_blas_parts(parts: Sequence[Callable[[], Any]]) -> None:
+    """Parts that each call BLAS: a single one runs as it is (OpenBLAS threads it), several run on helper
+    threads with one BLAS thread each (``serial_calls``)."""
+    if len(parts) == 1:
+        parts[0]()
+        return
+    with serial_calls():
+        run_parts(parts)
 
 
 def _agrees(fn: Any, dt: np.dtype[Any]) -> bool:

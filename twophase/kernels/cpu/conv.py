@@ -14,7 +14,7 @@ from numpy.lib.stride_tricks import as_strided
 from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
-from .blas import serial_calls
+from .blas import run_blas_parts
 from .jit import FAST, entry
 
 Launch = Callable[[Any], None]
@@ -458,22 +458,16 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         u_mats = _matrices(u, oc, c)
         for r, (t0, nt) in enumerate(rounds):
             v_mats, m_mats = _matrices(v, c, nt), _matrices(m, oc, nt)
-            if parts == 1:
-                if r == 0:
-                    k_w(w, u, 0, oc)
-                k_in(x, v, t0, nt, geo, s_in[0], 0, c)
-                np.matmul(u_mats, v_mats, out=m_mats)
-                k_out(m, b, has, out, t0, nt, geo, s_out[0], 0, oc)
-                continue
-
-            def transform_in(i: int, t0: int = t0, nt: int = nt, first: bool = r == 0) -> None:
-                if first:
-                    k_w(w, u, *oc_ranges[i])
-                k_in(x, v, t0, nt, geo, s_in[i], *c_ranges[i])
-            run_parts([functools.partial(transform_in, i) for i in range(parts)])
-            with serial_calls():
-                run_parts([functools.partial(np.matmul, u_mats[lo:hi], v_mats[lo:hi], out=m_mats[lo:hi])
-                           for lo, hi in k_ranges])
+            run_parts([functools.partial(transform_in, u, v, t0, nt, r == 0, s_in[i], i) for i in range(parts)])
+            run_blas_parts([functools.partial(np.matmul, u_mats[lo:hi], v_mats[lo:hi], out=m_mats[lo:hi])
+                            for lo, hi in k_ranges])
             run_parts([functools.partial(k_out, m, b, has, out, t0, nt, geo, s_out[i], *oc_ranges[i])
                        for i in range(parts)])
+
+    def transform_in(u: Any, v: Any, t0: int, nt: int, first: bool, scratch: Any, i: int) -> None:
+        """Part i of the weight transform (first round only: its output channels) and of the input transform (its
+        input channels)."""
+        if first:
+            k_w(w, u, *oc_ranges[i])
+        k_in(x, v, t0, nt, geo, scratch, *c_ranges[i])
     return launch

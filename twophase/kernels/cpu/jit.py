@@ -8,7 +8,7 @@ from typing import Any
 import numba
 import numpy as np
 
-__all__ = ["entry", "jit", "jit_par", "jit_reduce", "jit_reduce_par", "FAST", "REDUCE"]
+__all__ = ["entry", "jit", "jit_par", "jit_reduce", "FAST", "REDUCE"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -16,7 +16,6 @@ REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wid
 jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST)
 jit_par = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST, parallel=True)
 jit_reduce = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE)
-jit_reduce_par = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, parallel=True)
 
 
 def _numba_type(a: Any) -> Any:

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from ...errors import InternalError, Status
-from ...runtime.fanout import run_parts, split_range
+from ...runtime.fanout import launcher, run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
 from .jit import entry
@@ -268,19 +268,19 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     pack_bytes = k * n * compute_dt.itemsize
     scratch_bytes = t.threads * t.scratch_len * compute_dt.itemsize
 
+    def row_parts(x: Any, out: Any, scratch: Any) -> list[Callable[[], None]]:
+        return [functools.partial(fn, x[lo:hi], out[lo:hi], scratch[i:i + 1]) for i, (lo, hi) in enumerate(ranges)]
+    if split == 1 and not t.pack:  # whole rows in place in the operands: every part is fixed here, in phase 1
+        return launcher(row_parts(src, dst, own_scratch))
+
     def run(x: Any, out: Any, scratch: Any, ws: Any) -> None:
-        if len(ranges) == 1 and by_rows:  # one part of whole rows: no views to cut
-            if split == 1:
-                fn(x, out, scratch)
-            else:
-                fn(x, out, block, ws[t.part_offset:t.part_offset + k * split * 16].view(np.float64).reshape(
-                    k, split, 2), mode, scratch)
-            return
         if split == 1:
-            run_parts([functools.partial(fn, x[lo:hi], out[lo:hi], scratch[i:i + 1])
-                       for i, (lo, hi) in enumerate(ranges)])
+            run_parts(row_parts(x, out, scratch))
             return
         part = ws[t.part_offset:t.part_offset + k * split * 16].view(np.float64).reshape(k, split, 2)
+        if len(ranges) == 1 and by_rows:  # one part of whole rows: no views to cut
+            fn(x, out, block, part, mode, scratch)
+            return
         if by_rows:
             run_parts([functools.partial(fn, x[lo:hi], out[lo:hi], block, part[lo:hi], mode, scratch[i:i + 1])
                        for i, (lo, hi) in enumerate(ranges)])
