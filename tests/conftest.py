@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 import twophase
+from twophase.kernels.cpu import numba_cache
+
+_TESTS = Path(__file__).parent
+# test kernels inline vmath: their numba cache goes stale with the kernels' sources, as the package's own does
+numba_cache.drop_if_stale(_TESTS / "__pycache__",
+                          numba_cache.source_digest(Path(numba_cache.__file__).parent, _TESTS))
 
 
 @pytest.fixture

@@ -1,1 +1,8 @@
 """CPU kernels (numba ``nogil`` / numpy); each builder takes tiling and views and returns a launch."""
+
+from pathlib import Path
+
+from .numba_cache import drop_if_stale, source_digest
+
+_HERE = Path(__file__).parent
+drop_if_stale(_HERE / "__pycache__", source_digest(_HERE))

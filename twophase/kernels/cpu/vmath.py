@@ -133,8 +133,8 @@ _SQRT_2_OVER_PI = 0.7978845608028654
 
 @jit
 def _horner(c: Any, x: float) -> float:
-    p = 0.0
-    for v in c:
+    p: float = c[0]  # not 0 * x + c[0]: without ninf LLVM must keep that multiply
+    for v in c[1:]:
         p = p * x + v
     return p
 
@@ -297,12 +297,12 @@ def _erfcx_over_t(t: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     return np.where(big, series, direct) / np.maximum(t, 1e-9)  # type: ignore[no-any-return]
 
 
-_GELU_B = 1.0  # |x| below: Phi(x) = 1/2 + x Q(x^2); above: erfc tail
-_GELU_TMAX = 1.0 / (1.0 + _GELU_B * 0.5 * _SQRT1_2)
-_GELU_Q = _fit_f32(lambda s: np.array([math.erf(math.sqrt(v) * _SQRT1_2) / (2 * math.sqrt(v)) if v > 0 else
-                                       1 / math.sqrt(2 * math.pi) for v in s]), 0.0, _GELU_B**2, 5)
-_GELU_H = _fit_f32(_erfcx_over_t, 0.0, _GELU_TMAX, 9)  # erfc(z) = exp(-z^2) t H(t), t = 1/(1 + z/2)
-_EXP_F32 = tuple(_F(1.0 / math.factorial(k)) for k in range(8))[::-1]  # |r| <= ln2/2: degree 7, 5e-9
+_GELU_CLAMP = 14.5  # Phi(-14.5) = 5.8e-48 rounds to 0 in float32 (and gelu(-inf) = -inf * 0 = NaN, as x/2 erfc)
+_GELU_TMIN = 1.0 / (1.0 + _GELU_CLAMP * 0.5 * _SQRT1_2)  # t = 1/(1 + z/2) on [_GELU_TMIN, 1], z = |x|/sqrt 2
+_GELU_TMID = (_GELU_TMIN + 1.0) / 2.0  # H is a polynomial in t - _GELU_TMID (centred: float32 Horner keeps its bits)
+_GELU_H = tuple(_F(0.5) * c for c in _fit_f32(lambda u: _erfcx_over_t(u + _GELU_TMID), _GELU_TMIN - _GELU_TMID,
+                                                1.0 - _GELU_TMID, 9))  # Phi(-|x|) = exp(-x^2/2) t H(t)
+_EXP_F32 = _fit_f32(np.exp, -math.log(2.0) / 2, math.log(2.0) / 2, 6)  # |r| <= ln2/2: 0.35 ulp (float32 coefs)
 _F0, _F1, _FH = _F(0.0), _F(1.0), _F(0.5)
 _F_LOG2E = _F(_LOG2E)
 _F_LN2_HI = _F(0.693359375)  # 12 significant bits: n * hi is exact for |n| <= 2^12
@@ -310,16 +310,23 @@ _F_LN2_LO = _F(math.log(2.0) - 0.693359375)
 _F_EXP_LO, _F_EXP_HI = _F(-104.0), _F(89.0)
 _I1, _I23, _I127 = np.int32(1), np.int32(23), np.int32(127)  # int32 constants keep the arithmetic in int32
 _F_SQRT1_2_HALF = _F(0.5 * _SQRT1_2)
-_F_GELU_B = _F(_GELU_B)
-_F_GELU_CLAMP = _F(20.0)  # Phi(-20) = 2.8e-89 is 0 in float32
+_F_GELU_CLAMP, _F_GELU_TMID = _F(_GELU_CLAMP), _F(_GELU_TMID)
+_F_MH, _F_2M64, _I191 = _F(-0.5), _F(2.0**-64), np.int32(127 + 64)  # 2^(n + 64) stays normal down to n = -190
 
 
 @jit
 def _horner32(c: Any, x: Any) -> Any:
-    p = _F0
-    for v in c:
+    p = c[0]
+    for v in c[1:]:
         p = p * x + v
     return p
+
+
+@jit
+def _exp_reduce_f32(y: Any) -> Any:
+    """n, r with y = n ln2 + r, |r| <= ln2/2 (n * ln2's high part is exact for |n| <= 2^12)."""
+    n = np.floor(y * _F_LOG2E + _FH)
+    return n, (y - n * _F_LN2_HI) - n * _F_LN2_LO
 
 
 @jit
@@ -327,8 +334,7 @@ def exp_f32(x: Any) -> Any:
     """e**x in float32 (within 2 ulp): overflow to inf above 88.72, gradual underflow to 0 below -103.3."""
     xc = _F_EXP_LO if x < _F_EXP_LO else x
     xc = _F_EXP_HI if xc > _F_EXP_HI else xc
-    n = np.floor(xc * _F_LOG2E + _FH)
-    r = (xc - n * _F_LN2_HI) - n * _F_LN2_LO
+    n, r = _exp_reduce_f32(xc)
     p = _horner32(_EXP_F32, r)
     ni = np.int32(n)  # int32 lanes: twice as many per vector as int64 (n is within [-150, 128])
     n1 = ni >> _I1
@@ -356,17 +362,19 @@ def silu_f32(x: Any) -> Any:
 
 @jit
 def gelu_erf_f32(x: Any) -> Any:
-    """x * Phi(x) in float32: Phi = 1/2 + x Q(x^2) for |x| < 1, else from erfc(|x|/sqrt 2) = exp(-x^2/2) t H(t),
-    t = 1/(1 + |x|/(2 sqrt 2)), with x^2 split exactly into hi + lo (the exponent is large, its rounding is not)."""
+    """x * Phi(x) in float32, one formula for every x: Phi(-|x|) = exp(-x^2/2) t H(t), t = 1/(1 + |x|/(2 sqrt 2)),
+    and Phi(|x|) = 1 - Phi(-|x|) (no cancellation: Phi(-|x|) <= 1/2). x^2 is split exactly into hi + lo, the
+    exponent being large and its rounding not; the exp is scaled by 2^64 until Phi is formed, so that
+    intermediates stay normal down to Phi's underflow (|x| > 13.2). NaN propagates through the arithmetic."""
     a = abs(x)
-    small = x * (_FH + x * _horner32(_GELU_Q, x * x))
     ac = _F_GELU_CLAMP if a > _F_GELU_CLAMP else a
     hi = ac * ac
     lo = _fma32(ac, ac, -hi)
     t = _F1 / (_F1 + ac * _F_SQRT1_2_HALF)
-    tail = _FH * exp_f32(-_FH * hi) * (_F1 - _FH * lo) * t * _horner32(_GELU_H, t)  # Phi(-|x|)
-    big = x * (tail if x < _F0 else _F1 - tail)
-    return small if a < _F_GELU_B else big
+    n, r = _exp_reduce_f32(_F_MH * hi)
+    p = _horner32(_EXP_F32, r + _F_MH * lo)
+    tail = p * _as_f32((np.int32(n) + _I191) << _I23) * (t * _horner32(_GELU_H, t - _F_GELU_TMID)) * _F_2M64
+    return x * (tail if x < _F0 else _F1 - tail)
 
 
 def _llvm_binary(float_name: str, int_name: str) -> Any:

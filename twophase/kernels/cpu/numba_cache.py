@@ -1,0 +1,48 @@
+"""Keep numba's on-disk cache honest: drop it when any kernel source changes.
+
+numba keys a cached kernel on its own file's timestamp only, but our kernels inline functions from other
+modules (``vmath``, ``jit``, ``layout``), so editing those would leave stale machine code in the cache
+(numba issue #1833). A digest of every kernel source, stored next to the cache, decides instead.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+__all__ = ["source_digest", "drop_if_stale"]
+
+_STAMP = "twophase-kernels.digest"
+
+
+def source_digest(*dirs: Path) -> str:
+    """sha256 of the ``*.py`` files of ``dirs`` (names and contents, in a fixed order)."""
+    h = hashlib.sha256()
+    for d in dirs:
+        for p in sorted(d.glob("*.py")):
+            h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
+def drop_if_stale(cache_dir: Path, digest: str) -> bool:
+    """Delete the numba cache files (``*.nbi``, ``*.nbc``) in ``cache_dir`` unless its stamp equals ``digest``;
+    then write the stamp. Returns whether anything was dropped. A read-only tree is left as it is (numba then
+    caches elsewhere or not at all)."""
+    stamp = cache_dir / _STAMP
+    try:
+        if stamp.read_text() == digest:
+            return False
+    except OSError:
+        pass
+    dropped = False
+    try:
+        for f in (*cache_dir.glob("*.nbi"), *cache_dir.glob("*.nbc")):
+            f.unlink(missing_ok=True)
+            dropped = True
+        cache_dir.mkdir(exist_ok=True)
+        tmp = stamp.with_suffix(f".{hashlib.sha256(digest.encode()).hexdigest()[:8]}.tmp")
+        tmp.write_text(digest)
+        tmp.replace(stamp)  # atomic: a concurrent reader sees the old stamp or the new one
+    except OSError:
+        pass
+    return dropped
