@@ -1,8 +1,9 @@
 """Operator library I: each kernel side by side with np.copyto of the same bytes, naive numpy and torch (if
 installed), on float32 4096x4096, 64x262144 and 262144x64. Prints a ratio table (higher is better for us).
 
-Every row is timed in interleaved rounds (``bench.common.interleaved``: ours, the baselines, ours, ...; median
-per function), so machine drift and load hit all of them alike. ``python -m bench.bench_ops1 gelu silu`` runs
+Every row is timed in interleaved rounds (``bench.common.interleaved_ratios``: ours, the baselines, ours, ...),
+and each ratio is the median over rounds of the two times taken in the same round, so machine drift and load
+hit both sides alike. ``python -m bench.bench_ops1 gelu silu`` runs
 only the named kernels.
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import interleaved
+from bench.common import interleaved_ratios
 from twophase import device, ops
 
 try:
@@ -25,7 +26,7 @@ except ImportError:  # optional
     torch = None
 
 SHAPES = [(4096, 4096), (64, 262144), (262144, 64)]
-CALLS, ROUNDS = 3, 5  # calls per timing, interleaved rounds (median)
+CALLS, ROUNDS = 3, 7  # calls per timing, interleaved rounds (median of the per-round ratios)
 REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_sum0", "reduce_max0", "argmax", "var")
 
 _verf = np.vectorize(erf, otypes=[np.float32])
@@ -79,7 +80,8 @@ def table() -> None:
     print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}  "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}  cpus={os.cpu_count()}  "
           f"torch={torch.__version__ if torch else 'not installed'}")
-    print("ratios (higher is better for us), medians of interleaved rounds: copyto = t(np.copyto of the output "
+    print("ratios (higher is better for us), medians over interleaved rounds of t(baseline) / t(ours) timed in the "
+          "same round: copyto = t(np.copyto of the output "
           "bytes; for reductions: of the input, which also writes) / t(ours); read = t(one SIMD pass that only "
           "reads the input: np.max of its int32 view) / t(ours), reductions only; naive = t(numpy) / t(ours); "
           "torch = t(torch) / t(ours)")
@@ -118,13 +120,12 @@ def table() -> None:
             else:
                 scale = 1.0
                 fns["naive"] = lambda naive=naive, x=x: naive(x)
-            t = interleaved(fns, 1, rounds=ROUNDS)
+            t, r = interleaved_ratios(fns, "ours", 1, rounds=ROUNDS)
             release()
-            t["naive"] *= scale * CALLS  # one naive call stands for CALLS calls, like the others
+            r["naive"] *= scale * CALLS  # one naive call stands for CALLS calls, like the others
             nan = float("nan")
             print(f"{name:<11} {'x'.join(map(str, shape)):<12} {t['ours'] / CALLS * 1e3:8.2f} "
-                  f"{t['copyto'] / t['ours']:7.2f} {t.get('read', nan) / t['ours']:7.2f} "
-                  f"{t['naive'] / t['ours']:7.2f} {t.get('torch', nan) / t['ours']:7.2f}")
+                  f"{r['copyto']:7.2f} {r.get('read', nan):7.2f} {r['naive']:7.2f} {r.get('torch', nan):7.2f}")
 
 
 def main() -> None:

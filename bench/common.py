@@ -34,15 +34,29 @@ def per_call(fn: Callable[[], object], n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def interleaved(fns: dict[str, Callable[[], object]], n: int, rounds: int = 7) -> dict[str, float]:
-    """Median seconds per call of each function, measured round-robin so drift hits all alike."""
+def _round_robin(fns: dict[str, Callable[[], object]], n: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each function in each round (one warm-up call each first)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
     for fn in fns.values():
         fn()
     for _ in range(rounds):
         for k, fn in fns.items():
             times[k].append(per_call(fn, n))
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def interleaved(fns: dict[str, Callable[[], object]], n: int, rounds: int = 7) -> dict[str, float]:
+    """Median seconds per call of each function, measured round-robin so drift hits all alike."""
+    return {k: statistics.median(v) for k, v in _round_robin(fns, n, rounds).items()}
+
+
+def interleaved_ratios(fns: dict[str, Callable[[], object]], ref: str, n: int,
+                       rounds: int = 7) -> tuple[dict[str, float], dict[str, float]]:
+    """(median seconds per call, median over rounds of t(fn) / t(ref) within the same round) of each function,
+    measured round-robin: a ratio pairs times taken moments apart, so drift between rounds cancels."""
+    times = _round_robin(fns, n, rounds)
+    ratios = {k: statistics.median(a / b for a, b in zip(v, times[ref], strict=True)) for k, v in times.items()}
+    return {k: statistics.median(v) for k, v in times.items()}, ratios
 
 
 def median_ratio(a: Callable[[], float], b: Callable[[], float], rounds: int = 7) -> tuple[float, float, float]:
