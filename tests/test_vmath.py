@@ -42,8 +42,10 @@ def _apply_f32(code: int, x: Any, out: Any) -> None:
             out[i] = vm.sigmoid_f32(v)
         elif code == 2:
             out[i] = vm.silu_f32(v)
-        else:
+        elif code == 3:
             out[i] = vm.gelu_erf_f32(v)
+        else:
+            out[i] = vm.exp_nonpos_f32(v)
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
@@ -100,7 +102,8 @@ def _gelu64(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 # code, float64 reference, bound in float32 ulp (2^-24 relative), |x| below which intermediates are normal floats
 F32_FUNCS: dict[str, tuple[int, Any, float, float]] = {
     "exp_f32": (0, np.exp, 2.0, np.inf), "sigmoid_f32": (1, FUNCS["sigmoid"][1], 8.0, 87.0),
-    "silu_f32": (2, lambda x: x / (1.0 + np.exp(-x)), 8.0, 87.0), "gelu_erf_f32": (3, _gelu64, 8.0, 13.0)}
+    "silu_f32": (2, lambda x: x / (1.0 + np.exp(-x)), 8.0, 87.0), "gelu_erf_f32": (3, _gelu64, 8.0, 13.0),
+    "exp_nonpos_f32": (4, np.exp, 2.0, np.inf)}  # on x <= 0 only (below)
 
 
 @pytest.mark.parametrize("name", list(F32_FUNCS))
@@ -110,6 +113,8 @@ def test_float32_arithmetic_functions_within_their_ulp_bound_over_whole_domain(n
     results near the underflow lose bits gradually (absolute error below the smallest normal float32)."""
     code, ref_fn, ulps, exact_below = F32_FUNCS[name]
     x = all_float32(257)
+    if name == "exp_nonpos_f32":
+        x = x[~(x > 0)]
     out = np.empty_like(x)
     with np.errstate(all="ignore"):
         _apply_f32(code, x, out)

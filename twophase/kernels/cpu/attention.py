@@ -169,9 +169,12 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         return ws[off:off + n * item].view(dt).reshape(shape)
 
     def piece(qv: Any, ktp: Any, vt: Any, ov: Any, mv: Any, s: Any, qp: Any, op: Any, q0: int, chunk: int,
-              rows: Any) -> None:
+              rows: Any, packs: tuple[tuple[Any, Any], ...]) -> None:
         """One part of a tile; ``rows``: the row pass compiled for this part's score layout (a range of heads
-        of several batch entries is not C-contiguous)."""
+        of several batch entries is not C-contiguous); ``packs``: (workspace, source) copies of this part's own
+        keys / values, made here so that parts pack in parallel and GEMM from a warm cache."""
+        for dst, src in packs:
+            np.copyto(dst, src)
         if qp is not None:
             np.copyto(qp, qv)
             qv = qp
@@ -191,15 +194,18 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         vp: Any = None
         for shape, kshape, qv, ktv, vv, ov, q0, pack_kv, axis, plans in steps:
             sb, sh, sq, kend = shape
-            if pack_kv:  # packed for the whole head group (a causal group: the keys its last tile sees)
+            packs: list[tuple[Any, Any]] = []  # k^T / v copies for the whole head group (causal: the keys its
+            if pack_kv:  # last tile sees), made by the parts when they own whole heads, else here
+                ktp = area(ws, o_k, kshape) if o_k >= 0 else ktv
                 if o_k >= 0:
-                    ktp = area(ws, o_k, kshape)
-                    np.copyto(ktp, ktv)
-                else:
-                    ktp = ktv
+                    packs.append((ktp, ktv))
                 if o_v >= 0:
                     vp = area(ws, o_v, (sb, sh, kshape[3], dv))
-                    np.copyto(vp, vv)
+                    packs.append((vp, vv))
+                if axis == 2 or len(plans) == 1:
+                    for dst, src in packs:
+                        np.copyto(dst, src)
+                    packs = []
             s = area(ws, o_s, shape)
             qp = area(ws, o_q, (sb, sh, sq, d)) if o_q >= 0 else None
             op = area(ws, o_o, (sb, sh, sq, dv)) if o_o >= 0 else None
@@ -210,8 +216,9 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
             calls = []
             for lo, hi, pm, rows in plans:
                 pq, pk, pv, po, ps, pqp, pop = _part(axis, lo, hi, views)
+                own = tuple((_cut(dst, axis, lo, hi), _cut(src, axis, lo, hi)) for dst, src in packs)
                 calls.append(functools.partial(piece, pq, pk, pv, po, pm, ps, pqp, pop,
-                                               q0 + (lo if axis == 2 else 0), chunk, rows))
+                                               q0 + (lo if axis == 2 else 0), chunk, rows, own))
             run_blas_parts(calls)
     return launch
 

@@ -29,7 +29,8 @@ from .jit import FAST, REDUCE
 jit = numba.njit(nogil=True, cache=True, fastmath=FAST, inline="always")  # inlined into the calling kernel
 
 __all__ = ["exp", "log", "tanh", "erf", "erfc", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
-           "exp_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32", "maximum", "minimum", "fsum", "exp_shifted"]
+           "exp_f32", "exp_nonpos_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32", "maximum", "minimum", "fsum",
+           "exp_shifted"]
 
 
 def __as_f64_typer(typingctx: Any, bits: Any) -> Any:
@@ -312,6 +313,7 @@ _I1, _I23, _I127 = np.int32(1), np.int32(23), np.int32(127)  # int32 constants k
 _F_SQRT1_2_HALF = _F(0.5 * _SQRT1_2)
 _F_GELU_CLAMP, _F_GELU_TMID = _F(_GELU_CLAMP), _F(_GELU_TMID)
 _F_MH, _F_2M64, _I191 = _F(-0.5), _F(2.0**-64), np.int32(127 + 64)  # 2^(n + 64) stays normal down to n = -190
+_F_NONPOS_LO = _F(-110.0)  # e^-110 = 1.7e-48 rounds to 0 in float32; n = -159 keeps 2^(n + 64) normal
 
 
 @jit
@@ -327,6 +329,21 @@ def _exp_reduce_f32(y: Any) -> Any:
     """n, r with y = n ln2 + r, |r| <= ln2/2 (n * ln2's high part is exact for |n| <= 2^12)."""
     n = np.floor(y * _F_LOG2E + _FH)
     return n, (y - n * _F_LN2_HI) - n * _F_LN2_LO
+
+
+@jit
+def _exp_2p64_f32(y: Any, c: Any) -> Any:
+    """e^(y + c) * 2^64 for y in [-110, 0] and a small correction c to y (0 folds away): a normal float32 even
+    where e^(y + c) itself underflows, so a caller rounds into the denormals once, at its last product."""
+    n, r = _exp_reduce_f32(y)
+    return _horner32(_EXP_F32, r + c) * _as_f32((np.int32(n) + _I191) << _I23)
+
+
+@jit
+def exp_nonpos_f32(x: Any) -> Any:
+    """e**x for x <= 0 (or NaN) in float32, within 2 ulp: the exp of softmax's x - max. Half the range checks of
+    ``exp_f32``: no overflow side, and one scale factor (``_exp_2p64_f32``); NaN propagates through the arithmetic."""
+    return _exp_2p64_f32(_F_NONPOS_LO if x < _F_NONPOS_LO else x, _F0) * _F_2M64
 
 
 @jit
@@ -371,9 +388,7 @@ def gelu_erf_f32(x: Any) -> Any:
     hi = ac * ac
     lo = _fma32(ac, ac, -hi)
     t = _F1 / (_F1 + ac * _F_SQRT1_2_HALF)
-    n, r = _exp_reduce_f32(_F_MH * hi)
-    p = _horner32(_EXP_F32, r + _F_MH * lo)
-    tail = p * _as_f32((np.int32(n) + _I191) << _I23) * (t * _horner32(_GELU_H, t - _F_GELU_TMID)) * _F_2M64
+    tail = _exp_2p64_f32(_F_MH * hi, _F_MH * lo) * (t * _horner32(_GELU_H, t - _F_GELU_TMID)) * _F_2M64
     return x * (tail if x < _F0 else _F1 - tail)
 
 
@@ -409,13 +424,13 @@ def fsum(a: Any) -> float:
 
 
 def exp_shifted(v: Any, m: float) -> Any:
-    """exp(v - m) in v's precision: float32 data in float32 arithmetic (``exp_f32``, 16 lanes per zmm),
-    float64 data with ``exp``."""
+    """exp(v - m) for v <= m (m is a max over v, or NaN) in v's precision: float32 data in float32 arithmetic
+    (``exp_nonpos_f32``, 16 lanes per zmm), float64 data with ``exp``."""
     raise NotImplementedError  # only called from numba kernels
 
 
 @overload(exp_shifted)
 def _exp_shifted_impl(v, m):  # type: ignore[no-untyped-def]  # unannotated, as the implementations (numba checks)
     if v == types.float32:
-        return lambda v, m: exp_f32(v - np.float32(m))
+        return lambda v, m: exp_nonpos_f32(v - np.float32(m))
     return lambda v, m: exp(v - m)
