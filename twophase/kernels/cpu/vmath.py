@@ -362,9 +362,9 @@ def exp_f32(x: Any) -> Any:
 
 @jit
 def _sigmoid_f32(x: Any) -> Any:
-    """1 / (1 + e^-x) from e = e^-|x| (never overflows: results near 0 stay normal down to e^-103)."""
-    e = exp_f32(-abs(x))
-    return (_F1 if x >= _F0 else e) / (_F1 + e) if x == x else x
+    """1 / (1 + e^-x) from e = e^-|x| (never overflows; results near 0 round into the denormals once)."""
+    e = exp_nonpos_f32(-abs(x))  # NaN stays NaN through e
+    return (_F1 if x >= _F0 else e) / (_F1 + e)
 
 
 @jit
