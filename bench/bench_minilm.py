@@ -2,8 +2,9 @@
 one-shot), torch eager, ONNX Runtime and plain numpy op by op, at batch 1x128 and 8x128.
 
 Every implementation gets the same token ids and attention mask and ends in the same pooled, L2-normalised
-embeddings (checked: cosine >= 0.9999 against twophase). Runs are interleaved round-robin so machine drift hits all
-alike; each figure is the median of ``ROUNDS`` runs. torch / onnxruntime are optional (the ``bench`` extra).
+embeddings (checked: cosine >= 0.9999 against twophase). Each implementation runs in blocks of consecutive forwards
+(its steady state), the blocks interleaved round-robin so machine drift hits all alike; each figure is the median
+of at least ``ROUNDS`` forwards. torch / onnxruntime are optional (the ``bench`` extra).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import header
+from bench.common import header, settle
 
 try:
     import torch
@@ -151,16 +152,23 @@ def onnx_session(module: Any, ids: Any, mask: Any, path: str, threads: int = 0) 
     return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
+BLOCK = 5  # timed forwards per block
+
+
 def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
-    """Seconds of each call, ``rounds`` rounds round-robin after one warm-up call each."""
+    """Seconds of each of ``rounds`` (rounded up to whole blocks) calls per function: blocks of ``BLOCK``
+    consecutive calls, each block ``settle``d (a pause for the previous library's spinning workers to go idle,
+    one untimed call), the blocks round-robin. A library is timed in its steady state, as in a serving loop;
+    single calls round-robin measured each one right after another library's workers, still spinning on the
+    same cores (measured: ONNX Runtime 1x128 24 ms that way, 17 ms in blocks)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(rounds):
+    for _ in range(-(-rounds // BLOCK)):
         for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            times[k].append(time.perf_counter() - t0)
+            settle(fn)
+            for _ in range(BLOCK):
+                t0 = time.perf_counter()
+                fn()
+                times[k].append(time.perf_counter() - t0)
     return times
 
 
@@ -175,7 +183,9 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
     npb = NumpyBert(raw, cfg.heads, cfg.eps, cfg.layers)
     tmod = torch_bert(raw, cfg.heads, cfg.eps, cfg.layers) if torch is not None else None
     rows: list[dict[str, Any]] = []
-    notes = [f"rounds {rounds} (median, interleaved); float32; inputs: real sentences padded to 128 tokens"]
+    notes = [f"median of {-(-rounds // BLOCK) * BLOCK} forwards per row, in blocks of {BLOCK} consecutive forwards "
+             "(each after a pause and one untimed forward), blocks interleaved; float32; inputs: real sentences "
+             "padded to 128 tokens"]
     if torch is None:
         notes.append("torch not installed: torch eager and ONNX Runtime rows missing")
     elif ort is None:

@@ -2,7 +2,8 @@
 
 Run: ``.venv/bin/python -m bench.bench_ops2``. ratio = reference time / twophase time (> 1: twophase faster),
 the median over rounds that time twophase and the reference back to back (the machines drift, so each round's
-ratio is taken from times measured together); the ms columns are the medians of each side.
+ratio is taken from times measured together); the ms columns are the medians of each side. Every timing starts
+``settle``d: after a pause in which the other library's spinning workers go idle, and one untimed call.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 import numpy as np
 
 import twophase.ops as ops
+from bench.common import settle
 from twophase.runtime.device import device
 
 try:
@@ -35,6 +37,7 @@ ROUNDS = 7
 
 
 def _per_call(fn: Loop, reps: int) -> float:
+    settle(lambda: fn(1))
     t0 = time.perf_counter()
     fn(reps)
     return (time.perf_counter() - t0) / reps

@@ -26,6 +26,17 @@ def header(title: str) -> str:
     return "\n".join(lines)
 
 
+SETTLE_S = 0.02  # longer than libgomp's spin after a parallel region on these machines (measured: 3-10 ms)
+
+
+def settle(fn: Callable[[], object]) -> None:
+    """Start a timing from the same state for every library: a pause in which other libraries' idle workers
+    stop spinning (torch's OpenMP and ONNX Runtime's pools spin for milliseconds after each call, on the cores
+    the next library needs), then one untimed call of ``fn`` that wakes its own workers."""
+    time.sleep(SETTLE_S)
+    fn()
+
+
 def per_call(fn: Callable[[], object], n: int) -> float:
     """Seconds per call of ``fn`` over ``n`` calls."""
     t0 = time.perf_counter()
@@ -35,12 +46,11 @@ def per_call(fn: Callable[[], object], n: int) -> float:
 
 
 def _round_robin(fns: dict[str, Callable[[], object]], n: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each function in each round (one warm-up call each first)."""
+    """Seconds per call of each function in each round, each timing ``settle``d first."""
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for fn in fns.values():
-        fn()
     for _ in range(rounds):
         for k, fn in fns.items():
+            settle(fn)
             times[k].append(per_call(fn, n))
     return times
 

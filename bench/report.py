@@ -168,7 +168,9 @@ def run_suite(modules: Sequence[str], out_dir: Path = RESULTS) -> Path:
     except ImportError:
         can_plot = False
     lines = ["# twophase benchmark report", "", "Written by `make bench` (`python -m bench`); every ratio is measured "
-             "side by side in one process, runs interleaved.", "", *head, ""]
+             "side by side in one process, runs interleaved; each timing starts after a pause in which the other "
+             "libraries' spinning worker threads go idle, and one untimed call (`bench.common.settle`).", "", *head,
+             ""]
     if not can_plot:
         lines += ["(matplotlib not installed: no plots; `pip install -e '.[bench]'`)", ""]
     for name, text, _result in sections:
