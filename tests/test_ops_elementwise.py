@@ -140,7 +140,8 @@ def test_unsupported_dtype_message_names_supported_dtypes() -> None:
 PACKED_FMA = re.compile(r"vfmadd\w+p[sd]\s+%[yz]mm")
 
 
-@pytest.mark.parametrize("name,dtype", [("silu_f32", np.float32), ("gelu_erf_f32", np.float32), ("exp", np.float64)])
+@pytest.mark.parametrize("name,dtype", [("silu_f32", np.float32), ("gelu_erf_f32", np.float32), ("exp_f32", np.float32),
+                                              ("exp", np.float64)])
 def test_unary_kernel_inner_loop_is_vectorized(name: str, dtype: Any) -> None:
     """The specialised span kernel, recompiled uncached (cached code has no assembly), uses packed FMAs."""
     span = KERNELS[name][0]
@@ -152,10 +153,11 @@ def test_unary_kernel_inner_loop_is_vectorized(name: str, dtype: Any) -> None:
 
 def test_float32_data_uses_the_float32_kernels() -> None:
     assert function_for("gelu_erf", np.float32) == "gelu_erf_f32"
-    assert function_for("gelu_erf", np.float64) == "gelu_erf" and function_for("exp", np.float32) == "exp"
+    assert function_for("gelu_erf", np.float64) == "gelu_erf" and function_for("exp", np.float32) == "exp_f32"
+    assert function_for("tanh", np.float32) == "tanh"  # no float32 variant: computed in float64
 
 
-@pytest.mark.parametrize("name", ["gelu", "silu", "sigmoid"])
+@pytest.mark.parametrize("name", ["gelu", "silu", "sigmoid", "exp"])
 def test_float32_unary_within_a_few_ulp_of_float64_reference(name: str) -> None:
     x = np.concatenate([np.linspace(-20, 20, 200_001), [0.0, -0.0, 1.0, -1.0, 1e-30, -1e-30]]).astype(np.float32)
     op = getattr(ops, name)

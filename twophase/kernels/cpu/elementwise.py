@@ -24,7 +24,7 @@ from .jit import FAST, entry
 kern = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy")
 
 FUNCS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
-         "sigmoid_f32", "silu_f32", "gelu_erf_f32")
+         "sigmoid_f32", "silu_f32", "gelu_erf_f32", "exp_f32")
 CODES = {name: i for i, name in enumerate(FUNCS)}
 # functions with a float32-arithmetic variant: those whose exp argument is exact in float32 (gelu_tanh's 2u is not:
 # its rounding, amplified by exp, would cost ~|2u| ulp, so it stays in float64)
@@ -56,7 +56,9 @@ def _apply(code: int, v: Any) -> Any:
         return vm.sigmoid_f32(v)
     if code == 9:
         return vm.silu_f32(v)
-    return vm.gelu_erf_f32(v)
+    if code == 10:
+        return vm.gelu_erf_f32(v)
+    return vm.exp_f32(v)
 
 
 def _specialise(code: int) -> tuple[Any, Any]:
