@@ -21,20 +21,19 @@ from ...runtime.fanout import fanout_parts, split_range
 from . import jit as _jit
 from . import vmath
 from .blas import run_blas_parts
-from .jit import REDUCE, entry
+from .jit import entry
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
-jit_reduce: Kernel = _jit.jit_reduce
-jit_inline: Kernel = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, inline="always")
+jit_inline: Kernel = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=_jit.FAST, inline="always")
 
 NONE, ADDITIVE, BOOL = 0, 1, 2
 QK_CHUNK = 128  # keys per score GEMM call (measured: 4 calls of N=128 beat one of N=512 with threaded BLAS)
 FANOUT_MIN = 1 << 16  # score elements per tile from which it is cut into parts for helper threads
 
 
-@jit_reduce
+@jit
 def softmax_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float,
                  tiny: float) -> None:
     """Rows of ``s`` (nb, nh, nq, nk; query rows from ``q0``, keys from 0) become softmax(scale * s + mask), 0
@@ -49,8 +48,9 @@ def softmax_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: flo
 @jit_inline
 def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float, tiny: float,
                b: int, h: int) -> None:
-    """The rows of one (batch, head) block in s's precision: scale and mask fused with the max, exp and sum
-    (float64) in a second pass, normalize in a third; keys past a causal row's end become 0."""
+    """The rows of one (batch, head) block in s's precision: scale and mask fused with the max, the exps in a
+    second pass, their float64 sum (``vmath.fsum``: reassociated there, never in the exp's range reduction) in a
+    third, normalize in a fourth; keys past a causal row's end become 0."""
     nq, nk = s.shape[2], s.shape[3]
     ft = s.dtype.type
     sc = ft(scale)
@@ -76,11 +76,9 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
                 x = row[j] * sc
                 row[j] = x
                 m = vmath.maximum(m, x)
-        total = 0.0
         for j in range(kend):
-            e = vmath.exp_shifted(row[j], m)
-            row[j] = e
-            total += e
+            row[j] = vmath.exp_shifted(row[j], m)
+        total = vmath.fsum(row[:kend])  # reassociated (vectorized) there; the exps here are not
         inv = ft(1.0 / max(total, tiny))  # and its sum is tiny: 0 * (1 / tiny) = 0
         for j in range(kend):
             row[j] = row[j] * inv
