@@ -149,7 +149,6 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 qi = (*idx, slice(q0, q0 + sq))
                 mv = marr[(*qi, slice(0, kend))] if mkind != NONE else marr
                 kk = min(nk, nq) if causal else nk  # the keys the group's last tile sees
-                pack_kv = q0 == 0
                 shape = (sb, sh, sq, kend)
                 axis, ranges = _cuts(shape, parts) if sb * sh * sq * kend >= FANOUT_MIN else (0, [(0, sb)])
                 # per part, fixed in phase 1: its mask view and its row pass, compiled for its score layout (a
@@ -159,6 +158,8 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 for lo, hi in ranges:
                     pm = _cut(mv, axis, lo, hi) if mkind != NONE else marr
                     plans.append((lo, hi, pm, entry(softmax_rows, layout, pm, 0, False, 0, 0.0, 0.0, 0.0)))
+                # the group's k^T / v copies: made by the parts when they own whole heads, else before them
+                pack_kv = 0 if q0 else (2 if axis != 2 and len(plans) > 1 else 1)
                 steps.append((shape, (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
                               v[(*idx, slice(0, kk))], out[qi], q0, pack_kv, axis, plans))
 
@@ -192,15 +193,15 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         vp: Any = None
         for shape, kshape, qv, ktv, vv, ov, q0, pack_kv, axis, plans in steps:
             sb, sh, sq, kend = shape
-            packs: list[tuple[Any, Any]] = []  # k^T / v copies for the whole head group (causal: the keys its
-            if pack_kv:  # last tile sees), made by the parts when they own whole heads, else here
+            packs: list[tuple[Any, Any]] = []  # k^T / v for the whole head group (causal: the keys its last
+            if pack_kv:  # tile sees); 1: copied here, 2: each part copies its own heads
                 ktp = area(ws, o_k, kshape) if o_k >= 0 else ktv
                 if o_k >= 0:
                     packs.append((ktp, ktv))
                 if o_v >= 0:
                     vp = area(ws, o_v, (sb, sh, kshape[3], dv))
                     packs.append((vp, vv))
-                if axis == 2 or len(plans) == 1:
+                if pack_kv == 1:
                     for dst, src in packs:
                         np.copyto(dst, src)
                     packs = []
