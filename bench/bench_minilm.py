@@ -152,6 +152,69 @@ def onnx_session(module: Any, ids: Any, mask: Any, path: str, threads: int = 0) 
     return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
+def onnx_linears(raw: dict[str, Any], cfg: Any, rows: int) -> Any:
+    """An ORT session running the forward's linears alone, as MiniLM runs them (Q, K and V fused): per layer
+    MatMul + Add nodes hidden -> 3 hidden, hidden -> hidden, hidden -> intermediate and back, every one reading
+    the graph's inputs ``x`` (rows, hidden) and ``f`` (rows, intermediate); the weights are initializers (which
+    ORT prepacks)."""
+    from onnx import TensorProto, helper, numpy_helper
+    nodes, inits, outs = [], [], []
+    for i in range(cfg.layers):
+        p = f"encoder.layer.{i}."
+        att = p + "attention.self."
+        mats = {"qkv": ("x", np.concatenate([raw[att + m + ".weight"] for m in ("query", "key", "value")]),
+                        np.concatenate([raw[att + m + ".bias"] for m in ("query", "key", "value")])),
+                "o": ("x", raw[p + "attention.output.dense.weight"], raw[p + "attention.output.dense.bias"]),
+                "f1": ("x", raw[p + "intermediate.dense.weight"], raw[p + "intermediate.dense.bias"]),
+                "f2": ("f", raw[p + "output.dense.weight"], raw[p + "output.dense.bias"])}
+        for name, (src, w, bias) in mats.items():
+            tag = f"{name}{i}"
+            inits += [numpy_helper.from_array(np.ascontiguousarray(w.T, np.float32), "w" + tag),
+                      numpy_helper.from_array(np.asarray(bias, np.float32), "b" + tag)]
+            nodes += [helper.make_node("MatMul", [src, "w" + tag], ["m" + tag]),
+                      helper.make_node("Add", ["m" + tag, "b" + tag], ["y" + tag])]
+            outs.append(helper.make_tensor_value_info("y" + tag, TensorProto.FLOAT, [rows, w.shape[0]]))
+    ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, cfg.hidden]),
+           helper.make_tensor_value_info("f", TensorProto.FLOAT, [rows, cfg.intermediate])]
+    graph = helper.make_graph(nodes, "minilm_linears", ins, outs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
+def linear_share(model: Any, raw: dict[str, Any], b: int, n: int, rounds: int) -> dict[str, float]:
+    """Median ms of the forward's 24 linears alone: twophase's ``linear`` executors on the model's own weights
+    (one stream, one synchronize) and the same MatMul + Add nodes in ONNX Runtime, timed as the forwards are."""
+    import twophase as tp
+    cfg = model.config
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((b * n, cfg.hidden), dtype=np.float32)
+    f = rng.standard_normal((b * n, cfg.intermediate), dtype=np.float32)
+    dev, s = model.dev, model.stream
+    xt, ft = dev.tensor(x, stream=s), dev.tensor(f, stream=s)
+    calls = [tp.plan("linear", ft if k == "f2" else xt, lw[k + "_w"], lw[k + "_b"], stream=s)
+             for lw in model.weights.layers for k in ("qkv", "o", "f1", "f2")]
+    sess = onnx_linears(raw, cfg, b * n)
+    try:
+        def ours() -> None:
+            for c in calls:
+                c()
+            s.synchronize()
+
+        def onnx() -> None:
+            sess.run(None, {"x": x, "f": f})
+        ours()
+        got, want = calls[-1].outputs[0].numpy(), sess.run(None, {"x": x, "f": f})[-1]
+        if not np.allclose(got, want, rtol=1e-3, atol=1e-3):
+            raise AssertionError("the linears disagree with ONNX Runtime's")
+        times = _interleaved({"twophase": ours, "ONNX Runtime": onnx}, rounds)
+        return {k: statistics.median(v) * 1e3 for k, v in times.items()}
+    finally:
+        for c in calls:
+            c.close()
+        for t in (xt, ft):
+            t.free(s)
+
+
 BLOCK = 5  # timed forwards per block
 
 
@@ -248,6 +311,15 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
             hc = host_costs(model, batch)
             notes.append(f"{b}x{n}: host cost per forward on the null device (no kernels): "
                          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hc.items()))
+            if ort is not None and "twophase graph replay" in fns:
+                lin = linear_share(model, raw, b, n, rounds)
+                fwd = {r["impl"]: r["ms"] for r in rows if r["case"] == f"{b}x{n}"}
+                ours_l, ort_l = lin["twophase"], lin["ONNX Runtime"]
+                notes.append(f"{b}x{n}: the forward's 24 linears alone (x @ W + b, MiniLM's weights, timed as the "
+                             f"forwards): twophase {ours_l:.2f} ms, ONNX Runtime MatMul + Add {ort_l:.2f} ms "
+                             f"({ours_l / ort_l:.2f}x); the rest of the forward: twophase graph replay "
+                             f"{fwd['twophase graph replay'] - ours_l:.2f} ms, ONNX Runtime "
+                             f"{fwd['ONNX Runtime'] - ort_l:.2f} ms")
             if "twophase graph replay" in fns:
                 g = model.graphs[batch.shape].graph
                 gm = g.memory
