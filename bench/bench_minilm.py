@@ -235,6 +235,23 @@ def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, li
     return times
 
 
+IDLE_S = 0.05  # the pause before each forward of the "after idle" timing
+
+
+def _after_idle(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
+    """Median seconds of one forward started after ``IDLE_S`` of idleness (a request arriving at a quiet
+    server): every library's worker threads have gone to sleep by then, and each pays for waking its own. Calls
+    round-robin, one per library per round."""
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for k, fn in fns.items():
+            time.sleep(IDLE_S)
+            t0 = time.perf_counter()
+            fn()
+            times[k].append(time.perf_counter() - t0)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
 def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
     """Measure every case; returns {"rows": [...], "notes": [...]} (also used by the report)."""
     from twophase.models.minilm import MiniLM, load_weights, model_dir
@@ -303,6 +320,12 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
                 if cos.min() < 0.9999:
                     notes.append(f"WARNING {name} at {b}x{n}: min cosine vs twophase {cos.min():.6f}")
             times = _interleaved(fns, rounds)
+            if b == 1:
+                cold = _after_idle({k: v for k, v in fns.items() if k != "numpy op-by-op"}, rounds)
+                steady = {k: statistics.median(v) for k, v in times.items()}
+                notes.append(f"{b}x{n}: one forward after {IDLE_S * 1e3:.0f} ms idle (median of {rounds}, "
+                             "round-robin; every library's threads asleep): " + ", ".join(
+                                 f"{k} {t * 1e3:.2f} ms (+{(t - steady[k]) * 1e3:.2f})" for k, t in cold.items()))
             for name, ts in times.items():
                 rows.append({"case": f"{b}x{n}", "impl": name, "ms": statistics.median(ts) * 1e3,
                              "p10": float(np.percentile(ts, 10)) * 1e3, "p90": float(np.percentile(ts, 90)) * 1e3,
