@@ -10,6 +10,7 @@ of at least ``ROUNDS`` forwards. torch / onnxruntime are optional (the ``bench``
 from __future__ import annotations
 
 import functools
+import importlib.util
 import math
 import os
 import statistics
@@ -334,7 +335,7 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
             hc = host_costs(model, batch)
             notes.append(f"{b}x{n}: host cost per forward on the null device (no kernels): "
                          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hc.items()))
-            if ort is not None and "twophase graph replay" in fns:
+            if ort is not None and importlib.util.find_spec("onnx") and "twophase graph replay" in fns:
                 lin = linear_share(model, raw, b, n, rounds)
                 fwd = {r["impl"]: r["ms"] for r in rows if r["case"] == f"{b}x{n}"}
                 ours_l, ort_l = lin["twophase"], lin["ONNX Runtime"]
