@@ -153,7 +153,7 @@ def onnx_session(module: Any, ids: Any, mask: Any, path: str, threads: int = 0) 
     return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
-def onnx_linears(raw: dict[str, Any], cfg: Any, rows: int) -> Any:
+def onnx_linears(raw: dict[str, Any], cfg: Any, rows: int, threads: int = 0) -> Any:
     """An ORT session running the forward's linears alone, as MiniLM runs them (Q, K and V fused): per layer
     MatMul + Add nodes hidden -> 3 hidden, hidden -> hidden, hidden -> intermediate and back, every one reading
     the graph's inputs ``x`` (rows, hidden) and ``f`` (rows, intermediate); the weights are initializers (which
@@ -179,10 +179,12 @@ def onnx_linears(raw: dict[str, Any], cfg: Any, rows: int) -> Any:
            helper.make_tensor_value_info("f", TensorProto.FLOAT, [rows, cfg.intermediate])]
     graph = helper.make_graph(nodes, "minilm_linears", ins, outs, inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads  # as the forward's session
+    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def linear_share(model: Any, raw: dict[str, Any], b: int, n: int, rounds: int) -> dict[str, float]:
+def linear_share(model: Any, raw: dict[str, Any], b: int, n: int, rounds: int, threads: int = 0) -> dict[str, float]:
     """Median ms of the forward's 24 linears alone: twophase's ``linear`` executors on the model's own weights
     (one stream, one synchronize) and the same MatMul + Add nodes in ONNX Runtime, timed as the forwards are."""
     import twophase as tp
@@ -194,7 +196,7 @@ def linear_share(model: Any, raw: dict[str, Any], b: int, n: int, rounds: int) -
     xt, ft = dev.tensor(x, stream=s), dev.tensor(f, stream=s)
     calls = [tp.plan("linear", ft if k == "f2" else xt, lw[k + "_w"], lw[k + "_b"], stream=s)
              for lw in model.weights.layers for k in ("qkv", "o", "f1", "f2")]
-    sess = onnx_linears(raw, cfg, b * n)
+    sess = onnx_linears(raw, cfg, b * n, threads)
     try:
         def ours() -> None:
             for c in calls:
@@ -242,10 +244,13 @@ IDLE_S = 0.05  # the pause before each forward of the "after idle" timing
 def _after_idle(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
     """Median seconds of one forward started after ``IDLE_S`` of idleness (a request arriving at a quiet
     server): every library's worker threads have gone to sleep by then, and each pays for waking its own. Calls
-    round-robin, one per library per round."""
+    round-robin, one per library per round, each round starting one library later (who runs after whom
+    changes the figures: torch's and ONNX Runtime's pools may still be spinning)."""
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
+    names = list(fns)
+    for r in range(rounds):
+        for k in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[k]
             time.sleep(IDLE_S)
             t0 = time.perf_counter()
             fn()
@@ -326,7 +331,7 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
                 steady = {k: statistics.median(v) for k, v in times.items()}
                 notes.append(f"{b}x{n}: one forward after {IDLE_S * 1e3:.0f} ms idle (median of {rounds}, "
                              "round-robin; every library's threads asleep): " + ", ".join(
-                                 f"{k} {t * 1e3:.2f} ms (+{(t - steady[k]) * 1e3:.2f})" for k, t in cold.items()))
+                                 f"{k} {t * 1e3:.2f} ms ({(t - steady[k]) * 1e3:+.2f})" for k, t in cold.items()))
             for name, ts in times.items():
                 rows.append({"case": f"{b}x{n}", "impl": name, "ms": statistics.median(ts) * 1e3,
                              "p10": float(np.percentile(ts, 10)) * 1e3, "p90": float(np.percentile(ts, 90)) * 1e3,
@@ -336,7 +341,7 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
             notes.append(f"{b}x{n}: host cost per forward on the null device (no kernels): "
                          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hc.items()))
             if ort is not None and importlib.util.find_spec("onnx") and "twophase graph replay" in fns:
-                lin = linear_share(model, raw, b, n, rounds)
+                lin = linear_share(model, raw, b, n, rounds, ort_threads)
                 fwd = {r["impl"]: r["ms"] for r in rows if r["case"] == f"{b}x{n}"}
                 ours_l, ort_l = lin["twophase"], lin["ONNX Runtime"]
                 rest = fwd["twophase graph replay"] - ours_l, fwd["ONNX Runtime"] - ort_l
