@@ -237,3 +237,32 @@ def test_row_softmax_keeps_the_exp_range_reduction_exact() -> None:
     ref /= ref.sum(-1, keepdims=True)
     normal = ref >= fi.tiny
     assert np.max(np.abs(s[normal] / ref[normal] - 1)) <= 4 * 2.0**-24
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_parts_cut_after_a_dim_above_one(causal: bool) -> None:
+    """Four parts of a (2, 6, 96, 96) tile are head ranges of both batch entries: score blocks that are not
+    C-contiguous as a whole (the row pass takes each head's dense block on its own), with and without a mask."""
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, 2, 6, 96, 96, 16, 8)
+    keep = rng.random((2, 1, 96, 96)) < 0.8
+    old = twophase.settings.num_threads
+    twophase.set_num_threads(4)
+    try:
+        with forced("materialized"):
+            plain = run_checked(sdpa, q, k, v, None, is_causal=causal)
+            masked = None if causal else run_checked(sdpa, q, k, v, keep)
+    finally:
+        twophase.set_num_threads(old)
+    _check(plain, reference(q, k, v, None, is_causal=causal))
+    if masked is not None:
+        _check(masked, reference(q, k, v, keep))
+
+
+def test_row_pass_refuses_score_blocks_that_are_not_dense() -> None:
+    from twophase.kernels.cpu import attention as kern
+    s = np.zeros((1, 2, 8, 16), np.float32)[..., ::2]  # rows of 8 scores, 2 apart
+    fi = np.finfo(np.float32)
+    with pytest.raises(ValueError, match="not dense"):
+        kern.softmax_rows(s, np.ones((1, 1, 1, 1), np.float32), kern.NONE, False, 0, 1.0, float(-fi.max),
+                          float(fi.tiny))
