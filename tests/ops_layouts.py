@@ -1,4 +1,4 @@
-"""Put a host array on the CPU device in a chosen memory layout (dense, strided, transposed, reversed)."""
+"""Put a host array on the CPU device in a chosen memory layout (dense, strided, transposed, reversed, padded)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from twophase import device
 from twophase.tensor import Tensor
 
-LAYOUTS = ("dense", "strided", "transposed", "reversed")
+LAYOUTS = ("dense", "strided", "transposed", "reversed", "padded")
 
 
 def on_device(a: np.ndarray[Any, Any], layout: str = "dense") -> Tensor:
@@ -27,6 +27,9 @@ def on_device(a: np.ndarray[Any, Any], layout: str = "dense") -> Tensor:
     elif layout == "transposed":
         base = np.zeros(a.shape[::-1], a.dtype)
         view = base.T
+    elif layout == "padded":  # the leading part of each row of a wider array: dense rows, the whole not
+        base = np.zeros(a.shape[:-1] + (a.shape[-1] + 3,), a.dtype)
+        view = base[..., 1:a.shape[-1] + 1]
     else:
         base = np.zeros(a.shape, a.dtype)
         view = base[::-1]

@@ -73,7 +73,11 @@ def _specialise(code: int) -> tuple[Any, Any]:
     @kern
     def rows(x: Any, out: Any) -> None:
         for k in range(x.shape[0]):
-            span(x[k], out[k])
+            xr, orow = x[k], out[k]
+            if xr.strides[0] == xr.itemsize and orow.strides[0] == orow.itemsize:
+                span(np.ascontiguousarray(xr), np.ascontiguousarray(orow))  # typed dense: the loop vectorizes
+            else:
+                span(xr, orow)
 
     return span, rows
 

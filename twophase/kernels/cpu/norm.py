@@ -28,33 +28,44 @@ def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mea
     """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b in
     the data's precision (but x - mean in float64). Sums in float64: float32 data takes the sum and the sum of
     squares in one pass (var = E[x^2] - mean^2: float64 sums of float32 values keep it to ~1e-16 * (mean /
-    std)^2 relative), float64 data two passes (the centred sum of squares)."""
-    n = x.shape[1]
-    one_pass = x.itemsize <= 4
+    std)^2 relative), float64 data two passes (the centred sum of squares). Rows whose elements are adjacent
+    are typed dense, so the loops vectorize when the matrix itself is not (rows of a wider array)."""
     for k in range(x.shape[0]):
-        s = 0.0
-        q = 0.0
-        if rms or one_pass:
-            for i in range(n):
-                v = np.float64(x[k, i])  # v * v exact for float32 data
-                s += v
-                q += v * v
-            mu = 0.0 if rms else s / n
-            var = q / n if rms else max(q / n - mu * mu, 0.0)
+        xr, orow = x[k], out[k]
+        if xr.strides[0] == xr.itemsize and orow.strides[0] == orow.itemsize:
+            mu, r = _norm_row(np.ascontiguousarray(xr), w, b, eps, rms, np.ascontiguousarray(orow))
         else:
-            for i in range(n):
-                s += x[k, i]
-            mu = s / n
-            for i in range(n):
-                d = x[k, i] - mu
-                q += d * d
-            var = q / n
-        r = 1.0 / math.sqrt(var + eps)
-        rr = x.dtype.type(r)
-        for i in range(n):  # x - mean in float64 (exact for float32 x), rounded once: accurate when rstd is large
-            out[k, i] = x.dtype.type(np.float64(x[k, i]) - mu) * rr * w[i] + b[i]
+            mu, r = _norm_row(xr, w, b, eps, rms, orow)
         mean[k] = mu
         rstd[k] = r
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {"reassoc"}, inline="always")
+def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any) -> tuple[float, float]:
+    """One row of ``layer_norm_rows``: writes it, returns (mean, rstd)."""
+    n = x.shape[0]
+    s = 0.0
+    q = 0.0
+    if rms or x.itemsize <= 4:
+        for i in range(n):
+            v = np.float64(x[i])  # v * v exact for float32 data
+            s += v
+            q += v * v
+        mu = 0.0 if rms else s / n
+        var = q / n if rms else max(q / n - mu * mu, 0.0)
+    else:
+        for i in range(n):
+            s += x[i]
+        mu = s / n
+        for i in range(n):
+            d = x[i] - mu
+            q += d * d
+        var = q / n
+    r = 1.0 / math.sqrt(var + eps)
+    rr = x.dtype.type(r)
+    for i in range(n):  # x - mean in float64 (exact for float32 x), rounded once: accurate when rstd is large
+        out[i] = x.dtype.type(np.float64(x[i]) - mu) * rr * w[i] + b[i]
+    return mu, r
 
 
 def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: float, rms: bool,

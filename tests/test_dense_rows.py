@@ -1,0 +1,73 @@
+"""Row kernels on rows of a wider array (each row dense, the matrix not): their loops take such rows typed dense
+(a view, never a copy), so the results must be right and every output element written, the output rows padded
+too, with shapes of several rows and widths that are not multiples of a vector."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from ops_layouts import on_device
+
+from twophase import ops
+from twophase.testing import run_checked
+
+SHAPES = [(33, 129), (3, 11, 70)]
+ROW_OPS: dict[str, tuple[Any, dict[str, Any]]] = {
+    "softmax": (ops.softmax, {"dim": -1}),
+    "log_softmax": (ops.log_softmax, {"dim": -1}),
+    "gelu": (ops.gelu, {}),
+    "exp": (ops.exp, {}),
+    "silu": (ops.silu, {}),
+}
+REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "argmax", "var")
+
+
+def _x(shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
+    return (np.random.default_rng(len(shape)).standard_normal(shape) * 2).astype(np.float32)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", sorted(ROW_OPS))
+@pytest.mark.parametrize("where", ["input", "output", "both"])
+def test_row_ops_on_padded_rows(name: str, shape: tuple[int, ...], where: str) -> None:
+    op, attrs = ROW_OPS[name]
+    x = _x(shape)
+    xin = on_device(x, "padded") if where != "output" else on_device(x)
+    out = on_device(np.zeros(shape, np.float32), "padded") if where != "input" else None
+    r = run_checked(op, xin, out=out, **attrs)
+    assert r.unwritten == (0,)
+    np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), **attrs), rtol=2e-5,
+                               atol=2e-6)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("rms", [False, True])
+def test_norms_on_padded_rows(shape: tuple[int, ...], rms: bool) -> None:
+    x = _x(shape)
+    n = shape[-1]
+    rng = np.random.default_rng(3)
+    w, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
+    outs = (on_device(np.zeros(shape, np.float32), "padded"),
+            *(on_device(np.zeros(shape[:-1] + (1,), np.float32)) for _ in range(2)))  # out, mean, rstd
+    if rms:
+        r = run_checked(ops.rms_norm, on_device(x, "padded"), w, out=outs, normalized_shape=(n,))
+        want = ops.rms_norm.spec.reference(x.astype(np.float64), w, normalized_shape=(n,))
+    else:
+        r = run_checked(ops.layer_norm, on_device(x, "padded"), w, b, out=outs, normalized_shape=(n,))
+        want = ops.layer_norm.spec.reference(x.astype(np.float64), w, b, normalized_shape=(n,))
+    want = want[0] if isinstance(want, tuple) else want
+    assert all(u == 0 for u in r.unwritten)
+    np.testing.assert_allclose(r.outputs[0], want, rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("name", REDUCTIONS)
+def test_reductions_of_padded_rows(name: str, shape: tuple[int, ...]) -> None:
+    op = getattr(ops, name)
+    x = _x(shape)
+    attrs: dict[str, Any] = {"dim": -1} if name == "argmax" else {"dims": (-1,)}
+    r = run_checked(op, on_device(x, "padded"), **attrs)
+    want = op.spec.reference(x.astype(np.float64) if name != "argmax" else x, **attrs)
+    np.testing.assert_allclose(r.outputs[0], want, rtol=1e-5, atol=1e-5)
