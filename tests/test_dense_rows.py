@@ -14,6 +14,7 @@ from twophase import ops
 from twophase.testing import run_checked
 
 SHAPES = [(33, 129), (3, 11, 70)]
+LONG = (3, 40000)  # softmax splits rows this long into blocks (ops.normalization.LONG_ROW)
 ROW_OPS: dict[str, tuple[Any, dict[str, Any]]] = {
     "softmax": (ops.softmax, {"dim": -1}),
     "log_softmax": (ops.log_softmax, {"dim": -1}),
@@ -28,7 +29,7 @@ def _x(shape: tuple[int, ...]) -> np.ndarray[Any, Any]:
     return (np.random.default_rng(len(shape)).standard_normal(shape) * 2).astype(np.float32)
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", [*SHAPES, LONG])
 @pytest.mark.parametrize("name", sorted(ROW_OPS))
 @pytest.mark.parametrize("where", ["input", "output", "both"])
 def test_row_ops_on_padded_rows(name: str, shape: tuple[int, ...], where: str) -> None:

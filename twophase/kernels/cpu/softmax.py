@@ -189,59 +189,69 @@ def _merge(part: Any, k: int, mode: int) -> None:
 
 
 @jit_inline
-def _block(x: Any, block: int, t: int, nb: int) -> Any:
+def _block(x: Any, block: int, t: int, nb: int, dense: bool) -> Any:
     k, j = t // nb, t % nb
-    return x[k, j * block:min(x.shape[1], (j + 1) * block)]
+    return _row(x, k, dense)[j * block:min(x.shape[1], (j + 1) * block)]
 
 
 @jit_inline
-def _partials(x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: int, t1: int) -> None:
+def _partials(x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: int, t1: int, dense: bool) -> None:
     """(m, s) of blocks ``t0 <= t < t1`` of the row-major (row, block) task list into ``part``: m the block's max,
     s the sum of exp(x - m) stored into out (softmax, log-softmax not in place) or the scratch ``tmp``. Block
     t + 1's max is read in block t's exp loop. An all -inf block shifts by 0 (its exps are 0, s = 0) so that it
-    merges as nothing; a whole row of -inf still gives NaN."""
+    merges as nothing; a whole row of -inf still gives NaN. ``dense``: rows taken as dense vectors (``_row``)."""
     if t0 >= t1:
         return
     nb = part.shape[1]
-    m_next = _max(_block(x, block, t0, nb))
+    m_next = _max(_block(x, block, t0, nb, dense))
     for t in range(t0, t1):
         k, j = t // nb, t % nb
         lo, hi = j * block, min(x.shape[1], (j + 1) * block)
-        xb = x[k, lo:hi]
-        e = tmp[:hi - lo] if mode == LOG_SOFTMAX else out[k, lo:hi]
+        xb = _row(x, k, dense)[lo:hi]
+        e = tmp[:hi - lo] if mode == LOG_SOFTMAX else _row(out, k, dense)[lo:hi]
         m = m_next
-        y = _block(x, block, t + 1, nb) if t + 1 < t1 else xb  # the last block re-reads itself (max unused)
+        y = _block(x, block, t + 1, nb, dense) if t + 1 < t1 else xb  # the last block re-reads itself
         m_next = _exp_store_max(xb, e, m if m != -np.inf else 0.0, y)
         part[k, j, 0], part[k, j, 1] = m, vm.fsum(e)
 
 
 @jit_inline
-def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int) -> None:
+def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int, dense: bool) -> None:
     lo, hi = j * block, min(x.shape[1], (j + 1) * block)
     if mode == SOFTMAX:
-        _scale(out[k, lo:hi], part[k, j, 0])
+        _scale(_row(out, k, dense)[lo:hi], part[k, j, 0])
     else:
-        _shift(x[k, lo:hi], out[k, lo:hi], part[k, j, 0], part[k, j, 1])
+        _shift(_row(x, k, dense)[lo:hi], _row(out, k, dense)[lo:hi], part[k, j, 0], part[k, j, 1])
 
 
 @jit
 def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, scratch: Any) -> None:
     """Long rows, one after the other: a row's block partials, their merge, its writes (the row stays in L2 /
     L3 between the passes)."""
-    tmp = scratch[0]
+    if _dense(x) and _dense(out):
+        _split_rows(x, out, block, part, mode, scratch[0], True)
+    else:
+        _split_rows(x, out, block, part, mode, scratch[0], False)
+
+
+@jit_inline
+def _split_rows(x: Any, out: Any, block: int, part: Any, mode: int, tmp: Any, dense: bool) -> None:
     nb = part.shape[1]
     for k in range(x.shape[0]):
-        _partials(x, out, tmp, block, part, mode, k * nb, (k + 1) * nb)
+        _partials(x, out, tmp, block, part, mode, k * nb, (k + 1) * nb, dense)
         _merge(part, k, mode)
         for j in range(nb):
-            _write(x, out, block, part, k, j, mode)
+            _write(x, out, block, part, k, j, mode, dense)
 
 
 @jit
 def split_partials(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int, scratch: Any) -> None:
     """Blocks ``t0 <= t < t1`` of the row-major (row, block) task list: their partials (fewer long rows than
     helper threads: the blocks are shared out instead of the rows)."""
-    _partials(x, out, scratch[0], block, part, mode, t0, t1)
+    if _dense(x) and _dense(out):
+        _partials(x, out, scratch[0], block, part, mode, t0, t1, True)
+    else:
+        _partials(x, out, scratch[0], block, part, mode, t0, t1, False)
 
 
 @jit
@@ -253,8 +263,12 @@ def split_merge(part: Any, mode: int) -> None:
 @jit
 def split_writes(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int) -> None:
     nb = part.shape[1]
+    dense = _dense(x) and _dense(out)
     for t in range(t0, t1):
-        _write(x, out, block, part, t // nb, t % nb, mode)
+        if dense:
+            _write(x, out, block, part, t // nb, t % nb, mode, True)
+        else:
+            _write(x, out, block, part, t // nb, t % nb, mode, False)
 
 
 def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Callable[[Any], None]:
