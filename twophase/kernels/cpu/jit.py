@@ -8,7 +8,7 @@ from typing import Any
 import numba
 import numpy as np
 
-__all__ = ["entry", "jit", "jit_par", "jit_reduce", "FAST", "REDUCE"]
+__all__ = ["entry", "jit", "jit_par", "jit_reduce", "FAST", "REDUCE", "dense_rows", "row_of"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -16,6 +16,22 @@ REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wid
 jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST)
 jit_par = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST, parallel=True)
 jit_reduce = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def row_of(a: Any, k: int, dense: bool) -> Any:
+    """Row k of the matrix ``a``, typed dense when ``dense``: a compile-time constant at the call (the other
+    branch is pruned, so the row has one type), true only when ``dense_rows(a)`` (the row is then a view)."""
+    if dense:
+        return np.ascontiguousarray(a[k])
+    return a[k]
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def dense_rows(a: Any) -> bool:
+    """Whether the rows of the matrix ``a`` have adjacent elements: their loops then vectorize taken through
+    ``row_of(a, k, True)``, also when ``a`` is typed strided (the rows of a slice of a wider array)."""
+    return bool(a.strides[1] == a.itemsize or a.shape[1] <= 1)
 
 
 def _numba_type(a: Any) -> Any:

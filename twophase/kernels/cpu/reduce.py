@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from ...runtime.fanout import fanout_parts, run_parts, split_range
-from .jit import REDUCE, entry
+from .jit import REDUCE, dense_rows, entry, row_of
 from .jit import jit_reduce as _jit_reduce
 from .vmath import maximum as vmax
 from .vmath import minimum as vmin
@@ -182,8 +182,8 @@ def max_level(x: Any, block: int, sign: Any, out: Any, t0: int, t1: int) -> None
 
 
 # ---------------------------------------------------------------- cols levels: x (n, K) -> out (nb, K)
-@jit_reduce
-def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int) -> None:
+@jit_inline
+def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int, dense: bool) -> None:
     n, kk = x.shape
     nk = (kk + kc - 1) // kc
     j = t // nk
@@ -193,13 +193,13 @@ def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int) -> 
     u0 = np.uint64(c0)  # unsigned indices: no negative-index wrap-around select in the inner loop
     r, end = j * block, min(n, (j + 1) * block)
     while r + 4 <= end:  # four rows per pass over acc: a quarter of the accumulator traffic
-        r0, r1, r2, r3 = x[r], x[r + 1], x[r + 2], x[r + 3]
+        r0, r1, r2, r3 = row_of(x, r, dense), row_of(x, r + 1, dense), row_of(x, r + 2, dense), row_of(x, r + 3, dense)
         for c in range(np.uint64(w)):
             k = u0 + c
             acc[c] += (zero + r0[k] + r1[k]) + (zero + r2[k] + r3[k])
         r += 4
     for rr in range(r, end):
-        row = x[rr]
+        row = row_of(x, rr, dense)
         for c in range(np.uint64(w)):
             acc[c] += row[u0 + c]
     dst = out[j]
@@ -210,13 +210,18 @@ def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int) -> 
 @jit_reduce
 def sum_cols(x: Any, block: int, zero: Any, out: Any, kc: int, t0: int, t1: int) -> None:
     """out[j, :] = sum of rows x[j*block:(j+1)*block, :] (vectorized along the contiguous kept dim), tasks
-    t0 <= t = j * nk + chunk < t1 (nk chunks of ``kc`` kept columns)."""
+    t0 <= t = j * nk + chunk < t1 (nk chunks of ``kc`` kept columns); rows typed dense when they are
+    (``jit.row_of``)."""
+    dense = dense_rows(x)
     for t in range(t0, t1):
-        _sum_cols_task(x, block, zero, out, kc, t)
+        if dense:
+            _sum_cols_task(x, block, zero, out, kc, t, True)
+        else:
+            _sum_cols_task(x, block, zero, out, kc, t, False)
 
 
-@jit_reduce
-def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int) -> None:
+@jit_inline
+def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int, dense: bool) -> None:
     n, kk = x.shape
     nk = (kk + kc - 1) // kc
     j = t // nk
@@ -226,7 +231,8 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int) -> 
     u0 = np.uint64(c0)
     last = min(n, (j + 1) * block) - 1
     for r in range(j * block + 1, last + 1, 4):  # four rows per pass over acc, as in sums; the last pass repeats
-        r0, r1, r2, r3 = x[r], x[min(r + 1, last)], x[min(r + 2, last)], x[min(r + 3, last)]  # rows (max is idempotent)
+        r0, r1 = row_of(x, r, dense), row_of(x, min(r + 1, last), dense)  # the last rows again: max is idempotent
+        r2, r3 = row_of(x, min(r + 2, last), dense), row_of(x, min(r + 3, last), dense)
         if sign > 0:
             for c in range(np.uint64(w)):
                 k = u0 + c
@@ -242,8 +248,12 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int) -> 
 
 @jit_reduce
 def max_cols(x: Any, block: int, sign: Any, out: Any, kc: int, t0: int, t1: int) -> None:
+    dense = dense_rows(x)
     for t in range(t0, t1):
-        _max_cols_task(x, block, sign, out, kc, t)
+        if dense:
+            _max_cols_task(x, block, sign, out, kc, t, True)
+        else:
+            _max_cols_task(x, block, sign, out, kc, t, False)
 
 
 COLS = {sum_level: sum_cols, max_level: max_cols}

@@ -25,7 +25,7 @@ from ...errors import InternalError, Status
 from ...runtime.fanout import launcher, run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
-from .jit import entry
+from .jit import dense_rows, entry, row_of
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
 LOG_SOFTMAX_IN_OUT = 2  # log-softmax whose out does not overlap x: its exps go to out, as softmax's do
@@ -93,21 +93,6 @@ def _finish(x: Any, out: Any, m: float, c: float, mode: int) -> None:
 
 
 @jit_inline
-def _row(a: Any, k: int, dense: bool) -> Any:
-    """Row k of ``a``, typed dense when ``dense`` (a compile-time constant: the other branch is pruned)."""
-    if dense:
-        return np.ascontiguousarray(a[k])  # a view: the caller checked that the elements are adjacent
-    return a[k]
-
-
-@jit_inline
-def _dense(a: Any) -> bool:
-    """Whether the rows of the matrix ``a`` have adjacent elements (their loops then vectorize typed dense, also
-    when ``a`` is a slice of a wider array)."""
-    return bool(a.strides[1] == a.itemsize or a.shape[1] <= 1)
-
-
-@jit_inline
 def _rows(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
     """Whole rows, software-pipelined (log-softmax in place keeps its exps in the scratch row ``tmp``, of length
     N): row k + 1's max is taken in row k's exp loop, so that its memory traffic overlaps row k's arithmetic, and
@@ -117,32 +102,32 @@ def _rows(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
     nk = x.shape[0]
     if nk == 0 or n == 0:
         return
-    m_next = _max(_row(x, 0, dense))
+    m_next = _max(row_of(x, 0, dense))
     pm = pc = 0.0  # row k - 1's max and its factor (softmax) or shift (log-softmax)
     for k in range(nk):
         m = m_next
-        xk = _row(x, k, dense)
-        e = tmp if mode == LOG_SOFTMAX else _row(out, k, dense)
+        xk = row_of(x, k, dense)
+        e = tmp if mode == LOG_SOFTMAX else row_of(out, k, dense)
         shift = m if m != -np.inf else 0.0  # as _partials: an all -inf row is NaN below
-        y = _row(x, k + 1 if k + 1 < nk else k, dense)  # the last row re-reads itself (in cache; max unused)
+        y = row_of(x, k + 1 if k + 1 < nk else k, dense)  # the last row re-reads itself (in cache; max unused)
         m_next = _exp_store_max(xk, e, shift, y)
         if k > 0 and mode != LOG_SOFTMAX:
-            _finish(_row(x, k - 1, dense), _row(out, k - 1, dense), pm, pc, mode)
+            _finish(row_of(x, k - 1, dense), row_of(out, k - 1, dense), pm, pc, mode)
         s = vm.fsum(e)
         if m == -np.inf:
             s = np.nan
         pm, pc = m, (1.0 / s if mode == SOFTMAX else math.log(s))
         if mode == LOG_SOFTMAX:  # in place: the exps live in the one scratch row, finish this row now
-            _finish(xk, _row(out, k, dense), pm, pc, mode)
+            _finish(xk, row_of(out, k, dense), pm, pc, mode)
     if mode != LOG_SOFTMAX:
-        _finish(_row(x, nk - 1, dense), _row(out, nk - 1, dense), pm, pc, mode)
+        _finish(row_of(x, nk - 1, dense), row_of(out, nk - 1, dense), pm, pc, mode)
 
 
 # one kernel per mode (a compile-time constant there: its branches fold away); tmp is scratch[0], not a slice of
 # it (a slice types as 'A', whose loops vectorize worse); rows typed dense whenever their elements are adjacent
 @jit
 def rows_softmax(x: Any, out: Any, scratch: Any) -> None:
-    if _dense(x) and _dense(out):
+    if dense_rows(x) and dense_rows(out):
         _rows(x, out, SOFTMAX, scratch[0], True)
     else:
         _rows(x, out, SOFTMAX, scratch[0], False)
@@ -150,7 +135,7 @@ def rows_softmax(x: Any, out: Any, scratch: Any) -> None:
 
 @jit
 def rows_log_softmax(x: Any, out: Any, scratch: Any) -> None:
-    if _dense(x) and _dense(out):
+    if dense_rows(x) and dense_rows(out):
         _rows(x, out, LOG_SOFTMAX, scratch[0], True)
     else:
         _rows(x, out, LOG_SOFTMAX, scratch[0], False)
@@ -158,7 +143,7 @@ def rows_log_softmax(x: Any, out: Any, scratch: Any) -> None:
 
 @jit
 def rows_log_softmax_in_out(x: Any, out: Any, scratch: Any) -> None:
-    if _dense(x) and _dense(out):
+    if dense_rows(x) and dense_rows(out):
         _rows(x, out, LOG_SOFTMAX_IN_OUT, scratch[0], True)
     else:
         _rows(x, out, LOG_SOFTMAX_IN_OUT, scratch[0], False)
@@ -191,7 +176,7 @@ def _merge(part: Any, k: int, mode: int) -> None:
 @jit_inline
 def _block(x: Any, block: int, t: int, nb: int, dense: bool) -> Any:
     k, j = t // nb, t % nb
-    return _row(x, k, dense)[j * block:min(x.shape[1], (j + 1) * block)]
+    return row_of(x, k, dense)[j * block:min(x.shape[1], (j + 1) * block)]
 
 
 @jit_inline
@@ -207,8 +192,8 @@ def _partials(x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: 
     for t in range(t0, t1):
         k, j = t // nb, t % nb
         lo, hi = j * block, min(x.shape[1], (j + 1) * block)
-        xb = _row(x, k, dense)[lo:hi]
-        e = tmp[:hi - lo] if mode == LOG_SOFTMAX else _row(out, k, dense)[lo:hi]
+        xb = row_of(x, k, dense)[lo:hi]
+        e = tmp[:hi - lo] if mode == LOG_SOFTMAX else row_of(out, k, dense)[lo:hi]
         m = m_next
         y = _block(x, block, t + 1, nb, dense) if t + 1 < t1 else xb  # the last block re-reads itself
         m_next = _exp_store_max(xb, e, m if m != -np.inf else 0.0, y)
@@ -219,16 +204,16 @@ def _partials(x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: 
 def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int, dense: bool) -> None:
     lo, hi = j * block, min(x.shape[1], (j + 1) * block)
     if mode == SOFTMAX:
-        _scale(_row(out, k, dense)[lo:hi], part[k, j, 0])
+        _scale(row_of(out, k, dense)[lo:hi], part[k, j, 0])
     else:
-        _shift(_row(x, k, dense)[lo:hi], _row(out, k, dense)[lo:hi], part[k, j, 0], part[k, j, 1])
+        _shift(row_of(x, k, dense)[lo:hi], row_of(out, k, dense)[lo:hi], part[k, j, 0], part[k, j, 1])
 
 
 @jit
 def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, scratch: Any) -> None:
     """Long rows, one after the other: a row's block partials, their merge, its writes (the row stays in L2 /
     L3 between the passes)."""
-    if _dense(x) and _dense(out):
+    if dense_rows(x) and dense_rows(out):
         _split_rows(x, out, block, part, mode, scratch[0], True)
     else:
         _split_rows(x, out, block, part, mode, scratch[0], False)
@@ -248,7 +233,7 @@ def _split_rows(x: Any, out: Any, block: int, part: Any, mode: int, tmp: Any, de
 def split_partials(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int, scratch: Any) -> None:
     """Blocks ``t0 <= t < t1`` of the row-major (row, block) task list: their partials (fewer long rows than
     helper threads: the blocks are shared out instead of the rows)."""
-    if _dense(x) and _dense(out):
+    if dense_rows(x) and dense_rows(out):
         _partials(x, out, scratch[0], block, part, mode, t0, t1, True)
     else:
         _partials(x, out, scratch[0], block, part, mode, t0, t1, False)
@@ -263,7 +248,7 @@ def split_merge(part: Any, mode: int) -> None:
 @jit
 def split_writes(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int) -> None:
     nb = part.shape[1]
-    dense = _dense(x) and _dense(out)
+    dense = dense_rows(x) and dense_rows(out)
     for t in range(t0, t1):
         if dense:
             _write(x, out, block, part, t // nb, t % nb, mode, True)
