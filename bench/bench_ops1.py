@@ -128,11 +128,46 @@ def table() -> None:
                   f"{r['copyto']:7.2f} {r.get('read', nan):7.2f} {r['naive']:7.2f} {r.get('torch', nan):7.2f}")
 
 
+PADDED = (4096, 1024)  # rows of a (4096, 1024 + PAD) array
+PAD = 76
+
+
+def padded_table() -> None:
+    """Each row kernel on the rows of a wider array (every row dense, the matrix not) against the same rows
+    dense, side by side: the kernels take such rows typed dense, so the ratio should stay near 1 (it was 4-16
+    when they ran typed strided)."""
+    print(f"\nrows of a wider array: {PADDED[0]}x{PADDED[1]} float32 viewed in a {PADDED[0]}x{PADDED[1] + PAD} "
+          "one, against the same rows dense; t(padded) / t(dense), median of interleaved rounds (lower is better, "
+          "1 = no cost)")
+    print(f"{'kernel':<12} {'dense ms':>9} {'padded/dense':>13}")
+    dev = device("cpu")
+    rng = np.random.default_rng(1)
+    wide = rng.standard_normal((PADDED[0], PADDED[1] + PAD)).astype(np.float32)
+    dense_t = dev.tensor(np.ascontiguousarray(wide[:, :PADDED[1]]))
+    wide_t = dev.tensor(wide)
+    padded_t = wide_t.strided(PADDED, (PADDED[1] + PAD, 1), 0)
+    dense_t.synchronize()
+    wide_t.synchronize()
+    for name, (op, attrs, _naive, _tfn) in CASES.items():
+        if name == "add" or (sys.argv[1:] and name not in sys.argv[1:]):
+            continue
+        if name in ("layer_norm", "rms_norm"):
+            attrs = {"normalized_shape": (PADDED[1],)}
+        run_d, rel_d = ours(op, [dense_t], **attrs)
+        run_p, rel_p = ours(op, [padded_t], **attrs)
+        t, r = interleaved_ratios({"padded": run_p, "dense": run_d}, "padded", 1, rounds=ROUNDS)
+        rel_d()
+        rel_p()
+        print(f"{name:<12} {t['dense'] / CALLS * 1e3:9.3f} {1 / r['dense']:13.2f}")
+
+
 def main() -> None:
     """The table as the environment stands, then (unless ``TWOPHASE_BENCH_VARIANTS=0`` or the policy is already
     set) again in a subprocess with ``OMP_WAIT_POLICY=PASSIVE``, where twophase's kernels use every core (its
     automatic thread count) and torch, which shares libgomp, runs passive too."""
     table()
+    if "OMP_WAIT_POLICY" not in os.environ:  # once, not again in the variant
+        padded_table()
     if os.environ.get("TWOPHASE_BENCH_VARIANTS", "1") == "0" or "OMP_WAIT_POLICY" in os.environ:
         return
     import subprocess
