@@ -153,38 +153,35 @@ def onnx_session(module: Any, ids: Any, mask: Any, path: str, threads: int = 0) 
     return ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
 
 
-def onnx_linears(raw: dict[str, Any], cfg: Any, rows: int, threads: int = 0) -> Any:
-    """An ORT session running the forward's linears alone, as MiniLM runs them (Q, K and V fused): per layer
-    MatMul + Add nodes hidden -> 3 hidden, hidden -> hidden, hidden -> intermediate and back, every one reading
-    the graph's inputs ``x`` (rows, hidden) and ``f`` (rows, intermediate); the weights are initializers (which
-    ORT prepacks)."""
+LINEARS = (("qkv", "x"), ("o", "x"), ("f1", "x"), ("f2", "f"))  # each layer's linears and the input they read
+
+
+def onnx_linears(model: Any, rows: int, threads: int = 0) -> Any:
+    """An ORT session running the forward's linears alone, on the model's own weights as it runs them (Q, K and
+    V fused): per layer MatMul + Add nodes reading the graph's inputs ``x`` (rows, hidden) or ``f`` (rows,
+    intermediate); the weights are initializers (which ORT prepacks)."""
     from onnx import TensorProto, helper, numpy_helper
     nodes, inits, outs = [], [], []
-    for i in range(cfg.layers):
-        p = f"encoder.layer.{i}."
-        att = p + "attention.self."
-        mats = {"qkv": ("x", np.concatenate([raw[att + m + ".weight"] for m in ("query", "key", "value")]),
-                        np.concatenate([raw[att + m + ".bias"] for m in ("query", "key", "value")])),
-                "o": ("x", raw[p + "attention.output.dense.weight"], raw[p + "attention.output.dense.bias"]),
-                "f1": ("x", raw[p + "intermediate.dense.weight"], raw[p + "intermediate.dense.bias"]),
-                "f2": ("f", raw[p + "output.dense.weight"], raw[p + "output.dense.bias"])}
-        for name, (src, w, bias) in mats.items():
+    for i, lw in enumerate(model.weights.layers):
+        for name, src in LINEARS:
             tag = f"{name}{i}"
-            inits += [numpy_helper.from_array(np.ascontiguousarray(w.T, np.float32), "w" + tag),
-                      numpy_helper.from_array(np.asarray(bias, np.float32), "b" + tag)]
+            w = lw[name + "_w"].numpy().T  # the op's (out, in) weight as (in, out), what MatMul multiplies by
+            inits += [numpy_helper.from_array(np.ascontiguousarray(w), "w" + tag),
+                      numpy_helper.from_array(lw[name + "_b"].numpy(), "b" + tag)]
             nodes += [helper.make_node("MatMul", [src, "w" + tag], ["m" + tag]),
                       helper.make_node("Add", ["m" + tag, "b" + tag], ["y" + tag])]
-            outs.append(helper.make_tensor_value_info("y" + tag, TensorProto.FLOAT, [rows, w.shape[0]]))
+            outs.append(helper.make_tensor_value_info("y" + tag, TensorProto.FLOAT, [rows, w.shape[1]]))
+    cfg = model.config
     ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, cfg.hidden]),
            helper.make_tensor_value_info("f", TensorProto.FLOAT, [rows, cfg.intermediate])]
     graph = helper.make_graph(nodes, "minilm_linears", ins, outs, inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads  # as the forward's session
-    return ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(onnx_model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
-def linear_share(model: Any, raw: dict[str, Any], b: int, n: int, rounds: int, threads: int = 0) -> dict[str, float]:
+def linear_share(model: Any, b: int, n: int, rounds: int, threads: int = 0) -> dict[str, float]:
     """Median ms of the forward's 24 linears alone: twophase's ``linear`` executors on the model's own weights
     (one stream, one synchronize) and the same MatMul + Add nodes in ONNX Runtime, timed as the forwards are."""
     import twophase as tp
@@ -194,9 +191,9 @@ def linear_share(model: Any, raw: dict[str, Any], b: int, n: int, rounds: int, t
     f = rng.standard_normal((b * n, cfg.intermediate), dtype=np.float32)
     dev, s = model.dev, model.stream
     xt, ft = dev.tensor(x, stream=s), dev.tensor(f, stream=s)
-    calls = [tp.plan("linear", ft if k == "f2" else xt, lw[k + "_w"], lw[k + "_b"], stream=s)
-             for lw in model.weights.layers for k in ("qkv", "o", "f1", "f2")]
-    sess = onnx_linears(raw, cfg, b * n, threads)
+    calls = [tp.plan("linear", ft if src == "f" else xt, lw[k + "_w"], lw[k + "_b"], stream=s)
+             for lw in model.weights.layers for k, src in LINEARS]
+    sess = onnx_linears(model, b * n, threads)
     try:
         def ours() -> None:
             for c in calls:
@@ -341,7 +338,7 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
             notes.append(f"{b}x{n}: host cost per forward on the null device (no kernels): "
                          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hc.items()))
             if ort is not None and importlib.util.find_spec("onnx") and "twophase graph replay" in fns:
-                lin = linear_share(model, raw, b, n, rounds, ort_threads)
+                lin = linear_share(model, b, n, rounds, ort_threads)
                 fwd = {r["impl"]: r["ms"] for r in rows if r["case"] == f"{b}x{n}"}
                 ours_l, ort_l = lin["twophase"], lin["ONNX Runtime"]
                 rest = fwd["twophase graph replay"] - ours_l, fwd["ONNX Runtime"] - ort_l

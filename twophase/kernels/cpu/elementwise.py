@@ -18,7 +18,7 @@ import numpy as np
 from ...layout import align, as_matrix
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
-from .jit import FAST, entry
+from .jit import FAST, dense_rows, entry, row_of
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
 kern = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -72,12 +72,12 @@ def _specialise(code: int) -> tuple[Any, Any]:
 
     @kern
     def rows(x: Any, out: Any) -> None:
-        for k in range(x.shape[0]):
-            xr, orow = x[k], out[k]
-            if xr.strides[0] == xr.itemsize and orow.strides[0] == orow.itemsize:
-                span(np.ascontiguousarray(xr), np.ascontiguousarray(orow))  # typed dense: the loop vectorizes
-            else:
-                span(xr, orow)
+        if dense_rows(x) and dense_rows(out):  # rows typed dense (jit.row_of): the loop vectorizes
+            for k in range(x.shape[0]):
+                span(row_of(x, k, True), row_of(out, k, True))
+        else:
+            for k in range(x.shape[0]):
+                span(x[k], out[k])
 
     return span, rows
 

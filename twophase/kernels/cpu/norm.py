@@ -13,7 +13,7 @@ import numpy as np
 
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
-from .jit import FAST, entry
+from .jit import FAST, dense_rows, entry, row_of
 
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
@@ -30,12 +30,12 @@ def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mea
     squares in one pass (var = E[x^2] - mean^2: float64 sums of float32 values keep it to ~1e-16 * (mean /
     std)^2 relative), float64 data two passes (the centred sum of squares). Rows whose elements are adjacent
     are typed dense, so the loops vectorize when the matrix itself is not (rows of a wider array)."""
+    dense = dense_rows(x) and dense_rows(out)
     for k in range(x.shape[0]):
-        xr, orow = x[k], out[k]
-        if xr.strides[0] == xr.itemsize and orow.strides[0] == orow.itemsize:
-            mu, r = _norm_row(np.ascontiguousarray(xr), w, b, eps, rms, np.ascontiguousarray(orow))
+        if dense:
+            mu, r = _norm_row(row_of(x, k, True), w, b, eps, rms, row_of(out, k, True))
         else:
-            mu, r = _norm_row(xr, w, b, eps, rms, orow)
+            mu, r = _norm_row(x[k], w, b, eps, rms, out[k])
         mean[k] = mu
         rstd[k] = r
 

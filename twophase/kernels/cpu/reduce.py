@@ -112,33 +112,27 @@ def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
     return float(n), mean, m2
 
 
-# Row k of x as a span's ``v``: typed dense when its elements are adjacent (a C-contiguous matrix's rows are
-# already; the rows of a wider array's slice are not, and their loops ran 8-16x slower typed strided).
+# Row k of x as a span's ``v``: typed dense when the rows' elements are adjacent (``jit.row_of``; a C-contiguous
+# matrix's rows are already; the rows of a wider array's slice are not, and their loops ran 8-16x slower typed
+# strided).
 @jit_inline
 def _sum_row(x: Any, k: int, lo: int, hi: int, zero: Any) -> Any:
-    v = x[k]
-    return _sum_span(np.ascontiguousarray(v), lo, hi, zero) if v.strides[0] == v.itemsize else _sum_span(
-        v, lo, hi, zero)
+    return _sum_span(row_of(x, k, True), lo, hi, zero) if dense_rows(x) else _sum_span(x[k], lo, hi, zero)
 
 
 @jit_inline
 def _max_row(x: Any, k: int, lo: int, hi: int, sign: Any) -> Any:
-    v = x[k]
-    return _max_span(np.ascontiguousarray(v), lo, hi, sign) if v.strides[0] == v.itemsize else _max_span(
-        v, lo, hi, sign)
+    return _max_span(row_of(x, k, True), lo, hi, sign) if dense_rows(x) else _max_span(x[k], lo, hi, sign)
 
 
 @jit_inline
 def _argmax_row(x: Any, k: int, lo: int, hi: int) -> tuple[Any, Any]:
-    v = x[k]
-    return _argmax_span(np.ascontiguousarray(v), lo, hi) if v.strides[0] == v.itemsize else _argmax_span(v, lo, hi)
+    return _argmax_span(row_of(x, k, True), lo, hi) if dense_rows(x) else _argmax_span(x[k], lo, hi)
 
 
 @jit_inline
 def _moments_row(x: Any, k: int, lo: int, hi: int) -> tuple[float, float, float]:
-    v = x[k]
-    return _moments_span(np.ascontiguousarray(v), lo, hi) if v.strides[0] == v.itemsize else _moments_span(
-        v, lo, hi)
+    return _moments_span(row_of(x, k, True), lo, hi) if dense_rows(x) else _moments_span(x[k], lo, hi)
 
 
 @jit_inline
