@@ -11,6 +11,7 @@ import pytest
 from ops_layouts import on_device
 
 from twophase import ops
+from twophase.layout import as_rows, rows_split
 from twophase.testing import run_checked
 
 SHAPES = [(33, 129), (3, 11, 70)]
@@ -84,3 +85,35 @@ def test_column_reductions_of_padded_rows(name: str, shape: tuple[int, ...], dim
     assert r.unwritten == (0,)
     np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), dims=dims), rtol=1e-5,
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("shape", [(2, 5, 7, 9), (3, 4, 21), (2, 3, 1, 17)])
+@pytest.mark.parametrize("where", ["input", "output", "both"])
+def test_batch_norm_on_image_crops(shape: tuple[int, ...], where: str) -> None:
+    """An (N, C, H, W) crop of a wider image runs row by row in place, not through a packed copy."""
+    x = _x(shape)
+    c = shape[1]
+    rng = np.random.default_rng(5)
+    mean, w, b = (rng.standard_normal(c).astype(np.float32) for _ in range(3))
+    var = rng.uniform(0.5, 2.0, c).astype(np.float32)
+    xin = on_device(x, "padded") if where != "output" else on_device(x)
+    out = on_device(np.zeros(shape, np.float32), "padded") if where != "input" else None
+    r = run_checked(ops.batch_norm, xin, mean, var, w, b, out=out)
+    assert r.implementation == "channels" and r.workspace_size == 0
+    assert r.unwritten == (0,)
+    np.testing.assert_allclose(r.outputs[0], ops.batch_norm.spec.reference(
+        x.astype(np.float64), mean, var, w, b), rtol=2e-5, atol=2e-5)
+
+
+def test_rows_split() -> None:
+    """Where dims split into evenly spaced rows of one stride: the longest row, for every operand at once."""
+    a = np.zeros((4, 6, 8), np.float32)
+    crop = a[:, :, :5]
+    assert rows_split(a.shape, a.strides) == 0  # dense: one row of everything
+    assert rows_split(crop.shape, crop.strides) == 2  # 24 rows of 5
+    assert rows_split(crop.shape, crop.strides, np.zeros((4, 6, 5), np.float32).strides) == 2
+    assert as_rows(crop, 0, 2).shape == (24, 5)
+    assert np.shares_memory(as_rows(crop, 0, 2), a)
+    b = np.zeros((4, 6, 8, 10), np.float32)[:, ::2, :, :5]  # every other plane of a crop: 3 strides, not 2
+    assert rows_split(b.shape, b.strides) is None
+    assert rows_split((), ()) == 0

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["merge_dims", "as_matrix", "broadcast_shape", "align", "spread_stride"]
+__all__ = ["merge_dims", "rows_split", "as_rows", "as_matrix", "broadcast_shape", "align", "spread_stride"]
 
 
 def merge_dims(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
@@ -26,6 +26,26 @@ def merge_dims(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] 
             return None
         size *= n
     return size, stride
+
+
+def rows_split(shape: Sequence[int], *strides: Sequence[int]) -> int | None:
+    """Where ``shape`` splits into rows: the smallest k such that, for every strides, dims ``k..`` walk memory with
+    one stride (a row) and dims ``..k`` do too (the rows, evenly spaced); None when no k does. Dims that do not
+    merge into one (a crop of a wider image, a slice of a fused projection) so need not be packed: kernels go
+    row by row, each row dense when its last stride is the itemsize."""
+    for k in range(len(shape) + 1):
+        if all(merge_dims(shape[k:], st[k:]) is not None and merge_dims(shape[:k], st[:k]) is not None
+               for st in strides):
+            return k
+    return None
+
+
+def as_rows(a: np.ndarray[Any, Any], lead: int, k: int) -> np.ndarray[Any, Any]:
+    """The zero-copy view ``(*a.shape[:lead], R, S)`` of ``a``: dims ``lead..lead+k`` as R rows, the rest as rows
+    of S elements (``k`` from ``rows_split`` of the dims after ``lead``)."""
+    tail = a.shape[lead:]
+    r = int(np.prod(tail[:k], dtype=np.int64))
+    return a.reshape(a.shape[:lead] + (r, int(np.prod(tail[k:], dtype=np.int64))), copy=False)
 
 
 def as_matrix(a: np.ndarray[Any, Any], rows: Sequence[int], cols: Sequence[int]) -> np.ndarray[Any, Any] | None:

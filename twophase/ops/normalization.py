@@ -13,7 +13,7 @@ from ..errors import ParamError
 from ..kernels.cpu.jit import entry
 from ..kernels.cpu.norm import build_norm
 from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
-from ..layout import align, as_matrix, merge_dims
+from ..layout import align, as_matrix, as_rows, merge_dims, rows_split
 from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts
 from ..tensor import DType, TensorDesc
@@ -334,11 +334,12 @@ def _compute(dt: DType) -> Any:
 
 
 def _bn_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
-    x = ins[0]
-    pack = x.numel > 0 and (x.dtype is DType.float16 or not _merges(x, 2) or not _merges(outs[0], 2))
+    x, out = ins[0], outs[0]
+    k = rows_split(x.shape[2:], x.strides[2:], out.strides[2:])
+    pack = x.numel > 0 and (x.dtype is DType.float16 or k is None)
     c = _compute(x.dtype).itemsize
     area, pvec = align(x.numel * c), align(x.shape[1] * c)
-    return Plan("channels_packed" if pack else "channels", (pack, area, pvec), area + 4 * pvec if pack else 0)
+    return Plan("channels_packed" if pack else "channels", (pack, area, pvec, k), area + 4 * pvec if pack else 0)
 
 
 def _ncs(a: Any, groups: int = 0) -> Any:
@@ -353,14 +354,15 @@ def _ncs(a: Any, groups: int = 0) -> Any:
 def _bn_build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
     from ..kernels.cpu.norm import build_batch_norm
     x, mean, var, w, b = (tuple(ins) + (None, None))[:5]
-    pack, area, pvec = plan.tiling
+    pack, area, pvec, k = plan.tiling
     c = x.shape[1]
     w = np.ones(c, x.dtype) if w is None else w  # constants for absent weight / bias, made at bind
     b = np.zeros(c, x.dtype) if b is None else b
     if pack:
         return build_batch_norm(x, outs[0], (mean, var, w, b), attrs["eps"], True, _compute(DType.of(x.dtype)),
                                 area, pvec)
-    return build_batch_norm(_ncs(x), _ncs(outs[0]), (mean, var, w, b), attrs["eps"], False, x.dtype, 0, 0)
+    return build_batch_norm(as_rows(x, 2, k), as_rows(outs[0], 2, k), (mean, var, w, b), attrs["eps"], False,
+                            x.dtype, 0, 0)
 
 
 def _bn_reference(x: Any, running_mean: Any, running_var: Any, weight: Any = None, bias: Any = None,
@@ -382,9 +384,10 @@ register(OpDef(
     workspace_formula=_BN_FORMULA,
     doc=("Batch norm for inference over channel dim 1 of an (N, C, ...) tensor (NC, NCL, NCHW, ...): "
          "out = (x - running_mean[c]) * weight[c] / sqrt(running_var[c] + eps) + bias[c] in one fused pass "
-         "(parallel over (n, c) planes, vectorized along the plane; over rows of C channels when there is no "
-         f"spatial dim). dtypes float32, float64, float16 (computed in float32). Workspace: {_BN_FORMULA}; "
-         "packed = float16, or spatial dims that do not merge into one stride (x, the four parameters)."),
+         "(parallel over (n, c) planes, vectorized along the plane or, for a crop of a wider image, along its "
+         "rows; over rows of C channels when there is no spatial dim). dtypes float32, float64, float16 "
+         f"(computed in float32). Workspace: {_BN_FORMULA}; packed = float16, or spatial dims that do not split "
+         "into evenly spaced rows (x, the four parameters)."),
     reference=_bn_reference))
 
 

@@ -14,7 +14,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import numba
 import numpy as np
 
 from ...runtime.fanout import fanout_parts, split_range
@@ -26,7 +25,7 @@ from .jit import entry
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
-jit_inline: Kernel = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=_jit.FAST, inline="always")
+jit_inline: Kernel = _jit.jit_inline
 
 NONE, ADDITIVE, BOOL = 0, 1, 2
 QK_CHUNK = 128  # keys per score GEMM call (measured: 4 calls of N=128 beat one of N=512 with threaded BLAS)

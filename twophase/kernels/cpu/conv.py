@@ -7,7 +7,6 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-import numba
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
@@ -15,12 +14,12 @@ from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import FAST, entry
+from .jit import entry
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
-jit_inline: Kernel = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", inline="always")
+jit_inline: Kernel = _jit.jit_inline
 PARALLEL_MIN = 1 << 20  # unfolded elements from which im2col's rows are cut into ranges for helper threads
 
 

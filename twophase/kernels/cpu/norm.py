@@ -18,6 +18,7 @@ from .jit import FAST, dense_rows, entry, row_of
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_par: Kernel = _jit.jit_par
+jit_inline: Kernel = _jit.jit_inline
 
 kern = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {"reassoc"})
 FANOUT_MIN = 1 << 19  # elements from which the rows are cut into ranges for helper threads
@@ -97,7 +98,7 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
     return launch
 
 
-# ---- batch norm (inference): out = (x - mean[c]) * w[c] / sqrt(var[c] + eps) + b[c] over a (N, C, S) view
+# ---- batch norm (inference): out = (x - mean[c]) * w[c] / sqrt(var[c] + eps) + b[c] over an (N, C, R, S) view
 @jit
 def _affine(x: Any, out: Any, mu: float, a: float, b: float) -> None:
     for i in range(x.shape[0]):
@@ -110,36 +111,48 @@ def _channels(x: Any, out: Any, mean: Any, var: Any, w: Any, b: Any, eps: float)
         out[c] = (x[c] - mean[c]) * (w[c] / math.sqrt(var[c] + eps)) + b[c]
 
 
+@jit_inline
+def _affine_rows(x: Any, out: Any, mu: float, a: float, b: float, dense: bool) -> None:
+    """_affine on every row of the (R, S) plane: ``dense`` (a constant at each call) types the rows dense."""
+    for r in range(x.shape[0]):
+        _affine(row_of(x, r, dense), row_of(out, r, dense), mu, a, b)
+
+
 @jit_par
-def batch_norm_ncs(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any) -> None:
-    """One fused pass. S == 1 (N, C input): rows of C channels, vectorized over c; else one (n, c) plane per
-    task, vectorized over the S spatial elements."""
-    n_rows, n_ch, n_sp = x.shape
-    if n_sp == 1:
+def batch_norm_ncrs(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any) -> None:
+    """One fused pass. R * S == 1 (N, C input): rows of C channels, vectorized over c; else one (n, c) plane
+    of R rows of S elements per task (R > 1: a crop of a wider image), vectorized along the rows."""
+    n_rows, n_ch, n_r, n_sp = x.shape
+    if n_r * n_sp == 1:
         for k in numba.prange(n_rows):
-            _channels(x[k, :, 0], out[k, :, 0], mean, var, w, b, eps)
-    else:
-        for t in numba.prange(n_rows * n_ch):
-            k = t // n_ch
-            c = t - k * n_ch
-            a = w[c] / math.sqrt(var[c] + eps)
-            _affine(x[k, c], out[k, c], float(mean[c]), a, float(b[c]))
+            _channels(x[k, :, 0, 0], out[k, :, 0, 0], mean, var, w, b, eps)
+        return
+    dense = (x.strides[3] == x.itemsize and out.strides[3] == out.itemsize) or n_sp == 1
+    for t in numba.prange(n_rows * n_ch):
+        k = t // n_ch
+        c = t - k * n_ch
+        a = w[c] / math.sqrt(var[c] + eps)
+        if dense:
+            _affine_rows(x[k, c], out[k, c], float(mean[c]), a, float(b[c]), True)
+        else:
+            _affine_rows(x[k, c], out[k, c], float(mean[c]), a, float(b[c]), False)
 
 
 def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pack: bool, compute: Any,
                      p_offset: int, p_stride: int) -> Callable[[Any], None]:
-    """Launch over (N, C, S) views ``src`` / ``dst``; when ``pack`` (float16, or spatial dims that do not merge)
-    they are the N-d operands, copied through a dense ``compute`` area at the start of the workspace, and the
-    four (C,) parameters (mean, var, weight, bias) through ``compute`` vectors at ``p_offset + i * p_stride``."""
+    """Launch over (N, C, R, S) views ``src`` / ``dst``; when ``pack`` (float16, or spatial dims that do not
+    split into evenly spaced rows) they are the N-d operands, copied through a dense ``compute`` area at the
+    start of the workspace, and the four (C,) parameters (mean, var, weight, bias) through ``compute`` vectors
+    at ``p_offset + i * p_stride``."""
     if src.size == 0:
         return lambda _: None
     if not pack:
-        fn = entry(batch_norm_ncs, src, *params, eps, dst)
+        fn = entry(batch_norm_ncrs, src, *params, eps, dst)
         return lambda _: fn(src, *params, eps, dst)
     n_ch = src.shape[1]
-    shape3 = (src.shape[0], n_ch, src.size // max(src.shape[0] * n_ch, 1))
-    sample, p_sample = np.empty((1, 1, 1), compute), np.empty(1, compute)
-    fn = entry(batch_norm_ncs, sample, p_sample, p_sample, p_sample, p_sample, eps, sample)
+    shape4 = (src.shape[0], n_ch, 1, src.size // max(src.shape[0] * n_ch, 1))
+    sample, p_sample = np.empty((1, 1, 1, 1), compute), np.empty(1, compute)
+    fn = entry(batch_norm_ncrs, sample, p_sample, p_sample, p_sample, p_sample, eps, sample)
     nbytes, pbytes = src.size * compute.itemsize, n_ch * compute.itemsize
 
     def launch(ws: Any) -> None:
@@ -150,7 +163,7 @@ def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pa
             v = ws[p_offset + i * p_stride:p_offset + i * p_stride + pbytes].view(compute)
             np.copyto(v, p, casting="unsafe")
             ps.append(v)
-        a3 = area.reshape(shape3)
-        fn(a3, ps[0], ps[1], ps[2], ps[3], eps, a3)
+        a4 = area.reshape(shape4)
+        fn(a4, ps[0], ps[1], ps[2], ps[3], eps, a4)
         np.copyto(dst, area, casting="unsafe")
     return launch

@@ -18,7 +18,6 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-import numba
 import numpy as np
 
 from ...errors import InternalError, Status
@@ -32,7 +31,7 @@ LOG_SOFTMAX_IN_OUT = 2  # log-softmax whose out does not overlap x: its exps go 
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 # per-row helpers, inlined into each kernel (a call per row costs more than a short row's work)
-jit_inline: Kernel = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=_jit.FAST, inline="always")
+jit_inline: Kernel = _jit.jit_inline
 
 
 @jit_inline
