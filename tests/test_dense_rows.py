@@ -117,3 +117,18 @@ def test_rows_split() -> None:
     b = np.zeros((4, 6, 8, 10), np.float32)[:, ::2, :, :5]  # every other plane of a crop: 3 strides, not 2
     assert rows_split(b.shape, b.strides) is None
     assert rows_split((), ()) == 0
+
+
+@pytest.mark.parametrize("groups, stride", [(6, 1), (6, 2), (2, 1)])
+@pytest.mark.parametrize("where", ["input", "output", "both"])
+def test_direct_conv_on_image_crops(groups: int, stride: int, where: str) -> None:
+    """The direct convolution (depthwise, or no workspace) reads and writes crops of wider images row by row."""
+    x = _x((2, 6, 9, 13))
+    w = np.random.default_rng(7).standard_normal((6, 6 // groups, 3, 3)).astype(np.float32)
+    attrs = {"stride": stride, "padding": 1, "groups": groups}
+    want = ops.conv2d.spec.reference(x.astype(np.float64), w.astype(np.float64), None, **attrs)
+    xin = on_device(x, "padded") if where != "output" else on_device(x)
+    out = on_device(np.zeros(want.shape, np.float32), "padded") if where != "input" else None
+    r = run_checked(ops.conv2d, xin, w, None, out=out, workspace_limit=0, **attrs)
+    assert r.implementation == "direct" and r.unwritten == (0,)
+    np.testing.assert_allclose(r.outputs[0], want, rtol=1e-4, atol=1e-4)

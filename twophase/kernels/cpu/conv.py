@@ -14,7 +14,7 @@ from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import entry
+from .jit import entry, row_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -89,41 +89,55 @@ def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k0: int, k1:
         _im2col_inl(x, n0, c0, oh0, geo, cols, k)
 
 
+@jit_inline
+def _tap(xp: Any, op: Any, wv: Any, lo: Any, s0: Any, cnt: Any, u_sw: Any, kh: int, geo: Any, dense: bool) -> None:
+    """One kernel tap on one plane: op[oh, lo + u] += wv * xp[ih, s0 + u * sw] for every output row whose input
+    row ih is inside the image; rows typed dense when ``dense`` (a constant at each call: ``jit.row_of``)."""
+    sh, ph, dh = geo[2], geo[4], geo[6]
+    height = xp.shape[0]
+    for oh in range(op.shape[0]):
+        ih = oh * sh - ph + kh * dh
+        if ih < 0 or ih >= height:
+            continue
+        orow = row_of(op, oh, dense)
+        xrow = row_of(xp, ih, dense)
+        for u in range(cnt):
+            orow[lo + u] += wv * xrow[s0 + u * u_sw]
+
+
 @jit
 def conv_direct(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int, t1: int) -> None:
     """out[n, oc] = bias[oc] + sum over its group's channels and the kernel window (``geo`` as im2col's), for the
     (image, output channel) planes t0 <= t = n * OC + oc < t1 (a range per helper thread). Each kernel tap adds a
-    shifted input row to an output row, indexed unsigned (no wrap-around select: the row loop vectorizes)."""
-    sh, sw, ph, pw, dh, dw = geo[2], geo[3], geo[4], geo[5], geo[6], geo[7]
-    height, width = x.shape[2], x.shape[3]
+    shifted input row to an output row, indexed unsigned (no wrap-around select: the row loop vectorizes), the
+    rows typed dense when their elements are adjacent (a crop of a wider image too)."""
+    sw, pw, dw = geo[3], geo[5], geo[7]
+    width = x.shape[3]
     oc_n, cg_n, kh_n, kw_n = w.shape
-    oh_n, ow_n = out.shape[2], out.shape[3]
+    ow_n = out.shape[3]
     ocg = oc_n // groups
     u_sw = np.uint64(sw)
+    dense = (x.strides[3] == x.itemsize or width <= 1) and (out.strides[3] == out.itemsize or ow_n <= 1)
     for t in range(t0, t1):
         n = t // oc_n
         oc = t - n * oc_n
         g = oc // ocg
         b0 = bias[oc] if has_bias else 0.0
-        for oh in range(oh_n):
-            for ow in range(ow_n):
-                out[n, oc, oh, ow] = b0
+        op = out[n, oc]
+        op[:, :] = b0
         for cg in range(cg_n):
-            c = g * cg_n + cg
+            xp = x[n, g * cg_n + cg]
             for kh in range(kh_n):
                 for kw in range(kw_n):
                     wv = w[oc, cg, kh, kw]
                     off = kw * dw - pw
                     lo, hi = ow_range(off, sw, width, ow_n)
                     s0, cnt = np.uint64(lo * sw + off), np.uint64(hi - lo)
-                    for oh in range(oh_n):
-                        ih = oh * sh - ph + kh * dh
-                        if ih < 0 or ih >= height:
-                            continue
-                        orow = out[n, oc, oh, lo:]
-                        xrow = x[n, c, ih]
-                        for u in range(cnt):
-                            orow[u] += wv * xrow[s0 + u * u_sw]
+                    u_lo = np.uint64(lo)
+                    if dense:
+                        _tap(xp, op, wv, u_lo, s0, cnt, u_sw, kh, geo, True)
+                    else:
+                        _tap(xp, op, wv, u_lo, s0, cnt, u_sw, kh, geo, False)
 
 
 def _geo(t: Any, images: int = 1) -> Any:
