@@ -4,6 +4,7 @@ too, with shapes of several rows and widths that are not multiples of a vector."
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -132,3 +133,22 @@ def test_direct_conv_on_image_crops(groups: int, stride: int, where: str) -> Non
     r = run_checked(ops.conv2d, xin, w, None, out=out, workspace_limit=0, **attrs)
     assert r.implementation == "direct" and r.unwritten == (0,)
     np.testing.assert_allclose(r.outputs[0], want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("shape, groups", [((2, 6, 7, 9), 3), ((2, 4, 300, 120), 2), ((2, 6, 5), 2)])
+@pytest.mark.parametrize("where", ["input", "output", "both"])
+def test_group_norm_on_image_crops(shape: tuple[int, ...], groups: int, where: str) -> None:
+    """A crop of a wider image is normalized row by row in place (not packed); a huge group (L = 72000) in
+    blocks of whole rows whose Welford partials merge."""
+    x = _x(shape) + 3  # an offset mean
+    c = shape[1]
+    rng = np.random.default_rng(9)
+    w, b = rng.standard_normal(c).astype(np.float32), rng.standard_normal(c).astype(np.float32)
+    xin = on_device(x, "padded") if where != "output" else on_device(x)
+    out = on_device(np.zeros(shape, np.float32), "padded") if where != "input" else None
+    r = run_checked(ops.group_norm, xin, w, b, out=out, num_groups=groups)
+    huge = c // groups * math.prod(shape[2:]) > 65536
+    assert r.implementation == ("split_groups" if huge else "groups")
+    assert r.unwritten == (0,)
+    np.testing.assert_allclose(r.outputs[0], ops.group_norm.spec.reference(
+        x.astype(np.float64), w, b, num_groups=groups), rtol=2e-5, atol=2e-5)

@@ -194,19 +194,35 @@ def channel_case(min_dims: int = 2) -> Any:
                      st.lists(st.integers(0, 5), min_size=min_dims - 2, max_size=2))
 
 
+def row_split(shape: Any, strides: Any) -> int | None:
+    """The test's own copy of the rule: the first k at which dims split into evenly spaced rows of one stride."""
+    for k in range(len(shape) + 1):
+        if merges(shape[k:], strides[k:]) and merges(shape[:k], strides[:k]):
+            return k
+    return None
+
+
 def bn_ws(shape: Any, strides: Any, dtype: Any) -> int:
-    """batch_norm's doc: align64(numel*c) + 4*align64(C*c) when packed (float16, or spatial dims don't merge)."""
+    """batch_norm's doc: align64(numel*c) + 4*align64(C*c) when packed (float16, or spatial dims that split into
+    no evenly spaced rows)."""
     numel, c = math.prod(shape), compute_size(dtype)
-    packed = np.dtype(dtype) == np.float16 or not merges(shape[2:], strides[2:])
+    packed = np.dtype(dtype) == np.float16 or row_split(shape[2:], strides[2:]) is None
     return align64(numel * c) + 4 * align64(shape[1] * c) if packed and numel else 0
 
 
 def gn_ws(shape: Any, strides: Any, dtype: Any, groups: int) -> int:
-    """group_norm's doc: align64(N*G*ceil(L/16384)*24) if L > 65536; + align64(numel*c) + 2*align64(C*c) packed."""
+    """group_norm's doc: align64(N*G*B*24) if L > 65536, B = ceil(L/16384) blocks, or for a group that splits
+    into R > 1 rows of S, ceil(R / max(1, 16384 // S)); + align64(numel*c) + 2*align64(C*c) when packed (float16,
+    or the group's dims split into no evenly spaced rows)."""
     numel, c = math.prod(shape), compute_size(dtype)
     length = shape[1] // groups * math.prod(shape[2:])
-    ws = align64(shape[0] * groups * -(-length // 16384) * 24) if length > 65536 and numel else 0
-    if (np.dtype(dtype) == np.float16 or not merges(shape[1:], strides[1:])) and numel:
+    gshape, gstrides = (shape[1] // groups, *shape[2:]), (strides[1], *strides[2:])
+    k = row_split(gshape, gstrides)
+    packed = np.dtype(dtype) == np.float16 or k is None
+    rows = 1 if packed else math.prod(gshape[:k])
+    blocks = -(-length // 16384) if rows == 1 else -(-rows // max(1, 16384 // (length // rows)))
+    ws = align64(shape[0] * groups * blocks * 24) if length > 65536 and numel else 0
+    if packed and numel:
         ws += align64(numel * c) + 2 * align64(shape[1] * c)
     return ws
 

@@ -3,6 +3,7 @@ the workspace), layer_norm, rms_norm, batch_norm (inference) and group_norm."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -342,15 +343,6 @@ def _bn_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) ->
     return Plan("channels_packed" if pack else "channels", (pack, area, pvec, k), area + 4 * pvec if pack else 0)
 
 
-def _ncs(a: Any, groups: int = 0) -> Any:
-    """(N, C, S) view (or (N, G, C/G * S) when ``groups``) of an N-d array whose trailing dims merge."""
-    n, c = a.shape[0], a.shape[1]
-    s = int(np.prod(a.shape[2:], dtype=np.int64))
-    if groups:
-        return a.reshape((n, groups, c // groups * s), copy=False)
-    return a.reshape((n, c, s), copy=False)
-
-
 def _bn_build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
     from ..kernels.cpu.norm import build_batch_norm
     x, mean, var, w, b = (tuple(ins) + (None, None))[:5]
@@ -406,20 +398,32 @@ class GroupNormTiling:
     param_offset: int
     param_stride: int
     workspace: int
+    rows_at: int | None  # layout.rows_split of a group's dims (None when packed)
+
+
+def _group_dims(d: Any, groups: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and strides of one (n, group) slice of ``d``: (C/G, *spatial)."""
+    return (d.shape[1] // groups, *d.shape[2:]), (d.strides[1], *d.strides[2:])
 
 
 def plan_group_norm(x: TensorDesc, out: TensorDesc, groups: int) -> GroupNormTiling:
-    """workspace = align64(N*G*ceil(L/16384)*24) when L = C/G*S > 65536 (Welford (count, mean, M2) float64
-    partials per block), else 0; + align64(numel*c) + 2*align64(C*c) when packed (float16, or channel and
-    spatial dims that do not merge into one stride), c = 4 for float16 else itemsize."""
+    """A group is L = C/G * S elements, as R rows of S' (``layout.rows_split`` of its dims: R = 1 when they walk
+    memory with one stride). workspace = align64(N*G*B*24) when L > 65536, B blocks (of 16384 elements when
+    R = 1, else of max(1, 16384 // S') whole rows) with a Welford (count, mean, M2) float64 partial each, else 0;
+    + align64(numel*c) + 2*align64(C*c) when packed (float16, or group dims that split into no evenly spaced
+    rows), c = 4 for float16 else itemsize."""
     n, c = x.shape[0], x.shape[1]
     n_sp = 1
     for s in x.shape[2:]:
         n_sp *= s
     length = c // groups * n_sp
-    split = -(-length // GROUP_BLOCK) if length > LONG_GROUP else 1
+    shape, xs = _group_dims(x, groups)
+    k = rows_split(shape, xs, _group_dims(out, groups)[1])
+    pack = x.numel > 0 and (x.dtype is DType.float16 or k is None)
+    n_r = 1 if pack or k is None else math.prod(shape[:k])
+    block = GROUP_BLOCK if n_r == 1 else max(1, GROUP_BLOCK // max(1, length // n_r))
+    split = -(-(length if n_r == 1 else n_r) // block) if length > LONG_GROUP else 1
     ws = align(n * groups * split * 24) if split > 1 and x.numel else 0
-    pack = x.numel > 0 and (x.dtype is DType.float16 or not _merges(x, 1) or not _merges(out, 1))
     item = _compute(x.dtype).itemsize
     pack_offset = ws
     param_offset = pvec = 0
@@ -427,7 +431,7 @@ def plan_group_norm(x: TensorDesc, out: TensorDesc, groups: int) -> GroupNormTil
         param_offset = ws + align(x.numel * item)
         pvec = align(c * item)
         ws = param_offset + 2 * pvec
-    return GroupNormTiling(groups, n_sp, split, GROUP_BLOCK, pack, pack_offset, param_offset, pvec, ws)
+    return GroupNormTiling(groups, n_sp, split, block, pack, pack_offset, param_offset, pvec, ws, k)
 
 
 def _gn_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
@@ -445,7 +449,14 @@ def _gn_build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tup
     compute = _compute(DType.of(x.dtype))
     if t.pack:
         return build_group_norm(x, outs[0], w, b, t, attrs["eps"], compute)
-    return build_group_norm(_ncs(x, t.groups), _ncs(outs[0], t.groups), w, b, t, attrs["eps"], compute)
+    return build_group_norm(_grouped_rows(x, t), _grouped_rows(outs[0], t), w, b, t, attrs["eps"], compute)
+
+
+def _grouped_rows(a: Any, t: GroupNormTiling) -> Any:
+    """The (N, G, R, S) view of an (N, C, ...) array: group dims (C/G, ...) as rows (``t.rows_at``)."""
+    n, c = a.shape[0], a.shape[1]
+    assert t.rows_at is not None, "plan_group_norm packs groups that split into no rows"
+    return as_rows(a.reshape((n, t.groups, c // t.groups, *a.shape[2:]), copy=False), 2, t.rows_at)
 
 
 def _gn_reference(x: Any, weight: Any = None, bias: Any = None, num_groups: int = 1, eps: float = 1e-5) -> Any:
@@ -462,8 +473,9 @@ def _gn_reference(x: Any, weight: Any = None, bias: Any = None, num_groups: int 
         0.0 if bias is None else np.asarray(bias, np.float64).reshape(shape))
 
 
-_GN_FORMULA = ("align64(N*G*ceil(L/16384)*24) if L = C/G*S > 65536 else 0; + align64(numel*c) + 2*align64(C*c) "
-               "when packed (c = 4 for float16, else itemsize)")
+_GN_FORMULA = ("align64(N*G*B*24) if L = C/G*S > 65536 else 0, B = ceil(L/16384) blocks (ceil(R / max(1, 16384 // "
+               "S')) blocks of whole rows when a group splits into R > 1 rows of S'); + align64(numel*c) + "
+               "2*align64(C*c) when packed (c = 4 for float16, else itemsize)")
 register(OpDef(
     name="group_norm", inputs=("x", "weight?", "bias?"),
     attrs=(Attr("num_groups", as_int), Attr("eps", as_float, 1e-5)), dtypes=FLOATS,
@@ -472,8 +484,10 @@ register(OpDef(
     workspace_formula=_GN_FORMULA,
     doc=("Group norm of an (N, C, ...) tensor: channels split into ``num_groups`` groups of L = C/G * S "
          "elements; per (n, group) mean and variance in float64 (sum, then squared deviations: two passes over "
-         "the group in cache), out = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]. Groups of L > 65536 "
-         "are split into blocks of 16384 whose Welford partials (count, mean, M2) take 24 bytes each and merge "
+         "the group in cache), out = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]; a crop of a wider image "
+         "(group dims that split into R evenly spaced rows) row by row, not packed. Groups of L > 65536 "
+         "are split into blocks of 16384 elements (or of whole rows) whose Welford partials (count, mean, M2) "
+         "take 24 bytes each and merge "
          "per group (Chan: n = na + nb, d = mb - ma, mean = ma + d*nb/n, M2 = M2a + M2b + d^2*na*nb/n; "
          f"var = M2 / L). dtypes float32, float64, float16 (computed in float32). Workspace: {_GN_FORMULA}."),
     reference=_gn_reference))

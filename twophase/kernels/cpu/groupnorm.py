@@ -1,4 +1,5 @@
-"""Group norm over an (N, G, L) view (L = C/G channels x S spatial elements of one group, one stride).
+"""Group norm over an (N, G, R, S) view: a group of L = C/G channels x their spatial elements as R rows of S
+(R = 1 when they walk memory with one stride; R > 1 for a crop of a wider image).
 
 A group that fits in cache takes three passes: its float64 sum (mean), the float64 sum of squared deviations
 (variance, no cancellation), then ``out = (x - mean) * rstd * w[c] + b[c]`` channel by channel. A huge group
@@ -18,13 +19,15 @@ import numpy as np
 
 from . import jit as _jit
 from . import vmath as vm
-from .jit import entry
+from .jit import entry, row_of
 from .norm import _affine
 
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_par: Kernel = _jit.jit_par
 jit_reduce: Kernel = _jit.jit_reduce
+jit_inline: Kernel = _jit.jit_inline
+SHORT_ROW = 512  # rows shorter than this are summed column-wise (see _block_stats)
 
 
 @jit_reduce
@@ -37,28 +40,91 @@ def _sq_dev(x: Any, mu: float) -> float:
 
 
 @jit
-def _write(x: Any, out: Any, lo: int, hi: int, n_sp: int, c0: int, w: Any, b: Any, mu: float, r: float) -> None:
-    """Elements [lo, hi) of one group row: channel c0 + i // n_sp, a contiguous run per channel."""
+def _write(x: Any, out: Any, lo: int, hi: int, base: int, n_sp: int, c0: int, w: Any, b: Any, mu: float,
+           r: float) -> None:
+    """Elements [lo, hi) of one row of a group, whose element 0 is the group's element ``base``: channel
+    c0 + (base + i) // n_sp, a contiguous run per channel."""
     i = lo
     while i < hi:
-        c = i // n_sp
-        e = min(hi, (c + 1) * n_sp)
+        c = (base + i) // n_sp
+        e = min(hi, (c + 1) * n_sp - base)
         _affine(x[i:e], out[i:e], mu, r * w[c0 + c], float(b[c0 + c]))
         i = e
 
 
+@jit_inline
+def _block_stats(xg: Any, r0: int, r1: int, e0: int, e1: int, dense: bool) -> tuple[float, float]:
+    """(mean, M2) of elements [e0, e1) of rows [r0, r1) of one group's (R, S) view: a float64 sum, then the
+    squared deviations (no cancellation). Many short rows (a crop of a wider image) add up column-wise in a
+    float64 row first: a short row's own sum would end in a serial scalar tail longer than its vector part."""
+    n = e1 - e0
+    if r1 - r0 > 1 and n < SHORT_ROW:
+        acc = np.zeros(n)
+        for r in range(r0, r1):
+            row = row_of(xg, r, dense)[e0:e1]
+            for i in range(n):
+                acc[i] += row[i]
+        mu = vm.fsum(acc) / ((r1 - r0) * n)
+        acc[:] = 0.0
+        for r in range(r0, r1):
+            row = row_of(xg, r, dense)[e0:e1]
+            for i in range(n):
+                d = row[i] - mu
+                acc[i] += d * d
+        return mu, vm.fsum(acc)
+    s = 0.0
+    for r in range(r0, r1):
+        s += vm.fsum(row_of(xg, r, dense)[e0:e1])
+    mu = s / ((r1 - r0) * n)
+    q = 0.0
+    for r in range(r0, r1):
+        q += _sq_dev(row_of(xg, r, dense)[e0:e1], mu)
+    return mu, q
+
+
+@jit_inline
+def _block_write(xg: Any, og: Any, r0: int, r1: int, e0: int, e1: int, n_sp: int, c0: int, w: Any, b: Any,
+                 mu: float, rs: float, dense: bool) -> None:
+    n = xg.shape[1]
+    if e0 == 0 and e1 == n and n_sp % n == 0:  # whole rows, each in one channel: the affine inline, no call a row
+        for r in range(r0, r1):
+            c = c0 + r * n // n_sp
+            a, bc = rs * w[c], float(b[c])
+            xr, orow = row_of(xg, r, dense), row_of(og, r, dense)
+            for i in range(n):
+                orow[i] = (xr[i] - mu) * a + bc
+        return
+    for r in range(r0, r1):
+        _write(row_of(xg, r, dense), row_of(og, r, dense), e0, e1, r * n, n_sp, c0, w, b, mu, rs)
+
+
+@jit_inline
+def _dense(x: Any, out: Any) -> bool:
+    return bool((x.strides[3] == x.itemsize and out.strides[3] == out.itemsize) or x.shape[3] <= 1)
+
+
+@jit_inline
+def _group(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any, t: int, dense: bool) -> None:
+    """Group t = k * G + j whole: sum, squared deviations, write (the group stays in cache)."""
+    n, g, n_r, n_s = x.shape
+    k = t // g
+    j = t - k * g
+    xg, og = x[k, j], out[k, j]
+    mu, q = _block_stats(xg, 0, n_r, 0, n_s, dense)
+    rs = 1.0 / math.sqrt(q / (n_r * n_s) + eps)
+    _block_write(xg, og, 0, n_r, 0, n_s, n_sp, j * (n_r * n_s // n_sp), w, b, mu, rs, dense)
+
+
 @jit_par
 def group_norm_rows(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any) -> None:
-    """Whole groups, one per task: sum, squared deviations, write (the group stays in cache)."""
-    n, g, length = x.shape
-    cg = length // n_sp
+    """Whole groups of an (N, G, R, S) view, one per task (R > 1: a crop of a wider image, row by row)."""
+    n, g = x.shape[0], x.shape[1]
+    dense = _dense(x, out)
     for t in numba.prange(n * g):
-        k = t // g
-        j = t - k * g
-        row, orow = x[k, j], out[k, j]
-        mu = vm.fsum(row) / length
-        r = 1.0 / math.sqrt(_sq_dev(row, mu) / length + eps)
-        _write(row, orow, 0, length, n_sp, j * cg, w, b, mu, r)
+        if dense:
+            _group(x, w, b, n_sp, eps, out, t, True)
+        else:
+            _group(x, w, b, n_sp, eps, out, t, False)
 
 
 @jit
@@ -79,42 +145,66 @@ def _merge(part: Any, t: int, length: int, eps: float) -> None:
         part[t, j, 2] = na
 
 
+@jit_inline
+def _block_of(n_r: int, n_s: int, block: int, j: int) -> tuple[int, int, int, int]:
+    """Block j of a group: ``block`` elements of its one row (R == 1), else ``block`` whole rows."""
+    if n_r == 1:
+        return 0, 1, j * block, min(n_s, (j + 1) * block)
+    return j * block, min(n_r, (j + 1) * block), 0, n_s
+
+
+@jit_inline
+def _split_pass(x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: Any, t: int, write: bool,
+                dense: bool) -> None:
+    """Block task t: its Welford partial (count, mean, M2), or (``write``) its output from the merged stats."""
+    n, g, n_r, n_s = x.shape
+    nb = part.shape[1]
+    row = t // nb
+    j = t - row * nb
+    k, gi = row // g, row - (row // g) * g
+    r0, r1, e0, e1 = _block_of(n_r, n_s, block, j)
+    if write:
+        _block_write(x[k, gi], out[k, gi], r0, r1, e0, e1, n_sp, gi * (n_r * n_s // n_sp), w, b, part[row, j, 0],
+                     part[row, j, 1], dense)
+    else:
+        mu, q = _block_stats(x[k, gi], r0, r1, e0, e1, dense)
+        part[row, j, 0] = (r1 - r0) * (e1 - e0)
+        part[row, j, 1] = mu
+        part[row, j, 2] = q
+
+
 @jit_par
 def group_norm_split(x: Any, w: Any, b: Any, n_sp: int, eps: float, block: int, part: Any, out: Any) -> None:
     """Huge groups: every block is a task (Welford partials), groups merge, every block writes."""
-    n, g, length = x.shape
-    cg = length // n_sp
+    n, g, n_r, n_s = x.shape
     nb = part.shape[1]
+    dense = _dense(x, out)
     for t in numba.prange(n * g * nb):
-        row = t // nb
-        j = t - row * nb
-        lo, hi = j * block, min(length, (j + 1) * block)
-        seg = x[row // g, row % g, lo:hi]
-        mu = vm.fsum(seg) / (hi - lo)
-        part[row, j, 0] = hi - lo
-        part[row, j, 1] = mu
-        part[row, j, 2] = _sq_dev(seg, mu)
+        if dense:
+            _split_pass(x, w, b, n_sp, block, part, out, t, False, True)
+        else:
+            _split_pass(x, w, b, n_sp, block, part, out, t, False, False)
     for row in numba.prange(n * g):
-        _merge(part, row, length, eps)
+        _merge(part, row, n_r * n_s, eps)
     for t in numba.prange(n * g * nb):
-        row = t // nb
-        j = t - row * nb
-        k, gi = row // g, row % g
-        lo, hi = j * block, min(length, (j + 1) * block)
-        _write(x[k, gi], out[k, gi], lo, hi, n_sp, gi * cg, w, b, part[row, j, 0], part[row, j, 1])
+        if dense:
+            _split_pass(x, w, b, n_sp, block, part, out, t, True, True)
+        else:
+            _split_pass(x, w, b, n_sp, block, part, out, t, True, False)
 
 
 def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float,
                      compute: Any) -> Callable[[Any], None]:
-    """Launch over (N, G, L) views, or (``tiling.pack``) through dense ``compute`` copies of the N-d ``src`` and
-    of ``w`` / ``b`` in the workspace. ``tiling``: groups, n_sp, split, block, pack, pack_offset, param_offset."""
+    """Launch over (N, G, R, S) views, or (``tiling.pack``) through dense ``compute`` copies of the N-d ``src``
+    and of ``w`` / ``b`` in the workspace. ``tiling``: groups, n_sp, split, block, pack, pack_offset,
+    param_offset."""
     t = tiling
     if src.size == 0:
         return lambda _: None
     n = src.shape[0]
-    shape3 = (n, t.groups, src.size // (n * t.groups))
+    shape4 = (n, t.groups, 1, src.size // (n * t.groups))
     if t.pack:
-        sample, p_sample = np.empty((1, 1, 1), compute), np.empty(1, compute)
+        sample, p_sample = np.empty((1, 1, 1, 1), compute), np.empty(1, compute)
     else:
         sample, p_sample = src, w
     part_sample = np.empty((1, 1, 3), np.float64)
@@ -143,7 +233,7 @@ def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float
         bv = ws[t.param_offset + t.param_stride:t.param_offset + t.param_stride + pbytes].view(compute)
         np.copyto(wv, w, casting="unsafe")
         np.copyto(bv, b, casting="unsafe")
-        a3 = area.reshape(shape3)
-        run(a3, wv, bv, a3, ws)
+        a4 = area.reshape(shape4)
+        run(a4, wv, bv, a4, ws)
         np.copyto(dst, area, casting="unsafe")
     return launch
