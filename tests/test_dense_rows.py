@@ -152,3 +152,20 @@ def test_group_norm_on_image_crops(shape: tuple[int, ...], groups: int, where: s
     assert r.unwritten == (0,)
     np.testing.assert_allclose(r.outputs[0], ops.group_norm.spec.reference(
         x.astype(np.float64), w, b, num_groups=groups), rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("name, attrs", [
+    ("max_pool2d", {"kernel_size": 3, "stride": 2, "padding": 1}),
+    ("avg_pool2d", {"kernel_size": 3, "stride": 1, "padding": 1}),
+    ("avg_pool2d", {"kernel_size": 2, "stride": 2, "count_include_pad": False}),
+])
+@pytest.mark.parametrize("where", ["input", "output", "both"])
+def test_pools_on_image_crops(name: str, attrs: dict[str, Any], where: str) -> None:
+    op = getattr(ops, name)
+    x = _x((2, 3, 11, 13))
+    want = op.spec.reference(x.astype(np.float64), **attrs)
+    xin = on_device(x, "padded") if where != "output" else on_device(x)
+    out = on_device(np.zeros(want.shape, np.float32), "padded") if where != "input" else None
+    r = run_checked(op, xin, out=out, **attrs)
+    assert r.unwritten == (0,)
+    np.testing.assert_allclose(r.outputs[0], want, rtol=1e-5, atol=1e-5)

@@ -12,7 +12,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, split_range
 from . import vmath as vm
 from .conv import ow_range
-from .jit import entry
+from .jit import entry, jit_inline, row_of
 from .jit import jit as _jit
 
 Launch = Callable[[Any], None]
@@ -20,70 +20,98 @@ jit: Callable[[Callable[..., Any]], Any] = _jit
 PARALLEL_MIN = 1 << 20  # window elements read from which the planes are cut into ranges for helper threads
 
 
+@jit_inline
+def _dense(x: Any, out: Any) -> bool:
+    """Whether the planes' rows have adjacent elements (a crop of a wider image too): then typed dense."""
+    return bool((x.strides[3] == x.itemsize or x.shape[3] <= 1) and (out.strides[3] == out.itemsize
+                                                                     or out.shape[3] <= 1))
+
+
+@jit_inline
+def _max_plane(xp: Any, op: Any, geo: Any, dense: bool) -> None:
+    kh_n, kw_n, sh, sw, ph, pw, dh, dw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6], geo[7]
+    height, width = xp.shape
+    ow_n = op.shape[1]
+    u_sw = np.uint64(sw)
+    for oh in range(op.shape[0]):
+        orow = row_of(op, oh, dense)
+        for ow in range(ow_n):
+            orow[ow] = -np.inf
+        for kh in range(kh_n):
+            ih = oh * sh - ph + kh * dh
+            if ih < 0 or ih >= height:
+                continue
+            xrow = row_of(xp, ih, dense)
+            for kw in range(kw_n):
+                off = kw * dw - pw
+                lo, hi = ow_range(off, sw, width, ow_n)
+                dst = orow[lo:]
+                s0 = np.uint64(lo * sw + off)
+                for u in range(np.uint64(hi - lo)):
+                    dst[u] = vm.maximum(dst[u], xrow[s0 + u * u_sw])
+
+
 @jit
 def max_pool(x: Any, out: Any, geo: Any, t0: int, t1: int) -> None:
     """Max over each window (``geo`` = KH, KW, sh, sw, ph, pw, dh, dw), planes t0 <= t = n * C + c < t1; NaN
     propagates. Each window tap takes the max of an output row with a shifted input row (unsigned indices: the
-    row loop vectorizes)."""
-    kh_n, kw_n, sh, sw, ph, pw, dh, dw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6], geo[7]
-    c_n, height, width = x.shape[1], x.shape[2], x.shape[3]
-    oh_n, ow_n = out.shape[2], out.shape[3]
-    u_sw = np.uint64(sw)
+    row loop vectorizes; rows typed dense whenever their elements are adjacent)."""
+    c_n = x.shape[1]
+    dense = _dense(x, out)
     for t in range(t0, t1):
         n = t // c_n
         c = t - n * c_n
-        for oh in range(oh_n):
-            orow = out[n, c, oh]
-            for ow in range(ow_n):
-                orow[ow] = -np.inf
-            for kh in range(kh_n):
-                ih = oh * sh - ph + kh * dh
-                if ih < 0 or ih >= height:
-                    continue
-                xrow = x[n, c, ih]
-                for kw in range(kw_n):
-                    off = kw * dw - pw
-                    lo, hi = ow_range(off, sw, width, ow_n)
-                    dst = orow[lo:]
-                    s0 = np.uint64(lo * sw + off)
-                    for u in range(np.uint64(hi - lo)):
-                        dst[u] = vm.maximum(dst[u], xrow[s0 + u * u_sw])
+        if dense:
+            _max_plane(x[n, c], out[n, c], geo, True)
+        else:
+            _max_plane(x[n, c], out[n, c], geo, False)
+
+
+@jit_inline
+def _avg_plane(xp: Any, op: Any, geo: Any, include_pad: bool, dense: bool) -> None:
+    kh_n, kw_n, sh, sw, ph, pw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+    height, width = xp.shape
+    ow_n = op.shape[1]
+    u_sw = np.uint64(sw)
+    for oh in range(op.shape[0]):
+        h0 = oh * sh - ph
+        h1 = min(h0 + kh_n, height + ph)
+        hs, he = max(h0, 0), min(h1, height)
+        orow = row_of(op, oh, dense)
+        for ow in range(ow_n):
+            orow[ow] = 0.0
+        for ih in range(hs, he):
+            xrow = row_of(xp, ih, dense)
+            for kw in range(kw_n):
+                off = kw - pw
+                lo, hi = ow_range(off, sw, width, ow_n)
+                dst = orow[lo:]
+                s0 = np.uint64(lo * sw + off)
+                for u in range(np.uint64(hi - lo)):
+                    dst[u] += xrow[s0 + u * u_sw]
+        for ow in range(ow_n):
+            w0 = ow * sw - pw
+            w1 = min(w0 + kw_n, width + pw)
+            ws, we = max(w0, 0), min(w1, width)
+            div = (h1 - h0) * (w1 - w0) if include_pad else (he - hs) * (we - ws)
+            orow[ow] = orow[ow] / div if div > 0 else 0.0
 
 
 @jit
 def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool, t0: int, t1: int) -> None:
     """Mean over each window, PyTorch's divisor (window clipped to the padded input, or to the input), planes
     t0 <= t < t1. Each window tap adds a shifted input row into the output row (unsigned indices: the row loop
-    vectorizes), then the row is divided element by element."""
-    kh_n, kw_n, sh, sw, ph, pw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
-    c_n, height, width = x.shape[1], x.shape[2], x.shape[3]
-    oh_n, ow_n = out.shape[2], out.shape[3]
-    u_sw = np.uint64(sw)
+    vectorizes; rows typed dense whenever their elements are adjacent), then the row is divided element by
+    element."""
+    c_n = x.shape[1]
+    dense = _dense(x, out)
     for t in range(t0, t1):
         n = t // c_n
         c = t - n * c_n
-        for oh in range(oh_n):
-            h0 = oh * sh - ph
-            h1 = min(h0 + kh_n, height + ph)
-            hs, he = max(h0, 0), min(h1, height)
-            orow = out[n, c, oh]
-            for ow in range(ow_n):
-                orow[ow] = 0.0
-            for ih in range(hs, he):
-                xrow = x[n, c, ih]
-                for kw in range(kw_n):
-                    off = kw - pw
-                    lo, hi = ow_range(off, sw, width, ow_n)
-                    dst = orow[lo:]
-                    s0 = np.uint64(lo * sw + off)
-                    for u in range(np.uint64(hi - lo)):
-                        dst[u] += xrow[s0 + u * u_sw]
-            for ow in range(ow_n):
-                w0 = ow * sw - pw
-                w1 = min(w0 + kw_n, width + pw)
-                ws, we = max(w0, 0), min(w1, width)
-                div = (h1 - h0) * (w1 - w0) if include_pad else (he - hs) * (we - ws)
-                orow[ow] = orow[ow] / div if div > 0 else 0.0
+        if dense:
+            _avg_plane(x[n, c], out[n, c], geo, include_pad, True)
+        else:
+            _avg_plane(x[n, c], out[n, c], geo, include_pad, False)
 
 
 @jit
