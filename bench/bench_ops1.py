@@ -161,6 +161,50 @@ def padded_table() -> None:
         print(f"{name:<12} {t['dense'] / CALLS * 1e3:9.3f} {1 / r['dense']:13.2f}")
 
 
+CROP, CROP_PAD = (8, 64, 56, 56), 8  # NCHW images whose rows are the leading 56 of 64-wide ones
+CROP_OPS: dict[str, tuple[Any, dict[str, Any], int]] = {
+    # name: (op, attrs, extra per-channel (C,) inputs); rows of W = 56 floats each
+    "batch_norm": (ops.batch_norm, {}, 4),
+    "group_norm": (ops.group_norm, {"num_groups": 8}, 2),
+    "max_pool2d": (ops.max_pool2d, {"kernel_size": 3, "stride": 2, "padding": 1}, 0),
+    "avg_pool2d": (ops.avg_pool2d, {"kernel_size": 3, "stride": 2, "padding": 1}, 0),
+    "gelu": (ops.gelu, {}, 0),
+    "softmax": (ops.softmax, {"dim": -1}, 0),
+    "layer_norm": (ops.layer_norm, {"normalized_shape": (CROP[3],)}, 0),
+    "reduce_sum": (ops.reduce_sum, {"dims": (2, 3)}, 0),
+}
+
+
+def crop_table() -> None:
+    """Image ops on an NCHW crop of wider images (dense rows of 56, planes and images not one stride) against
+    the same images dense: the kernels walk such planes row by row in place; the ops that still pack the
+    input first (reductions over dims that do not merge) show the cost of that copy."""
+    n, c, h, w = CROP
+    print(f"\ncrops of wider images: {n}x{c}x{h}x{w} float32 viewed in {n}x{c}x{h}x{w + CROP_PAD}, against the same "
+          "images dense; t(crop) / t(dense), median of interleaved rounds (lower is better, 1 = no cost)")
+    print(f"{'op':<12} {'impl (crop)':<16} {'ws (crop)':>10} {'dense ms':>9} {'crop/dense':>11}")
+    dev = device("cpu")
+    rng = np.random.default_rng(2)
+    wide = rng.standard_normal((n, c, h, w + CROP_PAD)).astype(np.float32)
+    dense_t = dev.tensor(np.ascontiguousarray(wide[..., :w]))
+    crop_t = dev.tensor(wide).strided(CROP, (c * h * (w + CROP_PAD), h * (w + CROP_PAD), w + CROP_PAD, 1), 0)
+    params = [dev.tensor(rng.uniform(0.5, 1.5, c).astype(np.float32)) for _ in range(4)]
+    dense_t.synchronize()
+    crop_t.synchronize()
+    for name, (op, attrs, extra) in CROP_OPS.items():
+        if sys.argv[1:] and name not in sys.argv[1:]:
+            continue
+        run_d, rel_d = ours(op, [dense_t, *params[:extra]], **attrs)
+        run_c, rel_c = ours(op, [crop_t, *params[:extra]], **attrs)
+        size, ex = op.get_workspace_size(crop_t, *params[:extra], **attrs)
+        impl = ex.implementation
+        ex.destroy()
+        t, r = interleaved_ratios({"crop": run_c, "dense": run_d}, "crop", 1, rounds=ROUNDS)
+        rel_d()
+        rel_c()
+        print(f"{name:<12} {impl:<16} {size:>10} {t['dense'] / CALLS * 1e3:9.3f} {1 / r['dense']:11.2f}")
+
+
 def main() -> None:
     """The table as the environment stands, then (unless ``TWOPHASE_BENCH_VARIANTS=0`` or the policy is already
     set) again in a subprocess with ``OMP_WAIT_POLICY=PASSIVE``, where twophase's kernels use every core (its
@@ -168,6 +212,7 @@ def main() -> None:
     table()
     if "OMP_WAIT_POLICY" not in os.environ:  # once, not again in the variant
         padded_table()
+        crop_table()
     if os.environ.get("TWOPHASE_BENCH_VARIANTS", "1") == "0" or "OMP_WAIT_POLICY" in os.environ:
         return
     import subprocess
