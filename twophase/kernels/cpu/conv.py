@@ -14,7 +14,7 @@ from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import entry, row_of
+from .jit import dense_rows, entry, row_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -117,7 +117,7 @@ def conv_direct(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, g
     ow_n = out.shape[3]
     ocg = oc_n // groups
     u_sw = np.uint64(sw)
-    dense = (x.strides[3] == x.itemsize or width <= 1) and (out.strides[3] == out.itemsize or ow_n <= 1)
+    dense = dense_rows(x) and dense_rows(out)
     for t in range(t0, t1):
         n = t // oc_n
         oc = t - n * oc_n

@@ -19,7 +19,7 @@ import numpy as np
 
 from . import jit as _jit
 from . import vmath as vm
-from .jit import entry, row_of
+from .jit import dense_rows, entry, row_of
 from .norm import _affine
 
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -99,11 +99,6 @@ def _block_write(xg: Any, og: Any, r0: int, r1: int, e0: int, e1: int, n_sp: int
 
 
 @jit_inline
-def _dense(x: Any, out: Any) -> bool:
-    return bool((x.strides[3] == x.itemsize and out.strides[3] == out.itemsize) or x.shape[3] <= 1)
-
-
-@jit_inline
 def _group(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any, t: int, dense: bool) -> None:
     """Group t = k * G + j whole: sum, squared deviations, write (the group stays in cache)."""
     n, g, n_r, n_s = x.shape
@@ -119,7 +114,7 @@ def _group(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any, t: int, dens
 def group_norm_rows(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any) -> None:
     """Whole groups of an (N, G, R, S) view, one per task (R > 1: a crop of a wider image, row by row)."""
     n, g = x.shape[0], x.shape[1]
-    dense = _dense(x, out)
+    dense = dense_rows(x) and dense_rows(out)
     for t in numba.prange(n * g):
         if dense:
             _group(x, w, b, n_sp, eps, out, t, True)
@@ -178,7 +173,7 @@ def group_norm_split(x: Any, w: Any, b: Any, n_sp: int, eps: float, block: int, 
     """Huge groups: every block is a task (Welford partials), groups merge, every block writes."""
     n, g, n_r, n_s = x.shape
     nb = part.shape[1]
-    dense = _dense(x, out)
+    dense = dense_rows(x) and dense_rows(out)
     for t in numba.prange(n * g * nb):
         if dense:
             _split_pass(x, w, b, n_sp, block, part, out, t, False, True)

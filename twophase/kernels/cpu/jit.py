@@ -51,9 +51,10 @@ def row_of(a: Any, k: int, dense: bool) -> Any:
 
 @numba.njit(nogil=True, cache=True, inline="always")
 def dense_rows(a: Any) -> bool:
-    """Whether the rows of the matrix ``a`` have adjacent elements: their loops then vectorize taken through
-    ``row_of(a, k, True)``, also when ``a`` is typed strided (the rows of a slice of a wider array)."""
-    return bool(a.strides[1] == a.itemsize or a.shape[1] <= 1)
+    """Whether the rows (along the last dim) of ``a`` have adjacent elements: their loops then vectorize taken
+    through ``row_of``, also when ``a`` is typed strided (the rows of a slice of a wider array, a crop of wider
+    images)."""
+    return bool(a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
 
 
 def _numba_type(a: Any) -> Any:

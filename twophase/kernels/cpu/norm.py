@@ -127,7 +127,7 @@ def batch_norm_ncrs(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out
         for k in numba.prange(n_rows):
             _channels(x[k, :, 0, 0], out[k, :, 0, 0], mean, var, w, b, eps)
         return
-    dense = (x.strides[3] == x.itemsize and out.strides[3] == out.itemsize) or n_sp == 1
+    dense = dense_rows(x) and dense_rows(out)
     for t in numba.prange(n_rows * n_ch):
         k = t // n_ch
         c = t - k * n_ch

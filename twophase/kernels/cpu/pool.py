@@ -12,19 +12,12 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, split_range
 from . import vmath as vm
 from .conv import ow_range
-from .jit import entry, jit_inline, row_of
+from .jit import dense_rows, entry, jit_inline, row_of
 from .jit import jit as _jit
 
 Launch = Callable[[Any], None]
 jit: Callable[[Callable[..., Any]], Any] = _jit
 PARALLEL_MIN = 1 << 20  # window elements read from which the planes are cut into ranges for helper threads
-
-
-@jit_inline
-def _dense(x: Any, out: Any) -> bool:
-    """Whether the planes' rows have adjacent elements (a crop of a wider image too): then typed dense."""
-    return bool((x.strides[3] == x.itemsize or x.shape[3] <= 1) and (out.strides[3] == out.itemsize
-                                                                     or out.shape[3] <= 1))
 
 
 @jit_inline
@@ -57,7 +50,7 @@ def max_pool(x: Any, out: Any, geo: Any, t0: int, t1: int) -> None:
     propagates. Each window tap takes the max of an output row with a shifted input row (unsigned indices: the
     row loop vectorizes; rows typed dense whenever their elements are adjacent)."""
     c_n = x.shape[1]
-    dense = _dense(x, out)
+    dense = dense_rows(x) and dense_rows(out)
     for t in range(t0, t1):
         n = t // c_n
         c = t - n * c_n
@@ -104,7 +97,7 @@ def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool, t0: int, t1: int) ->
     vectorizes; rows typed dense whenever their elements are adjacent), then the row is divided element by
     element."""
     c_n = x.shape[1]
-    dense = _dense(x, out)
+    dense = dense_rows(x) and dense_rows(out)
     for t in range(t0, t1):
         n = t // c_n
         c = t - n * c_n
