@@ -14,7 +14,7 @@ from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import dense_rows, entry, row_of
+from .jit import by_density, entry, row_of, rows_dense
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -105,39 +105,40 @@ def _tap(xp: Any, op: Any, wv: Any, lo: Any, s0: Any, cnt: Any, u_sw: Any, kh: i
             orow[lo + u] += wv * xrow[s0 + u * u_sw]
 
 
-@jit
-def conv_direct(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int, t1: int) -> None:
-    """out[n, oc] = bias[oc] + sum over its group's channels and the kernel window (``geo`` as im2col's), for the
-    (image, output channel) planes t0 <= t = n * OC + oc < t1 (a range per helper thread). Each kernel tap adds a
-    shifted input row to an output row, indexed unsigned (no wrap-around select: the row loop vectorizes), the
-    rows typed dense when their elements are adjacent (a crop of a wider image too)."""
-    sw, pw, dw = geo[3], geo[5], geo[7]
-    width = x.shape[3]
-    oc_n, cg_n, kh_n, kw_n = w.shape
-    ow_n = out.shape[3]
-    ocg = oc_n // groups
-    u_sw = np.uint64(sw)
-    dense = dense_rows(x) and dense_rows(out)
-    for t in range(t0, t1):
-        n = t // oc_n
-        oc = t - n * oc_n
-        g = oc // ocg
-        b0 = bias[oc] if has_bias else 0.0
-        op = out[n, oc]
-        op[:, :] = b0
-        for cg in range(cg_n):
-            xp = x[n, g * cg_n + cg]
-            for kh in range(kh_n):
-                for kw in range(kw_n):
-                    wv = w[oc, cg, kh, kw]
-                    off = kw * dw - pw
-                    lo, hi = ow_range(off, sw, width, ow_n)
-                    s0, cnt = np.uint64(lo * sw + off), np.uint64(hi - lo)
-                    u_lo = np.uint64(lo)
-                    if dense:
-                        _tap(xp, op, wv, u_lo, s0, cnt, u_sw, kh, geo, True)
-                    else:
-                        _tap(xp, op, wv, u_lo, s0, cnt, u_sw, kh, geo, False)
+def _direct_kernel(dense: bool) -> Any:
+    @jit
+    def conv_direct(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int,
+                    t1: int) -> None:
+        """out[n, oc] = bias[oc] + sum over its group's channels and the kernel window (``geo`` as im2col's), for
+        the (image, output channel) planes t0 <= t = n * OC + oc < t1 (a range per helper thread). Each kernel
+        tap adds a shifted input row to an output row, indexed unsigned (no wrap-around select: the row loop
+        vectorizes), the rows typed dense when ``dense`` (a closure constant: ``jit.by_density``)."""
+        sw, pw, dw = geo[3], geo[5], geo[7]
+        width = x.shape[3]
+        oc_n, cg_n, kh_n, kw_n = w.shape
+        ow_n = out.shape[3]
+        ocg = oc_n // groups
+        u_sw = np.uint64(sw)
+        for t in range(t0, t1):
+            n = t // oc_n
+            oc = t - n * oc_n
+            g = oc // ocg
+            b0 = bias[oc] if has_bias else 0.0
+            op = out[n, oc]
+            op[:, :] = b0
+            for cg in range(cg_n):
+                xp = x[n, g * cg_n + cg]
+                for kh in range(kh_n):
+                    for kw in range(kw_n):
+                        wv = w[oc, cg, kh, kw]
+                        off = kw * dw - pw
+                        lo, hi = ow_range(off, sw, width, ow_n)
+                        s0, cnt = np.uint64(lo * sw + off), np.uint64(hi - lo)
+                        _tap(xp, op, wv, np.uint64(lo), s0, cnt, u_sw, kh, geo, dense)
+    return conv_direct
+
+
+CONV_DIRECT = by_density(_direct_kernel)
 
 
 def _geo(t: Any, images: int = 1) -> Any:
@@ -149,7 +150,7 @@ def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     planes on helper threads when the multiply-adds reach PARALLEL_MIN."""
     b = bias if bias is not None else np.zeros(1, x.dtype)
     geo = _geo(t)
-    k = entry(conv_direct, x, w, b, bias is not None, out, geo, t.groups, 0, 0)
+    k = entry(CONV_DIRECT[rows_dense(x, out)], x, w, b, bias is not None, out, geo, t.groups, 0, 0)
     has = bias is not None
     planes = t.n * t.oc
     work = planes * t.cg * t.kh * t.kw * t.oh * t.ow

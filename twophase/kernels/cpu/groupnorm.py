@@ -19,7 +19,7 @@ import numpy as np
 
 from . import jit as _jit
 from . import vmath as vm
-from .jit import dense_rows, entry, row_of
+from .jit import by_density, entry, row_of, rows_dense
 from .norm import _affine
 
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -110,16 +110,15 @@ def _group(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any, t: int, dens
     _block_write(xg, og, 0, n_r, 0, n_s, n_sp, j * (n_r * n_s // n_sp), w, b, mu, rs, dense)
 
 
-@jit_par
-def group_norm_rows(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any) -> None:
-    """Whole groups of an (N, G, R, S) view, one per task (R > 1: a crop of a wider image, row by row)."""
-    n, g = x.shape[0], x.shape[1]
-    dense = dense_rows(x) and dense_rows(out)
-    for t in numba.prange(n * g):
-        if dense:
-            _group(x, w, b, n_sp, eps, out, t, True)
-        else:
-            _group(x, w, b, n_sp, eps, out, t, False)
+def _rows_kernel(dense: bool) -> Any:
+    """Whole groups of an (N, G, R, S) view, one per task (R > 1: a crop of a wider image, row by row); ``dense``
+    (a closure constant: one variant compiled per kernel) says the rows' elements are adjacent."""
+
+    @jit_par
+    def group_norm_rows(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any) -> None:
+        for t in numba.prange(x.shape[0] * x.shape[1]):
+            _group(x, w, b, n_sp, eps, out, t, dense)
+    return group_norm_rows
 
 
 @jit
@@ -168,24 +167,25 @@ def _split_pass(x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: A
         part[row, j, 2] = q
 
 
-@jit_par
-def group_norm_split(x: Any, w: Any, b: Any, n_sp: int, eps: float, block: int, part: Any, out: Any) -> None:
-    """Huge groups: every block is a task (Welford partials), groups merge, every block writes."""
-    n, g, n_r, n_s = x.shape
-    nb = part.shape[1]
-    dense = dense_rows(x) and dense_rows(out)
-    for t in numba.prange(n * g * nb):
-        if dense:
-            _split_pass(x, w, b, n_sp, block, part, out, t, False, True)
-        else:
-            _split_pass(x, w, b, n_sp, block, part, out, t, False, False)
-    for row in numba.prange(n * g):
-        _merge(part, row, n_r * n_s, eps)
-    for t in numba.prange(n * g * nb):
-        if dense:
-            _split_pass(x, w, b, n_sp, block, part, out, t, True, True)
-        else:
-            _split_pass(x, w, b, n_sp, block, part, out, t, True, False)
+def _split_kernel(dense: bool) -> Any:
+    """Huge groups: every block is a task (Welford partials), groups merge, every block writes; ``dense`` as in
+    ``_rows_kernel``."""
+
+    @jit_par
+    def group_norm_split(x: Any, w: Any, b: Any, n_sp: int, eps: float, block: int, part: Any, out: Any) -> None:
+        n, g, n_r, n_s = x.shape
+        nb = part.shape[1]
+        for t in numba.prange(n * g * nb):
+            _split_pass(x, w, b, n_sp, block, part, out, t, False, dense)
+        for row in numba.prange(n * g):
+            _merge(part, row, n_r * n_s, eps)
+        for t in numba.prange(n * g * nb):
+            _split_pass(x, w, b, n_sp, block, part, out, t, True, dense)
+    return group_norm_split
+
+
+GROUP_ROWS = by_density(_rows_kernel)
+GROUP_SPLIT = by_density(_split_kernel)
 
 
 def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float,
@@ -203,11 +203,12 @@ def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float
     else:
         sample, p_sample = src, w
     part_sample = np.empty((1, 1, 3), np.float64)
+    dense = t.pack or rows_dense(src, dst)
     if t.split > 1:
-        fn = entry(group_norm_split, sample, p_sample, p_sample if t.pack else b, t.n_sp, eps, t.block,
+        fn = entry(GROUP_SPLIT[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, eps, t.block,
                    part_sample, sample if t.pack else dst)
     else:
-        fn = entry(group_norm_rows, sample, p_sample, p_sample if t.pack else b, t.n_sp, eps,
+        fn = entry(GROUP_ROWS[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, eps,
                    sample if t.pack else dst)
     rows = n * t.groups
 

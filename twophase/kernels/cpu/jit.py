@@ -11,7 +11,8 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 from numba.np.numpy_support import carray
 
-__all__ = ["entry", "jit", "jit_inline", "jit_par", "jit_reduce", "FAST", "REDUCE", "dense_rows", "row_of"]
+__all__ = ["entry", "jit", "jit_inline", "jit_par", "jit_reduce", "FAST", "REDUCE", "dense_rows", "row_of",
+           "rows_dense", "by_density"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -55,6 +56,18 @@ def dense_rows(a: Any) -> bool:
     through ``row_of``, also when ``a`` is typed strided (the rows of a slice of a wider array, a crop of wider
     images)."""
     return bool(a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
+
+
+def rows_dense(*arrays: Any) -> bool:
+    """``dense_rows`` on the host: whether every array's rows (along its last dim) have adjacent elements."""
+    return all(a.strides[-1] == a.itemsize or a.shape[-1] <= 1 for a in arrays)
+
+
+def by_density(make: Callable[[bool], Any]) -> dict[bool, Any]:
+    """Both variants of a kernel made with ``dense`` as a closure constant (its row code typed one way only);
+    phase 1 picks one with ``rows_dense``, so only that one is compiled (compiling both in one kernel, behind a
+    run-time test, doubled the compile time of the parallel group-norm kernels)."""
+    return {dense: make(dense) for dense in (True, False)}
 
 
 def _numba_type(a: Any) -> Any:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
-from .jit import FAST, dense_rows, entry, row_of
+from .jit import FAST, by_density, dense_rows, entry, row_of, rows_dense
 
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
@@ -118,24 +118,27 @@ def _affine_rows(x: Any, out: Any, mu: float, a: float, b: float, dense: bool) -
         _affine(row_of(x, r, dense), row_of(out, r, dense), mu, a, b)
 
 
-@jit_par
-def batch_norm_ncrs(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any) -> None:
+def _batch_norm_kernel(dense: bool) -> Any:
     """One fused pass. R * S == 1 (N, C input): rows of C channels, vectorized over c; else one (n, c) plane
-    of R rows of S elements per task (R > 1: a crop of a wider image), vectorized along the rows."""
-    n_rows, n_ch, n_r, n_sp = x.shape
-    if n_r * n_sp == 1:
-        for k in numba.prange(n_rows):
-            _channels(x[k, :, 0, 0], out[k, :, 0, 0], mean, var, w, b, eps)
-        return
-    dense = dense_rows(x) and dense_rows(out)
-    for t in numba.prange(n_rows * n_ch):
-        k = t // n_ch
-        c = t - k * n_ch
-        a = w[c] / math.sqrt(var[c] + eps)
-        if dense:
-            _affine_rows(x[k, c], out[k, c], float(mean[c]), a, float(b[c]), True)
-        else:
-            _affine_rows(x[k, c], out[k, c], float(mean[c]), a, float(b[c]), False)
+    of R rows of S elements per task (R > 1: a crop of a wider image), vectorized along the rows (typed dense
+    when ``dense``, a closure constant: ``jit.by_density``)."""
+
+    @jit_par
+    def batch_norm_ncrs(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any) -> None:
+        n_rows, n_ch, n_r, n_sp = x.shape
+        if n_r * n_sp == 1:
+            for k in numba.prange(n_rows):
+                _channels(x[k, :, 0, 0], out[k, :, 0, 0], mean, var, w, b, eps)
+            return
+        for t in numba.prange(n_rows * n_ch):
+            k = t // n_ch
+            c = t - k * n_ch
+            a = w[c] / math.sqrt(var[c] + eps)
+            _affine_rows(x[k, c], out[k, c], float(mean[c]), a, float(b[c]), dense)
+    return batch_norm_ncrs
+
+
+BATCH_NORM = by_density(_batch_norm_kernel)
 
 
 def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pack: bool, compute: Any,
@@ -147,12 +150,12 @@ def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pa
     if src.size == 0:
         return lambda _: None
     if not pack:
-        fn = entry(batch_norm_ncrs, src, *params, eps, dst)
+        fn = entry(BATCH_NORM[rows_dense(src, dst)], src, *params, eps, dst)
         return lambda _: fn(src, *params, eps, dst)
     n_ch = src.shape[1]
     shape4 = (src.shape[0], n_ch, 1, src.size // max(src.shape[0] * n_ch, 1))
     sample, p_sample = np.empty((1, 1, 1, 1), compute), np.empty(1, compute)
-    fn = entry(batch_norm_ncrs, sample, p_sample, p_sample, p_sample, p_sample, eps, sample)
+    fn = entry(BATCH_NORM[True], sample, p_sample, p_sample, p_sample, p_sample, eps, sample)
     nbytes, pbytes = src.size * compute.itemsize, n_ch * compute.itemsize
 
     def launch(ws: Any) -> None:

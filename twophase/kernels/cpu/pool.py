@@ -12,7 +12,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, split_range
 from . import vmath as vm
 from .conv import ow_range
-from .jit import dense_rows, entry, jit_inline, row_of
+from .jit import by_density, entry, jit_inline, row_of, rows_dense
 from .jit import jit as _jit
 
 Launch = Callable[[Any], None]
@@ -44,20 +44,18 @@ def _max_plane(xp: Any, op: Any, geo: Any, dense: bool) -> None:
                     dst[u] = vm.maximum(dst[u], xrow[s0 + u * u_sw])
 
 
-@jit
-def max_pool(x: Any, out: Any, geo: Any, t0: int, t1: int) -> None:
-    """Max over each window (``geo`` = KH, KW, sh, sw, ph, pw, dh, dw), planes t0 <= t = n * C + c < t1; NaN
-    propagates. Each window tap takes the max of an output row with a shifted input row (unsigned indices: the
-    row loop vectorizes; rows typed dense whenever their elements are adjacent)."""
-    c_n = x.shape[1]
-    dense = dense_rows(x) and dense_rows(out)
-    for t in range(t0, t1):
-        n = t // c_n
-        c = t - n * c_n
-        if dense:
-            _max_plane(x[n, c], out[n, c], geo, True)
-        else:
-            _max_plane(x[n, c], out[n, c], geo, False)
+def _max_pool_kernel(dense: bool) -> Any:
+    @jit
+    def max_pool(x: Any, out: Any, geo: Any, t0: int, t1: int) -> None:
+        """Max over each window (``geo`` = KH, KW, sh, sw, ph, pw, dh, dw), planes t0 <= t = n * C + c < t1; NaN
+        propagates. Each window tap takes the max of an output row with a shifted input row (unsigned indices:
+        the row loop vectorizes; rows typed dense when ``dense``, a closure constant: ``jit.by_density``)."""
+        c_n = x.shape[1]
+        for t in range(t0, t1):
+            n = t // c_n
+            c = t - n * c_n
+            _max_plane(x[n, c], out[n, c], geo, dense)
+    return max_pool
 
 
 @jit_inline
@@ -90,21 +88,22 @@ def _avg_plane(xp: Any, op: Any, geo: Any, include_pad: bool, dense: bool) -> No
             orow[ow] = orow[ow] / div if div > 0 else 0.0
 
 
-@jit
-def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool, t0: int, t1: int) -> None:
-    """Mean over each window, PyTorch's divisor (window clipped to the padded input, or to the input), planes
-    t0 <= t < t1. Each window tap adds a shifted input row into the output row (unsigned indices: the row loop
-    vectorizes; rows typed dense whenever their elements are adjacent), then the row is divided element by
-    element."""
-    c_n = x.shape[1]
-    dense = dense_rows(x) and dense_rows(out)
-    for t in range(t0, t1):
-        n = t // c_n
-        c = t - n * c_n
-        if dense:
-            _avg_plane(x[n, c], out[n, c], geo, include_pad, True)
-        else:
-            _avg_plane(x[n, c], out[n, c], geo, include_pad, False)
+def _avg_pool_kernel(dense: bool) -> Any:
+    @jit
+    def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool, t0: int, t1: int) -> None:
+        """Mean over each window, PyTorch's divisor (window clipped to the padded input, or to the input),
+        planes t0 <= t < t1. Each window tap adds a shifted input row into the output row (unsigned indices:
+        the row loop vectorizes; rows typed dense when ``dense``), then the row is divided element by element."""
+        c_n = x.shape[1]
+        for t in range(t0, t1):
+            n = t // c_n
+            c = t - n * c_n
+            _avg_plane(x[n, c], out[n, c], geo, include_pad, dense)
+    return avg_pool
+
+
+MAX_POOL = by_density(_max_pool_kernel)
+AVG_POOL = by_density(_avg_pool_kernel)
 
 
 @jit
@@ -141,10 +140,10 @@ def build_pool(kind: str, x: Any, out: Any, geo: tuple[int, ...], include_pad: b
         window = -(-x.shape[2] // out.shape[2]) * -(-x.shape[3] // out.shape[3])
     ranges = split_range(planes, fanout_parts() if out.size * window >= PARALLEL_MIN else 1)
     if kind == "max":
-        k = entry(max_pool, x, out, g, 0, 0)
+        k = entry(MAX_POOL[rows_dense(x, out)], x, out, g, 0, 0)
         return launcher([functools.partial(k, x, out, g, lo, hi) for lo, hi in ranges])
     if kind == "avg":
-        k = entry(avg_pool, x, out, g, include_pad, 0, 0)
+        k = entry(AVG_POOL[rows_dense(x, out)], x, out, g, include_pad, 0, 0)
         return launcher([functools.partial(k, x, out, g, include_pad, lo, hi) for lo, hi in ranges])
     k = entry(adaptive_avg_pool, x, out, 0, 0)
     return launcher([functools.partial(k, x, out, lo, hi) for lo, hi in ranges])
