@@ -128,6 +128,28 @@ def table() -> None:
                   f"{r['copyto']:7.2f} {r.get('read', nan):7.2f} {r['naive']:7.2f} {r.get('torch', nan):7.2f}")
 
 
+def _wider(shape: tuple[int, ...], pad: int, seed: int) -> tuple[Any, Any]:
+    """(dense, view) device tensors of the same random float32 values: ``view`` is the leading part of each
+    last-dim row of a ``pad`` elements wider array (dense rows, the whole not one stride)."""
+    dev = device("cpu")
+    wide = np.random.default_rng(seed).standard_normal((*shape[:-1], shape[-1] + pad)).astype(np.float32)
+    dense_t = dev.tensor(np.ascontiguousarray(wide[..., :shape[-1]]))
+    view_t = dev.tensor(wide).strided(shape, tuple(st // wide.itemsize for st in wide.strides), 0)
+    dense_t.synchronize()
+    view_t.synchronize()
+    return dense_t, view_t
+
+
+def _layout_cost(op: Any, dense_ins: list[Any], other_ins: list[Any], attrs: dict[str, Any]) -> tuple[float, float]:
+    """(ms per call on the dense inputs, t(other) / t(dense)): both launch loops timed in interleaved rounds."""
+    run_d, rel_d = ours(op, dense_ins, **attrs)
+    run_o, rel_o = ours(op, other_ins, **attrs)
+    t, r = interleaved_ratios({"other": run_o, "dense": run_d}, "other", 1, rounds=ROUNDS)
+    rel_d()
+    rel_o()
+    return t["dense"] / CALLS * 1e3, 1 / r["dense"]
+
+
 PADDED = (4096, 1024)  # rows of a (4096, 1024 + PAD) array
 PAD = 76
 
@@ -140,25 +162,14 @@ def padded_table() -> None:
           "one, against the same rows dense; t(padded) / t(dense), median of interleaved rounds (lower is better, "
           "1 = no cost)")
     print(f"{'kernel':<12} {'dense ms':>9} {'padded/dense':>13}")
-    dev = device("cpu")
-    rng = np.random.default_rng(1)
-    wide = rng.standard_normal((PADDED[0], PADDED[1] + PAD)).astype(np.float32)
-    dense_t = dev.tensor(np.ascontiguousarray(wide[:, :PADDED[1]]))
-    wide_t = dev.tensor(wide)
-    padded_t = wide_t.strided(PADDED, (PADDED[1] + PAD, 1), 0)
-    dense_t.synchronize()
-    wide_t.synchronize()
+    dense_t, padded_t = _wider(PADDED, PAD, 1)
     for name, (op, attrs, _naive, _tfn) in CASES.items():
         if name == "add" or (sys.argv[1:] and name not in sys.argv[1:]):
             continue
         if name in ("layer_norm", "rms_norm"):
             attrs = {"normalized_shape": (PADDED[1],)}
-        run_d, rel_d = ours(op, [dense_t], **attrs)
-        run_p, rel_p = ours(op, [padded_t], **attrs)
-        t, r = interleaved_ratios({"padded": run_p, "dense": run_d}, "padded", 1, rounds=ROUNDS)
-        rel_d()
-        rel_p()
-        print(f"{name:<12} {t['dense'] / CALLS * 1e3:9.3f} {1 / r['dense']:13.2f}")
+        ms, ratio = _layout_cost(op, [dense_t], [padded_t], attrs)
+        print(f"{name:<12} {ms:9.3f} {ratio:13.2f}")
 
 
 CROP, CROP_PAD = (8, 64, 56, 56), 8  # NCHW images whose rows are the leading 56 of 64-wide ones
@@ -183,26 +194,18 @@ def crop_table() -> None:
     print(f"\ncrops of wider images: {n}x{c}x{h}x{w} float32 viewed in {n}x{c}x{h}x{w + CROP_PAD}, against the same "
           "images dense; t(crop) / t(dense), median of interleaved rounds (lower is better, 1 = no cost)")
     print(f"{'op':<12} {'impl (crop)':<16} {'ws (crop)':>10} {'dense ms':>9} {'crop/dense':>11}")
+    dense_t, crop_t = _wider(CROP, CROP_PAD, 2)
     dev = device("cpu")
-    rng = np.random.default_rng(2)
-    wide = rng.standard_normal((n, c, h, w + CROP_PAD)).astype(np.float32)
-    dense_t = dev.tensor(np.ascontiguousarray(wide[..., :w]))
-    crop_t = dev.tensor(wide).strided(CROP, (c * h * (w + CROP_PAD), h * (w + CROP_PAD), w + CROP_PAD, 1), 0)
-    params = [dev.tensor(rng.uniform(0.5, 1.5, c).astype(np.float32)) for _ in range(4)]
-    dense_t.synchronize()
-    crop_t.synchronize()
+    params = [dev.tensor(np.random.default_rng(3).uniform(0.5, 1.5, c).astype(np.float32)) for _ in range(4)]
+    params[-1].synchronize()
     for name, (op, attrs, extra) in CROP_OPS.items():
         if sys.argv[1:] and name not in sys.argv[1:]:
             continue
-        run_d, rel_d = ours(op, [dense_t, *params[:extra]], **attrs)
-        run_c, rel_c = ours(op, [crop_t, *params[:extra]], **attrs)
         size, ex = op.get_workspace_size(crop_t, *params[:extra], **attrs)
         impl = ex.implementation
         ex.destroy()
-        t, r = interleaved_ratios({"crop": run_c, "dense": run_d}, "crop", 1, rounds=ROUNDS)
-        rel_d()
-        rel_c()
-        print(f"{name:<12} {impl:<16} {size:>10} {t['dense'] / CALLS * 1e3:9.3f} {1 / r['dense']:11.2f}")
+        ms, ratio = _layout_cost(op, [dense_t, *params[:extra]], [crop_t, *params[:extra]], attrs)
+        print(f"{name:<12} {impl:<16} {size:>10} {ms:9.3f} {ratio:11.2f}")
 
 
 def main() -> None:

@@ -86,13 +86,10 @@ def _block_stats(xg: Any, r0: int, r1: int, e0: int, e1: int, dense: bool) -> tu
 def _block_write(xg: Any, og: Any, r0: int, r1: int, e0: int, e1: int, n_sp: int, c0: int, w: Any, b: Any,
                  mu: float, rs: float, dense: bool) -> None:
     n = xg.shape[1]
-    if e0 == 0 and e1 == n and n_sp % n == 0:  # whole rows, each in one channel: the affine inline, no call a row
+    if e0 == 0 and e1 == n and n_sp % n == 0:  # whole rows, each in one channel: no channel-run search a row
         for r in range(r0, r1):
             c = c0 + r * n // n_sp
-            a, bc = rs * w[c], float(b[c])
-            xr, orow = row_of(xg, r, dense), row_of(og, r, dense)
-            for i in range(n):
-                orow[i] = (xr[i] - mu) * a + bc
+            _affine(row_of(xg, r, dense), row_of(og, r, dense), mu, rs * w[c], float(b[c]))
         return
     for r in range(r0, r1):
         _write(row_of(xg, r, dense), row_of(og, r, dense), e0, e1, r * n, n_sp, c0, w, b, mu, rs)

@@ -50,17 +50,19 @@ def row_of(a: Any, k: int, dense: bool) -> Any:
     return a[k]
 
 
-@numba.njit(nogil=True, cache=True, inline="always")
-def dense_rows(a: Any) -> bool:
+def _dense_rule(a: Any) -> bool:
     """Whether the rows (along the last dim) of ``a`` have adjacent elements: their loops then vectorize taken
     through ``row_of``, also when ``a`` is typed strided (the rows of a slice of a wider array, a crop of wider
     images)."""
     return bool(a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
 
 
+dense_rows = numba.njit(nogil=True, cache=True, inline="always")(_dense_rule)  # the rule inside kernels
+
+
 def rows_dense(*arrays: Any) -> bool:
-    """``dense_rows`` on the host: whether every array's rows (along its last dim) have adjacent elements."""
-    return all(a.strides[-1] == a.itemsize or a.shape[-1] <= 1 for a in arrays)
+    """The same rule on the host (phase 1), for every array: picks a ``by_density`` variant."""
+    return all(_dense_rule(a) for a in arrays)
 
 
 def by_density(make: Callable[[bool], Any]) -> dict[bool, Any]:

@@ -99,7 +99,7 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
 
 
 # ---- batch norm (inference): out = (x - mean[c]) * w[c] / sqrt(var[c] + eps) + b[c] over an (N, C, R, S) view
-@jit
+@jit_inline  # inlined: called per row, and short rows cost less than a call
 def _affine(x: Any, out: Any, mu: float, a: float, b: float) -> None:
     for i in range(x.shape[0]):
         out[i] = (x[i] - mu) * a + b
