@@ -89,6 +89,35 @@ def test_conv2d_depthwise_picks_the_direct_kernel(rng: np.random.Generator) -> N
     _check(r, reference(x, w, groups=4, padding=1))
 
 
+@pytest.mark.parametrize("hw, stride, pad", [
+    ((7, 7), (1, 1), (1, 1)),  # "same" 3x3: the inner rows as one flat loop
+    ((3, 40), (1, 1), (1, 1)),  # one inner row, longer than a vector step
+    ((20, 18), (2, 2), (1, 1)),  # stride 2: a compile-time column step
+    ((11, 37), (3, 3), (2, 2)),  # any other step, padding wider than one column
+    ((9, 21), (2, 1), (0, 1)),  # row and column steps differ
+    ((12, 5), (1, 2), (1, 0)),
+    ((2, 2), (1, 1), (1, 1)),  # smaller than the window: every column an edge
+    ((5, 19), (1, 1), (0, 0)),  # no padding: no edge column
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv2d_depthwise_3x3_kernel(hw: tuple[int, int], stride: tuple[int, int], pad: tuple[int, int],
+                                     dtype: Any) -> None:
+    """The 3x3 depthwise kernel (nine taps per output written once, vector tails overlapping, edge columns on
+    their own, "same" padding as one flat loop) against the reference, with bias and a depth multiplier of 2;
+    NHWC input takes its strided-rows variant."""
+    rng = np.random.default_rng(sum(hw) + stride[0])
+    c = 3
+    x = (rng.standard_normal((2, c) + hw) + 0.2).astype(dtype)
+    w = rng.standard_normal((2 * c, 1, 3, 3)).astype(dtype)
+    b = rng.standard_normal(2 * c).astype(dtype)
+    attrs = dict(stride=stride, padding=pad, groups=c)
+    for nhwc in (False, True):
+        xin = x.transpose(0, 2, 3, 1).copy() if nhwc else x
+        r = run_checked(conv2d, _input(xin, nhwc), w, b, **attrs)
+        assert (r.implementation, r.workspace_size) == ("direct", 0)
+        _check(r, reference(xin, w, b, nhwc=nhwc, **attrs))
+
+
 def test_conv2d_im2col_tiles_fit_workspace_limit(rng: np.random.Generator) -> None:
     x, w = _x(rng, (1, 3, 12, 10), False), rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
     per_row = 3 * 3 * 3 * 10 * 4  # C*KH*KW * OW * itemsize

@@ -320,7 +320,9 @@ conv2d = register(OpDef(
          "adds the bias; transforms in channel ranges and the GEMMs in batch ranges (one BLAS thread each) on "
          "helper threads; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 32, else after "
          "im2col. "
-         "direct: shifted row updates per kernel tap, ranges of (N, OC) planes on helper threads, workspace 0, "
-         "ranked first when depthwise (C/groups == 1)."),
+         "direct: shifted row updates per kernel tap (3x3 undilated windows of one input channel: each output row "
+         "written once with its nine taps; with stride 1 and padding 1 the inner rows of a dense plane as one "
+         "flat loop), ranges of (N, OC) planes on helper threads, workspace 0, ranked first when depthwise "
+         "(C/groups == 1)."),
     reference=reference,
 ))

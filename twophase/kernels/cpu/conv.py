@@ -14,7 +14,7 @@ from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import by_density, entry, row_of, rows_dense
+from .jit import by_density, entry, row_of, rows_dense, span_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -141,6 +141,133 @@ def _direct_kernel(dense: bool) -> Any:
 CONV_DIRECT = by_density(_direct_kernel)
 
 
+@jit_inline
+def _edge_point(xp: Any, w: Any, oc: int, i0: int, c0: int, b0: Any) -> Any:
+    """One output element of a 3x3 window at input row i0, column c0 (its top-left), padding skipped."""
+    acc = b0
+    for kh in range(3):
+        ih = i0 + kh
+        if 0 <= ih < xp.shape[0]:
+            for kw in range(3):
+                iw = c0 + kw
+                if 0 <= iw < xp.shape[1]:
+                    acc += w[oc, 0, kh, kw] * xp[ih, iw]
+    return acc
+
+
+VEC = np.uint64(16)  # outputs per vector step of the 3x3 kernel's row loop (a float32 zmm register)
+
+
+@jit_inline
+def _window3(r0: Any, r1: Any, r2: Any, k: Any, wt: Any, b0: Any) -> Any:
+    """A 3x3 window whose rows are r0, r1, r2 from column k (unsigned), weights ``wt`` row-major, plus b0."""
+    one, two = np.uint64(1), np.uint64(2)
+    return (b0 + wt[0] * r0[k] + wt[1] * r0[k + one] + wt[2] * r0[k + two]
+            + wt[3] * r1[k] + wt[4] * r1[k + one] + wt[5] * r1[k + two]
+            + wt[6] * r2[k] + wt[7] * r2[k + one] + wt[8] * r2[k + two])
+
+
+@jit_inline
+def _span3(o: Any, o0: Any, r0: Any, r1: Any, r2: Any, s0: Any, step: Any, cnt: Any, wt: Any, b0: Any) -> None:
+    """o[o0 + u] = _window3(r0, r1, r2, s0 + u * step) for u < cnt (all unsigned); the tail as one more full vector
+    overlapping outputs already written (a short scalar loop otherwise: 6 of a 54-wide row took half its time)."""
+    main = cnt - cnt % VEC
+    for u in range(main):
+        o[o0 + u] = _window3(r0, r1, r2, s0 + u * step, wt, b0)
+    if main < cnt:
+        base = cnt - VEC if cnt >= VEC else main
+        for u in range(VEC if cnt >= VEC else cnt - main):
+            o[o0 + base + u] = _window3(r0, r1, r2, s0 + (base + u) * step, wt, b0)
+
+
+@jit_inline
+def planes_flat(xp: Any, op: Any) -> bool:
+    """Whether the rows of both planes lie back to back (row stride = row length)."""
+    return bool(xp.strides[0] == xp.shape[1] * xp.itemsize and op.strides[0] == op.shape[1] * op.itemsize)
+
+
+@jit_inline
+def _edge3(r0: Any, r1: Any, r2: Any, c0: int, width: int, wt: Any, b0: Any) -> Any:
+    """``_window3`` from column c0 where some of its columns lie in the padding (skipped)."""
+    acc = b0
+    for kw in range(3):
+        c = c0 + kw
+        if 0 <= c < width:
+            acc += wt[kw] * r0[c] + wt[3 + kw] * r1[c] + wt[6 + kw] * r2[c]
+    return acc
+
+
+@jit_inline
+def _row_taps(orow: Any, r: Any, w0: Any, w1: Any, w2: Any, lo: Any, cnt: Any, s0: Any, step: Any) -> None:
+    """orow[lo + u] += w0 * r[k] + w1 * r[k + 1] + w2 * r[k + 2], k = s0 + u * step: one input row's three taps."""
+    one, two = np.uint64(1), np.uint64(2)
+    for u in range(cnt):
+        k = s0 + u * step
+        orow[lo + u] += w0 * r[k] + w1 * r[k + one] + w2 * r[k + two]
+
+
+def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
+    FLAT = dense and fixed_step == 1  # noqa: N806  (a closure constant: the other variants compile no flat path)
+
+    @jit
+    def conv_dw3x3(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int,
+                   t1: int) -> None:
+        """``conv_direct`` for 3x3 windows of one input channel each (depthwise), dilation 1: each output row is
+        written once with its nine taps (``conv_direct`` reads and writes it once per tap). The column step is
+        a compile-time constant when ``fixed_step`` (1 or 2: the loads vectorize), else ``geo``'s."""
+        sh, sw, ph, pw = geo[2], geo[3], geo[4], geo[5]
+        height, width = x.shape[2], x.shape[3]
+        oc_n = w.shape[0]
+        oh_n, ow_n = out.shape[2], out.shape[3]
+        ocg = oc_n // groups
+        step = np.uint64(fixed_step if fixed_step else sw)
+        lo = ow_range(-pw, sw, width, ow_n)[0]  # columns [lo, hi): the whole window inside the image
+        hi = max(lo, ow_range(2 - pw, sw, width, ow_n)[1])
+        u_lo, cnt, s0 = np.uint64(lo), np.uint64(hi - lo), np.uint64(lo * sw - pw)
+        zero, one = np.uint64(0), np.uint64(1)
+        flat = FLAT and sh == 1 and ph == 1 and pw == 1 and height >= 3 and oh_n == height and ow_n == width
+        for t in range(t0, t1):
+            n = t // oc_n
+            oc = t - n * oc_n
+            xp = x[n, oc // ocg]
+            op = out[n, oc]
+            b0 = bias[oc] if has_bias else op.dtype.type(0)
+            wt = (w[oc, 0, 0, 0], w[oc, 0, 0, 1], w[oc, 0, 0, 2], w[oc, 0, 1, 0], w[oc, 0, 1, 1], w[oc, 0, 1, 2],
+                  w[oc, 0, 2, 0], w[oc, 0, 2, 1], w[oc, 0, 2, 2])
+            inner_done = flat and planes_flat(xp, op)
+            if inner_done:  # the inner rows as one long loop; their edge columns (wrapped around) redone below
+                n_in = (height - 2) * width
+                _span3(span_of(op, 1, n_in), one, span_of(xp, 0, n_in), span_of(xp, 1, n_in), span_of(xp, 2, n_in),
+                       zero, one, np.uint64(n_in - 2), wt, b0)
+            for oh in range(oh_n):
+                i0 = oh * sh - ph
+                orow = row_of(op, oh, dense)
+                if i0 >= 0 and i0 + 2 < height:
+                    r0, r1, r2 = row_of(xp, i0, dense), row_of(xp, i0 + 1, dense), row_of(xp, i0 + 2, dense)
+                    if not inner_done:
+                        _span3(orow, u_lo, r0, r1, r2, s0, step, cnt, wt, b0)
+                    for j in range(lo):
+                        orow[j] = _edge3(r0, r1, r2, j * sw - pw, width, wt, b0)
+                    for j in range(hi, ow_n):
+                        orow[j] = _edge3(r0, r1, r2, j * sw - pw, width, wt, b0)
+                    continue
+                for u in range(cnt):  # a window row in the padding: the rows inside added one by one
+                    orow[u_lo + u] = b0
+                for kh in range(3):
+                    ih = i0 + kh
+                    if 0 <= ih < height:
+                        _row_taps(orow, row_of(xp, ih, dense), wt[3 * kh], wt[3 * kh + 1], wt[3 * kh + 2], u_lo,
+                                  cnt, s0, step)
+                for j in range(lo):
+                    orow[j] = _edge_point(xp, w, oc, i0, j * sw - pw, b0)
+                for j in range(hi, ow_n):
+                    orow[j] = _edge_point(xp, w, oc, i0, j * sw - pw, b0)
+    return conv_dw3x3
+
+
+CONV_DW3X3 = {(dense, step): _dw3x3_kernel(dense, step) for dense in (True, False) for step in (0, 1, 2)}
+
+
 def _geo(t: Any, images: int = 1) -> Any:
     return np.array([t.kh, t.kw, t.sh, t.sw, t.ph, t.pw, t.dh, t.dw, t.ow, images], np.int64)
 
@@ -150,7 +277,12 @@ def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     planes on helper threads when the multiply-adds reach PARALLEL_MIN."""
     b = bias if bias is not None else np.zeros(1, x.dtype)
     geo = _geo(t)
-    k = entry(CONV_DIRECT[rows_dense(x, out)], x, w, b, bias is not None, out, geo, t.groups, 0, 0)
+    dense = rows_dense(x, out)
+    if t.cg == 1 and (t.kh, t.kw, t.dh, t.dw) == (3, 3, 1, 1):
+        kernel = CONV_DW3X3[dense, t.sw if t.sw in (1, 2) else 0]
+    else:
+        kernel = CONV_DIRECT[dense]
+    k = entry(kernel, x, w, b, bias is not None, out, geo, t.groups, 0, 0)
     has = bias is not None
     planes = t.n * t.oc
     work = planes * t.cg * t.kh * t.kw * t.oh * t.ow

@@ -12,7 +12,7 @@ from numba.extending import intrinsic
 from numba.np.numpy_support import carray
 
 __all__ = ["entry", "jit", "jit_inline", "jit_par", "jit_reduce", "FAST", "REDUCE", "dense_rows", "row_of",
-           "rows_dense", "by_density"]
+           "rows_dense", "by_density", "span_of"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -48,6 +48,13 @@ def row_of(a: Any, k: int, dense: bool) -> Any:
     if dense:
         return carray(_row_pointer(a, k), (a.shape[1],))
     return a[k]
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def span_of(a: Any, k: int, n: int) -> Any:
+    """The n elements from ``a[k, 0]`` on as one dense 1-D view: valid only where a's rows lie back to back
+    (dense rows, row stride = row length), which the caller checks."""
+    return carray(_row_pointer(a, k), (n,))
 
 
 def _dense_rule(a: Any) -> bool:
