@@ -254,8 +254,8 @@ def _norm_build(rms: bool) -> Any:
             return inner
         k = x.size // max(n, 1)
         rows = np.empty((1, 1), compute)
-        from ..kernels.cpu.norm import layer_norm_rows
-        fn = entry(layer_norm_rows, rows, ones, zeros, attrs["eps"], rms, rows, mean1, rstd1)
+        from ..kernels.cpu.norm import LAYER_NORM_ROWS
+        fn = entry(LAYER_NORM_ROWS[True], rows, ones, zeros, attrs["eps"], rms, rows, mean1, rstd1)
 
         def launch(ws: Any) -> None:
             area = ws[:x.size * compute.itemsize].view(compute)

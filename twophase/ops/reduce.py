@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.reduce import build_argmax, build_tree, build_var, max_level
+from ..kernels.cpu.reduce import build_argmax, build_tree, build_var
 from ..layout import align, as_matrix, merge_dims
 from ..op import REQUIRED, Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
@@ -241,7 +241,7 @@ def _make_reduce(name: str, dtypes: tuple[DType, ...], kind: str) -> None:
                 tree(ws)
                 np.multiply(col, inv, out=col, casting="unsafe")
             return mean
-        return build_tree(src, col, t, pack_dt, pack_dt, max_level, pack_dt.type(1 if name == "reduce_max" else -1))
+        return build_tree(src, col, t, pack_dt, pack_dt, "max", pack_dt.type(1 if name == "reduce_max" else -1))
 
     what = {"mean": "mean (float64 partial sums, then scaled by 1/R)", "max": name[7:] + " (NaN propagates)"}[kind]
     formula = ("K*acc*sum(levels) + [K*R*itemsize if packed] + [K*acc if float16]; "

@@ -18,7 +18,7 @@ import numpy as np
 from ...layout import align, as_matrix
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
-from .jit import FAST, dense_rows, entry, row_of
+from .jit import FAST, by_density, entry, row_of, rows_dense
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
 kern = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy")
@@ -61,25 +61,24 @@ def _apply(code: int, v: Any) -> Any:
     return vm.exp_f32(v)
 
 
-def _specialise(code: int) -> tuple[Any, Any]:
+def _specialise(code: int) -> tuple[Any, dict[bool, Any]]:
     """(span, rows) kernels of function ``code``: the one loop, written once; ``code`` is a closure constant
-    (numba freezes it, and caches each specialisation under its value)."""
+    (numba freezes it, and caches each specialisation under its value). ``rows`` by density
+    (``jit.by_density``): dense rows taken through ``jit.row_of``, so the loop vectorizes."""
 
     @kern
     def span(x: Any, out: Any) -> None:
         for i in range(x.shape[0]):
             out[i] = _apply(code, x[i])
 
-    @kern
-    def rows(x: Any, out: Any) -> None:
-        if dense_rows(x) and dense_rows(out):  # rows typed dense (jit.row_of): the loop vectorizes
+    def make_rows(dense: bool) -> Any:
+        @kern
+        def rows(x: Any, out: Any) -> None:
             for k in range(x.shape[0]):
-                span(row_of(x, k, True), row_of(out, k, True))
-        else:
-            for k in range(x.shape[0]):
-                span(x[k], out[k])
+                span(row_of(x, k, dense), row_of(out, k, dense))
+        return rows
 
-    return span, rows
+    return span, by_density(make_rows)
 
 
 KERNELS: dict[str, tuple[Any, Any]] = {name: _specialise(CODES[name]) for name in FUNCS}
@@ -145,9 +144,10 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any) -> Callab
         both = x.flags.c_contiguous and out.flags.c_contiguous
         xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))
         # compiled per piece: a column range of a C-contiguous matrix is not C-contiguous itself
-        return launcher([functools.partial(entry(rows, a, o), a, o) for o, a in pieces(om, (xm,), parts, grain)])
+        return launcher([functools.partial(entry(rows[rows_dense(a, o)], a, o), a, o)
+                         for o, a in pieces(om, (xm,), parts, grain)])
     sample = np.empty((1, 1), compute)
-    fn = entry(rows, sample, sample)
+    fn = entry(rows[True], sample, sample)
     n, nbytes = x.size, x.size * compute.itemsize
     spans = split_range(n, parts, grain)
 

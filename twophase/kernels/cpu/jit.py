@@ -11,7 +11,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 from numba.np.numpy_support import carray
 
-__all__ = ["entry", "jit", "jit_inline", "jit_par", "jit_reduce", "FAST", "REDUCE", "dense_rows", "row_of",
+__all__ = ["entry", "jit", "jit_inline", "jit_par", "jit_reduce", "FAST", "REDUCE", "row_of",
            "rows_dense", "by_density", "span_of"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
@@ -42,7 +42,7 @@ _row_pointer: Any = intrinsic(_row_pointer_typing)
 @numba.njit(nogil=True, cache=True, inline="always")
 def row_of(a: Any, k: int, dense: bool) -> Any:
     """Row k of the matrix ``a``, typed dense when ``dense``: a compile-time constant at the call (the other
-    branch is pruned, so the row has one type), true only when ``dense_rows(a)``. The dense row is a bare view
+    branch is pruned, so the row has one type), true only when ``rows_dense(a)``. The dense row is a bare view
     of a's memory (``numba.carray``: no contiguity check, copy path or reference count, which cost ~20 ns a row,
     more than a 56-element row's work); ``a`` outlives it, as it is the caller's argument."""
     if dense:
@@ -57,19 +57,11 @@ def span_of(a: Any, k: int, n: int) -> Any:
     return carray(_row_pointer(a, k), (n,))
 
 
-def _dense_rule(a: Any) -> bool:
-    """Whether the rows (along the last dim) of ``a`` have adjacent elements: their loops then vectorize taken
-    through ``row_of``, also when ``a`` is typed strided (the rows of a slice of a wider array, a crop of wider
-    images)."""
-    return bool(a.strides[-1] == a.itemsize or a.shape[-1] <= 1)
-
-
-dense_rows = numba.njit(nogil=True, cache=True, inline="always")(_dense_rule)  # the rule inside kernels
-
-
 def rows_dense(*arrays: Any) -> bool:
-    """The same rule on the host (phase 1), for every array: picks a ``by_density`` variant."""
-    return all(_dense_rule(a) for a in arrays)
+    """Whether the rows (along the last dim) of every array have adjacent elements: their loops then vectorize
+    taken through ``row_of``, also when an array is typed strided (the rows of a slice of a wider array, a crop
+    of wider images). Phase 1 picks a ``by_density`` variant with it."""
+    return all(a.strides[-1] == a.itemsize or a.shape[-1] <= 1 for a in arrays)
 
 
 def by_density(make: Callable[[bool], Any]) -> dict[bool, Any]:

@@ -13,7 +13,7 @@ import numpy as np
 
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
-from .jit import FAST, by_density, dense_rows, entry, row_of, rows_dense
+from .jit import FAST, by_density, entry, row_of, rows_dense
 
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
@@ -24,21 +24,20 @@ kern = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {
 FANOUT_MIN = 1 << 19  # elements from which the rows are cut into ranges for helper threads
 
 
-@kern
-def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mean: Any, rstd: Any) -> None:
-    """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b in
-    the data's precision (but x - mean in float64). Sums in float64: float32 data takes the sum and the sum of
-    squares in one pass (var = E[x^2] - mean^2: float64 sums of float32 values keep it to ~1e-16 * (mean /
-    std)^2 relative), float64 data two passes (the centred sum of squares). Rows whose elements are adjacent
-    are typed dense, so the loops vectorize when the matrix itself is not (rows of a wider array)."""
-    dense = dense_rows(x) and dense_rows(out)
-    for k in range(x.shape[0]):
-        if dense:
-            mu, r = _norm_row(row_of(x, k, True), w, b, eps, rms, row_of(out, k, True))
-        else:
-            mu, r = _norm_row(x[k], w, b, eps, rms, out[k])
-        mean[k] = mu
-        rstd[k] = r
+def _layer_norm_kernel(dense: bool) -> Any:
+    @kern
+    def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mean: Any, rstd: Any) -> None:
+        """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b
+        in the data's precision (but x - mean in float64). Sums in float64: float32 data takes the sum and the
+        sum of squares in one pass (var = E[x^2] - mean^2: float64 sums of float32 values keep it to ~1e-16 *
+        (mean / std)^2 relative), float64 data two passes (the centred sum of squares). Rows typed dense when
+        ``dense`` (``jit.by_density``), so the loops vectorize when the matrix itself is not (rows of a wider
+        array)."""
+        for k in range(x.shape[0]):
+            mu, r = _norm_row(row_of(x, k, dense), w, b, eps, rms, row_of(out, k, dense))
+            mean[k] = mu
+            rstd[k] = r
+    return layer_norm_rows
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {"reassoc"}, inline="always")
@@ -69,6 +68,9 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any) -> tuple[
     return mu, r
 
 
+LAYER_NORM_ROWS = by_density(_layer_norm_kernel)
+
+
 def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: float, rms: bool,
                pack: bool, compute: Any) -> Callable[[Any], None]:
     """Launch over (K, N) views, or through a dense ``compute`` copy of the rows in the workspace when ``pack``."""
@@ -79,7 +81,8 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
             rstd.fill(np.nan)
         return empty
     sample = np.empty((1, 1), compute) if pack else src
-    fn = entry(layer_norm_rows, sample, w, b, eps, rms, sample if pack else dst, mean, rstd)
+    fn = entry(LAYER_NORM_ROWS[pack or rows_dense(src, dst)], sample, w, b, eps, rms, sample if pack else dst, mean,
+               rstd)
     ranges = split_range(k, fanout_parts() if k * n >= FANOUT_MIN else 1)
 
     def parts(x: Any, out: Any) -> list[Callable[[], None]]:

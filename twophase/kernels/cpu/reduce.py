@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from ...runtime.fanout import fanout_parts, run_parts, split_range
-from .jit import REDUCE, dense_rows, entry, row_of
+from .jit import REDUCE, by_density, entry, row_of, rows_dense
 from .jit import jit_reduce as _jit_reduce
 from .vmath import maximum as vmax
 from .vmath import minimum as vmin
@@ -112,27 +112,27 @@ def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
     return float(n), mean, m2
 
 
-# Row k of x as a span's ``v``: typed dense when the rows' elements are adjacent (``jit.row_of``; a C-contiguous
-# matrix's rows are already; the rows of a wider array's slice are not, and their loops ran 8-16x slower typed
-# strided).
+# Row k of x as a span's ``v``: typed dense when ``dense`` (``jit.row_of``, a closure constant of each level kernel:
+# ``jit.by_density``); a C-contiguous matrix's rows are dense, and so are the rows of a wider array's slice, whose
+# loops ran 8-16x slower typed strided.
 @jit_inline
-def _sum_row(x: Any, k: int, lo: int, hi: int, zero: Any) -> Any:
-    return _sum_span(row_of(x, k, True), lo, hi, zero) if dense_rows(x) else _sum_span(x[k], lo, hi, zero)
-
-
-@jit_inline
-def _max_row(x: Any, k: int, lo: int, hi: int, sign: Any) -> Any:
-    return _max_span(row_of(x, k, True), lo, hi, sign) if dense_rows(x) else _max_span(x[k], lo, hi, sign)
+def _sum_row(x: Any, k: int, lo: int, hi: int, zero: Any, dense: bool) -> Any:
+    return _sum_span(row_of(x, k, dense), lo, hi, zero)
 
 
 @jit_inline
-def _argmax_row(x: Any, k: int, lo: int, hi: int) -> tuple[Any, Any]:
-    return _argmax_span(row_of(x, k, True), lo, hi) if dense_rows(x) else _argmax_span(x[k], lo, hi)
+def _max_row(x: Any, k: int, lo: int, hi: int, sign: Any, dense: bool) -> Any:
+    return _max_span(row_of(x, k, dense), lo, hi, sign)
 
 
 @jit_inline
-def _moments_row(x: Any, k: int, lo: int, hi: int) -> tuple[float, float, float]:
-    return _moments_span(row_of(x, k, True), lo, hi) if dense_rows(x) else _moments_span(x[k], lo, hi)
+def _argmax_row(x: Any, k: int, lo: int, hi: int, dense: bool) -> tuple[Any, Any]:
+    return _argmax_span(row_of(x, k, dense), lo, hi)
+
+
+@jit_inline
+def _moments_row(x: Any, k: int, lo: int, hi: int, dense: bool) -> tuple[float, float, float]:
+    return _moments_span(row_of(x, k, dense), lo, hi)
 
 
 @jit_inline
@@ -154,25 +154,29 @@ def _next(k: int, j: int, nb: int) -> tuple[int, int]:
     return (k + 1, 0) if j == nb else (k, j)
 
 
-@jit_reduce
-def sum_level(x: Any, block: int, zero: Any, out: Any, t0: int, t1: int) -> None:
-    """out[k, j] = sum of x[k, j*block:(j+1)*block] (accumulated in the type of ``zero``), for the tasks
-    ``t0 <= t = k * nb + j < t1`` (a range of them per helper thread; all of them on one)."""
-    nb = out.shape[1]
-    k, j = t0 // nb, t0 % nb
-    for _ in range(t0, t1):
-        out[k, j] = _sum_row(x, k, j * block, min(x.shape[1], (j + 1) * block), zero)
-        k, j = _next(k, j, nb)
+def _sum_level_kernel(dense: bool) -> Any:
+    @jit_reduce
+    def sum_level(x: Any, block: int, zero: Any, out: Any, t0: int, t1: int) -> None:
+        """out[k, j] = sum of x[k, j*block:(j+1)*block] (accumulated in the type of ``zero``), for the tasks
+        ``t0 <= t = k * nb + j < t1`` (a range of them per helper thread; all of them on one)."""
+        nb = out.shape[1]
+        k, j = t0 // nb, t0 % nb
+        for _ in range(t0, t1):
+            out[k, j] = _sum_row(x, k, j * block, min(x.shape[1], (j + 1) * block), zero, dense)
+            k, j = _next(k, j, nb)
+    return sum_level
 
 
-@jit_reduce
-def max_level(x: Any, block: int, sign: Any, out: Any, t0: int, t1: int) -> None:
-    """out[k, j] = max (sign 1) or min (sign -1) of x[k, j*block:(j+1)*block], tasks t0 <= t < t1."""
-    nb = out.shape[1]
-    k, j = t0 // nb, t0 % nb
-    for _ in range(t0, t1):
-        out[k, j] = _max_row(x, k, j * block, min(x.shape[1], (j + 1) * block), sign)
-        k, j = _next(k, j, nb)
+def _max_level_kernel(dense: bool) -> Any:
+    @jit_reduce
+    def max_level(x: Any, block: int, sign: Any, out: Any, t0: int, t1: int) -> None:
+        """out[k, j] = max (sign 1) or min (sign -1) of x[k, j*block:(j+1)*block], tasks t0 <= t < t1."""
+        nb = out.shape[1]
+        k, j = t0 // nb, t0 % nb
+        for _ in range(t0, t1):
+            out[k, j] = _max_row(x, k, j * block, min(x.shape[1], (j + 1) * block), sign, dense)
+            k, j = _next(k, j, nb)
+    return max_level
 
 
 # ---------------------------------------------------------------- cols levels: x (n, K) -> out (nb, K)
@@ -201,17 +205,14 @@ def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int, den
         dst[c0 + c] = acc[c]
 
 
-@jit_reduce
-def sum_cols(x: Any, block: int, zero: Any, out: Any, kc: int, t0: int, t1: int) -> None:
-    """out[j, :] = sum of rows x[j*block:(j+1)*block, :] (vectorized along the contiguous kept dim), tasks
-    t0 <= t = j * nk + chunk < t1 (nk chunks of ``kc`` kept columns); rows typed dense when they are
-    (``jit.row_of``)."""
-    dense = dense_rows(x)
-    for t in range(t0, t1):
-        if dense:
-            _sum_cols_task(x, block, zero, out, kc, t, True)
-        else:
-            _sum_cols_task(x, block, zero, out, kc, t, False)
+def _sum_cols_kernel(dense: bool) -> Any:
+    @jit_reduce
+    def sum_cols(x: Any, block: int, zero: Any, out: Any, kc: int, t0: int, t1: int) -> None:
+        """out[j, :] = sum of rows x[j*block:(j+1)*block, :] (vectorized along the contiguous kept dim), tasks
+        t0 <= t = j * nk + chunk < t1 (nk chunks of ``kc`` kept columns); rows typed dense when ``dense``."""
+        for t in range(t0, t1):
+            _sum_cols_task(x, block, zero, out, kc, t, dense)
+    return sum_cols
 
 
 @jit_inline
@@ -240,17 +241,18 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int, den
         dst[c0 + c] = acc[c]
 
 
-@jit_reduce
-def max_cols(x: Any, block: int, sign: Any, out: Any, kc: int, t0: int, t1: int) -> None:
-    dense = dense_rows(x)
-    for t in range(t0, t1):
-        if dense:
-            _max_cols_task(x, block, sign, out, kc, t, True)
-        else:
-            _max_cols_task(x, block, sign, out, kc, t, False)
+def _max_cols_kernel(dense: bool) -> Any:
+    @jit_reduce
+    def max_cols(x: Any, block: int, sign: Any, out: Any, kc: int, t0: int, t1: int) -> None:
+        for t in range(t0, t1):
+            _max_cols_task(x, block, sign, out, kc, t, dense)
+    return max_cols
 
 
-COLS = {sum_level: sum_cols, max_level: max_cols}
+# level kernels by kind, each by density (``jit.by_density``: phase 1 picks with ``jit.rows_dense``); the
+# ``cols`` twins run a reduction over a leading dim on the transposed views
+LEVELS = {"sum": by_density(_sum_level_kernel), "max": by_density(_max_level_kernel)}
+COLS = {"sum": by_density(_sum_cols_kernel), "max": by_density(_max_cols_kernel)}
 LEVEL_PARALLEL_MIN = 1 << 18  # elements read by a level below which it runs on one thread (handing parts to
 # helper threads costs ~50 us: more than a small level's work)
 
@@ -286,22 +288,20 @@ def run_level(fn: Any, parts: int, tasks: int, *args: Any) -> None:
 
 
 def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
-               level_kernel: Any = None, scalar: Any = None) -> Callable[[Any], None]:
+               kind: str = "sum", scalar: Any = None) -> Callable[[Any], None]:
     """A launch that runs the levels of block reductions from the input to ``out2d`` (K, 1).
 
     ``src`` is the (K, R) matrix view of the input, or, when ``tiling.pack``, the input with its axes
     permuted (kept, reduced), which the launch first copies densely into the workspace as ``pack_dtype``.
-    The workspace also holds each level's partials (``acc`` dtype). ``level_kernel(x, block, scalar, out)``
-    combines blocks (default: sums, ``scalar`` the zero of ``acc``; ``max_level``: ``scalar`` +1 max / -1 min);
-    ``tiling.orient == "cols"`` runs its ``cols`` twin on the transposed views.
+    The workspace also holds each level's partials (``acc`` dtype). The ``kind`` of level kernel combines blocks
+    ("sum": ``scalar`` the zero of ``acc``; "max": ``scalar`` +1 max / -1 min); ``tiling.orient == "cols"`` runs
+    its ``cols`` twin on the transposed views.
     """
     k_rows, r = tiling.kept, tiling.reduced
     block = tiling.block
     zero = acc.type(0) if scalar is None else scalar
-    kern = level_kernel or sum_level
     cols = getattr(tiling, "orient", "rows") == "cols" and not tiling.pack
-    if cols:
-        kern = COLS[kern]
+    kern = (COLS if cols else LEVELS)[kind]
     levels = tiling.levels
     offsets = tiling.offsets
     if r == 0:
@@ -321,11 +321,11 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
     prev = np.empty((1, 1), pack_dtype) if tiling.pack else first
     for n in levels:
         dst = np.empty(shaped(n), acc)
-        steps.append(entry(kern, prev, block, zero, dst, *extra, 0, 0))
-        prev = dst
+        steps.append(entry(kern[rows_dense(prev)], prev, block, zero, dst, *extra, 0, 0))
+        prev = dst  # partials in the workspace: dense rows
     stage = getattr(tiling, "stage_offset", -1)
     final_out = np.empty(shaped(1), acc) if stage >= 0 else dst_out
-    final = entry(kern, prev, block, zero, final_out, *extra, 0, 0)
+    final = entry(kern[rows_dense(prev)], prev, block, zero, final_out, *extra, 0, 0)
 
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * pack_dtype.itemsize
 
@@ -351,27 +351,32 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
 
 # ---------------------------------------------------------------- argmax: (value, index) partials
 @jit_inline
-def _argmax_block(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, k: int, j: int) -> None:
+def _argmax_block(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, k: int, j: int, dense: bool) -> None:
     """Block j of row k: the first max and its index (``idx`` None-like when x is the data: positions are indices)."""
     lo = j * block
-    m, p = _argmax_row(x, k, lo, min(x.shape[1], lo + block))
+    m, p = _argmax_row(x, k, lo, min(x.shape[1], lo + block), dense)
     out_v[k, j] = m
     out_i[k, j] = p if idx.shape[1] == 0 else idx[k, p]
 
 
-@jit_reduce
-def argmax_level(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t0: int, t1: int) -> None:
-    """(out_v, out_i)[k, j] = first max of x[k, block j] and its index (positions, or ``idx`` of the partials),
-    tasks t0 <= t = k * nb + j < t1."""
-    if out_v.shape[1] == 1 and idx.shape[1] == 0:  # one block per row of the data (short rows): the lean loop
-        for k in range(t0, t1):
-            out_v[k, 0], out_i[k, 0] = _argmax_row(x, k, 0, x.shape[1])
-        return
-    nb = out_v.shape[1]
-    k, j = t0 // nb, t0 % nb
-    for _ in range(t0, t1):
-        _argmax_block(x, idx, block, out_v, out_i, k, j)
-        k, j = _next(k, j, nb)
+def _argmax_level_kernel(dense: bool) -> Any:
+    @jit_reduce
+    def argmax_level(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t0: int, t1: int) -> None:
+        """(out_v, out_i)[k, j] = first max of x[k, block j] and its index (positions, or ``idx`` of the
+        partials), tasks t0 <= t = k * nb + j < t1."""
+        if out_v.shape[1] == 1 and idx.shape[1] == 0:  # one block per row of the data (short rows): the lean loop
+            for k in range(t0, t1):
+                out_v[k, 0], out_i[k, 0] = _argmax_row(x, k, 0, x.shape[1], dense)
+            return
+        nb = out_v.shape[1]
+        k, j = t0 // nb, t0 % nb
+        for _ in range(t0, t1):
+            _argmax_block(x, idx, block, out_v, out_i, k, j, dense)
+            k, j = _next(k, j, nb)
+    return argmax_level
+
+
+ARGMAX_LEVEL = by_density(_argmax_level_kernel)
 
 
 def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callable[[Any], None]:
@@ -387,10 +392,10 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
     prev_i = no_idx
     for n in tiling.levels:
         dv, di = np.empty((1, n), value_dtype), np.empty((1, n), np.int64)
-        steps.append(entry(argmax_level, prev_v, prev_i, block, dv, di, 0, 0))
+        steps.append(entry(ARGMAX_LEVEL[rows_dense(prev_v)], prev_v, prev_i, block, dv, di, 0, 0))
         prev_v, prev_i = dv, di
     final_v = np.empty((k_rows, 1), value_dtype)  # the maxima themselves are not an output
-    final = entry(argmax_level, prev_v, prev_i, block, final_v, out2d, 0, 0)
+    final = entry(ARGMAX_LEVEL[rows_dense(prev_v)], prev_v, prev_i, block, final_v, out2d, 0, 0)
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * value_dtype.itemsize
     parts = tiling.part_offsets
 
@@ -410,14 +415,17 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
 
 
 # ---------------------------------------------------------------- var: (count, mean, M2) partials
-@jit_reduce
-def moments_level(x: Any, block: int, out: Any, t0: int, t1: int) -> None:
-    """out[k, j] = (count, mean, M2) of the data block x[k, j*block:(j+1)*block], tasks t0 <= t < t1."""
-    nb = out.shape[1]
-    k, j = t0 // nb, t0 % nb
-    for _ in range(t0, t1):
-        out[k, j, 0], out[k, j, 1], out[k, j, 2] = _moments_row(x, k, j * block, min(x.shape[1], (j + 1) * block))
-        k, j = _next(k, j, nb)
+def _moments_level_kernel(dense: bool) -> Any:
+    @jit_reduce
+    def moments_level(x: Any, block: int, out: Any, t0: int, t1: int) -> None:
+        """out[k, j] = (count, mean, M2) of the data block x[k, j*block:(j+1)*block], tasks t0 <= t < t1."""
+        nb = out.shape[1]
+        k, j = t0 // nb, t0 % nb
+        for _ in range(t0, t1):
+            lo, hi = j * block, min(x.shape[1], (j + 1) * block)
+            out[k, j, 0], out[k, j, 1], out[k, j, 2] = _moments_row(x, k, lo, hi, dense)
+            k, j = _next(k, j, nb)
+    return moments_level
 
 
 @jit_reduce
@@ -448,12 +456,18 @@ def _var_of(n: float, m2: float, correction: float) -> float:
     return m2 / (d if d > 0.0 else 0.0)
 
 
-@jit_reduce
-def var_rows(x: Any, correction: float, out: Any, t0: int, t1: int) -> None:
-    """out[k, 0] = the variance of row k (one block: no partials), rows t0 <= k < t1."""
-    for k in range(t0, t1):
-        n, _, m2 = _moments_row(x, k, 0, x.shape[1])
-        out[k, 0] = _var_of(n, m2, correction)
+def _var_rows_kernel(dense: bool) -> Any:
+    @jit_reduce
+    def var_rows(x: Any, correction: float, out: Any, t0: int, t1: int) -> None:
+        """out[k, 0] = the variance of row k (one block: no partials), rows t0 <= k < t1."""
+        for k in range(t0, t1):
+            n, _, m2 = _moments_row(x, k, 0, x.shape[1], dense)
+            out[k, 0] = _var_of(n, m2, correction)
+    return var_rows
+
+
+MOMENTS_LEVEL = by_density(_moments_level_kernel)
+VAR_ROWS = by_density(_var_rows_kernel)
 
 
 def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: float) -> Callable[[Any], None]:
@@ -488,7 +502,7 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
             write(out2d)
 
     if not tiling.levels:
-        direct = entry(var_rows, x_t, corr, wide_t, 0, 0)
+        direct = entry(VAR_ROWS[rows_dense(x_t)], x_t, corr, wide_t, 0, 0)
 
         def launch_rows(ws: Any) -> None:
             x = source(ws)
@@ -496,8 +510,8 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
         return launch_rows
     counts = tiling.levels + (1,)
     p_t = np.empty((1, 1, 3))
-    steps = [entry(moments_level, x_t, block, p_t, 0, 0)] + [entry(merge_level, p_t, block, p_t, 0, 0)] * len(
-        tiling.levels)
+    steps = [entry(MOMENTS_LEVEL[rows_dense(x_t)], x_t, block, p_t, 0, 0)] + [
+        entry(merge_level, p_t, block, p_t, 0, 0)] * len(tiling.levels)
     fin = entry(var_final, p_t, corr, wide_t)
     offs = tiling.offsets + (tiling.final_offset,)
 

@@ -24,7 +24,7 @@ from ...errors import InternalError, Status
 from ...runtime.fanout import launcher, run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
-from .jit import dense_rows, entry, row_of
+from .jit import by_density, entry, row_of, rows_dense
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
 LOG_SOFTMAX_IN_OUT = 2  # log-softmax whose out does not overlap x: its exps go to out, as softmax's do
@@ -122,33 +122,17 @@ def _rows(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
         _finish(row_of(x, nk - 1, dense), row_of(out, nk - 1, dense), pm, pc, mode)
 
 
-# one kernel per mode (a compile-time constant there: its branches fold away); tmp is scratch[0], not a slice of
-# it (a slice types as 'A', whose loops vectorize worse); rows typed dense whenever their elements are adjacent
-@jit
-def rows_softmax(x: Any, out: Any, scratch: Any) -> None:
-    if dense_rows(x) and dense_rows(out):
-        _rows(x, out, SOFTMAX, scratch[0], True)
-    else:
-        _rows(x, out, SOFTMAX, scratch[0], False)
+def _rows_kernel(mode: int, dense: bool) -> Any:
+    """The whole-rows kernel of ``mode`` (a closure constant: its branches fold away); ``tmp`` is scratch[0],
+    not a slice of it (a slice types as 'A', whose loops vectorize worse)."""
+    @jit
+    def rows(x: Any, out: Any, scratch: Any) -> None:
+        _rows(x, out, mode, scratch[0], dense)
+    return rows
 
 
-@jit
-def rows_log_softmax(x: Any, out: Any, scratch: Any) -> None:
-    if dense_rows(x) and dense_rows(out):
-        _rows(x, out, LOG_SOFTMAX, scratch[0], True)
-    else:
-        _rows(x, out, LOG_SOFTMAX, scratch[0], False)
-
-
-@jit
-def rows_log_softmax_in_out(x: Any, out: Any, scratch: Any) -> None:
-    if dense_rows(x) and dense_rows(out):
-        _rows(x, out, LOG_SOFTMAX_IN_OUT, scratch[0], True)
-    else:
-        _rows(x, out, LOG_SOFTMAX_IN_OUT, scratch[0], False)
-
-
-ROWS = {SOFTMAX: rows_softmax, LOG_SOFTMAX: rows_log_softmax, LOG_SOFTMAX_IN_OUT: rows_log_softmax_in_out}
+ROWS = {mode: by_density(functools.partial(_rows_kernel, mode)) for mode in (SOFTMAX, LOG_SOFTMAX,
+                                                                               LOG_SOFTMAX_IN_OUT)}
 
 
 @jit_inline
@@ -208,14 +192,13 @@ def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int, d
         _shift(row_of(x, k, dense)[lo:hi], row_of(out, k, dense)[lo:hi], part[k, j, 0], part[k, j, 1])
 
 
-@jit
-def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, scratch: Any) -> None:
-    """Long rows, one after the other: a row's block partials, their merge, its writes (the row stays in L2 /
-    L3 between the passes)."""
-    if dense_rows(x) and dense_rows(out):
-        _split_rows(x, out, block, part, mode, scratch[0], True)
-    else:
-        _split_rows(x, out, block, part, mode, scratch[0], False)
+def _split_rows_kernel(dense: bool) -> Any:
+    @jit
+    def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, scratch: Any) -> None:
+        """Long rows, one after the other: a row's block partials, their merge, its writes (the row stays in
+        L2 / L3 between the passes)."""
+        _split_rows(x, out, block, part, mode, scratch[0], dense)
+    return split_rows
 
 
 @jit_inline
@@ -228,14 +211,13 @@ def _split_rows(x: Any, out: Any, block: int, part: Any, mode: int, tmp: Any, de
             _write(x, out, block, part, k, j, mode, dense)
 
 
-@jit
-def split_partials(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int, scratch: Any) -> None:
-    """Blocks ``t0 <= t < t1`` of the row-major (row, block) task list: their partials (fewer long rows than
-    helper threads: the blocks are shared out instead of the rows)."""
-    if dense_rows(x) and dense_rows(out):
-        _partials(x, out, scratch[0], block, part, mode, t0, t1, True)
-    else:
-        _partials(x, out, scratch[0], block, part, mode, t0, t1, False)
+def _split_partials_kernel(dense: bool) -> Any:
+    @jit
+    def split_partials(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int, scratch: Any) -> None:
+        """Blocks ``t0 <= t < t1`` of the row-major (row, block) task list: their partials (fewer long rows than
+        helper threads: the blocks are shared out instead of the rows)."""
+        _partials(x, out, scratch[0], block, part, mode, t0, t1, dense)
+    return split_partials
 
 
 @jit
@@ -244,15 +226,18 @@ def split_merge(part: Any, mode: int) -> None:
         _merge(part, k, mode)
 
 
-@jit
-def split_writes(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int) -> None:
-    nb = part.shape[1]
-    dense = dense_rows(x) and dense_rows(out)
-    for t in range(t0, t1):
-        if dense:
-            _write(x, out, block, part, t // nb, t % nb, mode, True)
-        else:
-            _write(x, out, block, part, t // nb, t % nb, mode, False)
+def _split_writes_kernel(dense: bool) -> Any:
+    @jit
+    def split_writes(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int) -> None:
+        nb = part.shape[1]
+        for t in range(t0, t1):
+            _write(x, out, block, part, t // nb, t % nb, mode, dense)
+    return split_writes
+
+
+SPLIT_ROWS = by_density(_split_rows_kernel)
+SPLIT_PARTIALS = by_density(_split_partials_kernel)
+SPLIT_WRITES = by_density(_split_writes_kernel)
 
 
 def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Callable[[Any], None]:
@@ -278,14 +263,15 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
         else:
             mode = LOG_SOFTMAX_IN_OUT  # the exps' stores also bring out's lines in, during the exp loop
     part_sample = np.empty((1, 1, 2), np.float64)
+    dense = rows_dense(sample, out_sample)
     if split == 1:
-        fn = entry(ROWS[mode], sample, out_sample, no_scratch)
+        fn = entry(ROWS[mode][dense], sample, out_sample, no_scratch)
     elif t.by_rows:
-        fn = entry(split_rows, sample, out_sample, block, part_sample, mode, no_scratch)
+        fn = entry(SPLIT_ROWS[dense], sample, out_sample, block, part_sample, mode, no_scratch)
     else:
-        f_part = entry(split_partials, sample, out_sample, block, part_sample, mode, 0, 0, no_scratch)
+        f_part = entry(SPLIT_PARTIALS[dense], sample, out_sample, block, part_sample, mode, 0, 0, no_scratch)
         f_merge = entry(split_merge, part_sample, mode)
-        f_write = entry(split_writes, sample, out_sample, block, part_sample, mode, 0, 0)
+        f_write = entry(SPLIT_WRITES[dense], sample, out_sample, block, part_sample, mode, 0, 0)
     by_rows = split == 1 or t.by_rows
     ranges = split_range(k if by_rows else k * split, t.threads)
     pack_bytes = k * n * compute_dt.itemsize
