@@ -92,7 +92,9 @@ def test_conv2d_depthwise_picks_the_direct_kernel(rng: np.random.Generator) -> N
 @pytest.mark.parametrize("hw, stride, pad", [
     ((7, 7), (1, 1), (1, 1)),  # "same" 3x3: the inner rows as one flat loop
     ((3, 40), (1, 1), (1, 1)),  # one inner row, longer than a vector step
-    ((20, 18), (2, 2), (1, 1)),  # stride 2: a compile-time column step
+    ((20, 18), (2, 2), (1, 1)),  # stride 2: windows read as element pairs
+    ((7, 41), (2, 2), (2, 2)),  # the first inner window at column 0: it alone from the float rows
+    ((6, 40), (2, 2), (0, 0)),
     ((11, 37), (3, 3), (2, 2)),  # any other step, padding wider than one column
     ((9, 21), (2, 1), (0, 1)),  # row and column steps differ
     ((12, 5), (1, 2), (1, 0)),

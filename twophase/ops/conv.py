@@ -322,7 +322,7 @@ conv2d = register(OpDef(
          "im2col. "
          "direct: shifted row updates per kernel tap (3x3 undilated windows of one input channel: each output row "
          "written once with its nine taps; with stride 1 and padding 1 the inner rows of a dense plane as one "
-         "flat loop), ranges of (N, OC) planes on helper threads, workspace 0, ranked first when depthwise "
-         "(C/groups == 1)."),
+         "flat loop, with column stride 2 dense rows read as element pairs), ranges of (N, OC) planes on helper "
+         "threads, workspace 0, ranked first when depthwise (C/groups == 1)."),
     reference=reference,
 ))

@@ -14,7 +14,7 @@ from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import by_density, entry, row_of, rows_dense, span_of
+from .jit import by_density, entry, pairs_of, row_of, rows_dense, span_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -181,6 +181,19 @@ def _span3(o: Any, o0: Any, r0: Any, r1: Any, r2: Any, s0: Any, step: Any, cnt: 
 
 
 @jit_inline
+def _pairs3(q0: Any, q1: Any, q2: Any, m: Any, wt: Any, b0: Any) -> Any:
+    """``_window3`` at the odd element of pair m of rows given as element pairs (``jit.pairs_of``): pair m's odd
+    element, then both of pair m + 1. (From pair m's even element instead, LLVM reads the odd-only pair with
+    gathers: an interleaved group with a gap at its end needs a scalar epilogue; one with a gap at its start
+    does not.)"""
+    one = np.uint64(1)
+    a0, c0, a1, c1, a2, c2 = q0[m], q0[m + one], q1[m], q1[m + one], q2[m], q2[m + one]
+    return (b0 + wt[0] * a0.imag + wt[1] * c0.real + wt[2] * c0.imag
+            + wt[3] * a1.imag + wt[4] * c1.real + wt[5] * c1.imag
+            + wt[6] * a2.imag + wt[7] * c2.real + wt[8] * c2.imag)
+
+
+@jit_inline
 def planes_flat(xp: Any, op: Any) -> bool:
     """Whether the rows of both planes lie back to back (row stride = row length)."""
     return bool(xp.strides[0] == xp.shape[1] * xp.itemsize and op.strides[0] == op.shape[1] * op.itemsize)
@@ -207,7 +220,8 @@ def _row_taps(orow: Any, r: Any, w0: Any, w1: Any, w2: Any, lo: Any, cnt: Any, s
 
 
 def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
-    FLAT = dense and fixed_step == 1  # noqa: N806  (a closure constant: the other variants compile no flat path)
+    FLAT = dense and fixed_step == 1  # noqa: N806  (closure constants: the other variants compile neither path)
+    PAIRS = dense and fixed_step == 2  # noqa: N806
 
     @jit
     def conv_dw3x3(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int,
@@ -226,6 +240,13 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
         u_lo, cnt, s0 = np.uint64(lo), np.uint64(hi - lo), np.uint64(lo * sw - pw)
         zero, one = np.uint64(0), np.uint64(1)
         flat = FLAT and sh == 1 and ph == 1 and pw == 1 and height >= 3 and oh_n == height and ow_n == width
+        # step 2, dense rows: the windows read as element pairs from the column before the first window's (a
+        # window starting at column 0 is left to the float rows); pair u + 1's odd element is the last one
+        # window u reads, so no pair reaches past the inner columns
+        skip = 1 if lo * sw - pw == 0 and hi > lo else 0
+        first = lo * sw - pw + 2 * skip - 1
+        pair_cnt = np.uint64(hi - lo - skip)
+        n_pairs = hi - lo - skip + 1
         for t in range(t0, t1):
             n = t // oc_n
             oc = t - n * oc_n
@@ -244,7 +265,16 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
                 orow = row_of(op, oh, dense)
                 if i0 >= 0 and i0 + 2 < height:
                     r0, r1, r2 = row_of(xp, i0, dense), row_of(xp, i0 + 1, dense), row_of(xp, i0 + 2, dense)
-                    if not inner_done:
+                    if PAIRS:
+                        if skip:
+                            orow[lo] = _window3(r0, r1, r2, s0, wt, b0)
+                        if pair_cnt:
+                            q0, q1 = pairs_of(xp, i0, first, n_pairs), pairs_of(xp, i0 + 1, first, n_pairs)
+                            q2 = pairs_of(xp, i0 + 2, first, n_pairs)
+                            o0 = np.uint64(lo + skip)
+                            for u in range(pair_cnt):  # a plain loop: the vector-step tail of _span3 unrolls
+                                orow[o0 + u] = _pairs3(q0, q1, q2, u, wt, b0)  # into scalar shuffles here
+                    elif not inner_done:
                         _span3(orow, u_lo, r0, r1, r2, s0, step, cnt, wt, b0)
                     for j in range(lo):
                         orow[j] = _edge3(r0, r1, r2, j * sw - pw, width, wt, b0)

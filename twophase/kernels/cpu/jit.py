@@ -12,7 +12,7 @@ from numba.extending import intrinsic
 from numba.np.numpy_support import carray
 
 __all__ = ["entry", "jit", "jit_inline", "jit_par", "jit_reduce", "FAST", "REDUCE", "row_of",
-           "rows_dense", "by_density", "span_of"]
+           "rows_dense", "by_density", "span_of", "pairs_of"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -48,6 +48,35 @@ def row_of(a: Any, k: int, dense: bool) -> Any:
     if dense:
         return carray(_row_pointer(a, k), (a.shape[1],))
     return a[k]
+
+
+def _pairs_pointer_typing(typingctx: Any, a: Any, k: Any, first: Any) -> Any:
+    """The address of ``a[k, first]`` typed as a pointer to complex numbers of a's precision (float32 rows as
+    complex64 pairs, float64 as complex128)."""
+    pair = types.complex64 if a.dtype == types.float32 else types.complex128
+    sig = types.CPointer(pair)(a, k, first)  # type: ignore[no-untyped-call]
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        strides = cgutils.unpack_tuple(builder, arr.strides)  # type: ignore[no-untyped-call]
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        col = context.cast(builder, args[2], signature.args[2], types.intp)
+        offset = builder.add(builder.mul(index, strides[0]), builder.mul(col, strides[1]))
+        byte = builder.gep(builder.bitcast(arr.data, cgutils.voidptr_t), [offset])
+        return builder.bitcast(byte, context.get_value_type(signature.return_type))
+    return sig, codegen
+
+
+_pairs_pointer: Any = intrinsic(_pairs_pointer_typing)
+
+
+@numba.njit(nogil=True, cache=True, inline="always")
+def pairs_of(a: Any, k: int, first: int, n: int) -> Any:
+    """Row k of the float32 / float64 matrix ``a`` from column ``first`` on as n (even, odd) element pairs, one
+    complex number each: a loop reading x[2u] and x[2u + 1] then loads whole vectors and shuffles them apart
+    (LLVM turns the same reads from the float row into gathers). The row must be dense and hold 2n elements
+    from ``first``, which the caller checks."""
+    return carray(_pairs_pointer(a, k, first), (n,))
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
