@@ -194,7 +194,7 @@ def _pairs3(q0: Any, q1: Any, q2: Any, m: Any, wt: Any, b0: Any) -> Any:
 
 
 @jit_inline
-def planes_flat(xp: Any, op: Any) -> bool:
+def _planes_flat(xp: Any, op: Any) -> bool:
     """Whether the rows of both planes lie back to back (row stride = row length)."""
     return bool(xp.strides[0] == xp.shape[1] * xp.itemsize and op.strides[0] == op.shape[1] * op.itemsize)
 
@@ -228,7 +228,8 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
                    t1: int) -> None:
         """``conv_direct`` for 3x3 windows of one input channel each (depthwise), dilation 1: each output row is
         written once with its nine taps (``conv_direct`` reads and writes it once per tap). The column step is
-        a compile-time constant when ``fixed_step`` (1 or 2: the loads vectorize), else ``geo``'s."""
+        a compile-time constant when ``fixed_step``, else ``geo``'s: with dense rows, step 1 and padding 1 run a
+        plane's inner rows as one flat loop, and step 2 reads the rows as element pairs (no gathers)."""
         sh, sw, ph, pw = geo[2], geo[3], geo[4], geo[5]
         height, width = x.shape[2], x.shape[3]
         oc_n = w.shape[0]
@@ -255,7 +256,7 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
             b0 = bias[oc] if has_bias else op.dtype.type(0)
             wt = (w[oc, 0, 0, 0], w[oc, 0, 0, 1], w[oc, 0, 0, 2], w[oc, 0, 1, 0], w[oc, 0, 1, 1], w[oc, 0, 1, 2],
                   w[oc, 0, 2, 0], w[oc, 0, 2, 1], w[oc, 0, 2, 2])
-            inner_done = flat and planes_flat(xp, op)
+            inner_done = flat and _planes_flat(xp, op)
             if inner_done:  # the inner rows as one long loop; their edge columns (wrapped around) redone below
                 n_in = (height - 2) * width
                 _span3(span_of(op, 1, n_in), one, span_of(xp, 0, n_in), span_of(xp, 1, n_in), span_of(xp, 2, n_in),

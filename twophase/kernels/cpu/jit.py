@@ -53,6 +53,8 @@ def row_of(a: Any, k: int, dense: bool) -> Any:
 def _pairs_pointer_typing(typingctx: Any, a: Any, k: Any, first: Any) -> Any:
     """The address of ``a[k, first]`` typed as a pointer to complex numbers of a's precision (float32 rows as
     complex64 pairs, float64 as complex128)."""
+    if a.dtype not in (types.float32, types.float64):
+        return None  # no pairs of other types: numba reports the signature as unsupported
     pair = types.complex64 if a.dtype == types.float32 else types.complex128
     sig = types.CPointer(pair)(a, k, first)  # type: ignore[no-untyped-call]
 
