@@ -154,29 +154,24 @@ def _next(k: int, j: int, nb: int) -> tuple[int, int]:
     return (k + 1, 0) if j == nb else (k, j)
 
 
-def _sum_level_kernel(dense: bool) -> Any:
+def _level_kernel(kind: str, dense: bool) -> Any:
+    total = kind == "sum"  # a closure constant: the other branch folds away
+
     @jit_reduce
-    def sum_level(x: Any, block: int, zero: Any, out: Any, t0: int, t1: int) -> None:
-        """out[k, j] = sum of x[k, j*block:(j+1)*block] (accumulated in the type of ``zero``), for the tasks
-        ``t0 <= t = k * nb + j < t1`` (a range of them per helper thread; all of them on one)."""
+    def level(x: Any, block: int, scalar: Any, out: Any, t0: int, t1: int) -> None:
+        """out[k, j] = the sum (``scalar``: the zero of the accumulator's type) or the max (``scalar`` 1) / min
+        (-1) of x[k, j*block:(j+1)*block], for the tasks ``t0 <= t = k * nb + j < t1`` (a range of them per
+        helper thread; all of them on one)."""
         nb = out.shape[1]
         k, j = t0 // nb, t0 % nb
         for _ in range(t0, t1):
-            out[k, j] = _sum_row(x, k, j * block, min(x.shape[1], (j + 1) * block), zero, dense)
+            lo, hi = j * block, min(x.shape[1], (j + 1) * block)
+            if total:
+                out[k, j] = _sum_row(x, k, lo, hi, scalar, dense)
+            else:
+                out[k, j] = _max_row(x, k, lo, hi, scalar, dense)
             k, j = _next(k, j, nb)
-    return sum_level
-
-
-def _max_level_kernel(dense: bool) -> Any:
-    @jit_reduce
-    def max_level(x: Any, block: int, sign: Any, out: Any, t0: int, t1: int) -> None:
-        """out[k, j] = max (sign 1) or min (sign -1) of x[k, j*block:(j+1)*block], tasks t0 <= t < t1."""
-        nb = out.shape[1]
-        k, j = t0 // nb, t0 % nb
-        for _ in range(t0, t1):
-            out[k, j] = _max_row(x, k, j * block, min(x.shape[1], (j + 1) * block), sign, dense)
-            k, j = _next(k, j, nb)
-    return max_level
+    return level
 
 
 # ---------------------------------------------------------------- cols levels: x (n, K) -> out (nb, K)
@@ -251,7 +246,7 @@ def _max_cols_kernel(dense: bool) -> Any:
 
 # level kernels by kind, each by density (``jit.by_density``: phase 1 picks with ``jit.rows_dense``); the
 # ``cols`` twins run a reduction over a leading dim on the transposed views
-LEVELS = {"sum": by_density(_sum_level_kernel), "max": by_density(_max_level_kernel)}
+LEVELS = {kind: by_density(functools.partial(_level_kernel, kind)) for kind in ("sum", "max")}
 COLS = {"sum": by_density(_sum_cols_kernel), "max": by_density(_max_cols_kernel)}
 LEVEL_PARALLEL_MIN = 1 << 18  # elements read by a level below which it runs on one thread (handing parts to
 # helper threads costs ~50 us: more than a small level's work)
