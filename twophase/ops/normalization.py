@@ -325,11 +325,6 @@ def _channel_infer(name: str, params: tuple[str, ...]) -> Any:
     return infer
 
 
-def _merges(d: TensorDesc, first: int) -> bool:
-    """Whether dims ``first..`` of ``d`` walk memory with one stride."""
-    return merge_dims(d.shape[first:], d.strides[first:]) is not None
-
-
 def _compute(dt: DType) -> Any:
     return np.dtype(np.float32) if dt is DType.float16 else dt.np
 

@@ -23,20 +23,32 @@ jit_reduce = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=RE
 jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST, inline="always")
 
 
-def _row_pointer_typing(typingctx: Any, a: Any, k: Any) -> Any:
-    """The address of ``a[k, 0]``, typed as a pointer to a's dtype (no bounds check: callers index valid rows)."""
-    sig = types.CPointer(a.dtype)(a, k)  # type: ignore[no-untyped-call]
+def _pointer_intrinsic(name: str, pointee: Callable[[Any], Any]) -> Any:
+    """An intrinsic ``(a, k, col)`` -> the address of ``a[k, col]`` (no bounds check: callers index valid
+    elements) as a pointer to ``pointee(a.dtype)`` (None: a dtype it does not take)."""
+    def typing(typingctx: Any, a: Any, k: Any, col: Any) -> Any:
+        target = pointee(a.dtype)
+        if target is None:
+            return None  # numba reports the signature as unsupported
+        sig = types.CPointer(target)(a, k, col)  # type: ignore[no-untyped-call]
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        arr = context.make_array(signature.args[0])(context, builder, args[0])
-        stride = cgutils.unpack_tuple(builder, arr.strides)[0]  # type: ignore[no-untyped-call]
-        index = context.cast(builder, args[1], signature.args[1], types.intp)
-        byte = builder.gep(builder.bitcast(arr.data, cgutils.voidptr_t), [builder.mul(index, stride)])
-        return builder.bitcast(byte, context.get_value_type(signature.return_type))
-    return sig, codegen
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            arr = context.make_array(signature.args[0])(context, builder, args[0])
+            strides = cgutils.unpack_tuple(builder, arr.strides)  # type: ignore[no-untyped-call]
+            index = context.cast(builder, args[1], signature.args[1], types.intp)
+            column = context.cast(builder, args[2], signature.args[2], types.intp)
+            offset = builder.add(builder.mul(index, strides[0]), builder.mul(column, strides[1]))
+            byte = builder.gep(builder.bitcast(arr.data, cgutils.voidptr_t), [offset])
+            return builder.bitcast(byte, context.get_value_type(signature.return_type))
+        return sig, codegen
+    typing.__name__ = typing.__qualname__ = name  # numba names the intrinsic after its typing function
+    return intrinsic(typing)
 
 
-_row_pointer: Any = intrinsic(_row_pointer_typing)
+_element_pointer: Any = _pointer_intrinsic("_element_pointer", lambda dt: dt)
+# float32 rows as complex64 (even, odd) pairs, float64 as complex128
+_pairs_pointer: Any = _pointer_intrinsic(
+    "_pairs_pointer", lambda dt: {types.float32: types.complex64, types.float64: types.complex128}.get(dt))
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -46,30 +58,8 @@ def row_of(a: Any, k: int, dense: bool) -> Any:
     of a's memory (``numba.carray``: no contiguity check, copy path or reference count, which cost ~20 ns a row,
     more than a 56-element row's work); ``a`` outlives it, as it is the caller's argument."""
     if dense:
-        return carray(_row_pointer(a, k), (a.shape[1],))
+        return carray(_element_pointer(a, k, 0), (a.shape[1],))
     return a[k]
-
-
-def _pairs_pointer_typing(typingctx: Any, a: Any, k: Any, first: Any) -> Any:
-    """The address of ``a[k, first]`` typed as a pointer to complex numbers of a's precision (float32 rows as
-    complex64 pairs, float64 as complex128)."""
-    if a.dtype not in (types.float32, types.float64):
-        return None  # no pairs of other types: numba reports the signature as unsupported
-    pair = types.complex64 if a.dtype == types.float32 else types.complex128
-    sig = types.CPointer(pair)(a, k, first)  # type: ignore[no-untyped-call]
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        arr = context.make_array(signature.args[0])(context, builder, args[0])
-        strides = cgutils.unpack_tuple(builder, arr.strides)  # type: ignore[no-untyped-call]
-        index = context.cast(builder, args[1], signature.args[1], types.intp)
-        col = context.cast(builder, args[2], signature.args[2], types.intp)
-        offset = builder.add(builder.mul(index, strides[0]), builder.mul(col, strides[1]))
-        byte = builder.gep(builder.bitcast(arr.data, cgutils.voidptr_t), [offset])
-        return builder.bitcast(byte, context.get_value_type(signature.return_type))
-    return sig, codegen
-
-
-_pairs_pointer: Any = intrinsic(_pairs_pointer_typing)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -85,7 +75,7 @@ def pairs_of(a: Any, k: int, first: int, n: int) -> Any:
 def span_of(a: Any, k: int, n: int) -> Any:
     """The n elements from ``a[k, 0]`` on as one dense 1-D view: valid only where a's rows lie back to back
     (dense rows, row stride = row length), which the caller checks."""
-    return carray(_row_pointer(a, k), (n,))
+    return carray(_element_pointer(a, k, 0), (n,))
 
 
 def rows_dense(*arrays: Any) -> bool:

@@ -96,7 +96,7 @@ def _rows(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
     """Whole rows, software-pipelined (log-softmax in place keeps its exps in the scratch row ``tmp``, of length
     N): row k + 1's max is taken in row k's exp loop, so that its memory traffic overlaps row k's arithmetic, and
     row k - 1's result is written before row k's sum, so that no row waits on its own sum and division (short
-    rows: 0.83 -> 0.62 ns/element single-threaded). ``dense``: rows taken as dense vectors (``_row``)."""
+    rows: 0.83 -> 0.62 ns/element single-threaded). ``dense``: rows taken as dense vectors (``jit.row_of``)."""
     n = x.shape[1]
     nk = x.shape[0]
     if nk == 0 or n == 0:
@@ -167,7 +167,7 @@ def _partials(x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: 
     """(m, s) of blocks ``t0 <= t < t1`` of the row-major (row, block) task list into ``part``: m the block's max,
     s the sum of exp(x - m) stored into out (softmax, log-softmax not in place) or the scratch ``tmp``. Block
     t + 1's max is read in block t's exp loop. An all -inf block shifts by 0 (its exps are 0, s = 0) so that it
-    merges as nothing; a whole row of -inf still gives NaN. ``dense``: rows taken as dense vectors (``_row``)."""
+    merges as nothing; a whole row of -inf still gives NaN. ``dense``: rows taken as dense vectors (``jit.row_of``)."""
     if t0 >= t1:
         return
     nb = part.shape[1]
