@@ -120,6 +120,39 @@ def test_conv2d_depthwise_3x3_kernel(hw: tuple[int, int], stride: tuple[int, int
         _check(r, reference(xin, w, b, nhwc=nhwc, **attrs))
 
 
+@pytest.mark.parametrize("shape, k, stride, pad, dil", [
+    ((7, 9), (3, 3), (1, 1), (1, 1), (1, 1)),  # "same": a plane's inner rows as one flat copy
+    ((6, 8), (3, 5), (1, 1), (2, 2), (1, 1)),  # flat, two wrapped columns a side
+    ((5, 6), (3, 3), (1, 1), (2, 2), (1, 2)),  # flat with dilation
+    ((9, 20), (3, 3), (2, 2), (1, 1), (1, 1)),  # step 2: rows read as element pairs
+    ((8, 19), (3, 3), (2, 2), (0, 0), (1, 1)),  # step 2 from column 0 (read apart from the pairs), odd width
+    ((7, 23), (1, 1), (2, 2), (0, 0), (1, 1)),  # 1x1 stride 2
+    ((7, 40), (2, 7), (1, 3), (1, 3), (1, 1)),  # another step; rows of 8 or more outputs
+    ((3, 1), (2, 3), (1, 1), (2, 2), (1, 2)),  # padding wider than the window: whole tiles and columns in it
+])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_conv2d_im2col_unfold_paths(shape: tuple[int, int], k: tuple[int, int], stride: tuple[int, int],
+                                    pad: tuple[int, int], dil: tuple[int, int], dtype: Any) -> None:
+    """Each path of the unfold (flat planes, element pairs, strided or short rows, rows or columns wholly in the
+    padding) against the reference: NCHW (dense rows) and NHWC (strided), whole images and tiles of one row; and
+    the direct kernel on the same cases."""
+    rng = np.random.default_rng(shape[1] + stride[1])
+    x = (rng.standard_normal((2, 3) + shape) + 0.2).astype(dtype)
+    w = rng.standard_normal((4, 3) + k).astype(dtype)
+    b = rng.standard_normal(4).astype(dtype)
+    attrs = dict(stride=stride, padding=pad, dilation=dil)
+    for nhwc in (False, True):
+        xin = x.transpose(0, 2, 3, 1).copy() if nhwc else x
+        ref = reference(xin, w, b, nhwc=nhwc, **attrs)
+        ow = ref.shape[2 if nhwc else 3]
+        for limit in (None, align(3 * k[0] * k[1] * ow * x.itemsize)):  # whole images, tiles of one output row
+            with forced("im2col"):
+                r = run_checked(conv2d, _input(xin, nhwc), w, b, workspace_limit=limit, **attrs)
+            assert r.implementation == "im2col" and (limit is None or r.tiling.tile_rows == 1)
+            _check(r, ref)
+        _check(_run("direct", _input(xin, nhwc), w, b, **attrs), ref)
+
+
 def test_conv2d_im2col_tiles_fit_workspace_limit(rng: np.random.Generator) -> None:
     x, w = _x(rng, (1, 3, 12, 10), False), rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
     per_row = 3 * 3 * 3 * 10 * 4  # C*KH*KW * OW * itemsize

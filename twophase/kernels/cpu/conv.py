@@ -25,8 +25,9 @@ PARALLEL_MIN = 1 << 20  # unfolded elements from which im2col's rows are cut int
 
 @jit
 def ow_range(off: int, sw: int, width: int, ow_n: int) -> tuple[int, int]:
-    """Output columns whose input column ow*sw + off lies in [0, width)."""
-    lo = max(0, (-off + sw - 1) // sw)
+    """Output columns whose input column ow*sw + off lies in [0, width), as [lo, hi) with lo <= hi <= ow_n (lo
+    clamped: with padding wider than the window, no column may lie inside)."""
+    lo = min(ow_n, max(0, (-off + sw - 1) // sw))
     hi = min(ow_n, (width - 1 - off) // sw + 1) if width - 1 - off >= 0 else 0
     return lo, max(hi, lo)
 
@@ -42,51 +43,91 @@ def _copy_span(dst: Any, d0: Any, src: Any, s0: Any, step: Any, n: Any) -> None:
             dst[d0 + u] = src[s0 + u * step]
 
 
-def _im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k: int) -> None:
-    """Row ``k`` of the unfolded input (see ``im2col``)."""
-    kh_n, kw_n, sh, sw, ph, pw, dh, dw, ow_n = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5], geo[6], geo[7], geo[8]
-    height, width = x.shape[2], x.shape[3]
-    nn = geo[9]
-    rows = cols.shape[1] // (ow_n * nn)
-    kk = kh_n * kw_n
-    c = k // kk
-    kh = (k - c * kk) // kw_n
-    kw = k - c * kk - kh * kw_n
-    off = kw * dw - pw
-    lo, hi = ow_range(off, sw, width, ow_n)
-    for i in range(nn):
-        for r in range(rows):
-            ih = (oh0 + r) * sh - ph + kh * dh
-            base = (i * rows + r) * ow_n
-            if ih < 0 or ih >= height:
-                for ow in range(ow_n):
-                    cols[k, base + ow] = 0
-                continue
-            for ow in range(lo):
-                cols[k, base + ow] = 0
-            if hi - lo >= 8:  # unsigned indices: no wrap-around selects, so the copy vectorizes (2x on 28-56 wide)
-                _copy_span(cols[k], np.uint64(base + lo), x[n0 + i, c0 + c, ih], np.uint64(lo * sw + off),
-                           np.uint64(sw), np.uint64(hi - lo))
-            elif sw == 1:  # a short row (7-wide maps): the plain loop, faster than the vector loop's entry checks
-                for ow in range(lo, hi):
-                    cols[k, base + ow] = x[n0 + i, c0 + c, ih, ow + off]
-            else:
-                for ow in range(lo, hi):
-                    cols[k, base + ow] = x[n0 + i, c0 + c, ih, ow * sw + off]
-            for ow in range(hi, ow_n):
-                cols[k, base + ow] = 0
+@jit_inline
+def _zero(row: Any, a: Any, b: Any) -> None:
+    """row[j] = 0 for a <= j < b."""
+    for j in range(a, b):
+        row[j] = 0
 
 
-_im2col_inl = jit_inline(_im2col)
+def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
+    FLAT = dense and fixed_step == 1  # noqa: N806  (closure constants: the other variants compile neither path)
+    PAIRS = dense and fixed_step == 2  # noqa: N806
+
+    @jit
+    def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k0: int, k1: int) -> None:
+        """cols[(c*KH + kh)*KW + kw, (i*rows + r)*OW + ow] = x[n0 + i, c0 + c, (oh0 + r)*sh - ph + kh*dh,
+        ow*sw - pw + kw*dw] (0 in the padding) for ``geo[9]`` images i, rows ``k0 <= k < k1`` of cols (a range
+        per helper thread); ``geo`` = (KH, KW, sh, sw, ph, pw, dh, dw, OW, images). Rows of x and cols typed
+        dense when ``dense``; the column step a compile-time constant when ``fixed_step``. With dense rows, step 1
+        and OW = W, a plane's rows inside the image are one flat copy (the columns it wraps into the padding
+        zeroed after); step 2 reads the rows as element pairs (``jit.pairs_of``; LLVM gathers a float row's
+        every other element)."""
+        kh_n, kw_n, sh, sw, ph, pw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
+        dh, dw, ow_n, nn = geo[6], geo[7], geo[8], geo[9]
+        height, width = x.shape[2], x.shape[3]
+        rows = cols.shape[1] // (ow_n * nn)
+        kk = kh_n * kw_n
+        step = np.uint64(fixed_step if fixed_step else sw)
+        flat = FLAT and sh == 1 and ow_n == width
+        for k in range(k0, k1):
+            c = k // kk
+            kh = (k - c * kk) // kw_n
+            kw = k - c * kk - kh * kw_n
+            off = kw * dw - pw
+            lo, hi = ow_range(off, sw, width, ow_n)
+            ih0 = oh0 * sh - ph + kh * dh  # the input row of output row 0
+            r_lo, r_hi = ow_range(ih0, sh, height, rows)  # output rows whose input row is inside the image
+            crow = row_of(cols, k, dense)
+            for i in range(nn):
+                plane = x[n0 + i, c0 + c]
+                base = i * rows * ow_n
+                _zero(crow, base, base + r_lo * ow_n)
+                _zero(crow, base + r_hi * ow_n, base + rows * ow_n)
+                if r_lo >= r_hi:
+                    continue
+                if flat and plane.strides[0] == width * plane.itemsize:
+                    # output (r, ow) reads plane element (ih0 + r)*W + off + ow: one run from the first row's
+                    # column lo to the last row's column hi - 1
+                    src = span_of(plane, 0, height * width)
+                    d0 = np.uint64(base + r_lo * ow_n + lo)
+                    s0 = np.uint64((ih0 + r_lo) * width + off + lo)
+                    for u in range(np.uint64((r_hi - r_lo - 1) * ow_n + hi - lo)):
+                        crow[d0 + u] = src[s0 + u]
+                    for r in range(r_lo, r_hi):
+                        d = base + r * ow_n
+                        _zero(crow, d, d + lo)
+                        _zero(crow, d + hi, d + ow_n)
+                    continue
+                for r in range(r_lo, r_hi):
+                    ih = ih0 + r * sh
+                    d = base + r * ow_n
+                    _zero(crow, d, d + lo)
+                    _zero(crow, d + hi, d + ow_n)
+                    xr = row_of(plane, ih, dense)
+                    e = lo * sw + off  # the first column read
+                    if PAIRS:
+                        # pairs from the column before each read one, so every read element is a pair's odd one
+                        # (a group with a gap at its end makes LLVM gather); a read of column 0 done apart
+                        skip = 1 if e == 0 and hi > lo else 0
+                        if skip:
+                            crow[d + lo] = xr[0]
+                        m = hi - lo - skip
+                        if m > 0:
+                            q = pairs_of(plane, ih, e + 2 * skip - 1, m)
+                            d1 = np.uint64(d + lo + skip)
+                            for u in range(np.uint64(m)):
+                                crow[d1 + u] = q[u].imag
+                    elif hi - lo >= 8:  # unsigned indices: no wrap-around selects, so the copy vectorizes
+                        _copy_span(crow, np.uint64(d + lo), xr, np.uint64(e), step, np.uint64(hi - lo))
+                    else:  # a short row (7-wide maps): the plain loop, faster than the vector loop's entry checks
+                        for ow in range(lo, hi):
+                            crow[d + ow] = xr[ow * sw + off]
+    return im2col
 
 
-@jit
-def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k0: int, k1: int) -> None:
-    """cols[(c*KH + kh)*KW + kw, (i*rows + r)*OW + ow] = x[n0 + i, c0 + c, (oh0 + r)*sh - ph + kh*dh,
-    ow*sw - pw + kw*dw] (0 in the padding) for ``geo[9]`` images i, rows ``k0 <= k < k1`` of cols (a range per
-    helper thread); ``geo`` = (KH, KW, sh, sw, ph, pw, dh, dw, OW, images)."""
-    for k in range(k0, k1):
-        _im2col_inl(x, n0, c0, oh0, geo, cols, k)
+# by (dense rows, column step 1 / 2 / other); phase 1 picks one, so only it compiles
+IM2COL = {(dense, step): _im2col_kernel(dense, step) for dense in (True, False) for step in (0, 1, 2)}
 
 
 @jit_inline
@@ -390,7 +431,8 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                     steps.append((n0, nn, g * t.cg, oh0, p, wm, o, bv, False))
     ranges = split_range(kc, fanout_parts() if kc * tn * t.tile_rows * ow >= PARALLEL_MIN else 1)
     sample = np.empty((2, 2), dt)  # C-contiguous cols (channel-major) or a transposed view (pixel-major)
-    k_im2col = entry(im2col, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0)
+    kernel = IM2COL[cm and rows_dense(x), t.sw if t.sw in (1, 2) else 0]
+    k_im2col = entry(kernel, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0)
 
     def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any) -> None:
         run_parts([functools.partial(k_im2col, x, n0, c0, oh0, geo, cols, lo, hi) for lo, hi in ranges])
