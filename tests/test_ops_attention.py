@@ -222,6 +222,28 @@ def test_causal_materialized_long_heads_in_one_part(layout: str, lq: int, lk: in
     _check(r, reference(q, k, v, None, is_causal=True))
 
 
+@pytest.mark.parametrize("layout", ["dense", "strided"])
+@pytest.mark.parametrize("heads", [1, 3])  # one head: its query rows cut in two parts (the second from query 150)
+@pytest.mark.parametrize("impl, limit", [("materialized", None), ("tiled", 200_000)])  # tiled: from query > 0
+def test_causal_query_blocks_in_parts(layout: str, heads: int, impl: str, limit: int | None) -> None:
+    """Causal rows multiplied in blocks of 64 queries, each against only the keys up to its last query, in two
+    parts on helper threads (heads, or query rows whose part starts mid-head), in the whole problem or in tiles of
+    queries from a later one, Lk > Lq."""
+    from twophase.kernels.cpu.attention import CAUSAL_BLOCK, FANOUT_MIN
+    rng = np.random.default_rng(heads)
+    q, k, v = _qkv(rng, 1, heads, 300, 330, 16, 8)
+    assert 300 * 300 >= FANOUT_MIN and 300 > 2 * CAUSAL_BLOCK
+    old = twophase.settings.num_threads
+    twophase.set_num_threads(2)
+    try:
+        with forced(impl):
+            r = run_checked(sdpa, on_device(q, layout), k, v, None, is_causal=True, workspace_limit=limit)
+    finally:
+        twophase.set_num_threads(old)
+    assert r.implementation == impl and (impl == "materialized" or CAUSAL_BLOCK < r.tiling.block_q < 300)
+    _check(r, reference(q, k, v, None, is_causal=True))
+
+
 def test_row_softmax_keeps_the_exp_range_reduction_exact() -> None:
     """The materialized row pass on scaled scores spread over [-80, 0]: within 4 float32 ulp of float64 (its exp
     must not be compiled with reassociation, which undoes the exact range reduction: 6.2 ulp measured so)."""

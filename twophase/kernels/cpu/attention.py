@@ -4,7 +4,9 @@
   of queries of one head), one batched BLAS call ``S = q @ k^T`` into the workspace, one fused numba pass over
   the rows (scale, mask, max, exp, sum, normalize, in place) and one batched BLAS call ``out = P @ v``; a
   large tile is cut into parts (batch entries, heads or query rows) run by helper threads, each part with its
-  own GEMMs and row pass. The materialized form is the single tile holding every score.
+  own GEMMs and row pass; causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries, each with
+  only the keys it can see (the masked half of the scores is never multiplied). The materialized form is the
+  single tile holding every score.
 * ``build_online``: query tiles against key tiles with an online softmax (the workspace holds one tile only).
 """
 
@@ -30,6 +32,17 @@ jit_inline: Kernel = _jit.jit_inline
 NONE, ADDITIVE, BOOL = 0, 1, 2
 QK_CHUNK = 128  # keys per score GEMM call (measured: 4 calls of N=128 beat one of N=512 with threaded BLAS)
 FANOUT_MIN = 1 << 16  # score elements per tile from which it is cut into parts for helper threads
+CAUSAL_BLOCK = 64  # query rows per GEMM of a causal part: each block multiplies only the keys it can see
+
+
+def _blocks(nq: int, q0: int, kend: int, causal: bool) -> tuple[tuple[int, int, int], ...]:
+    """(first row, end row, keys) of a part's query blocks: ``nq`` rows from query ``q0`` against ``kend`` keys;
+    causal rows in blocks of ``CAUSAL_BLOCK``, each against the keys up to its last query (the keys after a row's
+    own it gets as 0s from the row pass), else one block of every row and key."""
+    if not causal or nq <= CAUSAL_BLOCK:
+        return ((0, nq, kend),)
+    return tuple((a, min(nq, a + CAUSAL_BLOCK), min(kend, q0 + min(nq, a + CAUSAL_BLOCK)))
+                 for a in range(0, nq, CAUSAL_BLOCK))
 
 
 @jit
@@ -181,16 +194,22 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         if qp is not None:
             np.copyto(qp, qv)
             qv = qp
-        kend = s.shape[3]
-        for j0 in range(0, kend, chunk):
-            j1 = min(kend, j0 + chunk)
-            np.matmul(qv, ktp[..., j0:j1], out=s[..., j0:j1])
+        blocks = _blocks(s.shape[2], q0, s.shape[3], causal)
+        whole = len(blocks) == 1
+        for a, b, kb in blocks:
+            qa, sa = (qv, s) if whole else (qv[..., a:b, :], s[..., a:b, :])
+            for j0 in range(0, kb, chunk):
+                j1 = min(kb, j0 + chunk)
+                np.matmul(qa, ktp[..., j0:j1], out=sa[..., j0:j1])
         rows(s, mv, mkind, causal, q0, scale, lowest, tiny)
-        if op is not None:
-            np.matmul(s, vt, out=op)
-            np.copyto(ov, op)
+        dst = ov if op is None else op
+        if whole:
+            np.matmul(s, vt, out=dst)
         else:
-            np.matmul(s, vt, out=ov)
+            for a, b, kb in blocks:
+                np.matmul(s[..., a:b, :kb], vt[..., :kb, :], out=dst[..., a:b, :])
+        if op is not None:
+            np.copyto(ov, op)
 
     def launch(ws: Any) -> None:
         ktp: Any = None
