@@ -226,9 +226,9 @@ def test_causal_materialized_long_heads_in_one_part(layout: str, lq: int, lk: in
 @pytest.mark.parametrize("heads", [1, 3])  # one head: its query rows cut in two parts (the second from query 150)
 @pytest.mark.parametrize("impl, limit", [("materialized", None), ("tiled", 200_000)])  # tiled: from query > 0
 def test_causal_query_blocks_in_parts(layout: str, heads: int, impl: str, limit: int | None) -> None:
-    """Causal rows multiplied in blocks of 64 queries, each against only the keys up to its last query, in two
-    parts on helper threads (heads, or query rows whose part starts mid-head), in the whole problem or in tiles of
-    queries from a later one, Lk > Lq."""
+    """Causal rows multiplied in blocks of ``CAUSAL_BLOCK`` queries, each against only the keys up to its last
+    query, in two parts on helper threads (heads, or query rows whose part starts mid-head), in the whole problem
+    or in tiles of queries from a later one, Lk > Lq."""
     from twophase.kernels.cpu.attention import CAUSAL_BLOCK, FANOUT_MIN
     rng = np.random.default_rng(heads)
     q, k, v = _qkv(rng, 1, heads, 300, 330, 16, 8)

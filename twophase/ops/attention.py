@@ -241,7 +241,7 @@ scaled_dot_product_attention = register(OpDef(
          "one batched GEMM for the scores, one fused pass over the rows (scale, mask, max, exp, sum, "
          "normalize), one batched GEMM into out; from 2^16 scores a tile is cut into parts (batch entries, heads "
          "or query rows), each with its own GEMMs and row pass, on helper threads; causal rows are multiplied in "
-         "blocks of 64 queries, each against the keys up to its last query only. tiled: the same per tile of "
+         "blocks of 32 queries, each against the keys up to its last query only. tiled: the same per tile of "
          "whole key rows (queries of one head, "
          "whole heads, or whole batch entries; causal tiles skip the keys they cannot see), the largest tile that "
          "fits workspace_limit (see workspace_formula). online: query tiles of bq rows against key tiles of bk "
