@@ -174,31 +174,33 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 axis, ranges = _cuts(shape, parts) if sb * sh * sq * kend >= FANOUT_MIN else (0, [(0, sb)])
                 # per part, fixed in phase 1: its mask view and its row pass, compiled for that mask's type (a
                 # part's scores are not C-contiguous when a dim before the cut axis is > 1: the pass takes each
-                # head's dense block as a matrix of its own)
+                # head's dense block as a matrix of its own),
+                # and its first query and query blocks
                 plans = []
                 for lo, hi in ranges:
                     pm = _cut(mv, axis, lo, hi) if mkind != NONE else marr
-                    plans.append((lo, hi, pm, entry(softmax_rows, strided, pm, 0, False, 0, 0.0, 0.0, 0.0)))
+                    pq0, pnq = (q0 + lo, hi - lo) if axis == 2 else (q0, sq)
+                    plans.append((lo, hi, pm, entry(softmax_rows, strided, pm, 0, False, 0, 0.0, 0.0, 0.0), pq0,
+                                  _blocks(pnq, pq0, kend, causal)))
                 # the group's k^T / v copies: made by the parts when they own whole heads, else before them
                 pack_kv = 0 if q0 else (2 if axis != 2 and len(plans) > 1 else 1)
                 steps.append((shape, (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
-                              v[(*idx, slice(0, kk))], out[qi], q0, pack_kv, axis, plans))
+                              v[(*idx, slice(0, kk))], out[qi], pack_kv, axis, plans))
 
     def area(ws: Any, off: int, shape: tuple[int, ...]) -> Any:
         n = shape[0] * shape[1] * shape[2] * shape[3]
         return ws[off:off + n * item].view(dt).reshape(shape)
 
     def piece(qv: Any, ktp: Any, vt: Any, ov: Any, mv: Any, s: Any, qp: Any, op: Any, q0: int, chunk: int,
-              rows: Any, packs: tuple[tuple[Any, Any], ...]) -> None:
-        """One part of a tile; ``rows``: the row pass compiled for this part's mask; ``packs``: (workspace,
-        source) copies of this part's own keys / values, made here so that parts pack in parallel and GEMM from
-        a warm cache."""
+              rows: Any, blocks: tuple[tuple[int, int, int], ...], packs: tuple[tuple[Any, Any], ...]) -> None:
+        """One part of a tile; ``rows``: the row pass compiled for this part's mask; ``blocks``: its query blocks
+        (``_blocks``); ``packs``: (workspace, source) copies of this part's own keys / values, made here so that
+        parts pack in parallel and GEMM from a warm cache."""
         for dst, src in packs:
             np.copyto(dst, src)
         if qp is not None:
             np.copyto(qp, qv)
             qv = qp
-        blocks = _blocks(s.shape[2], q0, s.shape[3], causal)
         whole = len(blocks) == 1
         for a, b, kb in blocks:
             qa, sa = (qv, s) if whole else (qv[..., a:b, :], s[..., a:b, :])
@@ -218,7 +220,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     def launch(ws: Any) -> None:
         ktp: Any = None
         vp: Any = None
-        for shape, kshape, qv, ktv, vv, ov, q0, pack_kv, axis, plans in steps:
+        for shape, kshape, qv, ktv, vv, ov, pack_kv, axis, plans in steps:
             sb, sh, sq, kend = shape
             packs: list[tuple[Any, Any]] = []  # k^T / v for the whole head group (causal: the keys its last
             if pack_kv:  # tile sees); 1: copied here, 2: each part copies its own heads
@@ -240,11 +242,11 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
             # each part's GEMMs on one BLAS thread, all keys at once
             chunk = QK_CHUNK if len(plans) == 1 else kend
             calls = []
-            for lo, hi, pm, rows in plans:
+            for lo, hi, pm, rows, pq0, blocks in plans:
                 pq, pk, pv, po, ps, pqp, pop = _part(axis, lo, hi, views)
                 own = tuple((_cut(dst, axis, lo, hi), _cut(src, axis, lo, hi)) for dst, src in packs)
-                calls.append(functools.partial(piece, pq, pk, pv, po, pm, ps, pqp, pop,
-                                               q0 + (lo if axis == 2 else 0), chunk, rows, own))
+                calls.append(functools.partial(piece, pq, pk, pv, po, pm, ps, pqp, pop, pq0, chunk, rows, blocks,
+                                               own))
             run_blas_parts(calls)
     return launch
 

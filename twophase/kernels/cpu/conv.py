@@ -50,6 +50,26 @@ def _zero(row: Any, a: Any, b: Any) -> None:
         row[j] = 0
 
 
+@jit_inline
+def _plane_flat(p: Any) -> bool:
+    """Whether a plane's rows lie back to back (row stride = row length)."""
+    return bool(p.strides[0] == p.shape[1] * p.itemsize)
+
+
+STEPS = (1, 2)  # column steps compiled in as constants; any other is read from ``geo`` (key 0)
+
+
+def by_density_and_step(make: Callable[[bool, int], Any]) -> dict[tuple[bool, int], Any]:
+    """A kernel's variants by (dense rows, column step: one of ``STEPS`` or 0), each made with both as closure
+    constants (``jit.by_density``); phase 1 picks one with ``step_key``, so only it compiles."""
+    return {(dense, step): make(dense, step) for dense in (True, False) for step in (0, *STEPS)}
+
+
+def step_key(sw: int) -> int:
+    """The ``by_density_and_step`` key of column step ``sw``."""
+    return sw if sw in STEPS else 0
+
+
 def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
     FLAT = dense and fixed_step == 1  # noqa: N806  (closure constants: the other variants compile neither path)
     PAIRS = dense and fixed_step == 2  # noqa: N806
@@ -86,7 +106,7 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
                 _zero(crow, base + r_hi * ow_n, base + rows * ow_n)
                 if r_lo >= r_hi:
                     continue
-                if flat and plane.strides[0] == width * plane.itemsize:
+                if flat and _plane_flat(plane):
                     # output (r, ow) reads plane element (ih0 + r)*W + off + ow: one run from the first row's
                     # column lo to the last row's column hi - 1
                     src = span_of(plane, 0, height * width)
@@ -108,7 +128,8 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
                     e = lo * sw + off  # the first column read
                     if PAIRS:
                         # pairs from the column before each read one, so every read element is a pair's odd one
-                        # (a group with a gap at its end makes LLVM gather); a read of column 0 done apart
+                        # (as conv_dw3x3's windows: a group with a gap at its end makes LLVM gather); a read of
+                        # column 0 done apart
                         skip = 1 if e == 0 and hi > lo else 0
                         if skip:
                             crow[d + lo] = xr[0]
@@ -126,8 +147,7 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
     return im2col
 
 
-# by (dense rows, column step 1 / 2 / other); phase 1 picks one, so only it compiles
-IM2COL = {(dense, step): _im2col_kernel(dense, step) for dense in (True, False) for step in (0, 1, 2)}
+IM2COL = by_density_and_step(_im2col_kernel)
 
 
 @jit_inline
@@ -235,12 +255,6 @@ def _pairs3(q0: Any, q1: Any, q2: Any, m: Any, wt: Any, b0: Any) -> Any:
 
 
 @jit_inline
-def _planes_flat(xp: Any, op: Any) -> bool:
-    """Whether the rows of both planes lie back to back (row stride = row length)."""
-    return bool(xp.strides[0] == xp.shape[1] * xp.itemsize and op.strides[0] == op.shape[1] * op.itemsize)
-
-
-@jit_inline
 def _edge3(r0: Any, r1: Any, r2: Any, c0: int, width: int, wt: Any, b0: Any) -> Any:
     """``_window3`` from column c0 where some of its columns lie in the padding (skipped)."""
     acc = b0
@@ -301,7 +315,7 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
             b0 = bias[oc] if has_bias else op.dtype.type(0)
             wt = (w[oc, 0, 0, 0], w[oc, 0, 0, 1], w[oc, 0, 0, 2], w[oc, 0, 1, 0], w[oc, 0, 1, 1], w[oc, 0, 1, 2],
                   w[oc, 0, 2, 0], w[oc, 0, 2, 1], w[oc, 0, 2, 2])
-            inner_done = flat and _planes_flat(xp, op)
+            inner_done = flat and _plane_flat(xp) and _plane_flat(op)
             if inner_done:  # the inner rows as one long loop; their edge columns (wrapped around) redone below
                 n_in = (height - 2) * width
                 _span3(span_of(op, 1, n_in), one, span_of(xp, 0, n_in), span_of(xp, 1, n_in), span_of(xp, 2, n_in),
@@ -347,7 +361,7 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
     return conv_dw3x3
 
 
-CONV_DW3X3 = {(dense, step): _dw3x3_kernel(dense, step) for dense in (True, False) for step in (0, 1, 2)}
+CONV_DW3X3 = by_density_and_step(_dw3x3_kernel)
 
 
 def _geo(t: Any, images: int = 1) -> Any:
@@ -361,7 +375,7 @@ def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     geo = _geo(t)
     dense = rows_dense(x, out)
     if t.cg == 1 and (t.kh, t.kw, t.dh, t.dw) == (3, 3, 1, 1):
-        kernel = CONV_DW3X3[dense, t.sw if t.sw in (1, 2) else 0]
+        kernel = CONV_DW3X3[dense, step_key(t.sw)]
     else:
         kernel = CONV_DIRECT[dense]
     k = entry(kernel, x, w, b, bias is not None, out, geo, t.groups, 0, 0)
@@ -441,7 +455,7 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                     steps.append((n0, nn, g * t.cg, oh0, p, wm, o, bv, False))
     ranges = split_range(kc, fanout_parts() if kc * tn * t.tile_rows * ow >= PARALLEL_MIN else 1)
     sample = np.empty((2, 2), dt)  # C-contiguous cols (channel-major) or a transposed view (pixel-major)
-    kernel = IM2COL[cm and rows_dense(x), t.sw if t.sw in (1, 2) else 0]
+    kernel = IM2COL[cm and rows_dense(x), step_key(t.sw)]
     k_im2col = entry(kernel, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0)
 
     def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any) -> None:
