@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -9,14 +12,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import twophase
 from twophase import device
 from twophase.errors import ParamError
+from twophase.kernels.cpu import gemm
 from twophase.layout import align
 from twophase.ops import baddbmm, linear, matmul
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
-IMPLS = ("gemm_folded", "batch_loop", "blas", "packed")
+IMPLS = ("microkernel", "gemm_folded", "batch_loop", "blas", "packed")
 
 
 def _check(r: Any, ref: np.ndarray, rtol: float = 2e-5) -> None:
@@ -227,3 +232,95 @@ def test_baddbmm_alpha_zero_still_propagates_the_products_nan(rng: np.random.Gen
     out = r.outputs[0]
     assert np.isnan(out[1]).all() and np.isnan(ref[1]).all()
     np.testing.assert_allclose(np.delete(out, 1, 0), np.delete(ref, 1, 0), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- the register-blocked float32 microkernel
+needs_micro = pytest.mark.skipif(not gemm.available(), reason="the microkernel needs AVX-512 (BLAS runs instead)")
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    old = twophase.settings.num_threads
+    twophase.set_num_threads(n)
+    try:
+        yield
+    finally:
+        twophase.set_num_threads(old)
+
+
+@needs_micro
+@settings(max_examples=30, deadline=None)
+@given(batch=st.lists(st.integers(1, 3), min_size=0, max_size=2), m=st.integers(1, 20), k=st.integers(1, 40),
+       n=st.integers(32, 90), a_t=st.booleans(), b_pad=st.integers(0, 5), threads=st.sampled_from([1, 2, 3, 5]),
+       seed=st.integers(0, 2**31))
+def test_microkernel_matches_numpy_over_tails_strides_and_parts(batch: list[int], m: int, k: int, n: int,
+                                                                a_t: Any, b_pad: int, threads: int,
+                                                                seed: int) -> None:
+    """Row counts off the 6-row block, columns off the 32- and 16-column panels (scalar tail), a read through
+    a transposed view, b's rows padded, 1-5 parts (columns or rows): every element of out written, none past."""
+    rng = np.random.default_rng(seed)
+    dev = device("cpu")
+    a = _rand(rng, tuple(batch) + (m, k))
+    b_mem = _rand(rng, (k, n + b_pad))
+    b = b_mem[:, :n]
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    if a_t:  # transposed matrices of a batch would not merge into one GEMM's rows
+        a = a.reshape(a.shape[-2:]) if math.prod(batch) == 1 else a[(0,) * len(batch)]
+        ref = a.astype(np.float64) @ b.astype(np.float64)
+    a_t = dev.tensor(np.ascontiguousarray(np.swapaxes(a, -1, -2))).transpose() if a_t else dev.tensor(a)
+    b_t = dev.tensor(b_mem).strided((k, n), (n + b_pad, 1), 0)
+    with _threads(threads), forced("microkernel"):
+        r = run_checked(matmul, a_t, b_t)
+    _check(r, ref)
+
+
+@needs_micro
+@pytest.mark.parametrize("m,k,n", [(250, 300, 40), (7, 513, 100), (241, 257, 64), (128, 384, 1152)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(rng: np.random.Generator, m: int, k: int, n: int,
+                                                          threads: int) -> None:
+    """k past one 256-deep block (later blocks add to what the first stored, the bias only once), rows past
+    one 240-row block, linear's bias added by the kernel, a strided output."""
+    x, w, bias = _rand(rng, (m, k)), _rand(rng, (k, n)), _rand(rng, (n,))
+    ref = x.astype(np.float64) @ w.astype(np.float64) + bias
+    wt = device("cpu").tensor(w).transpose()  # weight stored (in, out), as MiniLM's: weight.T has unit stride
+    with _threads(threads):
+        r = run_checked(linear, x, wt, bias)
+        assert r.implementation == "microkernel"
+        _check(r, ref, rtol=1e-5)
+        out = device("cpu").tensor(np.zeros((m, n + 7), np.float32)).strided((m, n), (n + 7, 1), 0)
+        _check(run_checked(linear, x, wt, bias, out=out), ref, rtol=1e-5)
+        # an addend that is not a bias row: the kernel, then the epilogue
+        c = _rand(rng, (m, n))
+        _check(run_checked(baddbmm, c, x, w, alpha=0.5, beta=2.0), 0.5 * (ref - bias) + 2.0 * c, rtol=1e-5)
+
+
+@needs_micro
+def test_microkernel_parts_split_columns_at_panels_else_rows() -> None:
+    from twophase.ops.matmul import _micro_parts
+    with _threads(2):
+        assert _micro_parts(128, 384, 1152, 1) == ((0, 128, 0, 576), (0, 128, 576, 1152))
+        assert _micro_parts(128, 384, 100, 1) == ((0, 128, 0, 64), (0, 128, 64, 100))
+        assert _micro_parts(4, 4, 40, 1) == ((0, 4, 0, 40),)  # too small to wake a helper
+    with _threads(3):
+        # 2 panels for 3 parts: rows instead, at 6-row blocks (50 of them: 16, 17, 17)
+        assert _micro_parts(300, 300, 40, 1) == ((0, 96, 0, 40), (96, 198, 0, 40), (198, 300, 0, 40))
+    assert _micro_parts(128, 384, 1152, 2) == ()  # b's columns strided
+    assert _micro_parts(513, 384, 1152, 1) == ()  # more rows than measured to pay
+    assert _micro_parts(128, 384, 31, 1) == ()  # no full panel
+
+
+@needs_micro
+def test_microkernel_propagates_inf_and_nan_and_is_not_used_for_float64(rng: np.random.Generator) -> None:
+    a, b = _rand(rng, (9, 20)), _rand(rng, (20, 40))
+    a[3, 5], b[7, 33] = np.inf, np.nan
+    with np.errstate(invalid="ignore"):
+        ref = a.astype(np.float64) @ b.astype(np.float64)
+    r = run_checked(matmul, a, b)
+    assert r.implementation == "microkernel"
+    out = r.outputs[0]
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(out), np.isinf(ref))
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(out[fin], ref[fin], rtol=2e-5, atol=1e-4)
+    assert run_checked(matmul, a.astype(np.float64), b.astype(np.float64)).implementation != "microkernel"

@@ -16,15 +16,22 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
+from ..kernels.cpu import gemm
 from ..kernels.cpu.matmul import build_matmul
 from ..layout import align, broadcast_shape, merge_dims
 from ..op import Attr, OpDef, Plan, register
+from ..runtime.fanout import fanout_parts, split_range
 from ..tensor import DType, TensorDesc
 from .checks import as_float, check_dtype, need
 from .selection import Candidate, choose
 
 MM_DTYPES = (DType.float32, DType.float64)
-IMPLEMENTATIONS = ("gemm_folded", "batch_loop", "blas", "packed")
+IMPLEMENTATIONS = ("microkernel", "gemm_folded", "batch_loop", "blas", "packed")
+# microkernel (kernels/cpu/gemm.py) where it measured faster than numpy's OpenBLAS (bench/bench_matmul.py): float32,
+# up to MICRO_MAX_ROWS rows (a block of them stays in L2 while b streams past), at least one 32-column panel
+MICRO_MAX_ROWS = 512
+MICRO_MIN_COLS = 32
+MICRO_PART_FLOPS = 2_000_000  # below this a GEMM runs as one part (a helper wakes in 30-50 us)
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class MatmulTiling:
     pack: tuple[bool, bool, bool]
     offsets: tuple[int, int, int]
     workspace: int
+    parts: tuple[tuple[int, int, int, int], ...] = ()  # microkernel: (i0, i1, j0, j1) blocks of out, one per part
 
 
 def _blas2d(s_row: int, s_col: int, cols: int) -> bool:
@@ -133,7 +141,7 @@ def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tu
                 out: tuple[tuple[int, ...], tuple[int, ...]], itemsize: int, limit: Any) -> Plan:
     """Rank the implementations for promoted operand (shape, strides) pairs and pick under ``limit``.
 
-    Workspace: 0 for gemm_folded, batch_loop and blas; packed: align64(numel * itemsize) for each packed
+    Workspace: 0 for microkernel, gemm_folded, batch_loop and blas; packed: align64(numel * itemsize) for each packed
     operand of (a, b, out) (those whose matrices BLAS cannot take; a and b when all can).
     """
     batch = out[0][:-2]
@@ -149,6 +157,11 @@ def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tu
             cands.append(Candidate("gemm_folded", MatmulTiling(fa, sb, fo, 0, no_pack, (0, 0, 0), 0), 0))
         elif 0 < g and folded > 1:
             cands.append(Candidate("batch_loop", MatmulTiling(fa, sb, fo, g, no_pack, (0, 0, 0), 0), 0))
+    if fold is not None and fold[0] == 0 and itemsize == 4:
+        micro = _micro_parts(fold[1].folded_rows, sb.shape[-2], sb.shape[-1], sb.strides[-1])
+        if micro:
+            cands.insert(0, Candidate("microkernel", MatmulTiling(fold[1], sb, fold[2], 0, no_pack, (0, 0, 0), 0,
+                                                                  micro), 0))
     if a_ok and b_ok and o_ok:
         cands.append(Candidate("blas", MatmulTiling(sa, sb, so, -1, no_pack, (0, 0, 0), 0), 0))
     pack = (not a_ok, not b_ok, not o_ok)
@@ -160,6 +173,19 @@ def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tu
         off += align(math.prod(shape) * itemsize) if p else 0
     cands.append(Candidate("packed", MatmulTiling(sa, sb, so, -1, pack, tuple(offsets), off), off))  # type: ignore[arg-type]
     return choose(op, cands, limit)
+
+
+def _micro_parts(m: int, k: int, n: int, b_col_stride: int) -> tuple[tuple[int, int, int, int], ...]:
+    """The blocks of out the float32 microkernel's parts compute, or () where it does not apply: ``b`` (one
+    matrix, shared by the whole folded batch) needs unit column stride, the CPU AVX-512. Columns split at
+    32-column panels, rows when there are too few panels."""
+    if not gemm.available() or b_col_stride != 1 or not 0 < m <= MICRO_MAX_ROWS or n < MICRO_MIN_COLS or k == 0:
+        return ()
+    parts = fanout_parts() if 2 * m * n * k >= MICRO_PART_FLOPS else 1
+    panels = -(-n // gemm.NR)
+    if panels >= parts:
+        return tuple((0, m, min(j0 * gemm.NR, n), min(j1 * gemm.NR, n)) for j0, j1 in split_range(panels, parts))
+    return tuple((i0 * gemm.MR, min(i1 * gemm.MR, m), 0, n) for i0, i1 in split_range(-(-m // gemm.MR), parts))
 
 
 # ---- shape inference shared by the three ops
@@ -208,7 +234,7 @@ def _build_matmul(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
     return build_matmul(plan.tiling, plan.implementation, ins[0], ins[1], outs[0])
 
 
-WS_DOC = ("gemm_folded, batch_loop, blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
+WS_DOC = ("microkernel, gemm_folded, batch_loop, blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
           "align64(numel(b) * itemsize) if b is packed + align64(numel(out) * itemsize) if out is packed")
 
 matmul = register(OpDef(
@@ -221,8 +247,11 @@ matmul = register(OpDef(
     implementations=IMPLEMENTATIONS,
     workspace_formula=WS_DOC,
     doc=("a @ b with numpy semantics (1-D promotion, broadcast batch dims), float32 / float64. Implementations, "
-         "fastest first: gemm_folded (b shared by the whole batch: one GEMM over batch*M rows, workspace 0), "
-         "batch_loop (one folded GEMM per index of the batch dims b varies over, workspace 0), blas (np.matmul on "
+         "fastest first: microkernel (float32, b one matrix with unit column stride, at most "
+         f"{MICRO_MAX_ROWS} folded rows, at least {MICRO_MIN_COLS} columns: a register-blocked GEMM reading the "
+         "operands in place, bias fused, column panels split over the cores; workspace 0), gemm_folded (b shared "
+         "by the whole batch: one GEMM over batch*M rows, workspace 0), batch_loop (one folded GEMM per index of "
+         "the batch dims b varies over, workspace 0), blas (np.matmul on "
          "the views, workspace 0, when every matrix has a unit stride), packed (operands BLAS cannot take copied "
          "densely into the workspace: align64(numel * itemsize) per packed operand)."),
     reference=lambda a, b: np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64)),
@@ -270,7 +299,8 @@ linear = register(OpDef(
     implementations=IMPLEMENTATIONS,
     workspace_formula=WS_DOC,
     doc=("x @ weight.T + bias with weight stored (out_features, in_features) as in PyTorch; x's leading dims fold "
-         "into one GEMM (gemm_folded). Same implementations and workspace as matmul (b = weight.T, a view)."),
+         "into one GEMM (microkernel when weight is stored (in, out), i.e. weight.T has unit column stride, else "
+         "gemm_folded / blas). Same implementations and workspace as matmul (b = weight.T, a view)."),
     reference=_ref_linear,
 ))
 

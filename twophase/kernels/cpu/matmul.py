@@ -3,6 +3,7 @@ batches, or on operands packed densely into the workspace first."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +11,10 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align
+from ...runtime.fanout import run_parts
+from . import gemm
 from .blas import fused_gemm
+from .jit import entry
 
 Launch = Callable[[Any], None]
 
@@ -54,6 +58,9 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any,
     ov = strided_view(out, t.out.shape, t.out.strides)
     if impl == "packed":
         return _build_packed(t, av, bv, ov, _epilogue_or_nothing(out, addend))
+    if impl == "microkernel":
+        full = [strided_view(x, s.bshape, s.bstrides) for x, s in ((a, t.a), (b, t.b), (out, t.out))]
+        return _build_micro(t, *_fold_blocks(t, *full)[0], out, addend)
     if impl == "blas":
         blocks = [(av, bv, ov)]
     else:  # gemm_folded, batch_loop
@@ -82,6 +89,31 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any,
 def _epilogue_or_nothing(out: Any, addend: tuple[Any, float, float] | None) -> Launch:
     epilogue = None if addend is None else build_epilogue(out, *addend)
     return epilogue or (lambda _: None)
+
+
+def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any, float, float] | None) -> Launch:
+    """The register-blocked float32 GEMM (``gemm.gemm_f32``), one call per part of ``t.parts``; a bias row
+    (``addend`` a 1-D ``c`` over the columns, alpha = beta = 1, as linear passes it) is added by the kernel,
+    any other addend by the epilogue after it."""
+    c, alpha, beta = (None, 1.0, 0.0) if addend is None else addend
+    fused = c is not None and (alpha, beta) == (1.0, 1.0) and c.ndim == 1 and c.shape[0] == o2.shape[1] and \
+        c.strides[0] == c.itemsize and not np.shares_memory(c, out)
+    bias = c if fused else np.zeros(1, np.float32)
+    post: Launch = (lambda _: None) if fused else _epilogue_or_nothing(out, addend)
+    fn = entry(gemm.gemm_f32, a2, b2, o2, bias, fused, 0, 0, 0, 0)
+    calls: list[Callable[[], None]] = [functools.partial(fn, a2, b2, o2, bias, fused, *p) for p in t.parts]
+    if len(calls) == 1:
+        call = calls[0]
+
+        def one(ws: Any) -> None:
+            call()
+            post(ws)
+        return one
+
+    def parts(ws: Any) -> None:
+        run_parts(calls)
+        post(ws)
+    return parts
 
 
 def _build_packed(t: Any, av: Any, bv: Any, ov: Any, post: Launch) -> Launch:

@@ -1,0 +1,189 @@
+"""Register-blocked float32 GEMM: ``c[i0:i1, j0:j1] = a @ b (+ bias)`` on operands read where they lie.
+
+numba alone cannot keep a block of ``C`` in SIMD registers (LLVM turns scalar accumulators into scalar FMAs), so
+the microkernel is written as LLVM IR through a numba intrinsic: ``ROWS`` x 2 accumulators of 16 floats, per k
+two vector loads of a ``b`` row, one broadcast of each ``a`` element and ``2 * ROWS`` vector FMAs; LLVM allocates
+them to zmm / ymm registers. Around it a plain numba loop nest blocks k (``KC``) and the rows (``MC``) so the
+block of ``a`` stays in L2 while the 32-column panels of ``b`` stream past it. Neither operand is packed: the
+workspace is 0, and a linear layer's weight is read in place on every call (OpenBLAS packs both operands per
+call). The bias, when given, is added as the accumulators are stored, so it costs no pass over ``c``.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numba
+from llvmlite import binding as llvm
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+__all__ = ["available", "gemm_f32", "MR", "NR", "KC", "MC"]
+
+MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast fit the 16 ymm / 32 zmm
+LANES = 16
+NR = 2 * LANES  # columns of a full panel
+KC = 256  # k block: a 32-column panel of b over KC rows is 32 KiB
+MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panels
+
+
+
+@functools.cache
+def available() -> bool:
+    """Whether numba compiles for a CPU with AVX-512: the 12 accumulators of 16 floats then sit in zmm registers
+    (with AVX2's 16 ymm registers they would spill, and without FMA each one is a libm call); elsewhere the
+    GEMMs stay with BLAS. False when ``NUMBA_CPU_NAME`` picks another target than this host."""
+    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):
+        return False
+    features = llvm.get_host_cpu_features()
+    return bool(features.get("avx512f")) and bool(features.get("fma"))
+
+
+_I64 = ir.IntType(64)
+_F32 = ir.FloatType()
+_VEC = ir.VectorType(_F32, LANES)
+
+
+def _microkernel(rows: int, nv: int) -> Any:
+    """An intrinsic ``(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)`` (addresses in bytes, strides in
+    elements) computing the ``rows x 16 nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old
+    ``c``, else plus the ``bias`` row when its address is not 0."""
+
+    def typing(typingctx: Any, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any, k: Any,
+               accumulate: Any, bias: Any) -> Any:
+        sig = types.void(*([types.int64] * 10))
+
+        def codegen(context: Any, builder: Any, signature: Any, argv: Any) -> Any:
+            c, ldc, a, lda, sak, b, ldb, k, accumulate, bias = argv
+            fptr, vptr = _F32.as_pointer(), _VEC.as_pointer()
+            fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+                builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), "llvm.fma.v16f32")
+            zero = ir.Constant(_VEC, None)
+            undef = ir.Constant(_VEC, ir.Undefined)
+            splat = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+
+            def const(v: int) -> Any:
+                return ir.Constant(_I64, v)
+
+            def vec_at(base: Any, row: int, ld: Any, col: int) -> Any:
+                p = builder.gep(base, [builder.add(builder.mul(const(row), ld), const(col))])
+                return builder.bitcast(p, vptr)
+
+            cp, ap, bp = (builder.inttoptr(x, fptr) for x in (c, a, b))
+            acc = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
+            for row in acc:
+                for slot in row:
+                    builder.store(zero, slot)
+            a_rows = [builder.gep(ap, [builder.mul(const(r), lda)]) for r in range(rows)]
+            with cgutils.for_range(builder, k) as loop:
+                kk = loop.index
+                b_row = builder.gep(bp, [builder.mul(kk, ldb)])
+                bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(LANES * v)]), vptr), align=4)
+                      for v in range(nv)]
+                ak = builder.mul(kk, sak)
+                for r in range(rows):
+                    s = builder.load(builder.gep(a_rows[r], [ak]), align=4)
+                    sv = builder.shuffle_vector(builder.insert_element(undef, s, ir.Constant(ir.IntType(32), 0)),
+                                                undef, splat)
+                    for v in range(nv):
+                        builder.store(builder.call(fma, [sv, bv[v], builder.load(acc[r][v])]), acc[r][v])
+            addend = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
+            with builder.if_else(builder.icmp_signed("!=", accumulate, const(0))) as (old_c, fresh):
+                with old_c:
+                    for r in range(rows):
+                        for v in range(nv):
+                            builder.store(builder.load(vec_at(cp, r, ldc, LANES * v), align=4), addend[r][v])
+                with fresh:
+                    with builder.if_else(builder.icmp_signed("!=", bias, const(0))) as (with_bias, without):
+                        with with_bias:
+                            bias_p = builder.inttoptr(bias, fptr)
+                            for v in range(nv):
+                                x = builder.load(vec_at(bias_p, 0, const(0), LANES * v), align=4)
+                                for r in range(rows):
+                                    builder.store(x, addend[r][v])
+                        with without:
+                            for r in range(rows):
+                                for v in range(nv):
+                                    builder.store(zero, addend[r][v])
+            for r in range(rows):
+                for v in range(nv):
+                    total = builder.fadd(builder.load(acc[r][v]), builder.load(addend[r][v]))
+                    builder.store(total, vec_at(cp, r, ldc, LANES * v), align=4)
+            return context.get_dummy_value()
+        return sig, codegen
+
+    typing.__name__ = typing.__qualname__ = f"_microkernel_{rows}x{nv * LANES}"
+    return intrinsic(typing)
+
+
+# one intrinsic per (rows, vectors): numba's jit sees them as module globals
+_K1_1, _K2_1, _K3_1, _K4_1, _K5_1, _K6_1 = (_microkernel(r, 1) for r in range(1, MR + 1))
+_K1_2, _K2_2, _K3_2, _K4_2, _K5_2, _K6_2 = (_microkernel(r, 2) for r in range(1, MR + 1))
+
+_jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
+_inline = numba.njit(nogil=True, cache=True, inline="always")
+
+
+@_inline
+def _block(rows: int, wide: bool, c: int, ldc: int, a: int, lda: int, sak: int, b: int, ldb: int, k: int,
+           accumulate: int, bias: int) -> None:
+    """The microkernel for ``rows`` (1..MR) rows and 32 (``wide``) or 16 columns."""
+    if wide:
+        if rows == 6:
+            _K6_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        elif rows == 5:
+            _K5_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        elif rows == 4:
+            _K4_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        elif rows == 3:
+            _K3_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        elif rows == 2:
+            _K2_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        else:
+            _K1_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+    elif rows == 6:
+        _K6_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+    elif rows == 5:
+        _K5_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+    elif rows == 4:
+        _K4_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+    elif rows == 3:
+        _K3_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+    elif rows == 2:
+        _K2_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+    else:
+        _K1_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+
+
+@_jit
+def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int, j0: int, j1: int) -> None:
+    """``c[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1] (+ bias[j0:j1])`` for float32 matrices; ``b``, ``c`` and
+    ``bias`` with unit column stride, ``a`` any strides. Writes exactly that block of ``c``."""
+    kdim = a.shape[1]
+    item = 4
+    lda, sak = a.strides[0] // item, a.strides[1] // item
+    ldb, ldc = b.strides[0] // item, c.strides[0] // item
+    pa, pb, pc, pz = a.ctypes.data, b.ctypes.data, c.ctypes.data, bias.ctypes.data
+    vec_end = j0 + (j1 - j0) // LANES * LANES
+    for k0 in range(0, kdim, KC):
+        kl = min(KC, kdim - k0)
+        for ic in range(i0, i1, MC):
+            ie = min(ic + MC, i1)
+            j = j0
+            while j < vec_end:
+                wide = j + NR <= vec_end
+                bb = pb + (k0 * ldb + j) * item
+                zb = pz + j * item if has_bias and k0 == 0 else 0
+                for i in range(ic, ie, MR):
+                    _block(min(MR, ie - i), wide, pc + (i * ldc + j) * item, ldc,
+                           pa + (i * lda + k0 * sak) * item, lda, sak, bb, ldb, kl, k0, zb)
+                j += NR if wide else LANES
+    for i in range(i0, i1):  # the last < 16 columns
+        for j in range(vec_end, j1):
+            s = numba.float32(bias[j]) if has_bias else numba.float32(0.0)
+            for kk in range(kdim):
+                s += a[i, kk] * b[kk, j]
+            c[i, j] = s
+
