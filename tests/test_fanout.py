@@ -80,6 +80,43 @@ def test_a_failing_part_raises_after_every_part_has_finished() -> None:
     assert sorted(done) == [1, 2]  # nothing still writing when the error reaches the caller
 
 
+def test_spin_sees_a_count_reach_zero_and_gives_up_on_one_that_does_not() -> None:
+    from twophase.runtime.spin import spin_until_zero
+    assert spin_until_zero(np.zeros(1, np.int64))
+    assert not spin_until_zero(np.ones(1, np.int64))  # bounded: returns False instead of hanging
+    counter = np.full(1, 3, np.int64)
+
+    def count_down() -> None:
+        for _ in range(3):
+            time.sleep(0.001)
+            counter[0] -= 1
+    th = threading.Thread(target=count_down)
+    th.start()
+    seen = False
+    for _ in range(10_000):  # each spin gives up after ~100 us; the thread needs ~3 ms
+        if spin_until_zero(counter):
+            seen = True
+            break
+    th.join(10)
+    assert seen and counter[0] == 0
+
+
+def test_a_part_finishing_while_the_caller_spins_is_seen_and_its_error_raised() -> None:
+    """The caller's part is quick, the helper's slow (beyond the spin): the caller falls back to blocking, and
+    the helper's result and error still reach it."""
+    done: list[int] = []
+
+    def slow_fail() -> None:
+        time.sleep(0.02)
+        done.append(1)
+        raise KeyError("late part")
+    for _ in range(3):
+        done.clear()
+        with pytest.raises(KeyError, match="late part"):
+            run_parts([lambda: done.append(0), slow_fail])
+        assert sorted(done) == [0, 1]
+
+
 def test_launches_from_several_threads_share_the_helpers() -> None:
     results: dict[int, list[int]] = {}
     errors: list[BaseException] = []

@@ -236,6 +236,29 @@ def test_baddbmm_alpha_zero_still_propagates_the_products_nan(rng: np.random.Gen
 
 # ---------------------------------------------------------------- the register-blocked float32 microkernel
 needs_micro = pytest.mark.skipif(not gemm.available(), reason="the microkernel needs AVX-512 (BLAS runs instead)")
+# column counts phase 1 gives the microkernel (at most a tenth recomputed by the last 16-wide panel)
+MICRO_COLS = [n for n in range(32, 200) if n >= 0.9 * (-(-n // 16) * 16)]
+
+
+@needs_micro
+@pytest.mark.parametrize("bias_mode", [0, 1, 2])
+def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(rng: np.random.Generator,
+                                                                    bias_mode: int) -> None:
+    """The kernel itself on blocks of a larger poisoned matrix: 32- and 16-wide panels, the last overlapping
+    16-wide panel (every remainder 1-15), blocks narrower than 16 (scalar loop), row blocks off the 6-row
+    kernel, no bias / a bias row / a bias per row; nothing outside the block is touched."""
+    k = 37
+    a, b = _rand(rng, (30, k)), _rand(rng, (k, 90))
+    bias = _rand(rng, (90,)) if bias_mode != 2 else _rand(rng, (30,))
+    for i0, i1, j0, j1 in [(0, 30, 0, 90), (3, 20, 5, 21), (1, 2, 0, 17), (7, 30, 40, 55), (0, 13, 60, 63),
+                           (5, 11, 0, 48), (0, 30, 33, 90)]:
+        c = np.full((30, 90), np.nan, np.float32)
+        gemm.gemm_f32(a, b, c, bias, bias_mode, i0, i1, j0, j1)
+        ref = a[i0:i1].astype(np.float64) @ b[:, j0:j1].astype(np.float64)
+        ref += bias[j0:j1] if bias_mode == 1 else bias[i0:i1, None] if bias_mode == 2 else 0.0
+        np.testing.assert_allclose(c[i0:i1, j0:j1], ref, rtol=2e-5, atol=1e-4)
+        c[i0:i1, j0:j1] = np.nan
+        assert np.isnan(c).all(), "the kernel wrote outside its block"
 
 
 @contextlib.contextmanager
@@ -251,7 +274,7 @@ def _threads(n: int) -> Iterator[None]:
 @needs_micro
 @settings(max_examples=30, deadline=None)
 @given(batch=st.lists(st.integers(1, 3), min_size=0, max_size=2), m=st.integers(1, 20), k=st.integers(1, 40),
-       n=st.integers(32, 90), a_t=st.booleans(), b_pad=st.integers(0, 5), threads=st.sampled_from([1, 2, 3, 5]),
+       n=st.sampled_from(MICRO_COLS), a_t=st.booleans(), b_pad=st.integers(0, 5), threads=st.sampled_from([1, 2, 3, 5]),
        seed=st.integers(0, 2**31))
 def test_microkernel_matches_numpy_over_tails_strides_and_parts(batch: list[int], m: int, k: int, n: int,
                                                                 a_t: Any, b_pad: int, threads: int,
@@ -275,7 +298,7 @@ def test_microkernel_matches_numpy_over_tails_strides_and_parts(batch: list[int]
 
 
 @needs_micro
-@pytest.mark.parametrize("m,k,n", [(250, 300, 40), (7, 513, 100), (241, 257, 64), (128, 384, 1152)])
+@pytest.mark.parametrize("m,k,n", [(250, 300, 47), (7, 513, 110), (241, 257, 64), (128, 384, 1152)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(rng: np.random.Generator, m: int, k: int, n: int,
                                                           threads: int) -> None:
@@ -300,19 +323,20 @@ def test_microkernel_parts_split_columns_at_panels_else_rows() -> None:
     from twophase.ops.matmul import _micro_parts
     with _threads(2):
         assert _micro_parts(128, 384, 1152, 1) == ((0, 128, 0, 576), (0, 128, 576, 1152))
-        assert _micro_parts(128, 384, 100, 1) == ((0, 128, 0, 64), (0, 128, 64, 100))
-        assert _micro_parts(4, 4, 40, 1) == ((0, 4, 0, 40),)  # too small to wake a helper
+        assert _micro_parts(128, 384, 110, 1) == ((0, 128, 0, 32), (0, 128, 32, 110))
+        assert _micro_parts(4, 4, 47, 1) == ((0, 4, 0, 47),)  # too small to wake a helper
     with _threads(3):
-        # 2 panels for 3 parts: rows instead, at 6-row blocks (50 of them: 16, 17, 17)
-        assert _micro_parts(300, 300, 40, 1) == ((0, 96, 0, 40), (96, 198, 0, 40), (198, 300, 0, 40))
+        # 1 panel for 3 parts: rows instead, at 6-row blocks (50 of them: 16, 17, 17)
+        assert _micro_parts(300, 300, 47, 1) == ((0, 96, 0, 47), (96, 198, 0, 47), (198, 300, 0, 47))
     assert _micro_parts(128, 384, 1152, 2) == ()  # b's columns strided
     assert _micro_parts(513, 384, 1152, 1) == ()  # more rows than measured to pay
     assert _micro_parts(128, 384, 31, 1) == ()  # no full panel
+    assert _micro_parts(512, 4608, 49, 1) == ()  # 64 columns computed for 49
 
 
 @needs_micro
 def test_microkernel_propagates_inf_and_nan_and_is_not_used_for_float64(rng: np.random.Generator) -> None:
-    a, b = _rand(rng, (9, 20)), _rand(rng, (20, 40))
+    a, b = _rand(rng, (9, 20)), _rand(rng, (20, 46))
     a[3, 5], b[7, 33] = np.inf, np.nan
     with np.errstate(invalid="ignore"):
         ref = a.astype(np.float64) @ b.astype(np.float64)

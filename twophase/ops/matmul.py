@@ -31,6 +31,7 @@ IMPLEMENTATIONS = ("microkernel", "gemm_folded", "batch_loop", "blas", "packed")
 # up to MICRO_MAX_ROWS rows (a block of them stays in L2 while b streams past), at least one 32-column panel
 MICRO_MAX_ROWS = 512
 MICRO_MIN_COLS = 32
+MICRO_MIN_USE = 0.9  # columns wanted / columns computed (16-wide panels): at 49 of 64, OpenBLAS is faster
 MICRO_PART_FLOPS = 2_000_000  # below this a GEMM runs as one part (a helper wakes in 30-50 us)
 
 
@@ -178,13 +179,17 @@ def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tu
 def _micro_parts(m: int, k: int, n: int, b_col_stride: int) -> tuple[tuple[int, int, int, int], ...]:
     """The blocks of out the float32 microkernel's parts compute, or () where it does not apply: ``b`` (one
     matrix, shared by the whole folded batch) needs unit column stride, the CPU AVX-512. Columns split at
-    32-column panels, rows when there are too few panels."""
+    32-column panels (so every part is at least 32 wide and needs no scalar tail), rows when there are too few
+    panels. Not where the last, overlapping 16-column panel would make more than a tenth of the work."""
     if not gemm.available() or b_col_stride != 1 or not 0 < m <= MICRO_MAX_ROWS or n < MICRO_MIN_COLS or k == 0:
         return ()
+    if n < MICRO_MIN_USE * (-(-n // gemm.LANES) * gemm.LANES):  # the last 16-column panel recomputes too much
+        return ()
     parts = fanout_parts() if 2 * m * n * k >= MICRO_PART_FLOPS else 1
-    panels = -(-n // gemm.NR)
+    panels = n // gemm.NR  # the last part takes the columns after the last full panel
     if panels >= parts:
-        return tuple((0, m, min(j0 * gemm.NR, n), min(j1 * gemm.NR, n)) for j0, j1 in split_range(panels, parts))
+        cuts = split_range(panels, parts)
+        return tuple((0, m, j0 * gemm.NR, n if j1 == panels else j1 * gemm.NR) for j0, j1 in cuts)
     return tuple((i0 * gemm.MR, min(i1 * gemm.MR, m), 0, n) for i0, i1 in split_range(-(-m // gemm.MR), parts))
 
 
