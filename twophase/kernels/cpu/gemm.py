@@ -15,12 +15,13 @@ import functools
 from typing import Any
 
 import numba
+import numpy as np
 from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["available", "gemm_f32", "MR", "NR", "KC", "MC", "LANES"]
+__all__ = ["available", "columns_fit", "gemm_f32", "gemm_f32_heads", "MIN_COLS", "MR", "NR", "KC", "MC", "LANES"]
 
 MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast fit the 16 ymm / 32 zmm
 LANES = 16
@@ -39,6 +40,16 @@ def available() -> bool:
         return False
     features = llvm.get_host_cpu_features()
     return bool(features.get("avx512f")) and bool(features.get("fma"))
+
+
+MIN_COLS = 32  # at least one full panel
+MIN_USE = 0.9  # columns wanted / columns computed in 16-wide panels: at 49 of 64, OpenBLAS is faster
+
+
+def columns_fit(n: int) -> bool:
+    """Whether ``n`` columns suit the kernel: one 32-column panel or more, and the last, overlapping 16-column
+    panel (``gemm_f32``) not recomputing over a tenth of them."""
+    return n >= MIN_COLS and n >= MIN_USE * (-(-n // LANES) * LANES)
 
 
 _I64 = ir.IntType(64)
@@ -76,6 +87,15 @@ def _microkernel(rows: int, nv: int) -> Any:
                 return builder.bitcast(p, vptr)
 
             cp, ap, bp = (builder.inttoptr(x, fptr) for x in (c, a, b))
+            # write-prefetch the block of c: its lines arrive while the k loop runs (c is cold when it is a
+            # large output, or attention's scores of many heads: 8-10% there)
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            prefetch = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
+            for r in range(rows):
+                for v in range(nv):
+                    builder.call(prefetch, [builder.bitcast(vec_at(cp, r, ldc, LANES * v), i8p),
+                                            ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
             acc = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
             for row in acc:
                 for slot in row:
@@ -215,3 +235,14 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, bias_mode: int, i0: int, i1: int
             for kk in range(kdim):
                 s += a[i, kk] * b[kk, j]
             c[i, j] = s
+
+
+@_jit
+def gemm_f32_heads(a: Any, b: Any, c: Any) -> None:
+    """``c[i, h] = a[i, h] @ b[i, h]`` for every (i, h) of 4-D float32 stacks (attention's heads), each product
+    by :func:`gemm_f32` (same stride rules, per matrix)."""
+    none = np.zeros(1, np.float32)
+    m, n = c.shape[2], c.shape[3]
+    for i in range(c.shape[0]):
+        for h in range(c.shape[1]):
+            gemm_f32(a[i, h], b[i, h], c[i, h], none, 0, 0, m, 0, n)
