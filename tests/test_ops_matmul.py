@@ -273,14 +273,15 @@ def _threads(n: int) -> Iterator[None]:
 
 @needs_micro
 @settings(max_examples=30, deadline=None)
-@given(batch=st.lists(st.integers(1, 3), min_size=0, max_size=2), m=st.integers(1, 20), k=st.integers(1, 40),
+@given(batch=st.lists(st.integers(1, 3), min_size=0, max_size=2), m=st.integers(3, 20), k=st.integers(1, 40),
        n=st.sampled_from(MICRO_COLS), a_t=st.booleans(), b_pad=st.integers(0, 5), threads=st.sampled_from([1, 2, 3, 5]),
        seed=st.integers(0, 2**31))
 def test_microkernel_matches_numpy_over_tails_strides_and_parts(batch: list[int], m: int, k: int, n: int,
                                                                 a_t: Any, b_pad: int, threads: int,
                                                                 seed: int) -> None:
-    """Row counts off the 6-row block, columns off the 32- and 16-column panels (scalar tail), a read through
-    a transposed view, b's rows padded, 1-5 parts (columns or rows): every element of out written, none past."""
+    """Row counts off the 6-row block, columns off the 32- and 16-column panels (the last 16-column panel
+    overlapping), a read through a transposed view, b's rows padded, 1-5 parts (columns or rows): every element
+    of out written, none past."""
     rng = np.random.default_rng(seed)
     dev = device("cpu")
     a = _rand(rng, tuple(batch) + (m, k))
@@ -313,6 +314,11 @@ def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(rng: np.random.Generat
         _check(r, ref, rtol=1e-5)
         out = device("cpu").tensor(np.zeros((m, n + 7), np.float32)).strided((m, n), (n + 7, 1), 0)
         _check(run_checked(linear, x, wt, bias, out=out), ref, rtol=1e-5)
+        # a read through a negative row stride, in place (BLAS would need it packed)
+        rev = device("cpu").tensor(np.ascontiguousarray(x[::-1])).strided((m, k), (-k, 1), (m - 1) * k)
+        r = run_checked(matmul, rev, w)
+        assert r.implementation == "microkernel" and r.workspace_size == 0
+        _check(r, ref - bias, rtol=1e-5)
         # an addend that is not a bias row: the kernel, then the epilogue
         c = _rand(rng, (m, n))
         _check(run_checked(baddbmm, c, x, w, alpha=0.5, beta=2.0), 0.5 * (ref - bias) + 2.0 * c, rtol=1e-5)
@@ -325,6 +331,7 @@ def test_microkernel_parts_split_columns_at_panels_else_rows() -> None:
         assert _micro_parts(128, 384, 1152, 1) == ((0, 128, 0, 576), (0, 128, 576, 1152))
         assert _micro_parts(128, 384, 110, 1) == ((0, 128, 0, 32), (0, 128, 32, 110))
         assert _micro_parts(4, 4, 47, 1) == ((0, 4, 0, 47),)  # too small to wake a helper
+        assert _micro_parts(4, 384, 1536, 1) == ((0, 4, 0, 1536),)
     with _threads(3):
         # 1 panel for 3 parts: rows instead, at 6-row blocks (50 of them: 16, 17, 17)
         assert _micro_parts(300, 300, 47, 1) == ((0, 96, 0, 47), (96, 198, 0, 47), (198, 300, 0, 47))
@@ -332,6 +339,7 @@ def test_microkernel_parts_split_columns_at_panels_else_rows() -> None:
     assert _micro_parts(513, 384, 1152, 1) == ()  # more rows than measured to pay
     assert _micro_parts(128, 384, 31, 1) == ()  # no full panel
     assert _micro_parts(512, 4608, 49, 1) == ()  # 64 columns computed for 49
+    assert _micro_parts(2, 384, 1536, 1) == ()  # GEMV-like: BLAS
 
 
 @needs_micro

@@ -30,7 +30,8 @@ IMPLEMENTATIONS = ("microkernel", "gemm_folded", "batch_loop", "blas", "packed")
 # microkernel (kernels/cpu/gemm.py) where it measured faster than numpy's OpenBLAS (bench/bench_matmul.py): float32,
 # up to MICRO_MAX_ROWS rows (a block of them stays in L2 while b streams past), columns by gemm.columns_fit
 MICRO_MAX_ROWS = 512
-MICRO_PART_FLOPS = 2_000_000  # below this a GEMM runs as one part (a helper wakes in 30-50 us)
+MICRO_MIN_ROWS = 3  # one or two rows: OpenBLAS's GEMV-like kernels are faster (1 x 384 x 1536: 36 against 70 us)
+MICRO_PART_FLOPS = 6_000_000  # below this a GEMM runs as one part (4 x 384 x 1536: 60 us in one, 70 in two)
 
 
 @dataclass(frozen=True)
@@ -156,11 +157,13 @@ def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tu
             cands.append(Candidate("gemm_folded", MatmulTiling(fa, sb, fo, 0, no_pack, (0, 0, 0), 0), 0))
         elif 0 < g and folded > 1:
             cands.append(Candidate("batch_loop", MatmulTiling(fa, sb, fo, g, no_pack, (0, 0, 0), 0), 0))
-    if fold is not None and fold[0] == 0 and itemsize == 4:
-        micro = _micro_parts(fold[1].folded_rows, sb.shape[-2], sb.shape[-1], sb.strides[-1])
+    # the microkernel reads a with any strides (negative ones too): one 2-D product, or a batch folded into rows
+    ma, mo = (fold[1], fold[2]) if fold is not None and fold[0] == 0 else \
+        (_fold(sa, 0), _fold(so, 0)) if not batch and o_ok else (None, None)
+    if ma is not None and mo is not None and itemsize == 4:
+        micro = _micro_parts(ma.folded_rows, sb.shape[-2], sb.shape[-1], sb.strides[-1])
         if micro:
-            cands.insert(0, Candidate("microkernel", MatmulTiling(fold[1], sb, fold[2], 0, no_pack, (0, 0, 0), 0,
-                                                                  micro), 0))
+            cands.insert(0, Candidate("microkernel", MatmulTiling(ma, sb, mo, 0, no_pack, (0, 0, 0), 0, micro), 0))
     if a_ok and b_ok and o_ok:
         cands.append(Candidate("blas", MatmulTiling(sa, sb, so, -1, no_pack, (0, 0, 0), 0), 0))
     pack = (not a_ok, not b_ok, not o_ok)
@@ -179,8 +182,8 @@ def _micro_parts(m: int, k: int, n: int, b_col_stride: int) -> tuple[tuple[int, 
     matrix, shared by the whole folded batch) needs unit column stride, the CPU AVX-512. Columns split at
     32-column panels (so every part is at least 32 wide and needs no scalar tail), rows when there are too few
     panels. Not where the last, overlapping 16-column panel would make more than a tenth of the work."""
-    if not gemm.available() or b_col_stride != 1 or not 0 < m <= MICRO_MAX_ROWS or not gemm.columns_fit(n) or \
-            k == 0:
+    if not gemm.available() or b_col_stride != 1 or not MICRO_MIN_ROWS <= m <= MICRO_MAX_ROWS or \
+            not gemm.columns_fit(n) or k == 0:
         return ()
     parts = fanout_parts() if 2 * m * n * k >= MICRO_PART_FLOPS else 1
     panels = n // gemm.NR  # the last part takes the columns after the last full panel
@@ -249,9 +252,10 @@ matmul = register(OpDef(
     implementations=IMPLEMENTATIONS,
     workspace_formula=WS_DOC,
     doc=("a @ b with numpy semantics (1-D promotion, broadcast batch dims), float32 / float64. Implementations, "
-         "fastest first: microkernel (float32, b one matrix with unit column stride, at most "
-         f"{MICRO_MAX_ROWS} folded rows, at least {gemm.MIN_COLS} columns: a register-blocked GEMM reading the "
-         "operands in place, bias fused, column panels split over the cores; workspace 0), gemm_folded (b shared "
+         "fastest first: microkernel (float32, b one matrix with unit column stride, "
+         f"{MICRO_MIN_ROWS}-{MICRO_MAX_ROWS} folded rows, a with any strides, at least {gemm.MIN_COLS} columns: "
+         "a register-blocked GEMM reading the operands in place, bias fused, column panels split over the cores; "
+         "workspace 0), gemm_folded (b shared "
          "by the whole batch: one GEMM over batch*M rows, workspace 0), batch_loop (one folded GEMM per index of "
          "the batch dims b varies over, workspace 0), blas (np.matmul on "
          "the views, workspace 0, when every matrix has a unit stride), packed (operands BLAS cannot take copied "
