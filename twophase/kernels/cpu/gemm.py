@@ -58,16 +58,16 @@ _VEC = ir.VectorType(_F32, LANES)
 
 
 def _microkernel(rows: int, nv: int) -> Any:
-    """An intrinsic ``(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)`` (addresses in bytes, strides
-    in elements) computing the ``rows x 16 nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the
-    old ``c``, else plus the bias when its address is not 0: one value per row when ``per_row``, else a row."""
+    """An intrinsic ``(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)`` (addresses in bytes, strides in
+    elements) computing the ``rows x 16 nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old
+    ``c``, else plus the bias row at address ``bias`` when it is not 0."""
 
     def typing(typingctx: Any, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any, k: Any,
-               accumulate: Any, bias: Any, per_row: Any) -> Any:
-        sig = types.void(*([types.int64] * 11))
+               accumulate: Any, bias: Any) -> Any:
+        sig = types.void(*([types.int64] * 10))
 
         def codegen(context: Any, builder: Any, signature: Any, argv: Any) -> Any:
-            c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row = argv
+            c, ldc, a, lda, sak, b, ldb, k, accumulate, bias = argv
             fptr, vptr = _F32.as_pointer(), _VEC.as_pointer()
             fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
                 builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), "llvm.fma.v16f32")
@@ -121,17 +121,10 @@ def _microkernel(rows: int, nv: int) -> Any:
                     with builder.if_else(builder.icmp_signed("!=", bias, const(0))) as (with_bias, without):
                         with with_bias:
                             bias_p = builder.inttoptr(bias, fptr)
-                            with builder.if_else(builder.icmp_signed("!=", per_row, const(0))) as (rowwise, colwise):
-                                with rowwise:  # one value per row (a convolution's output channels)
-                                    for r in range(rows):
-                                        x = broadcast(builder.load(builder.gep(bias_p, [const(r)]), align=4))
-                                        for v in range(nv):
-                                            builder.store(x, addend[r][v])
-                                with colwise:  # one row of values (a linear layer's output features)
-                                    for v in range(nv):
-                                        x = builder.load(vec_at(bias_p, 0, const(0), LANES * v), align=4)
-                                        for r in range(rows):
-                                            builder.store(x, addend[r][v])
+                            for v in range(nv):
+                                x = builder.load(vec_at(bias_p, 0, const(0), LANES * v), align=4)
+                                for r in range(rows):
+                                    builder.store(x, addend[r][v])
                         with without:
                             for r in range(rows):
                                 for v in range(nv):
@@ -157,40 +150,40 @@ _inline = numba.njit(nogil=True, cache=True, inline="always")
 
 @_inline
 def _block(rows: int, wide: bool, c: int, ldc: int, a: int, lda: int, sak: int, b: int, ldb: int, k: int,
-           accumulate: int, bias: int, per_row: int) -> None:
+           accumulate: int, bias: int) -> None:
     """The microkernel for ``rows`` (1..MR) rows and 32 (``wide``) or 16 columns."""
     if wide:
         if rows == 6:
-            _K6_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+            _K6_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
         elif rows == 5:
-            _K5_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+            _K5_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
         elif rows == 4:
-            _K4_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+            _K4_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
         elif rows == 3:
-            _K3_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+            _K3_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
         elif rows == 2:
-            _K2_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+            _K2_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
         else:
-            _K1_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+            _K1_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif rows == 6:
-        _K6_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+        _K6_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif rows == 5:
-        _K5_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+        _K5_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif rows == 4:
-        _K4_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+        _K4_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif rows == 3:
-        _K3_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+        _K3_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif rows == 2:
-        _K2_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+        _K2_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     else:
-        _K1_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, per_row)
+        _K1_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
 
 
 @_jit
-def gemm_f32(a: Any, b: Any, c: Any, bias: Any, bias_mode: int, i0: int, i1: int, j0: int, j1: int) -> None:
-    """``c[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1]`` plus, by ``bias_mode``, nothing (0), ``bias[j0:j1]`` on every
-    row (1) or ``bias[i]`` on row i (2), for float32 matrices: ``b``, ``c`` and ``bias`` with unit column stride,
-    ``a`` any strides. Writes exactly that block of ``c``.
+def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int, j0: int, j1: int) -> None:
+    """``c[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1]`` (plus ``bias[j0:j1]`` on every row when ``has_bias``) for
+    float32 matrices: ``b``, ``c`` and ``bias`` with unit column stride, ``a`` any strides. Writes exactly that
+    block of ``c``.
 
     Columns go in 32- then 16-wide panels; a last run of fewer than 16 is computed by one more 16-wide panel
     ending at ``j1``, over the whole k at once, which overwrites up to 15 columns already done (with sums rounded
@@ -201,7 +194,6 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, bias_mode: int, i0: int, i1: int
     lda, sak = a.strides[0] // item, a.strides[1] // item
     ldb, ldc = b.strides[0] // item, c.strides[0] // item
     pa, pb, pc, pz = a.ctypes.data, b.ctypes.data, c.ctypes.data, bias.ctypes.data
-    per_row = 1 if bias_mode == 2 else 0
     vec_end = j0 + (j1 - j0) // LANES * LANES
     for k0 in range(0, kdim, KC):
         kl = min(KC, kdim - k0)
@@ -211,27 +203,23 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, bias_mode: int, i0: int, i1: int
             while j < vec_end:
                 wide = j + NR <= vec_end
                 bb = pb + (k0 * ldb + j) * item
+                zb = pz + j * item if has_bias and k0 == 0 else 0
                 for i in range(ic, ie, MR):
-                    zb = 0 if bias_mode == 0 or k0 > 0 else pz + (i if per_row else j) * item
                     _block(min(MR, ie - i), wide, pc + (i * ldc + j) * item, ldc,
-                           pa + (i * lda + k0 * sak) * item, lda, sak, bb, ldb, kl, k0, zb, per_row)
+                           pa + (i * lda + k0 * sak) * item, lda, sak, bb, ldb, kl, k0, zb)
                 j += NR if wide else LANES
     if vec_end == j1:
         return
     if j1 - j0 >= LANES:
         j = j1 - LANES
+        zb = pz + j * item if has_bias else 0
         for i in range(i0, i1, MR):
-            zb = 0 if bias_mode == 0 else pz + (i if per_row else j) * item
             _block(min(MR, i1 - i), False, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
-                   pb + j * item, ldb, kdim, 0, zb, per_row)
+                   pb + j * item, ldb, kdim, 0, zb)
         return
     for i in range(i0, i1):
         for j in range(j0, j1):
-            s = numba.float32(0.0)
-            if bias_mode == 1:
-                s = numba.float32(bias[j])
-            elif bias_mode == 2:
-                s = numba.float32(bias[i])
+            s = numba.float32(bias[j]) if has_bias else numba.float32(0.0)
             for kk in range(kdim):
                 s += a[i, kk] * b[kk, j]
             c[i, j] = s
@@ -245,4 +233,4 @@ def gemm_f32_heads(a: Any, b: Any, c: Any) -> None:
     m, n = c.shape[2], c.shape[3]
     for i in range(c.shape[0]):
         for h in range(c.shape[1]):
-            gemm_f32(a[i, h], b[i, h], c[i, h], none, 0, 0, m, 0, n)
+            gemm_f32(a[i, h], b[i, h], c[i, h], none, False, 0, m, 0, n)

@@ -100,9 +100,8 @@ def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any,
         c.strides[0] == c.itemsize and not np.shares_memory(c, out)
     bias = c if fused else np.zeros(1, np.float32)
     post: Launch = (lambda _: None) if fused else _epilogue_or_nothing(out, addend)
-    mode = 1 if fused else 0
-    fn = entry(gemm.gemm_f32, a2, b2, o2, bias, mode, 0, 0, 0, 0)
-    calls: list[Callable[[], None]] = [functools.partial(fn, a2, b2, o2, bias, mode, *p) for p in t.parts]
+    fn = entry(gemm.gemm_f32, a2, b2, o2, bias, fused, 0, 0, 0, 0)
+    calls: list[Callable[[], None]] = [functools.partial(fn, a2, b2, o2, bias, fused, *p) for p in t.parts]
     if len(calls) == 1:
         call = calls[0]
 
