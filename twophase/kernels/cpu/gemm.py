@@ -57,92 +57,105 @@ _F32 = ir.FloatType()
 _VEC = ir.VectorType(_F32, LANES)
 
 
-def _microkernel(rows: int, nv: int) -> Any:
-    """An intrinsic ``(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)`` (addresses in bytes, strides in
-    elements) computing the ``rows x 16 nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old
-    ``c``, else plus the bias row at address ``bias`` when it is not 0."""
+def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
+                k: Any, accumulate: Any, bias: Any) -> None:
+    """IR for the ``rows x 16 nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
+    plus the bias row at address ``bias`` when it is not 0 (addresses in bytes, strides in elements)."""
+    fptr, vptr = _F32.as_pointer(), _VEC.as_pointer()
+    fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), "llvm.fma.v16f32")
+    zero = ir.Constant(_VEC, None)
+    undef = ir.Constant(_VEC, ir.Undefined)
+    splat = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
 
-    def typing(typingctx: Any, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any, k: Any,
-               accumulate: Any, bias: Any) -> Any:
-        sig = types.void(*([types.int64] * 10))
+    def const(v: int) -> Any:
+        return ir.Constant(_I64, v)
 
-        def codegen(context: Any, builder: Any, signature: Any, argv: Any) -> Any:
-            c, ldc, a, lda, sak, b, ldb, k, accumulate, bias = argv
-            fptr, vptr = _F32.as_pointer(), _VEC.as_pointer()
-            fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-                builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), "llvm.fma.v16f32")
-            zero = ir.Constant(_VEC, None)
-            undef = ir.Constant(_VEC, ir.Undefined)
-            splat = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+    def broadcast(x: Any) -> Any:
+        return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)),
+                                      undef, splat)
 
-            def const(v: int) -> Any:
-                return ir.Constant(_I64, v)
+    def vec_at(base: Any, row: int, ld: Any, col: int) -> Any:
+        p = builder.gep(base, [builder.add(builder.mul(const(row), ld), const(col))])
+        return builder.bitcast(p, vptr)
 
-            def broadcast(x: Any) -> Any:
-                return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)),
-                                              undef, splat)
-
-            def vec_at(base: Any, row: int, ld: Any, col: int) -> Any:
-                p = builder.gep(base, [builder.add(builder.mul(const(row), ld), const(col))])
-                return builder.bitcast(p, vptr)
-
-            cp, ap, bp = (builder.inttoptr(x, fptr) for x in (c, a, b))
-            # write-prefetch the block of c: its lines arrive while the k loop runs (c is cold when it is a
-            # large output, or attention's scores of many heads: 8-10% there)
-            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-            prefetch = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-                builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
+    cp, ap, bp = (builder.inttoptr(x, fptr) for x in (c, a, b))
+    # write-prefetch the block of c: its lines arrive while the k loop runs (c is cold when it is a
+    # large output, or attention's scores of many heads: 8-10% there)
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    prefetch = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
+    for r in range(rows):
+        for v in range(nv):
+            builder.call(prefetch, [builder.bitcast(vec_at(cp, r, ldc, LANES * v), i8p),
+                                    ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+    acc = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
+    for row in acc:
+        for slot in row:
+            builder.store(zero, slot)
+    a_rows = [builder.gep(ap, [builder.mul(const(r), lda)]) for r in range(rows)]
+    with cgutils.for_range(builder, k) as loop:
+        kk = loop.index
+        b_row = builder.gep(bp, [builder.mul(kk, ldb)])
+        bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(LANES * v)]), vptr), align=4)
+              for v in range(nv)]
+        ak = builder.mul(kk, sak)
+        for r in range(rows):
+            sv = broadcast(builder.load(builder.gep(a_rows[r], [ak]), align=4))
+            for v in range(nv):
+                builder.store(builder.call(fma, [sv, bv[v], builder.load(acc[r][v])]), acc[r][v])
+    addend = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
+    with builder.if_else(builder.icmp_signed("!=", accumulate, const(0))) as (old_c, fresh):
+        with old_c:
             for r in range(rows):
                 for v in range(nv):
-                    builder.call(prefetch, [builder.bitcast(vec_at(cp, r, ldc, LANES * v), i8p),
-                                            ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-            acc = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
-            for row in acc:
-                for slot in row:
-                    builder.store(zero, slot)
-            a_rows = [builder.gep(ap, [builder.mul(const(r), lda)]) for r in range(rows)]
-            with cgutils.for_range(builder, k) as loop:
-                kk = loop.index
-                b_row = builder.gep(bp, [builder.mul(kk, ldb)])
-                bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(LANES * v)]), vptr), align=4)
-                      for v in range(nv)]
-                ak = builder.mul(kk, sak)
-                for r in range(rows):
-                    sv = broadcast(builder.load(builder.gep(a_rows[r], [ak]), align=4))
+                    builder.store(builder.load(vec_at(cp, r, ldc, LANES * v), align=4), addend[r][v])
+        with fresh:
+            with builder.if_else(builder.icmp_signed("!=", bias, const(0))) as (with_bias, without):
+                with with_bias:
+                    bias_p = builder.inttoptr(bias, fptr)
                     for v in range(nv):
-                        builder.store(builder.call(fma, [sv, bv[v], builder.load(acc[r][v])]), acc[r][v])
-            addend = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
-            with builder.if_else(builder.icmp_signed("!=", accumulate, const(0))) as (old_c, fresh):
-                with old_c:
+                        x = builder.load(vec_at(bias_p, 0, const(0), LANES * v), align=4)
+                        for r in range(rows):
+                            builder.store(x, addend[r][v])
+                with without:
                     for r in range(rows):
                         for v in range(nv):
-                            builder.store(builder.load(vec_at(cp, r, ldc, LANES * v), align=4), addend[r][v])
-                with fresh:
-                    with builder.if_else(builder.icmp_signed("!=", bias, const(0))) as (with_bias, without):
-                        with with_bias:
-                            bias_p = builder.inttoptr(bias, fptr)
-                            for v in range(nv):
-                                x = builder.load(vec_at(bias_p, 0, const(0), LANES * v), align=4)
-                                for r in range(rows):
-                                    builder.store(x, addend[r][v])
-                        with without:
-                            for r in range(rows):
-                                for v in range(nv):
-                                    builder.store(zero, addend[r][v])
-            for r in range(rows):
-                for v in range(nv):
-                    total = builder.fadd(builder.load(acc[r][v]), builder.load(addend[r][v]))
-                    builder.store(total, vec_at(cp, r, ldc, LANES * v), align=4)
+                            builder.store(zero, addend[r][v])
+    for r in range(rows):
+        for v in range(nv):
+            total = builder.fadd(builder.load(acc[r][v]), builder.load(addend[r][v]))
+            builder.store(total, vec_at(cp, r, ldc, LANES * v), align=4)
+
+
+def _microkernel(nv: int) -> Any:
+    """An intrinsic ``(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)``: ``_emit_block`` for 16 nv columns
+    and ``rows`` (1..MR) rows, one specialised block per row count behind a switch (the accumulators must be
+    known when compiling)."""
+
+    def typing(typingctx: Any, rows: Any, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any, k: Any,
+               accumulate: Any, bias: Any) -> Any:
+        sig = types.void(*([types.int64] * 11))
+
+        def codegen(context: Any, builder: Any, signature: Any, argv: Any) -> Any:
+            done = builder.append_basic_block("rows_done")
+            switch = builder.switch(argv[0], done)
+            for r in range(1, MR + 1):
+                block = builder.append_basic_block(f"rows_{r}")
+                switch.add_case(ir.Constant(_I64, r), block)
+                builder.position_at_end(block)
+                _emit_block(builder, r, nv, *argv[1:])
+                builder.branch(done)
+            builder.position_at_end(done)
             return context.get_dummy_value()
         return sig, codegen
 
-    typing.__name__ = typing.__qualname__ = f"_microkernel_{rows}x{nv * LANES}"
+    typing.__name__ = typing.__qualname__ = f"_microkernel_{nv * LANES}"
     return intrinsic(typing)
 
 
-# one intrinsic per (rows, vectors): numba's jit sees them as module globals
-_K1_1, _K2_1, _K3_1, _K4_1, _K5_1, _K6_1 = (_microkernel(r, 1) for r in range(1, MR + 1))
-_K1_2, _K2_2, _K3_2, _K4_2, _K5_2, _K6_2 = (_microkernel(r, 2) for r in range(1, MR + 1))
+# one intrinsic per panel width: numba's jit sees them as module globals
+_K16, _K32 = _microkernel(1), _microkernel(2)
 
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
 _inline = numba.njit(nogil=True, cache=True, inline="always")
@@ -153,30 +166,9 @@ def _block(rows: int, wide: bool, c: int, ldc: int, a: int, lda: int, sak: int, 
            accumulate: int, bias: int) -> None:
     """The microkernel for ``rows`` (1..MR) rows and 32 (``wide``) or 16 columns."""
     if wide:
-        if rows == 6:
-            _K6_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-        elif rows == 5:
-            _K5_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-        elif rows == 4:
-            _K4_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-        elif rows == 3:
-            _K3_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-        elif rows == 2:
-            _K2_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-        else:
-            _K1_2(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif rows == 6:
-        _K6_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif rows == 5:
-        _K5_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif rows == 4:
-        _K4_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif rows == 3:
-        _K3_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif rows == 2:
-        _K2_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        _K32(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     else:
-        _K1_1(c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        _K16(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
 
 
 @_jit
