@@ -400,18 +400,19 @@ def verdicts(result: dict[str, Any]) -> list[str]:
 
 # variants run in a subprocess each (the thread settings must be in place before numba / OpenBLAS start)
 VARIANTS = {
-    "numba1": ("twophase's numba kernels on one thread (NUMBA_NUM_THREADS=1; BLAS, torch and ORT at their defaults)",
-               {"NUMBA_NUM_THREADS": "1"}, 0),
+    "numba1": ("twophase's own kernels on one thread (TWOPHASE_NUM_THREADS=1: no helper threads, its float32 GEMMs "
+               "in one part; NUMBA_NUM_THREADS=1; BLAS, torch and ORT at their defaults)",
+               {"TWOPHASE_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}, 0),
     "passive": ("OMP_WAIT_POLICY=PASSIVE: twophase's kernels on every core (its automatic thread count); torch shares "
                 "libgomp, so its OpenMP threads are passive too",
                 {"OMP_WAIT_POLICY": "PASSIVE"}, 0),
     "openblas_spin": ("numpy's OpenBLAS left at its default spin (OPENBLAS_THREAD_TIMEOUT=28: twophase then leaves "
                       "it alone): its workers spin ~0.1 s after every threaded GEMM, which slows whatever runs next, "
                       "torch and ONNX Runtime in this process included", {"OPENBLAS_THREAD_TIMEOUT": "28"}, 0),
-    "single": ("one thread each (OPENBLAS_NUM_THREADS=1, NUMBA_NUM_THREADS=1, OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, "
-               "torch.set_num_threads(1), ORT intra_op_num_threads=1)",
-               {"OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"},
-               1),
+    "single": ("one thread each (TWOPHASE_NUM_THREADS=1, OPENBLAS_NUM_THREADS=1, NUMBA_NUM_THREADS=1, "
+               "OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, torch.set_num_threads(1), ORT intra_op_num_threads=1)",
+               {"TWOPHASE_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1",
+                "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, 1),
 }
 
 
