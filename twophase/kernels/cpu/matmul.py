@@ -11,7 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align
-from ...runtime.fanout import run_parts
+from ...runtime.fanout import launcher
 from . import gemm
 from .blas import fused_gemm
 from .jit import entry
@@ -101,19 +101,12 @@ def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any,
     bias = c if fused else np.zeros(1, np.float32)
     post: Launch = (lambda _: None) if fused else _epilogue_or_nothing(out, addend)
     fn = entry(gemm.gemm_f32, a2, b2, o2, bias, fused, 0, 0, 0, 0)
-    calls: list[Callable[[], None]] = [functools.partial(fn, a2, b2, o2, bias, fused, *p) for p in t.parts]
-    if len(calls) == 1:
-        call = calls[0]
+    run = launcher([functools.partial(fn, a2, b2, o2, bias, fused, *p) for p in t.parts])
 
-        def one(ws: Any) -> None:
-            call()
-            post(ws)
-        return one
-
-    def parts(ws: Any) -> None:
-        run_parts(calls)
+    def launch(ws: Any) -> None:
+        run(ws)
         post(ws)
-    return parts
+    return launch
 
 
 def _build_packed(t: Any, av: Any, bv: Any, ov: Any, post: Launch) -> Launch:
