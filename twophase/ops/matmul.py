@@ -27,7 +27,7 @@ from .selection import Candidate, choose
 
 MM_DTYPES = (DType.float32, DType.float64)
 IMPLEMENTATIONS = ("microkernel", "gemm_folded", "batch_loop", "blas", "packed")
-# microkernel (kernels/cpu/gemm.py) where it measured faster than numpy's OpenBLAS (bench/bench_matmul.py): float32,
+# microkernel (kernels/cpu/gemm.py) where it measured faster than numpy's OpenBLAS (bench/bench_ops2.py): float32,
 # up to MICRO_MAX_ROWS rows (a block of them stays in L2 while b streams past), columns by gemm.columns_fit
 MICRO_MAX_ROWS = 512
 MICRO_MIN_ROWS = 3  # one or two rows: OpenBLAS's GEMV-like kernels are faster (1 x 384 x 1536: 36 against 70 us)

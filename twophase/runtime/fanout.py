@@ -49,13 +49,12 @@ def split_range(n: int, parts: int, grain: int = 1) -> list[tuple[int, int]]:
 class _Job:
     """One launch's parts, claimed one at a time by whichever thread is free."""
 
-    __slots__ = ("parts", "claim", "left", "pending", "lock", "done", "error")
+    __slots__ = ("parts", "claim", "left", "lock", "done", "error")
 
     def __init__(self, parts: Sequence[Part]) -> None:
         self.parts = parts
         self.claim = itertools.count()
-        self.left = len(parts)
-        self.pending = np.full(1, len(parts), np.int64)  # ``left``, stored after ``done`` is set: spun on
+        self.left = np.array([len(parts)], np.int64)  # parts not finished; run_parts spins on it
         self.lock = threading.Lock()
         self.done = threading.Event()
         self.error: BaseException | None = None
@@ -69,10 +68,10 @@ class _Job:
                 if self.error is None:
                     self.error = exc
             with self.lock:
-                self.left -= 1
-                if self.left == 0:
+                left = int(self.left[0]) - 1
+                if left == 0:
                     self.done.set()
-                self.pending[0] = self.left
+                self.left[0] = left  # after done is set: a spin that sees 0 never blocks on done
 
 
 class _Helpers:
@@ -112,7 +111,7 @@ def run_parts(parts: Sequence[Part]) -> None:
         _helpers.jobs.put(job)
     job.work()
     if not job.done.is_set():
-        spin_until_zero(job.pending)  # the other parts are ending on helpers: a blocked wait wakes 25-40 us late
+        spin_until_zero(job.left)  # the other parts are ending on helpers: a blocked wait wakes 25-40 us late
     job.done.wait()
     if job.error is not None:
         raise job.error

@@ -55,7 +55,8 @@ _pause: Any = intrinsic(_pause_typing)
 
 
 @numba.njit(nogil=True, cache=True)
-def _spin(addr: int, limit: int) -> bool:
+def _spin(counter: Any, limit: int) -> bool:
+    addr = counter.ctypes.data  # read here: from Python, ``ctypes.data`` costs ~1 us a call
     for _ in range(limit):
         if _load_acquire(addr) == 0:
             return True
@@ -69,9 +70,9 @@ def _iterations() -> int:
     """Spin iterations in about SPIN_US microseconds (timed once on a counter that stays non-zero)."""
     counter = np.ones(1, np.int64)
     n = 20_000
-    _spin(counter.ctypes.data, 10)  # compile (or load from the cache) outside the timing
+    _spin(counter, 10)  # compile (or load from the cache) outside the timing
     t0 = time.perf_counter()
-    _spin(counter.ctypes.data, n)
+    _spin(counter, n)
     per = max((time.perf_counter() - t0) / n, 1e-10)
     return max(1, int(SPIN_US * 1e-6 / per))
 
@@ -79,4 +80,4 @@ def _iterations() -> int:
 def spin_until_zero(counter: np.ndarray[Any, Any]) -> bool:
     """Spin until ``counter[0]`` (an int64 array another thread counts down) is 0, for at most about SPIN_US
     microseconds; True when it reached 0."""
-    return bool(_spin(counter.ctypes.data, _iterations()))
+    return bool(_spin(counter, _iterations()))

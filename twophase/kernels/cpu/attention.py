@@ -114,10 +114,12 @@ def _products(dtype: Any) -> Callable[[Any, Any, Any], None]:
     else ``np.matmul``."""
     if np.dtype(dtype) != np.float32 or not gemm.available():
         return lambda a, b, out: np.matmul(a, b, out=out)
+    strided = np.empty((1, 1, 2, 2), np.float32)[..., ::2]  # compiled once, typed 'A': it takes every layout
+    heads = entry(gemm.gemm_f32_heads, strided, strided, strided)
 
     def product(a: Any, b: Any, out: Any) -> None:
         if b.strides[-1] == 4 and out.strides[-1] == 4 and gemm.columns_fit(out.shape[-1]) and a.shape[-1]:
-            entry(gemm.gemm_f32_heads, a, b, out)(a, b, out)
+            heads(a, b, out)
         else:
             np.matmul(a, b, out=out)
     return product

@@ -1,9 +1,9 @@
 """Register-blocked float32 GEMM: ``c[i0:i1, j0:j1] = a @ b (+ bias)`` on operands read where they lie.
 
 numba alone cannot keep a block of ``C`` in SIMD registers (LLVM turns scalar accumulators into scalar FMAs), so
-the microkernel is written as LLVM IR through a numba intrinsic: ``ROWS`` x 2 accumulators of 16 floats, per k
-two vector loads of a ``b`` row, one broadcast of each ``a`` element and ``2 * ROWS`` vector FMAs; LLVM allocates
-them to zmm / ymm registers. Around it a plain numba loop nest blocks k (``KC``) and the rows (``MC``) so the
+the microkernel is written as LLVM IR through a numba intrinsic: ``MR`` x 2 accumulators of 16 floats, per k
+two vector loads of a ``b`` row, one broadcast of each ``a`` element and ``2 * MR`` vector FMAs; LLVM allocates
+them to zmm registers. Around it a plain numba loop nest blocks k (``KC``) and the rows (``MC``) so the
 block of ``a`` stays in L2 while the 32-column panels of ``b`` stream past it. Neither operand is packed: the
 workspace is 0, and a linear layer's weight is read in place on every call (OpenBLAS packs both operands per
 call). The bias, when given, is added as the accumulators are stored, so it costs no pass over ``c``.
@@ -23,12 +23,11 @@ from numba.extending import intrinsic
 
 __all__ = ["available", "columns_fit", "gemm_f32", "gemm_f32_heads", "MIN_COLS", "MR", "NR", "KC", "MC", "LANES"]
 
-MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast fit the 16 ymm / 32 zmm
+MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast: 15 of the 32 zmm registers
 LANES = 16
 NR = 2 * LANES  # columns of a full panel
 KC = 256  # k block: a 32-column panel of b over KC rows is 32 KiB
 MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panels
-
 
 
 @functools.cache

@@ -58,14 +58,13 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any,
     ov = strided_view(out, t.out.shape, t.out.strides)
     if impl == "packed":
         return _build_packed(t, av, bv, ov, _epilogue_or_nothing(out, addend))
-    if impl == "microkernel":
-        full = [strided_view(x, s.bshape, s.bstrides) for x, s in ((a, t.a), (b, t.b), (out, t.out))]
-        return _build_micro(t, *_fold_blocks(t, *full)[0], out, addend)
     if impl == "blas":
         blocks = [(av, bv, ov)]
-    else:  # gemm_folded, batch_loop
+    else:  # microkernel (one block), gemm_folded, batch_loop
         full = [strided_view(x, s.bshape, s.bstrides) for x, s in ((a, t.a), (b, t.b), (out, t.out))]
         blocks = _fold_blocks(t, full[0], full[1], full[2])
+    if impl == "microkernel":
+        return _build_micro(t, *blocks[0], out, addend)
     if addend is not None and len(blocks) == 1:
         fused = fused_gemm(*blocks[0], out, *addend)  # None unless one 2-D GEMM BLAS can take as it is
         if fused is not None:
