@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -9,11 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import twophase
 from twophase import Format, device
 from twophase.errors import ParamError
+from twophase.kernels.cpu.conv_tiles import available as tiles_available
 from twophase.layout import align, spread_stride
 from twophase.ops import conv2d
-from twophase.ops.conv import reference
+from twophase.ops.conv import TILE_K, reference, tile_rows, tiles_grid
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
@@ -73,6 +77,8 @@ def test_conv2d_matches_reference_for_every_implementation(n: int, cg: int, ocg:
         _check(_run("gemm_1x1", _input(x, nhwc), wt, b, **attrs), ref)
     if k == (3, 3) and stride == (1, 1) and dil == (1, 1) and groups == 1:
         _check(_run("winograd", _input(x, nhwc), wt, b, **attrs), ref)
+    if groups == 1 and not nhwc and tiles_available(np.float32):
+        _check(_run("im2col_tiles", _input(x, nhwc), wt, b, **attrs), ref)
 
 
 def test_conv2d_1x1_runs_as_gemm_without_workspace(rng: np.random.Generator) -> None:
@@ -157,15 +163,18 @@ def test_conv2d_im2col_tiles_fit_workspace_limit(rng: np.random.Generator) -> No
     x, w = _x(rng, (1, 3, 12, 10), False), rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
     per_row = 3 * 3 * 3 * 10 * 4  # C*KH*KW * OW * itemsize
     ref = reference(x, w, padding=1)
-    full = run_checked(conv2d, x, w, None, padding=1)
+    with forced("im2col", "direct"):  # im2col_tiles would rank first on this CPU
+        full = run_checked(conv2d, x, w, None, padding=1)
     assert (full.implementation, full.workspace_size) == ("im2col", align(per_row * 12))
     cases = ((align(per_row * 12) - 1, 11), (align(per_row * 5), 5), (align(per_row * 5) - 1, 4), (align(per_row), 1))
     for limit, rows in cases:
-        r = run_checked(conv2d, x, w, None, padding=1, workspace_limit=limit)
+        with forced("im2col", "direct"):
+            r = run_checked(conv2d, x, w, None, padding=1, workspace_limit=limit)
         assert (r.implementation, r.tiling.tile_rows, r.workspace_size) == ("im2col", rows, align(per_row * rows))
         assert r.workspace_size <= limit
         _check(r, ref)
-    r = run_checked(conv2d, x, w, None, padding=1, workspace_limit=per_row - 1)  # not even one row: direct
+    with forced("im2col", "direct"):  # not even one row: direct
+        r = run_checked(conv2d, x, w, None, padding=1, workspace_limit=per_row - 1)
     assert (r.implementation, r.workspace_size) == ("direct", 0)
     _check(r, ref)
 
@@ -268,3 +277,83 @@ def test_spread_stride_moves_power_of_two_blocks_apart() -> None:
     assert spread_stride(200) == 256  # already spread: just aligned
     with pytest.raises(ValueError):
         spread_stride(64, 65)
+
+
+needs_tiles = pytest.mark.skipif(not tiles_available(np.float32),
+                                 reason="im2col_tiles needs the register-blocked GEMM (AVX-512 and FMA)")
+
+
+@contextlib.contextmanager
+def _threads(n: int) -> Iterator[None]:
+    old = twophase.settings.num_threads
+    twophase.set_num_threads(n)
+    try:
+        yield
+    finally:
+        twophase.set_num_threads(old)
+
+
+@needs_tiles
+@pytest.mark.parametrize("n, c, oc, hw, k, stride, pad, dil, threads", [
+    (1, 64, 40, (15, 15), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # 8x8 outputs: 576 unfolded rows in 3 k blocks
+    (1, 5, 50, (9, 9), (3, 3), (1, 1), (1, 1), (1, 1), 2),  # 81 pixels: too few for 2 parts, channels split
+    (3, 7, 20, (11, 13), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # parts' output rows cross images; 7-pixel rows
+    (2, 3, 33, (30, 31), (7, 7), (2, 2), (3, 3), (1, 1), 3),  # stem-like: 16-pixel rows, 3 parts
+    (1, 30, 17, (10, 10), (3, 3), (1, 1), (2, 2), (2, 2), 1),  # dilation, one part, 270 rows in 2 k blocks
+    (2, 6, 9, (12, 12), (1, 1), (2, 2), (0, 0), (1, 1), 5),  # 1x1 stride 2, 5 parts
+    (1, 4, 70, (8, 40), (2, 5), (3, 3), (0, 2), (1, 1), 2),  # another column step
+])
+def test_conv2d_im2col_tiles(n: int, c: int, oc: int, hw: tuple[int, int], k: tuple[int, int],
+                             stride: tuple[int, int], pad: tuple[int, int], dil: tuple[int, int], threads: int,
+                             rng: np.random.Generator) -> None:
+    """Tiles with masked 16-column tails, several k blocks, parts over output rows (across images) or output
+    channels: every output written once with the bias, the workspace exactly the parts' tiles (their padding
+    columns zeroed, so all of it is touched), nothing past it."""
+    x = _x(rng, (n, c) + hw, False)
+    w = (rng.standard_normal((oc, c) + k) * 0.2).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32)
+    attrs = dict(stride=stride, padding=pad, dilation=dil)
+    ref = reference(x, w, b, **attrs)
+    with _threads(threads):
+        r = _run("im2col_tiles", x, w, b, **attrs)
+    t = r.tiling
+    kc = c * k[0] * k[1]
+    assert t.kblock == -(-kc // -(-kc // TILE_K)) and t.chunk == tile_rows(t.oh, t.ow)
+    assert t.grid == tiles_grid(n, t.oh, t.ow, oc, threads) and t.parts == len(t.grid)
+    assert r.workspace_size == t.parts * t.kblock * -(-t.chunk * t.ow // 16) * 16 * 4
+    _check(r, ref)
+
+
+@needs_tiles
+def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) -> None:
+    """An input whose rows are not dense (every other column of a wider array) takes the strided unfold; a limit
+    below two tiles of the widest chunk narrows it, one below a tile of one output row leaves the tiles out."""
+    wide = _x(rng, (2, 6, 14, 30), False)
+    x = wide[:, :, :, ::2]
+    w = rng.standard_normal((24, 6, 3, 3)).astype(np.float32)
+    attrs = dict(stride=(2, 2), padding=(1, 1))
+    ref = reference(x, w, None, **attrs)
+    with _threads(2):
+        full = _run("im2col_tiles", x, w, None, **attrs)
+        _check(full, ref)
+        narrow = _run("im2col_tiles", x, w, None, limit=full.workspace_size - 1, **attrs)
+        assert narrow.tiling.chunk < full.tiling.chunk and narrow.workspace_size < full.workspace_size
+        _check(narrow, ref)
+        one_row = 2 * 54 * 16 * 4  # 2 parts x 54 unfolded rows x one 8-pixel output row padded to 16
+        with pytest.raises(ParamError):
+            _run("im2col_tiles", x, w, None, limit=one_row - 1, **attrs)
+
+
+@needs_tiles
+@pytest.mark.parametrize("shape, k, stride, first", [
+    ((1, 64, 56, 56), 3, 2, True),  # 28x28 outputs: 4-row tiles of 112 pixels fill 7 panels
+    ((1, 256, 14, 14), 3, 2, False),  # 7x7 outputs: 49 of 64 columns, im2col + BLAS ranks first
+    ((1, 64, 56, 56), 1, 2, True),
+])
+def test_conv2d_im2col_tiles_rank(shape: tuple[int, ...], k: int, stride: int, first: bool) -> None:
+    oc = 2 * shape[1]
+    x = device("cpu").empty(shape, np.float32)
+    w = device("cpu").empty((oc, shape[1], k, k), np.float32)
+    _, ex = conv2d.get_workspace_size(x, w, None, stride=stride, padding=k // 2)
+    assert (ex.implementation == "im2col_tiles") == first
+    ex.destroy()

@@ -75,10 +75,11 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
     PAIRS = dense and fixed_step == 2  # noqa: N806
 
     @jit
-    def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k0: int, k1: int) -> None:
-        """cols[(c*KH + kh)*KW + kw, (i*rows + r)*OW + ow] = x[n0 + i, c0 + c, (oh0 + r)*sh - ph + kh*dh,
-        ow*sw - pw + kw*dw] (0 in the padding) for ``geo[9]`` images i, rows ``k0 <= k < k1`` of cols (a range
-        per helper thread); ``geo`` = (KH, KW, sh, sw, ph, pw, dh, dw, OW, images). Rows of x and cols typed
+    def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k0: int, k1: int, kbase: int) -> None:
+        """cols[k - kbase, (i*rows + r)*OW + ow] = x[n0 + i, c0 + c, (oh0 + r)*sh - ph + kh*dh, ow*sw - pw + kw*dw]
+        (0 in the padding; k = (c*KH + kh)*KW + kw) for ``geo[9]`` images i and the unfolded rows ``k0 <= k < k1``
+        (a range per helper thread, or a k block of a tile when ``kbase`` = k0); ``geo`` = (KH, KW, sh, sw, ph,
+        pw, dh, dw, OW, images). Rows of x and cols typed
         dense when ``dense``; the column step a compile-time constant when ``fixed_step``. With dense rows, step 1
         and OW = W, a plane's rows inside the image are one flat copy (the columns it wraps into the padding
         zeroed after); step 2 reads the rows as element pairs (``jit.pairs_of``; LLVM gathers a float row's
@@ -98,7 +99,7 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
             lo, hi = ow_range(off, sw, width, ow_n)
             ih0 = oh0 * sh - ph + kh * dh  # the input row of output row 0
             r_lo, r_hi = ow_range(ih0, sh, height, rows)  # output rows whose input row is inside the image
-            crow = row_of(cols, k, dense)
+            crow = row_of(cols, k - kbase, dense)
             for i in range(nn):
                 plane = x[n0 + i, c0 + c]
                 base = i * rows * ow_n
@@ -456,10 +457,10 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     ranges = split_range(kc, fanout_parts() if kc * tn * t.tile_rows * ow >= PARALLEL_MIN else 1)
     sample = np.empty((2, 2), dt)  # C-contiguous cols (channel-major) or a transposed view (pixel-major)
     kernel = IM2COL[cm and rows_dense(x), step_key(t.sw)]
-    k_im2col = entry(kernel, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0)
+    k_im2col = entry(kernel, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0, 0)
 
     def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any) -> None:
-        run_parts([functools.partial(k_im2col, x, n0, c0, oh0, geo, cols, lo, hi) for lo, hi in ranges])
+        run_parts([functools.partial(k_im2col, x, n0, c0, oh0, geo, cols, lo, hi, 0) for lo, hi in ranges])
     geos = {nn: _geo(t, nn) for nn in {min(tn, t.n - n0) for n0 in range(0, t.n, tn)}}
     o_off = t.out_offset
     ocg = t.ocg

@@ -21,7 +21,8 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["available", "columns_fit", "gemm_f32", "gemm_f32_heads", "MIN_COLS", "MR", "NR", "KC", "MC", "LANES"]
+__all__ = ["available", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile", "MIN_COLS", "MR", "NR", "KC", "MC",
+           "LANES"]
 
 MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast: 15 of the 32 zmm registers
 LANES = 16
@@ -57,10 +58,36 @@ _VEC = ir.VectorType(_F32, LANES)
 
 
 def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
-                k: Any, accumulate: Any, bias: Any) -> None:
+                k: Any, accumulate: Any, bias: Any, ncols: Any = None) -> None:
     """IR for the ``rows x 16 nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
-    plus the bias row at address ``bias`` when it is not 0 (addresses in bytes, strides in elements)."""
+    plus the bias row at address ``bias`` when it is not 0 (addresses in bytes, strides in elements). With
+    ``ncols`` (nv = 1), only the first ``ncols`` columns of ``c`` and the bias are read and written (masked), while
+    ``b``'s rows are still read 16 wide."""
     fptr, vptr = _F32.as_pointer(), _VEC.as_pointer()
+    i32 = ir.IntType(32)
+    mask = None
+    if ncols is not None:
+        lanes = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
+        wanted = builder.insert_element(ir.Constant(ir.VectorType(_I64, LANES), ir.Undefined), ncols,
+                                        ir.Constant(i32, 0))
+        wanted = builder.shuffle_vector(wanted, wanted, ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+        mask = builder.icmp_unsigned("<", lanes, wanted)
+        mtype = mask.type
+        mload = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(_VEC, [vptr, i32, mtype, _VEC]), "llvm.masked.load.v16f32.p0")
+        mstore = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(ir.VoidType(), [_VEC, vptr, i32, mtype]), "llvm.masked.store.v16f32.p0")
+
+    def load_c(p: Any) -> Any:
+        if mask is None:
+            return builder.load(p, align=4)
+        return builder.call(mload, [p, ir.Constant(i32, 4), mask, ir.Constant(_VEC, None)])
+
+    def store_c(x: Any, p: Any) -> None:
+        if mask is None:
+            builder.store(x, p, align=4)
+        else:
+            builder.call(mstore, [x, p, ir.Constant(i32, 4), mask])
     fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
         builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), "llvm.fma.v16f32")
     zero = ir.Constant(_VEC, None)
@@ -81,7 +108,7 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
     cp, ap, bp = (builder.inttoptr(x, fptr) for x in (c, a, b))
     # write-prefetch the block of c: its lines arrive while the k loop runs (c is cold when it is a
     # large output, or attention's scores of many heads: 8-10% there)
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    i8p = ir.IntType(8).as_pointer()
     prefetch = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
     for r in range(rows):
@@ -108,13 +135,13 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
         with old_c:
             for r in range(rows):
                 for v in range(nv):
-                    builder.store(builder.load(vec_at(cp, r, ldc, LANES * v), align=4), addend[r][v])
+                    builder.store(load_c(vec_at(cp, r, ldc, LANES * v)), addend[r][v])
         with fresh:
             with builder.if_else(builder.icmp_signed("!=", bias, const(0))) as (with_bias, without):
                 with with_bias:
                     bias_p = builder.inttoptr(bias, fptr)
                     for v in range(nv):
-                        x = builder.load(vec_at(bias_p, 0, const(0), LANES * v), align=4)
+                        x = load_c(vec_at(bias_p, 0, const(0), LANES * v))
                         for r in range(rows):
                             builder.store(x, addend[r][v])
                 with without:
@@ -124,37 +151,44 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
     for r in range(rows):
         for v in range(nv):
             total = builder.fadd(builder.load(acc[r][v]), builder.load(addend[r][v]))
-            builder.store(total, vec_at(cp, r, ldc, LANES * v), align=4)
+            store_c(total, vec_at(cp, r, ldc, LANES * v))
 
 
-def _microkernel(nv: int) -> Any:
-    """An intrinsic ``(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)``: ``_emit_block`` for 16 nv columns
-    and ``rows`` (1..MR) rows, one specialised block per row count behind a switch (the accumulators must be
-    known when compiling)."""
+def _microkernel(nv: int, masked: bool = False) -> Any:
+    """An intrinsic ``(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias[, ncols])``: ``_emit_block`` for 16 nv
+    columns (``masked``: the first ``ncols`` of 16) and ``rows`` (1..MR) rows, one specialised block per row count
+    behind a switch (the accumulators must be known when compiling)."""
+    nargs = 12 if masked else 11
 
-    def typing(typingctx: Any, rows: Any, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any, k: Any,
-               accumulate: Any, bias: Any) -> Any:
-        sig = types.void(*([types.int64] * 11))
+    def codegen(context: Any, builder: Any, signature: Any, argv: Any) -> Any:
+        done = builder.append_basic_block("rows_done")
+        switch = builder.switch(argv[0], done)
+        for r in range(1, MR + 1):
+            block = builder.append_basic_block(f"rows_{r}")
+            switch.add_case(ir.Constant(_I64, r), block)
+            builder.position_at_end(block)
+            _emit_block(builder, r, nv, *argv[1:])
+            builder.branch(done)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
 
-        def codegen(context: Any, builder: Any, signature: Any, argv: Any) -> Any:
-            done = builder.append_basic_block("rows_done")
-            switch = builder.switch(argv[0], done)
-            for r in range(1, MR + 1):
-                block = builder.append_basic_block(f"rows_{r}")
-                switch.add_case(ir.Constant(_I64, r), block)
-                builder.position_at_end(block)
-                _emit_block(builder, r, nv, *argv[1:])
-                builder.branch(done)
-            builder.position_at_end(done)
-            return context.get_dummy_value()
+    sig = types.void(*([types.int64] * nargs))
+
+    def typing_masked(typingctx: Any, rows: Any, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
+                      k: Any, accumulate: Any, bias: Any, ncols: Any) -> Any:
         return sig, codegen
 
-    typing.__name__ = typing.__qualname__ = f"_microkernel_{nv * LANES}"
+    def typing_plain(typingctx: Any, rows: Any, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
+                     k: Any, accumulate: Any, bias: Any) -> Any:
+        return sig, codegen
+
+    typing: Any = typing_masked if masked else typing_plain  # numba types the intrinsic by its parameters
+    typing.__name__ = typing.__qualname__ = f"_microkernel_{nv * LANES}{'_masked' if masked else ''}"
     return intrinsic(typing)
 
 
 # one intrinsic per panel width: numba's jit sees them as module globals
-_K16, _K32 = _microkernel(1), _microkernel(2)
+_K16, _K32, _K16M = _microkernel(1), _microkernel(2), _microkernel(1, masked=True)
 
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
 _inline = numba.njit(nogil=True, cache=True, inline="always")
@@ -168,6 +202,30 @@ def _block(rows: int, wide: bool, c: int, ldc: int, a: int, lda: int, sak: int, 
         _K32(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     else:
         _K16(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+
+
+@_inline
+def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int, kl: int, m: int, n: int,
+              accumulate: int) -> None:
+    """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` (plus the old ``c`` when ``accumulate``) on float32 matrices given by
+    address and element strides (``b`` and ``c`` with unit column stride). The last run of fewer than 16 columns
+    is one masked panel that reads ``b``'s rows 16 wide: they must be readable up to a multiple of 16 columns
+    (a padded tile). Writes exactly that block of ``c``."""
+    item = 4
+    full = n // LANES * LANES
+    for ic in range(0, m, MC):
+        ie = min(ic + MC, m)
+        j = 0
+        while j < full:
+            wide = j + NR <= full
+            for i in range(ic, ie, MR):
+                _block(min(MR, ie - i), wide, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
+                       pb + j * item, ldb, kl, accumulate, 0)
+            j += NR if wide else LANES
+        if full < n:
+            for i in range(ic, ie, MR):
+                _K16M(min(MR, ie - i), pc + (i * ldc + full) * item, ldc, pa + i * lda * item, lda, sak,
+                      pb + full * item, ldb, kl, accumulate, 0, n - full)
 
 
 @_jit

@@ -1,0 +1,107 @@
+"""conv2d as im2col tiles fed straight to the register-blocked GEMM (``gemm.gemm_tile``): each part unfolds a
+tile (a k block of the unfolded rows x a few output rows' pixels) into its own slice of the workspace, small
+enough to stay in L2, and multiplies the weight's k block by it into ``out``. The unfolded input is never
+written whole: the workspace is one tile per part whatever the batch and image size, and the GEMM reads the tile
+back from cache."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ...runtime.fanout import run_parts
+from . import gemm
+from . import jit as _jit
+from .conv import IM2COL, _geo, _wmat, step_key
+from .jit import entry, row_of, rows_dense
+
+Launch = Callable[[Any], None]
+jit: Callable[[Callable[..., Any]], Any] = _jit.jit
+jit_inline: Callable[[Callable[..., Any]], Any] = _jit.jit_inline
+
+
+def _conv_kernel(im2col: Any) -> Any:
+    @jit
+    def conv_tiles(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, tile: Any, kc: int, rows: int,
+                   r0: int, r1: int, i0: int, i1: int) -> None:
+        """out[n, i, oh*OW + ow] = sum_k w[i, k] * unfolded(n)[k, oh*OW + ow] (+ bias[i]) for the rows
+        ``i0 <= i < i1`` and the output rows ``r0 <= r < r1`` of all images stacked (r = n*OH + oh): per tile of
+        ``rows`` output rows of one image and k block of ``kc`` unfolded rows, ``conv.im2col`` into the tile,
+        then ``gemm.gemm_tile`` into out (the first k block stores, the later ones add)."""
+        item = 4
+        kdim = w.shape[1]
+        ow_n = geo[8]
+        oh_n = out.shape[2] // ow_n
+        lda, sak = w.strides[0] // item, w.strides[1] // item
+        ldt, ldc = tile.strides[0] // item, out.strides[1] // item
+        pt = tile.ctypes.data
+        r = r0
+        while r < r1:
+            n = r // oh_n
+            oh0 = r - n * oh_n
+            nr = min(rows, oh_n - oh0, r1 - r)
+            width = nr * ow_n
+            pc = out[n].ctypes.data + (i0 * ldc + oh0 * ow_n) * item
+            for k0 in range(0, kdim, kc):
+                kl = min(kc, kdim - k0)
+                im2col(x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
+                for kk in range(kl):  # the columns up to the GEMM's next 16 are read: keep them finite
+                    trow = row_of(tile, kk, True)
+                    for j in range(width, ldt):
+                        trow[j] = 0.0
+                gemm.gemm_tile(w.ctypes.data + (i0 * lda + k0 * sak) * item, lda, sak, pt, ldt, pc, ldc, kl,
+                               i1 - i0, width, k0)
+            if has_bias:
+                for i in range(i0, i1):
+                    orow = out[n, i]
+                    b0 = bias[i]
+                    for j in range(oh0 * ow_n, oh0 * ow_n + width):
+                        orow[j] += b0
+            r += nr
+    return conv_tiles
+
+
+CONV_TILES = {key: _conv_kernel(kernel) for key, kernel in IM2COL.items()}
+
+
+def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
+    """The launch of ``len(t.grid)`` parts: part i takes the output block ``t.grid[i]`` (output rows of all images
+    stacked, output channels) with its own tile of ``t.kblock`` unfolded rows x ``tile_width(t.chunk, OW)``
+    columns in the workspace."""
+    item = x.itemsize
+    so = [s // item for s in out.strides]
+    o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
+    wmat = _wmat(t, w, 0)
+    has = bias is not None
+    b = bias if has else np.zeros(1, x.dtype)
+    geo = _geo(t)
+    shape = (t.kblock, tile_width(t.chunk, t.ow))
+    size = tile_stride(*shape, item)
+    k = entry(CONV_TILES[rows_dense(x), step_key(t.sw)], x, wmat, b, has, o3, geo, np.empty(shape, x.dtype),
+              0, 0, 0, 0, 0, 0)
+    dt, grid, kb, rows = x.dtype, t.grid, t.kblock, t.chunk
+
+    def launch(ws: Any) -> None:
+        run_parts([functools.partial(k, x, wmat, b, has, o3, geo, ws[i * size:(i + 1) * size].view(dt).reshape(shape),
+                                     kb, rows, *block) for i, block in enumerate(grid)])
+    return launch
+
+
+def tile_width(rows: int, ow: int) -> int:
+    """Columns of a tile of ``rows`` output rows: their pixels rounded up to 16 (the GEMM's masked last panel
+    reads its b rows 16 wide)."""
+    return -(-rows * ow // gemm.LANES) * gemm.LANES
+
+
+def tile_stride(kblock: int, width: int, item: int) -> int:
+    """Bytes of one part's tile in the workspace (a multiple of 64 for float32: ``width`` is one of 16)."""
+    return kblock * width * item
+
+
+def available(dtype: Any) -> bool:
+    """Whether the tiles can run: float32 on a CPU with the register-blocked GEMM."""
+    return np.dtype(dtype) == np.float32 and gemm.available()
