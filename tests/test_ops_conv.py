@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from threads import num_threads
 
-import twophase
 from twophase import Format, device
 from twophase.errors import ParamError
 from twophase.kernels.cpu.conv_tiles import available as tiles_available
@@ -283,15 +281,6 @@ needs_tiles = pytest.mark.skipif(not tiles_available(np.float32),
                                  reason="im2col_tiles needs the register-blocked GEMM (AVX-512 and FMA)")
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    old = twophase.settings.num_threads
-    twophase.set_num_threads(n)
-    try:
-        yield
-    finally:
-        twophase.set_num_threads(old)
-
 
 @needs_tiles
 @pytest.mark.parametrize("n, c, oc, hw, k, stride, pad, dil, threads", [
@@ -314,7 +303,7 @@ def test_conv2d_im2col_tiles(n: int, c: int, oc: int, hw: tuple[int, int], k: tu
     b = rng.standard_normal(oc).astype(np.float32)
     attrs = dict(stride=stride, padding=pad, dilation=dil)
     ref = reference(x, w, b, **attrs)
-    with _threads(threads):
+    with num_threads(threads):
         r = _run("im2col_tiles", x, w, b, **attrs)
     t = r.tiling
     kc = c * k[0] * k[1]
@@ -333,7 +322,7 @@ def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) 
     w = rng.standard_normal((24, 6, 3, 3)).astype(np.float32)
     attrs = dict(stride=(2, 2), padding=(1, 1))
     ref = reference(x, w, None, **attrs)
-    with _threads(2):
+    with num_threads(2):
         full = _run("im2col_tiles", x, w, None, **attrs)
         _check(full, ref)
         narrow = _run("im2col_tiles", x, w, None, limit=full.workspace_size - 1, **attrs)

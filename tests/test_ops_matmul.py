@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from threads import num_threads
 
-import twophase
 from twophase import device
 from twophase.errors import ParamError
 from twophase.kernels.cpu import gemm
@@ -260,15 +258,6 @@ def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(rng: np.rand
         assert np.isnan(c).all(), "the kernel wrote outside its block"
 
 
-@contextlib.contextmanager
-def _threads(n: int) -> Iterator[None]:
-    old = twophase.settings.num_threads
-    twophase.set_num_threads(n)
-    try:
-        yield
-    finally:
-        twophase.set_num_threads(old)
-
 
 @needs_micro
 @settings(max_examples=30, deadline=None)
@@ -292,7 +281,7 @@ def test_microkernel_matches_numpy_over_tails_strides_and_parts(batch: list[int]
         ref = a.astype(np.float64) @ b.astype(np.float64)
     a_t = dev.tensor(np.ascontiguousarray(np.swapaxes(a, -1, -2))).transpose() if a_t else dev.tensor(a)
     b_t = dev.tensor(b_mem).strided((k, n), (n + b_pad, 1), 0)
-    with _threads(threads), forced("microkernel"):
+    with num_threads(threads), forced("microkernel"):
         r = run_checked(matmul, a_t, b_t)
     _check(r, ref)
 
@@ -307,7 +296,7 @@ def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(rng: np.random.Generat
     x, w, bias = _rand(rng, (m, k)), _rand(rng, (k, n)), _rand(rng, (n,))
     ref = x.astype(np.float64) @ w.astype(np.float64) + bias
     wt = device("cpu").tensor(w).transpose()  # weight stored (in, out), as MiniLM's: weight.T has unit stride
-    with _threads(threads):
+    with num_threads(threads):
         r = run_checked(linear, x, wt, bias)
         assert r.implementation == "microkernel"
         _check(r, ref, rtol=1e-5)
@@ -326,12 +315,12 @@ def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(rng: np.random.Generat
 @needs_micro
 def test_microkernel_parts_split_columns_at_panels_else_rows() -> None:
     from twophase.ops.matmul import _micro_parts
-    with _threads(2):
+    with num_threads(2):
         assert _micro_parts(128, 384, 1152, 1) == ((0, 128, 0, 576), (0, 128, 576, 1152))
         assert _micro_parts(128, 384, 110, 1) == ((0, 128, 0, 32), (0, 128, 32, 110))
         assert _micro_parts(4, 4, 47, 1) == ((0, 4, 0, 47),)  # too small to wake a helper
         assert _micro_parts(4, 384, 1536, 1) == ((0, 4, 0, 1536),)
-    with _threads(3):
+    with num_threads(3):
         # 1 panel for 3 parts: rows instead, at 6-row blocks (50 of them: 16, 17, 17)
         assert _micro_parts(300, 300, 47, 1) == ((0, 96, 0, 47), (96, 198, 0, 47), (198, 300, 0, 47))
     assert _micro_parts(128, 384, 1152, 2) == ()  # b's columns strided
