@@ -219,18 +219,28 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
 
 
 TILE_K = 256  # unfolded rows per tile at most: a 32-column panel of them is 32 KiB, L1
-TILE_PIXELS = 128  # output pixels per tile at most (whole output rows; one row when wider)
+# output pixels per tile at most (whole output rows; one row when wider): 256 measured 5-10% faster than 128 on
+# ResNet-18's stride-2 layers and stem (fewer k-block passes over c, fewer unfold calls; /tmp/w/tk2.py, ninth
+# session), 192 no better than 128
+TILE_PIXELS = 256
 
 
 def tile_rows(oh: int, ow: int, most: int = TILE_PIXELS) -> int:
     """Output rows per im2col tile: up to ``most`` pixels (at least one row, at most ``oh``), the count whose
-    pixels waste the least of the GEMM's 16-column panels (the largest of equals)."""
+    tiles over an image's ``oh`` rows (the last one shorter) waste the least of the GEMM's 16-column panels (the
+    largest of equals)."""
     best, use = 1, 0.0
     for rows in range(1, min(oh, max(1, most // ow)) + 1):
-        u = rows * ow / tile_width(rows, ow)
+        u = tiles_use(oh, ow, rows)
         if u >= use:
             best, use = rows, u
     return best
+
+
+def tiles_use(oh: int, ow: int, rows: int) -> float:
+    """Pixels / GEMM columns computed, over an image's tiles of ``rows`` output rows."""
+    rest = oh % rows
+    return oh * ow / ((oh // rows) * tile_width(rows, ow) + (tile_width(rest, ow) if rest else 0))
 
 
 def tiles_grid(n: int, oh: int, ow: int, oc: int, parts: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -250,8 +260,7 @@ def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     """Whether im2col_tiles ranks ahead of im2col: when a limit makes im2col unfold only some output rows of an
     image per GEMM, or when the tiles' pixels fill the GEMM's 16-column panels (at 49 of 64 columns, 7x7 maps,
     im2col + OpenBLAS measured 7% faster; elsewhere the tiles as fast or faster, ``bench_ops2``)."""
-    width = tile_width(tiles.chunk, tiles.ow)
-    return im2col.tile_rows < im2col.oh or tiles.chunk * tiles.ow >= TILES_MIN_USE * width
+    return im2col.tile_rows < im2col.oh or tiles_use(tiles.oh, tiles.ow, tiles.chunk) >= TILES_MIN_USE
 
 
 def _tiles_candidate(t: ConvTiling, x: TensorDesc, limit: int | None) -> Candidate | None:
@@ -380,7 +389,7 @@ conv2d = register(OpDef(
                        "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
                        "pixel-major with mergeable (N, H, W)]; im2col_tiles: P * KB * ceil16(R*OW) * itemsize, "
                        "P = parts (the fan-out count), KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per "
-                       "k block, R = output rows per tile (up to 128 pixels, those filling 16-column panels best); "
+                       "k block, R = output rows per tile (up to 256 pixels, those filling 16-column panels best); "
                        "direct: 0"),
     doc=("2-D convolution (cross-correlation, as PyTorch), float32 / float64, NCHW or NHWC (Format.NHWC, shape "
          "(N, H, W, C)), weight (OC, C/groups, KH, KW), optional bias (OC,). gemm_1x1 (1x1, stride 1, padding 0): "

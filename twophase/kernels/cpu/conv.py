@@ -21,6 +21,11 @@ Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
 jit_inline: Kernel = _jit.jit_inline
 PARALLEL_MIN = 1 << 20  # unfolded elements from which im2col's rows are cut into ranges for helper threads
+# a strided direct kernel's multiply-adds count double towards PARALLEL_MIN: it ran ~2.5x slower per multiply-add
+# than stride 1 (one thread, depthwise 3x3: 1 x 24 x 56^2 s1 0.68 M in 43 us, 1 x 128 x 56^2 s2 0.9 M in 143 us),
+# and a helper starts 25-35 us after the launch here, so two parts pay from ~70 us of work (the s2 case: 108 us in
+# two parts; the s1 one: 53 us; /tmp/w/dw.py of the ninth session)
+STRIDED_WEIGHT = 2
 
 
 @jit
@@ -371,7 +376,7 @@ def _geo(t: Any, images: int = 1) -> Any:
 
 def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """Direct convolution, workspace 0; x and out are logical NCHW views; ranges of (image, output channel)
-    planes on helper threads when the multiply-adds reach PARALLEL_MIN."""
+    planes on helper threads when the multiply-adds (x STRIDED_WEIGHT with a stride) reach PARALLEL_MIN."""
     b = bias if bias is not None else np.zeros(1, x.dtype)
     geo = _geo(t)
     dense = rows_dense(x, out)
@@ -383,6 +388,7 @@ def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     has = bias is not None
     planes = t.n * t.oc
     work = planes * t.cg * t.kh * t.kw * t.oh * t.ow
+    work *= STRIDED_WEIGHT if (t.sh, t.sw) != (1, 1) else 1
     ranges = split_range(planes, fanout_parts() if work >= PARALLEL_MIN else 1)
     return launcher([functools.partial(k, x, w, b, has, out, geo, t.groups, lo, hi) for lo, hi in ranges])
 
