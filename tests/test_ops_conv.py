@@ -346,3 +346,20 @@ def test_conv2d_im2col_tiles_rank(shape: tuple[int, ...], k: int, stride: int, f
     _, ex = conv2d.get_workspace_size(x, w, None, stride=stride, padding=k // 2)
     assert (ex.implementation == "im2col_tiles") == first
     ex.destroy()
+
+
+@needs_tiles
+def test_conv2d_im2col_tiles_into_a_channel_slice(dev: Any, rng: np.random.Generator) -> None:
+    """The output a range of channels of a wider NCHW tensor (a concat target): written through its image and
+    channel strides, the channels around it untouched."""
+    x = _x(rng, (2, 8, 13, 13), False)
+    w = rng.standard_normal((40, 8, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(40).astype(np.float32)
+    big = dev.tensor(np.full((2, 45, 7, 7), 7.0, np.float32))
+    out = big.strided((2, 40, 7, 7), (45 * 49, 49, 7, 1), 2 * 49)
+    with forced("im2col_tiles"):
+        r = run_checked(conv2d, x, w, b, out=out, stride=2, padding=1)
+    assert r.implementation == "im2col_tiles"
+    full = big.numpy()
+    np.testing.assert_allclose(full[:, 2:42], reference(x, w, b, stride=2, padding=1), rtol=1e-4, atol=1e-4)
+    assert (full[:, :2] == 7.0).all() and (full[:, 42:] == 7.0).all()
