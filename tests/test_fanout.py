@@ -22,6 +22,7 @@ import twophase
 from twophase import ops
 from twophase.kernels.cpu import blas
 from twophase.kernels.cpu import conv as conv_kernels
+from twophase.kernels.cpu import elementwise as elementwise_kernels
 from twophase.kernels.cpu import reduce as reduce_kernels
 from twophase.ops.attention import reference as sdpa_reference
 from twophase.ops.conv import reference as conv_reference
@@ -256,6 +257,31 @@ def test_unary_in_parts(three_parts: None, shape: Any, layout: str, dtype: Any, 
     r = run_checked(op, on_device(a, layout))
     tol = 2e-3 if dtype == np.float16 else 1e-6
     _close(r, op.spec.reference(a.astype(np.float64)), tol)
+
+
+@pytest.mark.parametrize("name, rows, parts", [
+    ("gelu", 128, 3),  # MiniLM's FFN activation, 128 x 1536: ~120 us on one thread, so cut
+    ("exp", 128, 1),  # the same elements of the cheapest function (~60 us): one part
+    ("tanh", 64, 3),  # 98 k elements of a function costing 5x exp_f32
+    ("gelu", 64, 1),
+])
+def test_unary_parts_follow_the_functions_cost(three_parts: None, monkeypatch: pytest.MonkeyPatch, name: str,
+                                                rows: int, parts: int) -> None:
+    """A unary launch is cut into parts from ``fanout_elements`` of its function: fewer elements for a costly
+    function than for a cheap one; the parts' result is still the reference."""
+    built: list[int] = []
+
+    def spy(calls: Any) -> Any:
+        built.append(len(calls))
+        return fanout_module.launcher(calls)
+    monkeypatch.setattr(elementwise_kernels, "launcher", spy)
+    assert elementwise_kernels.fanout_elements("exp_f32") > 2 * elementwise_kernels.fanout_elements("gelu_erf_f32")
+    a = np.random.default_rng(rows).standard_normal((rows, 1536)).astype(np.float32)
+    op = getattr(ops, name)
+    with forced("vector"):
+        r = run_checked(op, a)
+    assert built == [parts]
+    _close(r, op.spec.reference(a.astype(np.float64)), 1e-6)
 
 
 @pytest.mark.parametrize("x_shape, y_shape", [

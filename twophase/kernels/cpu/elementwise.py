@@ -30,6 +30,19 @@ CODES = {name: i for i, name in enumerate(FUNCS)}
 # its rounding, amplified by exp, would cost ~|2u| ulp, so it stays in float64)
 F32 = frozenset(n[:-4] for n in FUNCS if n.endswith("_f32"))
 FANOUT_MIN = 1 << 18  # elements from which a launch is cut into parts for helper threads (a hand-off costs ~50 us)
+# single-thread ns per element of each function (/tmp/w/un2.py of the ninth session, 1 M elements, float32 data
+# for the _f32 variants): a launch of the unary functions is cut into parts from FANOUT_NS of work, so a costly
+# function fans out from fewer elements (gelu_erf_f32 on MiniLM's 128 x 1536: 118 us on one thread, 98 in two
+# parts), a cheap one from more
+COST_NS = {"exp": 0.84, "log": 1.13, "tanh": 1.5, "sigmoid": 1.0, "silu": 1.05, "gelu_erf": 6.6, "gelu_tanh": 1.4,
+           "rsqrt": 0.9, "sigmoid_f32": 0.3, "silu_f32": 0.31, "gelu_erf_f32": 0.6, "exp_f32": 0.29}
+FANOUT_NS = 75_000  # exp_f32 over FANOUT_MIN elements
+
+
+def fanout_elements(fn: str) -> int:
+    """Elements from which a launch of vmath function ``fn`` is cut into parts (``COST_NS``; half of it is the
+    smallest part)."""
+    return max(2, int(FANOUT_NS / COST_NS[fn]))
 
 
 @numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", inline="always")
@@ -134,12 +147,14 @@ def pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[
 def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any) -> Callable[[Any], None]:
     """Launch for ``out = f(x)``: directly on (rows, cols) views, or through a dense ``compute``-dtype copy in the
     workspace when ``pack`` (float16, or dims that do not merge). The kernel is chosen and compiled here
-    (phase 1), and from ``FANOUT_MIN`` elements the views are cut into one piece per helper thread."""
+    (phase 1), and from ``fanout_elements`` elements the views are cut into one piece per helper thread."""
     if x.size == 0:
         return lambda _: None
-    _, rows = KERNELS[function_for(name, compute)]
-    parts = fanout_parts() if x.size >= FANOUT_MIN else 1
-    grain = FANOUT_MIN // 2
+    fn_name = function_for(name, compute)
+    _, rows = KERNELS[fn_name]
+    fan = fanout_elements(fn_name)
+    parts = fanout_parts() if x.size >= fan else 1
+    grain = fan // 2
     if not pack:
         both = x.flags.c_contiguous and out.flags.c_contiguous
         xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))
