@@ -21,7 +21,6 @@ from .jit import entry, row_of, rows_dense
 
 Launch = Callable[[Any], None]
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
-jit_inline: Callable[[Callable[..., Any]], Any] = _jit.jit_inline
 
 
 def _conv_kernel(im2col: Any) -> Any:
