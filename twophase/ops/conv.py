@@ -53,8 +53,8 @@ class ConvTiling:
     and the im2col tile: ``tile_n`` whole images (then ``tile_rows`` = OH) or ``tile_rows`` output rows of one
     image; ``out_offset`` > 0: the GEMM result is staged there in the workspace, then copied into out.
     winograd: ``chunk`` 2x2 output tiles per round, ``parts`` for helper threads (a scratch row set each).
-    im2col_tiles: a tile of ``kblock`` unfolded rows x ``chunk`` output pixels per part; ``grid`` the parts'
-    blocks of the output (first, past-last column of all images' pixels side by side; first, past-last row)."""
+    im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
+    blocks of the output (first, past-last output row of all images stacked; first, past-last output channel)."""
 
     n: int
     c: int
@@ -259,7 +259,8 @@ TILES_MIN_USE = 0.9  # pixels / GEMM columns of a tile from which im2col_tiles r
 def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     """Whether im2col_tiles ranks ahead of im2col: when a limit makes im2col unfold only some output rows of an
     image per GEMM, or when the tiles' pixels fill the GEMM's 16-column panels (at 49 of 64 columns, 7x7 maps,
-    im2col + OpenBLAS measured 7% faster; elsewhere the tiles as fast or faster, ``bench_ops2``)."""
+    im2col + OpenBLAS measured 7% faster; elsewhere the tiles as fast or faster: /tmp/w/cvtight.py, ninth
+    session)."""
     return im2col.tile_rows < im2col.oh or tiles_use(tiles.oh, tiles.ow, tiles.chunk) >= TILES_MIN_USE
 
 
@@ -388,8 +389,9 @@ conv2d = register(OpDef(
                        "im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
                        "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
                        "pixel-major with mergeable (N, H, W)]; im2col_tiles: P * KB * ceil16(R*OW) * itemsize, "
-                       "P = parts (the fan-out count), KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per "
-                       "k block, R = output rows per tile (up to 256 pixels, those filling 16-column panels best); "
+                       "P = parts (the fan-out count, fewer when N*OH is smaller), "
+                       "KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per k block, "
+                       "R = output rows per tile (up to 256 pixels, those filling 16-column panels best); "
                        "direct: 0"),
     doc=("2-D convolution (cross-correlation, as PyTorch), float32 / float64, NCHW or NHWC (Format.NHWC, shape "
          "(N, H, W, C)), weight (OC, C/groups, KH, KW), optional bias (OC,). gemm_1x1 (1x1, stride 1, padding 0): "

@@ -32,8 +32,8 @@ F32 = frozenset(n[:-4] for n in FUNCS if n.endswith("_f32"))
 FANOUT_MIN = 1 << 18  # elements from which a launch is cut into parts for helper threads (a hand-off costs ~50 us)
 # single-thread ns per element of each function (/tmp/w/un2.py of the ninth session, 1 M elements, float32 data
 # for the _f32 variants): a launch of the unary functions is cut into parts from FANOUT_NS of work, so a costly
-# function fans out from fewer elements (gelu_erf_f32 on MiniLM's 128 x 1536: 118 us on one thread, 98 in two
-# parts), a cheap one from more
+# function fans out from fewer elements (gelu_erf_f32 on MiniLM's 128 x 1536: 130 us on one thread, 91-96 in two
+# parts, /tmp/w/un3.py), a cheap one from more
 COST_NS = {"exp": 0.84, "log": 1.13, "tanh": 1.5, "sigmoid": 1.0, "silu": 1.05, "gelu_erf": 6.6, "gelu_tanh": 1.4,
            "rsqrt": 0.9, "sigmoid_f32": 0.3, "silu_f32": 0.31, "gelu_erf_f32": 0.6, "exp_f32": 0.29}
 FANOUT_NS = 75_000  # exp_f32 over FANOUT_MIN elements
