@@ -336,7 +336,8 @@ def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) 
 @needs_tiles
 @pytest.mark.parametrize("shape, k, stride, first", [
     ((1, 64, 56, 56), 3, 2, True),  # 28x28 outputs: 4-row tiles of 112 pixels fill 7 panels
-    ((1, 256, 14, 14), 3, 2, False),  # 7x7 outputs: 49 of 64 columns, im2col + BLAS ranks first
+    ((1, 256, 14, 14), 3, 2, True),  # 7x7 outputs: 49 of 56 columns computed (the last panel 8 wide)
+    ((1, 8, 5, 5), 3, 2, False),  # 3x3 outputs: 9 of 16 columns, im2col + BLAS ranks first
     ((1, 64, 56, 56), 1, 2, True),
 ])
 def test_conv2d_im2col_tiles_rank(shape: tuple[int, ...], k: int, stride: int, first: bool) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -256,6 +257,35 @@ def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(rng: np.rand
         np.testing.assert_allclose(c[i0:i1, j0:j1], ref, rtol=2e-5, atol=1e-4)
         c[i0:i1, j0:j1] = np.nan
         assert np.isnan(c).all(), "the kernel wrote outside its block"
+
+
+@numba.njit(nogil=True)
+def _tile_gemm(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int) -> None:
+    gemm.gemm_tile(a.ctypes.data, a.strides[0] // 4, a.strides[1] // 4, b.ctypes.data, b.strides[0] // 4,
+                   c.ctypes.data, c.strides[0] // 4, kl, m, n, accumulate)
+
+
+@needs_micro
+@pytest.mark.parametrize("accumulate", [0, 1])
+def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Generator, accumulate: int) -> None:
+    """``gemm_tile`` (conv2d's tiles): every column count 1-40, so each remainder takes the 8-wide (1-8 left) or
+    the 16-wide (9-15) masked panel, on rows off the 6-row kernel and a strided ``a``; the block of a poisoned
+    ``c`` is written (or added to) exactly, nothing around it."""
+    k = 21
+    for n in range(1, 41):
+        for m in (1, 6, 13):
+            a = _rand(rng, (m, 2 * k))[:, ::2]
+            b = _rand(rng, (k, -(-n // 16) * 16 + 16))  # rows padded past a multiple of 16, as a tile's
+            old = _rand(rng, (m, n))
+            c = np.full((m + 2, n + 19), np.nan, np.float32)
+            if accumulate:
+                c[1:m + 1, 3:3 + n] = old
+            _tile_gemm(a, b, c[1:m + 1, 3:3 + n], k, m, n, accumulate)
+            ref = a.astype(np.float64) @ b[:, :n].astype(np.float64) + (old if accumulate else 0.0)
+            np.testing.assert_allclose(c[1:m + 1, 3:3 + n], ref, rtol=2e-5, atol=1e-4)
+            c[1:m + 1, 3:3 + n] = np.nan
+            assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
+    assert gemm.columns_computed(49) == 56 and gemm.columns_computed(57) == 64 and gemm.columns_computed(48) == 48
 
 
 

@@ -238,9 +238,10 @@ def tile_rows(oh: int, ow: int, most: int = TILE_PIXELS) -> int:
 
 
 def tiles_use(oh: int, ow: int, rows: int) -> float:
-    """Pixels / GEMM columns computed, over an image's tiles of ``rows`` output rows."""
+    """Pixels / GEMM columns computed (``gemm.columns_computed``), over an image's tiles of ``rows`` output rows."""
     rest = oh % rows
-    return oh * ow / ((oh // rows) * tile_width(rows, ow) + (tile_width(rest, ow) if rest else 0))
+    computed = (oh // rows) * gemm.columns_computed(rows * ow) + (gemm.columns_computed(rest * ow) if rest else 0)
+    return oh * ow / computed
 
 
 def tiles_grid(n: int, oh: int, ow: int, oc: int, parts: int) -> tuple[tuple[int, int, int, int], ...]:
@@ -253,14 +254,16 @@ def tiles_grid(n: int, oh: int, ow: int, oc: int, parts: int) -> tuple[tuple[int
     return tuple((a, b, 0, oc) for a, b in split_range(rows, parts))
 
 
-TILES_MIN_USE = 0.9  # pixels / GEMM columns of a tile from which im2col_tiles ranks ahead of whole-image im2col
+# pixels / GEMM columns computed from which im2col_tiles ranks ahead of whole-image im2col: 7x7 maps (49 of 56
+# columns, 0.875, with the 8-wide last panel) measured even with im2col + OpenBLAS (1 x 256 -> 512 14^2 s2: 0.92-1.06
+# against 0.98-1.06 ms; 512^2 7^2: 1.81-1.87 against 1.90-1.94; /tmp/w/c7.py, ninth session), in a third of the
+# workspace
+TILES_MIN_USE = 0.85
 
 
 def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     """Whether im2col_tiles ranks ahead of im2col: when a limit makes im2col unfold only some output rows of an
-    image per GEMM, or when the tiles' pixels fill the GEMM's 16-column panels (at 49 of 64 columns, 7x7 maps,
-    im2col + OpenBLAS measured 7% faster; elsewhere the tiles as fast or faster: /tmp/w/cvtight.py, ninth
-    session)."""
+    image per GEMM, or when the tiles' pixels fill the GEMM's panels well enough (``TILES_MIN_USE``)."""
     return im2col.tile_rows < im2col.oh or tiles_use(tiles.oh, tiles.ow, tiles.chunk) >= TILES_MIN_USE
 
 
@@ -391,7 +394,7 @@ conv2d = register(OpDef(
                        "pixel-major with mergeable (N, H, W)]; im2col_tiles: P * KB * ceil16(R*OW) * itemsize, "
                        "P = parts (the fan-out count, fewer when N*OH is smaller), "
                        "KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per k block, "
-                       "R = output rows per tile (up to 256 pixels, those filling 16-column panels best); "
+                       "R = output rows per tile (up to 256 pixels, those filling the GEMM's panels best); "
                        "direct: 0"),
     doc=("2-D convolution (cross-correlation, as PyTorch), float32 / float64, NCHW or NHWC (Format.NHWC, shape "
          "(N, H, W, C)), weight (OC, C/groups, KH, KW), optional bias (OC,). gemm_1x1 (1x1, stride 1, padding 0): "
@@ -403,7 +406,8 @@ conv2d = register(OpDef(
          "im2col_tiles (float32, groups 1, NCHW output, on CPUs with AVX-512): parts over output rows (or output "
          "channels when there are few pixels), each unfolding tiles of KB unfolded rows x R output rows into its "
          "own workspace slice and multiplying the weight's k block by them with the register-blocked GEMM into "
-         "out (bias added per tile); ranked ahead of im2col when R*OW fills at least 0.9 of ceil16(R*OW) or when "
+         "out (bias added per tile); ranked ahead of im2col when R*OW fills at least 0.85 of the GEMM columns "
+         "computed (16-wide panels, the last one 8 wide when at most 8 columns are left) or when "
          "a limit makes im2col tile output rows. "
          "winograd F(2x2, 3x3) (3x3, stride 1, dilation 1, groups 1): weights, input tiles and 16 GEMMs of (OC, C) "
          "x (C, chunk) in the workspace (chunk: all tiles that fit workspace_limit, else 32 MiB), output transform "

@@ -21,11 +21,12 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["available", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile", "MIN_COLS", "MR", "NR", "KC", "MC",
-           "LANES"]
+__all__ = ["available", "columns_computed", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile", "MIN_COLS", "MR",
+           "NR", "KC", "MC", "LANES", "HALF"]
 
 MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast: 15 of the 32 zmm registers
 LANES = 16
+HALF = 8  # a last run of at most this many columns takes the 8-wide (ymm) masked panel
 NR = 2 * LANES  # columns of a full panel
 KC = 256  # k block: a 32-column panel of b over KC rows is 32 KiB
 MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panels
@@ -52,36 +53,46 @@ def columns_fit(n: int) -> bool:
     return n >= MIN_COLS and n >= MIN_USE * (-(-n // LANES) * LANES)
 
 
+def columns_computed(n: int) -> int:
+    """Columns ``gemm_tile`` computes for ``n``: whole 16-wide panels, then a masked last panel of 8 (at most 8
+    left) or 16."""
+    full = n // LANES * LANES
+    rest = n - full
+    return full + (0 if rest == 0 else HALF if rest <= HALF else LANES)
+
+
 _I64 = ir.IntType(64)
 _F32 = ir.FloatType()
-_VEC = ir.VectorType(_F32, LANES)
 
 
 def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
-                k: Any, accumulate: Any, bias: Any, ncols: Any = None) -> None:
+                k: Any, accumulate: Any, bias: Any, ncols: Any = None, width: int = LANES) -> None:
     """IR for the ``rows x 16 nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
     plus the bias row at address ``bias`` when it is not 0 (addresses in bytes, strides in elements). With
     ``ncols`` (nv = 1), only the first ``ncols`` columns of ``c`` and the bias are read and written (masked), while
-    ``b``'s rows are still read 16 wide."""
-    fptr, vptr = _F32.as_pointer(), _VEC.as_pointer()
+    ``b``'s rows are still read a whole vector wide. ``width``: floats per vector (16: zmm; 8: ymm, for a narrow
+    last panel at half a zmm panel's cost on CPUs that split zmm FMAs in two)."""
+    w = width
+    vec = ir.VectorType(_F32, w)
+    fptr, vptr = _F32.as_pointer(), vec.as_pointer()
     i32 = ir.IntType(32)
     mask = None
     if ncols is not None:
-        lanes = ir.Constant(ir.VectorType(_I64, LANES), list(range(LANES)))
-        wanted = builder.insert_element(ir.Constant(ir.VectorType(_I64, LANES), ir.Undefined), ncols,
+        lanes = ir.Constant(ir.VectorType(_I64, w), list(range(w)))
+        wanted = builder.insert_element(ir.Constant(ir.VectorType(_I64, w), ir.Undefined), ncols,
                                         ir.Constant(i32, 0))
-        wanted = builder.shuffle_vector(wanted, wanted, ir.Constant(ir.VectorType(i32, LANES), [0] * LANES))
+        wanted = builder.shuffle_vector(wanted, wanted, ir.Constant(ir.VectorType(i32, w), [0] * w))
         mask = builder.icmp_unsigned("<", lanes, wanted)
         mtype = mask.type
         mload = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, ir.FunctionType(_VEC, [vptr, i32, mtype, _VEC]), "llvm.masked.load.v16f32.p0")
+            builder.module, ir.FunctionType(vec, [vptr, i32, mtype, vec]), f"llvm.masked.load.v{w}f32.p0")
         mstore = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, ir.FunctionType(ir.VoidType(), [_VEC, vptr, i32, mtype]), "llvm.masked.store.v16f32.p0")
+            builder.module, ir.FunctionType(ir.VoidType(), [vec, vptr, i32, mtype]), f"llvm.masked.store.v{w}f32.p0")
 
     def load_c(p: Any) -> Any:
         if mask is None:
             return builder.load(p, align=4)
-        return builder.call(mload, [p, ir.Constant(i32, 4), mask, ir.Constant(_VEC, None)])
+        return builder.call(mload, [p, ir.Constant(i32, 4), mask, ir.Constant(vec, None)])
 
     def store_c(x: Any, p: Any) -> None:
         if mask is None:
@@ -89,10 +100,10 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
         else:
             builder.call(mstore, [x, p, ir.Constant(i32, 4), mask])
     fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), "llvm.fma.v16f32")
-    zero = ir.Constant(_VEC, None)
-    undef = ir.Constant(_VEC, ir.Undefined)
-    splat = ir.Constant(ir.VectorType(ir.IntType(32), LANES), [0] * LANES)
+        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{w}f32")
+    zero = ir.Constant(vec, None)
+    undef = ir.Constant(vec, ir.Undefined)
+    splat = ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w)
 
     def const(v: int) -> Any:
         return ir.Constant(_I64, v)
@@ -113,9 +124,9 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
         builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
     for r in range(rows):
         for v in range(nv):
-            builder.call(prefetch, [builder.bitcast(vec_at(cp, r, ldc, LANES * v), i8p),
+            builder.call(prefetch, [builder.bitcast(vec_at(cp, r, ldc, w * v), i8p),
                                     ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
-    acc = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
+    acc = [[cgutils.alloca_once(builder, vec) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
     for row in acc:
         for slot in row:
             builder.store(zero, slot)
@@ -123,25 +134,25 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
     with cgutils.for_range(builder, k) as loop:
         kk = loop.index
         b_row = builder.gep(bp, [builder.mul(kk, ldb)])
-        bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(LANES * v)]), vptr), align=4)
+        bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(w * v)]), vptr), align=4)
               for v in range(nv)]
         ak = builder.mul(kk, sak)
         for r in range(rows):
             sv = broadcast(builder.load(builder.gep(a_rows[r], [ak]), align=4))
             for v in range(nv):
                 builder.store(builder.call(fma, [sv, bv[v], builder.load(acc[r][v])]), acc[r][v])
-    addend = [[cgutils.alloca_once(builder, _VEC) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
+    addend = [[cgutils.alloca_once(builder, vec) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
     with builder.if_else(builder.icmp_signed("!=", accumulate, const(0))) as (old_c, fresh):
         with old_c:
             for r in range(rows):
                 for v in range(nv):
-                    builder.store(load_c(vec_at(cp, r, ldc, LANES * v)), addend[r][v])
+                    builder.store(load_c(vec_at(cp, r, ldc, w * v)), addend[r][v])
         with fresh:
             with builder.if_else(builder.icmp_signed("!=", bias, const(0))) as (with_bias, without):
                 with with_bias:
                     bias_p = builder.inttoptr(bias, fptr)
                     for v in range(nv):
-                        x = load_c(vec_at(bias_p, 0, const(0), LANES * v))
+                        x = load_c(vec_at(bias_p, 0, const(0), w * v))
                         for r in range(rows):
                             builder.store(x, addend[r][v])
                 with without:
@@ -151,10 +162,10 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
     for r in range(rows):
         for v in range(nv):
             total = builder.fadd(builder.load(acc[r][v]), builder.load(addend[r][v]))
-            store_c(total, vec_at(cp, r, ldc, LANES * v))
+            store_c(total, vec_at(cp, r, ldc, w * v))
 
 
-def _microkernel(nv: int, masked: bool = False) -> Any:
+def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
     """An intrinsic ``(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias[, ncols])``: ``_emit_block`` for 16 nv
     columns (``masked``: the first ``ncols`` of 16) and ``rows`` (1..MR) rows, one specialised block per row count
     behind a switch (the accumulators must be known when compiling)."""
@@ -167,7 +178,9 @@ def _microkernel(nv: int, masked: bool = False) -> Any:
             block = builder.append_basic_block(f"rows_{r}")
             switch.add_case(ir.Constant(_I64, r), block)
             builder.position_at_end(block)
-            _emit_block(builder, r, nv, *argv[1:])
+            c, ldc, a, lda, sak, b, ldb, k, accumulate, bias = argv[1:11]
+            _emit_block(builder, r, nv, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias,
+                        argv[11] if masked else None, width)
             builder.branch(done)
         builder.position_at_end(done)
         return context.get_dummy_value()
@@ -183,12 +196,13 @@ def _microkernel(nv: int, masked: bool = False) -> Any:
         return sig, codegen
 
     typing: Any = typing_masked if masked else typing_plain  # numba types the intrinsic by its parameters
-    typing.__name__ = typing.__qualname__ = f"_microkernel_{nv * LANES}{'_masked' if masked else ''}"
+    typing.__name__ = typing.__qualname__ = f"_microkernel_{nv * width}{'_masked' if masked else ''}"
     return intrinsic(typing)
 
 
 # one intrinsic per panel width: numba's jit sees them as module globals
 _K16, _K32, _K16M = _microkernel(1), _microkernel(2), _microkernel(1, masked=True)
+_K8M = _microkernel(1, masked=True, width=8)
 
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
 _inline = numba.njit(nogil=True, cache=True, inline="always")
@@ -209,8 +223,8 @@ def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int,
               accumulate: int) -> None:
     """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` (plus the old ``c`` when ``accumulate``) on float32 matrices given by
     address and element strides (``b`` and ``c`` with unit column stride). The last run of fewer than 16 columns
-    is one masked panel that reads ``b``'s rows 16 wide: they must be readable up to a multiple of 16 columns
-    (a padded tile). Writes exactly that block of ``c``."""
+    is one masked panel, 8 wide (ymm) for at most 8 columns, else 16, that reads ``b``'s rows that wide: they
+    must be readable up to a multiple of 16 columns (a padded tile). Writes exactly that block of ``c``."""
     item = 4
     full = n // LANES * LANES
     for ic in range(0, m, MC):
@@ -223,9 +237,14 @@ def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int,
                        pb + j * item, ldb, kl, accumulate, 0)
             j += NR if wide else LANES
         if full < n:
+            narrow = n - full <= HALF
             for i in range(ic, ie, MR):
-                _K16M(min(MR, ie - i), pc + (i * ldc + full) * item, ldc, pa + i * lda * item, lda, sak,
-                      pb + full * item, ldb, kl, accumulate, 0, n - full)
+                if narrow:
+                    _K8M(min(MR, ie - i), pc + (i * ldc + full) * item, ldc, pa + i * lda * item, lda, sak,
+                         pb + full * item, ldb, kl, accumulate, 0, n - full)
+                else:
+                    _K16M(min(MR, ie - i), pc + (i * ldc + full) * item, ldc, pa + i * lda * item, lda, sak,
+                          pb + full * item, ldb, kl, accumulate, 0, n - full)
 
 
 @_jit
