@@ -67,11 +67,11 @@ _F32 = ir.FloatType()
 
 def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
                 k: Any, accumulate: Any, bias: Any, ncols: Any = None, width: int = LANES) -> None:
-    """IR for the ``rows x 16 nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
+    """IR for the ``rows x width nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
     plus the bias row at address ``bias`` when it is not 0 (addresses in bytes, strides in elements). With
     ``ncols`` (nv = 1), only the first ``ncols`` columns of ``c`` and the bias are read and written (masked), while
-    ``b``'s rows are still read a whole vector wide. ``width``: floats per vector (16: zmm; 8: ymm, for a narrow
-    last panel at half a zmm panel's cost on CPUs that split zmm FMAs in two)."""
+    ``b``'s rows are still read a whole vector wide. ``width``: floats per vector (16: zmm; 8: ymm, for a last
+    panel of at most 8 columns, which then computes 8 lanes instead of 16)."""
     w = width
     vec = ir.VectorType(_F32, w)
     fptr, vptr = _F32.as_pointer(), vec.as_pointer()
