@@ -250,7 +250,7 @@ def tiles_grid(n: int, oh: int, ow: int, oc: int, parts: int) -> tuple[tuple[int
     output channels (multiples of the GEMM's rows; every part then unfolds the same tiles)."""
     rows = n * oh
     if parts > 1 and rows * ow < parts * 128 and oc >= parts * 2 * gemm.MR:
-        return tuple((0, rows, a * gemm.MR, min(b * gemm.MR, oc)) for a, b in split_range(-(-oc // gemm.MR), parts))
+        return tuple((0, rows, i0, i1) for i0, i1 in gemm.row_ranges(oc, parts))
     return tuple((a, b, 0, oc) for a, b in split_range(rows, parts))
 
 

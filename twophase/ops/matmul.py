@@ -190,7 +190,7 @@ def _micro_parts(m: int, k: int, n: int, b_col_stride: int) -> tuple[tuple[int, 
     if panels >= parts:
         cuts = split_range(panels, parts)
         return tuple((0, m, j0 * gemm.NR, n if j1 == panels else j1 * gemm.NR) for j0, j1 in cuts)
-    return tuple((i0 * gemm.MR, min(i1 * gemm.MR, m), 0, n) for i0, i1 in split_range(-(-m // gemm.MR), parts))
+    return tuple((i0, i1, 0, n) for i0, i1 in gemm.row_ranges(m, parts))
 
 
 # ---- shape inference shared by the three ops

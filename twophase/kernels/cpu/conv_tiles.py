@@ -48,12 +48,13 @@ def _conv_kernel(im2col: Any) -> Any:
             for k0 in range(0, kdim, kc):
                 kl = min(kc, kdim - k0)
                 im2col(x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
-                for kk in range(kl):  # the columns up to the GEMM's next 16 are read: keep them finite
-                    trow = row_of(tile, kk, True)
-                    for j in range(width, ldt):
-                        trow[j] = 0.0
+                if k0 == 0:  # the masked panel reads the tile's columns up to the next 16: keep them finite
+                    for kk in range(kl):  # (the first k block is the deepest; the unfold never writes them)
+                        trow = row_of(tile, kk, True)
+                        for j in range(width, ldt):
+                            trow[j] = 0.0
                 gemm.gemm_tile(w.ctypes.data + (i0 * lda + k0 * sak) * item, lda, sak, pt, ldt, pc, ldc, kl,
-                               i1 - i0, width, k0)
+                               i1 - i0, width, k0, 0)
             if has_bias:
                 for i in range(i0, i1):
                     orow = out[n, i]

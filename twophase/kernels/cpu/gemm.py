@@ -21,8 +21,10 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
+from ...runtime.fanout import split_range
+
 __all__ = ["available", "columns_computed", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile", "MIN_COLS", "MR",
-           "NR", "KC", "MC", "LANES", "HALF"]
+           "NR", "KC", "MC", "LANES", "HALF", "row_ranges"]
 
 MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast: 15 of the 32 zmm registers
 LANES = 16
@@ -51,6 +53,12 @@ def columns_fit(n: int) -> bool:
     """Whether ``n`` columns suit the kernel: one 32-column panel or more, and the last, overlapping 16-column
     panel (``gemm_f32``) not recomputing over a tenth of them."""
     return n >= MIN_COLS and n >= MIN_USE * (-(-n // LANES) * LANES)
+
+
+def row_ranges(m: int, parts: int) -> list[tuple[int, int]]:
+    """``[0, m)`` cut into at most ``parts`` ranges of whole MR-row blocks (the last one shorter): the rows of the
+    parts when a GEMM's output is split by rows."""
+    return [(i0 * MR, min(i1 * MR, m)) for i0, i1 in split_range(-(-m // MR), parts)]
 
 
 def columns_computed(n: int) -> int:
@@ -220,9 +228,10 @@ def _block(rows: int, wide: bool, c: int, ldc: int, a: int, lda: int, sak: int, 
 
 @_inline
 def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int, kl: int, m: int, n: int,
-              accumulate: int) -> None:
-    """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` (plus the old ``c`` when ``accumulate``) on float32 matrices given by
-    address and element strides (``b`` and ``c`` with unit column stride). The last run of fewer than 16 columns
+              accumulate: int, bias: int) -> None:
+    """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` plus the old ``c`` when ``accumulate``, else plus the bias row at
+    address ``bias`` when it is not 0, on float32 matrices given by address and element strides (``b``, ``c`` and
+    the bias with unit column stride). The last run of fewer than 16 columns
     is one masked panel, 8 wide (ymm) for at most 8 columns, else 16, that reads ``b``'s rows that wide: they
     must be readable up to a multiple of 16 columns (a padded tile). Writes exactly that block of ``c``."""
     item = 4
@@ -234,17 +243,18 @@ def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int,
             wide = j + NR <= full
             for i in range(ic, ie, MR):
                 _block(min(MR, ie - i), wide, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
-                       pb + j * item, ldb, kl, accumulate, 0)
+                       pb + j * item, ldb, kl, accumulate, bias + j * item if bias else 0)
             j += NR if wide else LANES
         if full < n:
             narrow = n - full <= HALF
+            zb = bias + full * item if bias else 0
             for i in range(ic, ie, MR):
                 if narrow:
                     _K8M(min(MR, ie - i), pc + (i * ldc + full) * item, ldc, pa + i * lda * item, lda, sak,
-                         pb + full * item, ldb, kl, accumulate, 0, n - full)
+                         pb + full * item, ldb, kl, accumulate, zb, n - full)
                 else:
                     _K16M(min(MR, ie - i), pc + (i * ldc + full) * item, ldc, pa + i * lda * item, lda, sak,
-                          pb + full * item, ldb, kl, accumulate, 0, n - full)
+                          pb + full * item, ldb, kl, accumulate, zb, n - full)
 
 
 @_jit
@@ -263,19 +273,10 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int
     ldb, ldc = b.strides[0] // item, c.strides[0] // item
     pa, pb, pc, pz = a.ctypes.data, b.ctypes.data, c.ctypes.data, bias.ctypes.data
     vec_end = j0 + (j1 - j0) // LANES * LANES
-    for k0 in range(0, kdim, KC):
-        kl = min(KC, kdim - k0)
-        for ic in range(i0, i1, MC):
-            ie = min(ic + MC, i1)
-            j = j0
-            while j < vec_end:
-                wide = j + NR <= vec_end
-                bb = pb + (k0 * ldb + j) * item
-                zb = pz + j * item if has_bias and k0 == 0 else 0
-                for i in range(ic, ie, MR):
-                    _block(min(MR, ie - i), wide, pc + (i * ldc + j) * item, ldc,
-                           pa + (i * lda + k0 * sak) * item, lda, sak, bb, ldb, kl, k0, zb)
-                j += NR if wide else LANES
+    for k0 in range(0, kdim, KC):  # the whole 16-column panels, k block by k block (no masked panel: n % 16 == 0)
+        gemm_tile(pa + (i0 * lda + k0 * sak) * item, lda, sak, pb + (k0 * ldb + j0) * item, ldb,
+                  pc + (i0 * ldc + j0) * item, ldc, min(KC, kdim - k0), i1 - i0, vec_end - j0, k0,
+                  pz + j0 * item if has_bias and k0 == 0 else 0)
     if vec_end == j1:
         return
     if j1 - j0 >= LANES:
