@@ -94,8 +94,12 @@ def test_conv2d_depthwise_picks_the_direct_kernel(rng: np.random.Generator) -> N
 
 
 @pytest.mark.parametrize("hw, stride, pad", [
-    ((7, 7), (1, 1), (1, 1)),  # "same" 3x3: the inner rows as one flat loop
+    ((7, 7), (1, 1), (1, 1)),  # "same" 3x3: each plane as one masked flat loop
     ((3, 40), (1, 1), (1, 1)),  # one inner row, longer than a vector step
+    ((3, 3), (1, 1), (1, 1)),  # the smallest plane of the flat loop: one inner window
+    ((33, 4), (1, 1), (1, 1)),  # rows narrower than a vector: its lanes span several rows' edges
+    ((2, 9), (1, 1), (1, 1)),  # two rows: the row loop, both window rows at the ends in the padding
+    ((21, 19), (2, 2), (1, 1)),  # stride 2, odd sizes: the last row's window reads a padding row
     ((20, 18), (2, 2), (1, 1)),  # stride 2: windows read as element pairs
     ((7, 41), (2, 2), (2, 2)),  # the first inner window at column 0: it alone from the float rows
     ((6, 40), (2, 2), (0, 0)),
@@ -122,6 +126,24 @@ def test_conv2d_depthwise_3x3_kernel(hw: tuple[int, int], stride: tuple[int, int
         r = run_checked(conv2d, _input(xin, nhwc), w, b, **attrs)
         assert (r.implementation, r.workspace_size) == ("direct", 0)
         _check(r, reference(xin, w, b, nhwc=nhwc, **attrs))
+
+
+def test_conv2d_depthwise_same_keeps_inf_and_nan_in_their_windows() -> None:
+    """The flat "same" loop reads each row's first and last columns for the neighbouring row's edge windows and
+    selects them away: an inf or NaN there must reach only the windows that hold it, never the row beside it
+    (a multiply by a 0 mask would give NaN)."""
+    rng = np.random.default_rng(5)
+    c, h, wd = 2, 6, 21
+    x = rng.standard_normal((1, c, h, wd)).astype(np.float32)
+    x[0, 0, 2, wd - 1], x[0, 0, 3, 10], x[0, 1, 4, 0] = np.inf, -np.inf, np.nan
+    w = rng.standard_normal((c, 1, 3, 3)).astype(np.float32)
+    r = run_checked(conv2d, x, w, None, padding=1, groups=c)
+    assert r.implementation == "direct"
+    ref = reference(x, w, padding=1, groups=c)
+    np.testing.assert_array_equal(np.isfinite(r.outputs[0]), np.isfinite(ref))
+    assert np.isfinite(r.outputs[0][0, 0, 1:4, 0]).all() and np.isfinite(r.outputs[0][0, 1, 3:6, wd - 1]).all()
+    finite = np.isfinite(ref)
+    np.testing.assert_allclose(r.outputs[0][finite], ref[finite], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("shape, k, stride, pad, dil", [

@@ -26,6 +26,11 @@ PARALLEL_MIN = 1 << 20  # unfolded elements from which im2col's rows are cut int
 # and a helper starts 25-35 us after the launch here, so two parts pay from ~70 us of work (the s2 case: 108 us in
 # two parts; the s1 one: 53 us; /tmp/w/dw.py of the ninth session)
 STRIDED_WEIGHT = 2
+# the 3x3 depthwise kernel runs ~0.04 ns per multiply-add at step 1 and ~0.11 at step 2 on one thread (1 x 256 x
+# 28^2 s1 in 70 us, 1 x 128 x 56^2 s2 in 100 us: /tmp/w/dw3.py of the tenth session); through the op, two parts
+# lost at 70-90 us of work and were even at ~120 (/tmp/w/dwop.py): they start from ~115 us
+DW3X3_PARALLEL_MIN = 3 << 20
+DW3X3_STRIDED_WEIGHT = 3
 
 
 @jit
@@ -208,20 +213,6 @@ def _direct_kernel(dense: bool) -> Any:
 CONV_DIRECT = by_density(_direct_kernel)
 
 
-@jit_inline
-def _edge_point(xp: Any, w: Any, oc: int, i0: int, c0: int, b0: Any) -> Any:
-    """One output element of a 3x3 window at input row i0, column c0 (its top-left), padding skipped."""
-    acc = b0
-    for kh in range(3):
-        ih = i0 + kh
-        if 0 <= ih < xp.shape[0]:
-            for kw in range(3):
-                iw = c0 + kw
-                if 0 <= iw < xp.shape[1]:
-                    acc += w[oc, 0, kh, kw] * xp[ih, iw]
-    return acc
-
-
 VEC = np.uint64(16)  # outputs per vector step of the 3x3 kernel's row loop (a float32 zmm register)
 
 
@@ -272,12 +263,64 @@ def _edge3(r0: Any, r1: Any, r2: Any, c0: int, width: int, wt: Any, b0: Any) -> 
 
 
 @jit_inline
-def _row_taps(orow: Any, r: Any, w0: Any, w1: Any, w2: Any, lo: Any, cnt: Any, s0: Any, step: Any) -> None:
-    """orow[lo + u] += w0 * r[k] + w1 * r[k + 1] + w2 * r[k + 2], k = s0 + u * step: one input row's three taps."""
-    one, two = np.uint64(1), np.uint64(2)
-    for u in range(cnt):
-        k = s0 + u * step
-        orow[lo + u] += w0 * r[k] + w1 * r[k + one] + w2 * r[k + two]
+def _left3(r0: Any, r1: Any, r2: Any, wt: Any, b0: Any) -> Any:
+    """``_window3`` from column -1 (padding 1: the window's first column in the padding), rows of 2+ columns."""
+    return b0 + wt[1] * r0[0] + wt[2] * r0[1] + wt[4] * r1[0] + wt[5] * r1[1] + wt[7] * r2[0] + wt[8] * r2[1]
+
+
+@jit_inline
+def _right3(r0: Any, r1: Any, r2: Any, e: int, wt: Any, b0: Any) -> Any:
+    """``_window3`` from column e - 1 of rows whose last column is e (the window's last column in the padding)."""
+    return (b0 + wt[0] * r0[e - 1] + wt[1] * r0[e] + wt[3] * r1[e - 1] + wt[4] * r1[e]
+            + wt[6] * r2[e - 1] + wt[7] * r2[e])
+
+
+@jit_inline
+def _same3(xp: Any, op: Any, height: int, width: int, wt: Any, b0: Any, inner_l: Any, inner_r: Any) -> None:
+    """A whole "same" 3x3 plane (stride 1, padding 1, height and width >= 3) given as flat dense spans ``xp`` and
+    ``op``: every inner row in one loop over the flat index q, whose left and right columns read a
+    neighbouring row's edge element, which the masks ``inner_l[q]`` (q's column is not the first) and
+    ``inner_r[q]`` (not the last) select away; the first and last rows in their own loops (two input rows),
+    then the six windows whose flat neighbours lie outside the plane. No per-row work: a 28-wide plane's row
+    edges cost as much as its vector loop when fixed row by row."""
+    u_w, one, z = np.uint64(width), np.uint64(1), op.dtype.type(0)
+    w0, w1, w2, w3, w4, w5, w6, w7, w8 = wt
+    last = (height - 1) * width  # the last row's first element
+    for qi in range(width + 1, last - 1):
+        q = np.uint64(qi)
+        left = w0 * xp[q - u_w - one] + w3 * xp[q - one] + w6 * xp[q + u_w - one]
+        right = w2 * xp[q - u_w + one] + w5 * xp[q + one] + w8 * xp[q + u_w + one]
+        acc = b0 + w1 * xp[q - u_w] + w4 * xp[q] + w7 * xp[q + u_w]
+        acc += left if inner_l[q] else z  # a select, not a multiply by 0: inf and NaN must not leak across
+        acc += right if inner_r[q] else z
+        op[q] = acc
+    for qi in range(1, width - 1):
+        q = np.uint64(qi)
+        op[q] = (b0 + w3 * xp[q - one] + w4 * xp[q] + w5 * xp[q + one]
+                 + w6 * xp[q + u_w - one] + w7 * xp[q + u_w] + w8 * xp[q + u_w + one])
+    for qi in range(last + 1, last + width - 1):
+        q = np.uint64(qi)
+        op[q] = (b0 + w0 * xp[q - u_w - one] + w1 * xp[q - u_w] + w2 * xp[q - u_w + one]
+                 + w3 * xp[q - one] + w4 * xp[q] + w5 * xp[q + one])
+    e = width - 1
+    op[0] = b0 + w4 * xp[0] + w5 * xp[1] + w7 * xp[width] + w8 * xp[width + 1]
+    op[e] = b0 + w3 * xp[e - 1] + w4 * xp[e] + w6 * xp[e + width - 1] + w7 * xp[e + width]
+    op[last] = b0 + w1 * xp[last - width] + w2 * xp[last - width + 1] + w4 * xp[last] + w5 * xp[last + 1]
+    f = last + e
+    op[f] = b0 + w0 * xp[f - width - 1] + w1 * xp[f - width] + w3 * xp[f - 1] + w4 * xp[f]
+    q0 = width  # the second row's first window and the last but one row's last window
+    op[q0] = (b0 + w1 * xp[q0 - width] + w2 * xp[q0 - width + 1] + w4 * xp[q0] + w5 * xp[q0 + 1]
+              + w7 * xp[q0 + width] + w8 * xp[q0 + width + 1])
+    q1 = last - 1
+    op[q1] = (b0 + w0 * xp[q1 - width - 1] + w1 * xp[q1 - width] + w3 * xp[q1 - 1] + w4 * xp[q1]
+              + w6 * xp[q1 + width - 1] + w7 * xp[q1 + width])
+
+
+def same3_masks(height: int, width: int) -> tuple[Any, Any]:
+    """``_same3``'s masks for a height x width plane: whether each flat index's column is not the first, and
+    not the last (made in phase 1; a vector loop cannot take q % width cheaply)."""
+    col = np.arange(height * width) % width
+    return col != 0, col != width - 1
 
 
 def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
@@ -286,13 +329,13 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
 
     @jit
     def conv_dw3x3(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int,
-                   t1: int) -> None:
+                   t1: int, inner_l: Any, inner_r: Any) -> None:
         """``conv_direct`` for 3x3 windows of one input channel each (depthwise), dilation 1: each output row is
         written once with its nine taps (``conv_direct`` reads and writes it once per tap). The column step is
-        a compile-time constant when ``fixed_step``, else ``geo``'s: with dense rows, step 1 and padding 1 run a
-        plane's inner rows as one flat loop (a row's two edge windows then as straight-line code, not the
-        column-checking loop of ``_edge3``: 4-8% off the kernel on 28- to 112-wide maps), and step 2 reads the rows
-        as element pairs (no gathers)."""
+        a compile-time constant when ``fixed_step``, else ``geo``'s. With dense planes, "same" padding at step 1
+        runs each plane as ``_same3`` (``inner_l`` / ``inner_r``: its masks, ``same3_masks``); step 2 reads the
+        rows as element pairs (no gathers). A window row in the padding reads a row of zeros, so rows at the
+        top and bottom take the same loops as the others."""
         sh, sw, ph, pw = geo[2], geo[3], geo[4], geo[5]
         height, width = x.shape[2], x.shape[3]
         oc_n = w.shape[0]
@@ -302,10 +345,10 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
         lo = ow_range(-pw, sw, width, ow_n)[0]  # columns [lo, hi): the whole window inside the image
         hi = max(lo, ow_range(2 - pw, sw, width, ow_n)[1])
         u_lo, cnt, s0 = np.uint64(lo), np.uint64(hi - lo), np.uint64(lo * sw - pw)
-        zero, one = np.uint64(0), np.uint64(1)
-        flat = FLAT and sh == 1 and ph == 1 and pw == 1 and height >= 3 and oh_n == height and ow_n == width
-        same = FLAT and pw == 1 and width >= 2 and ow_n == width  # edge columns 0 and W - 1, one window each
-        e1, e2 = np.uint64(width - 1), np.uint64(width - 2)
+        same = pw == 1 and width >= 2 and ow_n == width  # "same" columns: edges 0 and W - 1, one window each
+        flat = (FLAT and same and sh == 1 and ph == 1 and height >= 3 and width >= 3 and oh_n == height
+                and inner_l.shape[0] == height * width)
+        left1 = pw == 1 and width >= 2 and lo == 1  # column 0's window starts at -1 and reads columns 0 and 1
         # step 2, dense rows: the windows read as element pairs from the column before the first window's (a
         # window starting at column 0 is left to the float rows); pair u + 1's odd element is the last one
         # window u reads, so no pair reaches past the inner columns
@@ -313,6 +356,7 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
         first = lo * sw - pw + 2 * skip - 1
         pair_cnt = np.uint64(hi - lo - skip)
         n_pairs = hi - lo - skip + 1
+        zeros = np.zeros((1, width + 2), x.dtype)  # the input row of a window row in the padding
         for t in range(t0, t1):
             n = t // oc_n
             oc = t - n * oc_n
@@ -321,49 +365,43 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
             b0 = bias[oc] if has_bias else op.dtype.type(0)
             wt = (w[oc, 0, 0, 0], w[oc, 0, 0, 1], w[oc, 0, 0, 2], w[oc, 0, 1, 0], w[oc, 0, 1, 1], w[oc, 0, 1, 2],
                   w[oc, 0, 2, 0], w[oc, 0, 2, 1], w[oc, 0, 2, 2])
-            inner_done = flat and _plane_flat(xp) and _plane_flat(op)
-            if inner_done:  # the inner rows as one long loop; their edge columns (wrapped around) redone below
-                n_in = (height - 2) * width
-                _span3(span_of(op, 1, n_in), one, span_of(xp, 0, n_in), span_of(xp, 1, n_in), span_of(xp, 2, n_in),
-                       zero, one, np.uint64(n_in - 2), wt, b0)
+            if flat and _plane_flat(xp) and _plane_flat(op):
+                _same3(span_of(xp, 0, height * width), span_of(op, 0, height * width), height, width, wt, b0,
+                       inner_l, inner_r)
+                continue
             for oh in range(oh_n):
                 i0 = oh * sh - ph
                 orow = row_of(op, oh, dense)
-                if i0 >= 0 and i0 + 2 < height:
-                    r0, r1, r2 = row_of(xp, i0, dense), row_of(xp, i0 + 1, dense), row_of(xp, i0 + 2, dense)
-                    if PAIRS:
-                        if skip:
-                            orow[lo] = _window3(r0, r1, r2, s0, wt, b0)
-                        if pair_cnt:
-                            q0, q1 = pairs_of(xp, i0, first, n_pairs), pairs_of(xp, i0 + 1, first, n_pairs)
-                            q2 = pairs_of(xp, i0 + 2, first, n_pairs)
-                            o0 = np.uint64(lo + skip)
-                            for u in range(pair_cnt):  # a plain loop: the vector-step tail of _span3 unrolls
-                                orow[o0 + u] = _pairs3(q0, q1, q2, u, wt, b0)  # into scalar shuffles here
-                    elif not inner_done:
-                        _span3(orow, u_lo, r0, r1, r2, s0, step, cnt, wt, b0)
-                    if same:  # "same" padding 1 on 2+ columns: the two edge windows lack one column each
-                        orow[0] = (b0 + wt[1] * r0[0] + wt[2] * r0[1] + wt[4] * r1[0] + wt[5] * r1[1]
-                                   + wt[7] * r2[0] + wt[8] * r2[1])
-                        orow[e1] = (b0 + wt[0] * r0[e2] + wt[1] * r0[e1] + wt[3] * r1[e2] + wt[4] * r1[e1]
-                                    + wt[6] * r2[e2] + wt[7] * r2[e1])
-                        continue
-                    for j in range(lo):
-                        orow[j] = _edge3(r0, r1, r2, j * sw - pw, width, wt, b0)
-                    for j in range(hi, ow_n):
-                        orow[j] = _edge3(r0, r1, r2, j * sw - pw, width, wt, b0)
+                r0 = row_of(xp, i0, dense) if 0 <= i0 < height else row_of(zeros, 0, dense)
+                r1 = row_of(xp, i0 + 1, dense) if 0 <= i0 + 1 < height else row_of(zeros, 0, dense)
+                r2 = row_of(xp, i0 + 2, dense) if 0 <= i0 + 2 < height else row_of(zeros, 0, dense)
+                if PAIRS:
+                    if skip:
+                        orow[lo] = _window3(r0, r1, r2, s0, wt, b0)
+                    if pair_cnt:
+                        q0 = pairs_of(xp, i0, first, n_pairs) if 0 <= i0 < height else pairs_of(
+                            zeros, 0, first, n_pairs)
+                        q1 = pairs_of(xp, i0 + 1, first, n_pairs) if 0 <= i0 + 1 < height else pairs_of(
+                            zeros, 0, first, n_pairs)
+                        q2 = pairs_of(xp, i0 + 2, first, n_pairs) if 0 <= i0 + 2 < height else pairs_of(
+                            zeros, 0, first, n_pairs)
+                        o0 = np.uint64(lo + skip)
+                        for u in range(pair_cnt):  # a plain loop: the vector-step tail of _span3 unrolls
+                            orow[o0 + u] = _pairs3(q0, q1, q2, u, wt, b0)  # into scalar shuffles here
+                else:
+                    _span3(orow, u_lo, r0, r1, r2, s0, step, cnt, wt, b0)
+                if same:  # "same" padding 1 on 2+ columns: the two edge windows lack one column each
+                    orow[0] = _left3(r0, r1, r2, wt, b0)
+                    orow[width - 1] = _right3(r0, r1, r2, width - 1, wt, b0)
                     continue
-                for u in range(cnt):  # a window row in the padding: the rows inside added one by one
-                    orow[u_lo + u] = b0
-                for kh in range(3):
-                    ih = i0 + kh
-                    if 0 <= ih < height:
-                        _row_taps(orow, row_of(xp, ih, dense), wt[3 * kh], wt[3 * kh + 1], wt[3 * kh + 2], u_lo,
-                                  cnt, s0, step)
-                for j in range(lo):
-                    orow[j] = _edge_point(xp, w, oc, i0, j * sw - pw, b0)
+                j0 = 0
+                if left1:
+                    orow[0] = _left3(r0, r1, r2, wt, b0)
+                    j0 = 1
+                for j in range(j0, lo):
+                    orow[j] = _edge3(r0, r1, r2, j * sw - pw, width, wt, b0)
                 for j in range(hi, ow_n):
-                    orow[j] = _edge_point(xp, w, oc, i0, j * sw - pw, b0)
+                    orow[j] = _edge3(r0, r1, r2, j * sw - pw, width, wt, b0)
     return conv_dw3x3
 
 
@@ -376,21 +414,26 @@ def _geo(t: Any, images: int = 1) -> Any:
 
 def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """Direct convolution, workspace 0; x and out are logical NCHW views; ranges of (image, output channel)
-    planes on helper threads when the multiply-adds (x STRIDED_WEIGHT with a stride) reach PARALLEL_MIN."""
+    planes on helper threads when the multiply-adds (weighted when strided) reach the kernel's threshold."""
     b = bias if bias is not None else np.zeros(1, x.dtype)
     geo = _geo(t)
     dense = rows_dense(x, out)
-    if t.cg == 1 and (t.kh, t.kw, t.dh, t.dw) == (3, 3, 1, 1):
-        kernel = CONV_DW3X3[dense, step_key(t.sw)]
-    else:
-        kernel = CONV_DIRECT[dense]
-    k = entry(kernel, x, w, b, bias is not None, out, geo, t.groups, 0, 0)
     has = bias is not None
+    if t.cg == 1 and (t.kh, t.kw, t.dh, t.dw) == (3, 3, 1, 1):
+        same = (t.sh, t.sw, t.ph, t.pw, t.oh, t.ow) == (1, 1, 1, 1, t.h, t.w) and min(t.h, t.w) >= 3
+        masks = same3_masks(t.h, t.w) if same and dense else (np.zeros(0, np.bool_),) * 2
+        k = entry(CONV_DW3X3[dense, step_key(t.sw)], x, w, b, has, out, geo, t.groups, 0, 0, *masks)
+        extra: tuple[Any, ...] = masks
+        least, weight = DW3X3_PARALLEL_MIN, DW3X3_STRIDED_WEIGHT
+    else:
+        k = entry(CONV_DIRECT[dense], x, w, b, has, out, geo, t.groups, 0, 0)
+        extra = ()
+        least, weight = PARALLEL_MIN, STRIDED_WEIGHT
     planes = t.n * t.oc
     work = planes * t.cg * t.kh * t.kw * t.oh * t.ow
-    work *= STRIDED_WEIGHT if (t.sh, t.sw) != (1, 1) else 1
-    ranges = split_range(planes, fanout_parts() if work >= PARALLEL_MIN else 1)
-    return launcher([functools.partial(k, x, w, b, has, out, geo, t.groups, lo, hi) for lo, hi in ranges])
+    work *= weight if (t.sh, t.sw) != (1, 1) else 1
+    ranges = split_range(planes, fanout_parts() if work >= least else 1)
+    return launcher([functools.partial(k, x, w, b, has, out, geo, t.groups, lo, hi, *extra) for lo, hi in ranges])
 
 
 def _mat(a: Any, shape: tuple[int, ...], strides: tuple[int, ...]) -> Any:
