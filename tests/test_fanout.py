@@ -102,6 +102,49 @@ def test_spin_sees_a_count_reach_zero_and_gives_up_on_one_that_does_not() -> Non
     assert seen and counter[0] == 0
 
 
+def test_spin_while_equal_sees_a_change_and_gives_up_on_none() -> None:
+    from twophase.runtime.spin import spin_while_equal
+    counter = np.zeros(1, np.int64)
+    assert spin_while_equal(counter, 1, 1000)  # already different
+    assert not spin_while_equal(counter, 0, 200)  # bounded: returns False instead of hanging
+
+    def bump() -> None:
+        time.sleep(0.002)
+        counter[0] = 7
+    th = threading.Thread(target=bump)
+    th.start()
+    seen = any(spin_while_equal(counter, 0, 1000) for _ in range(10_000))  # the thread needs ~2 ms
+    th.join(10)
+    assert seen and counter[0] == 7
+
+
+@pytest.mark.parametrize("spin_us", [0, 500, 200_000])
+def test_helpers_take_parts_whether_they_block_or_spin_between_launches(spin_us: int) -> None:
+    """A helper spinning for the next launch (``set_helper_spin``) or blocked on the queue takes a part of
+    it, and every part runs exactly once over back-to-back launches."""
+    old = twophase.settings.helper_spin_us
+    twophase.set_helper_spin(spin_us)
+    try:
+        for _ in range(3):
+            names: list[str] = []
+
+            def part(names: list[str] = names) -> None:
+                names.append(threading.current_thread().name)
+                time.sleep(0.05)  # the other part is claimed meanwhile
+            posted = int(fanout_module._helpers.posted[0])
+            run_parts([part, part])
+            assert len(names) == 2 and any(n.startswith("twophase-fanout-") for n in names)
+            assert int(fanout_module._helpers.posted[0]) == posted + 1
+        counts = [0] * 5
+        for _ in range(200):
+            run_parts([lambda i=i: counts.__setitem__(i, counts[i] + 1) for i in range(5)])  # type: ignore[misc]
+        assert counts == [200] * 5
+    finally:
+        twophase.set_helper_spin(old)
+    with pytest.raises(ValueError, match="helper spin"):
+        twophase.set_helper_spin(-1)
+
+
 def test_a_part_finishing_while_the_caller_spins_is_seen_and_its_error_raised() -> None:
     """The caller's part is quick, the helper's slow (beyond the spin): the caller falls back to blocking, and
     the helper's result and error still reach it."""
@@ -450,7 +493,9 @@ def test_conv2d_direct_planes_in_parts(three_parts: None, monkeypatch: pytest.Mo
     padding put the row copies' first and last columns at the edges."""
     launched = _spy_on_parts(monkeypatch, fanout_module)  # the launch is fanout.launcher's
     rng = np.random.default_rng(11)
-    h, w_ = (61, 59) if stride == 1 else (121, 119)  # at least 2^20 multiply-adds: cut into parts
+    # enough multiply-adds to be cut into parts: 2^20 for the general kernel, 3 x 2^20 for the 3x3 depthwise one
+    # (strided ones count 3 times)
+    h, w_ = ((89, 87) if groups == 24 else (61, 59)) if stride == 1 else (121, 119)
     x = rng.standard_normal((2, 24, h, w_)).astype(np.float32)
     w = rng.standard_normal((48, 24 // groups, 3, 3)).astype(np.float32)
     b = rng.standard_normal(48).astype(np.float32)

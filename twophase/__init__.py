@@ -12,6 +12,7 @@ from .config import (
     set_cache_enabled,
     set_cache_limit,
     set_deterministic,
+    set_helper_spin,
     set_launch_blocking,
     set_log_level,
     set_num_threads,
@@ -49,8 +50,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "ops", "sanitizer", "stats", "cache_info", "clear_cache", "set_sanitize", "set_num_threads",
-    "set_cache_enabled", "set_cache_limit", "set_deterministic", "set_launch_blocking", "set_log_level",
-    "set_workspace_limit", "settings",
+    "set_helper_spin", "set_cache_enabled", "set_cache_limit", "set_deterministic", "set_launch_blocking",
+    "set_log_level", "set_workspace_limit", "settings",
     "InternalError", "InvalidStateError", "KernelError", "OutOfMemoryError", "ParamError", "RuntimeFailure",
     "Status", "TwoPhaseError", "WorkspaceTooSmallError", "recent_error_message", "CaptureError", "PlanMismatchError",
     "capture", "Graph",

@@ -8,7 +8,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["settings", "on_change", "set_launch_blocking", "set_cache_limit", "set_cache_enabled",
-           "set_deterministic", "set_workspace_limit", "set_log_level", "set_sanitize", "set_num_threads"]
+           "set_deterministic", "set_workspace_limit", "set_log_level", "set_sanitize", "set_num_threads",
+           "set_helper_spin"]
 
 
 def _env_flag(name: str, default: bool = False) -> bool:
@@ -25,6 +26,9 @@ def _env_int(name: str, default: int | None) -> int | None:
     return int(raw)
 
 
+HELPER_SPIN_US = 500  # see set_helper_spin
+
+
 @dataclass
 class Settings:
     """Current values; change them through the setters so that listeners (streams, caches) follow."""
@@ -35,6 +39,7 @@ class Settings:
     deterministic: bool = field(default_factory=lambda: _env_flag("TWOPHASE_DETERMINISTIC"))
     workspace_limit: int | None = field(default_factory=lambda: _env_int("TWOPHASE_WORKSPACE_LIMIT", None))
     num_threads: int = field(default_factory=lambda: _env_int("TWOPHASE_NUM_THREADS", 0) or 0)  # 0: automatic
+    helper_spin_us: int = field(default_factory=lambda: _env_int("TWOPHASE_HELPER_SPIN_US", HELPER_SPIN_US) or 0)
     log_level: str = field(default_factory=lambda: os.environ.get("TWOPHASE_LOG_LEVEL", "WARNING").upper())
     sanitize: bool = field(default_factory=lambda: _env_flag("TWOPHASE_SANITIZE"))
 
@@ -88,6 +93,18 @@ def set_num_threads(n: int) -> None:
     if int(n) < 0:
         raise ValueError("num_threads must be >= 0 (0: automatic)")
     _set("num_threads", int(n))
+
+
+def set_helper_spin(us: int) -> None:
+    """Microseconds a helper thread spins for the next parallel launch before it blocks
+    (``TWOPHASE_HELPER_SPIN_US``, default ``HELPER_SPIN_US``; 0: block at once). The spin yields its core to any
+    other runnable thread every 20 us. Why: on VMs whose kernel packs sleeping threads onto one vCPU (seen on
+    these machines: ``sched_vcpu_pack``), helpers that block after every part are woken onto the launching
+    thread's vCPU after an idle gap and the kernels run at one-thread speed for as long as the calls keep
+    coming; a helper that stays runnable between launches is moved to the idle vCPU within a few ms."""
+    if int(us) < 0:
+        raise ValueError("helper spin must be >= 0 microseconds (0: no spin)")
+    _set("helper_spin_us", int(us))
 
 
 def set_log_level(level: str | int) -> None:

@@ -2,8 +2,10 @@
 
 A launch planned in phase 1 as ``P`` independent parts (row ranges, head groups: closures over precomputed
 views) runs them with :func:`run_parts`: the calling thread (a stream worker) and up to ``P - 1`` helpers claim
-parts until none is left. Helpers block on a queue between launches, so unlike OpenMP or OpenBLAS workers they
-never spin on cores that BLAS, another stream or another library needs. Each part calls a serial ``nogil``
+parts until none is left. Between launches a helper spins for the next one for ``settings.helper_spin_us``
+(500 us by default, yielding its core to any other runnable thread every 20 us), then blocks on a queue: unlike
+OpenMP or OpenBLAS workers, which spin for milliseconds, it soon leaves the cores that BLAS, another stream or
+another library needs (why it spins at all: ``config.set_helper_spin``). Each part calls a serial ``nogil``
 numba kernel or a numpy / BLAS routine that releases the GIL, so the parts run in parallel.
 """
 
@@ -19,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from .spin import spin_until_zero
+from .spin import spin_until_zero, spin_while_equal
 
 __all__ = ["fanout_parts", "launcher", "run_parts", "split_range"]
 
@@ -79,6 +81,7 @@ class _Helpers:
 
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
+        self.posted = np.zeros(1, np.int64)  # jobs put so far: a helper spins on it before it blocks
         self.count = 0
         self.lock = threading.Lock()
 
@@ -90,9 +93,23 @@ class _Helpers:
                 threading.Thread(target=self._loop, name=f"twophase-fanout-{self.count}", daemon=True).start()
                 self.count += 1
 
+    def post(self, job: _Job, n: int) -> None:
+        for _ in range(n):
+            self.jobs.put(job)
+        self.posted[0] += n
+
     def _loop(self) -> None:
+        """Take jobs for ever: the next one from the queue, else spin until one is posted, else block."""
         while True:
-            self.jobs.get().work()
+            seen = int(self.posted[0])
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                spin = config.settings.helper_spin_us
+                if spin > 0 and spin_while_equal(self.posted, seen, spin):
+                    continue
+                job = self.jobs.get()
+            job.work()
 
 
 _helpers = _Helpers()
@@ -107,8 +124,7 @@ def run_parts(parts: Sequence[Part]) -> None:
         return
     job = _Job(parts)
     _helpers.ensure(len(parts) - 1)
-    for _ in range(len(parts) - 1):
-        _helpers.jobs.put(job)
+    _helpers.post(job, len(parts) - 1)
     job.work()
     if not job.done.is_set():
         spin_until_zero(job.left)  # the other parts are ending on helpers: a blocked wait wakes 25-40 us late

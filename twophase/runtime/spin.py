@@ -1,10 +1,11 @@
-"""A short spin, without the GIL, until a counter in memory reaches zero.
+"""Short spins, without the GIL, until a counter in memory reaches zero or changes.
 
 :func:`~twophase.runtime.fanout.run_parts` uses it for the last parts of a launch, which other threads are
 finishing: waking a thread blocked on an ``Event`` took 25-40 us on these machines (measured after a 0.5 ms
 GEMM part), a spin sees the counter change at once. The spin runs in a ``nogil`` numba loop so the finishing
 thread can take the GIL to count its part down; it gives up after about :data:`SPIN_US` microseconds, and the
-caller then blocks as before.
+caller then blocks as before. Helper threads wait for the next launch with :func:`spin_while_equal` on the
+count of jobs posted, yielding their core every :data:`YIELD_US` (``fanout._Helpers``).
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["SPIN_US", "spin_until_zero"]
+__all__ = ["SPIN_US", "spin_until_zero", "spin_while_equal"]
 
 SPIN_US = 100.0
+YIELD_US = 20.0
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 
 
@@ -65,6 +67,34 @@ def _spin(counter: Any, limit: int) -> bool:
     return last == 0
 
 
+def _yield_typing(typingctx: Any) -> Any:
+    """libc's ``sched_yield()``: let another runnable thread of this core run (declared by name, resolved in
+    the process at load, so the kernel stays cacheable, unlike a ctypes call)."""
+    sig = types.int32()
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+        return builder.call(fn, [])
+    return sig, codegen
+
+
+_yield: Any = intrinsic(_yield_typing)
+
+
+@numba.njit(nogil=True, cache=True)
+def _spin_equal(counter: Any, value: int, limit: int, every: int) -> bool:
+    addr = counter.ctypes.data
+    for i in range(limit):
+        if _load_acquire(addr) != value:
+            return True
+        _pause()
+        if i % every == every - 1:
+            _yield()
+    last: int = _load_acquire(addr)
+    return last != value
+
+
 @functools.cache
 def _iterations() -> int:
     """Spin iterations in about SPIN_US microseconds (timed once on a counter that stays non-zero)."""
@@ -81,3 +111,10 @@ def spin_until_zero(counter: np.ndarray[Any, Any]) -> bool:
     """Spin until ``counter[0]`` (an int64 array another thread counts down) is 0, for at most about SPIN_US
     microseconds; True when it reached 0."""
     return bool(_spin(counter, _iterations()))
+
+
+def spin_while_equal(counter: np.ndarray[Any, Any], value: int, us: float) -> bool:
+    """Spin while ``counter[0]`` equals ``value``, for at most about ``us`` microseconds, giving the core to any
+    other runnable thread (``sched_yield``) every :data:`YIELD_US`; True when it changed."""
+    per_us = _iterations() / SPIN_US
+    return bool(_spin_equal(counter, value, max(1, int(per_us * us)), max(1, int(per_us * YIELD_US))))
