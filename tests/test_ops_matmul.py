@@ -262,7 +262,7 @@ def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(rng: np.rand
 @numba.njit(nogil=True)
 def _tile_gemm(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int) -> None:
     gemm.gemm_tile(a.ctypes.data, a.strides[0] // 4, a.strides[1] // 4, b.ctypes.data, b.strides[0] // 4,
-                   c.ctypes.data, c.strides[0] // 4, kl, m, n, accumulate, 0)
+                   c.ctypes.data, c.strides[0] // 4, kl, m, n, accumulate, 0, 0)
 
 
 @needs_micro

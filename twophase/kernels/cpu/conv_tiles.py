@@ -54,7 +54,7 @@ def _conv_kernel(im2col: Any) -> Any:
                         for j in range(width, ldt):
                             trow[j] = 0.0
                 gemm.gemm_tile(w.ctypes.data + (i0 * lda + k0 * sak) * item, lda, sak, pt, ldt, pc, ldc, kl,
-                               i1 - i0, width, k0, 0)
+                               i1 - i0, width, k0, 0, 0)
             if has_bias:
                 for i in range(i0, i1):
                     orow = out[n, i]

@@ -212,6 +212,21 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
 _K16, _K32, _K16M = _microkernel(1), _microkernel(2), _microkernel(1, masked=True)
 _K8M = _microkernel(1, masked=True, width=8)
 
+def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
+    """Prefetch the line at address ``addr`` into L2 (``llvm.prefetch``, read, locality 2)."""
+    sig = types.void(types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
+        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 2),
+                          ir.Constant(i32, 1)])
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+_prefetch: Any = intrinsic(_prefetch_typing)
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
 _inline = numba.njit(nogil=True, cache=True, inline="always")
 
@@ -228,20 +243,33 @@ def _block(rows: int, wide: bool, c: int, ldc: int, a: int, lda: int, sak: int, 
 
 @_inline
 def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int, kl: int, m: int, n: int,
-              accumulate: int, bias: int) -> None:
+              accumulate: int, bias: int, pnext: int) -> None:
     """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` plus the old ``c`` when ``accumulate``, else plus the bias row at
     address ``bias`` when it is not 0, on float32 matrices given by address and element strides (``b``, ``c`` and
     the bias with unit column stride). The last run of fewer than 16 columns
     is one masked panel, 8 wide (ymm) for at most 8 columns, else 16, that reads ``b``'s rows that wide: they
-    must be readable up to a multiple of 16 columns (a padded tile). Writes exactly that block of ``c``."""
+    must be readable up to a multiple of 16 columns (a padded tile). Writes exactly that block of ``c``.
+
+    While a panel is multiplied, the next panel of ``b`` is prefetched into L2, a slice of its rows per row block
+    (a linear layer's weight is read once per call, from memory: MiniLM's 24 linears 15.7-16.8 -> 14.6-15.0 ms);
+    during the last panel, the 32 columns from address ``pnext`` (the next k block's first panel; 0: none)."""
     item = 4
     full = n // LANES * LANES
     for ic in range(0, m, MC):
         ie = min(ic + MC, m)
         j = 0
+        step = -(-kl // -(-(ie - ic) // MR))  # rows of the next panel of b to prefetch per row block
         while j < full:
             wide = j + NR <= full
-            for i in range(ic, ie, MR):
+            nxt = j + (NR if wide else LANES)
+            target = pb + nxt * item if nxt < n else pnext  # the next panel's first row
+            for bi, i in enumerate(range(ic, ie, MR)):
+                if target:
+                    for kk in range(bi * step, min(kl, (bi + 1) * step)):
+                        row = target + kk * ldb * item
+                        _prefetch(row)
+                        _prefetch(row + 64)
+                        _prefetch(row + 124)
                 _block(min(MR, ie - i), wide, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
                        pb + j * item, ldb, kl, accumulate, bias + j * item if bias else 0)
             j += NR if wide else LANES
@@ -276,7 +304,8 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int
     for k0 in range(0, kdim, KC):  # the whole 16-column panels, k block by k block (no masked panel: n % 16 == 0)
         gemm_tile(pa + (i0 * lda + k0 * sak) * item, lda, sak, pb + (k0 * ldb + j0) * item, ldb,
                   pc + (i0 * ldc + j0) * item, ldc, min(KC, kdim - k0), i1 - i0, vec_end - j0, k0,
-                  pz + j0 * item if has_bias and k0 == 0 else 0)
+                  pz + j0 * item if has_bias and k0 == 0 else 0,
+                  pb + ((k0 + KC) * ldb + j0) * item if k0 + KC < kdim else 0)
     if vec_end == j1:
         return
     if j1 - j0 >= LANES:
