@@ -88,6 +88,7 @@ class _Helpers:
     def ensure(self, n: int) -> None:
         if self.count >= n:
             return
+        spin_while_equal(self.posted, -1, 1)  # compiled (or loaded) here, not by a helper holding the GIL
         with self.lock:
             while self.count < n:
                 threading.Thread(target=self._loop, name=f"twophase-fanout-{self.count}", daemon=True).start()
