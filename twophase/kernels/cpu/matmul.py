@@ -14,6 +14,7 @@ from ...layout import align
 from ...runtime.fanout import launcher
 from . import gemm
 from .blas import fused_gemm
+from .elementwise import activation_in_place, matrix2d
 from .jit import entry
 
 Launch = Callable[[Any], None]
@@ -45,14 +46,25 @@ def _fold_blocks(t: Any, a: Any, b: Any, out: Any) -> list[tuple[Any, Any, Any]]
 
 
 def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any, float, float] | None = None,
-                 ) -> Launch:
-    """Launch computing ``out = alpha * (a @ b) + beta * c`` (``addend = (c, alpha, beta)``; None: ``a @ b``) for
-    tiling ``t`` of implementation ``impl``.
+                 activation: str = "none") -> Launch:
+    """Launch computing ``out = act(alpha * (a @ b) + beta * c)`` (``addend = (c, alpha, beta)``; None: ``a @ b``;
+    ``activation``: one of ``elementwise.ACTIVATIONS``) for tiling ``t`` of implementation ``impl``.
 
     ``a``, ``b``, ``out`` are the arrays as bound; their promoted views come from the tiling's specs. A single
     2-D GEMM with an addend runs as one BLAS call with ``beta`` (``blas.fused_gemm``) where numpy's BLAS allows,
-    else as ``np.matmul`` followed by the epilogue.
+    else as ``np.matmul`` followed by the epilogue. The microkernel applies the activation to each part's block
+    right after computing it (in cache); the others in one pass over ``out`` after the GEMM.
     """
+    if activation != "none" and impl != "microkernel":
+        gemm_launch = build_matmul(t, impl, a, b, out, addend)
+        act = _activate_all(activation, out)
+        if act is None:
+            return gemm_launch
+
+        def then_activate(ws: Any) -> None:
+            gemm_launch(ws)
+            act()
+        return then_activate
     av = strided_view(a, t.a.shape, t.a.strides)
     bv = strided_view(b, t.b.shape, t.b.strides)
     ov = strided_view(out, t.out.shape, t.out.strides)
@@ -64,7 +76,7 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any,
         full = [strided_view(x, s.bshape, s.bstrides) for x, s in ((a, t.a), (b, t.b), (out, t.out))]
         blocks = _fold_blocks(t, full[0], full[1], full[2])
     if impl == "microkernel":
-        return _build_micro(t, *blocks[0], out, addend)
+        return _build_micro(t, *blocks[0], out, addend, activation)
     if addend is not None and len(blocks) == 1:
         fused = fused_gemm(*blocks[0], out, *addend)  # None unless one 2-D GEMM BLAS can take as it is
         if fused is not None:
@@ -90,22 +102,58 @@ def _epilogue_or_nothing(out: Any, addend: tuple[Any, float, float] | None) -> L
     return epilogue or (lambda _: None)
 
 
-def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any, float, float] | None) -> Launch:
+def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any, float, float] | None,
+                 activation: str = "none") -> Launch:
     """The register-blocked float32 GEMM (``gemm.gemm_f32``), one call per part of ``t.parts``; a bias row
     (``addend`` a 1-D ``c`` over the columns, alpha = beta = 1, as linear passes it) is added by the kernel,
-    any other addend by the epilogue after it."""
+    any other addend by the epilogue after it. An activation runs in each part on the block it just computed,
+    unless there is an epilogue (then once over ``out``, after it)."""
     c, alpha, beta = (None, 1.0, 0.0) if addend is None else addend
     fused = c is not None and (alpha, beta) == (1.0, 1.0) and c.ndim == 1 and c.shape[0] == o2.shape[1] and \
         c.strides[0] == c.itemsize and not np.shares_memory(c, out)
     bias = c if fused else np.zeros(1, np.float32)
+    if not fused and addend is not None and activation != "none":
+        plain = _build_micro(t, a2, b2, o2, out, addend)
+        act = _activate_all(activation, out)
+
+        def then_activate(ws: Any) -> None:
+            plain(ws)
+            if act is not None:
+                act()
+        return then_activate
     post: Launch = (lambda _: None) if fused else _epilogue_or_nothing(out, addend)
     fn = entry(gemm.gemm_f32, a2, b2, o2, bias, fused, 0, 0, 0, 0)
-    run = launcher([functools.partial(fn, a2, b2, o2, bias, fused, *p) for p in t.parts])
+    parts: list[Callable[[], None]] = []
+    for p in t.parts:
+        gemm_part = functools.partial(fn, a2, b2, o2, bias, fused, *p)
+        act = activation_in_place(activation, o2[p[0]:p[1], p[2]:p[3]])
+        parts.append(gemm_part if act is None else functools.partial(_in_turn, gemm_part, act))
+    run = launcher(parts)
 
     def launch(ws: Any) -> None:
         run(ws)
         post(ws)
     return launch
+
+
+def _activate_all(name: str, out: Any) -> Callable[[], None] | None:
+    """``activation_in_place`` over all of ``out``: one 2-D view when its leading dims merge, else each 2-D slab."""
+    if out.size == 0 or name == "none":
+        return None
+    whole = matrix2d(out)
+    slabs = [whole] if whole is not None else [out[idx] for idx in np.ndindex(out.shape[:-2])]
+    acts = [activation_in_place(name, slab) for slab in slabs]
+    return functools.partial(_each, [a for a in acts if a is not None])
+
+
+def _each(calls: list[Callable[[], None]]) -> None:
+    for call in calls:
+        call()
+
+
+def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> None:
+    first()
+    then()
 
 
 def _build_packed(t: Any, av: Any, bv: Any, ov: Any, post: Launch) -> Launch:
