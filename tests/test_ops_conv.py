@@ -128,6 +128,27 @@ def test_conv2d_depthwise_3x3_kernel(hw: tuple[int, int], stride: tuple[int, int
         _check(r, reference(xin, w, b, nhwc=nhwc, **attrs))
 
 
+def test_conv2d_depthwise_phase1_allocates_nothing_the_size_of_a_large_plane() -> None:
+    """The masked flat loop's masks are a byte per plane element, made in phase 1: only planes up to
+    ``SAME3_MAX_PLANE`` take it (a fuzzed 2^20 x 2^20 plane once had phase 1 allocate tens of GB)."""
+    import tracemalloc
+
+    from twophase import DType, TensorDesc
+    from twophase.kernels.cpu.conv import SAME3_MAX_PLANE
+    side = 4096
+    assert side * side > SAME3_MAX_PLANE
+    tracemalloc.start()
+    try:
+        _, ex = conv2d.get_workspace_size(TensorDesc((1, 2, side, side), DType.float32),
+                                          TensorDesc((2, 1, 3, 3), DType.float32), None, padding=1, groups=2)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert ex.implementation == "direct"
+    ex.destroy()
+    assert peak < 4 << 20, f"phase 1 allocated {peak} bytes"
+
+
 def test_conv2d_depthwise_same_keeps_inf_and_nan_in_their_windows() -> None:
     """The flat "same" loop reads each row's first and last columns for the neighbouring row's edge windows and
     selects them away: an inf or NaN there must reach only the windows that hold it, never the row beside it

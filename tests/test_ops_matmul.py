@@ -200,6 +200,17 @@ def test_linear_activation_matches_the_reference_on_every_implementation(rng: np
         _check(r, ref, rtol=1e-4)
 
 
+def test_linear_activation_on_an_output_whose_leading_dims_do_not_merge(dev: Any, rng: np.random.Generator) -> None:
+    """An ``out`` of rows 0-3 of a (2, 6, 5) tensor: the activation goes slab by slab after the GEMM."""
+    from twophase.ops.matmul import _ref_linear
+    x, w, b = rng.standard_normal((2, 4, 9)).astype(np.float32), _rand(rng, (5, 9)), _rand(rng, (5,))
+    base = dev.tensor(np.full((2, 6, 5), np.nan, np.float32))
+    out = base.strided((2, 4, 5), (30, 5, 1), 0)
+    r = run_checked(linear, x, w, b, out=out, activation="silu")
+    _check(r, _ref_linear(x, w, b, "silu"))
+    assert np.isnan(base.numpy()[:, 4:]).all()  # the rows around it untouched
+
+
 def test_linear_rejects_an_unknown_activation(dev: Any) -> None:
     with pytest.raises(ParamError) as e:
         linear.get_workspace_size(dev.tensor(np.ones((2, 3), np.float32)), dev.tensor(np.ones((4, 3), np.float32)),

@@ -64,6 +64,25 @@ def test_split_by_chunk_size_makes_a_smaller_last_part() -> None:
     assert [o.tolist() for o in out] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
 
+def test_split_refuses_more_parts_than_it_can_list_before_listing_them() -> None:
+    """A chunk size that cuts a dim into more than ``MAX_SPLIT_PARTS`` outputs is a ParamError in phase 1, found
+    from the count (a fuzzed 2^40-long dim in chunks of 2 once hung phase 1 building the list)."""
+    from twophase import DType, TensorDesc
+    from twophase.ops.shape import MAX_SPLIT_PARTS
+    with pytest.raises(ParamError) as e:
+        ops.split.get_workspace_size(TensorDesc((1 << 40, 2), DType.int8), sizes=2)
+    assert e.value.arg == "sizes" and str(MAX_SPLIT_PARTS) in str(e.value)
+    _, ex = ops.split.get_workspace_size(TensorDesc((MAX_SPLIT_PARTS, 2), DType.int8), sizes=1)
+    assert len(ex.output_descs) == MAX_SPLIT_PARTS
+    ex.destroy()
+
+
+def test_transpose_of_a_0d_tensor_is_the_tensor() -> None:
+    """As torch: dims 0 / -1 of a 0-d tensor are accepted and swapping them changes nothing."""
+    r = run_checked(ops.transpose, np.float32(2.5), dim0=-1, dim1=0)
+    assert r.outputs[0].shape == () and float(r.outputs[0]) == 2.5
+
+
 @settings(max_examples=30, deadline=None)
 @given(shape=shapes(1, 3, 5), layout=st.sampled_from(LAYOUTS), data=st.data())
 def test_pad_constant_matches_numpy_and_writes_every_element(shape: tuple[int, ...], layout: str, data: Any) -> None:

@@ -56,8 +56,10 @@ def _infer_permute(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
 
 
 def _swap(ndim: int, a: int, b: int) -> tuple[int, ...]:
+    """The permutation swapping dims a and b; a 0-d tensor (whose dim 0 / -1 is accepted, as in torch) has none."""
     p = list(range(ndim))
-    p[a], p[b] = p[b], p[a]
+    if ndim:
+        p[a], p[b] = p[b], p[a]
     return tuple(p)
 
 
@@ -73,7 +75,7 @@ _reg("permute", _infer_permute, _copy_build(lambda x, a: x.transpose(tuple(d % x
      "Dense copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]].",
      lambda x, dims: np.ascontiguousarray(np.transpose(x, dims)), attrs=(Attr("dims", as_dims),))
 _reg("transpose", _infer_transpose,
-     _copy_build(lambda x, a: x.transpose(_swap(x.ndim, a["dim0"] % x.ndim, a["dim1"] % x.ndim))),
+     _copy_build(lambda x, a: x.transpose(_swap(x.ndim, a["dim0"] % max(x.ndim, 1), a["dim1"] % max(x.ndim, 1)))),
      "Dense copy of x with dims dim0 and dim1 swapped.", lambda x, dim0=-2, dim1=-1: np.swapaxes(x, dim0, dim1),
      attrs=(Attr("dim0", as_int, -2), Attr("dim1", as_int, -1)))
 
@@ -117,6 +119,9 @@ _reg("concat", _infer_concat, _build_concat, "Join any number (at least one) of 
      lambda *xs, dim=0: np.concatenate(xs, axis=dim), attrs=(Attr("dim", as_int, 0),), inputs=("xs*",))
 
 
+MAX_SPLIT_PARTS = 1 << 16  # outputs of one split (a fuzzed 2^40-long dim in chunks of 2 hung phase 1 for minutes)
+
+
 def _split_sizes(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, list[int]]:
     dim = norm_dim("split", "dim", attrs["dim"], x.ndim)
     n = x.shape[dim] if x.ndim else 0
@@ -124,6 +129,9 @@ def _split_sizes(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, list[int]]:
     if isinstance(sizes, int):  # a chunk size, as torch.split(x, int)
         if sizes <= 0:
             raise ParamError(op="split", arg="sizes", expected="a positive chunk size", got=sizes)
+        if -(-n // sizes) > MAX_SPLIT_PARTS:  # one output each: refused before listing them
+            raise ParamError(op="split", arg="sizes", expected=f"at most {MAX_SPLIT_PARTS} parts of dim {dim} "
+                             f"(size {n})", got=sizes)
         sizes = [min(sizes, n - i) for i in range(0, n, sizes)] or [0]
     if any(s < 0 for s in sizes) or sum(sizes) != n or not sizes:
         raise ParamError(op="split", arg="sizes", expected=f"sizes >= 0 summing to {n}", got=sizes)

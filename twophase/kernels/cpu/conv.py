@@ -30,6 +30,9 @@ STRIDED_WEIGHT = 2
 # 28^2 s1 in 70 us, 1 x 128 x 56^2 s2 in 100 us: /tmp/w/dw3.py of the tenth session); through the op, two parts
 # lost at 70-90 us of work and were even at ~120 (/tmp/w/dwop.py): they start from ~115 us
 DW3X3_PARALLEL_MIN = 3 << 20
+# planes up to this many elements take the depthwise kernel's masked flat loop, whose two masks (made in phase 1)
+# are a byte per element; a larger plane's rows are long enough that fixing their edges row by row costs little
+SAME3_MAX_PLANE = 1 << 16
 DW3X3_STRIDED_WEIGHT = 3
 
 
@@ -420,7 +423,8 @@ def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     dense = rows_dense(x, out)
     has = bias is not None
     if t.cg == 1 and (t.kh, t.kw, t.dh, t.dw) == (3, 3, 1, 1):
-        same = (t.sh, t.sw, t.ph, t.pw, t.oh, t.ow) == (1, 1, 1, 1, t.h, t.w) and min(t.h, t.w) >= 3
+        same = (t.sh, t.sw, t.ph, t.pw, t.oh, t.ow) == (1, 1, 1, 1, t.h, t.w) and min(t.h, t.w) >= 3 and \
+            t.h * t.w <= SAME3_MAX_PLANE
         masks = same3_masks(t.h, t.w) if same and dense else (np.zeros(0, np.bool_),) * 2
         k = entry(CONV_DW3X3[dense, step_key(t.sw)], x, w, b, has, out, geo, t.groups, 0, 0, *masks)
         extra: tuple[Any, ...] = masks

@@ -122,16 +122,23 @@ def function_for(name: str, compute: Any) -> str:
 ACTIVATIONS = ("none", "relu", "gelu", "gelu_tanh", "silu")  # linear's fused activations (vmath names but relu)
 
 
-def activation_in_place(name: str, block: Any) -> Callable[[], None] | None:
-    """``block = f(block)`` for activation ``name`` of ``ACTIVATIONS`` on a 2-D float view (None for "none"): the
-    vmath row kernel (one thread: it runs inside a GEMM part, on the part's block while it is in cache), or
-    ``np.maximum`` for relu."""
+def activation_kernel(name: str, sample: Any) -> Callable[[Any], None] | None:
+    """``f(block)``: ``block = act(block)`` in place for activation ``name`` of ``ACTIVATIONS`` (None for "none")
+    on 2-D float views typed as ``sample``: the vmath in-place rows kernel (one thread: it runs inside a GEMM part,
+    on the part's block while it is in cache), or ``np.maximum`` for relu."""
     if name == "none":
         return None
     if name == "relu":
-        zero = block.dtype.type(0)
-        return lambda: np.maximum(block, zero, out=block)
-    return _rows_call(function_for("gelu_erf" if name == "gelu" else name, block.dtype), block, block)
+        zero = sample.dtype.type(0)
+        return lambda block: np.maximum(block, zero, out=block)
+    fn = function_for("gelu_erf" if name == "gelu" else name, sample.dtype)
+    return entry(IN_PLACE[fn][rows_dense(sample)], sample)
+
+
+def activation_in_place(name: str, block: Any) -> Callable[[], None] | None:
+    """``activation_kernel`` bound to ``block``."""
+    kernel = activation_kernel(name, block)
+    return None if kernel is None else functools.partial(kernel, block)
 
 
 def matrix2d(a: Any) -> Any:

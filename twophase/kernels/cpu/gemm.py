@@ -212,6 +212,7 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
 _K16, _K32, _K16M = _microkernel(1), _microkernel(2), _microkernel(1, masked=True)
 _K8M = _microkernel(1, masked=True, width=8)
 
+
 def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
     """Prefetch the line at address ``addr`` into L2 (``llvm.prefetch``, read, locality 2)."""
     sig = types.void(types.int64)
@@ -227,6 +228,7 @@ def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
 
 
 _prefetch: Any = intrinsic(_prefetch_typing)
+
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
 _inline = numba.njit(nogil=True, cache=True, inline="always")
 

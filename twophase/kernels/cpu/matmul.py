@@ -14,7 +14,7 @@ from ...layout import align
 from ...runtime.fanout import launcher
 from . import gemm
 from .blas import fused_gemm
-from .elementwise import activation_in_place, matrix2d
+from .elementwise import activation_in_place, activation_kernel, matrix2d
 from .jit import entry
 
 Launch = Callable[[Any], None]
@@ -56,15 +56,7 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any,
     right after computing it (in cache); the others in one pass over ``out`` after the GEMM.
     """
     if activation != "none" and impl != "microkernel":
-        gemm_launch = build_matmul(t, impl, a, b, out, addend)
-        act = _activate_all(activation, out)
-        if act is None:
-            return gemm_launch
-
-        def then_activate(ws: Any) -> None:
-            gemm_launch(ws)
-            act()
-        return then_activate
+        return _then_activate(build_matmul(t, impl, a, b, out, addend), activation, out)
     av = strided_view(a, t.a.shape, t.a.strides)
     bv = strided_view(b, t.b.shape, t.b.strides)
     ov = strided_view(out, t.out.shape, t.out.strides)
@@ -113,14 +105,7 @@ def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any,
         c.strides[0] == c.itemsize and not np.shares_memory(c, out)
     bias = c if fused else np.zeros(1, np.float32)
     if not fused and addend is not None and activation != "none":
-        plain = _build_micro(t, a2, b2, o2, out, addend)
-        act = _activate_all(activation, out)
-
-        def then_activate(ws: Any) -> None:
-            plain(ws)
-            if act is not None:
-                act()
-        return then_activate
+        return _then_activate(_build_micro(t, a2, b2, o2, out, addend), activation, out)
     post: Launch = (lambda _: None) if fused else _epilogue_or_nothing(out, addend)
     fn = entry(gemm.gemm_f32, a2, b2, o2, bias, fused, 0, 0, 0, 0)
     parts: list[Callable[[], None]] = []
@@ -136,19 +121,25 @@ def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any,
     return launch
 
 
-def _activate_all(name: str, out: Any) -> Callable[[], None] | None:
-    """``activation_in_place`` over all of ``out``: one 2-D view when its leading dims merge, else each 2-D slab."""
+def _then_activate(launch: Launch, name: str, out: Any) -> Launch:
+    """``launch``, then the activation over all of ``out``: one 2-D view when its leading dims merge, else each
+    2-D slab in turn (cut at launch, so phase 1 stays O(1) whatever the batch)."""
     if out.size == 0 or name == "none":
-        return None
+        return launch
     whole = matrix2d(out)
-    slabs = [whole] if whole is not None else [out[idx] for idx in np.ndindex(out.shape[:-2])]
-    acts = [activation_in_place(name, slab) for slab in slabs]
-    return functools.partial(_each, [a for a in acts if a is not None])
+    sample = whole if whole is not None else out[(0,) * (out.ndim - 2)]
+    kernel = activation_kernel(name, sample)
+    assert kernel is not None
+    lead = () if whole is not None else out.shape[:-2]
 
-
-def _each(calls: list[Callable[[], None]]) -> None:
-    for call in calls:
-        call()
+    def then(ws: Any) -> None:
+        launch(ws)
+        if whole is not None:
+            kernel(whole)
+            return
+        for idx in np.ndindex(lead):
+            kernel(out[idx])
+    return then
 
 
 def _in_turn(first: Callable[[], None], then: Callable[[], None]) -> None:
