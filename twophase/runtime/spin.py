@@ -56,17 +56,6 @@ _load_acquire: Any = intrinsic(_load_acquire_typing)
 _pause: Any = intrinsic(_pause_typing)
 
 
-@numba.njit(nogil=True, cache=True)
-def _spin(counter: Any, limit: int) -> bool:
-    addr = counter.ctypes.data  # read here: from Python, ``ctypes.data`` costs ~1 us a call
-    for _ in range(limit):
-        if _load_acquire(addr) == 0:
-            return True
-        _pause()
-    last: int = _load_acquire(addr)
-    return last == 0
-
-
 def _yield_typing(typingctx: Any) -> Any:
     """libc's ``sched_yield()``: let another runnable thread of this core run (declared by name, resolved in
     the process at load, so the kernel stays cacheable, unlike a ctypes call)."""
@@ -83,16 +72,21 @@ _yield: Any = intrinsic(_yield_typing)
 
 
 @numba.njit(nogil=True, cache=True)
-def _spin_equal(counter: Any, value: int, limit: int, every: int) -> bool:
-    addr = counter.ctypes.data
-    for i in range(limit):
-        if _load_acquire(addr) != value:
+def _spin(counter: Any, value: int, until_equal: bool, limit: int, every: int) -> bool:
+    """Spin at most ``limit`` times until ``counter[0] == value`` (``until_equal``) or ``!= value``, yielding the
+    core every ``every`` spins; True when that happened."""
+    addr = counter.ctypes.data  # read here: from Python, ``ctypes.data`` costs ~1 us a call
+    left = every
+    for _ in range(limit):
+        if (_load_acquire(addr) == value) == until_equal:
             return True
         _pause()
-        if i % every == every - 1:
+        left -= 1
+        if left == 0:
             _yield()
+            left = every
     last: int = _load_acquire(addr)
-    return last != value
+    return (last == value) == until_equal
 
 
 @functools.cache
@@ -100,9 +94,9 @@ def _iterations() -> int:
     """Spin iterations in about SPIN_US microseconds (timed once on a counter that stays non-zero)."""
     counter = np.ones(1, np.int64)
     n = 20_000
-    _spin(counter, 10)  # compile (or load from the cache) outside the timing
+    _spin(counter, 0, True, 10, n + 1)  # compile (or load from the cache) outside the timing
     t0 = time.perf_counter()
-    _spin(counter, n)
+    _spin(counter, 0, True, n, n + 1)
     per = max((time.perf_counter() - t0) / n, 1e-10)
     return max(1, int(SPIN_US * 1e-6 / per))
 
@@ -110,11 +104,12 @@ def _iterations() -> int:
 def spin_until_zero(counter: np.ndarray[Any, Any]) -> bool:
     """Spin until ``counter[0]`` (an int64 array another thread counts down) is 0, for at most about SPIN_US
     microseconds; True when it reached 0."""
-    return bool(_spin(counter, _iterations()))
+    n = _iterations()
+    return bool(_spin(counter, 0, True, n, n + 1))  # no yield: the parts end within microseconds
 
 
 def spin_while_equal(counter: np.ndarray[Any, Any], value: int, us: float) -> bool:
     """Spin while ``counter[0]`` equals ``value``, for at most about ``us`` microseconds, giving the core to any
     other runnable thread (``sched_yield``) every :data:`YIELD_US`; True when it changed."""
     per_us = _iterations() / SPIN_US
-    return bool(_spin_equal(counter, value, max(1, int(per_us * us)), max(1, int(per_us * YIELD_US))))
+    return bool(_spin(counter, value, False, max(1, int(per_us * us)), max(1, int(per_us * YIELD_US))))

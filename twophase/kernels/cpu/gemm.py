@@ -73,6 +73,15 @@ _I64 = ir.IntType(64)
 _F32 = ir.FloatType()
 
 
+def _emit_prefetch(builder: Any, ptr: Any, write: bool, locality: int) -> None:
+    """IR for ``llvm.prefetch`` of the line at pointer ``ptr`` (locality 3: L1, 2: L2)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality),
+                      ir.Constant(i32, 1)])
+
+
 def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
                 k: Any, accumulate: Any, bias: Any, ncols: Any = None, width: int = LANES) -> None:
     """IR for the ``rows x width nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
@@ -127,13 +136,9 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
     cp, ap, bp = (builder.inttoptr(x, fptr) for x in (c, a, b))
     # write-prefetch the block of c: its lines arrive while the k loop runs (c is cold when it is a
     # large output, or attention's scores of many heads: 8-10% there)
-    i8p = ir.IntType(8).as_pointer()
-    prefetch = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
     for r in range(rows):
         for v in range(nv):
-            builder.call(prefetch, [builder.bitcast(vec_at(cp, r, ldc, w * v), i8p),
-                                    ir.Constant(i32, 1), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+            _emit_prefetch(builder, vec_at(cp, r, ldc, w * v), write=True, locality=3)
     acc = [[cgutils.alloca_once(builder, vec) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
     for row in acc:
         for slot in row:
@@ -218,11 +223,7 @@ def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
     sig = types.void(types.int64)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-        fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
-        builder.call(fn, [builder.inttoptr(args[0], i8p), ir.Constant(i32, 0), ir.Constant(i32, 2),
-                          ir.Constant(i32, 1)])
+        _emit_prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), write=False, locality=2)
         return context.get_dummy_value()
     return sig, codegen
 
@@ -279,12 +280,11 @@ def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int,
             narrow = n - full <= HALF
             zb = bias + full * item if bias else 0
             for i in range(ic, ie, MR):
+                rows, ci, ai = min(MR, ie - i), pc + (i * ldc + full) * item, pa + i * lda * item
                 if narrow:
-                    _K8M(min(MR, ie - i), pc + (i * ldc + full) * item, ldc, pa + i * lda * item, lda, sak,
-                         pb + full * item, ldb, kl, accumulate, zb, n - full)
+                    _K8M(rows, ci, ldc, ai, lda, sak, pb + full * item, ldb, kl, accumulate, zb, n - full)
                 else:
-                    _K16M(min(MR, ie - i), pc + (i * ldc + full) * item, ldc, pa + i * lda * item, lda, sak,
-                          pb + full * item, ldb, kl, accumulate, zb, n - full)
+                    _K16M(rows, ci, ldc, ai, lda, sak, pb + full * item, ldb, kl, accumulate, zb, n - full)
 
 
 @_jit
