@@ -144,12 +144,14 @@ PACKED_FMA = re.compile(r"vfmadd\w+p[sd]\s+%[yz]mm")
 @pytest.mark.parametrize("name,dtype", [("silu_f32", np.float32), ("gelu_erf_f32", np.float32), ("exp_f32", np.float32),
                                               ("exp", np.float64)])
 def test_unary_kernel_inner_loop_is_vectorized(name: str, dtype: Any) -> None:
-    """The specialised span kernel, recompiled uncached (cached code has no assembly), uses packed FMAs."""
-    span = KERNELS[name][0]
-    fresh = numba.njit(nogil=True, fastmath=FAST, error_model="numpy")(span.py_func)
-    arr = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C")
-    fresh.compile((arr, arr))
-    assert PACKED_FMA.search(fresh.inspect_asm((arr, arr)))
+    """The specialised dense-rows kernel, recompiled uncached (cached code has no assembly), uses packed FMAs, on
+    matrices typed contiguous or not (its rows are bare contiguous views either way)."""
+    rows = KERNELS[name][True]
+    fresh = numba.njit(nogil=True, fastmath=FAST, error_model="numpy")(rows.py_func)
+    for layout in ("C", "A"):
+        arr = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 2, layout)
+        fresh.compile((arr, arr))
+        assert PACKED_FMA.search(fresh.inspect_asm((arr, arr)))
 
 
 @pytest.mark.parametrize("name,dtype", [("gelu_erf_f32", np.float32)])  # one: each case compiles uncached (~6 s)

@@ -1,8 +1,8 @@
 """Unary elementwise kernels: one specialised numba kernel per math function, made from one template.
 
 ``KERNELS[name]`` holds the kernels of ``vmath.<name>`` (or, for float32 data, of ``vmath.<name>_f32`` where that
-exists). Each kernel's inner loop runs over a 1-D contiguous span (``x[k, lo:hi]``) with the function known at compile
-time, so LLVM inlines it and vectorizes the loop (packed ``zmm``/``ymm`` math; ``tests/test_ops_elementwise.py``
+exists). Each kernel's inner loop runs over a row (dense rows as bare contiguous views) with the function known at
+compile time, so LLVM inlines it and vectorizes the loop (packed ``zmm``/``ymm`` math; ``tests/test_ops_elementwise.py``
 checks the assembly). The op picks the kernel in phase 1 by the function's name.
 """
 
@@ -14,6 +14,8 @@ from typing import Any
 
 import numba
 import numpy as np
+from numba.core import types
+from numba.extending import overload
 
 from ...layout import align, as_matrix
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
@@ -21,7 +23,8 @@ from . import vmath as vm
 from .jit import FAST, by_density, entry, row_of, rows_dense
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
-kern = numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy")
+_LOOP_OPTIONS: Any = {"nogil": True, "fastmath": FAST, "error_model": "numpy"}  # also the span loops' (overloads)
+kern: Callable[[Callable[..., Any]], Any] = numba.njit(cache=True, **_LOOP_OPTIONS)
 
 FUNCS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
          "sigmoid_f32", "silu_f32", "gelu_erf_f32", "exp_f32")
@@ -45,68 +48,79 @@ def fanout_elements(fn: str) -> int:
     return max(2, int(FANOUT_NS / COST_NS[fn]))
 
 
-@numba.njit(nogil=True, cache=True, fastmath=FAST, error_model="numpy", inline="always")
-def _apply(code: int, v: Any) -> Any:
-    """vmath function number ``code`` of ``v``: ``code`` is a compile-time constant in every kernel, so only one
-    branch survives (the kernels are specialised; nothing is selected per element)."""
-    if code == 0:
-        return vm.exp(v)
-    if code == 1:
-        return vm.log(v)
-    if code == 2:
-        return vm.tanh(v)
-    if code == 3:
-        return vm.sigmoid(v)
-    if code == 4:
-        return vm.silu(v)
-    if code == 5:
-        return vm.gelu_erf(v)
-    if code == 6:
-        return vm.gelu_tanh(v)
-    if code == 7:
-        return vm.rsqrt(v)
-    if code == 8:
-        return vm.sigmoid_f32(v)
-    if code == 9:
-        return vm.silu_f32(v)
-    if code == 10:
-        return vm.gelu_erf_f32(v)
-    return vm.exp_f32(v)
+_VMATH = tuple(getattr(vm, name) for name in FUNCS)
 
 
-def _specialise(code: int) -> tuple[Any, dict[bool, Any]]:
-    """(span, rows) kernels of function ``code``: the one loop, written once; ``code`` is a closure constant
-    (numba freezes it, and caches each specialisation under its value). ``rows`` by density
-    (``jit.by_density``): dense rows taken through ``jit.row_of``, so the loop vectorizes."""
+def _span(code: int, x: Any, out: Any) -> None:
+    """``out[i] = f(x[i])`` over a 1-D span, f = vmath function number ``code`` (in kernels: the overload below)."""
+    for i in range(x.shape[0]):
+        out[i] = _VMATH[code](x[i])
 
-    @kern
-    def span(x: Any, out: Any) -> None:
+
+def _span_in_place(code: int, x: Any) -> None:
+    """``x[i] = f(x[i])`` (a loop of its own: ``_span(code, x, x)`` fails LLVM's overlap check, which sends
+    identical input and output to the scalar loop, 6 ns against 0.6 per gelu element)."""
+    _span(code, x, x)
+
+
+def _function(code: Any) -> Any:
+    """The vmath kernel of a literal ``code`` (a closure constant of the calling kernel), or None to have numba
+    retry with the literal type. Picked when the kernel is typed, so only that function is compiled: an ``if code
+    == ...`` chain of inlined calls had all twelve bodies typed and lowered before the dead branches were pruned
+    (~8 s a kernel against ~1)."""
+    return _VMATH[code.literal_value] if isinstance(code, types.IntegerLiteral) else None
+
+
+# Not inlined: a function of its own keeps the loop's registers to itself (inlined into the row loop, AVX2 code
+# reloaded the polynomial constants on every iteration, 110 instructions against 61)
+@overload(_span, jit_options=_LOOP_OPTIONS)
+def _span_typed(code: Any, x: Any, out: Any) -> Any:
+    f = _function(code)
+    if f is None:
+        return None
+
+    def impl(code: Any, x: Any, out: Any) -> None:  # the stub's signature, annotations included (numba checks)
         for i in range(x.shape[0]):
-            out[i] = _apply(code, x[i])
+            out[i] = f(x[i])
+    return impl
 
-    def make_rows(dense: bool) -> Any:
+
+@overload(_span_in_place, jit_options=_LOOP_OPTIONS)
+def _span_in_place_typed(code: Any, x: Any) -> Any:
+    f = _function(code)
+    if f is None:
+        return None
+
+    def impl(code: Any, x: Any) -> None:
+        for i in range(x.shape[0]):
+            x[i] = f(x[i])
+    return impl
+
+
+def _rows(code: int) -> dict[bool, Any]:
+    """Rows kernels (``jit.by_density``) of function ``code``: ``out[k] = f(x[k])`` row by row, dense rows taken
+    through ``jit.row_of`` so the loop vectorizes. Only constants are closed over: numba keys a cached kernel on its
+    closure's pickle, and a captured kernel pickles with a per-process id, so its caller would never load from the
+    cache."""
+    def make(dense: bool) -> Any:
         @kern
         def rows(x: Any, out: Any) -> None:
             for k in range(x.shape[0]):
-                span(row_of(x, k, dense), row_of(out, k, dense))
+                _span(code, row_of(x, k, dense), row_of(out, k, dense))
         return rows
+    return by_density(make)
 
-    return span, by_density(make_rows)
 
-
-KERNELS: dict[str, tuple[Any, Any]] = {name: _specialise(CODES[name]) for name in FUNCS}
+KERNELS: dict[str, dict[bool, Any]] = {name: _rows(CODES[name]) for name in FUNCS}
 
 
 def _in_place(code: int) -> dict[bool, Any]:
-    """In-place rows kernels (by density) of function ``code``: ``rows(x, x)`` would not vectorize, as LLVM's
-    overlap check sends identical input and output to the scalar loop (6 ns against 0.6 per gelu element)."""
+    """In-place rows kernels (by density) of function ``code`` (``_span_in_place``)."""
     def make(dense: bool) -> Any:
         @kern
         def rows_in_place(x: Any) -> None:
             for k in range(x.shape[0]):
-                row = row_of(x, k, dense)
-                for i in range(row.shape[0]):
-                    row[i] = _apply(code, row[i])
+                _span_in_place(code, row_of(x, k, dense))
         return rows_in_place
     return by_density(make)
 
@@ -217,4 +231,4 @@ def _rows_call(fn_name: str, a: Any, o: Any) -> Callable[[], None]:
     dense = rows_dense(a, o)
     if a.ctypes.data == o.ctypes.data and a.shape == o.shape and a.strides == o.strides:
         return functools.partial(entry(IN_PLACE[fn_name][dense], o), o)
-    return functools.partial(entry(KERNELS[fn_name][1][dense], a, o), a, o)
+    return functools.partial(entry(KERNELS[fn_name][dense], a, o), a, o)
