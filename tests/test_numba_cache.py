@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
+import gc
+import importlib
+import os
+import pkgutil
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
+
+from numba.core.dispatcher import Dispatcher
 
 from twophase.kernels.cpu import numba_cache
 
@@ -42,3 +51,34 @@ def test_the_package_stamp_matches_its_sources() -> None:
     here = Path(numba_cache.__file__).parent
     stamp = here / "__pycache__" / "twophase-kernels.digest"
     assert stamp.read_text() == numba_cache.source_digest(here)
+
+
+def _kernels() -> list[Any]:
+    """Every numba kernel the kernel modules have made at import."""
+    import twophase.kernels.cpu as kernels
+    for m in pkgutil.iter_modules(kernels.__path__):
+        importlib.import_module(f"{kernels.__name__}.{m.name}")
+    return [o for o in gc.get_objects() if isinstance(o, Dispatcher)
+            and o.py_func.__module__.startswith("twophase.")]
+
+
+def test_kernels_close_over_plain_constants_only() -> None:
+    """numba keys a cached kernel on a pickle of its closure, and a kernel pickles with a per-process id: a kernel
+    closing over another kernel would be compiled again in every process (``jit.variant_call`` is the way)."""
+    made = _kernels()
+    assert len(made) > 100
+    bad = {(k.py_func.__qualname__, type(c.cell_contents).__name__) for k in made for c in k.py_func.__closure__ or ()
+           if not isinstance(c.cell_contents, int | float | str | bool | None)}
+    assert not bad
+
+
+def test_a_unary_kernel_compiled_in_one_process_loads_in_the_next(tmp_path: Path) -> None:
+    """End to end, with an empty cache folder: the second process finds the kernel (and its span loop) there and
+    saves nothing."""
+    script = ("import numpy as np; from twophase.kernels.cpu.elementwise import _rows_call; "
+              "x = np.ones((3, 40), np.float32); _rows_call('gelu_erf_f32', x, np.empty_like(x))()")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_DEBUG_CACHE": "1"}
+    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+            for _ in range(2)]
+    assert "data saved" in runs[0].stdout
+    assert "data loaded" in runs[1].stdout and "data saved" not in runs[1].stdout, runs[1].stdout

@@ -17,13 +17,17 @@ from ...runtime.fanout import run_parts
 from . import gemm
 from . import jit as _jit
 from .conv import IM2COL, _geo, _wmat, step_key
-from .jit import entry, row_of, rows_dense
+from .jit import entry, row_of, rows_dense, variant_call
 
 Launch = Callable[[Any], None]
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 
 
-def _conv_kernel(im2col: Any) -> Any:
+_IM2COL_KEYS = tuple(IM2COL)
+_im2col = variant_call(tuple(IM2COL.values()))
+
+
+def _conv_kernel(variant: int) -> Any:
     @jit
     def conv_tiles(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, tile: Any, kc: int, rows: int,
                    r0: int, r1: int, i0: int, i1: int) -> None:
@@ -47,7 +51,7 @@ def _conv_kernel(im2col: Any) -> Any:
             pc = out[n].ctypes.data + (i0 * ldc + oh0 * ow_n) * item
             for k0 in range(0, kdim, kc):
                 kl = min(kc, kdim - k0)
-                im2col(x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
+                _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
                 if k0 == 0:  # the masked panel reads the tile's columns up to the next 16: keep them finite
                     for kk in range(kl):  # (the first k block is the deepest; the unfold never writes them)
                         trow = row_of(tile, kk, True)
@@ -65,7 +69,7 @@ def _conv_kernel(im2col: Any) -> Any:
     return conv_tiles
 
 
-CONV_TILES = {key: _conv_kernel(kernel) for key, kernel in IM2COL.items()}
+CONV_TILES = {key: _conv_kernel(i) for i, key in enumerate(_IM2COL_KEYS)}
 
 
 def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:

@@ -8,11 +8,11 @@ from typing import Any
 import numba
 import numpy as np
 from numba.core import cgutils, types
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 from numba.np.numpy_support import carray
 
 __all__ = ["entry", "jit", "jit_inline", "jit_par", "jit_reduce", "FAST", "REDUCE", "row_of",
-           "rows_dense", "by_density", "span_of", "pairs_of"]
+           "rows_dense", "by_density", "span_of", "pairs_of", "variant_call"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -90,6 +90,27 @@ def by_density(make: Callable[[bool], Any]) -> dict[bool, Any]:
     phase 1 picks one with ``rows_dense``, so only that one is compiled (compiling both in one kernel, behind a
     run-time test, doubled the compile time of the parallel group-norm kernels)."""
     return {dense: make(dense) for dense in (True, False)}
+
+
+def variant_call(variants: tuple[Any, ...]) -> Callable[..., Any]:
+    """``call(i, *args)``, which runs ``variants[i](*args)``: for a kernel calling one of several kernels chosen by a
+    closure constant ``i``. The variant is picked from the literal when the calling kernel is typed, and compiled
+    and cached on its own, as a direct call would be. A kernel that closed over the variant itself would miss
+    numba's cache in every process: the cache key holds a pickle of the closure, and a kernel pickles with a
+    per-process id."""
+    def call(i: int, *args: Any) -> Any:
+        return variants[i](*args)
+
+    @overload(call)
+    def _typed(i: Any, *args: Any) -> Any:
+        if not isinstance(i, types.IntegerLiteral):
+            return None  # numba then retries with the literal type of the constant
+        kernel = variants[i.literal_value]
+
+        def impl(i: Any, *args: Any) -> Any:  # the stub's signature, annotations included (numba checks)
+            return kernel(*args)
+        return impl
+    return call
 
 
 def _numba_type(a: Any) -> Any:
