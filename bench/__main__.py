@@ -1,8 +1,12 @@
-"""``make bench``: run every benchmark module of the suite in turn and write ``bench/results/report.md``."""
+"""``make bench``: run every benchmark module of the suite in turn and write ``bench/results/report.md`` (or
+``report.md`` in the folder given as the one argument, for a run on another kind of machine)."""
 
-from bench.report import run_suite
+import sys
+from pathlib import Path
+
+from bench.report import RESULTS, run_suite
 
 MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2", "bench.bench_graph", "bench.bench_minilm",
            "bench.bench_sanitizer")
 
-run_suite(MODULES)
+run_suite(MODULES, Path(sys.argv[1]) if len(sys.argv) > 1 else RESULTS)
