@@ -56,9 +56,11 @@ def _infer_permute(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
 
 
 def _swap(ndim: int, a: int, b: int) -> tuple[int, ...]:
-    """The permutation swapping dims a and b; a 0-d tensor (whose dim 0 / -1 is accepted, as in torch) has none."""
+    """The permutation swapping dims a and b (negative ones count from the end); a 0-d tensor (whose dim 0 / -1 is
+    accepted, as in torch) has none."""
     p = list(range(ndim))
     if ndim:
+        a, b = a % ndim, b % ndim
         p[a], p[b] = p[b], p[a]
     return tuple(p)
 
@@ -75,7 +77,7 @@ _reg("permute", _infer_permute, _copy_build(lambda x, a: x.transpose(tuple(d % x
      "Dense copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]].",
      lambda x, dims: np.ascontiguousarray(np.transpose(x, dims)), attrs=(Attr("dims", as_dims),))
 _reg("transpose", _infer_transpose,
-     _copy_build(lambda x, a: x.transpose(_swap(x.ndim, a["dim0"] % max(x.ndim, 1), a["dim1"] % max(x.ndim, 1)))),
+     _copy_build(lambda x, a: x.transpose(_swap(x.ndim, a["dim0"], a["dim1"]))),
      "Dense copy of x with dims dim0 and dim1 swapped.", lambda x, dim0=-2, dim1=-1: np.swapaxes(x, dim0, dim1),
      attrs=(Attr("dim0", as_int, -2), Attr("dim1", as_int, -1)))
 

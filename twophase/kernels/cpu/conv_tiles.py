@@ -23,7 +23,6 @@ Launch = Callable[[Any], None]
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 
 
-_IM2COL_KEYS = tuple(IM2COL)
 _im2col = variant_call(tuple(IM2COL.values()))
 
 
@@ -69,7 +68,7 @@ def _conv_kernel(variant: int) -> Any:
     return conv_tiles
 
 
-CONV_TILES = {key: _conv_kernel(i) for i, key in enumerate(_IM2COL_KEYS)}
+CONV_TILES = {key: _conv_kernel(i) for i, key in enumerate(IM2COL)}  # i: the key's variant in _im2col
 
 
 def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
