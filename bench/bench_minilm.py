@@ -401,10 +401,10 @@ def verdicts(result: dict[str, Any]) -> list[str]:
 # variants run in a subprocess each (the thread settings must be in place before numba / OpenBLAS start)
 VARIANTS = {
     "numba1": ("twophase's own kernels on one thread (TWOPHASE_NUM_THREADS=1: no helper threads, its float32 GEMMs "
-               "in one part; NUMBA_NUM_THREADS=1; BLAS, torch and ORT at their defaults)",
-               {"TWOPHASE_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}, 0),
-    "passive": ("OMP_WAIT_POLICY=PASSIVE: twophase's kernels on every core (its automatic thread count); torch shares "
-                "libgomp, so its OpenMP threads are passive too",
+               "in one part; BLAS, torch and ORT at their defaults)",
+               {"TWOPHASE_NUM_THREADS": "1"}, 0),
+    "passive": ("OMP_WAIT_POLICY=PASSIVE: torch's OpenMP threads sleep when idle instead of spinning (twophase's "
+                "kernels use no OpenMP threads of their own)",
                 {"OMP_WAIT_POLICY": "PASSIVE"}, 0),
     "openblas_spin": ("numpy's OpenBLAS left at its default spin (OPENBLAS_THREAD_TIMEOUT=28: twophase then leaves "
                       "it alone): its workers spin ~0.1 s after every threaded GEMM, which slows whatever runs next, "

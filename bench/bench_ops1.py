@@ -210,8 +210,8 @@ def crop_table() -> None:
 
 def main() -> None:
     """The table as the environment stands, then (unless ``TWOPHASE_BENCH_VARIANTS=0`` or the policy is already
-    set) again in a subprocess with ``OMP_WAIT_POLICY=PASSIVE``, where twophase's kernels use every core (its
-    automatic thread count) and torch, which shares libgomp, runs passive too."""
+    set) again in a subprocess with ``OMP_WAIT_POLICY=PASSIVE``, where torch's OpenMP threads sleep when idle
+    (twophase's kernels use no OpenMP threads)."""
     table()
     if "OMP_WAIT_POLICY" not in os.environ:  # once, not again in the variant
         padded_table()
@@ -219,7 +219,7 @@ def main() -> None:
     if os.environ.get("TWOPHASE_BENCH_VARIANTS", "1") == "0" or "OMP_WAIT_POLICY" in os.environ:
         return
     import subprocess
-    print("\nthe same with OMP_WAIT_POLICY=PASSIVE (twophase kernels on every core; torch's OpenMP passive too):")
+    print("\nthe same with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP threads sleep when idle):")
     out = subprocess.run([sys.executable, "-m", "bench.bench_ops1", *sys.argv[1:]], capture_output=True, text=True,
                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, check=False)
     print(out.stdout.rstrip() if out.returncode == 0 else f"variant failed:\n{out.stderr[-2000:]}")

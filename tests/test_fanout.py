@@ -23,6 +23,8 @@ from twophase import ops
 from twophase.kernels.cpu import blas
 from twophase.kernels.cpu import conv as conv_kernels
 from twophase.kernels.cpu import elementwise as elementwise_kernels
+from twophase.kernels.cpu import groupnorm as groupnorm_kernels
+from twophase.kernels.cpu import norm as norm_kernels
 from twophase.kernels.cpu import reduce as reduce_kernels
 from twophase.ops.attention import reference as sdpa_reference
 from twophase.ops.conv import reference as conv_reference
@@ -270,14 +272,15 @@ def three_parts() -> Iterator[None]:
         twophase.set_num_threads(old)
 
 
-def _spy_on_parts(monkeypatch: pytest.MonkeyPatch, module: Any) -> list[int]:
-    """The part counts of every ``run_parts`` call ``module`` makes (the parts still run)."""
+def _spy_on_parts(monkeypatch: pytest.MonkeyPatch, *modules: Any) -> list[int]:
+    """The part counts of every ``run_parts`` call the ``modules`` make (the parts still run)."""
     launched: list[int] = []
 
     def spy(parts: Any) -> None:
         launched.append(len(parts))
         run_parts(parts)
-    monkeypatch.setattr(module, "run_parts", spy)
+    for module in modules:
+        monkeypatch.setattr(module, "run_parts", spy)
     return launched
 
 
@@ -530,3 +533,43 @@ def test_pooling_planes_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPa
     ref = op.spec.reference(x, **attrs)
     assert launched == [3] and r.unwritten[0] == int(np.isnan(ref).sum())
     np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape, layout, dtype, impl", [
+    ((5000, 130), "dense", np.float32, "channels"),         # (N, C): ranges of rows
+    ((3, 40, 70, 80), "dense", np.float32, "channels"),     # ranges of (n, c) planes
+    ((2, 30, 90, 101), "padded", np.float64, "channels"),   # planes as rows of a wider image
+    ((2, 30, 90, 101), "strided", np.float32, "channels"),  # rows whose elements are not adjacent
+    ((4, 30, 75, 80), "dense", np.float16, "channels_packed"),
+    ((3, 20, 40, 30, 20), "transposed", np.float32, "channels_packed"),  # 3 spatial dims in no rows
+])
+def test_batch_norm_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, shape: Any, layout: str, dtype: Any,
+                             impl: str) -> None:
+    launched = _spy_on_parts(monkeypatch, fanout_module, norm_kernels)  # fanout.launcher's launch, or the packed one
+    rng = np.random.default_rng(shape[-1])
+    c = shape[1]
+    a = (rng.standard_normal(shape) * 2 + 1).astype(dtype)
+    mean, w, b = (rng.standard_normal(c).astype(dtype) for _ in range(3))
+    var = (rng.random(c) + 0.5).astype(dtype)
+    r = run_checked(ops.batch_norm, on_device(a, layout), mean, var, w, b)
+    assert r.implementation == impl and launched == [3]
+    _close(r, ops.batch_norm.spec.reference(a, mean, var, w, b), 2e-3 if dtype == np.float16 else 1e-5)
+
+
+@pytest.mark.parametrize("shape, groups, layout, dtype, impl, launches", [
+    ((6, 32, 60, 60), 8, "dense", np.float32, "groups", [3]),                # 48 groups: ranges of groups
+    ((2, 24, 110, 101), 6, "padded", np.float64, "groups", [3]),              # groups as rows of a wider image
+    ((2, 8, 200, 200), 2, "dense", np.float32, "split_groups", [3, 3]),      # blocks' partials, merge, blocks' writes
+    ((2, 8, 200, 203), 2, "strided", np.float32, "split_groups", [3, 3]),
+    ((3, 16, 110, 110), 4, "dense", np.float16, "groups_packed", [3]),
+])
+def test_group_norm_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, shape: Any, groups: int,
+                             layout: str, dtype: Any, impl: str, launches: list[int]) -> None:
+    launched = _spy_on_parts(monkeypatch, groupnorm_kernels)
+    rng = np.random.default_rng(shape[-1] + groups)
+    c = shape[1]
+    a = (rng.standard_normal(shape) * 2 + 1).astype(dtype)
+    w, b = (rng.standard_normal(c).astype(dtype) for _ in range(2))
+    r = run_checked(ops.group_norm, on_device(a, layout), w, b, num_groups=groups)
+    assert r.implementation == impl and launched == launches
+    _close(r, ops.group_norm.spec.reference(a, w, b, num_groups=groups), 2e-3 if dtype == np.float16 else 1e-5)

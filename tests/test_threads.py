@@ -101,30 +101,3 @@ def test_threads_use_their_own_default_stream(op, rng):
     assert their_stream is not dev.default_stream
     want = {"add": a + a, "softmax": _softmax(a, -1), "reduce_sum": a.sum()}[op]
     np.testing.assert_allclose(value, want, rtol=1e-10)
-
-
-def test_kernel_threads_default_follows_the_omp_wait_policy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Automatic (0): one thread unless OpenMP workers are passive; an explicit count wins, clamped to the pool."""
-    import numba
-
-    from twophase.runtime.ops_cpu import kernel_threads, omp_passive
-    pool = numba.config.NUMBA_NUM_THREADS
-    old = twophase.settings.num_threads
-    try:
-        twophase.set_num_threads(0)
-        monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
-        omp_passive.cache_clear()
-        assert kernel_threads() == 1
-        monkeypatch.setenv("OMP_WAIT_POLICY", "passive")
-        assert kernel_threads() == 1  # read once per process, as libgomp reads it
-        omp_passive.cache_clear()
-        assert kernel_threads() == pool
-        twophase.set_num_threads(1)
-        assert kernel_threads() == 1
-        twophase.set_num_threads(pool + 5)
-        assert kernel_threads() == pool
-        with pytest.raises(ValueError, match="num_threads"):
-            twophase.set_num_threads(-1)
-    finally:
-        twophase.set_num_threads(old)
-        omp_passive.cache_clear()

@@ -87,9 +87,8 @@ def set_workspace_limit(nbytes: int | None) -> None:
 
 
 def set_num_threads(n: int) -> None:
-    """Parts a large kernel is cut into for helper threads, and numba threads of the ``prange`` kernels
-    (``TWOPHASE_NUM_THREADS``); 0, the default, is automatic (see ``runtime.fanout.fanout_parts`` and
-    ``runtime.ops_cpu.kernel_threads``)."""
+    """Parts a large kernel is cut into for helper threads (``TWOPHASE_NUM_THREADS``); 0, the default, is
+    automatic: the CPUs this process may run on (``runtime.fanout.fanout_parts``)."""
     if int(n) < 0:
         raise ValueError("num_threads must be >= 0 (0: automatic)")
     _set("num_threads", int(n))

@@ -9,10 +9,10 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import config
-from ..errors import InvalidStateError, ParamError
+from ..errors import ParamError
 from ..tensor import DType, Format, Tensor, TensorDesc
 from .memory import Block, MemoryPool, Segment
-from .stream import CONTROL, Stream
+from .stream import Stream
 
 __all__ = ["Device", "device", "placement", "register_backend"]
 
@@ -34,7 +34,6 @@ class Device:
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self._local = threading.local()
         config.on_change("launch_blocking", self._apply_launch_blocking)
-        config.on_change("num_threads", self._apply_num_threads)
 
     def __repr__(self) -> str:
         return f"Device('{self.name}')"
@@ -54,9 +53,6 @@ class Device:
 
     def _copyin(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         raise NotImplementedError
-
-    def _worker_init(self) -> None:
-        """Runs first on every stream worker thread (backends set per-thread kernel settings here)."""
 
     # ---- streams
     def stream(self, name: str | None = None) -> Stream:
@@ -85,13 +81,6 @@ class Device:
     def _apply_launch_blocking(self, value: object) -> None:
         for s in self._open_streams():
             s._set_blocking(bool(value))
-
-    def _apply_num_threads(self, value: object) -> None:
-        for s in self._open_streams():
-            try:
-                s._enqueue(lambda _: self._worker_init(), None, CONTROL)  # in order, on each worker
-            except InvalidStateError:  # closed since it was listed
-                pass
 
     # ---- memory
     def malloc(self, nbytes: int, policy: str = "huge_first", stream: Stream | None = None) -> Block:

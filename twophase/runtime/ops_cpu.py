@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import functools
 import mmap
-import os
 from typing import Any
 
 import numpy as np
 
-from .. import config
 from ..tensor import TensorDesc
 from .device import Device, register_backend
 from .memory import Block, Segment
@@ -57,40 +54,5 @@ class CpuDevice(Device):
 
     def _copyin(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         np.copyto(dst, src)
-
-    def _worker_init(self) -> None:
-        apply_kernel_threads()
-
-
-def apply_kernel_threads() -> None:
-    """Give the calling thread's parallel numba kernels ``settings.num_threads`` threads (numba's count is
-    per calling thread; BLAS keeps its own pool)."""
-    import numba
-    numba.set_num_threads(kernel_threads())
-
-
-def kernel_threads() -> int:
-    """Threads a parallel kernel runs on: the ``num_threads`` setting, clamped to numba's pool; when unset (0),
-    all of the pool if ``OMP_WAIT_POLICY=PASSIVE`` is in the environment, else 1.
-
-    numba's OpenMP workers spin after each kernel, as OpenBLAS's do after each GEMM: on the same cores the two
-    pools take turns spinning (measured on 2 cores: a MiniLM forward 2.2x slower with 2 kernel threads). With a
-    passive policy idle workers sleep. The library does not set the policy itself: libgomp reads it once per
-    process, and torch shares the same libgomp, so it would change torch's threads too.
-    """
-    import numba
-    pool: int = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]
-    n = config.settings.num_threads
-    if n == 0:
-        n = pool if omp_passive() else 1
-    return max(1, min(n, pool))
-
-
-@functools.cache
-def omp_passive() -> bool:
-    """Whether ``OMP_WAIT_POLICY=PASSIVE`` was set when first asked: read once, as libgomp does, so that tilings
-    planned with one thread count never meet workers started with another."""
-    return os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE"
-
 
 register_backend("cpu", CpuDevice)

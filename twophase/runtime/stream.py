@@ -60,14 +60,12 @@ class _Queue:
         self.dropped = 0
         self.closed = False
         self.thread: threading.Thread | None = None
-        self.init: Callable[[], None] | None = None
         self.current: Any = None  # owner of the task being run (for observers)
         self.listeners = TASK_LISTENERS
         self.enqueue = self.enqueue_inline if blocking else self.enqueue_async
 
-    def start(self, init: Callable[[], None] | None = None) -> None:
-        """Start the worker thread; ``init`` runs first on it (the backend's per-thread set-up)."""
-        self.init = init
+    def start(self) -> None:
+        """Start the worker thread."""
         self.thread = threading.Thread(target=self.serve, name=f"twophase-{self.name}", daemon=True)
         self.thread.start()
 
@@ -128,8 +126,6 @@ class _Queue:
 
     # ---- worker side
     def serve(self) -> None:
-        if self.init is not None:
-            self.init()
         tasks = self.tasks
         while True:
             try:
@@ -216,7 +212,7 @@ class Stream:
         self.name = name or f"{device.name}:{Stream._ids}"
         self._q = _Queue(self.name, blocking)
         if worker and not blocking:
-            self._q.start(device._worker_init)
+            self._q.start()
         self._enqueue = self._q.enqueue
         self._finalizer = weakref.finalize(self, self._q.shutdown)
         return self
@@ -247,7 +243,7 @@ class Stream:
         else:
             q.enqueue = q.enqueue_async
             if q.thread is None and type(self.device).has_worker:
-                q.start(self.device._worker_init)
+                q.start()
         self._enqueue = q.enqueue
 
     def _wait_for(self, seq: int) -> None:

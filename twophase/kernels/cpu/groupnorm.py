@@ -10,21 +10,21 @@ group with Chan's formula: for partials a and b, ``n = n_a + n_b``, ``d = mean_b
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
 
-import numba
 import numpy as np
 
+from ...runtime.fanout import fanout_parts, run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
 from .jit import by_density, entry, row_of, rows_dense
-from .norm import _affine
+from .norm import FANOUT_MIN, _affine
 
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
-jit_par: Kernel = _jit.jit_par
 jit_reduce: Kernel = _jit.jit_reduce
 jit_inline: Kernel = _jit.jit_inline
 SHORT_ROW = 512  # rows shorter than this are summed column-wise (see _block_stats)
@@ -108,12 +108,12 @@ def _group(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any, t: int, dens
 
 
 def _rows_kernel(dense: bool) -> Any:
-    """Whole groups of an (N, G, R, S) view, one per task (R > 1: a crop of a wider image, row by row); ``dense``
-    (a closure constant: one variant compiled per kernel) says the rows' elements are adjacent."""
+    """Whole groups t0 <= t < t1 of an (N, G, R, S) view (R > 1: a crop of a wider image, row by row);
+    ``dense`` (a closure constant: one variant compiled per kernel) says the rows' elements are adjacent."""
 
-    @jit_par
-    def group_norm_rows(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any) -> None:
-        for t in numba.prange(x.shape[0] * x.shape[1]):
+    @jit
+    def group_norm_rows(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any, t0: int, t1: int) -> None:
+        for t in range(t0, t1):
             _group(x, w, b, n_sp, eps, out, t, dense)
     return group_norm_rows
 
@@ -164,21 +164,24 @@ def _split_pass(x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: A
         part[row, j, 2] = q
 
 
-def _split_kernel(dense: bool) -> Any:
-    """Huge groups: every block is a task (Welford partials), groups merge, every block writes; ``dense`` as in
-    ``_rows_kernel``."""
+@jit
+def merge_partials(part: Any, length: int, eps: float) -> None:
+    """Every group's block partials folded (``_merge``): between the blocks' two passes, on one thread (a few
+    flops per block)."""
+    for t in range(part.shape[0]):
+        _merge(part, t, length, eps)
 
-    @jit_par
-    def group_norm_split(x: Any, w: Any, b: Any, n_sp: int, eps: float, block: int, part: Any, out: Any) -> None:
-        n, g, n_r, n_s = x.shape
-        nb = part.shape[1]
-        for t in numba.prange(n * g * nb):
-            _split_pass(x, w, b, n_sp, block, part, out, t, False, dense)
-        for row in numba.prange(n * g):
-            _merge(part, row, n_r * n_s, eps)
-        for t in numba.prange(n * g * nb):
-            _split_pass(x, w, b, n_sp, block, part, out, t, True, dense)
-    return group_norm_split
+
+def _split_kernel(dense: bool) -> Any:
+    """Huge groups: block tasks t0 <= t < t1, each its Welford partial or (``write``, once the groups are merged)
+    its output; ``dense`` as in ``_rows_kernel``."""
+
+    @jit
+    def group_norm_blocks(x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: Any, t0: int, t1: int,
+                          write: bool) -> None:
+        for t in range(t0, t1):
+            _split_pass(x, w, b, n_sp, block, part, out, t, write, dense)
+    return group_norm_blocks
 
 
 GROUP_ROWS = by_density(_rows_kernel)
@@ -201,20 +204,29 @@ def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float
         sample, p_sample = src, w
     part_sample = np.empty((1, 1, 3), np.float64)
     dense = t.pack or rows_dense(src, dst)
+    rows = n * t.groups
+    parts = fanout_parts() if src.size >= FANOUT_MIN else 1
     if t.split > 1:
-        fn = entry(GROUP_SPLIT[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, eps, t.block,
-                   part_sample, sample if t.pack else dst)
+        fn = entry(GROUP_SPLIT[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, t.block, part_sample,
+                   sample if t.pack else dst, 0, 0, False)
+        merge = entry(merge_partials, part_sample, 0, eps)
+        blocks = split_range(rows * t.split, parts)
+        length = src.size // rows
+
+        def run(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> None:
+            part = ws[:rows * t.split * 24].view(np.float64).reshape(rows, t.split, 3)
+            run_parts([functools.partial(fn, x, wv, bv, t.n_sp, t.block, part, out, lo, hi, False)
+                       for lo, hi in blocks])
+            merge(part, length, eps)
+            run_parts([functools.partial(fn, x, wv, bv, t.n_sp, t.block, part, out, lo, hi, True)
+                       for lo, hi in blocks])
     else:
         fn = entry(GROUP_ROWS[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, eps,
-                   sample if t.pack else dst)
-    rows = n * t.groups
+                   sample if t.pack else dst, 0, 0)
+        groups = split_range(rows, parts)
 
-    def run(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> None:
-        if t.split > 1:
-            fn(x, wv, bv, t.n_sp, eps, t.block, ws[:rows * t.split * 24].view(np.float64).reshape(rows, t.split, 3),
-               out)
-        else:
-            fn(x, wv, bv, t.n_sp, eps, out)
+        def run(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> None:
+            run_parts([functools.partial(fn, x, wv, bv, t.n_sp, eps, out, lo, hi) for lo, hi in groups])
     if not t.pack:
         return lambda ws: run(src, w, b, dst, ws)
     nbytes, pbytes = src.size * compute.itemsize, w.size * compute.itemsize

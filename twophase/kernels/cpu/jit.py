@@ -11,14 +11,13 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 from numba.np.numpy_support import carray
 
-__all__ = ["entry", "jit", "jit_inline", "jit_par", "jit_reduce", "FAST", "REDUCE", "row_of",
+__all__ = ["entry", "jit", "jit_inline", "jit_reduce", "FAST", "REDUCE", "row_of",
            "rows_dense", "by_density", "span_of", "pairs_of", "variant_call"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
 # error_model="numpy": a division by zero gives inf/nan instead of a Python exception branch, so loops vectorize
 jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST)
-jit_par = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST, parallel=True)
 jit_reduce = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE)
 jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST, inline="always")
 
@@ -88,7 +87,7 @@ def rows_dense(*arrays: Any) -> bool:
 def by_density(make: Callable[[bool], Any]) -> dict[bool, Any]:
     """Both variants of a kernel made with ``dense`` as a closure constant (its row code typed one way only);
     phase 1 picks one with ``rows_dense``, so only that one is compiled (compiling both in one kernel, behind a
-    run-time test, doubled the compile time of the parallel group-norm kernels)."""
+    run-time test, doubled the compile time of the group-norm kernels when they were numba ``prange`` loops)."""
     return {dense: make(dense) for dense in (True, False)}
 
 

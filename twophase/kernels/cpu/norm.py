@@ -17,7 +17,6 @@ from .jit import FAST, by_density, entry, row_of, rows_dense
 
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
-jit_par: Kernel = _jit.jit_par
 jit_inline: Kernel = _jit.jit_inline
 
 kern = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {"reassoc"})
@@ -108,12 +107,6 @@ def _affine(x: Any, out: Any, mu: float, a: float, b: float) -> None:
         out[i] = (x[i] - mu) * a + b
 
 
-@jit
-def _channels(x: Any, out: Any, mean: Any, var: Any, w: Any, b: Any, eps: float) -> None:
-    for c in range(x.shape[0]):
-        out[c] = (x[c] - mean[c]) * (w[c] / math.sqrt(var[c] + eps)) + b[c]
-
-
 @jit_inline
 def _affine_rows(x: Any, out: Any, mu: float, a: float, b: float, dense: bool) -> None:
     """_affine on every row of the (R, S) plane: ``dense`` (a constant at each call) types the rows dense."""
@@ -121,27 +114,57 @@ def _affine_rows(x: Any, out: Any, mu: float, a: float, b: float, dense: bool) -
         _affine(row_of(x, r, dense), row_of(out, r, dense), mu, a, b)
 
 
-def _batch_norm_kernel(dense: bool) -> Any:
-    """One fused pass. R * S == 1 (N, C input): rows of C channels, vectorized over c; else one (n, c) plane
-    of R rows of S elements per task (R > 1: a crop of a wider image), vectorized along the rows (typed dense
-    when ``dense``, a closure constant: ``jit.by_density``)."""
+def _batch_norm_planes_kernel(dense: bool) -> Any:
+    """One fused pass over the (n, c) planes k0 <= t < k1 (t = n * C + c) of an (N, C, R, S) view, R rows of S
+    elements each (R > 1: a crop of a wider image), vectorized along the rows (typed dense when ``dense``, a
+    closure constant: ``jit.by_density``)."""
 
-    @jit_par
-    def batch_norm_ncrs(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any) -> None:
-        n_rows, n_ch, n_r, n_sp = x.shape
-        if n_r * n_sp == 1:
-            for k in numba.prange(n_rows):
-                _channels(x[k, :, 0, 0], out[k, :, 0, 0], mean, var, w, b, eps)
-            return
-        for t in numba.prange(n_rows * n_ch):
+    @jit
+    def batch_norm_planes(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any, k0: int,
+                          k1: int) -> None:
+        n_ch = x.shape[1]
+        for t in range(k0, k1):
             k = t // n_ch
             c = t - k * n_ch
             a = w[c] / math.sqrt(var[c] + eps)
             _affine_rows(x[k, c], out[k, c], float(mean[c]), a, float(b[c]), dense)
-    return batch_norm_ncrs
+    return batch_norm_planes
 
 
-BATCH_NORM = by_density(_batch_norm_kernel)
+def _batch_norm_rows_kernel(dense: bool) -> Any:
+    """One fused pass over the rows k0 <= k < k1 of an (N, C) input, vectorized over the channels, each
+    channel's w / sqrt(var + eps) worked out once per call; rows typed dense when ``dense``."""
+
+    @jit
+    def batch_norm_rows(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any, k0: int,
+                        k1: int) -> None:
+        n_ch = x.shape[1]
+        scale = np.empty(n_ch)
+        for c in range(n_ch):
+            scale[c] = w[c] / math.sqrt(var[c] + eps)
+        for k in range(k0, k1):
+            xr, orow = row_of(x, k, dense), row_of(out, k, dense)
+            for c in range(n_ch):
+                orow[c] = (xr[c] - mean[c]) * scale[c] + b[c]
+    return batch_norm_rows
+
+
+BATCH_NORM_PLANES = by_density(_batch_norm_planes_kernel)
+BATCH_NORM_ROWS = by_density(_batch_norm_rows_kernel)
+
+
+def _batch_norm_parts(x: Any, out: Any, params: tuple[Any, ...], eps: float,
+                      parts: int) -> list[Callable[[], None]]:
+    """The parts of a batch norm of the (N, C, R, S) view ``x`` into ``out``: ranges of the N rows of C channels
+    when R * S == 1, else of the N * C planes. Compiled here (phase 1) for these arrays' types."""
+    n, c, r, s = x.shape
+    if r * s == 1:
+        x, out = x[:, :, 0, 0], out[:, :, 0, 0]
+        kernel, tasks = BATCH_NORM_ROWS[rows_dense(x, out)], n
+    else:
+        kernel, tasks = BATCH_NORM_PLANES[rows_dense(x, out)], n * c
+    fn = entry(kernel, x, *params, eps, out, 0, 0)
+    return [functools.partial(fn, x, *params, eps, out, lo, hi) for lo, hi in split_range(tasks, parts)]
 
 
 def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pack: bool, compute: Any,
@@ -149,27 +172,27 @@ def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pa
     """Launch over (N, C, R, S) views ``src`` / ``dst``; when ``pack`` (float16, or spatial dims that do not
     split into evenly spaced rows) they are the N-d operands, copied through a dense ``compute`` area at the
     start of the workspace, and the four (C,) parameters (mean, var, weight, bias) through ``compute`` vectors
-    at ``p_offset + i * p_stride``."""
+    at ``p_offset + i * p_stride``. Ranges of rows or planes go to helper threads from ``FANOUT_MIN``
+    elements."""
     if src.size == 0:
         return lambda _: None
+    parts = fanout_parts() if src.size >= FANOUT_MIN else 1
     if not pack:
-        fn = entry(BATCH_NORM[rows_dense(src, dst)], src, *params, eps, dst)
-        return lambda _: fn(src, *params, eps, dst)
+        return launcher(_batch_norm_parts(src, dst, params, eps, parts))
     n_ch = src.shape[1]
     shape4 = (src.shape[0], n_ch, 1, src.size // max(src.shape[0] * n_ch, 1))
-    sample, p_sample = np.empty((1, 1, 1, 1), compute), np.empty(1, compute)
-    fn = entry(BATCH_NORM[True], sample, p_sample, p_sample, p_sample, p_sample, eps, sample)
     nbytes, pbytes = src.size * compute.itemsize, n_ch * compute.itemsize
+    sample = np.empty((1, 1, 1, 1 if shape4[3] == 1 else 2), compute)  # typed as the workspace's views
+    _batch_norm_parts(sample, sample, (np.empty(1, compute),) * len(params), eps, parts)  # compiled now
 
     def launch(ws: Any) -> None:
-        area = ws[:nbytes].view(compute).reshape(src.shape)
-        np.copyto(area, src, casting="unsafe")
-        ps = []
-        for i, p in enumerate(params):
-            v = ws[p_offset + i * p_stride:p_offset + i * p_stride + pbytes].view(compute)
+        area = ws[:nbytes].view(compute)
+        np.copyto(area.reshape(src.shape), src, casting="unsafe")
+        vectors = tuple(ws[p_offset + i * p_stride:p_offset + i * p_stride + pbytes].view(compute)
+                        for i in range(len(params)))
+        for v, p in zip(vectors, params):
             np.copyto(v, p, casting="unsafe")
-            ps.append(v)
         a4 = area.reshape(shape4)
-        fn(a4, ps[0], ps[1], ps[2], ps[3], eps, a4)
-        np.copyto(dst, area, casting="unsafe")
+        run_parts(_batch_norm_parts(a4, a4, vectors, eps, parts))
+        np.copyto(dst, area.reshape(src.shape), casting="unsafe")
     return launch
