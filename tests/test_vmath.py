@@ -8,41 +8,49 @@ from typing import Any
 import numba
 import numpy as np
 import pytest
+from numba.core import types
+from numba.extending import overload
 
 from twophase.kernels.cpu import vmath as vm
 
 _k = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
 
 
-@_k
+# one kernel per function, which it calls through an overload picked by its literal code (as the library's unary
+# kernels do): an if-chain over all of them made numba type every body, ~10-14 s per dtype
+_FUNCTIONS = (vm.exp, vm.log, vm.tanh, vm.erf, vm.erfc, vm.sigmoid,  # 0-5
+              vm.exp_f32, vm.sigmoid_f32, vm.silu_f32, vm.gelu_erf_f32, vm.exp_nonpos_f32)  # 6-10: float32 only
+
+
+def _call(code: int, v: Any) -> Any:
+    return _FUNCTIONS[code](v)
+
+
+@overload(_call)
+def _call_typed(code: Any, v: Any) -> Any:
+    if not isinstance(code, types.IntegerLiteral):
+        return None  # numba retries with the literal type of the closure constant
+    f = _FUNCTIONS[code.literal_value]
+
+    def impl(code: Any, v: Any) -> Any:
+        return f(v)
+    return impl
+
+
+def _kernel(code: int) -> Any:
+    @_k
+    def apply(x: Any, out: Any) -> None:
+        for i in range(x.shape[0]):
+            out[i] = _call(code, x[i])
+    return apply
+
+
+_KERNELS = tuple(_kernel(code) for code in range(len(_FUNCTIONS)))
+
+
 def _apply(code: int, x: Any, out: Any) -> None:
-    """vmath function ``code`` of each element: 0-5 compute in float64, 6-10 in float32 (their argument is
-    narrowed to float32, so every branch types for either input dtype)."""
-    for i in range(x.shape[0]):
-        v = x[i]
-        w = np.float32(v)
-        if code == 0:
-            out[i] = vm.exp(v)
-        elif code == 1:
-            out[i] = vm.log(v)
-        elif code == 2:
-            out[i] = vm.tanh(v)
-        elif code == 3:
-            out[i] = vm.erf(v)
-        elif code == 4:
-            out[i] = vm.erfc(v)
-        elif code == 5:
-            out[i] = vm.sigmoid(v)
-        elif code == 6:
-            out[i] = vm.exp_f32(w)
-        elif code == 7:
-            out[i] = vm.sigmoid_f32(w)
-        elif code == 8:
-            out[i] = vm.silu_f32(w)
-        elif code == 9:
-            out[i] = vm.gelu_erf_f32(w)
-        else:
-            out[i] = vm.exp_nonpos_f32(w)
+    """vmath function ``code`` of each element of ``x`` into ``out``; the float32 ones (6-10) take x as float32."""
+    _KERNELS[code](x.astype(np.float32, copy=False) if code >= 6 else x, out)
 
 
 _erf = np.vectorize(math.erf, otypes=[np.float64])
