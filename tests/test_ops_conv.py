@@ -248,6 +248,20 @@ def test_conv2d_im2col_unfolds_whole_images_per_tile(rng: np.random.Generator, n
         _check(r, ref)
 
 
+@pytest.mark.parametrize("side, nhwc, tn", [(22, False, 2), (23, False, 1), (23, True, 2)])
+def test_conv2d_im2col_takes_wide_nchw_images_one_at_a_time(rng: np.random.Generator, side: int, nhwc: bool,
+                                                            tn: int) -> None:
+    """An NCHW image of 512 output pixels or more (23 x 23 = 529; 22 x 22 = 484 is fewer) is one GEMM straight into
+    out: no staged result to copy. Pixel-major images still merge into one GEMM, which stages nothing."""
+    x = _x(rng, (2, 3, side, side), nhwc)
+    wt, b = rng.standard_normal((4, 3, 3, 3)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
+    with forced("im2col", "direct"):
+        r = run_checked(conv2d, _input(x, nhwc), wt, b, padding=1)
+    assert (r.implementation, r.tiling.tile_n, r.tiling.out_offset) == ("im2col", tn, 0 if nhwc or tn == 1 else
+                                                                         align(3 * 9 * side * side * 4 * tn))
+    _check(r, reference(x, wt, b, padding=1, nhwc=nhwc))
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_conv2d_winograd_chunks_fit_workspace_limit(rng: np.random.Generator, dtype: Any) -> None:
     n, c, oc, h, w = 2, 3, 4, 7, 6

@@ -192,14 +192,21 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
 
 
 IM2COL_TARGET = 32 << 20  # workspace bytes up to which im2col unfolds several whole images when no limit binds
+# output pixels of an NCHW image from which im2col takes one image per GEMM: a wider GEMM gains less than the
+# staged result's copy into out costs (8 images, AVX2 EPYC, OpenBLAS; tile_n 1 against 8, /tmp/w/tn.py of the
+# twelfth session: 784 pixels 1.08-1.26x faster, the 12544-pixel stem 1.22-1.30x; 196 pixels 0.76-0.90x, 49
+# pixels 0.80-0.86x)
+IM2COL_WIDE_IMAGE = 512
 
 
 def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int | None) -> Candidate:
     """The im2col tile: the most whole images whose unfolded input (plus, for several images whose outputs are
-    not one BLAS matrix, the staged GEMM result) fits ``limit`` (else 32 MiB), at least one; under a limit that
-    one image exceeds, the most output rows of one image that fit."""
+    not one BLAS matrix, the staged GEMM result) fits ``limit`` (else 32 MiB), at least one, and only one when
+    that result would be staged for images of ``IM2COL_WIDE_IMAGE`` pixels or more; under a limit that one image
+    exceeds, the most output rows of one image that fit."""
     per_img = t.kc * t.oh * t.ow * item
     merged = t.orient == "pm" and merge_dims((t.n, t.oh, t.ow), (os_[0], os_[2], os_[3])) is not None
+    most = t.n if merged or t.oh * t.ow < IM2COL_WIDE_IMAGE else 1
 
     def ws(tn: int) -> tuple[int, int]:
         cols = align(per_img * tn)
@@ -209,7 +216,7 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
     budget = IM2COL_TARGET if limit is None else limit
     if ws(1)[0] <= budget or limit is None:
         tn = 1
-        while tn < t.n and ws(tn + 1)[0] <= budget:
+        while tn < most and ws(tn + 1)[0] <= budget:
             tn += 1
         size, off = ws(tn)
         return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_n": tn, "out_offset": off}), size)
@@ -401,7 +408,8 @@ conv2d = register(OpDef(
          "GEMM per group on the operands, workspace 0. im2col: per tile and group, the unfolded input "
          "(C/groups*KH*KW, tile_n*tile_rows*OW) in the workspace and one GEMM (for several NCHW images into a "
          "second workspace area, then one copy into out that adds the bias); tiles of whole images (as many as "
-         "fit workspace_limit, else 32 MiB) or, when one image does not fit, of tile_rows output rows; see "
+         "fit workspace_limit, else 32 MiB; one at a time for NCHW outputs of 512 pixels or more) or, when one "
+         "image does not fit, of tile_rows output rows; see "
          "workspace_formula. "
          "im2col_tiles (float32, groups 1, NCHW output, on CPUs with AVX-512): parts over output rows (or output "
          "channels when there are few pixels), each unfolding tiles of KB unfolded rows x R output rows into its "
