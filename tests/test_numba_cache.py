@@ -50,8 +50,29 @@ def test_digest_follows_every_source_file(tmp_path: Path) -> None:
 
 def test_the_package_stamp_matches_its_sources() -> None:
     here = Path(numba_cache.__file__).parent
-    stamp = here / "__pycache__" / "twophase-kernels.digest"
+    stamp = numba_cache.cache_dir(here / "jit.py") / "twophase-kernels.digest"
     assert stamp.read_text() == numba_cache.source_digest(here)
+
+
+def test_a_cache_under_numba_cache_dir_is_dropped_when_stale_too(tmp_path: Path) -> None:
+    """With ``NUMBA_CACHE_DIR`` set, numba caches the kernels there (a folder per source folder): the stamp and
+    the drop follow it."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
+    show = ("from pathlib import Path; from twophase.kernels.cpu import numba_cache as c; "
+            "print(c.cache_dir(Path(c.__file__).parent / 'jit.py'))")
+
+    def folder() -> Path:
+        run = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
+        return Path(run.stdout.strip())
+    d = folder()
+    here = Path(numba_cache.__file__).parent
+    assert d.parent == tmp_path and d.name.startswith("cpu_")
+    assert (d / "twophase-kernels.digest").read_text() == numba_cache.source_digest(here)
+    (d / "twophase-kernels.digest").write_text("an older source")
+    stale = _fake_cache(d)
+    assert folder() == d
+    assert not stale[0].exists() and not stale[1].exists()
+    assert (d / "twophase-kernels.digest").read_text() == numba_cache.source_digest(here)
 
 
 def _kernels() -> list[Any]:

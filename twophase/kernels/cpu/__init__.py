@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from .numba_cache import drop_if_stale, source_digest
+from .numba_cache import cache_dir, drop_if_stale, source_digest
 
 _HERE = Path(__file__).parent
-drop_if_stale(_HERE / "__pycache__", source_digest(_HERE))
+drop_if_stale(cache_dir(_HERE / "jit.py"), source_digest(_HERE))

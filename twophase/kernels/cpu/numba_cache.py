@@ -2,7 +2,9 @@
 
 numba keys a cached kernel on its own file's timestamp only, but our kernels inline functions from other
 modules (``vmath``, ``jit``, ``layout``), so editing those would leave stale machine code in the cache
-(numba issue #1833). A digest of every kernel source, stored next to the cache, decides instead.
+(numba issue #1833). A digest of every kernel source, stored next to the cache, decides instead. The cache is
+where numba puts it: beside the sources, under ``NUMBA_CACHE_DIR`` when that is set, or in a user-wide folder when
+the package's own folder is read-only.
 """
 
 from __future__ import annotations
@@ -10,7 +12,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["source_digest", "drop_if_stale"]
+from numba.core import caching
+
+__all__ = ["cache_dir", "source_digest", "drop_if_stale"]
 
 _STAMP = "twophase-kernels.digest"
 
@@ -22,6 +26,20 @@ def source_digest(*dirs: Path) -> str:
         for p in sorted(d.glob("*.py")):
             h.update(p.name.encode() + b"\0" + p.read_bytes() + b"\0")
     return h.hexdigest()
+
+
+def cache_dir(source: Path) -> Path:
+    """The folder numba caches the kernels of the module file ``source`` in, as its own cache locators choose
+    (the first that applies, as numba tries them); the ``__pycache__`` beside it when none does."""
+    impl = getattr(caching, "CacheImpl", None) or getattr(caching, "_CacheImpl", None)  # public from numba 0.60
+    for locator in getattr(impl, "_locator_classes", ()):
+        try:
+            found = locator.from_function(cache_dir, str(source))
+        except (OSError, AttributeError, TypeError):  # a locator of another numba version: ask the next one
+            continue
+        if found is not None:
+            return Path(found.get_cache_path())
+    return source.parent / "__pycache__"
 
 
 def drop_if_stale(cache_dir: Path, digest: str) -> bool:
