@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import numba
 import numpy as np
 import pytest
+from llvmlite import binding as llvm
 
 import twophase
-from twophase.kernels.cpu import numba_cache
+from twophase.kernels.cpu import gemm, numba_cache
 
 _TESTS = Path(__file__).parent
 # test kernels inline vmath: their numba cache goes stale with the kernels' sources, as the package's own does
@@ -52,6 +54,24 @@ def gate() -> Callable[[twophase.Stream], threading.Event]:
     yield block
     for ev in events:
         ev.set()
+
+
+@pytest.fixture
+def microkernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The register-blocked float32 GEMM on, for the tests of the paths built on it (linear, im2col_tiles, SDPA's
+    head products): as it is on a CPU with AVX-512; forced on one with only AVX2 and FMA, where LLVM lowers its
+    16-float vectors to pairs of 8-float ones (slower than BLAS there, so phase 1 leaves it off, but the same
+    code and results), so that CI on either kind of machine checks it; skipped elsewhere. The executor cache is
+    emptied around the test: plans made with the other setting must not be reused."""
+    if not gemm.available():
+        features = llvm.get_host_cpu_features()
+        if getattr(numba.config, "CPU_NAME", None) not in (None, "host") or not (
+                features.get("avx2") and features.get("fma")):
+            pytest.skip("the register-blocked GEMM needs AVX2 and FMA at least (AVX-512 to be picked)")
+        monkeypatch.setattr(gemm, "available", lambda: True)
+    twophase.clear_cache()
+    yield
+    twophase.clear_cache()
 
 
 @pytest.fixture

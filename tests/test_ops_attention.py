@@ -292,7 +292,7 @@ def test_row_pass_refuses_score_blocks_that_are_not_dense() -> None:
                           float(fi.tiny))
 
 
-@pytest.mark.skipif(not gemm.available(), reason="the float32 microkernel needs AVX-512 (np.matmul runs instead)")
+@pytest.mark.usefixtures("microkernel")
 @pytest.mark.parametrize("mask", ["none", "causal", "bool"])
 @pytest.mark.parametrize("layout", ["dense", "strided"])
 @pytest.mark.parametrize("dv", [32, 47, 64])

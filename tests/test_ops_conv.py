@@ -343,8 +343,7 @@ def test_spread_stride_moves_power_of_two_blocks_apart() -> None:
         spread_stride(64, 65)
 
 
-needs_tiles = pytest.mark.skipif(not tiles_available(np.float32),
-                                 reason="im2col_tiles needs the register-blocked GEMM (AVX-512 and FMA)")
+needs_tiles = pytest.mark.usefixtures("microkernel")  # im2col_tiles runs on the register-blocked GEMM
 
 
 

@@ -279,7 +279,7 @@ def test_baddbmm_alpha_zero_still_propagates_the_products_nan(rng: np.random.Gen
 
 
 # ---------------------------------------------------------------- the register-blocked float32 microkernel
-needs_micro = pytest.mark.skipif(not gemm.available(), reason="the microkernel needs AVX-512 (BLAS runs instead)")
+needs_micro = pytest.mark.usefixtures("microkernel")  # on with AVX-512, forced with AVX2 (conftest)
 # column counts phase 1 gives the microkernel (at most a tenth recomputed by the last 16-wide panel)
 MICRO_COLS = [n for n in range(32, 200) if n >= 0.9 * (-(-n // 16) * 16)]
 
