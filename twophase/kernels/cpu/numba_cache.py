@@ -42,11 +42,11 @@ def cache_dir(source: Path) -> Path:
     return source.parent / "__pycache__"
 
 
-def drop_if_stale(cache_dir: Path, digest: str) -> bool:
-    """Delete the numba cache files (``*.nbi``, ``*.nbc``) in ``cache_dir`` unless its stamp equals ``digest``;
+def drop_if_stale(folder: Path, digest: str) -> bool:
+    """Delete the numba cache files (``*.nbi``, ``*.nbc``) in ``folder`` unless its stamp equals ``digest``;
     then write the stamp. Returns whether anything was dropped. A read-only tree is left as it is (numba then
     caches elsewhere or not at all)."""
-    stamp = cache_dir / _STAMP
+    stamp = folder / _STAMP
     try:
         if stamp.read_text() == digest:
             return False
@@ -54,10 +54,10 @@ def drop_if_stale(cache_dir: Path, digest: str) -> bool:
         pass
     dropped = False
     try:
-        for f in (*cache_dir.glob("*.nbi"), *cache_dir.glob("*.nbc")):
+        for f in (*folder.glob("*.nbi"), *folder.glob("*.nbc")):
             f.unlink(missing_ok=True)
             dropped = True
-        cache_dir.mkdir(exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         tmp = stamp.with_suffix(f".{hashlib.sha256(digest.encode()).hexdigest()[:8]}.tmp")
         tmp.write_text(digest)
         tmp.replace(stamp)  # atomic: a concurrent reader sees the old stamp or the new one
