@@ -17,7 +17,7 @@ from ..runtime.fanout import fanout_parts, launcher
 from ..tensor import DType, TensorDesc
 from .checks import FLOATS, NUMERIC, as_scalar, check_dtype, choice, need
 
-__all__ = ["BINARY", "COMPARE", "UNARY"]
+__all__ = ["BINARY", "COMPARE", "UNARY", "unary_reference"]
 
 Builder = Callable[[Plan, dict[str, Any], tuple[Any, ...], tuple[Any, ...]], Callable[[Any], None]]
 INTS = (DType.int32, DType.int64)
@@ -173,6 +173,18 @@ def _gelu_reference(x: Any, approximate: str = "none") -> Any:
         with np.errstate(over="ignore"):
             return x / (1.0 + np.exp(-2.0 * u))
     return 0.5 * x * np.vectorize(erfc, otypes=[np.float64])(-x / np.sqrt(2.0))
+
+
+def unary_reference(name: str) -> Callable[[Any], Any]:
+    """The float64 reference of unary op ``name``, or of an activation named as the kernels name it
+    (``gelu_erf``, ``gelu_tanh``)."""
+    if name in ("gelu", "gelu_erf"):
+        return _gelu_reference
+    if name == "gelu_tanh":
+        return lambda x: _gelu_reference(x, "tanh")
+    ref: Callable[[Any], Any] | None = UNARY[name][3]
+    assert ref is not None, f"{name} has no reference"
+    return ref
 
 
 def unary_needs_pack(x: TensorDesc, out: TensorDesc) -> bool:

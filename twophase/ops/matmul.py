@@ -24,7 +24,7 @@ from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, split_range
 from ..tensor import DType, TensorDesc
 from .checks import as_float, check_dtype, choice, need
-from .elementwise import UNARY, _gelu_reference
+from .elementwise import unary_reference
 from .selection import Candidate, choose
 
 MM_DTYPES = (DType.float32, DType.float64)
@@ -296,13 +296,7 @@ def _build_linear(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
 def _ref_linear(x: Any, weight: Any, bias: Any = None, activation: str = "none") -> Any:
     y = np.asarray(x, np.float64) @ np.asarray(weight, np.float64).T
     y = y if bias is None else y + np.asarray(bias, np.float64)
-    if activation == "none":
-        return y
-    if activation in ("gelu", "gelu_tanh"):
-        return _gelu_reference(y, "tanh" if activation == "gelu_tanh" else "none")
-    ref = UNARY[activation][3]
-    assert ref is not None
-    return ref(y)
+    return y if activation == "none" else unary_reference(activation)(y)
 
 
 linear = register(OpDef(
