@@ -265,3 +265,33 @@ def test_a_closed_stream_takes_no_work_and_device_wide_calls_skip_it(dev):
     waiter.join(60)  # a hang guard, not a timing check
     assert not waiter.is_alive()
     assert s._submitted == s._done
+
+
+@pytest.mark.parametrize("mode", ["worker", "helpers", "inline"])
+def test_launches_give_ieee_results_without_numpy_warnings(dev, mode):
+    """Division by zero, overflow and 0 * inf in launches that call numpy: inf / NaN as IEEE says, and no
+    RuntimeWarning. Warnings are errors here, so one raised on the worker, a helper thread or the caller's thread
+    (launch blocking) would fail the launch, and the sync would raise it; the caller's own error state is kept."""
+    import warnings
+
+    from threads import num_threads
+    n = 700_001 if mode == "helpers" else 7  # the binary kernel cuts 2^18 elements and more into parts
+    a = np.tile(np.array([1.0, -1.0, 0.0, 3e38, np.inf, 2.0, 5.0], np.float32), -(-n // 7))[:n]
+    b = np.tile(np.array([0.0, 0.0, 0.0, 10.0, 0.0, np.nan, 1.0], np.float32), -(-n // 7))[:n]
+    s = dev.stream()
+    if mode == "inline":
+        twophase.set_launch_blocking(True)
+    try:
+        with warnings.catch_warnings(), num_threads(3):
+            warnings.simplefilter("error")
+            x, y = dev.tensor(a, stream=s), dev.tensor(b, stream=s)
+            q, p = twophase.div(x, y, stream=s), twophase.mul(x, y, stream=s)
+            s.synchronize()
+            with np.errstate(all="ignore"):
+                want_q, want_p = a / b, a * b
+            np.testing.assert_array_equal(q.numpy(), want_q)
+            np.testing.assert_array_equal(p.numpy(), want_p)
+            assert np.isinf(want_q[0]) and np.isnan(want_q[2]) and np.isinf(want_p[3]) and np.isnan(want_p[4])
+    finally:
+        twophase.set_launch_blocking(False)
+    assert np.geterr()["divide"] == "warn"  # this thread's numpy state is untouched

@@ -100,7 +100,9 @@ class _Helpers:
         self.posted[0] += n
 
     def _loop(self) -> None:
-        """Take jobs for ever: the next one from the queue, else spin until one is posted, else block."""
+        """Take jobs for ever: the next one from the queue, else spin until one is posted, else block. Parts run
+        with numpy's floating-point warnings off, as stream tasks do (``runtime.stream``)."""
+        np.seterr(all="ignore")
         while True:
             seen = int(self.posted[0])
             try:

@@ -2,6 +2,10 @@
 
 A task is ``(fn, arg, owner)``; the worker calls ``fn(arg)``. ``owner`` names the work in error
 messages: an executor, a label, or ``CONTROL`` for the runtime's own markers, which always run.
+
+Tasks run with numpy's floating-point warnings off (``np.errstate(all="ignore")``): a kernel's overflow, division
+by zero or invalid operation gives inf / NaN as IEEE says, as the numba kernels do, without a ``RuntimeWarning``
+from whichever numpy call the launch happens to make.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ import time
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
+
+import numpy as np
 
 from ..errors import InvalidStateError, KernelError, ParamError, TwoPhaseError
 
@@ -95,7 +101,8 @@ class _Queue:
         with self.lock:
             seq = self.submitted = self.submitted + 1
         try:
-            self.run_one(fn, arg, owner, seq)  # outside the lock: a callback may enqueue on this stream
+            with np.errstate(all="ignore"):
+                self.run_one(fn, arg, owner, seq)  # outside the lock: a callback may enqueue on this stream
         finally:
             if seq > self.done:
                 self.done = seq
@@ -126,6 +133,7 @@ class _Queue:
 
     # ---- worker side
     def serve(self) -> None:
+        np.seterr(all="ignore")  # this thread's numpy error state (the module docstring says why)
         tasks = self.tasks
         while True:
             try:
