@@ -107,11 +107,25 @@ def row(name: str, ours: Loop, ex: Any, ref_call: Callable[[], Any] | None, ref_
             f"{ref_name} {statistics.median(t_ref) * 1e3:.3f} | {statistics.median(ratios):.2f} |")
 
 
+class _Control:
+    """Stands in for the executor of a control row, which times numpy against itself: the ratio it reads is the
+    table's noise floor (the machine's drift between the two sides of a round), not a cost of twophase."""
+
+    implementation = "control"
+    workspace_size = 0
+
+    def destroy(self) -> None:
+        pass
+
+
 def bench_matmul(rng: Any) -> list[str]:
     out = []
     for m, k, n in ((1024, 1024, 1024), (128, 384, 384), (128, 384, 1536), (128, 1536, 384)):
         a = rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((k, n)).astype(np.float32)
+        o1, o2 = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
+        out.append(row(f"matmul {m}x{k}x{n} numpy against numpy", _loop(lambda a=a, b=b, o=o1: np.matmul(a, b, out=o)),
+                       _Control(), lambda a=a, b=b, o=o2: np.matmul(a, b, out=o), "numpy.matmul"))
         for label, limit in (("", None), (" a reversed", None)):
             if label:
                 a_in = np.ascontiguousarray(a[::-1])
