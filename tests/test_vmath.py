@@ -8,40 +8,24 @@ from typing import Any
 import numba
 import numpy as np
 import pytest
-from numba.core import types
-from numba.extending import overload
 
 from twophase.kernels.cpu import vmath as vm
+from twophase.kernels.cpu.elementwise import span_loops
 
 _k = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
 
 
-# one kernel per function, which it calls through an overload picked by its literal code (as the library's unary
-# kernels do): an if-chain over all of them made numba type every body, ~10-14 s per dtype
+# one kernel per function, which its span loop picks by the literal code (elementwise.span_loops, as the library's
+# unary kernels do): an if-chain over all of them made numba type every body, ~10-14 s per dtype
 _FUNCTIONS = (vm.exp, vm.log, vm.tanh, vm.erf, vm.erfc, vm.sigmoid,  # 0-5
               vm.exp_f32, vm.sigmoid_f32, vm.silu_f32, vm.gelu_erf_f32, vm.exp_nonpos_f32)  # 6-10: float32 only
-
-
-def _call(code: int, v: Any) -> Any:
-    return _FUNCTIONS[code](v)
-
-
-@overload(_call)
-def _call_typed(code: Any, v: Any) -> Any:
-    if not isinstance(code, types.IntegerLiteral):
-        return None  # numba retries with the literal type of the closure constant
-    f = _FUNCTIONS[code.literal_value]
-
-    def impl(code: Any, v: Any) -> Any:
-        return f(v)
-    return impl
+_span, _ = span_loops(_FUNCTIONS)
 
 
 def _kernel(code: int) -> Any:
     @_k
     def apply(x: Any, out: Any) -> None:
-        for i in range(x.shape[0]):
-            out[i] = _call(code, x[i])
+        _span(code, x, out)
     return apply
 
 

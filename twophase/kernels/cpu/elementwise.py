@@ -48,53 +48,50 @@ def fanout_elements(fn: str) -> int:
     return max(2, int(FANOUT_NS / COST_NS[fn]))
 
 
-_VMATH = tuple(getattr(vm, name) for name in FUNCS)
-
-
-def _span(code: int, x: Any, out: Any) -> None:
-    """``out[i] = f(x[i])`` over a 1-D span, f = vmath function number ``code`` (in kernels: the overload below)."""
-    for i in range(x.shape[0]):
-        out[i] = _VMATH[code](x[i])
-
-
-def _span_in_place(code: int, x: Any) -> None:
-    """``x[i] = f(x[i])`` (a loop of its own: ``_span(code, x, x)`` fails LLVM's overlap check, which sends
-    identical input and output to the scalar loop, 6 ns against 0.6 per gelu element)."""
-    _span(code, x, x)
-
-
-def _function(code: Any) -> Any:
-    """The vmath kernel of a literal ``code`` (a closure constant of the calling kernel), or None to have numba
-    retry with the literal type. Picked when the kernel is typed, so only that function is compiled: an ``if code
-    == ...`` chain of inlined calls had all twelve bodies typed and lowered before the dead branches were pruned
-    (~8 s a kernel against ~1)."""
-    return _VMATH[code.literal_value] if isinstance(code, types.IntegerLiteral) else None
-
-
-# Not inlined: a function of its own keeps the loop's registers to itself (inlined into the row loop, AVX2 code
-# reloaded the polynomial constants on every iteration, 110 instructions against 61)
-@overload(_span, jit_options=_LOOP_OPTIONS)
-def _span_typed(code: Any, x: Any, out: Any) -> Any:
-    f = _function(code)
-    if f is None:
-        return None
-
-    def impl(code: Any, x: Any, out: Any) -> None:  # the stub's signature, annotations included (numba checks)
+def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callable[..., None]]:
+    """``(span, span_in_place)`` for kernels: ``span(code, x, out)`` runs ``out[i] = functions[code](x[i])`` over
+    1-D spans, ``span_in_place(code, x)`` runs ``x[i] = functions[code](x[i])`` (a loop of its own: ``span(code,
+    x, x)`` fails LLVM's overlap check, which sends identical input and output to the scalar loop, 6 ns against
+    0.6 per gelu element). ``code`` must be a closure constant of the calling kernel: an overload picks the
+    function from its literal when the kernel is typed, so only that function is compiled (an ``if code == ...``
+    chain of inlined calls had every body typed and lowered before the dead branches were pruned, ~8 s a kernel
+    against ~1). The loops are functions of their own, not inlined: inlined into a row loop, AVX2 code reloaded
+    the polynomial constants on every iteration (110 instructions against 61)."""
+    def span(code: int, x: Any, out: Any) -> None:
         for i in range(x.shape[0]):
-            out[i] = f(x[i])
-    return impl
+            out[i] = functions[code](x[i])
+
+    def span_in_place(code: int, x: Any) -> None:
+        span(code, x, x)
+
+    def function(code: Any) -> Any:
+        return functions[code.literal_value] if isinstance(code, types.IntegerLiteral) else None  # None: retry
+
+    @overload(span, jit_options=_LOOP_OPTIONS)
+    def _span_typed(code: Any, x: Any, out: Any) -> Any:
+        f = function(code)
+        if f is None:
+            return None
+
+        def impl(code: Any, x: Any, out: Any) -> None:  # the stub's signature, annotations included (numba checks)
+            for i in range(x.shape[0]):
+                out[i] = f(x[i])
+        return impl
+
+    @overload(span_in_place, jit_options=_LOOP_OPTIONS)
+    def _span_in_place_typed(code: Any, x: Any) -> Any:
+        f = function(code)
+        if f is None:
+            return None
+
+        def impl(code: Any, x: Any) -> None:
+            for i in range(x.shape[0]):
+                x[i] = f(x[i])
+        return impl
+    return span, span_in_place
 
 
-@overload(_span_in_place, jit_options=_LOOP_OPTIONS)
-def _span_in_place_typed(code: Any, x: Any) -> Any:
-    f = _function(code)
-    if f is None:
-        return None
-
-    def impl(code: Any, x: Any) -> None:
-        for i in range(x.shape[0]):
-            x[i] = f(x[i])
-    return impl
+_span, _span_in_place = span_loops(tuple(getattr(vm, name) for name in FUNCS))
 
 
 def _rows(code: int) -> dict[bool, Any]:
