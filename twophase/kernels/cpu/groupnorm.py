@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ...runtime.fanout import fanout_parts, run_parts, split_range
+from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
 from .jit import by_density, entry, row_of, rows_dense
@@ -225,8 +225,13 @@ def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float
                    sample if t.pack else dst, 0, 0)
         groups = split_range(rows, parts)
 
+        def calls(x: Any, wv: Any, bv: Any, out: Any) -> list[Callable[[], None]]:
+            return [functools.partial(fn, x, wv, bv, t.n_sp, eps, out, lo, hi) for lo, hi in groups]
+        if not t.pack:  # the views are fixed: the parts are made here, not at every launch
+            return launcher(calls(src, w, b, dst))
+
         def run(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> None:
-            run_parts([functools.partial(fn, x, wv, bv, t.n_sp, eps, out, lo, hi) for lo, hi in groups])
+            run_parts(calls(x, wv, bv, out))
     if not t.pack:
         return lambda ws: run(src, w, b, dst, ws)
     nbytes, pbytes = src.size * compute.itemsize, w.size * compute.itemsize
