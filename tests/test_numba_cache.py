@@ -81,8 +81,9 @@ def _kernels() -> list[Any]:
     import twophase.kernels.cpu as kernels
     for m in pkgutil.iter_modules(kernels.__path__):
         importlib.import_module(f"{kernels.__name__}.{m.name}")
-    return [o for o in gc.get_objects() if isinstance(o, Dispatcher) and o.py_func.__module__.startswith("twophase.")
-            and isinstance(getattr(o, "_cache", None), FunctionCache)]
+    # type(), not isinstance(): the heap holds weak proxies, and isinstance() on a dead one raises ReferenceError
+    return [o for o in gc.get_objects() if issubclass(type(o), Dispatcher)
+            and o.py_func.__module__.startswith("twophase.") and isinstance(getattr(o, "_cache", None), FunctionCache)]
 
 
 def test_kernels_close_over_plain_constants_only() -> None:
