@@ -152,3 +152,50 @@ def test_special_values_follow_ieee_limits() -> None:
     np.testing.assert_array_equal(got["erf"][:5], [np.nan, 1.0, -1.0, 0.0, -0.0])
     np.testing.assert_array_equal(got["erfc"][:5], [np.nan, 0.0, 2.0, 1.0, 1.0])
     np.testing.assert_array_equal(got["sigmoid"][:4], [np.nan, 1.0, 0.0, 0.5])
+
+
+def _max_min_kernels() -> tuple[Any, Any]:
+    """Fresh (uncached) kernels: the lowering of vm.maximum / vm.minimum is chosen when they compile."""
+    @numba.njit(nogil=True, fastmath={"contract", "arcp", "nsz"})
+    def pairwise(a: Any, b: Any, hi: Any, lo: Any) -> None:
+        for i in range(a.shape[0]):
+            hi[i] = vm.maximum(a[i], b[i])
+            lo[i] = vm.minimum(a[i], b[i])
+
+    @numba.njit(nogil=True, fastmath={"contract", "arcp", "nsz"})
+    def extremes(a: Any) -> tuple[Any, Any]:
+        hi, lo = a[0], a[0]
+        for i in range(1, a.shape[0]):  # the reduction form the softmax and pooling kernels vectorize
+            hi = vm.maximum(hi, a[i])
+            lo = vm.minimum(lo, a[i])
+        return hi, lo
+    return pairwise, extremes
+
+
+@pytest.mark.parametrize("intrinsics", [True, False], ids=["llvm.maximum", "maxnum-and-select"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nan_propagating_max_and_min_in_both_lowerings(monkeypatch: pytest.MonkeyPatch, intrinsics: bool,
+                                                       dtype: Any) -> None:
+    """vm.maximum / vm.minimum propagate NaN like np.maximum / np.minimum, through ``llvm.maximum`` where the back
+    end selects it and through ``maxnum`` plus a select where it does not (LLVM 15: ``NAN_MAX_INTRINSICS``)."""
+    if intrinsics and not vm.NAN_MAX_INTRINSICS:
+        pytest.skip("this LLVM cannot select llvm.maximum (the fallback is the other case)")
+    monkeypatch.setattr(vm, "NAN_MAX_INTRINSICS", intrinsics)
+    pairwise, extremes = _max_min_kernels()
+    rng = np.random.default_rng(7)
+    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, np.finfo(dtype).max, np.finfo(dtype).tiny,
+                        np.finfo(dtype).smallest_subnormal], dtype)
+    a = np.concatenate([np.repeat(special, special.size), rng.standard_normal(1000).astype(dtype)])
+    b = np.concatenate([np.tile(special, special.size), rng.standard_normal(1000).astype(dtype)])
+    hi, lo = np.full_like(a, 42.0), np.full_like(a, 42.0)
+    pairwise(a, b, hi, lo)
+    zero = (a == 0) & (b == 0)  # the fallback may order -0.0 and +0.0 either way: compare those by value only
+    for got, want in ((hi, np.maximum(a, b)), (lo, np.minimum(a, b))):
+        np.testing.assert_array_equal(got, want)
+        np.testing.assert_array_equal(np.signbit(got[~zero]), np.signbit(want[~zero]))
+    finite = rng.standard_normal(4099).astype(dtype)
+    assert extremes(finite) == (finite.max(), finite.min())
+    for at in (0, 1, 2000, 4098):  # a NaN anywhere in the reduction, also in the vector loop's tail
+        withnan = finite.copy()
+        withnan[at] = np.nan
+        assert all(np.isnan(v) for v in extremes(withnan)), at

@@ -71,13 +71,17 @@ def columns_computed(n: int) -> int:
 
 _I64 = ir.IntType(64)
 _F32 = ir.FloatType()
+# pointer types in intrinsic names: "p0" + the pointee in LLVMs with typed pointers (LLVM 15: llvmlite 0.44, under
+# numba 0.61), "p0" alone in those with opaque pointers only (LLVM 17 on; llvmlite 0.45 on brings LLVM 20 and up)
+_TYPED_POINTERS = llvm.llvm_version_info < (17,)
 
 
 def _emit_prefetch(builder: Any, ptr: Any, write: bool, locality: int) -> None:
     """IR for ``llvm.prefetch`` of the line at pointer ``ptr`` (locality 3: L1, 2: L2)."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), "llvm.prefetch")
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+        "llvm.prefetch.p0i8" if _TYPED_POINTERS else "llvm.prefetch")
     builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality),
                       ir.Constant(i32, 1)])
 
@@ -101,10 +105,11 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
         wanted = builder.shuffle_vector(wanted, wanted, ir.Constant(ir.VectorType(i32, w), [0] * w))
         mask = builder.icmp_unsigned("<", lanes, wanted)
         mtype = mask.type
+        types_ = f"v{w}f32.p0" + (f"v{w}f32" if _TYPED_POINTERS else "")
         mload = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, ir.FunctionType(vec, [vptr, i32, mtype, vec]), f"llvm.masked.load.v{w}f32.p0")
+            builder.module, ir.FunctionType(vec, [vptr, i32, mtype, vec]), f"llvm.masked.load.{types_}")
         mstore = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, ir.FunctionType(ir.VoidType(), [vec, vptr, i32, mtype]), f"llvm.masked.store.v{w}f32.p0")
+            builder.module, ir.FunctionType(ir.VoidType(), [vec, vptr, i32, mtype]), f"llvm.masked.store.{types_}")
 
     def load_c(p: Any) -> Any:
         if mask is None:

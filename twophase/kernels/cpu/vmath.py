@@ -19,6 +19,7 @@ from typing import Any
 import numba
 import numpy as np
 from llvmlite import ir
+from llvmlite.binding import llvm_version_info
 from numba.core import types
 from numba.extending import intrinsic, overload
 from numpy.polynomial import Chebyshev, Polynomial
@@ -392,8 +393,18 @@ def gelu_erf_f32(x: Any) -> Any:
     return x * (tail if x < _F0 else _F1 - tail)
 
 
+# LLVM releases whose x86 back end selects llvm.maximum / llvm.minimum (LLVM 15, llvmlite 0.44 under numba 0.61,
+# aborts the process with "Cannot select: fmaximum"; llvmlite 0.45 and later bring LLVM 20 and up)
+NAN_MAX_INTRINSICS = llvm_version_info >= (17,)
+
+
 def _llvm_binary(float_name: str, int_name: str) -> Any:
-    """An intrinsic calling ``float_name`` on floats, ``int_name`` on integers (both operands of one type)."""
+    """An intrinsic calling ``float_name`` on floats, ``int_name`` on integers (both operands of one type). Where
+    the back end cannot select ``float_name`` (``NAN_MAX_INTRINSICS`` false), floats get the same NaN-propagating
+    result from ``maxnum`` / ``minnum`` and a select: NaN (``a + b``) where either operand is NaN. The fallback
+    may order -0.0 and +0.0 either way."""
+    fallback = float_name.replace("imum", "num")  # llvm.maximum -> llvm.maxnum, llvm.minimum -> llvm.minnum
+
     @intrinsic
     def op(typingctx: Any, a: Any, b: Any) -> Any:
         if a != b:
@@ -401,9 +412,14 @@ def _llvm_binary(float_name: str, int_name: str) -> Any:
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
             ty = context.get_value_type(sig.return_type)
-            name = float_name if isinstance(sig.return_type, types.Float) else int_name
-            fn = builder.module.declare_intrinsic(name, [ty], ir.FunctionType(ty, [ty, ty]))
-            return builder.call(fn, args)
+            fnty = ir.FunctionType(ty, [ty, ty])
+            if not isinstance(sig.return_type, types.Float):
+                return builder.call(builder.module.declare_intrinsic(int_name, [ty], fnty), args)
+            if NAN_MAX_INTRINSICS:
+                return builder.call(builder.module.declare_intrinsic(float_name, [ty], fnty), args)
+            x, y = args
+            num = builder.call(builder.module.declare_intrinsic(fallback, [ty], fnty), args)
+            return builder.select(builder.fcmp_unordered("uno", x, y), builder.fadd(x, y), num)
         return a(a, a), codegen
     return op
 
