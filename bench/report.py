@@ -52,17 +52,22 @@ def _cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+# named in every header, set or not: the BLAS settings the ratios depend on most
+ALWAYS_SHOWN = ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
+
+
 def machine_header() -> list[str]:
     """Machine, versions, thread and BLAS settings, and the load average when the suite started."""
-    blas = {k: v for k, v in sorted(os.environ.items()) if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "NUMBA_"))}
+    shown = [f"{k}={os.environ.get(k, '(unset)')}" for k in ALWAYS_SHOWN]
+    others = [f"{k}={v}" for k, v in sorted(os.environ.items())
+              if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "NUMBA_")) and k not in ALWAYS_SHOWN]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return [
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
         f"- machine: {_cpu_model()}, {os.cpu_count()} cpus, {platform.system()} {platform.release()}",
         f"- python {platform.python_version()}; numpy {_version('numpy')}; numba {_version('numba')}; "
         f"torch {_version('torch')}; onnxruntime {_version('onnxruntime')}; twophase {_version('twophase')}",
-        "- environment: " + (", ".join(f"{k}={v}" for k, v in blas.items()) or
-                             "no OPENBLAS_* / OMP_* / MKL_* / NUMBA_* variables set (library defaults)"),
+        "- environment: " + ", ".join(shown + (others or ["no other OPENBLAS_* / OMP_* / MKL_* / NUMBA_* variable"])),
         f"- load average at start: {', '.join(f'{x:.2f}' for x in load) if load else 'n/a'} "
         "(other processes share the cpus: ratios are measured side by side, absolute times drift)",
     ]
