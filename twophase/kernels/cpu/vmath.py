@@ -393,8 +393,8 @@ def gelu_erf_f32(x: Any) -> Any:
     return x * (tail if x < _F0 else _F1 - tail)
 
 
-# LLVM releases whose x86 back end selects llvm.maximum / llvm.minimum (LLVM 15, llvmlite 0.44 under numba 0.61,
-# aborts the process with "Cannot select: fmaximum"; llvmlite 0.45 and later bring LLVM 20 and up)
+# True where LLVM's x86 back end selects llvm.maximum / llvm.minimum. LLVM 15 (llvmlite 0.44, under numba 0.61)
+# aborts the process with "Cannot select: fmaximum"; llvmlite 0.45 and later bring LLVM 20 and up.
 NAN_MAX_INTRINSICS = llvm_version_info >= (17,)
 
 
