@@ -31,7 +31,7 @@ from twophase.ops.conv import reference as conv_reference
 from twophase.ops.selection import forced
 from twophase.runtime import fanout as fanout_module
 from twophase.runtime.device import device
-from twophase.runtime.fanout import fanout_parts, run_parts, split_range
+from twophase.runtime.fanout import fanout_parts, run_parts, split_range, workspace_launcher
 from twophase.testing import run_checked
 
 
@@ -573,3 +573,22 @@ def test_group_norm_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch,
     r = run_checked(ops.group_norm, on_device(a, layout), w, b, num_groups=groups)
     assert r.implementation == impl and launched == launches
     _close(r, ops.group_norm.spec.reference(a, w, b, num_groups=groups), 2e-3 if dtype == np.float16 else 1e-5)
+
+
+def test_workspace_launcher_binds_once_per_workspace() -> None:
+    """Views of the workspace are made on the first launch on it and again only when the workspace changes."""
+    bound: list[int] = []
+    ran: list[int] = []
+
+    def bind(ws: Any) -> Any:
+        bound.append(ws.ctypes.data)
+        view = ws[:8].view(np.float64)
+        return lambda: ran.append(int(view[0]))
+    launch = workspace_launcher(bind)
+    a, b = np.full(4, 7.0), np.full(4, 9.0)
+    for ws in (a, a, a, b, b, a):
+        launch(ws.view(np.uint8))
+    assert ran == [7, 7, 7, 9, 9, 7]
+    assert bound == [a.ctypes.data, b.ctypes.data, a.ctypes.data]
+    launch(a.view(np.uint8)[:16])  # same address, other size: bound again
+    assert len(bound) == 4 and ran[-1] == 7

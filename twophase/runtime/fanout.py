@@ -23,7 +23,7 @@ import numpy as np
 from .. import config
 from .spin import spin_until_zero, spin_while_equal
 
-__all__ = ["fanout_parts", "launcher", "run_parts", "split_range"]
+__all__ = ["fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
 
 Part = Callable[[], None]
 
@@ -142,3 +142,20 @@ def launcher(calls: Sequence[Part]) -> Callable[[Any], None]:
         call = calls[0]
         return lambda _: call()
     return lambda _: run_parts(calls)
+
+
+def workspace_launcher(bind: Callable[[Any], Callable[[], None]]) -> Callable[[Any], None]:
+    """The phase-2 launch of work that needs views of the workspace: ``bind(ws)`` makes them and returns the
+    bound work, which runs. It is made again only when the workspace changes (address or size): a repeatable
+    executor or a graph replay launches on the same one every time, and binding costs Python per launch. The
+    memo is one (key, work) tuple, replaced whole, so a launch never pairs one workspace's key with another's
+    work."""
+    memo: list[tuple[tuple[int, int], Callable[[], None]] | None] = [None]
+
+    def launch(ws: Any) -> None:
+        key = (ws.ctypes.data, ws.nbytes)
+        held = memo[0]
+        if held is None or held[0] != key:
+            held = memo[0] = (key, bind(ws))
+        held[1]()
+    return launch

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ...runtime.fanout import fanout_parts, split_range
+from ...runtime.fanout import fanout_parts, split_range, workspace_launcher
 from . import gemm, vmath
 from . import jit as _jit
 from .blas import run_blas_parts
@@ -269,19 +269,13 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
             bound.append((before, calls))
         return bound
 
-    # the views and parts of the last workspace seen, by its address and size: a repeatable executor or a graph
-    # replay launches on the same workspace every time, and binding it costs ~60-90 us of Python per launch
-    last: list[Any] = [None, None]
-
-    def launch(ws: Any) -> None:
-        key = (ws.ctypes.data, ws.nbytes)
-        if last[0] != key:
-            last[:] = [key, bind(ws)]
-        for before, calls in last[1]:
+    def tiles(bound: list[tuple[list[tuple[Any, Any]], list[Callable[[], None]]]]) -> None:
+        for before, calls in bound:
             for dst, src in before:
                 np.copyto(dst, src)
             run_blas_parts(calls)
-    return launch
+    # bound again only when the workspace changes: binding costs ~60-90 us of Python
+    return workspace_launcher(lambda ws: functools.partial(tiles, bind(ws)))
 
 
 # ---- online softmax over key tiles (the workspace holds one bq x bk tile)

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
+from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from . import vmath as vm
 from .jit import by_density, entry, row_of, rows_dense
@@ -213,13 +213,16 @@ def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float
         blocks = split_range(rows * t.split, parts)
         length = src.size // rows
 
-        def run(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> None:
+        def kernel(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> Callable[[], None]:
             part = ws[:rows * t.split * 24].view(np.float64).reshape(rows, t.split, 3)
-            run_parts([functools.partial(fn, x, wv, bv, t.n_sp, t.block, part, out, lo, hi, False)
-                       for lo, hi in blocks])
-            merge(part, length, eps)
-            run_parts([functools.partial(fn, x, wv, bv, t.n_sp, t.block, part, out, lo, hi, True)
-                       for lo, hi in blocks])
+            stats, writes = ([functools.partial(fn, x, wv, bv, t.n_sp, t.block, part, out, lo, hi, write)
+                              for lo, hi in blocks] for write in (False, True))
+
+            def two_passes() -> None:
+                run_parts(stats)
+                merge(part, length, eps)
+                run_parts(writes)
+            return two_passes
     else:
         fn = entry(GROUP_ROWS[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, eps,
                    sample if t.pack else dst, 0, 0)
@@ -227,23 +230,27 @@ def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float
 
         def calls(x: Any, wv: Any, bv: Any, out: Any) -> list[Callable[[], None]]:
             return [functools.partial(fn, x, wv, bv, t.n_sp, eps, out, lo, hi) for lo, hi in groups]
-        if not t.pack:  # the views are fixed: the parts are made here, not at every launch
+        if not t.pack:  # the views are fixed and no workspace is used: the parts are made here
             return launcher(calls(src, w, b, dst))
 
-        def run(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> None:
-            run_parts(calls(x, wv, bv, out))
+        def kernel(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> Callable[[], None]:
+            return functools.partial(run_parts, calls(x, wv, bv, out))
     if not t.pack:
-        return lambda ws: run(src, w, b, dst, ws)
+        return workspace_launcher(lambda ws: kernel(src, w, b, dst, ws))
     nbytes, pbytes = src.size * compute.itemsize, w.size * compute.itemsize
 
-    def launch(ws: Any) -> None:
+    def bind(ws: Any) -> Callable[[], None]:
         area = ws[t.pack_offset:t.pack_offset + nbytes].view(compute).reshape(src.shape)
-        np.copyto(area, src, casting="unsafe")
         wv = ws[t.param_offset:t.param_offset + pbytes].view(compute)
         bv = ws[t.param_offset + t.param_stride:t.param_offset + t.param_stride + pbytes].view(compute)
-        np.copyto(wv, w, casting="unsafe")
-        np.copyto(bv, b, casting="unsafe")
         a4 = area.reshape(shape4)
-        run(a4, wv, bv, a4, ws)
-        np.copyto(dst, area, casting="unsafe")
-    return launch
+        run = kernel(a4, wv, bv, a4, ws)
+
+        def work() -> None:
+            np.copyto(area, src, casting="unsafe")
+            np.copyto(wv, w, casting="unsafe")
+            np.copyto(bv, b, casting="unsafe")
+            run()
+            np.copyto(dst, area, casting="unsafe")
+        return work
+    return workspace_launcher(bind)

@@ -11,7 +11,7 @@ from typing import Any
 import numba
 import numpy as np
 
-from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
+from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .jit import FAST, by_density, entry, row_of, rows_dense
 
@@ -185,14 +185,18 @@ def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pa
     sample = np.empty((1, 1, 1, 1 if shape4[3] == 1 else 2), compute)  # typed as the workspace's views
     _batch_norm_parts(sample, sample, (np.empty(1, compute),) * len(params), eps, parts)  # compiled now
 
-    def launch(ws: Any) -> None:
+    def bind(ws: Any) -> Callable[[], None]:
         area = ws[:nbytes].view(compute)
-        np.copyto(area.reshape(src.shape), src, casting="unsafe")
         vectors = tuple(ws[p_offset + i * p_stride:p_offset + i * p_stride + pbytes].view(compute)
                         for i in range(len(params)))
-        for v, p in zip(vectors, params):
-            np.copyto(v, p, casting="unsafe")
         a4 = area.reshape(shape4)
-        run_parts(_batch_norm_parts(a4, a4, vectors, eps, parts))
-        np.copyto(dst, area.reshape(src.shape), casting="unsafe")
-    return launch
+        calls = _batch_norm_parts(a4, a4, vectors, eps, parts)
+
+        def work() -> None:
+            np.copyto(area.reshape(src.shape), src, casting="unsafe")
+            for v, p in zip(vectors, params):
+                np.copyto(v, p, casting="unsafe")
+            run_parts(calls)
+            np.copyto(dst, area.reshape(src.shape), casting="unsafe")
+        return work
+    return workspace_launcher(bind)
