@@ -6,10 +6,8 @@ import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import numba
 import numpy as np
 import pytest
-from llvmlite import binding as llvm
 
 import twophase
 from twophase.kernels.cpu import gemm, numba_cache
@@ -64,9 +62,7 @@ def microkernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     code and results), so that CI on either kind of machine checks it; skipped elsewhere. The executor cache is
     emptied around the test: plans made with the other setting must not be reused."""
     if not gemm.available():
-        features = llvm.get_host_cpu_features()
-        if getattr(numba.config, "CPU_NAME", None) not in (None, "host") or not (
-                features.get("avx2") and features.get("fma")):
+        if not gemm.host_has("avx2", "fma"):
             pytest.skip("the register-blocked GEMM needs AVX2 and FMA at least (AVX-512 to be picked)")
         monkeypatch.setattr(gemm, "available", lambda: True)
     twophase.clear_cache()

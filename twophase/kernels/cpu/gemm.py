@@ -23,8 +23,8 @@ from numba.extending import intrinsic
 
 from ...runtime.fanout import split_range
 
-__all__ = ["available", "columns_computed", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile", "MIN_COLS", "MR",
-           "NR", "KC", "MC", "LANES", "HALF", "row_ranges"]
+__all__ = ["available", "host_has", "columns_computed", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile",
+           "MIN_COLS", "MR", "NR", "KC", "MC", "LANES", "HALF", "row_ranges"]
 
 MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast: 15 of the 32 zmm registers
 LANES = 16
@@ -35,14 +35,20 @@ MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panel
 
 
 @functools.cache
+def host_has(*features: str) -> bool:
+    """Whether numba compiles for this host (``NUMBA_CPU_NAME`` unset or ``host``) and it has every one of
+    ``features`` (LLVM's names: ``avx512f``, ``avx2``, ``fma``, ...)."""
+    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):
+        return False
+    found = llvm.get_host_cpu_features()
+    return all(found.get(f) for f in features)
+
+
 def available() -> bool:
     """Whether numba compiles for a CPU with AVX-512: the 12 accumulators of 16 floats then sit in zmm registers
     (with AVX2's 16 ymm registers they would spill, and without FMA each one is a libm call); elsewhere the
-    GEMMs stay with BLAS. False when ``NUMBA_CPU_NAME`` picks another target than this host."""
-    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):
-        return False
-    features = llvm.get_host_cpu_features()
-    return bool(features.get("avx512f")) and bool(features.get("fma"))
+    GEMMs stay with BLAS."""
+    return host_has("avx512f", "fma")
 
 
 MIN_COLS = 32  # at least one full panel
