@@ -256,6 +256,17 @@ def test_cli_embed_prints_similarities_trace_and_stats(tmp_path: Path, capsys: A
     assert "linear" in names and "phase2 scaled_dot_product_attention" in names
 
 
+def test_similarity_table_shows_each_sentence_on_one_short_line() -> None:
+    from twophase.cli import SHOWN_CHARS, similarity_table
+    long = "word " * 600
+    emb = np.eye(3, 4, dtype=np.float32)
+    lines = similarity_table(["a  b\nc", long, "short"], emb).splitlines()
+    assert lines[0].endswith("  a b c") and lines[2].endswith("  short")
+    shown = lines[1].split("  ", 1)[1]
+    assert len(shown) == SHOWN_CHARS and shown.endswith("\u2026") and shown.startswith("word word")
+    assert lines[3] == "cosine similarity:" and len(lines) == 8
+
+
 @needs_model
 @needs_ops
 def test_demo_runs_and_reports(tmp_path: Path, capsys: Any) -> None:

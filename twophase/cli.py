@@ -25,11 +25,20 @@ def catalogue() -> str:
     return "\n".join(lines)
 
 
+SHOWN_CHARS = 72
+
+
+def shown(sentence: str) -> str:
+    """A sentence as one table line: whitespace runs made one space, cut to ``SHOWN_CHARS`` with an ellipsis."""
+    flat = " ".join(sentence.split())
+    return flat if len(flat) <= SHOWN_CHARS else flat[:SHOWN_CHARS - 1] + "\u2026"
+
+
 def similarity_table(sentences: Sequence[str], emb: Any) -> str:
     """Each embedding's norm and the cosine similarity matrix, sentences numbered."""
     from .models.minilm import cosine_matrix
     sim = cosine_matrix(emb)
-    lines = [f"[{i}] norm {float((e.astype('float64') ** 2).sum()) ** 0.5:.6f}  {s}"
+    lines = [f"[{i}] norm {float((e.astype('float64') ** 2).sum()) ** 0.5:.6f}  {shown(s)}"
              for i, (s, e) in enumerate(zip(sentences, emb))]
     lines.append("cosine similarity:")
     lines.append("     " + "".join(f"{f'[{j}]':>8}" for j in range(len(sentences))))
