@@ -10,7 +10,10 @@ import numpy as np
 import pytest
 
 import twophase
-from twophase.kernels.cpu import gemm, numba_cache
+from twophase.kernels.cpu import gemm, jit, numba_cache
+
+# every kernel entry point checks that arrays compiled as C-contiguous are C-contiguous at each call
+jit.CHECK_LAYOUT = True
 
 _TESTS = Path(__file__).parent
 # test kernels inline vmath: their numba cache goes stale with the kernels' sources, as the package's own does

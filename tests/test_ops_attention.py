@@ -91,6 +91,17 @@ def test_sdpa_causal_with_more_keys_than_queries_is_top_left_aligned(rng: np.ran
     np.testing.assert_allclose(r.outputs[0][0, 0, 0], v[0, 0, 0], rtol=1e-6)  # row 0 sees key 0 only
 
 
+@pytest.mark.parametrize("shape", [(6, 40), (1, 2, 6, 40), (1, 1, 1, 40)])
+def test_sdpa_online_bool_mask_on_tiles_of_several_rows(rng: np.random.Generator, shape: tuple[int, ...]) -> None:
+    """4 x 16 tiles: a tile's mask is a view that is not C-contiguous though the whole mask is."""
+    q, k, v = _qkv(rng, 1, 2, 6, 40, 8, 8)
+    m = rng.random(shape) < 0.5
+    with forced("online"):
+        r = run_checked(sdpa, q, k, v, m, workspace_limit=800)
+    assert (r.tiling.block_q, r.tiling.block_k) == (4, 16)
+    _check(r, reference(q, k, v, m))
+
+
 def test_sdpa_float64_online_tiles(rng: np.random.Generator) -> None:
     q, k, v = (x.astype(np.float64) for x in _qkv(rng, 1, 2, 6, 9, 3, 2))
     with forced("online"):

@@ -22,7 +22,7 @@ from ...runtime.fanout import fanout_parts, split_range, workspace_launcher
 from . import gemm, vmath
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import entry
+from .jit import any_layout, entry
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -114,7 +114,7 @@ def _products(dtype: Any) -> Callable[[Any, Any, Any], None]:
     else ``np.matmul``."""
     if np.dtype(dtype) != np.float32 or not gemm.available():
         return lambda a, b, out: np.matmul(a, b, out=out)
-    strided = np.empty((1, 1, 2, 2), np.float32)[..., ::2]  # compiled once, typed 'A': it takes every layout
+    strided = any_layout(np.float32, 4)  # compiled once: it takes every layout
     heads = entry(gemm.gemm_f32_heads, strided, strided, strided)
 
     def product(a: Any, b: Any, out: Any) -> None:
@@ -176,7 +176,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     o_s, o_k, o_q, o_v, o_o = t.offsets
     item = dt.itemsize
     parts = fanout_parts()
-    strided = np.empty((2, 1, 1, 2), dt)[..., :1]  # the row pass is compiled for any score layout ('A')
+    strided = any_layout(dt, 4)  # the row pass is compiled for any score layout ('A')
     mm = _products(dt)
     steps = []
     for b0 in range(0, nb, tb):
@@ -309,7 +309,8 @@ class _Masker:
         self.scale, self.mask, self.kind, self.causal = scale, mask, kind, causal
         sample = np.empty((1, 1, 1, 1), dtype)
         self.k_causal: Any = entry(mask_causal, sample, 0, 0) if causal else None
-        self.k_bool: Any = entry(mask_bool, sample, mask) if kind == "bool" else None
+        # typed for any layout: a tile's mask is a view, C-contiguous or not whatever the whole mask is
+        self.k_bool: Any = entry(mask_bool, sample, any_layout(np.bool_, 4)) if kind == "bool" else None
 
     def __call__(self, s: Any, b: Any, h: Any, q0: int, nq: int, k0: int, nk: int) -> None:
         np.multiply(s, self.scale, out=s)

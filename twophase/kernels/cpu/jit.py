@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -11,7 +12,9 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 from numba.np.numpy_support import carray
 
-__all__ = ["entry", "jit", "jit_inline", "jit_reduce", "FAST", "REDUCE", "row_of",
+from ...errors import InternalError
+
+__all__ = ["entry", "any_layout", "CHECK_LAYOUT", "jit", "jit_inline", "jit_reduce", "FAST", "REDUCE", "row_of",
            "rows_dense", "by_density", "span_of", "pairs_of", "variant_call"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
@@ -130,9 +133,39 @@ def _short_key(a: Any) -> Any:
 
 def entry(kernel: Any, *args: Any) -> Callable[..., Any]:
     """Compile ``kernel`` for the types of ``args`` and return its entry point (arrays typed 'C' when
-    C-contiguous, so inner loops vectorize, else 'A'). Memoised on a cheap type key."""
+    C-contiguous, so inner loops vectorize, else 'A'). Memoised on a cheap type key.
+
+    The entry point does not check its arguments: an array typed 'C' must be C-contiguous at every call, or the
+    kernel indexes it with the wrong strides. Compile with an :func:`any_layout` sample where later calls may pass
+    views. With ``CHECK_LAYOUT`` on (``TWOPHASE_CHECK_KERNEL_LAYOUT=1``, as the test suite runs) every call is
+    checked and a mismatch raises ``InternalError``."""
     key = (kernel, *map(_short_key, args))
     fn = _entries.get(key)
     if fn is None:
         fn = _entries[key] = kernel.compile(tuple(_numba_type(a) for a in args))
+    if CHECK_LAYOUT:
+        dense = tuple(i for i, a in enumerate(args) if isinstance(a, np.ndarray) and a.flags.c_contiguous)
+        return _layout_checked(kernel, fn, dense)
     return fn
+
+
+CHECK_LAYOUT = os.environ.get("TWOPHASE_CHECK_KERNEL_LAYOUT", "0") not in ("", "0")
+
+
+def any_layout(dtype: Any, ndim: int) -> Any:
+    """A sample array that ``entry`` types 'A' (any layout): for arguments that may be views."""
+    sample = np.empty((2,) * (ndim - 1) + (4,), dtype)[..., ::2] if ndim else np.empty((), dtype)
+    assert ndim == 0 or not sample.flags.c_contiguous
+    return sample
+
+
+def _layout_checked(kernel: Any, fn: Callable[..., Any], dense: tuple[int, ...]) -> Callable[..., Any]:
+    """``fn`` behind a check that the arguments compiled as 'C' arrays are C-contiguous at the call."""
+    def checked(*args: Any) -> Any:
+        for i in dense:
+            if not args[i].flags.c_contiguous:
+                raise InternalError(f"kernel {kernel.__name__} was compiled for a C-contiguous argument {i} and "
+                                    f"called with strides {args[i].strides} for shape {args[i].shape}",
+                                    arg=f"argument {i}", expected="a C-contiguous array")
+        return fn(*args)
+    return checked
