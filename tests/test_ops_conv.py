@@ -308,6 +308,8 @@ def test_conv2d_float64_nhwc_output_keeps_the_format(rng: np.random.Generator) -
     ((4, 3, 9, 3), {}, "x"),
     ((4, 3, 3, 3), {"stride": 0}, "stride"),
     ((4, 3, 3, 3), {"padding": (1, 2, 3)}, "padding"),
+    ((4, 3, 0, 3), {}, "weight"),
+    ((4, 3, 3, 0), {"padding": 1}, "weight"),
 ])
 def test_conv2d_rejects_bad_arguments(w_shape: tuple[int, ...], attrs: dict[str, Any], arg: str) -> None:
     dev = device("cpu")
@@ -429,3 +431,21 @@ def test_conv2d_im2col_tiles_into_a_channel_slice(dev: Any, rng: np.random.Gener
     full = big.numpy()
     np.testing.assert_allclose(full[:, 2:42], reference(x, w, b, stride=2, padding=1), rtol=1e-4, atol=1e-4)
     assert (full[:, :2] == 7.0).all() and (full[:, 42:] == 7.0).all()
+
+
+@pytest.mark.parametrize("impl", ["im2col", "direct", None])
+def test_conv2d_without_input_channels_gives_the_bias(impl: str | None) -> None:
+    """C = 0: an empty sum, so the bias alone, through the one-shot API (a zero-size workspace is no workspace)."""
+    import twophase
+    dev = device("cpu")
+    x, w = dev.tensor(np.ones((2, 0, 5, 5), np.float32)), dev.tensor(np.ones((6, 0, 3, 3), np.float32))
+    bias = dev.tensor(np.arange(1, 7, dtype=np.float32))
+    with forced(impl) if impl else _nothing():
+        y = twophase.conv2d(x, w, bias, padding=1).numpy()
+    assert y.shape == (2, 6, 5, 5)
+    np.testing.assert_array_equal(y, np.broadcast_to(np.arange(1, 7, dtype=np.float32)[:, None, None], y.shape))
+
+
+def _nothing() -> Any:
+    import contextlib
+    return contextlib.nullcontext()

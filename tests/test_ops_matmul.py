@@ -143,6 +143,21 @@ def test_matmul_float64_and_zero_inner_dim(rng: np.random.Generator) -> None:
     assert np.array_equal(r.outputs[0], np.zeros((3, 2)))
 
 
+@pytest.mark.parametrize("impl", [None, "packed"])
+def test_matmul_of_empty_packed_operands_through_the_one_shot_api(dev: Any, impl: str | None) -> None:
+    """A packed plan whose operands are empty needs no workspace: the launch gets empty bytes, not None."""
+    import contextlib
+
+    import twophase
+    a = dev.tensor(np.ones((4, 6), np.float32)).strided((0, 3), (6, 2), 0)  # (0, 3), no unit stride
+    b = dev.tensor(np.ones((3, 5), np.float32))
+    with forced(impl) if impl else contextlib.nullcontext():
+        assert matmul.get_workspace_size(a, b)[1].implementation == "packed"
+        assert twophase.matmul(a, b).numpy().shape == (0, 5)
+        k0 = twophase.matmul(np.ones((3, 0), np.float32), np.ones((0, 4), np.float32)).numpy()
+    np.testing.assert_array_equal(k0, np.zeros((3, 4)))
+
+
 @pytest.mark.parametrize("x_shape", [(7,), (5, 7), (2, 3, 7)])
 def test_linear_matches_x_weight_transposed_plus_bias(rng: np.random.Generator, x_shape: tuple[int, ...]) -> None:
     x, w, bias = _rand(rng, x_shape), _rand(rng, (4, 7)), _rand(rng, (4,))

@@ -15,6 +15,7 @@ from .cache import thread_cache
 from .config import settings
 from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError
 from .executor import ExecState, Executor
+from .runtime.device import NO_WORKSPACE
 from .runtime.memory import Block
 from .runtime.stream import Stream
 from .stats import OpCounters, bucket
@@ -326,7 +327,7 @@ class Op:
             self._refuse_workspace(workspace, workspace_size, ex)
         if not ex._repeatable:
             ex._gate = None
-        seq = stream._enqueue(ex._launch, None if workspace is None else workspace.data, ex)  # type: ignore[arg-type]
+        seq = stream._enqueue(ex._launch, NO_WORKSPACE if workspace is None else workspace.data, ex)  # type: ignore[arg-type]
         for b in ex._blocks:
             b._stream = stream
             b._seq = seq

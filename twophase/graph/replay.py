@@ -12,6 +12,7 @@ from typing import Any
 
 from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError
 from ..executor import Executor
+from ..runtime.device import NO_WORKSPACE
 from ..runtime.memory import Block
 from ..runtime.stream import CONTROL, TASK_LISTENERS, Event, Stream, describe_owner
 from ..stats import bucket
@@ -317,7 +318,7 @@ class Graph:
         self._arena = arena
         self._plan = plan
         self._execs = tuple(execs)
-        self._steps = [(ex._launch, ws.get(i), i) for i, ex in enumerate(execs)]
+        self._steps = [(ex._launch, ws.get(i, NO_WORKSPACE), i) for i, ex in enumerate(execs)]
         for b in self._bindings.values():
             b.uses = [(i, s, op[0]) for i, n in enumerate(nodes) for s, op in enumerate(n.operands)
                       if op is not None and op[1] == b.key]  # a vid (int) or the Block itself

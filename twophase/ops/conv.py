@@ -51,7 +51,8 @@ as_pair.expects = "an int or a pair of ints"  # type: ignore[attr-defined]
 class ConvTiling:
     """Geometry (logical NCHW), GEMM orientation (``cm``: out = W @ cols, ``pm``: out = cols @ W^T, ``""``: none)
     and the im2col tile: ``tile_n`` whole images (then ``tile_rows`` = OH) or ``tile_rows`` output rows of one
-    image; ``out_offset`` > 0: the GEMM result is staged there in the workspace, then copied into out.
+    image; ``staged``: the GEMM result goes to the workspace at ``out_offset`` (0 when nothing is unfolded:
+    C = 0), then is copied into out.
     winograd: ``chunk`` 2x2 output tiles per round, ``parts`` for helper threads (a scratch row set each).
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel)."""
@@ -80,6 +81,7 @@ class ConvTiling:
     tile_rows: int
     nhwc: bool
     tile_n: int = 1
+    staged: bool = False
     out_offset: int = 0
     chunk: int = 0
     parts: int = 1
@@ -109,6 +111,8 @@ def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[T
         raise ParamError(op=OP, arg="weight", expected="4 dims (OC, C/groups, KH, KW)", got=w.shape)
     (n, c, h, wd), _ = nchw(x)
     oc, cg, kh, kw = w.shape
+    if kh < 1 or kw < 1:
+        raise ParamError(op=OP, arg="weight", expected="a kernel of at least 1 x 1 (dims 2 and 3)", got=w.shape)
     g = attrs["groups"]
     for name in ("stride", "dilation"):
         if min(attrs[name]) < 1:
@@ -210,8 +214,10 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
 
     def ws(tn: int) -> tuple[int, int]:
         cols = align(per_img * tn)
-        staged = tn > 1 and not merged
-        return cols + (align(t.ocg * t.oh * t.ow * tn * item) if staged else 0), cols if staged else 0
+        return cols + (align(t.ocg * t.oh * t.ow * tn * item) if stages(tn) else 0), cols if stages(tn) else 0
+
+    def stages(tn: int) -> bool:
+        return tn > 1 and not merged
 
     budget = IM2COL_TARGET if limit is None else limit
     if ws(1)[0] <= budget or limit is None:
@@ -219,7 +225,8 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
         while tn < most and ws(tn + 1)[0] <= budget:
             tn += 1
         size, off = ws(tn)
-        return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_n": tn, "out_offset": off}), size)
+        return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_n": tn, "staged": stages(tn), "out_offset": off}),
+                         size)
     per_row = t.kc * t.ow * item
     rows = max(1, min(t.oh, (limit // 64 * 64) // max(per_row, 1)))
     return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_rows": rows}), align(per_row * rows))

@@ -14,6 +14,10 @@ from ..tensor import DType, Format, Tensor, TensorDesc
 from .memory import Block, MemoryPool, Segment
 from .stream import Stream
 
+# what a launch gets as its workspace when phase 1 asked for none: empty bytes, so a kernel's
+# ``ws[offset:offset + 0]`` views stay valid (a launch must not have to test for None)
+NO_WORKSPACE: np.ndarray[Any, Any] = np.empty(0, np.uint8)
+
 __all__ = ["Device", "device", "placement", "register_backend"]
 
 

@@ -488,7 +488,7 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     cm = t.orient == "cm"
     kc, ow = t.kc, t.ow
     tn = t.tile_n
-    staged = t.out_offset > 0
+    staged = t.staged
     steps = []
     for n0 in range(0, t.n, tn):
         nn = min(tn, t.n - n0)
