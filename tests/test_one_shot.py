@@ -121,3 +121,45 @@ def test_failed_call_leaves_no_live_executor_or_allocation(dev, rng):
     assert dev.pool.stats()["allocated_bytes"] == before_alloc
     for t in (x, wrong_out, wrong_y):
         t.free()
+
+
+def test_host_inputs_copied_in_are_freed_after_the_call(dev, rng):
+    """The copies of host inputs are the call's own: freed in stream order, on success and on every error path."""
+    x = dev.tensor(rng.standard_normal((64, 64)).astype(np.float32))
+    out = dev.empty((64, 64), "float32")
+    w = dev.tensor(rng.standard_normal((3, 2)).astype(np.float32))
+    host = rng.standard_normal((64, 64)).astype(np.float32)
+    dev.synchronize()
+    before = dev.pool.stats()["allocated_bytes"]
+    for _ in range(3):
+        twophase.add(host, x, out=out)
+        twophase.add(x, np.float32(2), out=out)
+        with pytest.raises(twophase.ParamError):
+            twophase.matmul(host, np.ones((3, 3), np.float32))  # refused in phase 1
+    dev.synchronize()
+    np.testing.assert_allclose(out.numpy(), x.numpy() + 2)
+    twophase.set_launch_blocking(True)
+    try:
+        with pytest.raises(twophase.ParamError, match="indices"):
+            twophase.embedding(w, np.array([5]))  # the kernel's error, raised by the blocking launch
+    finally:
+        twophase.set_launch_blocking(False)
+    dev.synchronize()
+    assert dev.pool.stats()["allocated_bytes"] == before
+    for t in (x, out, w):
+        t.free()
+
+
+@pytest.mark.parametrize("bad, words", [(np.array([1], np.int16), "dtype in"), ([1, None], "numeric array-like"),
+                                        ([[1], [1, 2]], "array-like")])
+def test_host_inputs_the_device_cannot_hold_are_named(bad, words):
+    with pytest.raises(twophase.ParamError, match=words) as e:
+        twophase.exp(bad)
+    assert "exp" in str(e.value) and "input" in str(e.value)
+
+
+def test_every_op_is_its_one_shot_function_on_the_package():
+    """No submodule or other name of the package hides an op (``twophase.log`` was the logging module)."""
+    shadowed = {name for name, op in twophase.registry.items() if getattr(twophase, name) is not twophase.one_shot(op)}
+    assert not shadowed
+    np.testing.assert_allclose(twophase.log(np.array([1.0, np.e])).numpy(), [0.0, 1.0])

@@ -5,7 +5,7 @@ Every registered op is also a one-shot function here: ``twophase.softmax(x, dim=
 
 from typing import Any
 
-from . import log as _log  # noqa: F401  (configures the twophase logger and the exit leak report)
+from . import logger as _logger  # noqa: F401  (configures the twophase logger and the exit leak report)
 from . import ops, sanitizer, stats
 from .cache import cache_info, clear_cache
 from .config import (
@@ -39,7 +39,7 @@ from .functional import functions, one_shot
 from .graph import Graph, capture
 from .interop import from_dlpack
 from .invoke import PlannedCall, invoke_two_phase, plan
-from .log import leak_report
+from .logger import leak_report
 from .op import Attr, Op, OpDef, Plan, get_op, register, registry
 from .plan_cache import PlanCache
 from .profile import profile

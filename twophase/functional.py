@@ -33,24 +33,34 @@ def one_shot(op: Op) -> Callable[..., Any]:
 
     def call(*inputs: Any, out: Any = None, stream: Stream | None = None, **attrs: Any) -> Any:
         dev, s = placement(inputs, stream)
-        ins = tuple(x if x is None or isinstance(x, Tensor) else _to_device(op, dev, x, s) for x in inputs)
-        size, ex = op.get_workspace_size(*ins, out=out, **attrs)
-        new: list[Tensor] = []
+        copies: list[Tensor] = []  # host inputs copied in: the caller has no handle, so they are freed here
         try:
-            new = ex._bind_new_outputs(dev, s)
-            ws = dev.malloc(size, stream=s) if size else None
-        except BaseException:
-            for t in new:
-                t.free(s)
-            if ex.state is ExecState.READY:
-                ex.destroy()
-            raise
-        outs = ex.outputs
-        try:
-            op(ws, size, ex, s)
+            ins = tuple(x if x is None or isinstance(x, Tensor) else _to_device(op, dev, x, s, copies)
+                        for x in inputs)
+            size, ex = op.get_workspace_size(*ins, out=out, **attrs)
+            new: list[Tensor] = []
+            try:
+                new = ex._bind_new_outputs(dev, s)
+                ws = dev.malloc(size, stream=s) if size else None
+            except BaseException:
+                for t in new:
+                    t.free(s)
+                if ex.state is ExecState.READY:
+                    ex.destroy()
+                raise
+            outs = ex.outputs
+            try:
+                op(ws, size, ex, s)
+            except BaseException:
+                for t in new:
+                    t.free(s)
+                raise
+            finally:
+                if ws is not None:
+                    ws.free(s)
         finally:
-            if ws is not None:
-                ws.free(s)
+            for t in copies:
+                t.free(s)  # in stream order: after the launch that reads it
         return tuple(outs) if multi else outs[0]
 
     call.__name__ = call.__qualname__ = op.name
@@ -60,11 +70,21 @@ def one_shot(op: Op) -> Callable[..., Any]:
     return call
 
 
-def _to_device(op: Op, dev: Any, x: Any, stream: Stream) -> Tensor:
+def _to_device(op: Op, dev: Any, x: Any, stream: Stream, copies: list[Tensor]) -> Tensor:
+    """``x`` (an array-like or a scalar) copied to ``dev`` on ``stream``, recorded in ``copies``."""
     try:
-        return dev.tensor(np.asarray(x), stream=stream)  # type: ignore[no-any-return]
+        arr = np.asarray(x)
     except (TypeError, ValueError):
         raise ParamError(op=op.name, arg="input", expected="a Tensor or an array-like", got=type(x).__name__) from None
+    if arr.dtype == object:
+        raise ParamError(op=op.name, arg="input", expected="a Tensor or a numeric array-like",
+                         got=f"{type(x).__name__} of Python objects" if arr.ndim else type(x).__name__)
+    try:
+        t: Tensor = dev.tensor(arr, stream=stream)
+    except ParamError as e:  # the device's own words: which dtypes it holds
+        raise ParamError(op=op.name, arg="input", expected=e.expected, got=e.got) from None
+    copies.append(t)
+    return t
 
 
 def functions() -> dict[str, Callable[..., Any]]:
