@@ -211,3 +211,21 @@ def test_unary_special_values() -> None:
                 got = run_checked(getattr(ops, name), x.astype(dt)).outputs[0]
                 ref = getattr(ops, name).spec.reference(x.astype(np.float64))
                 np.testing.assert_array_equal(got, ref.astype(dt), err_msg=f"{name} {dt}")
+
+
+@pytest.mark.parametrize("name", ["add", "sub"])
+@pytest.mark.parametrize("dtype,bad,edge", [
+    (np.int32, 2**40, -2**31), (np.int32, -2**31 - 1, 2**31 - 1), (np.int64, 2**63, 2**63 - 1),
+    (np.int64, -2**63 - 1, -2**63), pytest.param(np.float32, 2**1100, 2**100, id="float32-2**1100-2**100")])
+def test_alpha_the_promoted_dtype_cannot_hold_is_a_param_error_in_phase_1(name: str, dtype: Any, bad: int,
+                                                                          edge: int) -> None:
+    """numpy raised an out-of-range int alpha (or one past float64's range) only in the kernel, a KernelError at
+    sync; the range's own ends still run."""
+    from twophase import DType, TensorDesc
+    desc = TensorDesc((2,), DType.of(dtype))
+    with pytest.raises(ParamError) as e:
+        getattr(ops, name).get_workspace_size(desc, desc, alpha=bad)
+    assert e.value.op == name and e.value.arg == "alpha"
+    x, y = np.array([0, 1], dtype), np.array([1, 0], dtype)
+    got = run_checked(getattr(ops, name), x, y, alpha=edge).outputs[0]
+    np.testing.assert_array_equal(got, BINARY[name][0](x, np.multiply(y, edge, dtype=dtype)))

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from ops_layouts import LAYOUTS, on_device, random, shapes
 
-from twophase import device, ops
+import twophase as tp
+from twophase import DType, TensorDesc, device, ops
 from twophase.errors import ParamError
 from twophase.testing import run_checked
 
@@ -144,3 +145,62 @@ def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -
     with pytest.raises(ParamError) as e:
         call()
     assert e.value.arg == arg
+
+
+@pytest.mark.parametrize("sizes", [1, (0,), ()])
+def test_split_of_a_0d_tensor_is_a_param_error_in_phase_1(sizes: Any) -> None:
+    """A 0-d tensor has no dim to split: refused in phase 1 naming x (the kernel divided by ndim 0)."""
+    with pytest.raises(ParamError) as e:
+        ops.split.get_workspace_size(TensorDesc((), DType.float32), sizes=sizes)
+    assert e.value.op == "split" and e.value.arg == "x"
+
+
+def test_split_takes_a_numpy_integer_as_a_chunk_size() -> None:
+    """np.int64(2) is a chunk size like the int 2 (it was read as the list (2,)); a bool is neither."""
+    x = np.arange(5.0)
+    for sizes in (np.int64(2), np.int32(2), [np.int64(2), np.int32(2), 1]):
+        got = [o.tolist() for o in run_checked(ops.split, x, sizes=sizes).outputs]
+        assert got == [[0, 1], [2, 3], [4]]
+        assert [p.tolist() for p in ops.split.spec.reference(x, sizes)] == got
+    with pytest.raises(ParamError) as e:
+        ops.split.get_workspace_size(TensorDesc((5,), DType.float32), sizes=True)
+    assert e.value.arg == "sizes"
+
+
+def test_pad_of_a_0d_tensor_without_pads_is_a_copy() -> None:
+    r = run_checked(ops.pad, np.float32(2.5), pads=())
+    assert r.outputs[0].shape == () and float(r.outputs[0]) == 2.5
+
+
+def test_pad_value_is_written_as_numpy_writes_it() -> None:
+    """Ints exactly (a float went through float64: 2**62 + 1 became 2**62), a float truncated toward 0 into an int
+    dtype, a bool into bool, and a float16 overflow to inf: each as np.pad."""
+    cases = [(np.int64, 2**62 + 1), (np.int64, -2**63), (np.int64, 2**63 - 1), (np.uint8, 255), (np.int32, -2.5),
+             (np.bool_, True), (np.bool_, 0.0), (np.float16, 1e6), (np.float64, 2**62 + 1)]
+    for dtype, value in cases:
+        x = np.ones(2, dtype)
+        with np.errstate(over="ignore"):
+            got = tp.pad(x, pads=(1, 2), value=value).numpy()
+            want = np.pad(x, (1, 2), constant_values=value)
+        assert got.dtype == want.dtype and got.tolist() == want.tolist(), (dtype, value)
+
+
+@pytest.mark.parametrize("dtype,value", [
+    (DType.int32, float("nan")), (DType.int32, float("inf")), (DType.int32, 1e20), (DType.int32, 2**31),
+    (DType.int64, 2**63), (DType.int64, -2**63 - 1), (DType.uint8, -1), (DType.int8, 128),
+    (DType.bool, 2), (DType.bool, float("nan")), (DType.bool, 0.5),
+    pytest.param(DType.float32, 2**1100, id="float32-2**1100")])
+def test_pad_value_the_dtype_cannot_hold_is_a_param_error_in_phase_1(dtype: DType, value: Any) -> None:
+    """numpy raised these only in the kernel (a KernelError at sync) or wrapped them; bool takes 0 or 1."""
+    with pytest.raises(ParamError) as e:
+        ops.pad.get_workspace_size(TensorDesc((1,), dtype), pads=(1, 1), value=value)
+    assert e.value.op == "pad" and e.value.arg == "value"
+
+
+@pytest.mark.parametrize("layout", ["dense", "strided", "transposed"])
+def test_embedding_of_a_float16_table_copies_its_bits(layout: str) -> None:
+    """float16 is an allowed weight dtype, but numba has none: binding the gather raised NotImplementedError."""
+    w = np.array([[0.5, -0.0, np.inf], [1e-7, -2.0, 65504.0]], np.float16)
+    idx = np.array([[1, 0], [0, 1]], np.int64)
+    got = run_checked(ops.embedding, on_device(w, layout), idx).outputs[0]
+    assert got.dtype == np.float16 and got.tobytes() == w[idx].tobytes()

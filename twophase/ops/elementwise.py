@@ -16,6 +16,7 @@ from ..op import Attr, Op, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, launcher
 from ..tensor import DType, TensorDesc
 from .checks import FLOATS, NUMERIC, as_scalar, check_dtype, choice, need
+from .shape import cast_scalar
 
 __all__ = ["BINARY", "COMPARE", "UNARY", "unary_reference"]
 
@@ -56,8 +57,10 @@ def _binary_infer(name: str) -> Callable[[tuple[TensorDesc | None, ...], dict[st
         shape, dtype = _promote(name, [("x", x), ("other", other)], NUMERIC)
         if name == "div" and not dtype.is_float:
             dtype = DType.float64  # true division of integers (numpy's rule)
-        if not dtype.is_float and isinstance(attrs.get("alpha", 1), float):
-            raise ParamError(op=name, arg="alpha", expected="an int for integer operands", got=attrs["alpha"])
+        if "alpha" in attrs:
+            if not dtype.is_float and isinstance(attrs["alpha"], float):
+                raise ParamError(op=name, arg="alpha", expected="an int for integer operands", got=attrs["alpha"])
+            cast_scalar(name, "alpha", attrs["alpha"], dtype)  # 2**40 for int32: numpy raises only at sync
         return (TensorDesc(shape, dtype),)
     return infer
 

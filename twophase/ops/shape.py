@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -12,7 +14,7 @@ from ..kernels.cpu.gather import build_embedding
 from ..layout import align, merge_dims
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
-from .checks import as_dims, as_float, as_int, check_dtype, need, norm_dim, optional
+from .checks import as_dims, as_int, as_scalar, check_dtype, need, norm_dim, optional
 
 ALL = tuple(DType)
 
@@ -125,8 +127,10 @@ MAX_SPLIT_PARTS = 1 << 16  # outputs of one split (a fuzzed 2^40-long dim in chu
 
 
 def _split_sizes(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, list[int]]:
+    if x.ndim == 0:  # no dim to split (the kernel's dim % ndim would divide by zero)
+        raise ParamError(op="split", arg="x", expected="a tensor with at least 1 dim", got=x.shape)
     dim = norm_dim("split", "dim", attrs["dim"], x.ndim)
-    n = x.shape[dim] if x.ndim else 0
+    n = x.shape[dim]
     sizes = attrs["sizes"]
     if isinstance(sizes, int):  # a chunk size, as torch.split(x, int)
         if sizes <= 0:
@@ -141,7 +145,8 @@ def _split_sizes(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, list[int]]:
 
 
 def _as_sizes(v: Any) -> int | tuple[int, ...]:
-    return int(as_int(v)) if isinstance(v, int) else tuple(as_dims(v))
+    """Any integral scalar (numpy's too, never a bool) is a chunk size; anything else a sequence of sizes."""
+    return int(as_int(v)) if isinstance(v, numbers.Integral) else tuple(as_dims(v))
 
 
 _as_sizes.expects = "a chunk size or a sequence of sizes"  # type: ignore[attr-defined]
@@ -170,6 +175,7 @@ def _build_split(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
 
 def _split_reference(x: Any, sizes: Any, dim: int = 0) -> tuple[Any, ...]:
     n = np.shape(x)[dim]
+    sizes = _as_sizes(sizes)
     if isinstance(sizes, int):
         sizes = [min(sizes, n - i) for i in range(0, n, sizes)]
     return tuple(np.split(x, np.cumsum(sizes)[:-1], axis=dim))
@@ -215,8 +221,33 @@ def _pad_pairs(x: TensorDesc, pads: tuple[int, ...]) -> list[tuple[int, int]]:
     return pairs
 
 
+def cast_scalar(op: str, arg: str, value: float, dtype: DType) -> float:
+    """``value`` as it is written into ``dtype`` (an int dtype truncates a float toward 0, as numpy's cast), or
+    ParamError where numpy would raise only in the kernel, at sync, or silently wrap: NaN, inf or out of range for
+    an int dtype, other than 0 / 1 for bool, past float64's range; a float dtype overflows to inf as numpy."""
+    if dtype is DType.bool:
+        if value in (0, 1):
+            return bool(value)
+        expected = "0 or 1"
+    elif dtype.is_float:
+        try:
+            float(value)  # only an int can fail (OverflowError); the value itself is kept for numpy to round
+            return value
+        except OverflowError:
+            expected = "a number within float64's range"
+    else:
+        info = np.iinfo(dtype.np)
+        n = int(value) if not isinstance(value, float) or math.isfinite(value) else None
+        if n is not None and info.min <= n <= info.max:
+            return n
+        what = "a finite number whose integer part is" if isinstance(value, float) else "an int"
+        expected = f"{what} in [{info.min}, {info.max}] ({dtype.value})"
+    raise ParamError(op=op, arg=arg, expected=expected, got=value)
+
+
 def _infer_pad(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     x = need("pad", "x", ins[0])
+    cast_scalar("pad", "value", attrs["value"], x.dtype)
     pairs = _pad_pairs(x, attrs["pads"])
     return (TensorDesc(tuple(n + a + b for n, (a, b) in zip(x.shape, pairs)), x.dtype),)
 
@@ -224,8 +255,8 @@ def _infer_pad(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
 def _build_pad(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
     x, out = ins[0], outs[0]
     pairs = _pad_pairs(TensorDesc(x.shape, DType.of(x.dtype)), attrs["pads"])
-    inner = out[tuple(slice(a, a + n) for n, (a, _) in zip(x.shape, pairs))]
-    value = attrs["value"]
+    inner = out[tuple(slice(a, a + n) for n, (a, _) in zip(x.shape, pairs)) + (...,)]  # ...: a 0-d out stays a view
+    value = cast_scalar("pad", "value", attrs["value"], DType.of(x.dtype))
     borders = []  # the slabs outside the copied block, disjoint: dim i's margins, within earlier dims' inner ranges
     for i, (a, b) in enumerate(pairs):
         keep = tuple(slice(pairs[j][0], pairs[j][0] + x.shape[j]) for j in range(i))
@@ -249,8 +280,9 @@ def _pad_reference(x: Any, pads: Any, value: float = 0.0) -> Any:
 
 
 _reg("pad", _infer_pad, _build_pad,
-     "Constant padding, pads in torch order (last dim's (lo, hi) first); every output element written once.",
-     _pad_reference, attrs=(Attr("pads", as_dims), Attr("value", as_float, 0.0)))
+     "Constant padding, pads in torch order (last dim's (lo, hi) first); every output element written once. value "
+     "must fit x's dtype (ints exact; an int dtype truncates a float toward 0, as numpy).",
+     _pad_reference, attrs=(Attr("pads", as_dims), Attr("value", as_scalar, 0.0)))
 
 
 # ---- embedding
@@ -272,7 +304,10 @@ def _select_emb(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -
 
 
 def _build_emb(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
-    return build_embedding(ins[0], ins[1], outs[0])
+    w, out = ins[0], outs[0]
+    if w.dtype == np.float16:  # numba has no float16 (NotImplementedError at bind); the gather only copies bits
+        w, out = w.view(np.int16), out.view(np.int16)
+    return build_embedding(w, ins[1], out)
 
 
 register(OpDef(
