@@ -217,3 +217,23 @@ def test_leases_are_exclusive_two_holders_get_distinct_calls_on_their_own_buffer
     cache.release(second)
     cache.release(third)
     assert cache.info()["leased"] == 0
+
+
+def test_a_plan_made_before_set_workspace_limit_is_not_served_after(dev, stream):
+    """The global limit is part of the key, as in phase 1: a cached 'packed' plan needs 128 bytes, over limit 0."""
+    a = dev.tensor(np.ones((6, 8), np.float32), stream=stream).strided((6, 4), (8, 2))
+    b = dev.tensor(np.ones((4, 3), np.float32), stream=stream)
+    pc = PlanCache()
+    try:
+        with pc.lease("matmul", a, b, stream=stream) as c:
+            assert (c.executor.implementation, c.workspace_size) == ("packed", 128)
+        twophase.set_workspace_limit(0)
+        with pytest.raises(twophase.ParamError, match="at least 128 bytes"):
+            pc.acquire("matmul", a, b, stream=stream)
+        twophase.set_workspace_limit(None)
+        with pc.lease("matmul", a, b, stream=stream) as c:
+            assert c.workspace_size == 128
+        assert (pc.hits, pc.misses) == (1, 2)
+    finally:
+        twophase.set_workspace_limit(None)
+        pc.clear()

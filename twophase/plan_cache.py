@@ -13,6 +13,7 @@ from typing import Any
 from .errors import InvalidStateError, ParamError
 from .invoke import PlannedCall
 from .op import Op, get_op
+from .ops.selection import effective_limit
 from .runtime.device import placement
 from .runtime.stream import Stream
 from .tensor import Tensor
@@ -65,7 +66,8 @@ class PlanCache:
         in_descs, bound = o._input_descs(inputs)
         outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
         _, s = placement(inputs, stream)
-        meta = o._key(in_descs, outs, attrs.get("workspace_limit"), attrs, bound)
+        # the limit in force, as phase 1 keys it: a plan made before set_workspace_limit() must not be served after
+        meta = o._key(in_descs, outs, effective_limit(o.name, attrs.get("workspace_limit")), attrs, bound)
         key = (meta, s)
         entry = None
         if meta is not None:  # leases are exclusive: take an idle entry of this metadata, if any
