@@ -379,3 +379,24 @@ def test_env_and_setter_turn_it_on_and_off():
     finally:
         tp.set_sanitize(False)
     assert not sanitizer.is_enabled()
+
+
+def test_graph_replay_with_a_freed_captured_tensor_names_the_graph(s):
+    """A replay uses every tensor it was captured with: a freed weight is refused before anything runs, and an
+    input rebound for the replay may have its old tensor freed."""
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones((4, 8), np.float32), stream=s)
+    w = dev.tensor(np.ones((5, 8), np.float32), stream=s)
+    with tp.capture(s) as g:
+        g.input("x", x)
+        g.output("y", tp.linear(x, w, stream=s))
+    g.instantiate()
+    x2 = dev.tensor(np.full((4, 8), 2, np.float32), stream=s)
+    x.free(s)
+    for _ in range(2):
+        np.testing.assert_array_equal(g.replay(s, x=x2)["y"].numpy(), np.full((4, 5), 16))  # the new x only
+    w.free(s)
+    with pytest.raises(sanitizer.UseAfterFreeError, match=f"{g.name} replayed .* already freed"):
+        g.replay(s, x=x2)  # no launch is rebuilt: the replay's own check refuses the weight
+    g.destroy()
+    x2.free(s)

@@ -11,11 +11,12 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .graph.replay import REPLAY_CHECKS
 from .op import Op
 from .runtime.stream import TASK_LISTENERS
 
 __all__ = ["Phase2Hook", "Phase1Hook", "add_phase1_hook", "add_phase2_hook", "remove_hook", "add_task_listener",
-           "remove_task_listener"]
+           "remove_task_listener", "add_replay_check", "remove_replay_check"]
 
 # before(op, workspace, workspace_size, executor, stream) may raise to refuse the launch;
 # after(op, workspace, workspace_size, executor, stream, t0, t1) runs once it is enqueued.
@@ -81,6 +82,15 @@ def remove_hook(handle: Any) -> None:
         if handle[2] is not None:
             _phase2_after.remove(handle[2])
     _swap()
+
+
+def add_replay_check(check: Callable[[Any, Any], None]) -> None:
+    """Run ``check(graph, stream)`` before every graph replay is enqueued; it may raise to refuse the replay."""
+    REPLAY_CHECKS.append(check)
+
+
+def remove_replay_check(check: Callable[[Any, Any], None]) -> None:
+    REPLAY_CHECKS.remove(check)
 
 
 def add_task_listener(fn: Callable[[str, Any, float, float, int], None]) -> None:

@@ -7,6 +7,7 @@ import itertools
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,6 +53,10 @@ class _Binding:
         self.current = tensor
         self.key = key  # the external Block, or the virtual id
         self.uses: list[tuple[int, int, TensorDesc]] = []  # (node, operand slot, operand desc)
+
+
+# check(graph, stream) before every replay is enqueued, after its rebinding; may raise to refuse it (the sanitizer's)
+REPLAY_CHECKS: list[Callable[[Graph, Stream], None]] = []
 
 
 @dataclass(frozen=True)
@@ -368,6 +373,8 @@ class Graph:
         if tensors or self._rebound:
             self._apply(tensors)
             steps = self._steps
+        for check in REPLAY_CHECKS:
+            check(self, stream)
         seq = stream._enqueue(_run_graph, (steps, self, stream._q), self)
         for b in self._mark_blocks:
             b.mark_use(stream, seq)  # host reads wait for the replay (and the sanitizer sees the use)

@@ -108,6 +108,16 @@ def _phase1_done(op: Op, inputs: Any, kwargs: Any, result: Any, t0: float, t1: f
         _records[key] = rec
 
 
+def _replay_before(graph: Any, stream: Stream) -> None:
+    """A replay reads and writes every tensor it was captured (or is now rebound) with: none may be freed."""
+    for blk in graph._mark_blocks:
+        if blk.freed or (type(blk) is GuardedBlock and not blk.allocated):
+            raise UseAfterFreeError(f"{graph.name} replayed on stream '{stream.name}' with a captured tensor in a "
+                                    f"block of {blk.size} bytes at 0x{blk.address:x} that was already freed "
+                                    "(rebind it with replay(name=tensor) or capture again)", op=graph.name,
+                                    arg="tensor")
+
+
 # ---- phase 2: the checks, then the uses it makes
 def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
     if not isinstance(ex, Executor) or not isinstance(stream, Stream):
@@ -319,6 +329,7 @@ def install() -> None:
     _handles.append(hooks.add_phase1_hook(_phase1_done))
     _handles.append(hooks.add_phase2_hook(before=_phase2_before, after=_phase2_after))
     hooks.add_task_listener(_after_task)
+    hooks.add_replay_check(_replay_before)
 
 
 def uninstall() -> None:
@@ -327,6 +338,7 @@ def uninstall() -> None:
     while _handles:
         hooks.remove_hook(_handles.pop())
     hooks.remove_task_listener(_after_task)
+    hooks.remove_replay_check(_replay_before)
 
 
 def leaked_executors(since: int = 0) -> list[Leak]:
