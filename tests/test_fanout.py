@@ -223,7 +223,8 @@ def test_the_cpu_device_keeps_openblas_workers_from_spinning() -> None:
     the CPU device exists it sleeps too."""
     spun = _cpu_ms_while_asleep("")  # numpy alone
     quiet = _cpu_ms_while_asleep("import twophase; twophase.device('cpu')")
-    assert spun > 30, spun  # the measurement sees a spinning worker
+    # the measurement sees a spinning worker: ~100 ms alone, 28 ms seen with the suite and two other jobs on 2 cores
+    assert spun > max(20.0, 3 * quiet), (spun, quiet)
     assert quiet < 10, quiet
 
 
