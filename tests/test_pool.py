@@ -141,6 +141,14 @@ def test_limit_raises_out_of_memory_naming_requested_reserved_and_limit(pool):
         pool.set_limit(-1)
 
 
+@pytest.mark.parametrize("nbytes", [1 << 62, 1 << 70])  # mmap refuses the first, cannot even take the second
+def test_a_request_past_the_address_space_is_out_of_memory(pool, nbytes):
+    before = pool.stats()
+    with pytest.raises(twophase.OutOfMemoryError, match=str(nbytes)):
+        pool.malloc(nbytes)
+    assert pool.stats()["reserved_bytes"] == before["reserved_bytes"]
+
+
 def test_out_of_memory_empties_cache_and_retries_once(pool):
     pool.set_limit(4 * MiB)
     a = pool.malloc(1536 * 1024)

@@ -29,7 +29,7 @@ class CpuDevice(Device):
         pad = HUGE_PAGE if huge else 0  # over-reserve so the segment can start on a 2 MiB boundary
         try:
             mm = mmap.mmap(-1, nbytes + pad, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-        except OSError as exc:
+        except (OSError, OverflowError) as exc:  # OverflowError: past what mmap's size (ssize_t) can say
             raise MemoryError(str(exc)) from exc
         raw = np.frombuffer(mm, dtype=np.uint8)
         base = raw.ctypes.data
