@@ -217,6 +217,24 @@ def test_block_freed_on_a_stream_waits_for_its_work_before_another_stream_reuses
         blk.free()
 
 
+def test_a_tensor_freed_without_a_stream_waits_for_the_task_that_last_used_it(dev, gate):
+    """``dev.tensor(a)`` enqueues its copy-in; ``free()`` at once must not hand the block to anyone before the copy
+    has run (it would land in their memory)."""
+    s, t = dev.stream(), dev.stream()
+    ev = gate(s)
+    try:
+        x = dev.tensor(np.arange(1024, dtype=np.float32), stream=s)  # copy-in queued behind the gate
+        addr = x.block.address
+        x.free()
+        others = [dev.malloc(4096, stream=t), dev.malloc(4096)]
+        assert addr not in {b.address for b in others}
+    finally:
+        ev.set()
+    s.synchronize()
+    for b in others:
+        b.free()
+
+
 def test_pending_free_blocks_are_not_released_by_empty_cache(pool, dev, gate):
     s = dev.stream()
     ev = gate(s)

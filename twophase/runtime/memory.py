@@ -98,7 +98,8 @@ class Block:
     def free(self, stream: Stream | None = None) -> None:
         """Return the block to its pool; with ``stream`` the memory is reused only in that stream's order.
 
-        Without a stream the caller asserts that no enqueued work still uses it.
+        Without a stream it is reused once the last stream task that used it (``mark_use``) has completed: only
+        that task is known, so a block used on several streams needs the stream of its last use, or a sync.
         """
         self.pool.free(self, stream)
 
@@ -277,8 +278,11 @@ class MemoryPool:
             self._allocated -= blk.size
             self._requested -= blk.requested
             self._n_free += 1
+            last = blk._stream
             if stream is not None and stream._submitted > stream._done:
                 blk.free_stream, blk.free_seq = stream, stream._submitted
+            elif stream is None and last is not None and last._done < blk._seq:
+                blk.free_stream, blk.free_seq = last, blk._seq  # still in use: reusable after that task
             else:
                 blk.free_stream, blk.free_seq = None, 0
             blk = self._merge(blk)
