@@ -4,6 +4,7 @@ poisoned outputs, a guarded workspace, and workspace sizes against the documente
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import numpy as np
@@ -186,6 +187,36 @@ def test_layer_and_rms_norm_match_reference(rows: list[int], n: int, layout: str
     assert r.guards_intact and r.unwritten == (0, 0, 0) and r.touched <= r.workspace_size
     for got, want in zip(r.outputs, ref):
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
+
+
+@pytest.mark.parametrize("mean", [1e6, 1e7])
+@pytest.mark.parametrize("shape, layout", [((3, 100), "dense"), ((1, 4096), "dense"), ((2, 300_000), "dense"),
+                                           ((5, 77), "padded"), ((6, 5, 7), "transposed")])
+def test_layer_norm_of_large_mean_rows_does_not_cancel(shape: Any, layout: str, mean: float) -> None:
+    """float32 rows of unit spread on a mean of 1e7: the one-pass sums of x and x^2 cancelled (rstd off by up to
+    5x on long rows); shifted by the row's first element they do not. Dense, strided-row and packed layouts."""
+    x = (mean + np.random.default_rng(len(shape)).standard_normal(shape)).astype(np.float32)
+    n = shape[-1]
+    r = run_checked(ops.layer_norm, on_device(x, layout), normalized_shape=(n,))
+    out, mu, rstd = ops.layer_norm.spec.reference(x, normalized_shape=(n,))
+    np.testing.assert_allclose(r.outputs[2], rstd, rtol=1e-6)
+    np.testing.assert_allclose(r.outputs[1], mu, rtol=1e-7)
+    np.testing.assert_allclose(r.outputs[0], out, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", [ops.layer_norm, ops.rms_norm])
+def test_norms_of_empty_rows_follow_the_reference(op: Any, dtype: Any) -> None:
+    """Rows of no elements: rms_norm's mean output is 0 (as documented; it was NaN), layer_norm's mean NaN, both
+    rstd NaN."""
+    x = np.zeros((2, 0), dtype)
+    r = run_checked(op, x, normalized_shape=(0,))
+    with np.errstate(all="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # numpy's mean of an empty slice
+        want = op.spec.reference(x, normalized_shape=(0,))
+    assert r.outputs[0].shape == (2, 0)
+    for got, ref in zip(r.outputs[1:], want[1:]):
+        np.testing.assert_array_equal(got, ref)  # NaN where the reference has NaN
 
 
 # ---------------------------------------------------------------- batch_norm / group_norm

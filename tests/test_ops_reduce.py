@@ -103,12 +103,13 @@ def documented_workspace(name: str, x: Any, red: tuple[int, ...], block: int = 4
     packed = f16 or not _merges(shape, strides, kept) or not _merges(shape, strides, red)
     ws = 0
     for n in _levels(r, block):
-        ws += _align64(k_rows * n * v) + _align64(k_rows * n * 8) if name == "argmax" else _align64(k_rows * n * 24)
+        ws += _align64(k_rows * n * v) + _align64(k_rows * n * 8) if name == "argmax" else \
+            _align64(k_rows * n * (8 if name == "reduce_mean" else 24))
     if name == "var" and _levels(r, block):  # a one-block row goes straight to out
         ws += _align64(k_rows * 24)
     if packed:
         ws += _align64(k_rows * r * v)
-    if name == "var" and f16:
+    if (name == "var" and f16) or (name == "reduce_mean" and dt in (np.float16, np.float32)):  # the float64 stage
         ws += _align64(k_rows * 8)
     return ws
 
@@ -255,3 +256,71 @@ def test_argmax_var_bad_inputs_raise_param_error(call: Any, arg: str) -> None:
     with pytest.raises(ParamError) as e:
         call()
     assert e.value.arg == arg
+
+
+# ---------------------------------------------------------------- large means, float16 / float32 means, 0-d inputs
+LARGE_MEAN_CASES = [((4096,), (), "dense"), ((3, 1000), (1,), "padded"), ((2, 300_000), (1,), "dense"),
+                    ((5000, 3), (0,), "dense"), ((7, 11, 13), (0, 2), "transposed"), ((9, 5000), (1,), "reversed")]
+
+
+@pytest.mark.parametrize("mean", [1e6, 1e7])
+@pytest.mark.parametrize("shape,dims,layout", LARGE_MEAN_CASES)
+def test_float32_var_of_large_mean_data_does_not_cancel(shape: tuple[int, ...], dims: tuple[int, ...], layout: str,
+                                                        mean: float) -> None:
+    """Unit spread on a mean of 1e7: sums of x and x^2 cancel (var was off by 30%); shifted by a sample they do
+    not. Rows of one block, split rows merged over levels, strided and packed inputs."""
+    x = (mean + np.random.default_rng(len(shape)).standard_normal(shape)).astype(np.float32)
+    r = run_checked(ops.var, on_device(x, layout), dims=dims)
+    want = np.var(x.astype(np.float64), axis=dims or None, ddof=1)
+    np.testing.assert_allclose(r.outputs[0], want, rtol=1e-6)
+
+
+def test_float32_var_of_large_mean_data_merged_over_deep_trees(small_blocks: int) -> None:
+    x = (1e7 + np.random.default_rng(4).standard_normal((3, 1000))).astype(np.float32)
+    for layout in ("dense", "strided"):
+        r = run_checked(ops.var, on_device(x, layout), dims=(1,), correction=0)
+        assert len(r.tiling.levels) >= 3
+        np.testing.assert_allclose(r.outputs[0], np.var(x.astype(np.float64), axis=1), rtol=1e-6)
+
+
+@pytest.mark.parametrize("shape,dims,layout", [((100,), (), "dense"), ((3, 5000, 7), (1,), "dense"),
+                                               ((3, 5000, 7), (0, 2), "strided"), ((9000, 4), (0,), "dense"),
+                                               ((4, 9000), (1,), "transposed"), ((2, 300_000), (), "dense")])
+@pytest.mark.parametrize("dtype", [np.float16, np.float32])
+def test_mean_near_the_dtype_max_does_not_overflow(shape: tuple[int, ...], dims: tuple[int, ...], layout: str,
+                                                   dtype: Any) -> None:
+    """The float64 sum is scaled by 1/R before the cast: a mean overflows only where the mean itself does (the sum
+    was cast first: 100 x 1000.0 in float16 gave inf, as did 2 x 3e38 in float32)."""
+    big = float(np.finfo(dtype).max)
+    x = (np.random.default_rng(11).uniform(0.5, 1.0, shape) * big).astype(dtype)
+    t = on_device(x, layout)
+    r = run_checked(ops.reduce_mean, t, dims=dims)
+    want = np.mean(x.astype(np.float64), axis=dims or None)
+    check_workspace(r, documented_workspace("reduce_mean", t, dims or tuple(range(len(shape)))))
+    assert np.all(np.isfinite(r.outputs[0]))
+    np.testing.assert_allclose(r.outputs[0].astype(np.float64), want, rtol={np.float16: 1e-3, np.float32: 1e-6}[dtype])
+
+
+@pytest.mark.parametrize("name", NAMES + ["var"])
+def test_reductions_of_a_0d_tensor(name: str) -> None:
+    """dims=() reduces every dim of a 0-d tensor (its value; var's 0/0); any explicit dim is out of range, as in
+    numpy (it raised IndexError from the layout code)."""
+    op = getattr(ops, name)
+    x = np.float32(3.0)
+    for keep in (False, True):
+        got = run_checked(op, x, keep_dims=keep).outputs[0]
+        assert got.shape == () and np.array_equal(got, np.float32(np.nan if name == "var" else 3.0), equal_nan=True)
+    for dims in (0, -1, (0,), (1,)):
+        with pytest.raises(ParamError) as e:
+            op.get_workspace_size(on_device(np.asarray(x)), dims=dims)
+        assert e.value.op == name and e.value.arg == "dims" and "0-d" in str(e.value.expected)
+
+
+def test_argmax_of_a_0d_tensor_takes_dim_0_or_minus_1() -> None:
+    """argmax's dim is required: a 0-d tensor is searched as one of shape (1,) (the reference's rule)."""
+    for dim in (0, -1):
+        assert run_checked(ops.argmax, np.float32(3.0), dim=dim).outputs[0] == 0
+    for dim in (1, -2):
+        with pytest.raises(ParamError) as e:
+            ops.argmax.get_workspace_size(on_device(np.asarray(np.float32(3.0))), dim=dim)
+        assert e.value.arg == "dim" and e.value.expected == "a dim in [-1, 1)"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import numba
@@ -199,3 +200,60 @@ def test_nan_propagating_max_and_min_in_both_lowerings(monkeypatch: pytest.Monke
         withnan = finite.copy()
         withnan[at] = np.nan
         assert all(np.isnan(v) for v in extremes(withnan)), at
+
+
+def _rsqrt_op(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    from twophase import ops
+    from twophase.testing import run_checked
+    got: np.ndarray[Any, Any] = run_checked(ops.rsqrt, x).outputs[0]
+    return got
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_rsqrt_limits_and_denormals_match_numpy(dtype: Any) -> None:
+    """rsqrt is a true division: LLVM's rsqrtps estimate (which ``arcp`` allows on float32 vectors) gave NaN at 0
+    and inf and -inf on denormals. Exact at ±0, ±inf, NaN and negatives; denormals (and the largest finite) within
+    an ulp of numpy."""
+    fi = np.finfo(dtype)
+    special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -1.0, -fi.smallest_subnormal], dtype)
+    finite = np.array([fi.smallest_subnormal, fi.smallest_subnormal * 3, fi.tiny / 2, fi.tiny, 1e-40, 1e-310,
+                       0.25, 4.0, 2.0, 3.0, fi.max], np.float64).astype(dtype)
+    finite = finite[finite != 0]  # 1e-40 and 1e-310 where the dtype holds them
+    x = np.concatenate([special, finite, (np.random.default_rng(3).random(997) * 100).astype(dtype)])
+    got = _rsqrt_op(x)
+    with np.errstate(all="ignore"):
+        want = (1.0 / np.sqrt(x.astype(np.float64))).astype(dtype)
+    k = special.size
+    np.testing.assert_array_equal(got[:k], want[:k])
+    np.testing.assert_array_equal(np.signbit(got[:k]), np.signbit(want[:k]))  # 1/sqrt(-0) = -inf
+    assert np.all(np.isfinite(got[k:]))
+    ulps = np.abs(got[k:].astype(np.float64) - want[k:]) / np.spacing(want[k:]).astype(np.float64)
+    assert np.max(ulps) <= 1.0, np.max(ulps)
+
+
+def test_rsqrt_float32_within_1ulp_over_whole_domain() -> None:
+    x = all_float32(257)
+    got = _rsqrt_op(x)
+    with np.errstate(all="ignore"):
+        want = (1.0 / np.sqrt(x.astype(np.float64))).astype(np.float32)
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    num = ~np.isnan(want)
+    exact = num & ((want == 0) | np.isinf(want))
+    np.testing.assert_array_equal(got[exact], want[exact])
+    rest = num & ~exact
+    ulps = np.abs(got[rest].astype(np.float64) - want[rest]) / np.spacing(want[rest]).astype(np.float64)
+    assert np.max(ulps) <= 1.0, np.max(ulps)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_rsqrt_kernel_is_vectorized_without_the_rsqrt_estimate(dtype: Any) -> None:
+    """The unary rsqrt rows kernel, recompiled uncached (cached code has no assembly), divides packed square roots
+    and has no rsqrtps / vrsqrt14ps estimate."""
+    from twophase.kernels.cpu.elementwise import KERNELS
+    from twophase.kernels.cpu.jit import FAST
+    fresh = numba.njit(nogil=True, fastmath=FAST, error_model="numpy")(KERNELS["rsqrt"][True].py_func)
+    arr = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 2, "C")
+    fresh.compile((arr, arr))
+    asm = fresh.inspect_asm((arr, arr))
+    assert re.search(r"vsqrtp[sd]\s+[^\n]*%[yz]mm", asm) and re.search(r"vdivp[sd]\s+[^\n]*%[yz]mm", asm)
+    assert "rsqrt" not in asm

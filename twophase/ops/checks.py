@@ -86,14 +86,19 @@ def check_dtype(op: str, arg: str, desc: TensorDesc, allowed: Iterable[DType]) -
 
 
 def norm_dim(op: str, arg: str, dim: int, ndim: int) -> int:
-    """A dim in ``[-ndim, ndim)`` as a non-negative index."""
-    if not -max(ndim, 1) <= dim < max(ndim, 1):
-        raise ParamError(op=op, arg=arg, expected=f"a dim in [{-ndim}, {ndim})", got=dim)
-    return dim % max(ndim, 1)
+    """A dim in ``[-ndim, ndim)`` as a non-negative index (a 0-d tensor takes 0 and -1, as one of shape (1,))."""
+    n = max(ndim, 1)
+    if not -n <= dim < n:
+        raise ParamError(op=op, arg=arg, expected=f"a dim in [{-n}, {n})", got=dim)
+    return dim % n
 
 
 def norm_dims(op: str, arg: str, dims: tuple[int, ...], ndim: int) -> tuple[int, ...]:
-    """Sorted unique non-negative dims; repeated dims are an error."""
+    """Sorted unique non-negative dims of a reduction; repeated dims are an error, and so is any dim of a 0-d
+    tensor (numpy's AxisError: it has no dim to reduce; ``()`` reduces all dims)."""
+    if ndim == 0 and dims:
+        raise ParamError(op=op, arg=arg, expected="no dims: any dim is out of range for a 0-d tensor (() reduces "
+                         "all dims)", got=dims)
     out = tuple(sorted(norm_dim(op, arg, d, ndim) for d in dims))
     if len(set(out)) != len(out):
         raise ParamError(op=op, arg=arg, expected="distinct dims", got=dims)

@@ -57,10 +57,8 @@ def tree_levels(reduced: int, block: int) -> tuple[int, ...]:
 
 
 def reduce_dims(op: str, x: TensorDesc, dims: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(reduced dims, kept dims); an empty ``dims`` reduces every dim."""
+    """(reduced dims, kept dims); an empty ``dims`` reduces every dim (a 0-d tensor takes no other)."""
     red = norm_dims(op, "dims", dims, x.ndim) if dims else tuple(range(x.ndim))
-    if x.ndim == 0:
-        red = ()
     return red, tuple(i for i in range(x.ndim) if i not in red)
 
 
@@ -171,8 +169,7 @@ def _select_sum(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -
 def _build_sum(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
     x, out = ins[0], outs[0]
     t: ReduceTiling = plan.tiling
-    red = norm_dims("reduce_sum", "dims", attrs["dims"], x.ndim) if attrs["dims"] else tuple(range(x.ndim))
-    kept = tuple(i for i in range(x.ndim) if i not in red)
+    red, kept = _reduce_parts("reduce_sum", x, attrs)
     acc = np.dtype(np.float64) if out.dtype.kind == "f" else np.dtype(np.int64)
     pack_dt = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
     return build_tree(source_view(x, red, kept, t.pack), out_column(out), t, pack_dt, acc)
@@ -203,8 +200,8 @@ reduce_sum = register(OpDef(
 
 # ---- mean, max, min: the same tree, another combine
 def _reduce_parts(name: str, x: Any, attrs: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    red = norm_dims(name, "dims", attrs["dims"], x.ndim) if attrs["dims"] else tuple(range(x.ndim))
-    return red, tuple(i for i in range(x.ndim) if i not in red)
+    """``reduce_dims`` of the array ``x`` (at build time)."""
+    return reduce_dims(name, x, attrs["dims"])
 
 
 def _make_reduce(name: str, dtypes: tuple[DType, ...], kind: str) -> None:
@@ -223,7 +220,9 @@ def _make_reduce(name: str, dtypes: tuple[DType, ...], kind: str) -> None:
         red, kept = reduce_dims(name, x, attrs["dims"])
         pack_bytes = 4 if x.dtype is DType.float16 else x.dtype.itemsize
         acc_bytes = 8 if kind == "mean" else pack_bytes
-        t = plan_tree(x, red, kept, acc_bytes, pack_bytes, block=BLOCK, stage=x.dtype is DType.float16)
+        # a mean is scaled in float64 before the cast: float32 too goes through the stage area
+        stage = x.dtype is DType.float16 or (kind == "mean" and x.dtype is DType.float32)
+        t = plan_tree(x, red, kept, acc_bytes, pack_bytes, block=BLOCK, stage=stage)
         return Plan("tree_parallel" if t.parallel else "tree", t, t.workspace)
 
     def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
@@ -234,17 +233,14 @@ def _make_reduce(name: str, dtypes: tuple[DType, ...], kind: str) -> None:
         col = out_column(out)
         src = source_view(x, red, kept, t.pack)
         if kind == "mean":
-            tree = build_tree(src, col, t, pack_dt, np.dtype(np.float64))
             inv = 1.0 / t.reduced if t.reduced else np.nan
-
-            def mean(ws: Any) -> None:
-                tree(ws)
-                np.multiply(col, inv, out=col, casting="unsafe")
-            return mean
+            return build_tree(src, col, t, pack_dt, np.dtype(np.float64), scale=inv)
         return build_tree(src, col, t, pack_dt, pack_dt, "max", pack_dt.type(1 if name == "reduce_max" else -1))
 
-    what = {"mean": "mean (float64 partial sums, then scaled by 1/R)", "max": name[7:] + " (NaN propagates)"}[kind]
-    formula = ("K*acc*sum(levels) + [K*R*itemsize if packed] + [K*acc if float16]; "
+    what = {"mean": "mean (float64 partial sums, scaled by 1/R in float64, then cast)",
+            "max": name[7:] + " (NaN propagates)"}[kind]
+    formula = ("K*acc*sum(levels) + [K*R*itemsize if packed] + "
+               f"[K*acc if {'float16 or float32' if kind == 'mean' else 'float16'}]; "
                "levels = ceil(R/4096), ... while > 4096; "
                f"acc = {8 if kind == 'mean' else 'itemsize (4 for float16)'}")
     register(OpDef(
@@ -381,7 +377,8 @@ var = register(OpDef(
     workspace_formula=_VAR_WS,
     doc=("Variance over ``dims``: M2 / max(N - correction, 0) (numpy's ddof rule: 0/0 is NaN, an empty "
          "reduction NaN). A block tree: level 1 writes the (count, mean, M2) float64 triple of every block of 4096 "
-         "(float32: one pass of float64 sums of x and x^2; float64: two passes; the block is in cache), later levels "
+         "(float32: one pass of float64 sums of y = x - x_0 and y^2, x_0 the block's first element, so a large mean "
+         "does not cancel; float64: two passes; the block is in cache), later levels "
          "merge triples pairwise with Chan et al.'s formula, the last level's triples go to a final area, then the "
          "division writes ``out``; rows of R <= 4096 go straight from their moments to ``out``. Workspace: "
          + _VAR_WS

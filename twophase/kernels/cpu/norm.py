@@ -28,8 +28,9 @@ def _layer_norm_kernel(dense: bool) -> Any:
     def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mean: Any, rstd: Any) -> None:
         """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b
         in the data's precision (but x - mean in float64). Sums in float64: float32 data takes the sum and the
-        sum of squares in one pass (var = E[x^2] - mean^2: float64 sums of float32 values keep it to ~1e-16 *
-        (mean / std)^2 relative), float64 data two passes (the centred sum of squares). Rows typed dense when
+        sum of squares of y = x - x[0] in one pass (var = E[y^2] - E[y]^2: shifted by a sample, the cancellation
+        is ~1e-16 * (E[y] / std)^2, not (mean / std)^2), float64 data two passes (the centred sum of squares);
+        RMS sums x^2 (nothing cancels). Rows typed dense when
         ``dense`` (``jit.by_density``), so the loops vectorize when the matrix itself is not (rows of a wider
         array)."""
         for k in range(x.shape[0]):
@@ -46,12 +47,14 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any) -> tuple[
     s = 0.0
     q = 0.0
     if rms or x.itemsize <= 4:
+        shift = 0.0 if rms else np.float64(x[0])
         for i in range(n):
-            v = np.float64(x[i])  # v * v exact for float32 data
+            v = np.float64(x[i]) - shift
             s += v
             q += v * v
-        mu = 0.0 if rms else s / n
-        var = q / n if rms else max(q / n - mu * mu, 0.0)
+        d = s / n
+        mu = 0.0 if rms else shift + d
+        var = q / n if rms else max(q / n - d * d, 0.0)
     else:
         for i in range(n):
             s += x[i]
@@ -76,7 +79,7 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
     k, n = (src.shape[0], src.shape[1]) if not pack else (mean.size, src.size // max(mean.size, 1))
     if k * n == 0:
         def empty(_: Any) -> None:
-            mean.fill(np.nan)
+            mean.fill(0.0 if rms else np.nan)  # RMS norm's mean output is 0 by definition; a mean of nothing NaN
             rstd.fill(np.nan)
         return empty
     sample = np.empty((1, 1), compute) if pack else src

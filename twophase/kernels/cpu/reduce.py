@@ -88,20 +88,21 @@ def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, Any]:
 
 @jit_inline
 def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
-    """(count, mean, M2) of a span. float32 (and narrower) data: one pass of float64 sums of x and x^2, M2 = q - s
-    * mean (relative error ~1e-16 * (mean / std)^2 on float32 values; no pass waits for the mean); float64 data:
-    two passes (the span is one block: it stays in cache)."""
+    """(count, mean, M2) of a span. float32 (and narrower) data: one pass of float64 sums of y = x - x[lo] and y^2,
+    M2 = q - s^2 / n (shifted by a sample, the sums cancel by ~(mean(y) / std)^2 only, not (mean / std)^2; no pass
+    waits for the mean); float64 data: two passes (the span is one block: it stays in cache)."""
     n = hi - lo
     base = np.uint64(lo)
     s = 0.0
     if v.itemsize <= 4:
+        shift = np.float64(v[lo]) if n > 0 else 0.0
         q = 0.0
         for i in range(np.uint64(n)):
-            e = np.float64(v[base + i])
+            e = np.float64(v[base + i]) - shift
             s += e
             q += e * e
-        mean = s / n if n > 0 else 0.0
-        return float(n), mean, max(q - s * mean, 0.0)
+        d = s / n if n > 0 else 0.0
+        return float(n), shift + d, max(q - s * d, 0.0)
     for i in range(np.uint64(n)):
         s += v[base + i]
     mean = s / n if n > 0 else 0.0
@@ -283,14 +284,15 @@ def run_level(fn: Any, parts: int, tasks: int, *args: Any) -> None:
 
 
 def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
-               kind: str = "sum", scalar: Any = None) -> Callable[[Any], None]:
+               kind: str = "sum", scalar: Any = None, scale: float | None = None) -> Callable[[Any], None]:
     """A launch that runs the levels of block reductions from the input to ``out2d`` (K, 1).
 
     ``src`` is the (K, R) matrix view of the input, or, when ``tiling.pack``, the input with its axes
     permuted (kept, reduced), which the launch first copies densely into the workspace as ``pack_dtype``.
     The workspace also holds each level's partials (``acc`` dtype). The ``kind`` of level kernel combines blocks
     ("sum": ``scalar`` the zero of ``acc``; "max": ``scalar`` +1 max / -1 min); ``tiling.orient == "cols"`` runs
-    its ``cols`` twin on the transposed views.
+    its ``cols`` twin on the transposed views. ``scale`` (a mean's 1/R) multiplies the results while they are
+    still ``acc`` values (in the stage area when there is one), so a mean overflows only where the mean does.
     """
     k_rows, r = tiling.kept, tiling.reduced
     block = tiling.block
@@ -300,7 +302,7 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
     levels = tiling.levels
     offsets = tiling.offsets
     if r == 0:
-        return lambda _: out2d.fill(0)
+        return lambda _: out2d.fill(0 if scale is None else 0.0 * scale)  # the empty sum, scaled
     if k_rows == 0:
         return lambda _: None
     first = src.T if cols else src
@@ -338,9 +340,14 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
         if stage >= 0:
             wide = ws[stage:stage + k_rows * acc.itemsize].view(acc).reshape(shaped(1))
             run_level(final, *last, x, block, zero, wide, *extra)
-            np.copyto(dst_out, wide, casting="unsafe")
+            if scale is None:
+                np.copyto(dst_out, wide, casting="unsafe")
+            else:
+                np.multiply(wide, scale, out=dst_out, casting="unsafe")
         else:
             run_level(final, *last, x, block, zero, dst_out, *extra)
+            if scale is not None:
+                np.multiply(dst_out, scale, out=dst_out)
     return launch
 
 

@@ -75,6 +75,18 @@ def __fma32_typer(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
 _fma32: Any = intrinsic(__fma32_typer)  # numba's intrinsic wrapper; Any: called with the value args only
 
 
+def __div_exact_typer(typingctx: Any, a: Any, b: Any) -> Any:
+    """a / b as a true IEEE division (float64): the fdiv carries its own flags, so numba's fastmath pass leaves
+    out ``arcp``, with which LLVM turns ``c / sqrt(x)`` on float32 vectors into the rsqrtps estimate (NaN at 0
+    and inf, wrong on denormals)."""
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.fdiv(*args, flags=("contract",))
+    return types.float64(types.float64, types.float64), codegen
+
+
+_div_exact: Any = intrinsic(__div_exact_typer)  # numba's intrinsic wrapper; Any: called with the value args only
+
+
 # ---- coefficients (exact series, or Chebyshev fits of libm's erf / erfc made once at import)
 _INV_FACT = tuple(1.0 / math.factorial(k) for k in range(13))[::-1]  # exp on |r| <= ln2/2: degree 12
 _ATANH = tuple(1.0 / (2 * k + 1) for k in range(12))[::-1]  # log(m) = 2 atanh(s), |s| <= 0.1716
@@ -276,7 +288,9 @@ def gelu_tanh(x: float) -> float:
 
 @jit
 def rsqrt(x: float) -> float:
-    return 1.0 / math.sqrt(float(x))
+    """1 / sqrt(x), a true division (``_div_exact``): the limits at ±0 and inf, denormals exact. Within 1 ulp (two
+    roundings; on float32 data LLVM narrows both operations to float32)."""
+    return float(_div_exact(1.0, math.sqrt(float(x))))
 
 
 # ---- float32 arithmetic (for float32 / float16 data)
