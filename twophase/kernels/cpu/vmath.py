@@ -2,7 +2,8 @@
 
 Every function takes a float (float16/32/64), computes in float64 with branch-free range reduction and
 polynomials, and returns float64: rounded to float32 the result is within 0.5 ulp + 1e-12 relative;
-float64 results are within a few 1e-15 relative (``tests/test_vmath.py`` measures both). NaN propagates,
+float64 results are within a few 1e-15 relative (``tests/test_vmath.py`` measures both). ``rsqrt`` is the
+exception: a division of the hardware square root, within 1 float32 ulp on float32 data. NaN propagates,
 ±inf and float32 / float64 denormals give the limits of the exact function.
 
 The ``*_f32`` functions take and return float32 and compute in float32 (16 lanes per AVX-512 register instead
