@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from ops_layouts import LAYOUTS, on_device, random, shapes
 from threads import num_threads
 
+import twophase
 from twophase import device, functions, ops
 from twophase.errors import ParamError
 from twophase.kernels.cpu.elementwise import IN_PLACE, KERNELS, _rows_call, function_for
@@ -229,3 +230,52 @@ def test_alpha_the_promoted_dtype_cannot_hold_is_a_param_error_in_phase_1(name: 
     x, y = np.array([0, 1], dtype), np.array([1, 0], dtype)
     got = run_checked(getattr(ops, name), x, y, alpha=edge).outputs[0]
     np.testing.assert_array_equal(got, BINARY[name][0](x, np.multiply(y, edge, dtype=dtype)))
+
+
+# ---------------------------------------------------------------- outputs overlapping inputs
+def test_where_in_place_into_x_or_y(dev: Any) -> None:
+    cond = np.array([True, False, True, False])
+    xs, ys = np.array([1.0, 2, 3, 4], np.float32), np.array([10.0, 20, 30, 40], np.float32)
+    for into in ("x", "y"):
+        x, y = dev.tensor(xs), dev.tensor(ys)
+        out = x if into == "x" else y
+        twophase.where(cond, x, y, out=out)
+        np.testing.assert_array_equal(out.numpy(), np.where(cond, xs, ys))
+
+
+@pytest.mark.parametrize("case", ["unary_transposed", "unary_shifted", "softmax_transposed", "where_cond",
+                                  "cast_shifted"])
+def test_an_output_overlapping_an_input_other_than_in_place_is_refused(dev: Any, case: str) -> None:
+    """The kernel would read what it already wrote: refused when the tensors are bound, naming out and the input."""
+    a = dev.tensor(np.arange(16, dtype=np.float32).reshape(4, 4))
+    flat = dev.tensor(np.arange(9, dtype=np.float32))
+    with pytest.raises(ParamError, match="overlapping") as e:
+        if case == "unary_transposed":
+            twophase.exp(a, out=a.transpose())
+        elif case == "unary_shifted":
+            twophase.tanh(flat.strided((8,), (1,), 0), out=flat.strided((8,), (1,), 1))
+        elif case == "softmax_transposed":
+            twophase.softmax(a, dim=1, out=a.transpose())
+        elif case == "where_cond":
+            m = dev.tensor(np.array([True, False]))
+            twophase.where(m, np.array([True, True]), np.array([False, False]), out=m)
+        else:
+            twophase.cast(flat.strided((8,), (1,), 0), dtype="float32", out=flat.strided((8,), (1,), 1))
+    assert e.value.arg == "out"
+    np.testing.assert_array_equal(a.numpy(), np.arange(16).reshape(4, 4))  # nothing ran
+    np.testing.assert_array_equal(flat.numpy(), np.arange(9))
+
+
+def test_binary_ops_take_any_overlap_as_numpy_does(dev: Any) -> None:
+    base = np.arange(9, dtype=np.float32)
+    t = dev.tensor(base)
+    twophase.add(t.strided((8,), (1,), 0), t.strided((8,), (1,), 1), out=t.strided((8,), (1,), 1))
+    want = base.copy()
+    np.add(want[:8], want[1:], out=want[1:])
+    np.testing.assert_array_equal(t.numpy(), want)
+
+
+def test_interleaved_disjoint_views_are_not_an_overlap(dev: Any) -> None:
+    t = dev.tensor(np.arange(8, dtype=np.float32))
+    twophase.exp(t.strided((4,), (2,), 0), out=t.strided((4,), (2,), 1))  # even elements into the odd ones
+    np.testing.assert_allclose(t.numpy()[1::2], np.exp(np.arange(0, 8, 2)), rtol=1e-6)

@@ -434,3 +434,31 @@ def test_microkernel_propagates_inf_and_nan_and_is_not_used_for_float64(rng: np.
     fin = np.isfinite(ref)
     np.testing.assert_allclose(out[fin], ref[fin], rtol=2e-5, atol=1e-4)
     assert run_checked(matmul, a.astype(np.float64), b.astype(np.float64)).implementation != "microkernel"
+
+
+@pytest.mark.parametrize("a_shape, b_shape", [((3, 5), (5, 4)), ((2, 3, 5), (2, 5, 4)), ((3, 5), (2, 5, 4)),
+                                              ((5,), (2, 5, 4)), ((2, 3, 5), (5,))])
+@pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (-0.5, 2.0)])
+def test_baddbmm_in_place_into_c(dev: Any, rng: np.random.Generator, a_shape: tuple[int, ...],
+                                 b_shape: tuple[int, ...], alpha: float, beta: float) -> None:
+    """out = c (torch's baddbmm_): one BLAS call with beta per matrix, so no product overwrites c before it is
+    read."""
+    import twophase
+    a, b = _rand(rng, a_shape), _rand(rng, b_shape)
+    ref0 = a.astype(np.float64) @ b
+    c0 = _rand(rng, ref0.shape)
+    c = dev.tensor(c0)
+    twophase.baddbmm(c, a, b, out=c, alpha=alpha, beta=beta)
+    np.testing.assert_allclose(c.numpy(), alpha * ref0 + beta * c0, rtol=1e-5, atol=1e-5)
+
+
+def test_baddbmm_in_place_where_blas_cannot_is_refused(dev: Any) -> None:
+    import twophase
+    c = dev.tensor(np.ones((3, 4), np.float32))
+    with pytest.raises(ParamError, match="c itself") as e:
+        twophase.baddbmm(c, np.ones((3, 2), np.float32), np.ones((2, 4), np.float32), out=c, alpha=0.0)
+    assert e.value.arg == "out"
+    np.testing.assert_array_equal(c.numpy(), np.ones((3, 4)))
+    with pytest.raises(ParamError, match="overlapping a"):
+        x = dev.tensor(np.ones((4, 4), np.float32))
+        twophase.matmul(x, np.eye(4, dtype=np.float32), out=x)  # matmul has no in-place form

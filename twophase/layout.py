@@ -94,3 +94,9 @@ def spread_stride(nbytes: int, count: int = 16) -> int:
     while len({k * stride % 4096 for k in range(count)}) < count:
         stride += 64
     return stride
+
+
+def same_view(a: Any, b: Any) -> bool:
+    """Whether two arrays are the same view: same address, shape, strides and dtype (an op runs in place)."""
+    return bool(a.ctypes.data == b.ctypes.data and a.shape == b.shape and a.strides == b.strides
+                and a.dtype == b.dtype)

@@ -11,10 +11,13 @@ from dataclasses import dataclass, field
 from threading import get_ident as _get_ident
 from typing import Any
 
+import numpy as np
+
 from .cache import thread_cache
 from .config import settings
 from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError
 from .executor import ExecState, Executor
+from .layout import same_view
 from .runtime.device import NO_WORKSPACE
 from .runtime.memory import Block
 from .runtime.stream import Stream
@@ -70,6 +73,9 @@ class OpDef:
     decides how many outputs there are (the one-shot API then returns a tuple). ``infer`` validates and returns
     the output descs; ``select`` returns a :class:`Plan`; ``kernels`` maps a backend kind to a builder
     ``(plan, attrs, input_views, output_views) -> launch(workspace_bytes)``, called once per binding.
+    ``aliases``: the inputs an output may be exactly (same memory, shape and strides: the kernel runs in place),
+    or ``"any"`` for any overlap (numpy's ufunc semantics); binding refuses every other overlap of an output with
+    an input or with another output (``ParamError``: the kernel would read what it already overwrote).
     """
 
     name: str
@@ -85,6 +91,7 @@ class OpDef:
     version: int = 1
     doc: str = ""
     reference: Callable[..., Any] | None = field(default=None, compare=False)
+    aliases: tuple[int, ...] | str = ()
 
 
 def _noop(_: Any) -> None:
@@ -302,11 +309,38 @@ class Op:
             return hit[1]
         n = len(ex.input_descs)
         views = [t.view() if t is not None else None for t in ex._tensors]
+        if self.spec.aliases != "any":
+            self._check_overlap(views, n)
         launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
         memo[key] = (ex.plan, launch)  # the plan is kept so that its id stays unique
         if len(memo) > LAUNCH_MEMO:
             memo.popitem(last=False)
         return launch
+
+    def _check_overlap(self, views: list[Any], n: int) -> None:
+        """Refuse an output that overlaps an input (other than as the same view, where ``aliases`` allows it) or
+        another output."""
+        names = list(self.spec.inputs) + [f"out {j}" for j in range(len(views) - n)]
+        in_place = self.spec.aliases if isinstance(self.spec.aliases, tuple) else ()
+        for j in range(n, len(views)):
+            o = views[j]
+            if o is None:
+                continue
+            for i, v in enumerate(views[:j]):
+                if v is None or not np.may_share_memory(o, v):
+                    continue
+                if i < n and i in in_place and same_view(o, v):
+                    continue
+                try:
+                    if not np.shares_memory(o, v, max_work=1 << 16):  # type: ignore[arg-type]
+                        continue  # interleaved but disjoint (even and odd columns, say)
+                except np.exceptions.TooHardError:
+                    pass
+                allowed = [self.spec.inputs[k].rstrip("?*") for k in in_place if k < len(self.spec.inputs)]
+                expected = (f"memory apart from every input, or exactly the {' or '.join(allowed)} view "
+                            "(in place)") if allowed else "memory apart from every input and output"
+                raise ParamError(op=self.name, arg=names[j] if len(views) - n > 1 else "out", expected=expected,
+                                 got=f"memory overlapping {names[i].rstrip('?*')}")
 
     def _on_release(self, ex: Executor) -> None:
         self.counters.on_release(ex)

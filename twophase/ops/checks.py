@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Iterable
 from typing import Any
+
+import numpy as np
 
 from ..errors import ParamError
 from ..tensor import DType, TensorDesc
@@ -111,3 +114,27 @@ def need(op: str, arg: str, desc: TensorDesc | None) -> TensorDesc:
         from ..errors import Status
         raise ParamError(op=op, arg=arg, expected="a tensor", got="None", status=Status.ERR_PARAM_NULLPTR)
     return desc
+
+
+def cast_scalar(op: str, arg: str, value: float, dtype: DType) -> float:
+    """``value`` as it is written into ``dtype`` (an int dtype truncates a float toward 0, as numpy's cast), or
+    ParamError where numpy would raise only in the kernel, at sync, or silently wrap: NaN, inf or out of range for
+    an int dtype, other than 0 / 1 for bool, past float64's range; a float dtype overflows to inf as numpy."""
+    if dtype is DType.bool:
+        if value in (0, 1):
+            return bool(value)
+        expected = "0 or 1"
+    elif dtype.is_float:
+        try:
+            float(value)  # only an int can fail (OverflowError); the value itself is kept for numpy to round
+            return value
+        except OverflowError:
+            expected = "a number within float64's range"
+    else:
+        info = np.iinfo(dtype.np)
+        n = int(value) if not isinstance(value, float) or math.isfinite(value) else None
+        if n is not None and info.min <= n <= info.max:
+            return n
+        what = "a finite number whose integer part is" if isinstance(value, float) else "an int"
+        expected = f"{what} in [{info.min}, {info.max}] ({dtype.value})"
+    raise ParamError(op=op, arg=arg, expected=expected, got=value)

@@ -11,12 +11,11 @@ import numpy as np
 
 from ..errors import ParamError
 from ..kernels.cpu.elementwise import FANOUT_MIN, build_unary, pieces
-from ..layout import align, broadcast_shape, merge_dims
+from ..layout import align, broadcast_shape, merge_dims, same_view
 from ..op import Attr, Op, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, launcher
 from ..tensor import DType, TensorDesc
-from .checks import FLOATS, NUMERIC, as_scalar, check_dtype, choice, need
-from .shape import cast_scalar
+from .checks import FLOATS, NUMERIC, as_scalar, cast_scalar, check_dtype, choice, need
 
 __all__ = ["BINARY", "COMPARE", "UNARY", "unary_reference"]
 
@@ -96,7 +95,7 @@ def _register_binary() -> None:
             name=name, inputs=("x", "other"),
             attrs=(Attr("alpha", as_scalar, 1, "scale of other"),) if scaled else (),
             dtypes=NUMERIC, infer=_binary_infer(name), select=_zero_plan, kernels={"cpu": _binary_build(ufunc)},
-            implementations=("ufunc",), workspace_formula="0",
+            implementations=("ufunc",), workspace_formula="0", aliases="any",
             doc=(f"out = {name}(x, {'alpha * ' if scaled else ''}other) with numpy broadcasting and type promotion "
                  f"(dtypes {[d.value for d in NUMERIC]}). Workspace: 0 bytes."),
             reference=ref))
@@ -116,7 +115,7 @@ def _register_compare() -> None:
             return (TensorDesc(shape, DType.bool),)
         register(OpDef(
             name=name, inputs=("x", "other"), dtypes=WITH_BOOL, infer=infer, select=_zero_plan,
-            kernels={"cpu": _binary_build(ufunc)}, implementations=("ufunc",), workspace_formula="0",
+            kernels={"cpu": _binary_build(ufunc)}, implementations=("ufunc",), workspace_formula="0", aliases="any",
             doc=f"Elementwise {name} with broadcasting; bool out. Workspace: 0 bytes.",
             reference=lambda x, other, f=ufunc: f(x, other)))
 
@@ -136,16 +135,20 @@ def _build_where(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
                  outs: tuple[Any, ...]) -> Callable[[Any], None]:
     cond, x, y = ins
     out = outs[0]
+    if same_view(out, x):
+        def keep_x(_: Any) -> None:  # out is x (in place): y only where cond is false
+            np.copyto(out, y, casting="unsafe", where=np.logical_not(cond))
+        return keep_x
 
     def launch(_: Any) -> None:
-        np.copyto(out, y, casting="unsafe")
+        np.copyto(out, y, casting="unsafe")  # a no-op where out is y (in place)
         np.copyto(out, x, casting="unsafe", where=cond)
     return launch
 
 
 register(OpDef(
     name="where", inputs=("cond", "x", "y"), dtypes=WITH_BOOL, infer=_infer_where, select=_zero_plan,
-    kernels={"cpu": _build_where}, implementations=("ufunc",), workspace_formula="0",
+    kernels={"cpu": _build_where}, implementations=("ufunc",), workspace_formula="0", aliases=(1, 2),
     doc="out = x where cond else y, broadcasting all three; out dtype promotes x and y. Workspace: 0 bytes.",
     reference=lambda cond, x, y: np.where(cond, x, y)))
 
@@ -240,7 +243,7 @@ def _register_unary() -> None:
             select=_vmath_select if vm else _zero_plan,
             kernels={"cpu": _vmath_build(impl) if vm else _ufunc_build(impl)},
             implementations=("vector", "packed") if vm else ("ufunc",),
-            workspace_formula=_PACK_DOC if vm else "0",
+            workspace_formula=_PACK_DOC if vm else "0", aliases=(0,),
             doc=(f"Elementwise {name} (dtypes {[d.value for d in dtypes]}). Workspace: "
                  + (_PACK_DOC + "; float16 is computed in float32." if vm else "0 bytes.")),
             reference=ref if ref is not None else _gelu_reference))
@@ -271,6 +274,6 @@ _register_unary()
 cast: Op = register(OpDef(
     name="cast", inputs=("x",), attrs=(Attr("dtype", _as_dtype, doc="target dtype"),),
     dtypes=tuple(DType), infer=_infer_cast, select=_zero_plan, kernels={"cpu": _build_cast},
-    implementations=("ufunc",), workspace_formula="0",
+    implementations=("ufunc",), workspace_formula="0", aliases=(0,),
     doc="out = x converted to ``dtype`` (numpy's unsafe casting: floats truncate toward 0). Workspace: 0 bytes.",
     reference=lambda x, dtype: np.asarray(x).astype(DType.of(dtype).np)))

@@ -18,8 +18,8 @@ import numpy as np
 from ..errors import ParamError
 from ..kernels.cpu import gemm
 from ..kernels.cpu.elementwise import ACTIVATIONS
-from ..kernels.cpu.matmul import build_matmul
-from ..layout import align, broadcast_shape, merge_dims
+from ..kernels.cpu.matmul import build_in_place_addend, build_matmul
+from ..layout import align, broadcast_shape, merge_dims, same_view
 from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, split_range
 from ..tensor import DType, TensorDesc
@@ -336,7 +336,14 @@ def _select_baddbmm(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | Non
 def _build_baddbmm(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
                    outs: tuple[Any, ...]) -> Callable[[Any], None]:
     c, a, b = ins
-    return build_matmul(plan.tiling, plan.implementation, a, b, outs[0], (c, attrs["alpha"], attrs["beta"]))
+    out, alpha, beta = outs[0], attrs["alpha"], attrs["beta"]
+    if beta != 0 and same_view(out, c):  # in place: the product must not overwrite c before it is read
+        launch = build_in_place_addend(a, b, out, alpha, beta)
+        if launch is None:
+            raise ParamError(op="baddbmm", arg="out", expected="memory apart from c, or c itself with float32 / "
+                             "float64 operands BLAS can read as they are and alpha != 0", got="c itself")
+        return launch
+    return build_matmul(plan.tiling, plan.implementation, a, b, out, (c, alpha, beta))
 
 
 def _ref_baddbmm(c: Any, a: Any, b: Any, beta: float = 1.0, alpha: float = 1.0) -> Any:
@@ -358,4 +365,5 @@ baddbmm = register(OpDef(
     doc=("beta * c + alpha * (a @ b), a @ b with matmul's semantics and c broadcast to the result. The scaling "
          "runs in place on the output. Same implementations and workspace as matmul."),
     reference=_ref_baddbmm,
+    aliases=(0,),
 ))

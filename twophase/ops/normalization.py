@@ -161,6 +161,7 @@ softmax = register(OpDef(
     select=_softmax_select(log=False),
     kernels={"cpu": _softmax_build(SOFTMAX)},
     implementations=("rows", "rows_parallel", "split_rows"),
+    aliases=(0,),
     workspace_formula=SOFTMAX_FORMULA,
     doc=_SOFTMAX_DOC.format(what="Softmax exp(x - max) / sum", last="scaled by 1/sum"),
     reference=_reference,
@@ -174,6 +175,7 @@ log_softmax = register(OpDef(
     select=_softmax_select(log=True),
     kernels={"cpu": _softmax_build(LOG_SOFTMAX)},
     implementations=("rows", "rows_parallel", "split_rows"),
+    aliases=(0,),
     workspace_formula=LOG_SOFTMAX_FORMULA,
     doc=_SOFTMAX_DOC.format(what="Log-softmax (x - max) - log(sum exp(x - max))",
                             last="written as (x - max) - log(sum)").replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
@@ -288,8 +290,9 @@ register(OpDef(
     dtypes=FLOATS, infer=_norm_infer("layer_norm"), select=_norm_select, kernels={"cpu": _norm_build(False)},
     implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
     doc=("Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (float32 rows: "
-         "sum and sum of squares in one float64 pass, then the write; float64 rows: sum, squared deviations, "
-         "write; each row in cache); mean / rstd outputs have the reduced dims as 1 "
+         "sum and sum of squares of x - x[0] in one float64 pass (shifted by a sample: no cancellation from a "
+         "large mean), then the write; float64 rows: sum, squared deviations, write; each row in cache); "
+         "mean / rstd outputs have the reduced dims as 1 "
          f"(float32 for float16). Workspace: {_LN_FORMULA} (float16, or dims that do not merge)."),
     reference=_ln_reference))
 register(OpDef(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import numbers
 from collections.abc import Callable
 from typing import Any
@@ -14,7 +13,7 @@ from ..kernels.cpu.gather import build_embedding
 from ..layout import align, merge_dims
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
-from .checks import as_dims, as_int, as_scalar, check_dtype, need, norm_dim, optional
+from .checks import as_dims, as_int, as_scalar, cast_scalar, check_dtype, need, norm_dim, optional
 
 ALL = tuple(DType)
 
@@ -219,30 +218,6 @@ def _pad_pairs(x: TensorDesc, pads: tuple[int, ...]) -> list[tuple[int, int]]:
     for i in range(len(pads) // 2):  # torch order: (last_lo, last_hi, prev_lo, prev_hi, ...)
         pairs[x.ndim - 1 - i] = (pads[2 * i], pads[2 * i + 1])
     return pairs
-
-
-def cast_scalar(op: str, arg: str, value: float, dtype: DType) -> float:
-    """``value`` as it is written into ``dtype`` (an int dtype truncates a float toward 0, as numpy's cast), or
-    ParamError where numpy would raise only in the kernel, at sync, or silently wrap: NaN, inf or out of range for
-    an int dtype, other than 0 / 1 for bool, past float64's range; a float dtype overflows to inf as numpy."""
-    if dtype is DType.bool:
-        if value in (0, 1):
-            return bool(value)
-        expected = "0 or 1"
-    elif dtype.is_float:
-        try:
-            float(value)  # only an int can fail (OverflowError); the value itself is kept for numpy to round
-            return value
-        except OverflowError:
-            expected = "a number within float64's range"
-    else:
-        info = np.iinfo(dtype.np)
-        n = int(value) if not isinstance(value, float) or math.isfinite(value) else None
-        if n is not None and info.min <= n <= info.max:
-            return n
-        what = "a finite number whose integer part is" if isinstance(value, float) else "an int"
-        expected = f"{what} in [{info.min}, {info.max}] ({dtype.value})"
-    raise ParamError(op=op, arg=arg, expected=expected, got=value)
 
 
 def _infer_pad(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:

@@ -89,6 +89,47 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any,
     return gemms
 
 
+def _unit_axis(x: Any, row: bool) -> Any:
+    """``x`` with a length-1 axis inserted before its last (``row``) or after it, strided as BLAS reads a matrix
+    (numpy gives a new axis stride 0, which BLAS's leading dimension cannot be)."""
+    if row:
+        return as_strided(x, x.shape[:-1] + (1, x.shape[-1]),
+                          x.strides[:-1] + (x.strides[-1] * max(1, x.shape[-1]), x.strides[-1]))
+    return as_strided(x, x.shape + (1,), x.strides + (x.itemsize,))
+
+
+def _over_batch(x: Any, batch: tuple[int, ...]) -> Any:
+    """The stack of matrices ``x`` broadcast over ``batch``, its matrices' strides kept (``np.broadcast_to`` zeroes
+    a length-1 dim's stride, which BLAS cannot take as a leading dimension)."""
+    lead = (0,) * (len(batch) - (x.ndim - 2)) + tuple(0 if n == 1 else st for n, st in zip(x.shape[:-2],
+                                                                                           x.strides[:-2]))
+    return as_strided(x, batch + x.shape[-2:], lead + x.strides[-2:], writeable=False)
+
+
+def build_in_place_addend(a: Any, b: Any, out: Any, alpha: float, beta: float) -> Launch | None:
+    """``out = alpha * (a @ b) + beta * out`` (baddbmm with out the addend's own view): one BLAS call with
+    ``beta`` per matrix of the batch, so no product overwrites the addend before it is read. None where BLAS
+    cannot take an operand's layout or dtype, or ``alpha == 0`` (BLAS would skip the product)."""
+    a2 = a if a.ndim >= 2 else _unit_axis(a, row=True)
+    b2 = b if b.ndim >= 2 else _unit_axis(b, row=False)
+    o = out if a.ndim >= 2 else _unit_axis(out, row=True)
+    o = o if b.ndim >= 2 else _unit_axis(o, row=False)
+    batch = o.shape[:-2]
+    ab, bb = _over_batch(a2, batch), _over_batch(b2, batch)
+    calls = []
+    for idx in np.ndindex(*batch):
+        oi = o[idx]  # one view object: fused_gemm takes c is out as in place
+        call = fused_gemm(ab[idx], bb[idx], oi, oi, oi, alpha, beta)
+        if call is None:
+            return None
+        calls.append(call)
+
+    def launch(ws: Any) -> None:
+        for call in calls:
+            call(ws)
+    return launch
+
+
 def _epilogue_or_nothing(out: Any, addend: tuple[Any, float, float] | None) -> Launch:
     epilogue = None if addend is None else build_epilogue(out, *addend)
     return epilogue or (lambda _: None)
