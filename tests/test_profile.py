@@ -107,3 +107,15 @@ def test_profile_restores_the_plain_entry_points_even_on_error(dev, stream):
             assert Op.__call__ is not plain2
             1 / 0  # noqa: B018
     assert Op.get_workspace_size is plain1 and Op.__call__ is plain2
+
+
+def test_a_kernel_error_inside_the_block_is_raised_by_the_callers_sync(stream):
+    """The profiler waits for the streams on exit without consuming their errors."""
+    def boom() -> None:
+        raise ValueError("kernel failed")
+
+    with twophase.profile():
+        stream.launch_callback(boom)
+    with pytest.raises(twophase.KernelError, match="kernel failed"):
+        stream.synchronize()
+    stream.synchronize()  # raised once; the stream is usable again

@@ -162,10 +162,7 @@ def profile(path: str | os.PathLike[str] | None = None) -> Iterator[Profiler]:
         yield prof
     finally:
         for dev in list(_DEVICES.values()):
-            try:
-                dev.synchronize()
-            except Exception:  # noqa: BLE001 - errors belong to the caller's own sync
-                pass
+            dev._drain()  # a kernel's error stays pending for the caller's own sync
         _active.remove(prof)
         if not _active:
             _disable()
