@@ -168,7 +168,9 @@ def test_executor_used_from_another_thread_raises_invalid_state(dev, stream, rng
     t.join()
     assert len(caught) == 1 and "another thread" in caught[0] and "intruder" in caught[0]
     assert ex.state is ExecState.READY and ex.launches == 0
+    out = ex.outputs[0]
     ex.destroy()
+    out.free()
 
 
 def test_phase1_reads_metadata_only_descs_without_buffers():
@@ -260,3 +262,56 @@ def test_undersized_or_missing_workspace_block_raises_workspace_too_small(dev, s
     ops.reduce_sum(ws, size, ex, stream)
     ws.free(stream)
     np.testing.assert_allclose(out.numpy(), a.sum(1), rtol=1e-12)
+
+
+def _argmax_plan(dev):
+    x = dev.tensor(np.arange(4 * 20000, dtype=np.float32).reshape(4, 20000))
+    size, ex = ops.argmax.get_workspace_size(x, dim=-1)
+    ex.set_output(0, dev.empty((4,), "int64"))
+    assert size > 0
+    return x, size, ex
+
+
+@pytest.mark.parametrize("case", ["null_stream", "null_workspace", "freed_workspace"])
+def test_phase2_refuses_a_stream_or_workspace_of_the_wrong_kind(dev, case):
+    """Refused at phase 2, naming the argument (else: work lost on a stream that runs nothing, or a TypeError at
+    sync from a block without memory, or a kernel writing into memory the pool gave back)."""
+    null = twophase.device("null")
+    x, size, ex = _argmax_plan(dev)
+    s = null.stream() if case == "null_stream" else dev.stream()
+    ws = null.malloc(size) if case == "null_workspace" else dev.malloc(size)
+    if case == "freed_workspace":
+        ws.free()
+    err = twophase.InvalidStateError if case == "freed_workspace" else twophase.ParamError
+    with pytest.raises(err) as e:
+        ops.argmax(ws, size, ex, s)
+    assert e.value.arg == ("stream" if case == "null_stream" else "workspace") and e.value.op == "argmax"
+    assert ex.state is ExecState.READY and ex.launches == 0
+    out = ex.outputs[0]
+    ex.destroy()
+    out.free()
+    if case != "freed_workspace":
+        ws.free()
+    x.free()
+
+
+def test_a_workspace_freed_without_a_stream_waits_for_its_launch(dev, gate):
+    """Phase 2 records its use of the workspace, as of its operands: the pool keeps it from other streams until
+    the launch has run."""
+    x, size, ex = _argmax_plan(dev)
+    a, b = dev.stream(), dev.stream()
+    ev = gate(a)
+    try:
+        ws = dev.malloc(size, stream=a)
+        out = ex.outputs[0]
+        ops.argmax(ws, size, ex, a)
+        addr = ws.address
+        ws.free()
+        other = dev.malloc(size, stream=b)
+        assert other.address != addr
+    finally:
+        ev.set()
+    a.synchronize()
+    np.testing.assert_array_equal(out.numpy(), np.full(4, 19999))
+    for t in (other, out, x):
+        t.free()

@@ -356,15 +356,20 @@ class Op:
                 self._refuse(ex)
         except AttributeError:
             self._refuse(ex)
-        if workspace_size != ex.workspace_size or (
-                workspace_size and (workspace is None or workspace.size < workspace_size)):
-            self._refuse_workspace(workspace, workspace_size, ex)
+        if workspace_size != ex.workspace_size or stream.device is not ex.device or (
+                workspace_size and workspace is None) or (workspace is not None and (
+                    workspace.size < workspace_size or not workspace.allocated
+                    or (workspace.data is None and ex.device.runs_kernels))):
+            self._refuse_workspace(workspace, workspace_size, ex, stream)
         if not ex._repeatable:
             ex._gate = None
         seq = stream._enqueue(ex._launch, NO_WORKSPACE if workspace is None else workspace.data, ex)  # type: ignore[arg-type]
         for b in ex._blocks:
             b._stream = stream
             b._seq = seq
+        if workspace is not None:  # a free() without a stream then waits for this launch
+            workspace._stream = stream
+            workspace._seq = seq
         if ex._gate is None:
             ex._release(ExecState.CONSUMED)  # single-use: phase 2 consumed it
 
@@ -380,10 +385,19 @@ class Op:
         raise InvalidStateError("operands are not bound; bind them with set_input / set_output", op=self.name,
                                 arg="executor", expected="every operand bound", got=f"unbound operand(s) {missing}")
 
-    def _refuse_workspace(self, workspace: Block | None, size: int, ex: Executor) -> None:
+    def _refuse_workspace(self, workspace: Block | None, size: int, ex: Executor, stream: Stream) -> None:
+        if stream.device is not ex.device:
+            raise ParamError(op=self.name, arg="stream", got=f"a stream of {stream.device.name}",
+                             expected=f"a stream of {ex.device.name}, the executor's device")
         if size != ex.workspace_size:
             raise WorkspaceTooSmallError("workspace_size differs from phase 1's", op=self.name,
                                          arg="workspace_size", expected=ex.workspace_size, got=size)
+        if workspace is not None and not workspace.allocated:
+            raise InvalidStateError("the workspace block was freed", op=self.name, arg="workspace",
+                                    expected="an allocated block", got=f"a freed block of {workspace.size} bytes")
+        if workspace is not None and workspace.data is None and ex.device.runs_kernels and workspace.size >= size:
+            raise ParamError(op=self.name, arg="workspace", expected=f"a block of {ex.device.name}'s memory",
+                             got="a block without memory (from another device's pool)")
         raise WorkspaceTooSmallError(op=self.name, arg="workspace", expected=f"a block of at least {size} bytes",
                                      got="None" if workspace is None else f"{workspace.size} bytes")
 
