@@ -315,3 +315,19 @@ def test_a_workspace_freed_without_a_stream_waits_for_its_launch(dev, gate):
     np.testing.assert_array_equal(out.numpy(), np.full(4, 19999))
     for t in (other, out, x):
         t.free()
+
+
+def test_a_refused_rebinding_keeps_the_previous_binding(dev, stream):
+    x = dev.tensor(np.ones((4, 4), np.float32), stream=stream)
+    w = dev.tensor(np.eye(4, dtype=np.float32) * 2, stream=stream)
+    out = dev.empty((4, 4), "float32")
+    size, ex = ops.matmul.get_workspace_size(x, w, out=out)
+    ex.set_repeatable()
+    with pytest.raises(twophase.ParamError, match="overlapping"):
+        ex.set_output(0, x)  # the same desc, but its memory is input a's: matmul cannot run in place
+    assert ex.outputs[0] is out
+    ops.matmul(None, size, ex, stream)
+    np.testing.assert_array_equal(out.numpy(), np.full((4, 4), 2))
+    ex.destroy()
+    for t in (x, w, out):
+        t.free(stream)

@@ -227,15 +227,26 @@ class Executor:
         return list(new.values())
 
     def _bind_many(self, tensors: dict[int, Tensor]) -> None:
+        """Bind operands and build the launch once all are bound; a refused binding (another device, a launch
+        the op refuses) leaves the previous binding and launch as they were."""
+        dev = self.device
         for i, t in tensors.items():
-            if self.device is not None and t.device is not self.device:
-                raise ParamError(op=self.op.name, arg=f"operand {i}", expected=f"a tensor on {self.device.name}",
+            if dev is not None and t.device is not dev:
+                raise ParamError(op=self.op.name, arg=f"operand {i}", expected=f"a tensor on {dev.name}",
                                  got=t.device.name)
+            dev = t.device
+        saved = (self.device, list(self._tensors), self._launch, self._gate)
+        for i, t in tensors.items():
             self.device = t.device
             self._tensors[i] = t
         self._launch = None
         self._gate = None
         if all(t is not None for t, d in zip(self._tensors, self.input_descs + self.output_descs) if d is not None):
-            self._launch = self.op._build_launch(self)
+            try:
+                launch = self.op._build_launch(self)
+            except BaseException:
+                self.device, self._tensors, self._launch, self._gate = saved
+                raise
+            self._launch = launch
             self._blocks = tuple({id(t.block): t.block for t in self._tensors if t is not None}.values())
             self._gate = self.op
