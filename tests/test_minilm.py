@@ -296,3 +296,27 @@ def test_bench_report_tables_and_plots(tmp_path: Path, monkeypatch: Any) -> None
     except ImportError:
         return
     assert (tmp_path / "fake_bench_mod_0.png").stat().st_size > 1000 and "fake_bench_mod_0.png" in text
+
+
+@needs_model
+@needs_ops
+def test_close_frees_the_weights_and_the_stream_and_bad_arguments_are_refused() -> None:
+    dev = tp.device("cpu")
+    dev.synchronize()
+    before = dev.pool.stats()["allocated_bytes"]
+    m = minilm.MiniLM()
+    assert dev.pool.stats()["allocated_bytes"] - before >= m.parameter_bytes
+    with pytest.raises(tp.ParamError, match="batch_size"):
+        m.encode(["a", "b"], batch_size=0)
+    with pytest.raises(tp.ParamError, match="batch_size"):
+        m.encode(["a", "b"], batch_size=-1)
+    with pytest.raises(tp.ParamError, match="mode"):
+        m.encode([], mode="eager")
+    assert m.encode(["one sentence"], mode="graph").shape == (1, 384)
+    m.close()
+    m.close()  # once is enough; again does nothing
+    assert m.stream.closed
+    dev.synchronize()
+    assert dev.pool.stats()["allocated_bytes"] == before
+    with pytest.raises(tp.InvalidStateError, match="closed"):
+        m.encode(["after close"])

@@ -401,7 +401,9 @@ class MiniLM:
         self.config = Config.load(d / "config.json")
         self.tokenizer = Tokenizer(d)
         self.dev = tp.device(device)
+        self._own_stream = stream is None
         self.stream = stream if stream is not None else self.dev.stream("minilm")
+        self.closed = False
         self.weights = self._upload(load_weights(d))
         self.programs: dict[tuple[int, int], Program] = {}
         self.graphs: dict[tuple[int, int], CapturedForward] = {}
@@ -439,11 +441,17 @@ class MiniLM:
                         ln_e=(t(raw["embeddings.LayerNorm.weight"]), t(raw["embeddings.LayerNorm.bias"])),
                         layers=layers, norm_eps=t(np.array([1e-12], np.float32)))
 
+    def _parameters(self) -> list[Tensor]:
+        w = self.weights
+        return [w.word, w.pos, w.type, *w.ln_e, w.norm_eps] + [x for lw in w.layers for x in lw.values()]
+
     @property
     def parameter_bytes(self) -> int:
-        w = self.weights
-        ts = [w.word, w.pos, w.type, *w.ln_e] + [x for lw in w.layers for x in lw.values()]
-        return sum(x.desc.nbytes for x in ts)
+        return sum(x.desc.nbytes for x in self._parameters() if x is not self.weights.norm_eps)
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise tp.InvalidStateError("the model is closed: its weights are freed", op="MiniLM", arg="model")
 
     def tokenize(self, sentences: Sequence[str], pad_to: int | None = None, multiple_of: int = 1) -> Batch:
         return self.tokenizer.encode(sentences, pad_to=pad_to, multiple_of=multiple_of)
@@ -454,6 +462,7 @@ class MiniLM:
 
     def run_oneshot(self, batch: Batch) -> Tensor:
         """The forward with the one-shot API (phase 1 via the executor cache on every op call)."""
+        self._check_open()
         ins = self._upload_batch(batch)
         out = forward(OneShotRunner(self.dev, self.stream), self.config, self.weights, *ins)
         self.defer_free(*ins)
@@ -472,6 +481,7 @@ class MiniLM:
 
     def program(self, batch: Batch) -> Program:
         """The planned program for ``batch``'s (batch, seq) shape, built (and run once) on first use."""
+        self._check_open()
         p = self.programs.get(batch.shape)
         if p is None:
             p = self.programs[batch.shape] = Program(self, batch)
@@ -479,6 +489,7 @@ class MiniLM:
 
     def run_planned(self, batch: Batch) -> Tensor:
         """The forward as repeatable executors planned once per shape (the batch is bound, then replayed)."""
+        self._check_open()
         p = self.programs.get(batch.shape)
         if p is None:
             return self.program(batch).output  # building it ran the forward on this batch
@@ -486,6 +497,7 @@ class MiniLM:
 
     def graph(self, batch: Batch) -> CapturedForward:
         """The captured graph for ``batch``'s (batch, seq) shape, captured and instantiated on first use."""
+        self._check_open()
         g = self.graphs.get(batch.shape)
         if g is None:
             g = self.graphs[batch.shape] = CapturedForward(self, batch)
@@ -507,18 +519,26 @@ class MiniLM:
             t = self.run_planned(batch) if mode == "planned" else self.run_graph(batch)
             self.sync()
             return t.numpy()
-        raise ValueError(f"mode must be one of {self.MODES}, got {mode!r}")
+        raise tp.ParamError(op="MiniLM", arg="mode", expected=f"one of {self.MODES}", got=mode)
 
     def encode(self, sentences: Sequence[str], mode: str = "planned", batch_size: int = 32,
                pad_to: int | None = None) -> np.ndarray[Any, Any]:
         """(len(sentences), hidden) float32 L2-normalised embeddings, ``batch_size`` sentences per forward."""
+        self._check_open()
+        if mode not in self.MODES:
+            raise tp.ParamError(op="MiniLM", arg="mode", expected=f"one of {self.MODES}", got=mode)
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise tp.ParamError(op="MiniLM", arg="batch_size", expected="an int >= 1", got=batch_size)
         outs = []
         for i in range(0, len(sentences), batch_size):
             outs.append(self.run(self.tokenize(sentences[i:i + batch_size], pad_to=pad_to), mode))
         return np.concatenate(outs) if outs else np.zeros((0, self.config.hidden), np.float32)
 
     def close(self) -> None:
-        """Release every cached program (executors, workspaces, buffers)."""
+        """Release every cached program (executors, workspaces, buffers), the weights and the model's own stream;
+        a second call does nothing."""
+        if self.closed:
+            return
         for p in self.programs.values():
             p.close()
         self.programs.clear()
@@ -526,6 +546,11 @@ class MiniLM:
             g.close()
         self.graphs.clear()
         self.sync()
+        self.closed = True
+        for t in self._parameters():
+            t.free(self.stream)
+        if self._own_stream:
+            self.stream.close()
 
     def __enter__(self) -> MiniLM:
         return self
