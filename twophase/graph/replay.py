@@ -368,13 +368,16 @@ class Graph:
         steps = self._steps
         if steps is None or threading.get_ident() != self._owner:
             self._refuse_replay()
-        if stream is not self._last_stream:
-            self._switch_stream(stream)
+        switch = stream is not self._last_stream
+        if switch:
+            self._check_stream(stream)
         if tensors or self._rebound:
             self._apply(tensors)
             steps = self._steps
         for check in REPLAY_CHECKS:
             check(self, stream)
+        if switch:  # only once nothing can refuse the replay: a refused one leaves the graph as it was
+            self._order_after_last(stream)
         seq = stream._enqueue(_run_graph, (steps, self, stream._q), self)
         for b in self._mark_blocks:
             b.mark_use(stream, seq)  # host reads wait for the replay (and the sanitizer sees the use)
@@ -392,13 +395,15 @@ class Graph:
         raise InvalidStateError(f"{self} belongs to the thread that instantiated it", op="Graph.replay",
                                 arg="graph", got=f"replay from thread {threading.current_thread().name}")
 
-    def _switch_stream(self, stream: Stream) -> None:
-        """Validate a new stream and order it after the previous replay (they share the arena)."""
+    def _check_stream(self, stream: Stream) -> None:
         if not isinstance(stream, Stream):
             raise ParamError(op="Graph.replay", arg="stream", expected="a twophase Stream", got=type(stream).__name__)
         if stream.device is not self.device:
             raise ParamError(op="Graph.replay", arg="stream", expected=f"a stream of {self.device.name}",
                              got=stream.name)
+
+    def _order_after_last(self, stream: Stream) -> None:
+        """Order a new stream after the previous replay (they share the arena)."""
         last = self._last_stream
         if last is not None and last._q.done < self._last_seq:
             ev = Event._make(last)
@@ -421,25 +426,34 @@ class Graph:
             if t.device is not self.device:
                 raise ParamError(op="Graph.replay", arg=name, expected=f"a tensor on {self.device.name}",
                                  got=t.device.name)
+        current: dict[str, Tensor] = {}
         for name, b in self._bindings.items():
-            t = tensors.get(name, b.default)
-            if t.block is b.current.block:
-                b.current = t
-                continue
-            for i, s, d in b.uses:
-                changes.setdefault(i, {})[s] = t if d == t.desc else Tensor._make(d, t.block, t.device)
-            b.current = t
+            t = current[name] = tensors.get(name, b.default)
+            if t.block is not b.current.block:
+                for i, s, d in b.uses:
+                    changes.setdefault(i, {})[s] = t if d == t.desc else Tensor._make(d, t.block, t.device)
+        if changes:
+            steps = list(self._steps)  # type: ignore[arg-type]  # copy: enqueued replays keep their launches
+            done: list[tuple[Executor, dict[int, Tensor]]] = []
+            try:
+                for i, slots in changes.items():
+                    ex = self._execs[i]
+                    old = {s: prev for s in slots if (prev := ex._tensors[s]) is not None}
+                    ex._bind_many(slots)
+                    done.append((ex, old))
+                    steps[i] = (ex._launch, steps[i][1], i)
+            except BaseException:  # a refused rebinding (a freed tensor): the nodes rebound so far go back
+                for ex, old in reversed(done):
+                    ex._bind_many(old)
+                raise
+            self._steps = steps
+        for name, b in self._bindings.items():
+            b.current = current[name]
         self._rebound = {n for n, b in self._bindings.items() if b.current.block is not b.default.block}
         for n, b in self._bindings.items():
             if b.kind == "output":
                 self._outputs[n] = b.current
         if changes:
-            steps = list(self._steps)  # type: ignore[arg-type]  # copy: enqueued replays keep their launches
-            for i, slots in changes.items():
-                ex = self._execs[i]
-                ex._bind_many(slots)
-                steps[i] = (ex._launch, steps[i][1], i)
-            self._steps = steps
             self._refresh_marks()
 
     # ---- release
