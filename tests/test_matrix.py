@@ -95,3 +95,27 @@ def test_check_command_fails_on_a_failing_op(capsys: pytest.CaptureFixture[str])
         assert f"FAIL {name}" in capsys.readouterr().out
     finally:
         del tp.registry[name]
+
+
+@pytest.mark.parametrize("argv, words", [(["relu", "--dtypes", "int8"], "nothing was checked"),
+                                         (["relu", "--dtypes", "float33"], "unknown dtype"),
+                                         (["relu", "--long-n", "-3"], "--long-n"),
+                                         (["no_such_op"], "unknown op")])
+def test_check_command_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], argv: list[str], words: str) -> None:
+    """2, as argparse's own usage errors: a run that checked nothing is not a pass, a bad value not a failure."""
+    assert main(["check", *argv]) == 2
+    assert words in capsys.readouterr().err
+
+
+def test_check_command_says_when_an_op_has_no_reference(capsys: pytest.CaptureFixture[str]) -> None:
+    name = "planted_unreferenced"
+    tp.register(OpDef(
+        name=name, inputs=("x",), dtypes=(tp.DType.float32,),
+        infer=lambda ins, attrs: (tp.TensorDesc(ins[0].shape, ins[0].dtype),),
+        select=lambda ins, outs, attrs, limit: Plan("copy", None, 0),
+        kernels={"cpu": lambda plan, attrs, ins, outs: lambda _: np.copyto(outs[0], ins[0])}))
+    try:
+        assert main(["check", name, "--long-n", "257"]) == 0
+        assert "values not compared: the op registers no reference" in capsys.readouterr().out
+    finally:
+        del tp.registry[name]

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from ..op import registry
+from ..tensor import DType
 
 __all__ = ["add_parser", "run"]
 
@@ -24,12 +25,21 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """A table of op, cases, passed, failed, largest error, worst case; exit status 1 on any failure."""
+    """A table of op, cases, passed, failed, largest error, worst case; exit status 1 on any failure, 2 on a usage
+    error or when nothing was checked."""
     from .fuzz import fuzz_phase1
     from .matrix import LONG_N, format_table, progress_bar, run_matrix, shape_matrix
     unknown = [n for n in args.ops if n not in registry]
     if unknown:
         print(f"unknown op(s): {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    if args.dtypes not in (None, "all"):
+        bad = [d for d in args.dtypes.split(",") if d not in {t.value for t in DType}]
+        if bad:
+            print(f"unknown dtype(s): {', '.join(bad)} (known: {', '.join(t.value for t in DType)})", file=sys.stderr)
+            return 2
+    if args.long_n is not None and args.long_n < 1 or args.seeds < 1 or args.fuzz < 0:
+        print("--long-n and --seeds take an int >= 1, --fuzz an int >= 0", file=sys.stderr)
         return 2
     names = args.ops or sorted(registry)
     long_n = args.long_n or LONG_N
@@ -48,6 +58,9 @@ def run(args: argparse.Namespace) -> int:
             results.append(r)
             failed += r.failed
     print(format_table(results))
+    if not any(r.cases for r in results) and not args.fuzz:
+        print("nothing was checked: no op has a case for these dtypes", file=sys.stderr)
+        return 2
     for r in results:
         for f in r.failures[: None if args.verbose else 3]:
             print(f"FAIL {r.op}: {f}")

@@ -70,6 +70,7 @@ class MatrixResult:
     worst_case: str = ""
     skipped: str = ""
     failures: list[str] = field(default_factory=list)
+    note: str = ""  # what the run could not check (no reference: the values were not compared)
 
 
 def _tensor(dev: Device, x: Any, s: Stream, keep: list[Tensor]) -> Any:
@@ -227,6 +228,11 @@ def run_matrix(op: Op | str, dtypes: Iterable[Any] | None = None, seed: int = 0,
     if cases is None:
         res.skipped = "skipped (no case generator)"
         return res
+    if not cases and op.spec.dtypes:
+        res.skipped = f"skipped (takes none of the dtypes asked for; it takes {[d.value for d in op.spec.dtypes]})"
+        return res
+    if op.spec.reference is None:
+        res.note = "values not compared: the op registers no reference"
     generic = op.name not in GENERATORS
     with sanitizer.sanitize():
         token = sanitizer.mark()
@@ -261,7 +267,7 @@ def format_table(results: list[MatrixResult]) -> str:
             lines.append(f"{r.op:<30}{r.cases:>6}{'-':>8}{'-':>8}{'-':>9}{'-':>15}  {r.skipped}")
             continue
         lines.append(f"{r.op:<30}{r.cases:>6}{r.passed:>8}{r.failed:>8}{r.rejected:>9}{r.largest_error:>15.3g}  "
-                     f"{r.worst_case}")
+                     f"{r.worst_case}{'  (' + r.note + ')' if r.note else ''}")
     return "\n".join(lines)
 
 
