@@ -284,6 +284,36 @@ def test_mismatched_desc_raises_plan_mismatch_showing_both_descs(dev: tp.Device,
     assert np.array_equal(g.replay(stream)["y"].numpy(), -np.ones((4, 8), np.float32))
 
 
+def test_a_refused_replay_changes_nothing(dev: tp.Device, stream: tp.Stream, gate: Any) -> None:
+    """A replay refused on another stream does not order that stream after the last replay nor become the graph's
+    stream; one refused while rebinding (a freed tensor) leaves every node bound as before."""
+    x = dev.tensor(np.ones((4, 8), np.float32), stream=stream)
+    x2 = dev.tensor(np.full((4, 8), 2, np.float32), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        g.input("x", x)
+        g.output("y", tp.neg(tp.exp(x, stream=stream), stream=stream))
+    g.instantiate()
+    other = dev.stream()
+    ev = gate(stream)
+    g.replay(stream)  # pending behind the gate
+    with pytest.raises(PlanMismatchError):
+        g.replay(other, x=dev.empty((8, 4)))
+    assert g._last_stream is stream  # else the next replay on stream would wait for other forever
+    ev.set()
+    np.testing.assert_allclose(g.replay(stream)["y"].numpy(), -np.e * np.ones((4, 8)), rtol=1e-6)
+    assert other.query()  # nothing was enqueued there
+    gone = dev.tensor(np.zeros((4, 8), np.float32), stream=stream)
+    gone.free(stream)
+    stream.synchronize()
+    with pytest.raises(tp.InvalidStateError, match="freed"):
+        g.replay(stream, x=gone)
+    np.testing.assert_allclose(g.replay(stream, x=x2)["y"].numpy(), -np.exp(2) * np.ones((4, 8)), rtol=1e-6)
+    np.testing.assert_allclose(g.replay(stream)["y"].numpy(), -np.e * np.ones((4, 8)), rtol=1e-6)
+    g.destroy()
+    other.close()
+
+
 def test_declarations_are_checked(dev: tp.Device, stream: tp.Stream) -> None:
     x = dev.tensor(np.ones(4, np.float32), stream=stream)
     stream.synchronize()
@@ -495,3 +525,57 @@ def test_graphs_are_made_by_capture() -> None:
         tp.Graph()
     with pytest.raises(ParamError):
         tp.capture("not a stream").__enter__()  # type: ignore[arg-type]
+
+
+def test_launch_blocking_switched_by_another_thread_mid_capture_applies_when_it_ends(dev: tp.Device,
+                                                                                   stream: tp.Stream) -> None:
+    """The capture goes on recording; once it ends the stream runs its tasks inline, as the setting says."""
+    x = dev.tensor(np.ones((8, 8), np.float32), stream=stream)
+    stream.synchronize()
+    recorded, go = threading.Event(), threading.Event()
+    graphs: list[tp.Graph] = []
+    errors: list[BaseException] = []
+
+    def capture() -> None:
+        try:
+            with tp.capture(stream) as g:
+                tp.relu(x, stream=stream)
+                recorded.set()
+                go.wait(30)
+                tp.relu(x, stream=stream)
+            graphs.append(g)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test thread
+            errors.append(exc)
+            recorded.set()
+
+    t = threading.Thread(target=capture)
+    t.start()
+    recorded.wait(30)
+    try:
+        tp.set_launch_blocking(True)
+        go.set()
+        t.join(30)
+        assert errors == [] and len(graphs[0]) == 2
+        assert tp.settings.launch_blocking and stream.blocking
+        ran_on: list[int] = []
+        stream.launch_callback(lambda: ran_on.append(threading.get_ident()))
+        assert ran_on == [threading.get_ident()]
+    finally:
+        go.set()
+        tp.set_launch_blocking(False)
+    assert not stream.blocking
+
+
+def test_launch_blocking_switched_by_the_capturing_thread_keeps_the_capture(dev: tp.Device,
+                                                                            stream: tp.Stream) -> None:
+    x = dev.tensor(np.ones((8, 8), np.float32), stream=stream)
+    try:
+        with tp.capture(stream) as g:
+            tp.relu(x, stream=stream)
+            tp.set_launch_blocking(True)
+            assert stream.blocking
+            tp.relu(x, stream=stream)
+        assert len(g) == 2 and tp.settings.launch_blocking and stream.blocking
+    finally:
+        tp.set_launch_blocking(False)
+    assert not stream.blocking

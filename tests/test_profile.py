@@ -119,3 +119,53 @@ def test_a_kernel_error_inside_the_block_is_raised_by_the_callers_sync(stream):
     with pytest.raises(twophase.KernelError, match="kernel failed"):
         stream.synchronize()
     stream.synchronize()  # raised once; the stream is usable again
+
+
+def _flows(prof):
+    """Ids of the flows started and of those ended."""
+    flows = [e for e in prof.events if e.get("cat") == "flow"]
+    return {e["id"] for e in flows if e["ph"] == "s"}, {e["id"] for e in flows if e["ph"] == "f"}
+
+
+def test_streams_sharing_a_name_each_end_their_own_flows(dev, gate):
+    """Two launches with the same seq on two streams named alike: each kernel ends its own launch's flow."""
+    twins = [dev.stream("twin"), dev.stream("twin")]
+    xs = [dev.tensor(np.ones(4), stream=s) for s in twins]
+    with twophase.profile() as prof:
+        opened = [gate(s) for s in twins]  # both flows are registered before either kernel runs
+        ys = [twophase.neg(x, stream=s) for x, s in zip(xs, twins)]
+        assert twins[0]._submitted == twins[1]._submitted
+        for ev in opened:
+            ev.set()
+    starts, ends = _flows(prof)
+    assert len(starts) == 2 and ends == starts
+    for s, y in zip(twins, ys):
+        np.testing.assert_array_equal(y.numpy(), -np.ones(4))
+        s.close()
+
+
+def test_the_flow_of_a_failed_launch_does_not_end_on_a_later_stream_of_the_same_name(dev):
+    def build(plan, attrs, ins, outs):
+        def launch(ws):
+            raise ZeroDivisionError("planted")
+        return launch
+
+    raiser = Op(twophase.OpDef(name="raiser", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
+                               select=lambda ins, outs, attrs, limit: twophase.Plan("raise", None, 0),
+                               kernels={"cpu": build}))
+    with twophase.profile() as prof:
+        old = dev.stream("reused")
+        x = dev.tensor(np.ones(4, np.float32), stream=old)
+        size, ex = raiser.get_workspace_size(x)
+        ex.set_output(0, dev.empty_like(ex.output_descs[0], old))
+        raiser(None, size, ex, old)
+        with pytest.raises(twophase.KernelError, match="planted"):
+            old.synchronize()
+        new = dev.stream("reused")
+        while new._submitted <= old._submitted:
+            new.record_event()  # markers with the seqs of the old stream's tasks
+        new.synchronize()
+    starts, ends = _flows(prof)
+    assert len(starts) == 1 and ends == set()
+    old.close()
+    new.close()

@@ -400,3 +400,61 @@ def test_graph_replay_with_a_freed_captured_tensor_names_the_graph(s):
         g.replay(s, x=x2)  # no launch is rebuilt: the replay's own check refuses the weight
     g.destroy()
     x2.free(s)
+
+
+# ---- launch records follow the stream's queue, not its name
+def _raiser() -> Op:
+    """A buggy op (not registered): its kernel raises."""
+
+    def build(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
+        def launch(ws: Any) -> None:
+            raise ZeroDivisionError("planted")
+        return launch
+
+    return Op(OpDef(name="raiser", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
+                    select=lambda ins, outs, attrs, limit: Plan("raise", None, 0), kernels={"cpu": build}))
+
+
+def test_a_new_stream_with_an_old_name_is_not_blamed_for_a_launch_that_failed_there(san):
+    """The failed launch's record must not be found by the task with its seq on a later stream of that name:
+    it would check the old blocks' guard zones, now inside memory the new stream's tensor was given."""
+    dev = tp.device("cpu")
+    old = dev.stream("reused")
+    x = dev.tensor(np.ones(16, np.float32), stream=old)
+    y = _run(_raiser(), x, old)
+    with pytest.raises(tp.KernelError, match="planted"):
+        old.synchronize()
+    x.free(old)
+    y.free(old)
+    seq = old._submitted
+    old.close()
+    new = dev.stream("reused")
+    a = dev.tensor(np.ones(1000, np.float32), stream=new)  # the memory of x and y, guard zones included
+    while new._submitted <= seq:
+        new.record_event()  # tasks with the seqs of the old stream's
+    new.synchronize()
+    np.testing.assert_array_equal(a.numpy(), np.ones(1000))
+    a.free(new)
+    new.close()
+
+
+def test_two_streams_of_one_name_each_check_their_own_launches(san, gate):
+    """Launches with the same seq on two live streams named alike: each kernel's guard zones are checked."""
+    dev = tp.device("cpu")
+    streams = [dev.stream("twin"), dev.stream("twin")]
+    xs = [dev.tensor(np.ones(8, np.float32), stream=st) for st in streams]
+    for st in streams:
+        st.synchronize()
+    opened = [gate(st) for st in streams]  # both wait: the records of both launches exist at once
+    bad = _run(_scribbler(64, past_end=7), xs[0], streams[0])
+    good = _run(_scribbler(64), xs[1], streams[1])
+    assert streams[0]._submitted == streams[1]._submitted
+    opened[1].set()
+    streams[1].synchronize()
+    opened[0].set()
+    with pytest.raises(sanitizer.GuardError, match="7 byte\\(s\\) past the end"):
+        streams[0].synchronize()
+    for st, ts in zip(streams, ((xs[0], bad), (xs[1], good))):
+        for t in ts:
+            t.free(st)
+        st.close()

@@ -295,3 +295,37 @@ def test_launches_give_ieee_results_without_numpy_warnings(dev, mode):
     finally:
         twophase.set_launch_blocking(False)
     assert np.geterr()["divide"] == "warn"  # this thread's numpy state is untouched
+
+
+def test_switching_launch_blocking_leaves_a_pending_failure_for_the_next_sync(dev, stream):
+    """The switch waits for every stream without raising: a failure does not stop it half-way (the setting
+    changed, some streams switched) but stays for its own stream's sync."""
+    others = [dev.stream() for _ in range(2)]
+    stream.launch_callback(lambda: 1 / 0)
+    try:
+        twophase.set_launch_blocking(True)
+        assert stream.blocking and all(s.blocking for s in others)
+    finally:
+        twophase.set_launch_blocking(False)
+    assert not stream.blocking and not any(s.blocking for s in others)
+    with pytest.raises(twophase.KernelError, match="ZeroDivisionError"):
+        stream.synchronize()
+    for s in others:
+        s.close()
+
+
+def test_a_failing_setting_listener_puts_the_setting_and_every_stream_back(dev, stream, monkeypatch):
+    from twophase import config
+
+    def refuse(value):
+        if value:
+            raise RuntimeError("refused")
+
+    try:
+        with monkeypatch.context() as m:
+            m.setitem(config._listeners, "launch_blocking", [*config._listeners["launch_blocking"], refuse])
+            with pytest.raises(RuntimeError, match="refused"):
+                twophase.set_launch_blocking(True)  # the device's listener has switched its streams by then
+            assert not twophase.settings.launch_blocking and not stream.blocking
+    finally:
+        twophase.set_launch_blocking(False)

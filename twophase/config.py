@@ -54,9 +54,18 @@ def on_change(name: str, fn: Callable[[object], None]) -> None:
 
 
 def _set(name: str, value: object) -> None:
+    """Change a setting and tell its listeners. If one raises, the old value is put back and told to all of them
+    again (listeners are idempotent), so the setting and what follows it (streams, say) agree."""
+    old = getattr(settings, name)
     setattr(settings, name, value)
-    for fn in _listeners.get(name, ()):
-        fn(value)
+    try:
+        for fn in _listeners.get(name, ()):
+            fn(value)
+    except BaseException:
+        setattr(settings, name, old)
+        for fn in _listeners.get(name, ()):
+            fn(old)
+        raise
 
 
 def set_launch_blocking(enabled: bool) -> None:

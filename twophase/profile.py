@@ -17,7 +17,7 @@ from . import hooks
 from .op import Op
 from .runtime.device import _DEVICES
 from .runtime.memory import POOL_LISTENERS, MemoryPool
-from .runtime.stream import CONTROL, Stream
+from .runtime.stream import CONTROL, Stream, TaskRecords, running_queue
 
 __all__ = ["profile", "Profiler"]
 
@@ -32,7 +32,7 @@ class Profiler:
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
         self._flow = itertools.count(1)
-        self._pending_flows: dict[tuple[str, int], int] = {}
+        self._pending_flows: TaskRecords[int] = TaskRecords()
         self._streams: dict[str, int] = {}
         self._threads: dict[int, str] = {}
 
@@ -51,7 +51,7 @@ class Profiler:
 
     def enqueue(self, stream: Stream, seq: int, t: float) -> dict[str, Any]:
         fid = next(self._flow)
-        self._pending_flows[(stream.name, seq)] = fid
+        self._pending_flows.put(stream._q, seq, fid)
         ev = {"name": "launch", "cat": "flow", "ph": "s", "id": fid, "ts": self.us(t), "pid": 1,
               "tid": threading.get_ident()}
         self._emit(ev)
@@ -64,7 +64,7 @@ class Profiler:
         args = {"executor": owner.id, "implementation": owner.plan.implementation} if op is not None else {}
         self._emit({"name": name, "cat": "kernel", "ph": "X", "ts": self.us(t0), "dur": self.us(t1) - self.us(t0),
                     "pid": 1, "tid": tid, "args": args})
-        fid = self._pending_flows.pop((stream_name, seq), None)
+        fid = self._pending_flows.pop(running_queue(), seq)
         if fid is not None:
             self._emit({"name": "launch", "cat": "flow", "ph": "f", "bp": "e", "id": fid, "ts": self.us(t0),
                         "pid": 1, "tid": tid})

@@ -25,7 +25,7 @@ from ..errors import CaptureError, ParamError
 from ..executor import Executor
 from ..op import Op
 from ..runtime.memory import Block
-from ..runtime.stream import Stream
+from ..runtime.stream import SWITCH_LOCK, Stream
 from .replay import Graph
 from .virtual import VirtualBlock
 
@@ -123,10 +123,16 @@ class _CaptureQueue:
 def _begin(graph: Graph) -> list[Callable[[], None]]:
     stream = graph.stream
     cq = _CaptureQueue(graph, stream._q)
+    with SWITCH_LOCK:
+        restore_q = _swap(stream, "_q", cq)
+        stream._enqueue = graph._record
 
     def end() -> None:
         cq._capturing = False
-    restore = [_swap(stream, "_q", cq), _swap(stream, "_enqueue", graph._record), end]
+        with SWITCH_LOCK:
+            restore_q()
+            stream._enqueue = stream._q.enqueue  # not the one saved: launch blocking may have switched meanwhile
+    restore = [end]
     restore.append(_tap_device(graph.device))
     restore.append(_share())
     return restore

@@ -85,7 +85,7 @@ class Device:
     def _drain(self) -> None:
         """Wait for every stream's work without raising its errors: they stay for the caller's own sync."""
         for s in self._open_streams():
-            s._q.wait_for(s._q.submitted, raise_errors=False)
+            s._q.drain()
 
     def _apply_launch_blocking(self, value: object) -> None:
         for s in self._open_streams():

@@ -15,7 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
@@ -24,13 +24,67 @@ from ..errors import InvalidStateError, KernelError, ParamError, TwoPhaseError
 if TYPE_CHECKING:
     from .device import Device
 
-__all__ = ["Stream", "Event", "CONTROL"]
+__all__ = ["Stream", "Event", "CONTROL", "TaskRecords", "running_queue"]
 
 CONTROL = "<control>"
 
 # Called on the worker after each task as cb(stream_name, owner, t0, t1, seq). Shared by every stream
 # (profiler, sanitizer); run_one checks it for emptiness only, so an empty list costs nothing.
 TASK_LISTENERS: list[Callable[[str, Any, float, float, int], None]] = []
+# Held while a stream's ``_q`` / ``_enqueue`` are switched: launch-blocking mode, capture begin and end.
+SWITCH_LOCK = threading.Lock()
+_running = threading.local()
+_R = TypeVar("_R")
+
+
+def running_queue() -> Any:
+    """For a task listener: the queue whose task the calling thread runs (set only while listeners exist)."""
+    return getattr(_running, "q", None)
+
+
+class TaskRecords(Generic[_R]):
+    """What task listeners look up once a task has run, keyed by its queue (weakly) and seq: not by stream name,
+    which a later stream may reuse. A failed or dropped task is never seen by a listener: its record goes when a
+    later task of its queue is recorded or looked up, or with the queue."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_queue: weakref.WeakKeyDictionary[Any, dict[int, _R]] = weakref.WeakKeyDictionary()
+
+    def put(self, q: Any, seq: int, record: _R) -> None:
+        with self._lock:
+            recs = self._by_queue.setdefault(q, {})
+            _drop_done(recs, q.done)
+            recs[seq] = record
+
+    def pop(self, q: Any, seq: int) -> _R | None:
+        if q is None:
+            return None
+        with self._lock:
+            recs = self._by_queue.get(q)
+            if recs is None:
+                return None
+            record = recs.pop(seq, None)
+            _drop_done(recs, q.done)
+            return record
+
+    def forget(self, q: Any) -> None:
+        """Drop every record of ``q`` (its stream was closed)."""
+        with self._lock:
+            self._by_queue.pop(q, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_queue.clear()
+
+
+def _drop_done(recs: dict[int, Any], done: int) -> None:
+    """Drop the records of tasks that have completed (seqs are recorded in increasing order)."""
+    while recs:
+        first = next(iter(recs))
+        if first > done:
+            return
+        del recs[first]
 
 
 def _count(owner: Any) -> None:
@@ -117,11 +171,16 @@ class _Queue:
         listeners = self.listeners
         try:
             if listeners:
-                t0 = time.perf_counter()
-                fn(arg)
-                t1 = time.perf_counter()
-                for cb in listeners:
-                    cb(self.name, owner, t0, t1, seq)
+                outer = getattr(_running, "q", None)  # a blocking stream's task may run another's inline
+                _running.q = self
+                try:
+                    t0 = time.perf_counter()
+                    fn(arg)
+                    t1 = time.perf_counter()
+                    for cb in listeners:
+                        cb(self.name, owner, t0, t1, seq)
+                finally:
+                    _running.q = outer
             else:
                 fn(arg)
         except BaseException as exc:  # noqa: BLE001 - any failure is reported at the next sync
@@ -165,6 +224,23 @@ class _Queue:
                     self.waiters -= 1
         if raise_errors:
             self.raise_pending(seq)
+
+    def drain(self) -> None:
+        """Wait for every task enqueued so far without raising: a failure stays pending for the next sync."""
+        self.wait_for(self.submitted, raise_errors=False)
+
+    @property
+    def inline(self) -> bool:
+        return self.enqueue == self.enqueue_inline
+
+    def set_inline(self, inline: bool) -> None:
+        """Run later tasks inline on the enqueuing thread, or on the worker (started if need be); the caller drains
+        the queue first, so that they run after the earlier ones."""
+        if self.closed:
+            return
+        self.enqueue = self.enqueue_inline if inline else self.enqueue_async
+        if not inline and self.thread is None:
+            self.start()
 
     def raise_pending(self, seq: int) -> None:
         err = self.error
@@ -238,21 +314,19 @@ class Stream:
 
     @property
     def blocking(self) -> bool:
-        return self._q.enqueue == self._q.enqueue_inline
+        return self._q.inline
 
     def _set_blocking(self, blocking: bool) -> None:
-        """Switch launch-blocking mode (used by the ``TWOPHASE_LAUNCH_BLOCKING`` setter)."""
-        self.synchronize()
-        q = self._q
+        """Switch launch-blocking mode (used by the ``TWOPHASE_LAUNCH_BLOCKING`` setter); never raises a pending
+        failure, which stays for the next sync. A captured stream's queue (a stand-in passing these calls to the
+        real one) switches now and its launches use the new mode once the capture ends."""
         if not self.device.runs_kernels:
             return
-        if blocking or not type(self.device).has_worker:
-            q.enqueue = q.enqueue_inline
-        else:
-            q.enqueue = q.enqueue_async
-            if q.thread is None and type(self.device).has_worker:
-                q.start()
-        self._enqueue = q.enqueue
+        self._q.drain()
+        with SWITCH_LOCK:
+            q = self._q
+            q.set_inline(blocking or not type(self.device).has_worker)
+            self._enqueue = q.enqueue  # during a capture: the stand-in's, which records
 
     def _wait_for(self, seq: int) -> None:
         self._q.wait_for(seq)

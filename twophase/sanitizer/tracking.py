@@ -18,7 +18,7 @@ from ..executor import ExecState, Executor
 from ..op import Op
 from ..runtime.device import _copy_task
 from ..runtime.memory import Block
-from ..runtime.stream import Event, Stream
+from ..runtime.stream import Event, Stream, TaskRecords, running_queue
 from ..tensor import Tensor
 from . import guards
 from .guards import GuardedBlock
@@ -55,8 +55,6 @@ class Launch:
 
     op_name: str
     describe: str
-    queue: Any
-    seq: int
     blocks: list[tuple[GuardedBlock, str]]
 
     def __str__(self) -> str:
@@ -65,7 +63,7 @@ class Launch:
 
 _records: dict[int, ExRecord] = {}
 _collected: list[Leak] = []  # executors garbage-collected while still ready (never destroyed)
-_launches: dict[tuple[str, int], Launch] = {}
+_launches: TaskRecords[Launch] = TaskRecords()
 _waits: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _tl = threading.local()
@@ -73,7 +71,7 @@ _tl = threading.local()
 _plain: dict[str, Any] = {
     "release": Executor._release, "destroy": Executor.destroy, "bind": Executor._bind,
     "bind_many": Executor._bind_many, "view": Tensor.view, "wait_event": Stream.wait_event,
-    "mark_use": Block.mark_use,
+    "mark_use": Block.mark_use, "close": Stream.close,
 }
 _INTERNAL_VIEW_CALLERS = {Op._build_launch.__code__, _copy_task.__code__}
 _handles: list[Any] = []
@@ -166,18 +164,12 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
                                     "already freed", op=op.name, arg="workspace")
         uses.append((ws, True))
         blocks.append((ws, "workspace"))
-    launch = Launch(op.name, ex.describe(), stream._q, seq, blocks)
-    key = (stream.name, seq)
-    with _lock:
-        stale = getattr(_tl, "tentative", None)
-        if stale is not None:  # the previous launch of this thread was refused after our check
-            _launches.pop(stale[0], None)
-        if len(_launches) > 4096:
-            for k, v in list(_launches.items()):
-                if v.queue.done >= v.seq:
-                    _launches.pop(k, None)
-        _launches[key] = launch  # before the enqueue: the worker may finish the kernel before phase 2 returns
-    _tl.tentative = (key, rec, stream, seq, label, uses)
+    stale = getattr(_tl, "tentative", None)
+    if stale is not None:  # the previous launch of this thread was refused after our check
+        _launches.pop(stale[0], stale[3])
+    q = stream._q
+    _launches.put(q, seq, Launch(op.name, ex.describe(), blocks))  # before the enqueue: the kernel may run first
+    _tl.tentative = (q, rec, stream, seq, label, uses)
 
 
 def _phase2_after(op: Op, ws: Any, size: int, ex: Any, stream: Stream, t0: float, t1: float) -> None:
@@ -203,8 +195,7 @@ def _use(blk: GuardedBlock, stream: Stream, seq: int, label: str, writes: bool) 
 
 def _after_task(stream_name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
     """On the worker after each task: verify the guard zones of every block the launch used."""
-    with _lock:
-        launch = _launches.pop((stream_name, seq), None)
+    launch = _launches.pop(running_queue(), seq)
     if launch is None:
         return
     for blk, role in launch.blocks:
@@ -308,6 +299,11 @@ def _mark_use(self: Block, stream: Stream, seq: int) -> None:
         _use(self, stream, seq, "a copy or marked use", True)
 
 
+def _close(self: Stream) -> None:
+    _plain["close"](self)
+    _launches.forget(self._q)  # what is left are the launches that failed or were dropped
+
+
 def _wait_event(self: Stream, event: Event) -> None:
     _plain["wait_event"](self, event)
     if isinstance(event, Event) and event.stream is not self:
@@ -319,8 +315,8 @@ def _wait_event(self: Stream, event: Event) -> None:
 
 _PATCHES = ((Executor, "_release", _release), (Executor, "destroy", _destroy), (Executor, "_bind", _bind),
             (Executor, "_bind_many", _bind_many), (Tensor, "view", _view), (Stream, "wait_event", _wait_event),
-            (Block, "mark_use", _mark_use))
-_PLAIN_NAMES = ("release", "destroy", "bind", "bind_many", "view", "wait_event", "mark_use")
+            (Block, "mark_use", _mark_use), (Stream, "close", _close))
+_PLAIN_NAMES = ("release", "destroy", "bind", "bind_many", "view", "wait_event", "mark_use", "close")
 
 
 def install() -> None:
@@ -355,4 +351,4 @@ def leaked_executors(since: int = 0) -> list[Leak]:
 def reset() -> None:
     with _lock:
         _collected.clear()
-        _launches.clear()
+    _launches.clear()
