@@ -3,6 +3,8 @@ CI), the harness itself catches wrong kernels, and `twophase check` prints its t
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -81,20 +83,27 @@ def test_check_command_prints_the_table(capsys: pytest.CaptureFixture[str]) -> N
     assert "\nneg " in out and "\nadd " in out and "phase-1 fuzz: 50 calls" in out
 
 
-def test_check_command_fails_on_a_failing_op(capsys: pytest.CaptureFixture[str]) -> None:
-    """A planted op whose kernel disagrees with its reference (x + 1 vs -x) makes `twophase check` fail."""
-    name = "planted_wrong_neg"
+@contextlib.contextmanager
+def _registered(name: str, kernel: Any, reference: Any = None) -> Iterator[None]:
+    """A planted float32 unary op ``kernel(x, out)`` in the registry for the block (``twophase check`` finds ops
+    there)."""
     tp.register(OpDef(
         name=name, inputs=("x",), dtypes=(tp.DType.float32,),
         infer=lambda ins, attrs: (tp.TensorDesc(ins[0].shape, ins[0].dtype),),
-        select=lambda ins, outs, attrs, limit: Plan("wrong", None, 0),
-        kernels={"cpu": lambda plan, attrs, ins, outs: lambda _: np.add(ins[0], 1, out=outs[0])},
-        reference=lambda x: -np.asarray(x, np.float64)))
+        select=lambda ins, outs, attrs, limit: Plan("planted", None, 0),
+        kernels={"cpu": lambda plan, attrs, ins, outs: lambda _: kernel(ins[0], outs[0])}, reference=reference))
     try:
-        assert main(["check", name, "--long-n", "257"]) == 1
-        assert f"FAIL {name}" in capsys.readouterr().out
+        yield
     finally:
         del tp.registry[name]
+
+
+def test_check_command_fails_on_a_failing_op(capsys: pytest.CaptureFixture[str]) -> None:
+    """A planted op whose kernel disagrees with its reference (x + 1 vs -x) makes `twophase check` fail."""
+    name = "planted_wrong_neg"
+    with _registered(name, lambda x, out: np.add(x, 1, out=out), lambda x: -np.asarray(x, np.float64)):
+        assert main(["check", name, "--long-n", "257"]) == 1
+        assert f"FAIL {name}" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv, words", [(["relu", "--dtypes", "int8"], "nothing was checked"),
@@ -108,14 +117,6 @@ def test_check_command_usage_errors_exit_2(capsys: pytest.CaptureFixture[str], a
 
 
 def test_check_command_says_when_an_op_has_no_reference(capsys: pytest.CaptureFixture[str]) -> None:
-    name = "planted_unreferenced"
-    tp.register(OpDef(
-        name=name, inputs=("x",), dtypes=(tp.DType.float32,),
-        infer=lambda ins, attrs: (tp.TensorDesc(ins[0].shape, ins[0].dtype),),
-        select=lambda ins, outs, attrs, limit: Plan("copy", None, 0),
-        kernels={"cpu": lambda plan, attrs, ins, outs: lambda _: np.copyto(outs[0], ins[0])}))
-    try:
-        assert main(["check", name, "--long-n", "257"]) == 0
+    with _registered("planted_unreferenced", lambda x, out: np.copyto(out, x)):
+        assert main(["check", "planted_unreferenced", "--long-n", "257"]) == 0
         assert "values not compared: the op registers no reference" in capsys.readouterr().out
-    finally:
-        del tp.registry[name]
