@@ -138,6 +138,7 @@ def test_host_inputs_copied_in_are_freed_after_the_call(dev, rng):
             twophase.matmul(host, np.ones((3, 3), np.float32))  # refused in phase 1
     dev.synchronize()
     np.testing.assert_allclose(out.numpy(), x.numpy() + 2)
+    live = len(ops.embedding.counters.live)
     twophase.set_launch_blocking(True)
     try:
         with pytest.raises(twophase.ParamError, match="indices"):
@@ -146,6 +147,7 @@ def test_host_inputs_copied_in_are_freed_after_the_call(dev, rng):
         twophase.set_launch_blocking(False)
     dev.synchronize()
     assert dev.pool.stats()["allocated_bytes"] == before
+    assert len(ops.embedding.counters.live) == live  # its executor destroyed too
     for t in (x, out, w):
         t.free()
 

@@ -54,6 +54,8 @@ def one_shot(op: Op) -> Callable[..., Any]:
             except BaseException:
                 for t in new:
                     t.free(s)
+                if ex.state is ExecState.READY:  # refused, or raised by a blocking launch before its release
+                    ex.destroy()
                 raise
             finally:
                 if ws is not None:
