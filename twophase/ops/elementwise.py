@@ -69,6 +69,8 @@ def _binary_build(ufunc: Any) -> Builder:
         x, y = ins
         out = outs[0]
         alpha = attrs.get("alpha", 1)
+        if out.dtype.kind == "f":
+            alpha = float(alpha)  # an int past int64 (checked in phase 1) is an object array to numpy < 2.4
         if alpha != 1 and np.shares_memory(out, x):
             scratch = np.empty(np.broadcast_shapes(y.shape, out.shape), out.dtype)  # in-place case, made at bind
 
