@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
@@ -94,6 +95,23 @@ class OpDef:
     aliases: tuple[int, ...] | str = ()
 
 
+def effective_limit(op: str, limit: Any) -> int | None:
+    """The limit in force: ``limit`` when given, else the ``TWOPHASE_WORKSPACE_LIMIT`` setting (None = unlimited)."""
+    if limit is None:
+        limit = settings.workspace_limit
+        if limit is None:
+            return None
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 0:
+        raise ParamError(op=op, arg="workspace_limit", expected="None or an int >= 0 (bytes)", got=limit)
+    return int(limit)
+
+
+def over_limit(op: str, workspace: int, implementation: str, limit: int | None) -> ParamError:
+    """The error of a phase 1 whose smallest workspace (``implementation``'s) exceeds ``limit``."""
+    return ParamError("no implementation fits the workspace limit", op=op, arg="workspace_limit",
+                      expected=f"at least {workspace} bytes ({implementation})", got=limit)
+
+
 def _noop(_: Any) -> None:
     pass
 
@@ -137,7 +155,7 @@ class Op:
         """
         in_descs, bound = self._input_descs(inputs)
         outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
-        limit = workspace_limit if workspace_limit is not None else settings.workspace_limit
+        limit = effective_limit(self.name, workspace_limit)
         counters = self.counters
         counters.phase1 += 1
         cache = thread_cache()
@@ -203,6 +221,8 @@ class Op:
         plan = self.spec.select(in_descs, out_descs, norm, limit)
         if plan.workspace_size < 0:
             raise InternalError("negative workspace size", op=self.name, status=Status.ERR_INNER_TILING)
+        if limit is not None and plan.workspace_size > limit:  # an op with one way to run (or none that fits)
+            raise over_limit(self.name, plan.workspace_size, plan.implementation, limit)
         return plan, norm, out_descs
 
     def _input_descs(self, inputs: Sequence[Any]) -> tuple[tuple[TensorDesc | None, ...], dict[int, Tensor]]:

@@ -12,8 +12,7 @@ from typing import Any
 
 from .errors import InvalidStateError, ParamError
 from .invoke import PlannedCall
-from .op import Op, get_op
-from .ops.selection import effective_limit
+from .op import Op, effective_limit, get_op
 from .runtime.device import placement
 from .runtime.stream import Stream
 from .tensor import Tensor

@@ -19,6 +19,7 @@ from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts
 from ..tensor import DType, TensorDesc
 from .checks import FLOATS, as_dims, as_float, as_int, check_dtype, need, norm_dim
+from .selection import Candidate, choose
 
 LONG_ROW = 32768  # rows longer than this are split across blocks
 SPLIT_BLOCK = 8192  # elements per block of a split row
@@ -47,21 +48,22 @@ class SoftmaxTiling:
 
 
 def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None = None,
-                 log: bool = False) -> SoftmaxTiling:
+                 log: bool = False, split_rows: bool = True) -> SoftmaxTiling:
     """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
     workspace, in this order: for packed log-softmax only, align64(T * L * c) of scratch, one row of L = N
     elements (8192 when split) per part (T = the helper threads' part count from 2^20 elements, else 1); then
     align64(K * ceil(N / 8192) * 16) when N > 32768 (a float64 (max, sum) per block); then align64(K * N * c)
     when the operands are packed (float16, or other dims that do not merge into one stride); c = 4 for float16
-    (computed in float32), else the dtype's itemsize.
+    (computed in float32), else the dtype's itemsize. ``split_rows=False`` keeps long rows whole (no partials:
+    slower once a row leaves the cache, for a tighter workspace limit).
     """
     kept = [i for i in range(x.ndim) if i != dim]
     n = x.shape[dim] if x.ndim else 1
     k = 1
     for i in kept:
         k *= x.shape[i]
-    split = -(-n // SPLIT_BLOCK) if n > LONG_ROW else 1
+    split = -(-n // SPLIT_BLOCK) if n > LONG_ROW and split_rows else 1
     item = 4 if x.dtype is DType.float16 else x.dtype.itemsize
     parallel = k * n >= PARALLEL_MIN
     threads = (threads or fanout_parts()) if parallel else 1
@@ -96,9 +98,15 @@ def _softmax_select(log: bool) -> Any:
 
     def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
         x = ins[0]
-        t = plan_softmax(x, outs[0], norm_dim(name, "dim", attrs["dim"], x.ndim), log=log)
-        impl = "split_rows" if t.split > 1 else ("rows_parallel" if t.parallel else "rows")
-        return Plan(impl, t, t.workspace)
+        dim = norm_dim(name, "dim", attrs["dim"], x.ndim)
+        cands = []
+        for split_rows in (True, False):  # long rows split (fastest), else whole (no partials in the workspace)
+            t = plan_softmax(x, outs[0], dim, log=log, split_rows=split_rows)
+            impl = "split_rows" if t.split > 1 else ("rows_parallel" if t.parallel else "rows")
+            cands.append(Candidate(impl, t, t.workspace))
+            if t.split == 1:
+                break
+        return choose(name, cands, limit)
     return select
 
 

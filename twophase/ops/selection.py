@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import numbers
 from collections.abc import Iterator, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-from .. import config
 from ..errors import ParamError
-from ..op import Plan, planning_scope
+from ..op import Plan, effective_limit, over_limit, planning_scope
 
 __all__ = ["Candidate", "choose", "effective_limit", "forced"]
 
@@ -31,17 +29,6 @@ class Candidate:
     implementation: str
     tiling: Any
     workspace: int
-
-
-def effective_limit(op: str, limit: Any) -> int | None:
-    """The limit in force: ``limit`` when given, else the ``TWOPHASE_WORKSPACE_LIMIT`` setting (None = unlimited)."""
-    if limit is None:
-        limit = config.settings.workspace_limit
-        if limit is None:
-            return None
-    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 0:
-        raise ParamError(op=op, arg="workspace_limit", expected="None or an int >= 0 (bytes)", got=limit)
-    return int(limit)
 
 
 @contextlib.contextmanager
@@ -82,5 +69,4 @@ def choose(op: str, candidates: Sequence[Candidate], limit: Any = None) -> Plan:
                           c.workspace, lim, c.tiling)
             return Plan(c.implementation, c.tiling, c.workspace)
     smallest = min(pool, key=lambda c: c.workspace)
-    raise ParamError("no implementation fits the workspace limit", op=op, arg="workspace_limit",
-                     expected=f"at least {smallest.workspace} bytes ({smallest.implementation})", got=lim)
+    raise over_limit(op, smallest.workspace, smallest.implementation, lim)
