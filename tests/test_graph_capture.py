@@ -579,3 +579,53 @@ def test_launch_blocking_switched_by_the_capturing_thread_keeps_the_capture(dev:
     finally:
         tp.set_launch_blocking(False)
     assert not stream.blocking
+
+
+def test_rebinding_one_view_of_a_block_leaves_its_other_views(dev: tp.Device, stream: tp.Stream) -> None:
+    """Inputs are named by their view, not their whole block: rebinding a leaves b (the block's other half) alone,
+    and b may be named too."""
+    big = dev.tensor(np.arange(8, dtype=np.float32), stream=stream)
+    a, b = big.strided((4,), (1,), 0), big.strided((4,), (1,), 4)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        g.input("a", a)
+        g.input("b", b)
+        g.output("y", tp.mul(a, b, stream=stream))
+    g.instantiate()
+    np.testing.assert_array_equal(g.replay(stream)["y"].numpy(), np.arange(4) * np.arange(4, 8))
+    big2 = dev.tensor(np.array([10, 20, 30, 40, -1, -2, -3, -4], np.float32), stream=stream)
+    a2 = big2.strided((4,), (1,), 0)
+    np.testing.assert_array_equal(g.replay(stream, a=a2)["y"].numpy(), np.array([10, 20, 30, 40]) * np.arange(4, 8))
+    b2 = big2.strided((4,), (1,), 4)
+    np.testing.assert_array_equal(g.replay(stream, b=b2)["y"].numpy(), np.arange(4) * -np.arange(1, 5))
+    g.destroy()
+    with tp.capture(stream) as g2:
+        g2.input("a", a)
+        with pytest.raises(ParamError, match="memory not named yet"):
+            g2.input("whole", big)  # overlaps a
+        g2.output("y", tp.mul(big, big, stream=stream))  # reads across a's edge
+    g2.instantiate()
+    with pytest.raises(ParamError, match="reads across its edge"):
+        g2.replay(stream, a=a2)
+    g2.destroy()
+
+
+def test_an_output_fed_back_as_the_next_input_is_refused(dev: tp.Device, stream: tp.Stream) -> None:
+    """A replay overwrites its arena while it reads its inputs: feeding an arena output back in would read
+    intermediates; a copy of it is fine."""
+    h0 = dev.tensor(np.arange(4, dtype=np.float32), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g:
+        g.input("h", h0)
+        t = tp.mul(h0, h0, stream=stream)
+        t = tp.add(t, t, stream=stream)
+        g.output("y", tp.add(t, h0, stream=stream))  # 2 h^2 + h
+    g.instantiate()
+    y1 = g.replay(stream)["y"]
+    with pytest.raises(ParamError, match="own arena"):
+        g.replay(stream, h=y1)
+    h1 = tp.contiguous(y1, stream=stream)  # outside the arena
+    a = y1.numpy()
+    np.testing.assert_array_equal(g.replay(stream, h=h1)["y"].numpy(), 2 * a * a + a)
+    g.destroy()
+    h1.free(stream)

@@ -43,7 +43,7 @@ class _Node:
 class _Binding:
     """A named input or output: the tensor declared at capture, the one bound now, and the operands it feeds."""
 
-    __slots__ = ("name", "kind", "desc", "default", "current", "key", "uses")
+    __slots__ = ("name", "kind", "desc", "default", "current", "key", "uses", "straddled")
 
     def __init__(self, name: str, kind: str, tensor: Tensor, key: Any) -> None:
         self.name = name
@@ -53,6 +53,23 @@ class _Binding:
         self.current = tensor
         self.key = key  # the external Block, or the virtual id
         self.uses: list[tuple[int, int, TensorDesc]] = []  # (node, operand slot, operand desc)
+        self.straddled = False  # an operand reads across the named view's edge: it cannot be rebound
+
+
+def _byte_span(d: TensorDesc) -> tuple[int, int]:
+    lo, hi = d.span()
+    return lo * d.dtype.itemsize, hi * d.dtype.itemsize
+
+
+def _overlap(a: TensorDesc, b: TensorDesc) -> bool:
+    """Whether two views of one block may touch the same bytes (their spans intersect)."""
+    (alo, ahi), (blo, bhi) = _byte_span(a), _byte_span(b)
+    return alo < bhi and blo < ahi
+
+
+def _within(a: TensorDesc, b: TensorDesc) -> bool:
+    (alo, ahi), (blo, bhi) = _byte_span(a), _byte_span(b)
+    return blo <= alo and ahi <= bhi
 
 
 # check(graph, stream) before every replay is enqueued, after its rebinding; may raise to refuse it (the sanitizer's)
@@ -265,7 +282,8 @@ class Graph:
                                f"the tensor belongs to another capture ({vb.graph})", op=f"Graph.{kind}", arg=name)
         key: Any = b if vb is None else vb.vid
         for other in self._bindings.values():
-            if other.key == key:  # vids compare by value, blocks by identity
+            # vids compare by value, blocks by identity; views of one block may be named apart if they are disjoint
+            if other.key == key and (vb is not None or _overlap(other.desc, tensor.desc)):
                 raise ParamError(op=f"Graph.{kind}", arg=name, expected="memory not named yet",
                                  got=f"the memory of {other.kind} '{other.name}'")
         self._bindings[name] = _Binding(name, kind, tensor, key)
@@ -325,8 +343,12 @@ class Graph:
         self._execs = tuple(execs)
         self._steps = [(ex._launch, ws.get(i, NO_WORKSPACE), i) for i, ex in enumerate(execs)]
         for b in self._bindings.values():
+            # a vid (int), or the Block itself and the operands within the named view (not the block's other views)
             b.uses = [(i, s, op[0]) for i, n in enumerate(nodes) for s, op in enumerate(n.operands)
-                      if op is not None and op[1] == b.key]  # a vid (int) or the Block itself
+                      if op is not None and op[1] == b.key and (type(b.key) is int or _overlap(op[0], b.desc))]
+            b.straddled = type(b.key) is not int and any(
+                op is not None and op[1] == b.key and _overlap(op[0], b.desc) and not _within(op[0], b.desc)
+                for n in nodes for op in n.operands)
             if b.kind == "output":
                 self._outputs[b.name] = b.current
         self._refresh_marks()
@@ -426,6 +448,15 @@ class Graph:
             if t.device is not self.device:
                 raise ParamError(op="Graph.replay", arg=name, expected=f"a tensor on {self.device.name}",
                                  got=t.device.name)
+            if t.block is not b.current.block and ((type(t.block) is VirtualBlock and t.block.graph is self)
+                                                   or t.block is self._arena):
+                raise ParamError(op="Graph.replay", arg=name, got="a tensor in this graph's own arena",
+                                 expected="a tensor outside this graph's arena (copy an output of the graph before "
+                                 "feeding it back: the replay overwrites it while reading)")
+            if t.block is not b.current.block and b.straddled:
+                raise ParamError(op="Graph.replay", arg=name, got="a rebinding",
+                                 expected=f"{b.kind} '{name}' as captured: an operand reads across its edge "
+                                 "(name the whole tensor instead)")
         current: dict[str, Tensor] = {}
         for name, b in self._bindings.items():
             t = current[name] = tensors.get(name, b.default)
