@@ -331,3 +331,30 @@ def test_a_refused_rebinding_keeps_the_previous_binding(dev, stream):
     ex.destroy()
     for t in (x, w, out):
         t.free(stream)
+
+
+@pytest.mark.parametrize("shape, strides, overlapping", [
+    ((3, 4), (16, 4), False), ((3, 4), (4, 12), False), ((3, 4), (-16, 4), False), ((3, 4), (0, 4), True),
+    ((3, 3), (8, 4), True), ((2, 2, 2), (4, 8, 16), False), ((4, 1), (4, 0), False), ((5,), (0,), True)])
+def test_self_overlapping_views(shape, strides, overlapping):
+    from numpy.lib.stride_tricks import as_strided
+
+    from twophase.layout import self_overlapping
+    base = np.zeros(64, np.float32)
+    start = base[32:] if min(strides) < 0 else base
+    assert self_overlapping(as_strided(start, shape, strides)) is overlapping
+
+
+@pytest.mark.parametrize("op", ["exp", "reduce_sum"])
+def test_an_output_whose_elements_share_memory_is_refused(dev, op):
+    """A broadcast out (stride 0): torch refuses it; every op here would write one element several times."""
+    x = dev.tensor(np.ones((3, 4), np.float32))
+    if op == "exp":
+        out = dev.empty((4,), "float32").strided((3, 4), (0, 1))
+        call = lambda: twophase.exp(x, out=out)  # noqa: E731
+    else:
+        out = dev.empty((1,), "float32").strided((3,), (0,))
+        call = lambda: twophase.reduce_sum(x, dims=(1,), out=out)  # noqa: E731
+    with pytest.raises(twophase.ParamError, match="elements share memory") as e:
+        call()
+    assert e.value.arg == "out"

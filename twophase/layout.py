@@ -100,3 +100,15 @@ def same_view(a: Any, b: Any) -> bool:
     """Whether two arrays are the same view: same address, shape, strides and dtype (an op runs in place)."""
     return bool(a.ctypes.data == b.ctypes.data and a.shape == b.shape and a.strides == b.strides
                 and a.dtype == b.dtype)
+
+
+def self_overlapping(a: Any) -> bool:
+    """Whether two elements of the array ``a`` may share memory (a zero or too small stride: a broadcast view).
+    Sufficient test, as torch's: sorted by stride, each dim must step past everything the smaller ones cover."""
+    dims = sorted((abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1)
+    covered = a.itemsize
+    for stride, n in dims:
+        if stride < covered:
+            return True
+        covered = stride * (n - 1) + covered
+    return False

@@ -18,7 +18,7 @@ from .cache import thread_cache
 from .config import settings
 from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError
 from .executor import ExecState, Executor
-from .layout import same_view
+from .layout import same_view, self_overlapping
 from .runtime.device import NO_WORKSPACE
 from .runtime.memory import Block
 from .runtime.stream import Stream
@@ -329,6 +329,11 @@ class Op:
             return hit[1]
         n = len(ex.input_descs)
         views = [t.view() if t is not None else None for t in ex._tensors]
+        for j, o in enumerate(views[n:]):
+            if o is not None and self_overlapping(o):
+                raise ParamError(op=self.name, arg="out" if len(views) - n == 1 else f"out {j}",
+                                 expected="an output whose elements are each their own memory",
+                                 got=f"a view with strides {o.strides} (elements share memory)")
         if self.spec.aliases != "any":
             self._check_overlap(views, n)
         launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
