@@ -593,3 +593,47 @@ def test_workspace_launcher_binds_once_per_workspace() -> None:
     assert bound == [a.ctypes.data, b.ctypes.data, a.ctypes.data]
     launch(a.view(np.uint8)[:16])  # same address, other size: bound again
     assert len(bound) == 4 and ran[-1] == 7
+
+
+def test_parts_outnumbering_the_threads_all_run_on_the_threads_there_are() -> None:
+    from twophase import config
+    from twophase.runtime.fanout import run_parts
+    ran: list[tuple[str, int]] = []
+    saved = config.settings.num_threads
+    try:
+        config.set_num_threads(1)
+        def part(i: int) -> None:
+            time.sleep(0.01)  # long enough for an idle helper to claim a part, were one posted
+            ran.append((threading.current_thread().name, i))
+        run_parts([lambda i=i: part(i) for i in range(5)])
+    finally:
+        config.set_num_threads(saved)
+    assert sorted(i for _, i in ran) == [0, 1, 2, 3, 4]
+    assert {name for name, _ in ran} == {threading.current_thread().name}  # one thread: no helper
+
+
+def test_deterministic_results_do_not_depend_on_the_thread_count() -> None:
+    """Under set_deterministic(True) every parallel kernel is cut into the same parts whatever the threads, so
+    winograd conv2d and SDPA (whose parts' sums meet in cut-dependent order) give the same bits."""
+    import hashlib
+
+    from twophase import config
+    dev = twophase.device("cpu")
+    rng = np.random.default_rng(0)
+    x = dev.tensor(rng.standard_normal((2, 16, 32, 32)).astype(np.float32))
+    w = dev.tensor(rng.standard_normal((32, 16, 3, 3)).astype(np.float32))
+    q, k, v = (dev.tensor(rng.standard_normal((2, 4, 256, 64)).astype(np.float32)) for _ in range(3))
+    saved = (config.settings.deterministic, config.settings.num_threads)
+    seen: dict[str, set[str]] = {"conv2d": set(), "sdpa": set()}
+    try:
+        config.set_deterministic(True)
+        for threads in (1, 2, 3):
+            config.set_num_threads(threads)
+            for name, t in (("conv2d", twophase.conv2d(x, w, padding=(1, 1))),
+                            ("sdpa", twophase.scaled_dot_product_attention(q, k, v))):
+                seen[name].add(hashlib.sha1(t.numpy().tobytes()).hexdigest())
+                t.free()
+    finally:
+        config.set_deterministic(saved[0])
+        config.set_num_threads(saved[1])
+    assert all(len(h) == 1 for h in seen.values()), seen

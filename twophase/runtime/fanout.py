@@ -28,9 +28,19 @@ __all__ = ["fanout_parts", "launcher", "run_parts", "split_range", "workspace_la
 Part = Callable[[], None]
 
 
+DETERMINISTIC_PARTS = 8  # parts of every parallel kernel under set_deterministic(True), whatever the machine
+
+
 def fanout_parts() -> int:
-    """How many parts a parallel kernel is cut into: the ``num_threads`` setting, else the CPUs this process
-    may run on."""
+    """How many parts a parallel kernel is cut into: the threads that run them (:func:`worker_threads`), or
+    ``DETERMINISTIC_PARTS`` under ``set_deterministic(True)``: the cut decides which sums meet in which order, so
+    bitwise-reproducible results need one cut on every machine and thread setting (the threads still claim the
+    parts one at a time)."""
+    return DETERMINISTIC_PARTS if config.settings.deterministic else worker_threads()
+
+
+def worker_threads() -> int:
+    """Threads that run a launch's parts: the ``num_threads`` setting, else the CPUs this process may run on."""
     n = config.settings.num_threads
     if n > 0:
         return n
@@ -126,8 +136,10 @@ def run_parts(parts: Sequence[Part]) -> None:
             part()
         return
     job = _Job(parts)
-    _helpers.ensure(len(parts) - 1)
-    _helpers.post(job, len(parts) - 1)
+    helpers = min(len(parts), worker_threads()) - 1  # more parts than threads: each thread claims several
+    if helpers > 0:
+        _helpers.ensure(helpers)
+        _helpers.post(job, helpers)
     job.work()
     if not job.done.is_set():
         spin_until_zero(job.left)  # the other parts are ending on helpers: a blocked wait wakes 25-40 us late
