@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -221,8 +222,50 @@ def test_limit_zero_caches_nothing(fresh_cache):
     assert _counts(ops.softmax) == (0, 2)
 
 
+def test_lowering_the_limit_shows_at_once_and_keeps_the_most_recent(fresh_cache):
+    descs = [TensorDesc((i + 1,), "float64") for i in range(6)]
+    for x in descs:
+        _plan(ops.softmax, x)
+    twophase.set_cache_limit(2)
+    assert twophase.cache_info() == {"size": 2, "limit": 2, "evictions": 4, "enabled": 1}
+    for x in descs[-2:] + descs[:1]:
+        _plan(ops.softmax, x)
+    assert _counts(ops.softmax) == (2, 7)
+
+
+def test_limit_zero_serves_no_hits_from_entries_made_before(fresh_cache):
+    x = TensorDesc((3,), "float32")
+    _plan(ops.softmax, x)
+    twophase.set_cache_limit(0)
+    _plan(ops.softmax, x)
+    _plan(ops.softmax, x)
+    assert _counts(ops.softmax) == (0, 3)
+    assert twophase.cache_info()["size"] == 0
+
+
+def test_another_threads_cache_trims_itself_at_its_next_call(fresh_cache):
+    filled, lowered = threading.Event(), threading.Event()
+    seen: list[dict[str, int]] = []
+
+    def work() -> None:
+        for i in range(4):
+            _plan(ops.softmax, TensorDesc((i + 1,), "float32"))
+        seen.append(twophase.cache_info())
+        filled.set()
+        lowered.wait(30)
+        seen.append(twophase.cache_info())
+
+    t = threading.Thread(target=work)
+    t.start()
+    filled.wait(30)
+    twophase.set_cache_limit(1)
+    lowered.set()
+    t.join(30)
+    assert [(i["size"], i["limit"]) for i in seen] == [(4, 10000), (1, 1)]
+
+
 def test_negative_limit_is_refused(fresh_cache):
-    with pytest.raises(ValueError):
+    with pytest.raises(twophase.ParamError):
         twophase.set_cache_limit(-1)
     assert twophase.settings.cache_limit == 10000
 
@@ -246,6 +289,15 @@ def test_clear_cache_empties_the_threads_cache(fresh_cache):
     assert twophase.cache_info()["size"] == 1
     twophase.clear_cache()
     assert twophase.cache_info()["size"] == 0
+
+
+def test_clear_cache_zeroes_the_eviction_count(fresh_cache):
+    twophase.set_cache_limit(1)
+    for n in (1, 2, 3):
+        _plan(ops.softmax, TensorDesc((n,), "float32"))
+    assert twophase.cache_info()["evictions"] == 2
+    twophase.clear_cache()
+    assert twophase.cache_info() == {"size": 0, "limit": 1, "evictions": 0, "enabled": 1}
 
 
 def test_deterministic_and_workspace_limit_are_part_of_the_key(fresh_cache):

@@ -13,7 +13,9 @@ __all__ = ["ExecutorCache", "thread_cache", "cache_info", "clear_cache"]
 
 
 class ExecutorCache:
-    """LRU map from a phase-1 key to ``(plan, attrs, output descs)``; owned by one thread."""
+    """LRU map from a phase-1 key to ``(plan, attrs, output descs)``; owned by one thread. It trims itself to the
+    ``cache_limit`` setting at every get / put (and ``cache_info``): a lowered limit holds from the owner's next
+    call on, without another thread touching it."""
 
     def __init__(self) -> None:
         self.entries: OrderedDict[Any, Any] = OrderedDict()
@@ -21,6 +23,7 @@ class ExecutorCache:
         self.owner = threading.get_ident()
 
     def get(self, key: Any) -> Any:
+        self._trim()
         entry = self.entries.get(key)
         if entry is not None:
             self.entries.move_to_end(key)
@@ -31,10 +34,13 @@ class ExecutorCache:
         return config.settings.cache_limit
 
     def put(self, key: Any, value: Any) -> None:
+        if config.settings.cache_limit > 0:
+            self.entries[key] = value
+        self._trim()
+
+    def _trim(self) -> None:
+        """Evict least recently used entries down to the limit in force (all of them at limit 0)."""
         limit = config.settings.cache_limit
-        if limit <= 0:
-            return
-        self.entries[key] = value
         while len(self.entries) > limit:
             self.entries.popitem(last=False)
             self.evictions += 1
@@ -57,15 +63,18 @@ def thread_cache() -> ExecutorCache | None:
 
 
 def cache_info() -> dict[str, int]:
-    """Size, limit and evictions of the calling thread's executor cache."""
+    """Size, limit and evictions of the calling thread's executor cache (trimmed to the limit first)."""
     c = thread_cache()
     if c is None:
         return {"size": 0, "limit": 0, "evictions": 0, "enabled": 0}
+    c._trim()
     return {"size": len(c), "limit": c.limit, "evictions": c.evictions, "enabled": 1}
 
 
 def clear_cache() -> None:
-    """Drop every entry of the calling thread's executor cache."""
+    """Drop every entry of the calling thread's executor cache and zero its eviction count, so ``cache_info`` reads
+    as for a new cache (the per-op hit / miss counters are ``twophase.stats``'s: ``stats.reset()``)."""
     c = getattr(_local, "cache", None)
     if c is not None:
         c.entries.clear()
+        c.evictions = 0

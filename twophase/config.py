@@ -1,47 +1,111 @@
-"""Run-time settings: each ``TWOPHASE_*`` environment variable is read once here and has a Python setter."""
+"""Run-time settings: each ``TWOPHASE_*`` environment variable is read once here and has a Python setter; both go
+through one validator per setting, so a value the setter refuses makes ``import twophase`` raise a ParamError."""
 
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
+
+from .errors import ParamError
 
 __all__ = ["settings", "on_change", "set_launch_blocking", "set_cache_limit", "set_cache_enabled",
            "set_deterministic", "set_workspace_limit", "set_log_level", "set_sanitize", "set_num_threads",
            "set_helper_spin"]
 
 
-def _env_flag(name: str, default: bool = False) -> bool:
-    raw = os.environ.get(name)
-    if raw is None or raw == "":
-        return default
-    return raw.strip().lower() not in ("0", "false", "no", "off")
+_ENV = "environment"  # the ``op`` of errors about a TWOPHASE_* variable; validators then parse text
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+_T = TypeVar("_T")
 
 
-def _env_int(name: str, default: int | None) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    return int(raw)
+def _bad(op: str, arg: str, expected: str, got: object) -> ParamError:
+    """The error for a refused value; text is quoted so that ``'5'`` and ``5`` read apart, and None is shown."""
+    return ParamError(op=op, arg=arg, expected=expected, got=repr(got) if got is None or isinstance(got, str) else got)
+
+
+def _flag(value: object, op: str, arg: str) -> bool:
+    """A bool; from the environment 1/0/true/false/yes/no/on/off (any case). Why not truthiness: 'no' is truthy."""
+    if op == _ENV and isinstance(value, str) and value.lower() in _TRUE + _FALSE:
+        return value.lower() in _TRUE
+    if isinstance(value, bool):
+        return value
+    raise _bad(op, arg, "one of 1/0/true/false/yes/no/on/off" if op == _ENV else "a bool", value)
+
+
+def _count(value: object, op: str, arg: str, expected: str) -> int:
+    """An int >= 0 (bools and floats refused: 2.7 must not become 2); from the environment a base-10 integer."""
+    v = value
+    if op == _ENV and isinstance(value, str):
+        try:
+            v = int(value, 10)
+        except ValueError:
+            raise _bad(op, arg, expected, value) from None
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+        raise _bad(op, arg, expected, value)
+    return int(v)
+
+
+def _cache_limit(value: object, op: str, arg: str) -> int:
+    return _count(value, op, arg, "an int >= 0 (entries; 0 caches nothing)")
+
+
+def _num_threads(value: object, op: str, arg: str) -> int:
+    return _count(value, op, arg, "an int >= 0 (parts; 0 is automatic)")
+
+
+def _helper_spin(value: object, op: str, arg: str) -> int:
+    return _count(value, op, arg, "an int >= 0 (helper spin in microseconds; 0 blocks at once)")
+
+
+def check_workspace_limit(value: object, op: str, arg: str) -> int | None:
+    """Bytes, or None (the variable unset) for no limit."""
+    unlimited = "unset" if op == _ENV else "None"
+    return None if value is None else _count(value, op, arg, f"{unlimited} (unlimited) or an int >= 0 (bytes)")
+
+
+def _log_level(value: object, op: str, arg: str) -> str | int:
+    """A level name logging knows (any case) or an int >= 0; kept as the name when the level has a standard one,
+    so that ``settings.log_level`` reads ``'DEBUG'`` whichever way it was set."""
+    names = logging.getLevelNamesMapping()
+    v = value
+    if op == _ENV and isinstance(value, str) and value.isascii() and value.isdigit():
+        v = int(value)
+    if isinstance(v, str) and v.upper() in names:
+        return v.upper()
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= 0:
+        name = logging.getLevelName(int(v))
+        return name if name in names else int(v)
+    raise _bad(op, arg, f"a level name ({', '.join(names)}) or an int >= 0", value)
+
+
+def _env(var: str, check: Callable[[object, str, str], _T], default: _T) -> _T:
+    """``var`` checked as its setter checks it; unset or blank gives ``default``, a bad value a ParamError."""
+    raw = os.environ.get(var, "").strip()
+    return default if raw == "" else check(raw, _ENV, var)
 
 
 HELPER_SPIN_US = 500  # see set_helper_spin
+LOG_LEVEL: str | int = "WARNING"  # default of set_log_level
 
 
 @dataclass
 class Settings:
     """Current values; change them through the setters so that listeners (streams, caches) follow."""
 
-    launch_blocking: bool = field(default_factory=lambda: _env_flag("TWOPHASE_LAUNCH_BLOCKING"))
-    cache_limit: int = field(default_factory=lambda: _env_int("TWOPHASE_CACHE_LIMIT", 10000) or 0)
-    cache_enabled: bool = field(default_factory=lambda: not _env_flag("TWOPHASE_DISABLE_CACHE"))
-    deterministic: bool = field(default_factory=lambda: _env_flag("TWOPHASE_DETERMINISTIC"))
-    workspace_limit: int | None = field(default_factory=lambda: _env_int("TWOPHASE_WORKSPACE_LIMIT", None))
-    num_threads: int = field(default_factory=lambda: _env_int("TWOPHASE_NUM_THREADS", 0) or 0)  # 0: automatic
-    helper_spin_us: int = field(default_factory=lambda: _env_int("TWOPHASE_HELPER_SPIN_US", HELPER_SPIN_US) or 0)
-    log_level: str = field(default_factory=lambda: os.environ.get("TWOPHASE_LOG_LEVEL", "WARNING").upper())
-    sanitize: bool = field(default_factory=lambda: _env_flag("TWOPHASE_SANITIZE"))
+    launch_blocking: bool = field(default_factory=lambda: _env("TWOPHASE_LAUNCH_BLOCKING", _flag, False))
+    cache_limit: int = field(default_factory=lambda: _env("TWOPHASE_CACHE_LIMIT", _cache_limit, 10000))
+    cache_enabled: bool = field(default_factory=lambda: not _env("TWOPHASE_DISABLE_CACHE", _flag, False))
+    deterministic: bool = field(default_factory=lambda: _env("TWOPHASE_DETERMINISTIC", _flag, False))
+    workspace_limit: int | None = field(
+        default_factory=lambda: _env("TWOPHASE_WORKSPACE_LIMIT", check_workspace_limit, None))
+    num_threads: int = field(default_factory=lambda: _env("TWOPHASE_NUM_THREADS", _num_threads, 0))  # 0: automatic
+    helper_spin_us: int = field(default_factory=lambda: _env("TWOPHASE_HELPER_SPIN_US", _helper_spin, HELPER_SPIN_US))
+    log_level: str | int = field(default_factory=lambda: _env("TWOPHASE_LOG_LEVEL", _log_level, LOG_LEVEL))
+    sanitize: bool = field(default_factory=lambda: _env("TWOPHASE_SANITIZE", _flag, False))
 
 
 settings = Settings()
@@ -70,37 +134,34 @@ def _set(name: str, value: object) -> None:
 
 def set_launch_blocking(enabled: bool) -> None:
     """Run every task inline on the caller's thread (``TWOPHASE_LAUNCH_BLOCKING=1``); affects existing streams."""
-    _set("launch_blocking", bool(enabled))
+    _set("launch_blocking", _flag(enabled, "set_launch_blocking", "enabled"))
 
 
 def set_cache_limit(entries: int) -> None:
-    """Capacity of each thread's executor cache (``TWOPHASE_CACHE_LIMIT``, default 10000); LRU beyond it."""
-    if entries < 0:
-        raise ValueError("cache limit must be >= 0")
-    _set("cache_limit", int(entries))
+    """Capacity of each thread's executor cache (``TWOPHASE_CACHE_LIMIT``, default 10000); LRU beyond it, 0 caches
+    nothing. A lower limit holds for each thread from its next phase 1 or ``cache_info`` on: its cache trims itself."""
+    _set("cache_limit", _cache_limit(entries, "set_cache_limit", "entries"))
 
 
 def set_cache_enabled(enabled: bool) -> None:
     """Turn the executor cache on or off (``TWOPHASE_DISABLE_CACHE=1`` turns it off)."""
-    _set("cache_enabled", bool(enabled))
+    _set("cache_enabled", _flag(enabled, "set_cache_enabled", "enabled"))
 
 
 def set_deterministic(enabled: bool) -> None:
     """Ask for bitwise-reproducible kernels (``TWOPHASE_DETERMINISTIC=1``); part of every cache key."""
-    _set("deterministic", bool(enabled))
+    _set("deterministic", _flag(enabled, "set_deterministic", "enabled"))
 
 
 def set_workspace_limit(nbytes: int | None) -> None:
     """Default ``workspace_limit`` of every phase 1 (``TWOPHASE_WORKSPACE_LIMIT``; None = unlimited)."""
-    _set("workspace_limit", None if nbytes is None else int(nbytes))
+    _set("workspace_limit", check_workspace_limit(nbytes, "set_workspace_limit", "nbytes"))
 
 
 def set_num_threads(n: int) -> None:
     """Parts a large kernel is cut into for helper threads (``TWOPHASE_NUM_THREADS``); 0, the default, is
     automatic: the CPUs this process may run on (``runtime.fanout.fanout_parts``)."""
-    if int(n) < 0:
-        raise ValueError("num_threads must be >= 0 (0: automatic)")
-    _set("num_threads", int(n))
+    _set("num_threads", _num_threads(n, "set_num_threads", "n"))
 
 
 def set_helper_spin(us: int) -> None:
@@ -110,18 +171,17 @@ def set_helper_spin(us: int) -> None:
     these machines: ``sched_vcpu_pack``), helpers that block after every part are woken onto the launching
     thread's vCPU after an idle gap and the kernels run at one-thread speed for as long as the calls keep
     coming; a helper that stays runnable between launches is moved to the idle vCPU within a few ms."""
-    if int(us) < 0:
-        raise ValueError("helper spin must be >= 0 microseconds (0: no spin)")
-    _set("helper_spin_us", int(us))
+    _set("helper_spin_us", _helper_spin(us, "set_helper_spin", "us"))
 
 
 def set_log_level(level: str | int) -> None:
-    """Level of the ``twophase`` logger (``TWOPHASE_LOG_LEVEL``: DEBUG, INFO, WARNING, ...)."""
-    name = logging.getLevelName(level) if isinstance(level, int) else str(level).upper()
-    _set("log_level", name)
-    logging.getLogger("twophase").setLevel(name)
+    """Level of the ``twophase`` logger (``TWOPHASE_LOG_LEVEL``): a name (DEBUG, INFO, WARNING, ..., any case) or
+    an int; checked before anything is stored, so a refused level leaves the setting and the logger as they were."""
+    checked = _log_level(level, "set_log_level", "level")
+    _set("log_level", checked)
+    logging.getLogger("twophase").setLevel(checked)
 
 
 def set_sanitize(enabled: bool) -> None:
     """Turn the contract sanitizer on or off (``TWOPHASE_SANITIZE=1``); see ``twophase.sanitizer``."""
-    _set("sanitize", bool(enabled))
+    _set("sanitize", _flag(enabled, "set_sanitize", "enabled"))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
@@ -15,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .cache import thread_cache
-from .config import settings
+from .config import check_workspace_limit, settings
 from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError
 from .executor import ExecState, Executor
 from .layout import same_view, self_overlapping
@@ -98,12 +97,8 @@ class OpDef:
 def effective_limit(op: str, limit: Any) -> int | None:
     """The limit in force: ``limit`` when given, else the ``TWOPHASE_WORKSPACE_LIMIT`` setting (None = unlimited)."""
     if limit is None:
-        limit = settings.workspace_limit
-        if limit is None:
-            return None
-    if isinstance(limit, bool) or not isinstance(limit, numbers.Integral) or limit < 0:
-        raise ParamError(op=op, arg="workspace_limit", expected="None or an int >= 0 (bytes)", got=limit)
-    return int(limit)
+        return settings.workspace_limit  # checked when it was set
+    return check_workspace_limit(limit, op, "workspace_limit")
 
 
 def over_limit(op: str, workspace: int, implementation: str, limit: int | None) -> ParamError:
@@ -289,6 +284,9 @@ class Op:
         return norm
 
     def _out_descs(self, given: tuple[Any, ...], inferred: tuple[TensorDesc, ...]) -> tuple[TensorDesc, ...]:
+        """The descs of ``out=``: each must have the inferred shape and dtype, and no format tag contradicting
+        the inferred one (an ND out takes any layout: the caller reads it as the plain array it is)."""
+        from .tensor import Format  # phase 1 only (the cache skips it); op.py's imports are another change's
         if len(given) != len(inferred):
             raise ParamError(op=self.name, arg="out", expected=f"{len(inferred)} output(s)", got=len(given))
         descs = []
@@ -296,10 +294,13 @@ class Op:
             d = g.desc if isinstance(g, Tensor) else g
             if not isinstance(d, TensorDesc):
                 raise ParamError(op=self.name, arg="out", expected="a Tensor or TensorDesc", got=type(g).__name__)
+            arg = f"out[{i}]" if len(given) > 1 else "out"
             if d.shape != want.shape or d.dtype is not want.dtype:
-                raise ParamError(op=self.name, arg=f"out[{i}]" if len(given) > 1 else "out",
-                                 expected=f"shape {want.shape} dtype {want.dtype.value}",
+                raise ParamError(op=self.name, arg=arg, expected=f"shape {want.shape} dtype {want.dtype.value}",
                                  got=f"shape {d.shape} dtype {d.dtype.value}")
+            if d.format is not want.format and d.format is not Format.ND and want.format is not Format.ND:
+                raise ParamError(op=self.name, arg=arg, expected=f"format {want.format.value} (or ND)",
+                                 got=f"format {d.format.value}")
             descs.append(d)
         return tuple(descs)
 
