@@ -92,3 +92,114 @@ def test_from_dlpack_wraps_torch_cpu_tensors_without_copying(rng):
     np.testing.assert_allclose(twophase.reduce_sum(tt, dims=1).numpy(), (ref * 4).t().sum(1).numpy(), rtol=1e-10)
     back = torch.from_dlpack(twophase.softmax(t, dim=0))
     np.testing.assert_allclose(back.numpy(), torch.softmax(ref * 4, dim=0).numpy(), rtol=1e-10)
+
+
+def test_from_dlpack_refuses_read_only_memory(dev):
+    buf = b"\x00" * 16  # immutable: ops must never write into it
+    with pytest.raises(twophase.ParamError, match="read-only") as e:
+        twophase.from_dlpack(np.frombuffer(buf, np.float32))
+    assert e.value.arg == "obj"
+    ro = np.zeros(4, np.float32)
+    ro.flags.writeable = False
+    with pytest.raises(twophase.ParamError, match="read-only"):
+        twophase.exp(dev.tensor(np.ones(4, np.float32)), out=twophase.from_dlpack(ro))
+    assert buf == b"\x00" * 16 and not ro.any()
+
+
+def test_dlpack_export_keeps_the_memory_until_the_consumer_lets_go(dev, stream):
+    """t.free() (or closing the planned call that owns it) while torch holds the memory: no reuse under torch."""
+    torch = pytest.importorskip("torch")
+    x = dev.tensor(np.zeros(1024, np.float32), stream=stream)
+    with twophase.plan("exp", x, stream=stream) as call:
+        held = torch.from_dlpack(call())
+    before = dev.pool.stats()
+    y = twophase.exp(x, stream=stream)
+    held2 = torch.from_dlpack(y)
+    y.free(stream)
+    assert dev.pool.stats()["allocated_bytes"] == before["allocated_bytes"] + y.block.size  # not freed yet
+    with pytest.raises(twophase.InvalidStateError, match="double free"):
+        y.free(stream)
+    with pytest.raises(twophase.InvalidStateError):
+        y.numpy()
+    others = [twophase.add(x, x, stream=stream) for _ in range(4)]  # same size: would take the freed blocks
+    stream.synchronize()
+    addresses = {o.view().ctypes.data for o in others}
+    assert held.data_ptr() not in addresses and held2.data_ptr() not in addresses
+    assert torch.equal(held, torch.ones(1024)) and torch.equal(held2, torch.ones(1024))
+    del held2  # the consumer's deleter runs: the free that waited happens now
+    after = dev.pool.stats()
+    assert after["allocated_bytes"] == before["allocated_bytes"] + sum(o.block.size for o in others)
+    assert after["free_count"] == before["free_count"] + 1
+    assert y.block.exports is None and not y.block.allocated
+    del held
+    for o in others:
+        o.free(stream)
+
+
+def test_from_dlpack_of_a_tensor_shares_its_block_so_reads_wait_for_its_stream(dev, stream, gate):
+    y = dev.tensor(np.zeros(64, np.float32), stream=stream)
+    z = twophase.from_dlpack(y)
+    opened = gate(stream)
+    twophase.exp(y, out=y, stream=stream)  # y = 1, pending behind the gate
+    opener = threading.Timer(0.05, opened.set)
+    opener.start()
+    try:
+        got = z.numpy()
+    finally:
+        opened.set()
+        opener.join()
+    np.testing.assert_array_equal(got, 1)  # not the 0 it held before the pending exp
+    assert z.block is y.block and z.desc == y.desc and z.device is y.device
+    with pytest.raises(twophase.ParamError, match="dev"):
+        twophase.from_dlpack(y, twophase.device("null"))
+
+
+def test_dlpack_stream_is_the_consumers_and_must_be_none_or_a_stream_of_the_device(dev, stream, gate):
+    x = dev.tensor(np.zeros(8, np.float32), stream=stream)
+    for bad in (1, -1, twophase.device("null").stream()):
+        with pytest.raises(twophase.ParamError, match="stream") as e:
+            x.__dlpack__(stream=bad)
+        assert e.value.arg == "stream"
+    opened = gate(stream)
+    twophase.exp(x, out=x, stream=stream)
+    opener = threading.Timer(0.05, opened.set)
+    opener.start()
+    try:
+        got = np.from_dlpack(_Exporter(x, dev.stream()))  # the producer makes the data ready for that stream
+    finally:
+        opened.set()
+        opener.join()
+    np.testing.assert_array_equal(got, 1)
+
+
+class _Exporter:
+    """A producer handing on ``t``'s export with a consumer stream."""
+
+    def __init__(self, t, stream):
+        self.t, self.stream = t, stream
+
+    def __dlpack_device__(self):
+        return self.t.__dlpack_device__()
+
+    def __dlpack__(self, **kwargs):
+        return self.t.__dlpack__(stream=self.stream, **{k: v for k, v in kwargs.items() if k != "stream"})
+
+
+class _BadProducer:
+    def __init__(self, result):
+        self.result = result
+
+    def __dlpack_device__(self):
+        return (1, 0)
+
+    def __dlpack__(self, **kwargs):
+        if isinstance(self.result, Exception):
+            raise self.result
+        return self.result
+
+
+@pytest.mark.parametrize("result", [ValueError("producer refuses"), 42], ids=["raises", "non_capsule"])
+def test_from_dlpack_turns_a_producers_failure_into_a_param_error(result):
+    with pytest.raises(twophase.ParamError, match="from_dlpack") as e:
+        twophase.from_dlpack(_BadProducer(result))
+    assert e.value.arg == "obj"

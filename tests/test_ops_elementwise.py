@@ -279,3 +279,48 @@ def test_interleaved_disjoint_views_are_not_an_overlap(dev: Any) -> None:
     t = dev.tensor(np.arange(8, dtype=np.float32))
     twophase.exp(t.strided((4,), (2,), 0), out=t.strided((4,), (2,), 1))  # even elements into the odd ones
     np.testing.assert_allclose(t.numpy()[1::2], np.exp(np.arange(0, 8, 2)), rtol=1e-6)
+
+
+# ---------------------------------------------------------------- format tags
+def test_elementwise_results_keep_the_format_tag_their_operands_agree_on(dev: Any) -> None:
+    fm = twophase.Format
+    a = dev.tensor(np.ones((1, 2, 3, 4), np.float32), format=fm.NHWC)
+    b = dev.tensor(np.ones((1, 2, 3, 4), np.float32), format=fm.NHWC)
+    plain = dev.tensor(np.ones((1, 2, 3, 4), np.float32))
+    for r in (twophase.relu(a), twophase.exp(a), twophase.cast(a, dtype="float64"), twophase.add(a, b),
+              twophase.lt(a, b), twophase.where(twophase.lt(a, b), a, b)):
+        assert r.desc.format is fm.NHWC, r.desc
+    assert twophase.add(a, plain).desc.format is fm.ND  # operands disagree: no layout to claim
+    assert twophase.where(twophase.lt(plain, plain), a, b).desc.format is fm.ND
+
+
+def test_nhwc_conv_relu_pool_pools_the_spatial_dims(dev: Any) -> None:
+    """relu dropped NHWC: the pool then took the (8, 8, 4) tail as (C, H, W) and pooled W and C."""
+    rng = np.random.default_rng(0)
+    xn = rng.standard_normal((2, 6, 8, 8)).astype(np.float32)
+    x = dev.tensor(np.ascontiguousarray(xn.transpose(0, 2, 3, 1)), format=twophase.Format.NHWC)
+    w = dev.tensor(rng.standard_normal((4, 6, 3, 3)).astype(np.float32))
+    ref = twophase.max_pool2d(twophase.relu(twophase.conv2d(dev.tensor(xn), w, None, padding=(1, 1))),
+                              kernel_size=(2, 2)).numpy()  # NCHW (2, 4, 4, 4)
+    p = twophase.max_pool2d(twophase.relu(twophase.conv2d(x, w, None, padding=(1, 1))), kernel_size=(2, 2))
+    assert p.desc.format is twophase.Format.NHWC and p.shape == (2, 4, 4, 4)
+    np.testing.assert_allclose(p.numpy(), ref.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_an_out_whose_format_tag_contradicts_the_result_is_refused(dev: Any) -> None:
+    fm = twophase.Format
+    rng = np.random.default_rng(1)
+    xn = rng.standard_normal((2, 6, 8, 8)).astype(np.float32)
+    nchw = dev.tensor(xn, format=fm.NCHW)
+    nhwc = dev.tensor(np.ascontiguousarray(xn.transpose(0, 2, 3, 1)), format=fm.NHWC)
+    w = dev.tensor(rng.standard_normal((4, 6, 3, 3)).astype(np.float32))
+    cases = [lambda: twophase.conv2d(nchw, w, None, padding=(1, 1), out=dev.empty((2, 4, 8, 8), format=fm.NHWC)),
+             lambda: twophase.max_pool2d(nhwc, kernel_size=(2, 2), out=dev.empty((2, 4, 4, 6), format=fm.NCHW)),
+             lambda: twophase.relu(nhwc, out=dev.empty((2, 8, 8, 6), format=fm.NCHW))]
+    for call in cases:
+        with pytest.raises(ParamError, match="format") as e:
+            call()
+        assert e.value.arg == "out"
+    o = twophase.relu(nhwc, out=dev.empty((2, 8, 8, 6)))  # an ND out takes any layout, and stays ND
+    assert o.desc.format is fm.ND
+    np.testing.assert_array_equal(o.numpy(), np.maximum(xn.transpose(0, 2, 3, 1), 0))

@@ -94,3 +94,35 @@ def test_view_of_freed_tensor_raises_invalid_state(dev):
     t.free()
     with pytest.raises(twophase.InvalidStateError):
         t.view()
+
+
+def test_free_of_an_exported_tensor_waits_for_the_consumer_then_keeps_stream_order(dev, stream, gate):
+    t = dev.tensor(np.ones(256, np.float32), stream=stream)
+    capsule = t.__dlpack__()  # never consumed: its destructor is the consumer's release
+    blk, size, before = t.block, t.block.size, dev.pool.stats()
+    t.free(stream)
+    assert blk.allocated and blk.exports is not None and dev.pool.stats() == before
+    opened = gate(stream)  # the stream is still busy when the consumer lets go
+    del capsule
+    assert not blk.allocated and blk.exports is None
+    assert blk.free_stream is stream  # reusable by other streams only after the stream's work
+    stats = dev.pool.stats()
+    assert stats["allocated_bytes"] == before["allocated_bytes"] - size
+    assert stats["free_count"] == before["free_count"] + 1
+    opened.set()
+    with pytest.raises(twophase.InvalidStateError, match="double free"):
+        t.free(stream)
+
+
+def test_an_unfreed_export_leaves_the_block_as_it_was(dev):
+    t = dev.tensor(np.arange(4, dtype=np.float32))
+    a = np.from_dlpack(t)
+    np.testing.assert_array_equal(a, np.arange(4))
+    assert t.block.exports is not None and t.block.exports.count == 1
+    del a
+    assert t.block.exports is None and t.block.allocated
+    before, size = dev.pool.stats()["allocated_bytes"], t.block.size
+    t.free()
+    assert dev.pool.stats()["allocated_bytes"] == before - size  # no export left: freed at once
+    with pytest.raises(twophase.InvalidStateError):
+        t.__dlpack__()

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ParamError
+from .errors import InvalidStateError, ParamError
 from .runtime.device import Device, device
 from .runtime.memory import Block, Segment
 from .tensor import DType, Tensor, TensorDesc
@@ -30,12 +30,21 @@ _EXTERNAL = _External()
 
 
 def from_dlpack(obj: Any, dev: Device | None = None) -> Tensor:
-    """A Tensor over ``obj``'s memory, without copying (``obj`` must live on the host)."""
+    """A Tensor over ``obj``'s memory, without copying (``obj`` must live on the host and be writable).
+
+    A twophase Tensor gives a Tensor on its own block, so reads still wait for the work queued on it.
+    Read-only memory is refused: ops write their outputs in place, and DLPack cannot say "read-only".
+    """
+    if isinstance(obj, Tensor):
+        return _same_block(obj, dev)
     try:
         arr = obj if isinstance(obj, np.ndarray) else np.from_dlpack(obj)
-    except (TypeError, AttributeError, BufferError, RuntimeError) as exc:  # no __dlpack__: AttributeError
+    except (TypeError, ValueError, AttributeError, BufferError, RuntimeError) as exc:  # no __dlpack__: AttributeError
         raise ParamError(op="from_dlpack", arg="obj", expected="a host array exporting DLPack",
                          got=f"{type(obj).__name__} ({exc})") from None
+    if not arr.flags.writeable:
+        raise ParamError(op="from_dlpack", arg="obj", expected="writable memory (ops write into their tensors)",
+                         got=f"a read-only {type(obj).__name__}")
     try:
         dtype = DType.of(arr.dtype)
     except ParamError:
@@ -65,3 +74,13 @@ def from_dlpack(obj: Any, dev: Device | None = None) -> Tensor:
     desc = TensorDesc(arr.shape, dtype, strides, -lo)
     return Tensor._make(desc, blk, dev or device())
 
+
+
+def _same_block(t: Tensor, dev: Device | None) -> Tensor:
+    """``t``'s desc on ``t``'s block: the pending-work tracking is the block's, so stream order holds."""
+    if dev is not None and dev is not t.device:
+        raise ParamError(op="from_dlpack", arg="dev", expected=f"None or the tensor's device {t.device.name}",
+                         got=dev)
+    if t.block.freed:
+        raise InvalidStateError("tensor's block was freed", op="from_dlpack", arg="obj", got=t.desc)
+    return Tensor._make(t.desc, t.block, t.device)

@@ -22,7 +22,7 @@ from .runtime.device import NO_WORKSPACE
 from .runtime.memory import Block
 from .runtime.stream import Stream
 from .stats import OpCounters, bucket
-from .tensor import DType, Tensor, TensorDesc
+from .tensor import DType, Format, Tensor, TensorDesc
 
 _log = logging.getLogger("twophase")
 
@@ -286,7 +286,6 @@ class Op:
     def _out_descs(self, given: tuple[Any, ...], inferred: tuple[TensorDesc, ...]) -> tuple[TensorDesc, ...]:
         """The descs of ``out=``: each must have the inferred shape and dtype, and no format tag contradicting
         the inferred one (an ND out takes any layout: the caller reads it as the plain array it is)."""
-        from .tensor import Format  # phase 1 only (the cache skips it); op.py's imports are another change's
         if len(given) != len(inferred):
             raise ParamError(op=self.name, arg="out", expected=f"{len(inferred)} output(s)", got=len(given))
         descs = []

@@ -274,9 +274,21 @@ class Tensor:
         return out if dtype is None else out.astype(dtype)
 
     def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
-        """DLPack export of the host memory (waits for pending work first)."""
+        """DLPack export of the host memory; the block stays out of the pool until the consumer releases it.
+
+        ``stream`` is the consumer's: None, or a twophase Stream of this device. A CPU tensor is made ready for
+        any consumer by waiting for its pending work (the DLPack spec has no CPU stream, so ints are refused).
+        """
+        from .runtime.stream import Stream  # the runtime imports this module
+
+        if stream is not None and not (isinstance(stream, Stream) and stream.device is self.device):
+            raise ParamError(op="Tensor.__dlpack__", arg="stream",
+                             expected=f"None or a twophase Stream of device {self.device.name} (a CPU consumer "
+                                      "has no DLPack stream)", got=stream)
         self.block.wait()
-        return self.view().__dlpack__(stream=stream, **kwargs)
+        held = self.view().view()  # a fresh array per export: the consumer holds it until its deleter runs
+        self.block.export(held)
+        return held.__dlpack__(**kwargs)
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # kDLCPU

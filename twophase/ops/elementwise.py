@@ -14,7 +14,7 @@ from ..kernels.cpu.elementwise import FANOUT_MIN, build_unary, pieces
 from ..layout import align, broadcast_shape, merge_dims, same_view
 from ..op import Attr, Op, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, launcher
-from ..tensor import DType, TensorDesc
+from ..tensor import DType, Format, TensorDesc
 from .checks import FLOATS, NUMERIC, as_scalar, cast_scalar, check_dtype, choice, need
 
 __all__ = ["BINARY", "COMPARE", "UNARY", "unary_reference"]
@@ -36,6 +36,12 @@ def _promote(op: str, descs: list[tuple[str, TensorDesc]], allowed: tuple[DType,
         raise ParamError(op=op, arg=descs[-1][0], expected=f"a shape that broadcasts with {descs[0][1].shape}",
                          got=descs[-1][1].shape)
     return shape, DType.of(np.result_type(*(d.dtype.np for _, d in descs)))
+
+
+def _common_format(*descs: TensorDesc) -> Format:
+    """The operands' format tag when they all carry the same one, else ND (a layout the result may not have)."""
+    f = descs[0].format
+    return f if all(d.format is f for d in descs[1:]) else Format.ND
 
 
 # ---- binary arithmetic
@@ -60,7 +66,7 @@ def _binary_infer(name: str) -> Callable[[tuple[TensorDesc | None, ...], dict[st
             if not dtype.is_float and isinstance(attrs["alpha"], float):
                 raise ParamError(op=name, arg="alpha", expected="an int for integer operands", got=attrs["alpha"])
             cast_scalar(name, "alpha", attrs["alpha"], dtype)  # 2**40 for int32: numpy raises only at sync
-        return (TensorDesc(shape, dtype),)
+        return (TensorDesc(shape, dtype, format=_common_format(x, other)),)
     return infer
 
 
@@ -114,7 +120,7 @@ def _register_compare() -> None:
                   name: str = name) -> tuple[TensorDesc, ...]:
             x, other = need(name, "x", ins[0]), need(name, "other", ins[1])
             shape, _ = _promote(name, [("x", x), ("other", other)], WITH_BOOL)
-            return (TensorDesc(shape, DType.bool),)
+            return (TensorDesc(shape, DType.bool, format=_common_format(x, other)),)
         register(OpDef(
             name=name, inputs=("x", "other"), dtypes=WITH_BOOL, infer=infer, select=_zero_plan,
             kernels={"cpu": _binary_build(ufunc)}, implementations=("ufunc",), workspace_formula="0", aliases="any",
@@ -130,7 +136,7 @@ def _infer_where(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> t
     full = broadcast_shape(cond.shape, shape)
     if full is None:
         raise ParamError(op="where", arg="cond", expected=f"a shape that broadcasts with {shape}", got=cond.shape)
-    return (TensorDesc(full, dtype),)
+    return (TensorDesc(full, dtype, format=_common_format(cond, x, y)),)
 
 
 def _build_where(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
@@ -206,7 +212,7 @@ def _unary_infer(name: str, dtypes: tuple[DType, ...]) -> Any:
     def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
         x = need(name, "x", ins[0])
         check_dtype(name, "x", x, dtypes)
-        return (TensorDesc(x.shape, x.dtype),)
+        return (TensorDesc(x.shape, x.dtype, format=x.format),)
     return infer
 
 
@@ -261,7 +267,7 @@ _as_dtype.expects = f"a dtype in {[d.value for d in DType]}"  # type: ignore[att
 
 def _infer_cast(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     x = need("cast", "x", ins[0])
-    return (TensorDesc(x.shape, attrs["dtype"]),)
+    return (TensorDesc(x.shape, attrs["dtype"], format=x.format),)
 
 
 def _build_cast(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],

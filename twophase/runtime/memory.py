@@ -6,6 +6,7 @@ from __future__ import annotations
 import bisect
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,11 +54,12 @@ class Block:
     """A piece of a segment. Allocated blocks are handed out; free ones wait in the pool for reuse.
 
     A block remembers the last stream task that used it (``_stream``/``_seq``) so that host reads
-    and cross-stream reuse wait exactly as long as needed.
+    and cross-stream reuse wait exactly as long as needed. ``exports`` is set while DLPack consumers hold
+    the memory (:meth:`export`): a free then waits for the last of them.
     """
 
     __slots__ = ("pool", "segment", "offset", "size", "requested", "allocated", "freed", "data",
-                 "prev", "next", "_stream", "_seq", "free_stream", "free_seq", "tag", "__weakref__")
+                 "prev", "next", "_stream", "_seq", "free_stream", "free_seq", "tag", "exports", "__weakref__")
 
     def __init__(self, pool: MemoryPool, segment: Segment, offset: int, size: int) -> None:
         self.pool = pool
@@ -75,6 +77,7 @@ class Block:
         self.free_stream: Stream | None = None
         self.free_seq = 0
         self.tag: Any = None  # set by observers (sanitizer: where it was allocated)
+        self.exports: _Exports | None = None
 
     @property
     def address(self) -> int:
@@ -100,12 +103,69 @@ class Block:
 
         Without a stream it is reused once the last stream task that used it (``mark_use``) has completed: only
         that task is known, so a block used on several streams needs the stream of its last use, or a sync.
+        While exported (:meth:`export`) the block only counts as freed: it goes back when the last consumer lets go.
         """
+        if self.exports is not None:
+            self._free_exported(stream)
+            return
         self.pool.free(self, stream)
+
+    def export(self, holder: object) -> None:
+        """Keep the memory out of the pool until ``holder`` (the array a DLPack consumer holds) is collected.
+
+        The DLPack contract: the producer keeps exported memory alive until the consumer's deleter runs.
+        """
+        with _EXPORT_LOCK:
+            if not self.allocated or self.freed:
+                raise InvalidStateError("tensor's block was freed", op="__dlpack__", arg="tensor", got=self)
+            if self.exports is None:
+                self.exports = _Exports()
+            self.exports.count += 1
+        weakref.finalize(holder, self._release_export)
+
+    def _free_exported(self, stream: Stream | None) -> None:
+        """``free`` of an exported block: remember the stream; the last export's release frees it."""
+        with _EXPORT_LOCK:
+            ex = self.exports
+            if ex is not None:
+                if ex.freed:
+                    raise InvalidStateError("block is not allocated from this pool (double free?)",
+                                            op="free", arg="block", got=self)
+                ex.freed, ex.stream = True, stream
+                self.freed = True  # no new use (views, launches, exports) from here on
+                return
+        self.pool.free(self, stream)  # the last export was released meanwhile
+
+    def _release_export(self) -> None:
+        """A consumer let go of an export; after the last one a free that waited is done, in its stream order."""
+        with _EXPORT_LOCK:
+            ex = self.exports
+            assert ex is not None
+            ex.count -= 1
+            if ex.count:
+                return
+            self.exports = None
+            if not ex.freed:
+                return
+        self.pool.free(self, ex.stream)
 
     def _ready(self, stream: Stream | None) -> bool:
         fs = self.free_stream
         return fs is None or fs is stream or fs._done >= self.free_seq
+
+
+class _Exports:
+    """The DLPack exports of a block still held by consumers, and the free that waits for them."""
+
+    __slots__ = ("count", "freed", "stream")
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.freed = False
+        self.stream: Stream | None = None
+
+
+_EXPORT_LOCK = threading.RLock()  # reentrant: a finalizer may run in a collection inside the locked code
 
 
 # Called as fn(pool) after every allocation and free, by any pool (the profiler's counter track).
