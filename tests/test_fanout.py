@@ -51,8 +51,11 @@ def test_split_range_covers_the_range_in_even_pieces(n: int, parts: int, grain: 
         assert len(ranges) == 1 or min(sizes) >= grain
 
 
-def test_parts_run_once_each_and_at_the_same_time() -> None:
-    """Three parts that each wait for the others at a barrier: they only finish if they run concurrently."""
+def test_parts_run_once_each_and_at_the_same_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three parts on three threads (``num_threads``), each waiting for the others at a barrier: they only finish
+    if they run concurrently."""
+    from twophase import config
+    monkeypatch.setattr(config.settings, "num_threads", 3)
     barrier = threading.Barrier(3, timeout=10)
     seen: list[int] = []
     lock = threading.Lock()

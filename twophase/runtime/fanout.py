@@ -129,8 +129,9 @@ _helpers = _Helpers()
 
 
 def run_parts(parts: Sequence[Part]) -> None:
-    """Run every part, on the calling thread and on helpers, and return when all are done; the first error a
-    part raised is raised here (the other parts still run to the end, so no kernel is left writing)."""
+    """Run every part, on the calling thread and on helpers (``worker_threads()`` threads at most: parts must not
+    wait for one another), and return when all are done; the first error a part raised is raised here (the other
+    parts still run to the end, so no kernel is left writing)."""
     if len(parts) <= 1:
         for part in parts:
             part()
