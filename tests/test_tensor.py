@@ -126,3 +126,20 @@ def test_an_unfreed_export_leaves_the_block_as_it_was(dev):
     assert dev.pool.stats()["allocated_bytes"] == before - size  # no export left: freed at once
     with pytest.raises(twophase.InvalidStateError):
         t.__dlpack__()
+
+
+def test_an_export_released_inside_the_pools_lock_frees_at_the_next_pool_call(dev):
+    """The garbage collector may run a consumer's release on a thread that holds the pool's lock, mid-operation:
+    the free then waits for the pool's next malloc or free instead of re-entering it."""
+    t = dev.tensor(np.ones(256, np.float32))
+    capsule = t.__dlpack__()
+    blk, size = t.block, t.block.size
+    t.free()
+    before = dev.pool.stats()["allocated_bytes"]
+    with dev.pool._lock:  # as a collection inside a pool operation would
+        del capsule
+        assert blk.allocated and dev.pool._deferred == [(blk, None)]
+    assert dev.pool.stats()["allocated_bytes"] == before  # not yet
+    dev.malloc(16).free()
+    assert not blk.allocated and dev.pool._deferred == []
+    assert dev.pool.stats()["allocated_bytes"] == before - size

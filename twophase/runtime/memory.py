@@ -147,7 +147,7 @@ class Block:
             self.exports = None
             if not ex.freed:
                 return
-        self.pool.free(self, ex.stream)
+        self.pool.free_when_safe(self, ex.stream)
 
     def _ready(self, stream: Stream | None) -> bool:
         fs = self.free_stream
@@ -194,6 +194,7 @@ class MemoryPool:
         self._make_data = make_data
         self.name = name
         self._lock = threading.RLock()
+        self._deferred: list[tuple[Block, Stream | None]] = []  # frees from finalizers that ran inside the lock
         self._free: list[tuple[int, int, int, Block]] = []  # (size, address, id, block), sorted
         self._segments: list[Segment] = []
         self._limit: int | None = None
@@ -228,6 +229,8 @@ class MemoryPool:
         if policy not in POLICIES:
             raise ParamError(op="malloc", arg="policy", expected=f"one of {POLICIES}", got=policy)
         size = round_size(nbytes)
+        if self._deferred:
+            self._free_deferred()
         with self._lock:
             block = self._take_cached(size, stream, policy)
             if block is None:
@@ -326,6 +329,8 @@ class MemoryPool:
     def free(self, blk: Block, stream: Stream | None = None) -> None:
         """Return ``blk``; with ``stream`` it becomes reusable by other streams only after that stream's
         work enqueued so far has completed."""
+        if self._deferred:
+            self._free_deferred()
         hook = self.observer.on_free
         if hook is not None:
             hook(blk, stream)
@@ -350,6 +355,22 @@ class MemoryPool:
         if POOL_LISTENERS:
             for fn in POOL_LISTENERS:
                 fn(self)
+
+    def free_when_safe(self, blk: Block, stream: Stream | None) -> None:
+        """``free`` from a finalizer (a DLPack consumer let go), which the garbage collector may run on a thread
+        inside this pool's lock, mid-operation: then the free waits for the pool's next malloc or free."""
+        if self._lock._is_owned():  # type: ignore[attr-defined]  # CPython's RLock: held by this thread
+            self._deferred.append((blk, stream))
+        else:
+            self.free(blk, stream)
+
+    def _free_deferred(self) -> None:
+        while self._deferred:
+            try:
+                blk, stream = self._deferred.pop()
+            except IndexError:  # another thread took the last one
+                return
+            self.free(blk, stream)
 
     @staticmethod
     def _mergeable(a: Block, b: Block) -> bool:
