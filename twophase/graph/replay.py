@@ -448,12 +448,13 @@ class Graph:
             if t.device is not self.device:
                 raise ParamError(op="Graph.replay", arg=name, expected=f"a tensor on {self.device.name}",
                                  got=t.device.name)
-            if t.block is not b.current.block and ((type(t.block) is VirtualBlock and t.block.graph is self)
-                                                   or t.block is self._arena):
+            if t.block is b.current.block:
+                continue
+            if (type(t.block) is VirtualBlock and t.block.graph is self) or t.block is self._arena:
                 raise ParamError(op="Graph.replay", arg=name, got="a tensor in this graph's own arena",
                                  expected="a tensor outside this graph's arena (copy an output of the graph before "
                                  "feeding it back: the replay overwrites it while reading)")
-            if t.block is not b.current.block and b.straddled:
+            if b.straddled:
                 raise ParamError(op="Graph.replay", arg=name, got="a rebinding",
                                  expected=f"{b.kind} '{name}' as captured: an operand reads across its edge "
                                  "(name the whole tensor instead)")

@@ -11,6 +11,7 @@ numba kernel or a numpy / BLAS routine that releases the GIL, so the parts run i
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import queue
@@ -42,8 +43,13 @@ def fanout_parts() -> int:
 def worker_threads() -> int:
     """Threads that run a launch's parts: the ``num_threads`` setting, else the CPUs this process may run on."""
     n = config.settings.num_threads
-    if n > 0:
-        return n
+    return n if n > 0 else _cpus()
+
+
+@functools.cache
+def _cpus() -> int:
+    """The CPUs this process may run on, read once: ``run_parts`` asks at every launch, and the affinity syscall
+    costs ~0.5 us (an affinity changed later is not seen; ``set_num_threads`` is)."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not on Linux
