@@ -95,6 +95,20 @@ def test_double_free_and_foreign_free_raise_invalid_state(pool, dev):
     other.empty_cache()
 
 
+def test_a_stale_handle_cannot_free_the_memory_handed_out_again(pool):
+    a = pool.malloc(4096)
+    a.free()
+    b = pool.malloc(4096)
+    assert b.address == a.address and b is not a  # the same memory under a new handle
+    with pytest.raises(twophase.InvalidStateError, match="double free"):
+        a.free()
+    assert b.allocated and pool.stats()["allocated_bytes"] == b.size
+    c = pool.malloc(4096)
+    assert c.address != b.address  # the refused free returned nothing to the pool
+    b.free()
+    c.free()
+
+
 def test_stats_track_bytes_counts_and_peaks(pool):
     a = pool.malloc(1000)
     b = pool.malloc(3 * MiB)

@@ -96,6 +96,25 @@ def test_view_of_freed_tensor_raises_invalid_state(dev):
         t.view()
 
 
+def test_a_freed_tensor_stays_freed_when_its_memory_is_handed_out_again(dev, rng):
+    n = (14 << 20) // 4  # a size of its own: the next malloc of it reuses this memory
+    t = dev.tensor(rng.standard_normal(n).astype(np.float32))
+    addr = t.block.address
+    t.free()
+    u = dev.tensor(rng.standard_normal(n).astype(np.float32))
+    try:
+        assert u.block.address == addr
+        with pytest.raises(twophase.InvalidStateError, match="freed"):
+            t.view()
+        with pytest.raises(twophase.InvalidStateError, match="freed"):
+            twophase.add(t, t, out=u)
+        with pytest.raises(twophase.InvalidStateError, match="double free"):
+            t.free()
+        assert u.block.allocated
+    finally:
+        u.free()
+
+
 def test_free_of_an_exported_tensor_waits_for_the_consumer_then_keeps_stream_order(dev, stream, gate):
     t = dev.tensor(np.ones(256, np.float32), stream=stream)
     capsule = t.__dlpack__()  # never consumed: its destructor is the consumer's release

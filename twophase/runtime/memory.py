@@ -350,11 +350,23 @@ class MemoryPool:
                 blk.free_stream, blk.free_seq = last, blk._seq  # still in use: reusable after that task
             else:
                 blk.free_stream, blk.free_seq = None, 0
-            blk = self._merge(blk)
-            self._insert_free(blk)
+            self._insert_free(self._merge(self._retire(blk)))
         if POOL_LISTENERS:
             for fn in POOL_LISTENERS:
                 fn(self)
+
+    def _retire(self, blk: Block) -> Block:
+        """A fresh free-list node in ``blk``'s place: the caller's handle stays freed for good, so a second
+        ``free`` of it raises instead of freeing whoever was handed the memory next."""
+        node = Block(self, blk.segment, blk.offset, blk.size)
+        node.free_stream, node.free_seq, node.data = blk.free_stream, blk.free_seq, blk.data
+        node.prev, node.next = blk.prev, blk.next
+        if blk.prev is not None:
+            blk.prev.next = node
+        if blk.next is not None:
+            blk.next.prev = node
+        blk.prev = blk.next = None
+        return node
 
     def free_when_safe(self, blk: Block, stream: Stream | None) -> None:
         """``free`` from a finalizer (a DLPack consumer let go), which the garbage collector may run on a thread
