@@ -629,3 +629,23 @@ def test_an_output_fed_back_as_the_next_input_is_refused(dev: tp.Device, stream:
     np.testing.assert_array_equal(g.replay(stream, h=h1)["y"].numpy(), 2 * a * a + a)
     g.destroy()
     h1.free(stream)
+
+
+def test_a_host_input_inside_a_capture_is_refused_by_name_and_leaves_nothing_allocated(dev, stream, rng):
+    a = rng.standard_normal(8).astype(np.float32)
+    x = dev.tensor(a, stream=stream)
+    with tp.capture(stream) as g:
+        g.input("x", x)
+        with pytest.raises(CaptureError, match="copied in during a capture") as e:
+            tp.add(x, 2.0, stream=stream)
+        assert e.value.op == "add" and e.value.arg == "other"
+        with pytest.raises(CaptureError, match="copied in during a capture"):
+            dev.tensor(a, stream=stream)
+        assert all(g._vfreed)  # the copies' virtual blocks were given back
+        g.output("y", tp.mul(x, x, stream=stream))
+    g.instantiate()
+    try:
+        np.testing.assert_allclose(g.replay(stream)["y"].numpy(), a.astype(np.float64) ** 2, rtol=1e-6)
+    finally:
+        g.destroy()
+        x.free(stream)

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import ParamError
+from .errors import CaptureError, ParamError
 from .executor import ExecState
 from .op import Op, registry
 from .runtime.device import placement
@@ -35,8 +35,11 @@ def one_shot(op: Op) -> Callable[..., Any]:
         dev, s = placement(inputs, stream)
         copies: list[Tensor] = []  # host inputs copied in: the caller has no handle, so they are freed here
         try:
-            ins = tuple(x if x is None or isinstance(x, Tensor) else _to_device(op, dev, x, s, copies)
-                        for x in inputs)
+            ins = inputs
+            for x in inputs:
+                if x is not None and not isinstance(x, Tensor):
+                    ins = _inputs_to_device(op, dev, inputs, s, copies)
+                    break
             size, ex = op.get_workspace_size(*ins, out=out, **attrs)
             new: list[Tensor] = []
             try:
@@ -72,19 +75,61 @@ def one_shot(op: Op) -> Callable[..., Any]:
     return call
 
 
-def _to_device(op: Op, dev: Any, x: Any, stream: Stream, copies: list[Tensor]) -> Tensor:
+def _inputs_to_device(op: Op, dev: Any, inputs: tuple[Any, ...], stream: Stream,
+                      copies: list[Tensor]) -> tuple[Any, ...]:
+    """``inputs`` with every host input copied to ``dev``; a Python scalar among the op's promoted inputs takes
+    their dtype (numpy 2's and torch's weak scalars: ``add(float16 x, 2.0)`` is float16)."""
+    promotes = op.spec.promotes
+    ins = []
+    for i, x in enumerate(inputs):
+        if x is None or isinstance(x, Tensor):
+            ins.append(x)
+            continue
+        dtype = _weak_dtype(op, i, inputs) if i in promotes and _is_python_scalar(x) else None
+        names = op.spec.inputs
+        ins.append(_to_device(op, dev, x, stream, copies, dtype, names[min(i, len(names) - 1)].rstrip("?*")))
+    return tuple(ins)
+
+
+def _is_python_scalar(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, np.generic)  # numpy scalars keep their dtype
+
+
+def _weak_dtype(op: Op, i: int, inputs: tuple[Any, ...]) -> np.dtype[Any] | None:
+    """The dtype Python scalar ``inputs[i]`` takes beside the op's other promoted inputs (None: none is typed)."""
+    strong = []
+    for j in op.spec.promotes:
+        x = inputs[j] if j < len(inputs) else None
+        if j == i or x is None or _is_python_scalar(x):
+            continue
+        try:
+            strong.append(x.dtype.np if isinstance(x, Tensor) else np.asarray(x).dtype)
+        except (TypeError, ValueError):
+            return None  # not an array-like: _to_device names it
+    return np.result_type(*strong, inputs[i]) if strong else None
+
+
+def _to_device(op: Op, dev: Any, x: Any, stream: Stream, copies: list[Tensor],
+               dtype: np.dtype[Any] | None = None, arg: str = "input") -> Tensor:
     """``x`` (an array-like or a scalar) copied to ``dev`` on ``stream``, recorded in ``copies``."""
     try:
-        arr = np.asarray(x)
+        with np.errstate(over="ignore"):  # a weak float past the dtype's range is inf, as in numpy's arithmetic
+            arr = np.asarray(x, dtype=dtype)
+    except OverflowError:
+        raise ParamError(op=op.name, arg=arg, expected=f"a value that fits {dtype}", got=x) from None
     except (TypeError, ValueError):
-        raise ParamError(op=op.name, arg="input", expected="a Tensor or an array-like", got=type(x).__name__) from None
+        raise ParamError(op=op.name, arg=arg, expected="a Tensor or an array-like", got=type(x).__name__) from None
     if arr.dtype == object:
-        raise ParamError(op=op.name, arg="input", expected="a Tensor or a numeric array-like",
+        raise ParamError(op=op.name, arg=arg, expected="a Tensor or a numeric array-like",
                          got=f"{type(x).__name__} of Python objects" if arr.ndim else type(x).__name__)
     try:
         t: Tensor = dev.tensor(arr, stream=stream)
     except ParamError as e:  # the device's own words: which dtypes it holds
-        raise ParamError(op=op.name, arg="input", expected=e.expected, got=e.got) from None
+        raise ParamError(op=op.name, arg=arg, expected=e.expected, got=e.got) from None
+    except CaptureError:  # its copy-in would be captured into memory that exists only once the graph does
+        raise CaptureError("a host input cannot be copied in during a capture", op=op.name, arg=arg,
+                           expected="a device tensor made before the capture (Device.tensor)",
+                           got=f"{type(x).__name__} {arr.dtype}{list(arr.shape)}") from None
     copies.append(t)
     return t
 

@@ -76,6 +76,8 @@ class OpDef:
     ``aliases``: the inputs an output may be exactly (same memory, shape and strides: the kernel runs in place),
     or ``"any"`` for any overlap (numpy's ufunc semantics); binding refuses every other overlap of an output with
     an input or with another output (``ParamError``: the kernel would read what it already overwrote).
+    ``promotes``: the inputs whose dtypes promote together; a Python scalar passed for one of them to the
+    one-shot API takes their dtype (a weak scalar, as in numpy 2 and torch).
     """
 
     name: str
@@ -92,6 +94,7 @@ class OpDef:
     doc: str = ""
     reference: Callable[..., Any] | None = field(default=None, compare=False)
     aliases: tuple[int, ...] | str = ()
+    promotes: tuple[int, ...] = ()
 
 
 def effective_limit(op: str, limit: Any) -> int | None:

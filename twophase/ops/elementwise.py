@@ -103,7 +103,7 @@ def _register_binary() -> None:
             name=name, inputs=("x", "other"),
             attrs=(Attr("alpha", as_scalar, 1, "scale of other"),) if scaled else (),
             dtypes=NUMERIC, infer=_binary_infer(name), select=_zero_plan, kernels={"cpu": _binary_build(ufunc)},
-            implementations=("ufunc",), workspace_formula="0", aliases="any",
+            implementations=("ufunc",), workspace_formula="0", aliases="any", promotes=(0, 1),
             doc=(f"out = {name}(x, {'alpha * ' if scaled else ''}other) with numpy broadcasting and type promotion "
                  f"(dtypes {[d.value for d in NUMERIC]}). Workspace: 0 bytes."),
             reference=ref))
@@ -124,7 +124,7 @@ def _register_compare() -> None:
         register(OpDef(
             name=name, inputs=("x", "other"), dtypes=WITH_BOOL, infer=infer, select=_zero_plan,
             kernels={"cpu": _binary_build(ufunc)}, implementations=("ufunc",), workspace_formula="0", aliases="any",
-            doc=f"Elementwise {name} with broadcasting; bool out. Workspace: 0 bytes.",
+            promotes=(0, 1), doc=f"Elementwise {name} with broadcasting; bool out. Workspace: 0 bytes.",
             reference=lambda x, other, f=ufunc: f(x, other)))
 
 
@@ -156,7 +156,7 @@ def _build_where(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
 
 register(OpDef(
     name="where", inputs=("cond", "x", "y"), dtypes=WITH_BOOL, infer=_infer_where, select=_zero_plan,
-    kernels={"cpu": _build_where}, implementations=("ufunc",), workspace_formula="0", aliases=(1, 2),
+    kernels={"cpu": _build_where}, implementations=("ufunc",), workspace_formula="0", aliases=(1, 2), promotes=(1, 2),
     doc="out = x where cond else y, broadcasting all three; out dtype promotes x and y. Workspace: 0 bytes.",
     reference=lambda cond, x, y: np.where(cond, x, y)))
 

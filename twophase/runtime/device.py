@@ -9,7 +9,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from .. import config
-from ..errors import ParamError
+from ..errors import CaptureError, ParamError
 from ..tensor import DType, Format, Tensor, TensorDesc
 from .memory import Block, MemoryPool, Segment
 from .stream import Stream
@@ -120,7 +120,14 @@ class Device:
         t = self.empty(src.shape, src.dtype, format, stream)
         if self.runs_kernels and src.size:
             # the destination view is made now (not a host read): a stream-ordered free may follow before it runs
-            seq = stream._enqueue(_copy_task, (self, self._array_view(t.block, t.desc), src), "copy-in")
+            try:
+                dst = self._array_view(t.block, t.desc)
+            except CaptureError:
+                t.free(stream)
+                raise CaptureError("a host array cannot be copied in during a capture (the graph's memory does "
+                                   "not exist yet)", op="Device.tensor", arg="array",
+                                   expected="a tensor made before the capture", got=t.desc) from None
+            seq = stream._enqueue(_copy_task, (self, dst, src), "copy-in")
             t.block.mark_use(stream, seq)
         return t
 
