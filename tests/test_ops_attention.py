@@ -208,6 +208,14 @@ def test_sdpa_rejects_mask_together_with_is_causal() -> None:
     assert e.value.arg == "is_causal"
 
 
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), "0.5", True])
+def test_sdpa_refuses_a_scale_that_is_not_a_finite_number(scale: Any) -> None:
+    ts = _dev(*(np.ones((1, 1, 2, 2), np.float32) for _ in range(3)))
+    with pytest.raises(ParamError, match="finite real number") as e:
+        sdpa.get_workspace_size(*ts, scale=scale)
+    assert e.value.arg == "scale"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_scores_of_many_keys_are_computed_in_key_chunks(rng: np.random.Generator, causal: bool) -> None:
     q, k, v = _qkv(rng, 1, 2, 40, 300, 16, 8)  # 300 keys: score GEMMs of 128, 128 and 44 keys

@@ -347,6 +347,10 @@ def d(shape: Any, dtype: str = "float32") -> TensorDesc:
     (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), normalized_shape=(4,)), "normalized_shape", "trailing"),
     (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), d((2,)), normalized_shape=(3,)), "weight", "(3,)"),
     (lambda: ops.rms_norm.get_workspace_size(d((2, 3), "int32"), normalized_shape=(3,)), "x", "float64"),
+    (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), normalized_shape=(3,), eps=float("nan")), "eps", "finite"),
+    (lambda: ops.rms_norm.get_workspace_size(d((2, 3)), normalized_shape=(3,), eps=float("inf")), "eps", "finite"),
+    (lambda: ops.group_norm.get_workspace_size(d((2, 6)), num_groups=2, eps=float("nan")), "eps", "finite"),
+    (lambda: ops.batch_norm.get_workspace_size(d((2, 3)), d((3,)), d((3,)), eps=float("-inf")), "eps", "finite"),
 ])
 def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str, expected: str) -> None:
     with pytest.raises(ParamError) as e:

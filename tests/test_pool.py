@@ -151,8 +151,10 @@ def test_limit_raises_out_of_memory_naming_requested_reserved_and_limit(pool):
     assert pool.stats()["reserved_bytes"] == 4 * MiB  # the failed call reserved nothing
     keep.free()
     pool.set_limit(None)
-    with pytest.raises(twophase.ParamError):
-        pool.set_limit(-1)
+    for bad in (-1, 1.5, True, "3"):  # 1.5 would cap at 1 byte; True is an int to Python
+        with pytest.raises(twophase.ParamError, match="int >= 0"):
+            pool.set_limit(bad)
+    assert pool.get_limit() is None
 
 
 @pytest.mark.parametrize("nbytes", [1 << 62, 1 << 70])  # mmap refuses the first, cannot even take the second

@@ -61,7 +61,7 @@ def _helper_spin(value: object, op: str, arg: str) -> int:
     return _count(value, op, arg, "an int >= 0 (helper spin in microseconds; 0 blocks at once)")
 
 
-def check_workspace_limit(value: object, op: str, arg: str) -> int | None:
+def check_byte_limit(value: object, op: str, arg: str) -> int | None:
     """Bytes, or None (the variable unset) for no limit."""
     unlimited = "unset" if op == _ENV else "None"
     return None if value is None else _count(value, op, arg, f"{unlimited} (unlimited) or an int >= 0 (bytes)")
@@ -101,7 +101,7 @@ class Settings:
     cache_enabled: bool = field(default_factory=lambda: not _env("TWOPHASE_DISABLE_CACHE", _flag, False))
     deterministic: bool = field(default_factory=lambda: _env("TWOPHASE_DETERMINISTIC", _flag, False))
     workspace_limit: int | None = field(
-        default_factory=lambda: _env("TWOPHASE_WORKSPACE_LIMIT", check_workspace_limit, None))
+        default_factory=lambda: _env("TWOPHASE_WORKSPACE_LIMIT", check_byte_limit, None))
     num_threads: int = field(default_factory=lambda: _env("TWOPHASE_NUM_THREADS", _num_threads, 0))  # 0: automatic
     helper_spin_us: int = field(default_factory=lambda: _env("TWOPHASE_HELPER_SPIN_US", _helper_spin, HELPER_SPIN_US))
     log_level: str | int = field(default_factory=lambda: _env("TWOPHASE_LOG_LEVEL", _log_level, LOG_LEVEL))
@@ -155,7 +155,7 @@ def set_deterministic(enabled: bool) -> None:
 
 def set_workspace_limit(nbytes: int | None) -> None:
     """Default ``workspace_limit`` of every phase 1 (``TWOPHASE_WORKSPACE_LIMIT``; None = unlimited)."""
-    _set("workspace_limit", check_workspace_limit(nbytes, "set_workspace_limit", "nbytes"))
+    _set("workspace_limit", check_byte_limit(nbytes, "set_workspace_limit", "nbytes"))
 
 
 def set_num_threads(n: int) -> None:

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .cache import thread_cache
-from .config import check_workspace_limit, settings
+from .config import check_byte_limit, settings
 from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError
 from .executor import ExecState, Executor
 from .layout import same_view, self_overlapping
@@ -101,7 +101,7 @@ def effective_limit(op: str, limit: Any) -> int | None:
     """The limit in force: ``limit`` when given, else the ``TWOPHASE_WORKSPACE_LIMIT`` setting (None = unlimited)."""
     if limit is None:
         return settings.workspace_limit  # checked when it was set
-    return check_workspace_limit(limit, op, "workspace_limit")
+    return check_byte_limit(limit, op, "workspace_limit")
 
 
 def over_limit(op: str, workspace: int, implementation: str, limit: int | None) -> ParamError:

@@ -15,7 +15,7 @@ from ..kernels.cpu.attention import build_online, build_rows
 from ..layout import align, broadcast_shape
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
-from .checks import as_bool, as_float, check_dtype, need, optional
+from .checks import as_bool, as_finite, check_dtype, need, optional
 from .matmul import matrix_ok
 from .selection import Candidate, choose, effective_limit
 
@@ -222,7 +222,7 @@ scaled_dot_product_attention = register(OpDef(
     name=OP,
     inputs=("q", "k", "v", "attn_mask?"),
     attrs=(Attr("is_causal", as_bool, False, "mask keys after the query (top-left aligned)"),
-           Attr("scale", optional(as_float), None, "score scale; None means 1/sqrt(D)")),
+           Attr("scale", optional(as_finite), None, "score scale; None means 1/sqrt(D)")),
     dtypes=DTYPES,
     infer=_infer,
     select=_select,

@@ -37,6 +37,14 @@ def as_float(v: Any) -> float:
     return float(v)
 
 
+@_expects("a finite real number")
+def as_finite(v: Any) -> float:
+    f: float = as_float(v)
+    if not math.isfinite(f):
+        raise ValueError(v)
+    return f
+
+
 @_expects("a number (int, float or bool)")
 def as_scalar(v: Any) -> int | float | bool:
     if isinstance(v, bool):

@@ -18,7 +18,7 @@ from ..layout import align, as_matrix, as_rows, merge_dims, rows_split
 from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts
 from ..tensor import DType, TensorDesc
-from .checks import FLOATS, as_dims, as_float, as_int, check_dtype, need, norm_dim
+from .checks import FLOATS, as_dims, as_finite, as_int, check_dtype, need, norm_dim
 from .selection import Candidate, choose
 
 LONG_ROW = 32768  # rows longer than this are split across blocks
@@ -294,7 +294,7 @@ def _ln_reference(x: Any, weight: Any = None, bias: Any = None, normalized_shape
 _LN_FORMULA = "0, or align64(numel*c) + 2*align64(N*c) when packed (c = 4 for float16, else itemsize)"
 register(OpDef(
     name="layer_norm", inputs=("x", "weight?", "bias?"), outputs=("out", "mean", "rstd"),
-    attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_float, 1e-5)),
+    attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-5)),
     dtypes=FLOATS, infer=_norm_infer("layer_norm"), select=_norm_select, kernels={"cpu": _norm_build(False)},
     implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
     doc=("Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (float32 rows: "
@@ -305,7 +305,7 @@ register(OpDef(
     reference=_ln_reference))
 register(OpDef(
     name="rms_norm", inputs=("x", "weight?"), outputs=("out", "mean", "rstd"),
-    attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_float, 1e-6)),
+    attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-6)),
     dtypes=FLOATS, infer=_norm_infer("rms_norm"), select=_norm_select, kernels={"cpu": _norm_build(True)},
     implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
     doc=("RMS norm: out = x / sqrt(mean(x^2) + eps) * weight over the trailing ``normalized_shape`` dims; "
@@ -376,7 +376,7 @@ def _bn_reference(x: Any, running_mean: Any, running_var: Any, weight: Any = Non
 _BN_FORMULA = "0, or align64(numel*c) + 4*align64(C*c) when packed (c = 4 for float16, else itemsize)"
 register(OpDef(
     name="batch_norm", inputs=("x", "running_mean", "running_var", "weight?", "bias?"),
-    attrs=(Attr("eps", as_float, 1e-5),), dtypes=FLOATS, infer=_channel_infer(
+    attrs=(Attr("eps", as_finite, 1e-5),), dtypes=FLOATS, infer=_channel_infer(
         "batch_norm", ("running_mean", "running_var", "weight", "bias")),
     select=_bn_select, kernels={"cpu": _bn_build}, implementations=("channels", "channels_packed"),
     workspace_formula=_BN_FORMULA,
@@ -484,7 +484,7 @@ _GN_FORMULA = ("align64(N*G*B*24) if L = C/G*S > 65536 else 0, B = ceil(L/16384)
                "2*align64(C*c) when packed (c = 4 for float16, else itemsize)")
 register(OpDef(
     name="group_norm", inputs=("x", "weight?", "bias?"),
-    attrs=(Attr("num_groups", as_int), Attr("eps", as_float, 1e-5)), dtypes=FLOATS,
+    attrs=(Attr("num_groups", as_int), Attr("eps", as_finite, 1e-5)), dtypes=FLOATS,
     infer=_channel_infer("group_norm", ("weight", "bias")), select=_gn_select, kernels={"cpu": _gn_build},
     implementations=("groups", "split_groups", "groups_packed", "split_groups_packed"),
     workspace_formula=_GN_FORMULA,

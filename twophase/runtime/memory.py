@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from ..config import check_byte_limit
 from ..errors import InvalidStateError, OutOfMemoryError, ParamError
 from ..layout import align
 
@@ -214,9 +215,7 @@ class MemoryPool:
     # ---- configuration
     def set_limit(self, nbytes: int | None) -> None:
         """Cap reserved bytes (``None`` removes the cap). Does not shrink what is already reserved."""
-        if nbytes is not None and nbytes < 0:
-            raise ParamError(op="MemoryPool.set_limit", arg="nbytes", expected=">= 0 or None", got=nbytes)
-        self._limit = nbytes
+        self._limit = check_byte_limit(nbytes, "MemoryPool.set_limit", "nbytes")
 
     def get_limit(self) -> int | None:
         return self._limit
