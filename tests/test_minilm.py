@@ -7,6 +7,7 @@ import json
 import math
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -320,3 +321,25 @@ def test_close_frees_the_weights_and_the_stream_and_bad_arguments_are_refused() 
     assert dev.pool.stats()["allocated_bytes"] == before
     with pytest.raises(tp.InvalidStateError, match="closed"):
         m.encode(["after close"])
+
+
+def test_a_model_refuses_calls_from_another_thread_and_stays_usable(model: Any) -> None:
+    errors: list[BaseException] = []
+
+    def other() -> None:
+        for call in (lambda: model.encode(["a new shape from another thread"], mode="planned"),
+                     lambda: model.encode(["x"], mode="graph"), lambda: model.encode(["x"], mode="oneshot"),
+                     model.close):
+            try:
+                call()
+            except BaseException as e:  # noqa: BLE001  (collected, asserted below)
+                errors.append(e)
+
+    before = (set(model.programs), set(model.graphs))
+    t = threading.Thread(target=other, name="worker")
+    t.start()
+    t.join()
+    assert len(errors) == 4 and all(isinstance(e, tp.InvalidStateError) for e in errors), errors
+    assert all("belongs to the thread" in str(e) and "worker" in str(e) for e in errors)
+    assert (set(model.programs), set(model.graphs)) == before and not model.closed  # nothing cached or closed
+    assert model.encode(["still works here"]).shape == (1, model.config.hidden)

@@ -319,6 +319,18 @@ def test_conv2d_rejects_bad_arguments(w_shape: tuple[int, ...], attrs: dict[str,
     assert e.value.op == "conv2d" and e.value.arg == arg
 
 
+def test_conv2d_refuses_an_nhwc_tagged_weight() -> None:
+    """An NHWC tag on a weight claims (OC, KH, KW, C/groups); conv2d reads weights as (OC, C/groups, KH, KW)."""
+    dev = device("cpu")
+    x = dev.tensor(np.ones((1, 3, 5, 5), np.float32))
+    with pytest.raises(ParamError, match="untagged") as e:
+        conv2d.get_workspace_size(x, dev.tensor(np.ones((4, 3, 3, 3), np.float32), format=Format.NHWC))
+    assert e.value.arg == "weight"
+    for fmt in (Format.ND, Format.NCHW):
+        size, ex = conv2d.get_workspace_size(x, dev.tensor(np.ones((4, 3, 3, 3), np.float32), format=fmt))
+        ex.destroy()
+
+
 @pytest.mark.parametrize(("shape", "first"), [((1, 4, 10, 10), False), ((1, 4, 2, 62), False),
                                               ((1, 4, 2, 63), True), ((2, 4, 7, 7), True), ((1, 4, 11, 11), True)])
 def test_conv2d_winograd_ranks_first_from_32_tiles(shape: tuple[int, ...], first: bool) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -391,7 +392,10 @@ class CapturedForward:
 
 
 class MiniLM:
-    """all-MiniLM-L6-v2 on a twophase device: ``encode(sentences, mode=...)`` -> (n, 384) float32 embeddings."""
+    """all-MiniLM-L6-v2 on a twophase device: ``encode(sentences, mode=...)`` -> (n, 384) float32 embeddings.
+
+    A model belongs to the thread that made it (its cached executors and graphs do); calls from another thread
+    raise ``InvalidStateError``."""
 
     MODES = ("oneshot", "planned", "graph")
 
@@ -408,6 +412,7 @@ class MiniLM:
         self.programs: dict[tuple[int, int], Program] = {}
         self.graphs: dict[tuple[int, int], CapturedForward] = {}
         self._deferred: list[Tensor] = []
+        self._thread = threading.get_ident()
 
     def _upload(self, raw: dict[str, np.ndarray[Any, Any]]) -> _Weights:
         cfg, s, dev = self.config, self.stream, self.dev
@@ -452,6 +457,14 @@ class MiniLM:
     def _check_open(self) -> None:
         if self.closed:
             raise tp.InvalidStateError("the model is closed: its weights are freed", op="MiniLM", arg="model")
+        self._check_thread()
+
+    def _check_thread(self) -> None:
+        if threading.get_ident() != self._thread:
+            raise tp.InvalidStateError(
+                "a MiniLM belongs to the thread that made it, as its cached executors and graphs do: make one "
+                "model per thread", op="MiniLM", arg="model",
+                got=f"a call from thread {threading.current_thread().name!r}")
 
     def tokenize(self, sentences: Sequence[str], pad_to: int | None = None, multiple_of: int = 1) -> Batch:
         return self.tokenizer.encode(sentences, pad_to=pad_to, multiple_of=multiple_of)
@@ -539,6 +552,7 @@ class MiniLM:
         a second call does nothing."""
         if self.closed:
             return
+        self._check_thread()
         for p in self.programs.values():
             p.close()
         self.programs.clear()

@@ -109,6 +109,9 @@ def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[T
         raise ParamError(op=OP, arg="x", expected="4 dims (NCHW, or NHWC with Format.NHWC)", got=x.shape)
     if w.ndim != 4:
         raise ParamError(op=OP, arg="weight", expected="4 dims (OC, C/groups, KH, KW)", got=w.shape)
+    if w.format not in (Format.ND, Format.NCHW):  # an NHWC tag would mean (OC, KH, KW, C/groups): not read that way
+        raise ParamError(op=OP, arg="weight", expected="(OC, C/groups, KH, KW), untagged (ND) or NCHW",
+                         got=f"{w.format.value} {w.shape}")
     (n, c, h, wd), _ = nchw(x)
     oc, cg, kh, kw = w.shape
     if kh < 1 or kw < 1:
