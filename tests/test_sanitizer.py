@@ -198,6 +198,31 @@ def test_free_ordered_by_an_event_is_not_reported(s, gate):
     y.free(other)
 
 
+def test_free_ordered_through_a_chain_of_events_is_not_reported_and_a_wait_after_the_event_orders_nothing(s, gate):
+    """s waits for b's event, b had waited for a's relu: s is ordered after the relu. A wait b makes only after
+    the event s waited for orders nothing for s."""
+    dev = tp.device("cpu")
+    a, b = dev.stream("chain a"), dev.stream("chain b")
+    x = dev.tensor(np.ones(64, np.float32), stream=a)
+    a.synchronize()
+    opened = gate(a)
+    y = tp.relu(x, stream=a)
+    b.wait_event(a.record_event())
+    s.wait_event(b.record_event())
+    x.free(s)  # ordered through b
+    z = tp.neg(y, stream=a)
+    late = b.record_event()
+    b.wait_event(a.record_event())  # after the event s waits for below: not an ordering of s after neg
+    s.wait_event(late)
+    with pytest.raises(sanitizer.UseAfterFreeError, match="op 'neg'"):
+        y.free(s)
+    opened.set()
+    for st in (a, b, s):
+        st.synchronize()
+    y.free(s)
+    z.free(s)
+
+
 def test_freeing_a_tensor_from_the_host_while_its_copy_in_is_pending_is_reported(s, gate):
     dev = tp.device("cpu")
     opened = gate(s)
@@ -223,6 +248,21 @@ def test_host_view_of_a_tensor_a_pending_task_writes_raises(s, gate):
     np.testing.assert_allclose(y.numpy(), np.e, rtol=1e-6)  # numpy() waits: fine
     x.free(s)
     y.free(s)
+
+
+def test_a_pending_write_is_not_hidden_by_a_later_read_of_the_tensor(s, gate):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones((4, 4), np.float32), stream=s)
+    s.synchronize()
+    opened = gate(s)
+    y = tp.softmax(x, stream=s)  # writes y
+    z = tp.relu(y, stream=s)  # reads y: a later use on the same stream
+    with pytest.raises(sanitizer.ReadBeforeReadyError, match="op 'softmax'"):
+        y.view()
+    opened.set()
+    np.testing.assert_allclose(z.numpy(), 0.25, rtol=1e-6)
+    for t in (x, y, z):
+        t.free(s)
 
 
 def test_array_and_dlpack_of_a_tensor_written_on_another_stream_raise(s, gate):
@@ -458,3 +498,59 @@ def test_two_streams_of_one_name_each_check_their_own_launches(san, gate):
         for t in ts:
             t.free(st)
         st.close()
+
+
+def test_a_graph_replay_verifies_the_guard_zones_of_its_nodes_operands(s):
+    """A kernel writing past its input is caught in a replay as in an eager launch, naming the node's op."""
+    def poke_past_input(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
+        x, out = ins[0], outs[0]
+
+        def launch(ws: Any) -> None:
+            out[...] = x
+            ctypes.memset(x.ctypes.data + x.nbytes, 0x11, 4)
+        return launch
+
+    op = Op(OpDef(name="poke_past_input", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
+                  select=lambda ins, outs, attrs, limit: Plan("poke", None, 0), kernels={"cpu": poke_past_input}))
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(20, np.float32), stream=s)
+    with tp.capture(s) as g:
+        g.input("x", x)
+        size, ex = op.get_workspace_size(x)
+        y = dev.empty_like(ex.output_descs[0], s)
+        ex.set_output(0, y)
+        op(None, size, ex, s)
+        g.output("y", y)
+    g.instantiate()
+    try:
+        g.replay(s)
+        with pytest.raises(tp.KernelError, match="poke_past_input") as e:
+            s.synchronize()
+        assert "past the end" in str(e.value) and "input 0" in str(e.value)
+    finally:
+        g.destroy()
+        x.free(s)
+
+
+def test_an_executor_destroyed_while_the_sanitizer_was_off_is_not_reported_as_leaked(san):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(8, np.float32))
+    _, ex = tp.ops.relu.get_workspace_size(x)  # recorded by the sanitizer
+    _, leaked = tp.ops.relu.get_workspace_size(x)
+    tp.set_sanitize(False)
+    ex.destroy()
+    tp.set_sanitize(True)
+    del ex
+    gc.collect()
+    found = [str(lk) for lk in sanitizer.report(warn=False)]
+    assert len([f for f in found if "relu" in f]) == 1  # the one never destroyed
+    leaked.destroy()
+    x.free()
+
+
+def test_sanitize_block_restores_an_earlier_on_state():
+    with sanitizer.sanitize():
+        with sanitizer.sanitize():
+            sanitizer.disable()
+        assert sanitizer.is_enabled()
+    assert not sanitizer.is_enabled()

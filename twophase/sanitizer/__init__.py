@@ -85,7 +85,9 @@ def sanitize() -> Iterator[None]:
     try:
         yield
     finally:
-        if not was:
+        if was:
+            enable()
+        else:
             disable()
 
 

@@ -37,15 +37,17 @@ _state = {"malloc": False, "free": False, "generation": 0}
 class GuardedBlock(Block):
     """A block handed out by the sanitizing pool: ``outer`` is the pool's real block (guard + data + guard).
 
-    ``uses`` maps a stream queue to ``(seq, label, writes)`` of the latest task on it that uses the block.
+    ``uses`` maps a stream queue to ``(seq, label, writes)`` of the latest task on it that uses the block,
+    ``writes`` to ``(seq, label)`` of the latest one that writes it (a later read must not hide a pending write).
     """
 
-    __slots__ = ("outer", "uses", "created", "generation", "fill")
+    __slots__ = ("outer", "uses", "writes", "created", "generation", "fill")
 
     def __init__(self, outer: Block, nbytes: int) -> None:
         super().__init__(outer.pool, outer.segment, outer.offset + GUARD, nbytes)
         self.outer: Block | None = outer
         self.uses: dict[Any, tuple[int, str, bool]] = {}
+        self.writes: dict[Any, tuple[int, str]] = {}
         self.created = where()
         self.generation = 0
         self.fill: Stream | None = None  # the stream the fresh-memory fill was ordered on, if any
@@ -68,6 +70,7 @@ def _ordered(blk: GuardedBlock, stream: Stream | None, fn: Any, arg: Any) -> Non
         seq = stream._enqueue(fn, arg, CONTROL)
         blk.fill = stream
         blk.uses[stream._q] = (seq, FILL_LABEL, True)
+        blk.writes[stream._q] = (seq, FILL_LABEL)
     else:
         fn(arg)
 

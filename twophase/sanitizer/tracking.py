@@ -64,7 +64,8 @@ class Launch:
 _records: dict[int, ExRecord] = {}
 _collected: list[Leak] = []  # executors garbage-collected while still ready (never destroyed)
 _launches: TaskRecords[Launch] = TaskRecords()
-_waits: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictionary()
+_waits: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictionary()  # queue -> {queue: seq}
+_wait_log: weakref.WeakKeyDictionary[Any, list[tuple[int, Any, int]]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _tl = threading.local()
 
@@ -91,7 +92,7 @@ def _origin(ex: Any) -> str:
 def _on_collect(key: int, _ref: Any) -> None:
     with _lock:
         rec = _records.pop(key, None)
-    if rec is not None and rec.state is ExecState.READY:
+    if rec is not None and rec.state is ExecState.READY and _handles:  # off: its release was not seen
         _collected.append(Leak("executor", f"{rec.describe} (garbage-collected without destroy)", rec.created,
                                rec.generation))
 
@@ -187,19 +188,35 @@ def _phase2_after(op: Op, ws: Any, size: int, ex: Any, stream: Stream, t0: float
 
 def _use(blk: GuardedBlock, stream: Stream, seq: int, label: str, writes: bool) -> None:
     q = stream._q
-    prev = blk.uses.get(q)
-    if prev is not None and prev[1] == label and prev[0] > q.done:
-        writes = writes or prev[2]
     blk.uses[q] = (seq, label, writes)
+    if writes:
+        blk.writes[q] = (seq, label)
 
 
 def _after_task(stream_name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
     """On the worker after each task: verify the guard zones of every block the launch used."""
     launch = _launches.pop(running_queue(), seq)
     if launch is None:
-        return
+        launch = _replayed(owner)
+        if launch is None:
+            return
     for blk, role in launch.blocks:
         guards.verify(blk, role, launch)
+
+
+def _replayed(owner: Any) -> Launch | None:
+    """What a graph replay's node (its executor) or the whole replay (its graph: the arena) used, to verify:
+    a replay is one stream task, reported to the listeners once per node and once at its end."""
+    used: list[tuple[Any, str]]
+    if isinstance(owner, Executor):
+        n_in = len(owner.input_descs)
+        used = [(t.block, f"input {i}" if i < n_in else f"output {i - n_in}")
+                for i, t in enumerate(owner._tensors) if t is not None]
+        what, name = f"{owner.describe()} (a node of a graph replay)", owner.op.name
+    else:
+        used, what, name = [(getattr(owner, "_arena", None), "graph arena")], f"a replay of {owner}", str(owner)
+    blocks = [(b, role) for b, role in used if type(b) is GuardedBlock and b.allocated]
+    return Launch(name, what, blocks) if blocks else None
 
 
 # ---- executors: release, destroy, rebinding
@@ -273,8 +290,8 @@ def _view(self: Tensor) -> Any:
     blk = self.block
     if type(blk) is GuardedBlock and blk.uses and not threading.current_thread().name.startswith("twophase-") \
             and not _internal(sys._getframe(1)):
-        for q, (seq, label, writes) in list(blk.uses.items()):
-            if writes and q.done < seq:
+        for q, (seq, label) in list(blk.writes.items()):
+            if q.done < seq:
                 raise ReadBeforeReadyError(
                     f"host access to {self.desc!r} while task {seq} on stream '{q.name}' ({q.done} done), {label}, "
                     "still writes it; synchronize the stream (or use numpy(), which waits) first",
@@ -305,12 +322,23 @@ def _close(self: Stream) -> None:
 
 
 def _wait_event(self: Stream, event: Event) -> None:
+    """Record the ordering a wait makes, through chains too: waiting for an event of ``r`` also orders this
+    stream after whatever ``r`` had waited for before that event (``_wait_log``: where each wait sits in ``r``)."""
     _plain["wait_event"](self, event)
     if isinstance(event, Event) and event.stream is not self:
         with _lock:
+            here, r = self._q.submitted, event.stream._q
+            got = {r: event.seq}
+            for at, q, seq in _wait_log.get(r, ()):
+                if at <= event.seq and seq > got.get(q, 0):
+                    got[q] = seq
+            got.pop(self._q, None)
             w = _waits.setdefault(self._q, {})
-            q = event.stream._q
-            w[q] = max(w.get(q, 0), event.seq)
+            log = _wait_log.setdefault(self._q, [])
+            for q, seq in got.items():
+                if seq > w.get(q, 0) and q.done < seq:  # a completed task needs no ordering
+                    w[q] = seq
+                    log.append((here, q, seq))
 
 
 _PATCHES = ((Executor, "_release", _release), (Executor, "destroy", _destroy), (Executor, "_bind", _bind),
@@ -320,6 +348,12 @@ _PLAIN_NAMES = ("release", "destroy", "bind", "bind_many", "view", "wait_event",
 
 
 def install() -> None:
+    with _lock:
+        recs = list(_records.values())
+    for rec in recs:  # executors released while the sanitizer was off
+        ex = rec.ref() if rec.ref is not None else None
+        if ex is not None:
+            rec.state = ex._state
     for cls, name, fn in _PATCHES:
         setattr(cls, name, fn)
     _handles.append(hooks.add_phase1_hook(_phase1_done))
