@@ -177,25 +177,36 @@ def test_evicted_workspace_is_not_reused_by_another_stream_before_its_work_is_do
 
 
 def test_plan_cache_belongs_to_its_thread(dev, stream, rng):
-    pc = PlanCache()
+    """acquire, release and clear from another thread are refused before anything changes."""
+    pc = PlanCache(max_entries=1)
     x = dev.tensor(rng.standard_normal((2, 2)), stream=stream)
+    first, second = pc.acquire("softmax", x), pc.acquire("relu", x)  # over the cap while both are leased
     errors = []
 
     def other():
-        try:
-            pc.acquire("softmax", x)
-        except twophase.InvalidStateError as e:
-            errors.append(e)
+        for call in (lambda: pc.acquire("softmax", x), lambda: pc.release(first), pc.clear):
+            try:
+                call()
+            except twophase.InvalidStateError as e:
+                errors.append(e)
 
     t = threading.Thread(target=other)
     t.start()
     t.join()
-    assert len(errors) == 1 and "thread" in str(errors[0])
+    assert len(errors) == 3 and all("belongs to the thread" in str(e) for e in errors)
+    assert pc.info()["leased"] == 2 and first.executor.state is twophase.ExecState.READY
+    pc.release(first)  # evicts it, on its own thread
+    pc.release(second)
+    pc.clear()
+    assert len(pc) == 0 and first.executor.state is twophase.ExecState.DESTROYED
+    x.free(stream)
 
 
-def test_bad_max_entries_is_refused():
+@pytest.mark.parametrize("kwargs", [{"max_entries": 0}, {"max_entries": 2.5}, {"max_entries": True},
+                                    {"max_bytes": -1}, {"max_bytes": 1.5}])
+def test_bad_caps_are_refused(kwargs):
     with pytest.raises(twophase.ParamError):
-        PlanCache(max_entries=0)
+        PlanCache(**kwargs)
 
 
 def test_leases_are_exclusive_two_holders_get_distinct_calls_on_their_own_buffers():
@@ -217,6 +228,8 @@ def test_leases_are_exclusive_two_holders_get_distinct_calls_on_their_own_buffer
     cache.release(second)
     cache.release(third)
     assert cache.info()["leased"] == 0
+    cache.clear()
+    assert len(cache) == 0
 
 
 def test_a_plan_made_before_set_workspace_limit_is_not_served_after(dev, stream):

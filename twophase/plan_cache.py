@@ -10,6 +10,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from typing import Any
 
+from .config import check_byte_limit
 from .errors import InvalidStateError, ParamError
 from .invoke import PlannedCall
 from .op import Op, effective_limit, get_op
@@ -39,10 +40,10 @@ class PlanCache:
     """
 
     def __init__(self, max_entries: int = 256, max_bytes: int | None = None) -> None:
-        if max_entries < 1:
-            raise ParamError(op="PlanCache", arg="max_entries", expected=">= 1", got=max_entries)
+        if isinstance(max_entries, bool) or not isinstance(max_entries, int) or max_entries < 1:
+            raise ParamError(op="PlanCache", arg="max_entries", expected="an int >= 1", got=max_entries)
         self.max_entries = max_entries
-        self.max_bytes = max_bytes
+        self.max_bytes = check_byte_limit(max_bytes, "PlanCache", "max_bytes")
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id(call), in LRU order
         self._by_meta: dict[Any, list[_Entry]] = {}  # (metadata key, stream) -> its planned calls
         self.hits = self.misses = self.evictions = 0
@@ -98,6 +99,7 @@ class PlanCache:
 
     def release(self, call: PlannedCall) -> None:
         """End the lease of ``call`` (an uncached call is closed in stream order)."""
+        self._check_owner()
         entry = self._entries.get(id(call))
         if entry is None or entry.call is not call:
             call.close(sync=False)
@@ -144,6 +146,7 @@ class PlanCache:
 
     def clear(self) -> None:
         """Close every entry that is neither leased nor pending."""
+        self._check_owner()
         for token, entry in list(self._entries.items()):
             if self._evictable(entry):
                 self._drop(token, entry)
