@@ -9,6 +9,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from .errors import TwoPhaseError
 from .op import REQUIRED, registry
 
 
@@ -52,12 +53,15 @@ def embed(sentences: Sequence[str], mode: str, trace: str | None, stats: bool) -
     from . import stats as stats_mod
     from .models.minilm import MiniLM
     from .profile import profile
+    if trace is not None:
+        with open(trace, "w"):  # a path that cannot be written fails now, not after the run
+            pass
     with MiniLM() as model:
-        ctx = profile(trace) if trace else contextlib.nullcontext()
+        ctx = profile(trace) if trace is not None else contextlib.nullcontext()
         with ctx:
             emb = model.encode(list(sentences), mode=mode)
         print(similarity_table(sentences, emb))
-        if trace:
+        if trace is not None:
             print(f"trace written to {trace} (open it in https://ui.perfetto.dev)")
         if stats:
             stats_mod.report()
@@ -82,9 +86,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "ops":
         print(catalogue())
     elif args.command == "embed":
+        if args.trace == "":
+            parser.error("--trace needs a file name")
         try:
             return embed(args.sentences, args.mode, args.trace, args.stats)
-        except (FileNotFoundError, NotImplementedError) as e:
+        except (OSError, NotImplementedError, TwoPhaseError) as e:  # a path, the model package, a sentence
             print(f"twophase embed: {e}", file=sys.stderr)
             return 2
     return 0

@@ -122,6 +122,15 @@ class Batch:
         return int(b), int(n)
 
 
+def _is_utf8(text: str) -> bool:
+    """False for text holding lone surrogates (bytes that were not UTF-8, as Python passes them from argv)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 class Tokenizer:
     """The model's WordPiece tokenizer (``tokenizer.json``) with truncation and padding under our control."""
 
@@ -135,7 +144,13 @@ class Tokenizer:
     def encode(self, sentences: Sequence[str], max_length: int = MAX_SEQ, pad_to: int | None = None,
                multiple_of: int = 1) -> Batch:
         """Truncate to ``max_length`` tokens, pad to the longest (or ``pad_to``) rounded up to ``multiple_of``."""
-        encs = self.tok.encode_batch(list(sentences))
+        sentences = list(sentences)
+        for i, text in enumerate(sentences):
+            if not isinstance(text, str) or not _is_utf8(text):
+                raise tp.ParamError(op="MiniLM", arg=f"sentences[{i}]",
+                                    expected="a str of Unicode text (no lone surrogates)",
+                                    got=repr(text)[:80] if isinstance(text, str) else type(text).__name__)
+        encs = self.tok.encode_batch(sentences)
         rows = [e.ids[:max_length] for e in encs]
         if any(len(e.ids) > max_length for e in encs):  # keep [SEP] last, as the HF truncation does
             rows = [r if len(e.ids) <= max_length else r[:-1] + [e.ids[-1]] for r, e in zip(rows, encs)]

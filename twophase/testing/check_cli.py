@@ -31,16 +31,16 @@ def run(args: argparse.Namespace) -> int:
     from .matrix import LONG_N, format_table, progress_bar, run_matrix, shape_matrix
     unknown = [n for n in args.ops if n not in registry]
     if unknown:
-        print(f"unknown op(s): {', '.join(unknown)}", file=sys.stderr)
-        return 2
+        return _usage(f"unknown op(s): {', '.join(unknown)}")
     if args.dtypes not in (None, "all"):
-        bad = [d for d in args.dtypes.split(",") if d not in {t.value for t in DType}]
+        items = args.dtypes.split(",")
+        if not all(items):
+            return _usage(f"--dtypes takes comma-separated dtype names, got an empty one in {args.dtypes!r}")
+        bad = [d for d in items if d not in {t.value for t in DType}]
         if bad:
-            print(f"unknown dtype(s): {', '.join(bad)} (known: {', '.join(t.value for t in DType)})", file=sys.stderr)
-            return 2
-    if args.long_n is not None and args.long_n < 1 or args.seeds < 1 or args.fuzz < 0:
-        print("--long-n and --seeds take an int >= 1, --fuzz an int >= 0", file=sys.stderr)
-        return 2
+            return _usage(f"unknown dtype(s): {', '.join(bad)} (known: {', '.join(t.value for t in DType)})")
+    if args.long_n is not None and args.long_n < 1 or args.seeds < 1 or args.fuzz < 0 or args.seed < 0:
+        return _usage("--long-n and --seeds take an int >= 1, --seed and --fuzz an int >= 0")
     names = args.ops or sorted(registry)
     long_n = args.long_n or LONG_N
     results = []
@@ -59,8 +59,7 @@ def run(args: argparse.Namespace) -> int:
             failed += r.failed
     print(format_table(results))
     if not any(r.cases for r in results) and not args.fuzz:
-        print("nothing was checked: no op has a case for these dtypes", file=sys.stderr)
-        return 2
+        return _usage("nothing was checked: no op has a case for these dtypes")
     for r in results:
         for f in r.failures[: None if args.verbose else 3]:
             print(f"FAIL {r.op}: {f}")
@@ -73,3 +72,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"FUZZ {b}")
         failed += len(fz.bad)
     return 1 if failed else 0
+
+
+def _usage(message: str) -> int:
+    print(f"twophase check: {message}", file=sys.stderr)
+    return 2
