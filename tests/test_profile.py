@@ -169,3 +169,60 @@ def test_the_flow_of_a_failed_launch_does_not_end_on_a_later_stream_of_the_same_
     assert len(starts) == 1 and ends == set()
     old.close()
     new.close()
+
+
+def test_a_refused_launch_and_captured_launches_draw_no_arrow(dev, stream, rng):
+    x = dev.tensor(rng.standard_normal((8, 5000)).astype(np.float32), stream=stream)
+    with twophase.profile() as prof:
+        size, ex = twophase.ops.reduce_sum.get_workspace_size(x, dims=1)
+        out = dev.empty_like(ex.output_descs[0], stream)
+        ex.set_output(0, out)
+        assert size > 0
+        with pytest.raises(twophase.WorkspaceTooSmallError):
+            twophase.ops.reduce_sum(None, size, ex, stream)
+        ex.destroy()
+        out.free(stream)
+        with twophase.capture(stream) as g:
+            g.input("x", x)
+            g.output("y", twophase.exp(twophase.neg(x, stream=stream), stream=stream))
+        g.instantiate()
+        g.replay(stream)
+        y = twophase.relu(x, stream=stream)  # one eager launch: one arrow
+        stream.synchronize()
+    starts, ends = _flows(prof)
+    assert len(starts) == 1 and ends == starts
+    g.destroy()
+    for t in (x, y):
+        t.free(stream)
+
+
+def test_streams_sharing_a_name_get_a_track_each(dev, rng):
+    twins = [dev.stream("twin track"), dev.stream("twin track")]
+    x = dev.tensor(rng.standard_normal(16), stream=twins[0])
+    twins[0].synchronize()
+    with twophase.profile() as prof:
+        ys = [twophase.neg(x, stream=s) for s in twins]
+        for s in twins:
+            s.synchronize()
+    tracks = {e["tid"] for e in prof.events if e.get("cat") == "kernel" and e["name"] == "neg"}
+    names = [m["args"]["name"] for m in prof.trace()["traceEvents"] if m.get("name") == "thread_name"
+             and m["tid"] in tracks]
+    assert len(tracks) == 2 and sorted(names) == ["stream twin track", "stream twin track #2"]
+    for s, y in zip(twins, ys):
+        y.free(s)
+        s.close()
+
+
+def test_nested_profiles_count_each_kernel_once(dev, stream, rng):
+    x = dev.tensor(rng.standard_normal(16), stream=stream)
+    c = twophase.ops.neg.counters
+    before = c.kernel_count
+    with twophase.profile() as outer:
+        with twophase.profile() as inner:
+            ys = [twophase.neg(x, stream=stream) for _ in range(3)]
+            stream.synchronize()
+    assert c.kernel_count - before == 3
+    for prof in (outer, inner):
+        assert sum(1 for e in prof.events if e.get("cat") == "kernel" and e["name"] == "neg") == 3
+    for y in ys:
+        y.free(stream)

@@ -33,7 +33,9 @@ class Profiler:
         self._lock = threading.Lock()
         self._flow = itertools.count(1)
         self._pending_flows: TaskRecords[int] = TaskRecords()
-        self._streams: dict[str, int] = {}
+        self._started: set[int] = set()  # flows whose start is written and whose end is not
+        self._early: dict[int, dict[str, Any]] = {}  # ends of flows whose kernel ran before their start was written
+        self._streams: dict[Any, tuple[int, str]] = {}  # stream queue -> (track id, track name)
         self._threads: dict[int, str] = {}
 
     def us(self, t: float) -> float:
@@ -49,16 +51,34 @@ class Profiler:
         self._emit({"name": name, "cat": cat, "ph": "X", "ts": self.us(t0), "dur": self.us(t1) - self.us(t0),
                     "pid": 1, "tid": tid, "args": args})
 
-    def enqueue(self, stream: Stream, seq: int, t: float) -> dict[str, Any]:
+    def enqueue(self, stream: Stream, seq: int) -> dict[str, Any]:
+        """The start of the arrow to task ``seq``'s kernel, registered now (the kernel may run before phase 2
+        returns) and written by :meth:`launched` once phase 2 has enqueued it (a refused one draws none)."""
         fid = next(self._flow)
         self._pending_flows.put(stream._q, seq, fid)
-        ev = {"name": "launch", "cat": "flow", "ph": "s", "id": fid, "ts": self.us(t), "pid": 1,
-              "tid": threading.get_ident()}
-        self._emit(ev)
-        return ev
+        return {"name": "launch", "cat": "flow", "ph": "s", "id": fid, "pid": 1, "tid": threading.get_ident()}
+
+    def launched(self, start: dict[str, Any]) -> None:
+        with self._lock:
+            self.events.append(start)
+            end = self._early.pop(start["id"], None)
+            if end is not None:
+                self.events.append(end)
+            else:
+                self._started.add(start["id"])
+
+    def _track(self, stream_name: str) -> int:
+        q = running_queue()
+        with self._lock:
+            track = self._streams.get(q)
+            if track is None:  # one track per stream, even where two streams share a name
+                same = sum(1 for _, name in self._streams.values() if name.split(" #")[0] == stream_name)
+                track = self._streams[q] = (1_000_000 + len(self._streams),
+                                            f"{stream_name} #{same + 1}" if same else stream_name)
+        return track[0]
 
     def kernel(self, stream_name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
-        tid = self._streams.setdefault(stream_name, 1_000_000 + len(self._streams))
+        tid = self._track(stream_name)
         op = getattr(owner, "op", None)
         name = op.name if op is not None else ("marker" if owner is CONTROL else str(owner))
         args = {"executor": owner.id, "implementation": owner.plan.implementation} if op is not None else {}
@@ -66,12 +86,14 @@ class Profiler:
                     "pid": 1, "tid": tid, "args": args})
         fid = self._pending_flows.pop(running_queue(), seq)
         if fid is not None:
-            self._emit({"name": "launch", "cat": "flow", "ph": "f", "bp": "e", "id": fid, "ts": self.us(t0),
-                        "pid": 1, "tid": tid})
-        if op is not None:
-            c = op.counters
-            c.kernel_time += t1 - t0
-            c.kernel_count += 1
+            end = {"name": "launch", "cat": "flow", "ph": "f", "bp": "e", "id": fid, "ts": self.us(t0), "pid": 1,
+                   "tid": tid}
+            with self._lock:
+                if fid in self._started:
+                    self._started.discard(fid)
+                    self.events.append(end)
+                else:
+                    self._early[fid] = end
 
     def pool(self, pool: MemoryPool) -> None:
         st = pool.stats()
@@ -82,7 +104,7 @@ class Profiler:
         meta: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "twophase"}}]
         for tid, name in self._threads.items():
             meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"host {name}"}})
-        for name, tid in self._streams.items():
+        for tid, name in list(self._streams.values()):
             meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"stream {name}"}})
         with self._lock:
             return {"traceEvents": meta + list(self.events), "displayTimeUnit": "ms"}
@@ -106,9 +128,11 @@ _flow_starts = threading.local()
 def _phase2_start(op: Op, workspace: Any, size: int, executor: Any, stream: Stream) -> None:
     # the flow is registered before the launch: the kernel may finish before phase 2 returns (launch
     # blocking runs it inline, a fast worker may too) and it looks its flow up when it finishes
-    seq = stream._q.submitted + 1
-    t = time.perf_counter()
-    _flow_starts.evs = [(p, p.enqueue(stream, seq, t)) for p in _active]
+    q = stream._q
+    if getattr(q, "_capturing", False):  # recorded into a graph, never run as such: no arrow
+        _flow_starts.evs = []
+        return
+    _flow_starts.evs = [(p, p.enqueue(stream, q.submitted + 1)) for p in _active]
 
 
 def _phase2_done(op: Op, workspace: Any, size: int, executor: Any, stream: Stream, t0: float, t1: float) -> None:
@@ -119,12 +143,18 @@ def _phase2_done(op: Op, workspace: Any, size: int, executor: Any, stream: Strea
         p.host_span(f"phase2 {op.name}", "phase2", t0, t1, {"executor": executor.id, "stream": stream.name})
     for p, ev in getattr(_flow_starts, "evs", ()):
         ev["ts"] = p.us(t0)  # start the arrow inside the phase 2 span it was launched from
+        p.launched(ev)
     _flow_starts.evs = []
 
 
 def _listen(name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
     for p in _active:
         p.kernel(name, owner, t0, t1, seq)
+    op = getattr(owner, "op", None)
+    if op is not None:  # once per kernel, however many profiles are active
+        c = op.counters
+        c.kernel_time += t1 - t0
+        c.kernel_count += 1
 
 
 def _on_pool_change(pool: MemoryPool) -> None:
