@@ -40,7 +40,7 @@ def test_row_ops_on_padded_rows(name: str, shape: tuple[int, ...], where: str) -
     xin = on_device(x, "padded") if where != "output" else on_device(x)
     out = on_device(np.zeros(shape, np.float32), "padded") if where != "input" else None
     r = run_checked(op, xin, out=out, **attrs)
-    assert r.unwritten == (0,)
+    assert r.unwritten == (0,) and r.inputs_changed == ()
     np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), **attrs), rtol=2e-5,
                                atol=2e-6)
 
@@ -61,7 +61,7 @@ def test_norms_on_padded_rows(shape: tuple[int, ...], rms: bool) -> None:
         r = run_checked(ops.layer_norm, on_device(x, "padded"), w, b, out=outs, normalized_shape=(n,))
         want = ops.layer_norm.spec.reference(x.astype(np.float64), w, b, normalized_shape=(n,))
     want = want[0] if isinstance(want, tuple) else want
-    assert all(u == 0 for u in r.unwritten)
+    assert all(u == 0 for u in r.unwritten) and r.inputs_changed == ()
     np.testing.assert_allclose(r.outputs[0], want, rtol=2e-5, atol=2e-5)
 
 
@@ -72,6 +72,7 @@ def test_reductions_of_padded_rows(name: str, shape: tuple[int, ...]) -> None:
     x = _x(shape)
     attrs: dict[str, Any] = {"dim": -1} if name == "argmax" else {"dims": (-1,)}
     r = run_checked(op, on_device(x, "padded"), **attrs)
+    assert r.inputs_changed == ()
     want = op.spec.reference(x.astype(np.float64) if name != "argmax" else x, **attrs)
     np.testing.assert_allclose(r.outputs[0], want, rtol=1e-5, atol=1e-5)
 
@@ -83,7 +84,7 @@ def test_column_reductions_of_padded_rows(name: str, shape: tuple[int, ...], dim
     op = getattr(ops, name)
     x = _x(shape)
     r = run_checked(op, on_device(x, "padded"), dims=dims)
-    assert r.unwritten == (0,)
+    assert r.unwritten == (0,) and r.inputs_changed == ()
     np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), dims=dims), rtol=1e-5,
                                atol=1e-4)
 
@@ -101,7 +102,7 @@ def test_batch_norm_on_image_crops(shape: tuple[int, ...], where: str) -> None:
     out = on_device(np.zeros(shape, np.float32), "padded") if where != "input" else None
     r = run_checked(ops.batch_norm, xin, mean, var, w, b, out=out)
     assert r.implementation == "channels" and r.workspace_size == 0
-    assert r.unwritten == (0,)
+    assert r.unwritten == (0,) and r.inputs_changed == ()
     np.testing.assert_allclose(r.outputs[0], ops.batch_norm.spec.reference(
         x.astype(np.float64), mean, var, w, b), rtol=2e-5, atol=2e-5)
 
@@ -131,7 +132,7 @@ def test_direct_conv_on_image_crops(groups: int, stride: int, where: str) -> Non
     xin = on_device(x, "padded") if where != "output" else on_device(x)
     out = on_device(np.zeros(want.shape, np.float32), "padded") if where != "input" else None
     r = run_checked(ops.conv2d, xin, w, None, out=out, workspace_limit=0, **attrs)
-    assert r.implementation == "direct" and r.unwritten == (0,)
+    assert r.implementation == "direct" and r.unwritten == (0,) and r.inputs_changed == ()
     np.testing.assert_allclose(r.outputs[0], want, rtol=1e-4, atol=1e-4)
 
 
@@ -152,7 +153,7 @@ def test_group_norm_on_image_crops(shape: tuple[int, ...], groups: int, where: s
     r = run_checked(ops.group_norm, xin, w, b, out=out, num_groups=groups)
     huge = c // groups * math.prod(shape[2:]) > 65536
     assert r.implementation == ("split_groups" if huge else "groups")
-    assert r.unwritten == (0,)
+    assert r.unwritten == (0,) and r.inputs_changed == ()
     np.testing.assert_allclose(r.outputs[0], ops.group_norm.spec.reference(
         x.astype(np.float64), w, b, num_groups=groups), rtol=2e-5, atol=2e-5)
 
@@ -170,5 +171,5 @@ def test_pools_on_image_crops(name: str, attrs: dict[str, Any], where: str) -> N
     xin = on_device(x, "padded") if where != "output" else on_device(x)
     out = on_device(np.zeros(want.shape, np.float32), "padded") if where != "input" else None
     r = run_checked(op, xin, out=out, **attrs)
-    assert r.unwritten == (0,)
+    assert r.unwritten == (0,) and r.inputs_changed == ()
     np.testing.assert_allclose(r.outputs[0], want, rtol=1e-5, atol=1e-5)

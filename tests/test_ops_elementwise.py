@@ -49,7 +49,7 @@ def test_binary_matches_numpy_reference_with_broadcasting(name: str, shape: tupl
     attrs: dict[str, Any] = {"alpha": 2} if name in ("add", "sub") else {}
     r = run_checked(getattr(ops, name), on_device(x, layout), y, **attrs)
     ref = BINARY[name][1](x.astype(np.float64) if dtype != np.int32 else x, y, **attrs)
-    assert r.unwritten == (int(np.isnan(ref).sum()),) and r.workspace_size == 0
+    assert r.unwritten == (int(np.isnan(ref).sum()),) and r.workspace_size == 0 and r.inputs_changed == ()
     check_close(r.outputs[0], ref, r.outputs[0].dtype)
 
 
@@ -76,7 +76,7 @@ def test_where_broadcasts_cond_x_y() -> None:
     x, y = rng.standard_normal((5, 4)).astype(np.float32), np.float64(-1.0) * np.ones((1, 4))
     r = run_checked(ops.where, cond, on_device(x, "reversed"), y)
     np.testing.assert_array_equal(r.outputs[0], np.where(cond, x, y))
-    assert r.outputs[0].dtype == np.float64 and r.unwritten == (0,)
+    assert r.outputs[0].dtype == np.float64 and r.unwritten == (0,) and r.inputs_changed == ()
 
 
 DOMAIN_POSITIVE = {"log", "sqrt", "rsqrt"}
@@ -93,7 +93,7 @@ def test_unary_matches_float64_reference_in_any_layout(name: str, shape: tuple[i
     op = getattr(ops, name)
     r = run_checked(op, on_device(x, layout if x.ndim else "dense"), **attrs)
     ref = op.spec.reference(x.astype(np.float64), **attrs)
-    assert r.unwritten == (0,) and r.guards_intact
+    assert r.unwritten == (0,) and r.guards_intact and r.inputs_changed == ()
     assert r.touched <= r.workspace_size
     if dtype == np.float16 and name in ("exp", "tanh", "gelu") and x.size:
         assert r.implementation == "packed" and r.workspace_size >= x.size * 4

@@ -17,7 +17,7 @@ from twophase.testing import run_checked
 
 
 def _check(r: Any, ref: np.ndarray) -> None:
-    assert r.guards_intact and r.workspace_size == 0 and r.touched == 0
+    assert r.guards_intact and r.workspace_size == 0 and r.touched == 0 and r.inputs_changed == ()
     assert r.unwritten == (int(np.isnan(ref).sum()),)
     np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-5, atol=1e-6)
 

@@ -17,7 +17,7 @@ from twophase.testing import run_checked
 
 
 def all_written(r: Any) -> None:
-    assert r.guards_intact and all(u == 0 for u in r.unwritten)
+    assert r.guards_intact and all(u == 0 for u in r.unwritten) and r.inputs_changed == ()
 
 
 @settings(max_examples=40, deadline=None)

@@ -1,14 +1,17 @@
 """Run one op call under test conditions: outputs poisoned before the run, the workspace surrounded by
 guard bytes and filled with a pattern, so tests can assert every output element was written, nothing
-was written outside the workspace, and how far into the workspace the kernel wrote."""
+was written outside the workspace, how far into the workspace the kernel wrote, and that the inputs were left as
+they were."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from ..executor import ExecState, Executor
 from ..op import Op
 from ..runtime.device import Device, device
 from ..runtime.memory import Block
@@ -28,6 +31,7 @@ class CheckedRun:
     touched: int  # one past the highest workspace byte that the kernel changed (0 if none)
     guards_intact: bool
     unwritten: tuple[int, ...]  # per output: elements still holding the poison
+    inputs_changed: tuple[int, ...]  # positions of inputs whose values changed (an input run in place is not checked)
 
 
 def guarded_workspace(dev: Device, size: int, stream: Stream) -> tuple[Block, Block]:
@@ -57,29 +61,78 @@ def _unwritten(t: Tensor) -> int:
     return 0  # integer / bool outputs cannot be told apart from a legitimately equal value
 
 
+def _overlap(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
+    """Whether two views share memory (a view too hard to tell counts as shared)."""
+    if not np.may_share_memory(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(a, b, max_work=1 << 16))  # type: ignore[arg-type]
+    except np.exceptions.TooHardError:
+        return True
+
+
+def in_place_inputs(op: Op, inputs: Sequence[np.ndarray[Any, Any] | None],
+                    outputs: Sequence[np.ndarray[Any, Any] | None]) -> frozenset[int]:
+    """The inputs (by position) that the op may write: those its ``aliases`` allow and that share memory with an
+    output (the call runs in place). Every other input must keep its values."""
+    allowed = op.spec.aliases
+    return frozenset(i for i, x in enumerate(inputs)
+                     if x is not None and (allowed == "any" or (isinstance(allowed, tuple) and i in allowed))
+                     and any(o is not None and _overlap(x, o) for o in outputs))
+
+
+def changed_inputs(before: Sequence[bytes | None], inputs: Sequence[np.ndarray[Any, Any] | None],
+                   skip: frozenset[int] = frozenset()) -> tuple[int, ...]:
+    """The positions of inputs whose bytes differ from ``before`` (their C-order bytes: bitwise, so a NaN left a
+    NaN is unchanged and -0.0 for 0.0 is a change), ``skip`` aside."""
+    return tuple(i for i, (b, x) in enumerate(zip(before, inputs))
+                 if b is not None and x is not None and i not in skip and x.tobytes(order="C") != b)
+
+
+def input_name(op: Op, i: int) -> str:
+    """The name of input ``i`` of ``op`` as error messages give it (``xs[2]`` for the third variadic input)."""
+    names = op.spec.inputs
+    if names and names[-1].endswith("*") and i >= len(names) - 1:
+        return f"{names[-1].rstrip('*')}[{i - len(names) + 1}]"
+    return names[i].rstrip("?*") if i < len(names) else f"input {i}"
+
+
 def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = None, **attrs: Any) -> CheckedRun:
     """Phase 1 on the given inputs (numpy arrays are copied to the device, Tensors used as they are),
     poisoned outputs, a guarded workspace, phase 2, synchronize, then report what was written.
 
     Float outputs are poisoned with NaN: ``unwritten`` counts NaNs left, so compare it with the NaNs the
-    reference has.
+    reference has. An output bound in place to an input is not poisoned (the kernel reads it). Everything this
+    call allocates (input copies, outputs, workspace) is freed again in stream order, on error paths too, and an
+    executor that phase 2 did not consume is destroyed.
     """
     dev = device("cpu")
     stream = stream or dev.stream()
-    tensors = [x if (isinstance(x, Tensor) or x is None) else dev.tensor(np.asarray(x), stream=stream)
-               for x in inputs]
-    stream.synchronize()
-    given_out = out if isinstance(out, (tuple, list)) else (out,)
-    for t in (*tensors, *given_out):
-        if isinstance(t, Tensor):
-            t.synchronize()  # tensors made on another stream may still be copying in
-    size, ex = op.get_workspace_size(*tensors, out=out, **attrs)
-    ex._bind_new_outputs(dev, stream)
-    outs = [t for t in ex.outputs if t is not None]
-    for t in outs:
-        _poison(t)
-    outer, inner = guarded_workspace(dev, size, stream)
+    owned: list[Tensor] = []  # the input copies and new outputs: freed in stream order on every path
+    ex: Executor | None = None
+    outer: Block | None = None
     try:
+        tensors: list[Any] = []
+        for x in inputs:
+            if x is not None and not isinstance(x, Tensor):
+                x = dev.tensor(np.asarray(x), stream=stream)
+                owned.append(x)
+            tensors.append(x)
+        stream.synchronize()
+        given_out = out if isinstance(out, (tuple, list)) else (out,)
+        for t in (*tensors, *given_out):
+            if isinstance(t, Tensor):
+                t.synchronize()  # tensors made on another stream may still be copying in
+        size, ex = op.get_workspace_size(*tensors, out=out, **attrs)
+        owned += ex._bind_new_outputs(dev, stream)
+        in_views = [t.view() if isinstance(t, Tensor) else None for t in tensors]
+        outs = [t for t in ex.outputs if t is not None]
+        in_place = in_place_inputs(op, in_views, [t.view() for t in outs])
+        before = [None if v is None or i in in_place else v.tobytes(order="C") for i, v in enumerate(in_views)]
+        for t in outs:
+            if not any(v is not None and _overlap(t.view(), v) for v in in_views):
+                _poison(t)
+        outer, inner = guarded_workspace(dev, size, stream)
         op(inner, size, ex, stream)
         stream.synchronize()
         raw = outer.data
@@ -88,6 +141,11 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
         touched = int(changed[-1]) + 1 if changed.size else 0
         result = tuple(np.array(t.view(), copy=True) for t in outs)
         return CheckedRun(result, size, ex.implementation, ex.tiling, touched, guards,
-                          tuple(_unwritten(t) for t in outs))
+                          tuple(_unwritten(t) for t in outs), changed_inputs(before, in_views, in_place))
     finally:
-        outer.free(stream)
+        if ex is not None and ex.state is ExecState.READY:  # phase 2 refused it, or never reached
+            ex.destroy()
+        if outer is not None:
+            outer.free(stream)
+        for t in owned:
+            t.free(stream)  # in stream order: after the launch that uses it

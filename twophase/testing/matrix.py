@@ -20,6 +20,7 @@ from ..runtime.device import Device, device
 from ..runtime.stream import Stream
 from ..tensor import DType, Tensor
 from .cases import GENERATORS, Case, Layout, generic_cases
+from .checked import changed_inputs, in_place_inputs, input_name
 
 __all__ = ["shape_matrix", "run_case", "run_matrix", "MatrixResult", "CaseResult", "format_table", "TOLERANCE"]
 
@@ -117,11 +118,15 @@ def _host(x: Any, dtype_in: bool = True) -> Any:
     return a.astype(np.float64) if a.dtype.kind == "f" else a
 
 
-def _execute(op: Op, case: Case, dev: Device, streams: list[Stream], rng: np.random.Generator | None) -> list[Any]:
-    """Run the case's calls; with ``rng``, on random streams with random synchronization points."""
+def _execute(op: Op, case: Case, dev: Device, streams: list[Stream],
+             rng: np.random.Generator | None) -> tuple[list[Any], list[str]]:
+    """Run the case's calls; with ``rng``, on random streams with random synchronization points. Returns the
+    outputs of each call and the inputs the op changed (``"input 'x' of call 0"``: only an input bound in place
+    to an output may change)."""
     f = one_shot(op)
     keep: list[tuple[Tensor, Stream]] = []
     results: list[tuple[Any, ...]] = []
+    given: list[tuple[list[Any], list[Any]]] = []  # per call: the host inputs and the tensors made of them
     try:
         for call in case.calls:
             s = streams[int(rng.integers(len(streams)))] if rng is not None else streams[0]
@@ -132,13 +137,25 @@ def _execute(op: Op, case: Case, dev: Device, streams: list[Stream], rng: np.ran
             ys = y if isinstance(y, tuple) else (y,)
             keep += [(t, s) for t in ys]
             results.append(ys)
+            given.append((list(call.inputs), ins))
             if rng is not None and rng.random() < 0.4:
                 other = streams[int(rng.integers(len(streams)))]
                 if rng.random() < 0.5:
                     other.synchronize()
                 else:
                     other.wait_event(s.record_event())
-        return [tuple(t.numpy() for t in ys) for ys in results]
+        outs = [tuple(t.numpy() for t in ys) for ys in results]
+        for s in streams:
+            s.synchronize()  # every launch has read its inputs
+        changed = []
+        for k, ((hosts, ins), ys) in enumerate(zip(given, results)):
+            views = [t.view() if isinstance(t, Tensor) else None for t in ins]
+            before = [None if x is None or v is None else  # as copied in (a Python scalar took the tensors' dtype)
+                      np.asarray(x.array if isinstance(x, Layout) else x, dtype=v.dtype).tobytes(order="C")
+                      for x, v in zip(hosts, views)]
+            skip = in_place_inputs(op, views, [t.view() for t in ys if isinstance(t, Tensor)])
+            changed += [f"input '{input_name(op, i)}' of call {k}" for i in changed_inputs(before, views, skip)]
+        return outs, changed
     finally:
         for s in streams:
             try:
@@ -180,11 +197,11 @@ def run_case(op: Op, dtype: DType, case: Case, seed: int = 0, n_streams: int = 3
     try:
         with sanitizer.sanitize():
             try:
-                a = _execute(op, case, dev, streams, np.random.default_rng(seed))
+                a, changed_a = _execute(op, case, dev, streams, np.random.default_rng(seed))
                 was = config.settings.launch_blocking
                 config.set_launch_blocking(True)
                 try:
-                    b = _execute(op, case, dev, streams[:1], None)
+                    b, changed_b = _execute(op, case, dev, streams[:1], None)
                 finally:
                     config.set_launch_blocking(was)
             except ParamError as exc:
@@ -203,8 +220,15 @@ def run_case(op: Op, dtype: DType, case: Case, seed: int = 0, n_streams: int = 3
     for call, ra, rb in zip(case.calls, a, b):
         refs: Any = None
         if ref_fn is not None:
-            refs = ref_fn(*(_host(x) for x in call.inputs), **op._attrs(call.attrs))
+            try:
+                refs = ref_fn(*(_host(x) for x in call.inputs), **op._attrs(call.attrs))
+            except Exception as exc:  # noqa: BLE001 - a bug of the reference: this case fails, the run goes on
+                return CaseResult(label, False, math.inf, message=f"the reference of op '{op.name}' raised "
+                                  f"{type(exc).__name__}: {exc}")
             refs = tuple(refs) if isinstance(refs, (tuple, list)) else (refs,)
+            if len(refs) != len(ra):
+                return CaseResult(label, False, math.inf, message=f"the reference of op '{op.name}' returned "
+                                  f"{len(refs)} output(s), expected {len(ra)} (one per output of the op)")
         for i, (oa, ob) in enumerate(zip(ra, rb)):
             for name, o, r in (("async run", oa, None if refs is None else refs[i]), ("launch-blocking run", ob, oa)):
                 if r is None:
@@ -216,6 +240,10 @@ def run_case(op: Op, dtype: DType, case: Case, seed: int = 0, n_streams: int = 3
                         ("from the reference" if name == "async run" else "from the async run")
             if refs is not None:
                 worst = max(worst, _error(ob, refs[i])[0])
+    changed = list(dict.fromkeys(changed_a + changed_b))
+    if changed:
+        what = f"op '{op.name}' changed its {', '.join(changed)} (only an input bound in place to an output may change)"
+        ok, msg = False, (f"{msg}; {what}" if msg else what)
     return CaseResult(label, ok, worst, message=msg)
 
 

@@ -1,0 +1,186 @@
+"""The test harness itself: run_checked frees what it allocates (on error paths too) and flags an op that changes
+its inputs; run_matrix fails such an op's cases, and a reference with the wrong number of outputs fails its cases
+instead of aborting the run."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+import twophase as tp
+from twophase.cli import main
+from twophase.errors import TwoPhaseError
+from twophase.op import Op, OpDef, Plan
+from twophase.testing import run_checked, run_matrix
+
+
+@contextlib.contextmanager
+def _registered(name: str, kernel: Callable[[Any, Any], None], n_inputs: int = 1, n_outputs: int = 1,
+                reference: Any = None, aliases: tuple[int, ...] = ()) -> Iterator[Op]:
+    """A planted float32 op ``kernel(input_views, output_views)`` in the registry for the block (each test uses
+    its own name: one-shot functions are cached per op)."""
+    def infer(ins: Any, attrs: Any) -> tuple[tp.TensorDesc, ...]:
+        return (tp.TensorDesc(ins[0].shape, ins[0].dtype),) * n_outputs
+    op = tp.register(OpDef(
+        name=name, inputs=tuple(f"x{i}" for i in range(n_inputs)), outputs=tuple(f"out{i}" for i in range(n_outputs)),
+        dtypes=(tp.DType.float32,), infer=infer,
+        select=lambda ins, outs, attrs, limit: Plan("planted", None, 0), implementations=("planted",),
+        kernels={"cpu": lambda plan, attrs, ins, outs: lambda _: kernel(ins, outs)}, reference=reference,
+        aliases=aliases))
+    try:
+        yield op
+    finally:
+        del tp.registry[name]
+
+
+def _clobber_first(x: Any) -> None:
+    """Write into the caller's memory of ``x`` (a no-op on an empty or non-contiguous view)."""
+    flat = x.reshape(-1)
+    if flat.size and np.shares_memory(flat, x):
+        flat[0] = 12345.0
+
+
+def _random(*shape: int, seed: int = 0) -> np.ndarray[Any, Any]:
+    return np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+
+
+def _allocated() -> int:
+    gc.collect()
+    return int(tp.device().pool.stats()["allocated_bytes"] or 0)
+
+
+# ---- D5: run_checked frees everything it allocates
+
+def test_run_checked_leaves_nothing_allocated_after_success_and_failures() -> None:
+    """Input copies, outputs and workspace go back to the pool, also when phase 1 refuses, phase 2 refuses (a
+    closed stream) or the kernel fails; an executor phase 2 did not consume is destroyed."""
+    dev = tp.device()
+    x = _random(128, 64)
+    kept = dev.tensor(x)  # a caller's tensor: used as it is, not freed
+    kept.synchronize()
+    before = _allocated()
+    for _ in range(3):
+        r = run_checked(tp.ops.softmax, x, dim=-1)
+        e = np.exp(x.astype(np.float64) - x.max(-1, keepdims=True))
+        np.testing.assert_allclose(r.outputs[0], e / e.sum(-1, keepdims=True), rtol=1e-5, atol=1e-7)
+    assert _allocated() == before
+    run_checked(tp.ops.add, kept, x)
+    with pytest.raises(TwoPhaseError):  # phase 1 refuses: the input copies made so far are freed
+        run_checked(tp.ops.add, x, np.ones((3, 5), np.float32))
+    closed = dev.stream()
+    closed.close()
+    op = tp.ops.neg
+    destroyed = op.counters.destroyed
+    with pytest.raises(TwoPhaseError):  # phase 2 refuses the closed stream
+        run_checked(op, kept, stream=closed)
+    assert op.counters.destroyed == destroyed + 1  # the executor phase 2 refused is destroyed
+
+    def fail(ins: Any, outs: Any) -> None:
+        raise RuntimeError("planted kernel failure")
+    with _registered("harness_failing_kernel", fail) as bad, pytest.raises(TwoPhaseError):
+        run_checked(bad, x)  # phase 2 fails in the kernel
+    assert _allocated() == before
+    np.testing.assert_array_equal(kept.numpy(), x)
+
+
+def test_run_checked_reports_no_leak_to_the_sanitizer() -> None:
+    with tp.sanitizer.sanitize():
+        token = tp.sanitizer.mark()
+        r = run_checked(tp.ops.relu, _random(64, 64, seed=1))
+        gc.collect()
+        assert tp.sanitizer.report(since=token, warn=False) == []
+    assert r.inputs_changed == () and r.unwritten == (0,)
+
+
+# ---- D9: an op must leave its inputs as they were, unless an output is bound to them in place
+
+def test_run_checked_flags_an_input_the_kernel_writes() -> None:
+    def copy_and_clobber(ins: Any, outs: Any) -> None:
+        np.copyto(outs[0], ins[0])
+        _clobber_first(ins[0])
+    x = _random(4, 5, seed=2)
+    with _registered("harness_writes_input", copy_and_clobber) as op:
+        r = run_checked(op, x)
+        t = tp.device().tensor(x)
+        r_tensor = run_checked(op, t)
+    np.testing.assert_array_equal(r.outputs[0], x)  # the outputs are right: only the input check catches it
+    assert r.unwritten == (0,) and r.guards_intact
+    assert r.inputs_changed == (0,) and r_tensor.inputs_changed == (0,)
+    assert t.numpy()[0, 0] == 12345.0
+    t.free()
+    assert run_checked(tp.ops.mul, x, _random(5, seed=3)).inputs_changed == ()
+
+
+def test_run_checked_skips_only_the_input_an_output_is_bound_to_in_place() -> None:
+    dev = tp.device()
+    x = _random(6, 7, seed=4)
+    t = dev.tensor(x)
+    r = run_checked(tp.ops.relu, t, out=t)  # in place: the input is the output (not poisoned, not checked)
+    np.testing.assert_array_equal(r.outputs[0], np.maximum(x, 0))
+    assert r.inputs_changed == () and r.unwritten == (0,)
+    t.free()
+
+    def add_into_first_and_clobber_second(ins: Any, outs: Any) -> None:
+        np.add(ins[0], ins[1], out=outs[0])
+        _clobber_first(ins[1])
+    def write_first(ins: Any, outs: Any) -> None:
+        np.add(ins[0], ins[1], out=outs[0])
+        _clobber_first(ins[0])
+
+    def write_second(ins: Any, outs: Any) -> None:
+        np.add(ins[0], ins[1], out=outs[0])
+        _clobber_first(ins[1])
+    y = _random(6, 7, seed=5)
+    with _registered("harness_in_place_add", write_second, n_inputs=2, aliases=(0,)) as op:
+        a, b = dev.tensor(x), dev.tensor(y)
+        r = run_checked(op, a, b, out=a)  # input 0 is written in place; input 1 must not change
+        assert r.inputs_changed == (1,)
+        np.testing.assert_allclose(r.outputs[0], x.astype(np.float64) + y, rtol=1e-6)
+        a.free()
+        b.free()
+    with _registered("harness_aliasable_writes_input", write_first, n_inputs=2, aliases=(0,)) as op2:
+        # the op may run in place, but here its output is memory of its own: input 0 must keep its values
+        assert run_checked(op2, x, y).inputs_changed == (0,)
+
+
+def test_run_matrix_fails_the_cases_of_an_op_that_writes_its_input() -> None:
+    def copy_and_clobber(ins: Any, outs: Any) -> None:
+        np.copyto(outs[0], ins[0])
+        _clobber_first(ins[0])
+    name = "harness_matrix_writes_input"
+    with _registered(name, copy_and_clobber, reference=lambda x: np.array(x, np.float64)):
+        r = run_matrix(name, long_n=257)
+    assert r.failed > 0 and r.largest_error == 0.0  # the values are right
+    assert any(f"op '{name}' changed its input 'x0' of call 0" in f for f in r.failures), r.failures
+    assert not any("empty" in f for f in r.failures)  # nothing to write in an empty input
+
+
+# ---- D8: a reference with the wrong number of outputs fails its cases, and the run goes on
+
+def test_a_reference_with_too_few_outputs_fails_the_cases_and_check_goes_on(capsys: pytest.CaptureFixture[str]) -> None:
+    def two_copies(ins: Any, outs: Any) -> None:
+        np.copyto(outs[0], ins[0])
+        np.copyto(outs[1], ins[0])
+    name = "harness_two_outputs_one_reference"
+    with _registered(name, two_copies, n_outputs=2, reference=lambda x: np.array(x, np.float64)):
+        r = run_matrix(name, long_n=257)
+        assert r.cases > 0 and r.failed == r.cases and r.passed == 0
+        assert f"the reference of op '{name}' returned 1 output(s), expected 2" in r.failures[0]
+        assert main(["check", name, "neg", "--long-n", "257"]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL {name}" in out and "\nneg " in out and "FAIL neg" not in out
+
+
+def test_a_reference_that_raises_fails_the_cases() -> None:
+    def bad_reference(x: Any) -> Any:
+        raise ValueError("planted reference bug")
+    name = "harness_reference_raises"
+    with _registered(name, lambda ins, outs: np.copyto(outs[0], ins[0]), reference=bad_reference):
+        r = run_matrix(name, long_n=257)
+    assert r.cases > 0 and r.failed == r.cases
+    assert f"the reference of op '{name}' raised ValueError: planted reference bug" in r.failures[0]
