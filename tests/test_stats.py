@@ -3,8 +3,12 @@ misses, created = destroyed + live, histograms sum to the executors, phase 2 = l
 
 from __future__ import annotations
 
+import gc
 import io
 import json
+
+import numpy as np
+import pytest
 
 import twophase
 from twophase import ops
@@ -12,8 +16,8 @@ from twophase import ops
 
 def _adds_up(c):
     assert c["phase1_calls"] == c["cache_hits"] + c["cache_misses"]
-    assert c["executors_created"] == c["executors_destroyed"] + c["executors_live"]
-    assert sum(c["reuse_histogram"].values()) == c["executors_created"]
+    assert c["executors_created"] == c["executors_destroyed"] + c["executors_live"] + c["executors_dropped"]
+    assert sum(c["reuse_histogram"].values()) == c["executors_created"] - c["executors_dropped"]
     assert sum(c["workspace_histogram"].values()) == c["executors_created"]
     weighted = sum(int(k) for k, v in c["reuse_histogram"].items() for _ in range(v))
     assert c["phase2_calls"] <= weighted  # buckets are powers of two >= the launches
@@ -83,3 +87,54 @@ def test_report_lists_each_called_op_with_its_counts(fresh_cache, dev, rng):
     line = next(ln for ln in text.splitlines() if ln.startswith("reduce_sum"))
     assert line.split()[1:4] == ["2", "1", "1"]  # phase1, hits, misses
     assert "device cpu" in text
+
+    assert line.split()[7] == "-"  # kernel time: nothing was profiled, so nothing to show (not a 0.0)
+
+
+def test_refused_phase1_calls_count_nowhere_and_dropped_executors_are_counted(fresh_cache, dev, rng):
+    x = dev.tensor(rng.standard_normal((2, 3)))
+    for bad in ({"dim": 5}, {"workspace_limit": -1}):
+        with pytest.raises(twophase.ParamError):
+            ops.softmax.get_workspace_size(x, **bad)
+    with pytest.raises(twophase.ParamError):
+        ops.softmax.get_workspace_size("not a tensor")
+    c = twophase.stats.snapshot()["ops"].get("softmax")
+    assert c is None or (c["phase1_calls"], c["cache_misses"]) == (0, 0)
+    _, ex = ops.softmax.get_workspace_size(x)
+    del ex  # dropped without phase 2 or destroy
+    gc.collect()
+    c = twophase.stats.snapshot()["ops"]["softmax"]
+    assert (c["phase1_calls"], c["executors_created"], c["executors_live"], c["executors_dropped"]) == (1, 1, 0, 1)
+    _adds_up(c)
+
+
+def test_max_workspace_is_the_largest_in_bytes_not_its_bucket(fresh_cache, dev, rng):
+    x = dev.tensor(np.ones((3, 300000)))
+    size, ex = ops.reduce_sum.get_workspace_size(x, dims=1)
+    ex.destroy()
+    c = twophase.stats.snapshot()["ops"]["reduce_sum"]
+    assert size == 1792 and c["workspace_histogram"] == {"2048": 1}
+    assert c["max_workspace_bytes"] == size and twophase.stats.means(c)[3] == size
+
+
+def test_a_dropped_graph_replay_counts_no_launch(fresh_cache, dev, stream, rng):
+    """A replay whose task never runs (an earlier task on the stream failed) launches none of its nodes."""
+    x = dev.tensor(rng.standard_normal(8), stream=stream)
+    with twophase.capture(stream) as g:
+        g.input("x", x)
+        g.output("y", twophase.exp(x, stream=stream))
+    g.instantiate()
+    g.replay(stream)
+    stream.synchronize()
+
+    def fail() -> None:
+        raise ZeroDivisionError("planted")
+    stream.launch_callback(fail)
+    g.replay(stream)
+    with pytest.raises(twophase.KernelError, match="planted"):
+        stream.synchronize()
+    assert twophase.stats.snapshot()["ops"]["exp"]["phase2_calls"] == 2  # the capture's own, and one replay
+    np.testing.assert_allclose(g.replay(stream)["y"].numpy(), np.exp(x.numpy()))
+    assert twophase.stats.snapshot()["ops"]["exp"]["phase2_calls"] == 3
+    g.destroy()
+    x.free(stream)

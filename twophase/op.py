@@ -21,7 +21,7 @@ from .layout import same_view, self_overlapping
 from .runtime.device import NO_WORKSPACE
 from .runtime.memory import Block
 from .runtime.stream import Stream
-from .stats import OpCounters, bucket
+from .stats import OpCounters
 from .tensor import DType, Format, Tensor, TensorDesc
 
 _log = logging.getLogger("twophase")
@@ -155,7 +155,6 @@ class Op:
         outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
         limit = effective_limit(self.name, workspace_limit)
         counters = self.counters
-        counters.phase1 += 1
         cache = thread_cache()
         key = entry = None
         if cache is not None:
@@ -163,8 +162,8 @@ class Op:
             if key is not None:
                 entry = cache.get(key)
         if entry is None:
+            entry = self._plan(in_descs, outs, limit, attrs)  # refused calls count nowhere
             counters.misses += 1
-            entry = self._plan(in_descs, outs, limit, attrs)
             if key is not None:
                 cache.put(key, entry)  # type: ignore[union-attr]
             hit = False
@@ -177,10 +176,8 @@ class Op:
                 if isinstance(g, Tensor):
                     bound[len(in_descs) + i] = g
         ex = Executor._make(self, plan, norm, in_descs, out_descs)
-        counters.created += 1
-        counters.live.add(ex)
-        ws = bucket(plan.workspace_size)
-        counters.workspace[ws] = counters.workspace.get(ws, 0) + 1
+        counters.phase1 += 1
+        counters.on_create(ex)
         if bound:
             ex._bind_many(bound)
         if _log.isEnabledFor(logging.DEBUG):

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from .executor import Executor
 
-__all__ = ["OpCounters", "snapshot", "report", "reset", "bucket", "means"]
+__all__ = ["OpCounters", "snapshot", "report", "reset", "bucket", "means", "us"]
 
 
 def bucket(n: int) -> int:
@@ -23,7 +23,8 @@ class OpCounters:
     """Counters of one op. ``live`` holds the executors not yet released (weakly)."""
 
     __slots__ = ("phase1", "hits", "misses", "created", "destroyed", "retired_launches", "reuse", "workspace",
-                 "live", "phase1_time", "phase2_time", "kernel_time", "kernel_count", "phase2_timed", "phase1_timed")
+                 "max_workspace", "live", "phase1_time", "phase2_time", "kernel_time", "kernel_count", "phase2_timed",
+                 "phase1_timed")
 
     def __init__(self) -> None:
         self.live: weakref.WeakSet[Executor] = weakref.WeakSet()
@@ -34,14 +35,22 @@ class OpCounters:
         self.created = self.destroyed = self.retired_launches = 0
         self.reuse: dict[int, int] = {}
         self.workspace: dict[int, int] = {}
+        self.max_workspace = 0
         self.phase1_time = self.phase2_time = self.kernel_time = 0.0
         self.kernel_count = self.phase2_timed = self.phase1_timed = 0
-        # executors still alive carry into the new period, so that created == destroyed + live holds
+        # executors still alive carry into the new period, so that created == destroyed + live + dropped holds
         for ex in list(self.live):
             ex.launches = 0
-            self.created += 1
-            b = bucket(ex.workspace_size)
-            self.workspace[b] = self.workspace.get(b, 0) + 1
+            self.on_create(ex)
+
+    def on_create(self, ex: Executor) -> None:
+        self.created += 1
+        self.live.add(ex)
+        n = ex.workspace_size
+        b = bucket(n)
+        self.workspace[b] = self.workspace.get(b, 0) + 1
+        if n > self.max_workspace:
+            self.max_workspace = n
 
     def on_release(self, ex: Executor) -> None:
         n = ex.phase2_calls
@@ -65,6 +74,8 @@ class OpCounters:
             "executors_created": self.created,
             "executors_destroyed": self.destroyed,
             "executors_live": len(live),
+            "executors_dropped": self.created - self.destroyed - len(live),  # collected without release
+            "max_workspace_bytes": self.max_workspace,
             "reuse_histogram": {str(k): v for k, v in sorted(reuse.items())},
             "workspace_histogram": {str(k): v for k, v in sorted(self.workspace.items())},
             "phase1_time_s": self.phase1_time,
@@ -98,12 +109,18 @@ def reset() -> None:
         dev.pool.reset_peak()
 
 
-def means(c: dict[str, Any]) -> tuple[float, float, float, int]:
-    """(phase-1 us, phase-2 us, kernel us) per timed call and the largest workspace bucket of one op's snapshot."""
-    p1 = c["phase1_time_s"] / c["phase1_timed_calls"] * 1e6 if c["phase1_timed_calls"] else 0.0
-    p2 = c["phase2_time_s"] / c["phase2_timed_calls"] * 1e6 if c["phase2_timed_calls"] else 0.0
-    k = c["kernel_time_s"] / c["kernel_count"] * 1e6 if c["kernel_count"] else 0.0
-    return p1, p2, k, max((int(b) for b in c["workspace_histogram"]), default=0)
+def means(c: dict[str, Any]) -> tuple[float | None, float | None, float | None, int]:
+    """(phase-1 us, phase-2 us, kernel us) per timed call (None: nothing was timed, as outside ``profile()``)
+    and the largest workspace in bytes of one op's snapshot."""
+    p1 = c["phase1_time_s"] / c["phase1_timed_calls"] * 1e6 if c["phase1_timed_calls"] else None
+    p2 = c["phase2_time_s"] / c["phase2_timed_calls"] * 1e6 if c["phase2_timed_calls"] else None
+    k = c["kernel_time_s"] / c["kernel_count"] * 1e6 if c["kernel_count"] else None
+    return p1, p2, k, c["max_workspace_bytes"]
+
+
+def us(t: float | None, width: int, digits: int = 1) -> str:
+    """A mean time for a table column: '-' where nothing was timed (a 0.0 would read as measured)."""
+    return f"{'-':>{width}}" if t is None else f"{t:>{width}.{digits}f}"
 
 
 def _fmt_bytes(n: float) -> str:
@@ -118,12 +135,13 @@ def report(file: Any = None) -> str:
     """Print (and return) a table of the per-op counters and the pool watermarks."""
     snap = snapshot()
     head = (f"{'op':<28}{'phase1':>8}{'hits':>8}{'miss':>6}{'phase2':>9}{'live':>6}"
-            f"{'p1 us':>9}{'p2 us':>8}{'kern us':>9}  workspace (max bucket)")
+            f"{'p1 us':>9}{'p2 us':>8}{'kern us':>9}  max workspace")
     lines = [head, "-" * len(head)]
     for name, c in snap["ops"].items():
         p1, p2, k, ws = means(c)
         lines.append(f"{name:<28}{c['phase1_calls']:>8}{c['cache_hits']:>8}{c['cache_misses']:>6}"
-                     f"{c['phase2_calls']:>9}{c['executors_live']:>6}{p1:>9.1f}{p2:>8.2f}{k:>9.1f}  {_fmt_bytes(ws)}")
+                     f"{c['phase2_calls']:>9}{c['executors_live']:>6}{us(p1, 9)}{us(p2, 8, 2)}{us(k, 9)}  "
+                     f"{_fmt_bytes(ws)}")
     for name, p in snap["devices"].items():
         lines.append(f"device {name}: allocated {_fmt_bytes(p['allocated_bytes'])}, reserved "
                      f"{_fmt_bytes(p['reserved_bytes'])}, peak allocated {_fmt_bytes(p['peak_allocated_bytes'])}, "

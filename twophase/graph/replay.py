@@ -16,7 +16,6 @@ from ..executor import Executor
 from ..runtime.device import NO_WORKSPACE
 from ..runtime.memory import Block
 from ..runtime.stream import CONTROL, TASK_LISTENERS, Event, Stream, describe_owner
-from ..stats import bucket
 from ..tensor import Tensor, TensorDesc
 from .planner import DEFAULT_ALIGNMENT, ArenaPlan, Buffer, liveness, plan_arena
 from .virtual import VirtualBlock
@@ -360,11 +359,7 @@ class Graph:
         """A repeatable executor of the node's plan bound to arena / external tensors (no phase 1 again)."""
         op, dev = node.op, self.device
         ex = Executor._make(op, node.plan, node.attrs, node.input_descs, node.output_descs)
-        c = op.counters
-        c.created += 1
-        c.live.add(ex)
-        w = bucket(node.workspace_size)
-        c.workspace[w] = c.workspace.get(w, 0) + 1
+        op.counters.on_create(ex)
         ex.set_repeatable()
         bind = {s: Tensor._make(o[0], blocks[o[1]] if type(o[1]) is int else o[1], dev)
                 for s, o in enumerate(node.operands) if o is not None}
@@ -403,8 +398,6 @@ class Graph:
         seq = stream._enqueue(_run_graph, (steps, self, stream._q), self)
         for b in self._mark_blocks:
             b.mark_use(stream, seq)  # host reads wait for the replay (and the sanitizer sees the use)
-        for ex in self._execs:
-            ex.launches += 1
         self._last_seq = seq
         self.replays += 1
         return self._outputs
@@ -534,10 +527,11 @@ class Graph:
 def _run_graph(arg: tuple[list[tuple[Any, Any, int]], Graph, Any]) -> None:
     """The replay task: every prebuilt launch in order; per-node spans for task listeners (the profiler)."""
     steps, graph, q = arg
+    execs = graph._execs
     i = -1
     try:
         if TASK_LISTENERS:
-            execs, seq, perf = graph._execs, q.done + 1, time.perf_counter
+            seq, perf = q.done + 1, time.perf_counter
             for launch, ws, i in steps:
                 t0 = perf()
                 launch(ws)
@@ -548,4 +542,10 @@ def _run_graph(arg: tuple[list[tuple[Any, Any, int]], Graph, Any]) -> None:
             for launch, ws, i in steps:  # noqa: B007  (i names the failing node)
                 launch(ws)
     except BaseException as exc:
+        for _, _, j in steps:  # the nodes that ran count as launched; a dropped replay counts nothing
+            if j == i:
+                break
+            execs[j].launches += 1
         raise graph._node_error(i, exc) from exc
+    for ex in execs:  # as a stream worker counts an eager launch: once its task has run
+        ex.launches += 1

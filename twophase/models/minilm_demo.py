@@ -43,8 +43,9 @@ def counters_table(impls: dict[str, set[str]]) -> str:
     lines = [head, "-" * len(head)]
     for name, c in snap.items():
         p1, p2, k, ws = tp.stats.means(c)
-        lines.append(f"{name:<29}{c['phase1_calls']:>9}{p1:>8.1f}{c['cache_hits']:>7}{c['cache_misses']:>6}"
-                     f"{c['phase2_calls']:>9}{p2:>7.1f}{k:>9.1f}{ws:>10}  {', '.join(sorted(impls.get(name, ())))}")
+        lines.append(f"{name:<29}{c['phase1_calls']:>9}{tp.stats.us(p1, 8)}{c['cache_hits']:>7}{c['cache_misses']:>6}"
+                     f"{c['phase2_calls']:>9}{tp.stats.us(p2, 7)}{tp.stats.us(k, 9)}{ws:>10}  "
+                     f"{', '.join(sorted(impls.get(name, ())))}")
     return "\n".join(lines)
 
 
