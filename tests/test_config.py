@@ -100,7 +100,7 @@ def test_a_refused_workspace_limit_leaves_ops_working(dev) -> None:
     ("TWOPHASE_WORKSPACE_LIMIT", "1e6"), ("TWOPHASE_WORKSPACE_LIMIT", "-1"), ("TWOPHASE_CACHE_LIMIT", "-5"),
     ("TWOPHASE_HELPER_SPIN_US", "-1"), ("TWOPHASE_LOG_LEVEL", "bogus"), ("TWOPHASE_LOG_LEVEL", "-3"),
     ("TWOPHASE_DETERMINISTIC", "maybe"), ("TWOPHASE_DISABLE_CACHE", "2"), ("TWOPHASE_LAUNCH_BLOCKING", "y"),
-    ("TWOPHASE_SANITIZE", "enabled"),
+    ("TWOPHASE_SANITIZE", "enabled"), ("TWOPHASE_CACHE_LIMIT", "1_000"), ("TWOPHASE_NUM_THREADS", "+3"),
 ])
 def test_a_bad_variable_raises_a_param_error_naming_it(monkeypatch: pytest.MonkeyPatch, var: str, raw: str) -> None:
     monkeypatch.setenv(var, raw)

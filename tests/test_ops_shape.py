@@ -204,3 +204,13 @@ def test_embedding_of_a_float16_table_copies_its_bits(layout: str) -> None:
     idx = np.array([[1, 0], [0, 1]], np.int64)
     got = run_checked(ops.embedding, on_device(w, layout), idx).outputs[0]
     assert got.dtype == np.float16 and got.tobytes() == w[idx].tobytes()
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "bool"])
+def test_embedding_refuses_tables_of_dtypes_it_does_not_list(dtype: str) -> None:
+    dev = device("cpu")
+    w = dev.tensor(np.ones((4, 3), dtype=dtype))
+    assert DType(dtype) not in ops.embedding.spec.dtypes
+    with pytest.raises(ParamError) as e:
+        ops.embedding.get_workspace_size(w, dev.tensor(np.array([0, 1])))
+    assert e.value.arg == "weight"

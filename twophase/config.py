@@ -40,10 +40,9 @@ def _count(value: object, op: str, arg: str, expected: str) -> int:
     """An int >= 0 (bools and floats refused: 2.7 must not become 2); from the environment a base-10 integer."""
     v = value
     if op == _ENV and isinstance(value, str):
-        try:
-            v = int(value, 10)
-        except ValueError:
-            raise _bad(op, arg, expected, value) from None
+        if not (value.isascii() and value.isdigit()):  # int() would also take '+3' and '1_000'
+            raise _bad(op, arg, expected, value)
+        v = int(value, 10)
     if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
         raise _bad(op, arg, expected, value)
     return int(v)

@@ -150,6 +150,10 @@ def _sum_dtype(x: TensorDesc) -> DType:
     return x.dtype if x.dtype.is_float else DType.int64
 
 
+_LEVELS = ("n_1 = ceil(R/4096), n_(i+1) = ceil(n_i/4096) while n_i > 4096 (no level when R <= 4096); "
+           "p = itemsize, 4 for float16 (packed as float32)")
+
+
 def _infer_sum(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     x = need("reduce_sum", "x", ins[0])
     check_dtype("reduce_sum", "x", x, NUMERIC + (DType.bool,))
@@ -185,13 +189,14 @@ reduce_sum = register(OpDef(
     select=_select_sum,
     kernels={"cpu": _build_sum},
     implementations=("tree", "tree_parallel"),
-    workspace_formula=("K*8*sum(levels) + [K*R*itemsize if packed] + [K*8 if float16]; "
-                       "levels = ceil(R/4096), ... while > 4096"),
+    workspace_formula=("sum over levels of align64(K*n_i*8) + [align64(K*R*p) if packed] + [align64(K*8) if float16]; "
+                       + _LEVELS),
     doc=("Sum over ``dims`` as a block tree: level i sums blocks of 4096 into partials (float64 / int64) in "
          "the workspace, the last level writes ``out``. Workspace: sum over non-final levels of "
          "align64(K * n_i * 8) with n_1 = ceil(R / 4096), n_(i+1) = ceil(n_i / 4096) while n_i > 4096 "
-         "(0 when R <= 4096), plus align64(K * R * itemsize) when the input must be packed "
-         "(its kept or reduced dims do not merge into one stride, or float16), plus align64(K * 8) for float16 "
+         "(0 when R <= 4096), plus align64(K * R * p) when the input must be packed (its kept or reduced dims do "
+         "not merge into one stride, or float16; p = itemsize, 4 for float16, packed as float32), plus "
+         "align64(K * 8) for float16 "
          "(the last level's float64 results, then cast into out)."),
     reference=lambda x, dims=(), keep_dims=False: np.sum(
         np.asarray(x, np.float64), axis=tuple(dims) if dims else None, keepdims=keep_dims),
@@ -239,10 +244,9 @@ def _make_reduce(name: str, dtypes: tuple[DType, ...], kind: str) -> None:
 
     what = {"mean": "mean (float64 partial sums, scaled by 1/R in float64, then cast)",
             "max": name[7:] + " (NaN propagates)"}[kind]
-    formula = ("K*acc*sum(levels) + [K*R*itemsize if packed] + "
-               f"[K*acc if {'float16 or float32' if kind == 'mean' else 'float16'}]; "
-               "levels = ceil(R/4096), ... while > 4096; "
-               f"acc = {8 if kind == 'mean' else 'itemsize (4 for float16)'}")
+    formula = ("sum over levels of align64(K*n_i*acc) + [align64(K*R*p) if packed] + "
+               f"[align64(K*acc) if {'float16 or float32' if kind == 'mean' else 'float16'}]; {_LEVELS}; "
+               f"acc = {8 if kind == 'mean' else 'p'}")
     register(OpDef(
         name=name, inputs=("x",), dtypes=dtypes, infer=infer, select=select, kernels={"cpu": build},
         attrs=(Attr("dims", as_dims, (), "dims to reduce; () reduces all"),
@@ -360,8 +364,8 @@ def _build_var(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tu
     return build_var(source_view(x, red, kept, t.pack), out_column(out), t, pack_dt, attrs["correction"])
 
 
-_VAR_WS = ("sum over levels of align64(K*n_i*24) + [align64(K*24) if R > 4096] + [align64(K*R*itemsize) if packed] + "
-           "[align64(K*8) if float16]; n_1 = ceil(R/4096), n_(i+1) = ceil(n_i/4096) while n_i > 4096")
+_VAR_WS = ("sum over levels of align64(K*n_i*24) + [align64(K*24) if R > 4096] + [align64(K*R*p) if packed] + "
+           "[align64(K*8) if float16]; " + _LEVELS)
 
 var = register(OpDef(
     name="var",

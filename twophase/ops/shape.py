@@ -261,10 +261,13 @@ _reg("pad", _infer_pad, _build_pad,
 
 
 # ---- embedding
+_EMB_DTYPES = (DType.float16, DType.float32, DType.float64, DType.int32, DType.int64)  # of the table
+
+
 def _infer_embedding(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     w, idx = need("embedding", "weight", ins[0]), need("embedding", "indices", ins[1])
     check_dtype("embedding", "indices", idx, (DType.int32, DType.int64))
-    check_dtype("embedding", "weight", w, (DType.float16, DType.float32, DType.float64, DType.int32, DType.int64))
+    check_dtype("embedding", "weight", w, _EMB_DTYPES)
     if w.ndim != 2:
         raise ParamError(op="embedding", arg="weight", expected="a 2-d (num_embeddings, dim) table", got=w.shape)
     return (TensorDesc(idx.shape + (w.shape[1],), w.dtype),)
@@ -286,10 +289,11 @@ def _build_emb(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tu
 
 
 register(OpDef(
-    name="embedding", inputs=("weight", "indices"), dtypes=ALL, infer=_infer_embedding, select=_select_emb,
+    name="embedding", inputs=("weight", "indices"), dtypes=_EMB_DTYPES, infer=_infer_embedding, select=_select_emb,
     kernels={"cpu": _build_emb}, implementations=("gather", "packed_indices"),
     workspace_formula="0, or align64(numel(indices) * itemsize) when the indices' dims do not merge",
-    doc=("out[..., :] = weight[indices[...], :]; an index outside [0, num_embeddings) raises ParamError from the "
-         "kernel, reported at the next synchronization (rows after the bad one are not written). Workspace: 0, or "
-         "align64(numel(indices) * itemsize) when the indices' dims do not merge into one stride."),
+    doc=("out[..., :] = weight[indices[...], :] (indices int32 or int64); an index outside [0, num_embeddings) "
+         "raises ParamError from the kernel, reported at the next synchronization (rows after the bad one are not "
+         "written). Workspace: 0, or align64(numel(indices) * itemsize) when the indices' dims do not merge into one "
+         "stride."),
     reference=lambda weight, indices: np.asarray(weight)[np.asarray(indices)]))
