@@ -1,12 +1,14 @@
 """Graph capture and replay (issue 7): per-op cost of replaying a graph of 100 tiny ops vs issuing the same
 ops through explicit executors, vs the one-shot API, vs torch eager; and the arena the planner makes for a
-transformer encoder block vs the one-by-one sum of its allocations.
+transformer encoder block vs the one-by-one sum of its allocations. Every way is checked to compute what eager
+does before it is timed; each ratio is the median over rounds of two times taken in the same round.
 
 Run: ``.venv/bin/python -m bench.bench_graph``
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -14,7 +16,7 @@ import numpy as np
 
 import twophase as tp
 
-from .common import header, interleaved
+from .common import header, interleaved_times, round_ratio
 
 N_OPS = 100
 REPS = 20  # sequences per timed call (one synchronize per call)
@@ -44,6 +46,7 @@ def _one_shot(x: tp.Tensor, ws: list[tp.Tensor], s: tp.Stream, free: bool) -> tp
 
 
 def per_op_costs() -> list[str]:
+    """Per-op cost of graph replay, explicit executors, the one-shot API and torch eager on a 100-op chain."""
     dev = tp.device("cpu")
     s = dev.stream()
     x, ws = _sequence(dev, s)
@@ -67,7 +70,12 @@ def per_op_costs() -> list[str]:
     g.instantiate()
 
     eager = _one_shot(x, ws, s, free=True).numpy()
-    assert np.array_equal(g.replay(s)["y"].numpy(), eager)
+    if not np.array_equal(g.replay(s)["y"].numpy(), eager):
+        raise AssertionError("graph replay's result differs from eager's")
+    for op, ex in calls:
+        op(None, 0, ex, s)
+    if not np.array_equal(outs[-1].numpy(), eager):
+        raise AssertionError("the explicit executors' result differs from eager's")
 
     def replay() -> None:
         for _ in range(REPS):
@@ -105,22 +113,24 @@ def per_op_costs() -> list[str]:
         for i in range(N_OPS):
             k = KINDS[i % len(KINDS)]
             h = fmap[k](h, tws[i]) if k in fmap else (torch.relu(h) if k == "relu" else torch.neg(h))
-        same = np.array_equal(h.numpy(), eager)
-    t = interleaved(fns, 5, rounds=9)
-    per = {k: v / (REPS * N_OPS) for k, v in t.items()}
-    base = per.get("torch eager")
+        if not np.array_equal(h.numpy(), eager):
+            raise AssertionError("torch eager's result differs from twophase's (the chain is compared bit for bit)")
+    times = interleaved_times(fns, 5, rounds=9)
+    per = {k: statistics.median(v) / (REPS * N_OPS) for k, v in times.items()}
     lines = [f"## Per-op cost: {N_OPS} tiny ops ({SIZE}-element float32 add/mul/sub/relu/neg), {REPS} sequences "
-             "per synchronize", "| way | per op | ratio to torch eager | target |", "|---|---|---|---|"]
+             "per synchronize", "| way | per op | ratio this way / torch eager (< 1: this way faster) | target |",
+             "|---|---|---|---|"]
     for k, v in per.items():
-        ratio = f"{v / base:.2f}" if base else "n/a"
+        ratio = f"{round_ratio(times, k, 'torch eager'):.2f}" if "torch eager" in times else "n/a"
         target = "<= 1.0 (moonshot 0.5)" if k == "graph replay" else ""
         lines.append(f"| {k} | {v * 1e9:.0f} ns | {ratio} | {target} |")
-    r_explicit = per["graph replay"] / per["explicit executors (phase 2 only)"]
-    lines.append(f"| replay / explicit executors | | {r_explicit:.2f} | (info) |")
+    r_explicit = round_ratio(times, "graph replay", "explicit executors (phase 2 only)")
+    lines.append(f"(graph replay / explicit executors, median of the rounds' ratios: {r_explicit:.2f}; < 1: replay "
+                 "faster)")
     if torch is None:
         lines.append("(torch not installed: `pip install torch==2.13.0` for the comparison)")
     else:
-        lines.append(f"(torch result equals twophase's bit for bit: {same})")
+        lines.append("(checked before timing: replay, explicit executors and torch equal eager bit for bit)")
     m = g.memory
     lines.append(f"(this graph: {len(g)} nodes, arena {m.arena_bytes} B vs {m.naive_bytes} B one by one)")
     g.destroy()
@@ -158,15 +168,16 @@ def host_cost() -> list[str]:
             for op, ex in calls:
                 op(None, 0, ex, s)
 
-    t = interleaved({"graph replay": replay, "explicit executors": explicit}, 20, rounds=9)
+    times = interleaved_times({"graph replay": replay, "explicit executors": explicit}, 20, rounds=9)
     g.destroy()
     for _, ex in calls:
         ex.destroy()
-    per = {k: v / (REPS * N_OPS) for k, v in t.items()}
-    return ["## Host cost per op on the NULL device (no kernel runs)", "| way | per op | ratio |", "|---|---|---|",
+    per = {k: statistics.median(v) / (REPS * N_OPS) for k, v in times.items()}
+    return ["## Host cost per op on the NULL device (no kernel runs)",
+            "| way | per op | ratio this way / explicit executors (< 1: this way faster) |", "|---|---|---|",
             f"| explicit executors | {per['explicit executors'] * 1e9:.0f} ns | 1.00 |",
             f"| graph replay | {per['graph replay'] * 1e9:.0f} ns | "
-            f"{per['graph replay'] / per['explicit executors']:.3f} |"]
+            f"{round_ratio(times, 'graph replay', 'explicit executors'):.3f} |"]
 
 
 def _encoder(dev: tp.Device, s: tp.Stream, b: int = 4, t: int = 64, d: int = 128, h: int = 4) -> Any:
@@ -215,6 +226,8 @@ def arena_ratio() -> list[str]:
         g.output("y", block(x))
     g.instantiate()
     same = np.array_equal(g.replay(s)["y"].numpy(), eager)
+    if not same:
+        raise AssertionError("the encoder block's graph replay differs from eager")
     m = g.memory
     g.destroy()
     s.close()

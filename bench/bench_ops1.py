@@ -1,14 +1,18 @@
 """Operator library I: each kernel side by side with np.copyto of the same bytes, naive numpy and torch (if
-installed), on float32 4096x4096, 64x262144 and 262144x64. Prints a ratio table (higher is better for us).
+installed), on float32 4096x4096, 64x262144 and 262144x64. Prints a ratio table, t(baseline) / t(ours) (> 1:
+twophase faster).
 
-Every row is timed in interleaved rounds (``bench.common.interleaved_ratios``: ours, the baselines, ours, ...),
-and each ratio is the median over rounds of the two times taken in the same round, so machine drift and load
-hit both sides alike. ``python -m bench.bench_ops1 gelu silu`` runs
-only the named kernels.
+Every row is timed in interleaved rounds (``bench.common.interleaved_ratios``: ours, the baselines, ours, ...,
+the order rotating), and each ratio is the median over rounds of the two times taken in the same round, so machine
+drift and load hit both sides alike. Like ours, torch writes into an output allocated once (its ``out=``
+variants), except for layer_norm and rms_norm, which have none that does: those rows say so. Before timing, each
+row checks that ours, naive numpy and torch compute the same result. ``python -m bench.bench_ops1 gelu silu``
+runs only the named kernels.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
 from collections.abc import Callable
@@ -17,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import interleaved_ratios
+from bench.common import HIGHER_FASTER, assert_same, interleaved_ratios
 from twophase import device, ops
 
 try:
@@ -30,37 +34,55 @@ CALLS, ROUNDS = 3, 7  # calls per timing, interleaved rounds (median of the per-
 REDUCTIONS = ("reduce_sum", "reduce_max", "reduce_min", "reduce_sum0", "reduce_max0", "argmax", "var")
 
 _verf = np.vectorize(erf, otypes=[np.float32])
-CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], Callable[..., Any], Any]] = {
+# torch's side of a row: (the functional form, what the table times: the out= variant writing into an output
+# allocated once, or None where torch has no such variant and the functional form, allocating, is timed)
+TorchCall = tuple[Callable[[Any], Any], Callable[[Any, Any], Any] | None]
+# aten.native_layer_norm.out exists but allocates its result and copies it into out0 (one 64 MiB output's page
+# faults per call, measured), and rms_norm has no out overload in torch 2.13: those two rows time the allocating call
+ALLOCATING = "allocates"
+CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], Callable[..., Any], TorchCall]] = {
     # name: (op, attrs, naive numpy, torch)
     "softmax": (ops.softmax, {"dim": -1}, lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(
-        x - x.max(-1, keepdims=True)).sum(-1, keepdims=True), lambda t, o: torch.softmax(t, -1)),
+        x - x.max(-1, keepdims=True)).sum(-1, keepdims=True),
+        (lambda t: torch.softmax(t, -1), lambda t, o: torch._softmax(t, -1, False, out=o))),
     "log_softmax": (ops.log_softmax, {"dim": -1}, lambda x: (x - x.max(-1, keepdims=True)) - np.log(np.exp(
-        x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)), lambda t, o: torch.log_softmax(t, -1)),
+        x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)),
+        (lambda t: torch.log_softmax(t, -1), lambda t, o: torch._log_softmax(t, -1, False, out=o))),
     "layer_norm": (ops.layer_norm, {}, lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(
-        x.var(-1, keepdims=True) + 1e-5), lambda t, o: torch.nn.functional.layer_norm(t, t.shape[-1:])),
+        x.var(-1, keepdims=True) + 1e-5), (lambda t: torch.nn.functional.layer_norm(t, t.shape[-1:]), None)),
     "rms_norm": (ops.rms_norm, {}, lambda x: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6),
-                 lambda t, o: torch.nn.functional.rms_norm(t, t.shape[-1:])),
+                 (lambda t: torch.nn.functional.rms_norm(t, t.shape[-1:]), None)),
     "gelu": (ops.gelu, {}, lambda x: 0.5 * x * (1 + _verf(x / np.float32(np.sqrt(2)))),
-             lambda t, o: torch.nn.functional.gelu(t)),
-    "silu": (ops.silu, {}, lambda x: x / (1 + np.exp(-x)), lambda t, o: torch.nn.functional.silu(t)),
-    "add": (ops.add, {}, lambda x: x + x, lambda t, o: torch.add(t, t, out=o)),
-    "reduce_sum": (ops.reduce_sum, {"dims": (-1,)}, lambda x: x.sum(-1), lambda t, o: t.sum(-1)),
-    "reduce_max": (ops.reduce_max, {"dims": (-1,)}, lambda x: x.max(-1), lambda t, o: t.amax(-1)),
-    "reduce_min": (ops.reduce_min, {"dims": (-1,)}, lambda x: x.min(-1), lambda t, o: t.amin(-1)),
-    "reduce_sum0": (ops.reduce_sum, {"dims": (0,)}, lambda x: x.sum(0), lambda t, o: t.sum(0)),
-    "reduce_max0": (ops.reduce_max, {"dims": (0,)}, lambda x: x.max(0), lambda t, o: t.amax(0)),
-    "argmax": (ops.argmax, {"dim": -1}, lambda x: x.argmax(-1), lambda t, o: t.argmax(-1)),
-    "var": (ops.var, {"dims": (-1,)}, lambda x: x.var(-1, ddof=1), lambda t, o: t.var(-1)),
+             (lambda t: torch.nn.functional.gelu(t), lambda t, o: torch._C._nn.gelu(t, out=o))),  # type: ignore[call-arg]
+    "silu": (ops.silu, {}, lambda x: x / (1 + np.exp(-x)),
+             (lambda t: torch.nn.functional.silu(t), lambda t, o: torch._C._nn.silu(t, out=o))),  # type: ignore[call-arg]
+    "add": (ops.add, {}, lambda x: x + x, (lambda t: torch.add(t, t), lambda t, o: torch.add(t, t, out=o))),
+    "reduce_sum": (ops.reduce_sum, {"dims": (-1,)}, lambda x: x.sum(-1),
+                   (lambda t: t.sum(-1), lambda t, o: torch.sum(t, -1, out=o))),
+    "reduce_max": (ops.reduce_max, {"dims": (-1,)}, lambda x: x.max(-1),
+                   (lambda t: t.amax(-1), lambda t, o: torch.amax(t, -1, out=o))),
+    "reduce_min": (ops.reduce_min, {"dims": (-1,)}, lambda x: x.min(-1),
+                   (lambda t: t.amin(-1), lambda t, o: torch.amin(t, -1, out=o))),
+    "reduce_sum0": (ops.reduce_sum, {"dims": (0,)}, lambda x: x.sum(0),
+                    (lambda t: t.sum(0), lambda t, o: torch.sum(t, 0, out=o))),
+    "reduce_max0": (ops.reduce_max, {"dims": (0,)}, lambda x: x.max(0),
+                    (lambda t: t.amax(0), lambda t, o: torch.amax(t, 0, out=o))),
+    "argmax": (ops.argmax, {"dim": -1}, lambda x: x.argmax(-1),
+               (lambda t: t.argmax(-1), lambda t, o: torch.argmax(t, -1, out=o))),
+    "var": (ops.var, {"dims": (-1,)}, lambda x: x.var(-1, ddof=1),
+            (lambda t: t.var(-1), lambda t, o: torch.var(t, -1, out=o))),
 }
 
 
-def ours(op: Any, ins: list[Any], **attrs: Any) -> tuple[Callable[[], None], Callable[[], None]]:
-    """(run: CALLS launches then a synchronize, release)."""
+def ours(op: Any, ins: list[Any], **attrs: Any) -> tuple[Callable[[], None], Callable[[], None], list[Any]]:
+    """(run: CALLS launches then a synchronize, release: frees the workspace and outputs, the outputs): phase 1
+    and every allocation once, outside the timing."""
     dev = device("cpu")
     s = dev.stream()
     size, ex = op.get_workspace_size(*ins, **attrs)
-    for i, d in enumerate(ex.output_descs):
-        ex.set_output(i, dev.empty_like(d))
+    outs = [dev.empty_like(d) for d in ex.output_descs]
+    for i, o in enumerate(outs):
+        ex.set_output(i, o)
     ex.set_repeatable()
     ws = dev.malloc(size, stream=s)
 
@@ -70,9 +92,29 @@ def ours(op: Any, ins: list[Any], **attrs: Any) -> tuple[Callable[[], None], Cal
         s.synchronize()
 
     def release() -> None:
+        s.synchronize()
         ws.free(s)
+        for o in outs:
+            o.free(s)
         ex.destroy()
-    return run, release
+        s.close()
+    return run, release, outs
+
+
+def _repeat(fn: Callable[..., Any], *args: Any) -> None:
+    """CALLS calls of ``fn(*args)``: one timing of a baseline, as ``ours``' run is CALLS launches."""
+    for _ in range(CALLS):
+        fn(*args)
+
+
+def _check(name: str, shape: tuple[int, ...], got: Any, naive: Any, torch_out: Any, torch_ref: Any) -> None:
+    """Raise unless ours, naive numpy and torch (its timed call against its functional form) agree, so no row
+    times two different computations. ``naive`` may cover only the leading rows (gelu's scalar erf)."""
+    label = f"{name} {'x'.join(map(str, shape))}"
+    if torch_out is not None:
+        assert_same(f"{label}: torch's out= variant vs its functional form", torch_out, torch_ref, rel=0)
+        assert_same(f"{label}: ours vs torch", got, torch_out)
+    assert_same(f"{label}: ours vs naive numpy", got[: len(naive)] if got.ndim else got, naive)
 
 
 def table() -> None:
@@ -80,12 +122,17 @@ def table() -> None:
     print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}  "
           f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}  cpus={os.cpu_count()}  "
           f"torch={torch.__version__ if torch else 'not installed'}")
-    print("ratios (higher is better for us), medians over interleaved rounds of t(baseline) / t(ours) timed in the "
-          "same round: copyto = t(np.copyto of the output "
+    print(f"ratios t(baseline) / t(ours) ({HIGHER_FASTER}), medians over interleaved rounds of the two times "
+          "taken in the same round: copyto = t(np.copyto of the output "
           "bytes; for reductions: of the input, which also writes) / t(ours); read = t(one SIMD pass that only "
           "reads the input: np.max of its int32 view) / t(ours), reductions only; naive = t(numpy) / t(ours); "
-          "torch = t(torch) / t(ours)")
-    print(f"{'kernel':<11} {'shape':<12} {'ours ms':>8} {'copyto':>7} {'read':>7} {'naive':>7} {'torch':>7}")
+          "torch = t(torch) / t(ours). Ours writes into outputs allocated once (phase 1); so does torch (its out= "
+          "variants: 'torch call' out=), except where 'torch call' reads 'allocates': layer_norm and rms_norm have "
+          "no out= variant that writes in place, so torch's time there includes allocating and page-faulting "
+          "fresh 64 MiB buffers every call (layer_norm: its output; rms_norm: its output and one temporary, by "
+          "their page faults). Each row is checked before timing: ours, naive and torch agree.")
+    print(f"{'kernel':<11} {'shape':<12} {'ours ms':>8} {'copyto':>7} {'read':>7} {'naive':>7} {'torch':>7}  "
+          "torch call  (ratios > 1: twophase faster)")
     dev = device("cpu")
     rng = np.random.default_rng(0)
     for shape in SHAPES:
@@ -99,7 +146,7 @@ def table() -> None:
                 continue
             if name in ("layer_norm", "rms_norm"):
                 attrs = {"normalized_shape": (shape[-1],)}
-            run, release = ours(op, [xt, xt] if name == "add" else [xt], **attrs)
+            run, release, outs = ours(op, [xt, xt] if name == "add" else [xt], **attrs)
             def copy(dst: Any = dst, x: Any = x) -> None:
                 for _ in range(CALLS):
                     np.copyto(dst, x)
@@ -110,22 +157,42 @@ def table() -> None:
             fns: dict[str, Callable[[], Any]] = {"ours": run, "copyto": copy}
             if name in REDUCTIONS:
                 fns["read"] = read
+            call = "n/a"
+            to = t_ref = None
             if torch is not None:
-                tx, to = torch.from_numpy(x), torch.empty(shape)
-                fns["torch"] = lambda tfn=tfn, tx=tx, to=to: [tfn(tx, to) for _ in range(CALLS)]
+                functional, out_variant = tfn
+                tx = torch.from_numpy(x)
+                ref_t = functional(tx)
+                t_ref = ref_t.numpy()
+                if out_variant is None:
+                    call = ALLOCATING
+                    fns["torch"] = functools.partial(_repeat, functional, tx)
+                    to = t_ref
+                else:
+                    call = "out="
+                    tout = torch.empty_like(ref_t)
+                    out_variant(tx, tout)
+                    to = tout.numpy()
+                    fns["torch"] = functools.partial(_repeat, out_variant, tx, tout)
             if name == "gelu":  # scalar erf per element: time 1/64 of the rows, scaled
                 part = x[: max(1, shape[0] // 64)]
                 scale = shape[0] / part.shape[0]
                 fns["naive"] = lambda part=part, naive=naive: naive(part)
+                want = naive(part)
             else:
                 scale = 1.0
                 fns["naive"] = lambda naive=naive, x=x: naive(x)
+                want = naive(x)
+            run()
+            _check(name, shape, outs[0].numpy(), want, to, t_ref)
+            want = to = t_ref = ref_t = None  # the checked copies (up to 64 MiB each) are not kept through the timing
             t, r = interleaved_ratios(fns, "ours", 1, rounds=ROUNDS)
             release()
             r["naive"] *= scale * CALLS  # one naive call stands for CALLS calls, like the others
             nan = float("nan")
             print(f"{name:<11} {'x'.join(map(str, shape)):<12} {t['ours'] / CALLS * 1e3:8.2f} "
-                  f"{r['copyto']:7.2f} {r.get('read', nan):7.2f} {r['naive']:7.2f} {r.get('torch', nan):7.2f}")
+                  f"{r['copyto']:7.2f} {r.get('read', nan):7.2f} {r['naive']:7.2f} {r.get('torch', nan):7.2f}  "
+                  f"{call}")
 
 
 def _wider(shape: tuple[int, ...], pad: int, seed: int) -> tuple[Any, Any]:
@@ -141,9 +208,14 @@ def _wider(shape: tuple[int, ...], pad: int, seed: int) -> tuple[Any, Any]:
 
 
 def _layout_cost(op: Any, dense_ins: list[Any], other_ins: list[Any], attrs: dict[str, Any]) -> tuple[float, float]:
-    """(ms per call on the dense inputs, t(other) / t(dense)): both launch loops timed in interleaved rounds."""
-    run_d, rel_d = ours(op, dense_ins, **attrs)
-    run_o, rel_o = ours(op, other_ins, **attrs)
+    """(ms per call on the dense inputs, t(other) / t(dense)): both launch loops timed in interleaved rounds,
+    after checking that both compute the same result."""
+    run_d, rel_d, out_d = ours(op, dense_ins, **attrs)
+    run_o, rel_o, out_o = ours(op, other_ins, **attrs)
+    run_d()
+    run_o()
+    for a, b in zip(out_o, out_d, strict=True):
+        assert_same(f"{op.name}: strided vs dense input", a.numpy(), b.numpy())
     t, r = interleaved_ratios({"other": run_o, "dense": run_d}, "other", 1, rounds=ROUNDS)
     rel_d()
     rel_o()
@@ -159,9 +231,9 @@ def padded_table() -> None:
     dense, side by side: the kernels take such rows typed dense, so the ratio should stay near 1 (it was 4-16
     when they ran typed strided)."""
     print(f"\nrows of a wider array: {PADDED[0]}x{PADDED[1]} float32 viewed in a {PADDED[0]}x{PADDED[1] + PAD} "
-          "one, against the same rows dense; t(padded) / t(dense), median of interleaved rounds (lower is better, "
+          "one, against the same rows dense; t(padded) / t(dense), median of interleaved rounds (< 1: padded faster; "
           "1 = no cost)")
-    print(f"{'kernel':<12} {'dense ms':>9} {'padded/dense':>13}")
+    print(f"{'kernel':<12} {'dense ms':>9} {'padded/dense':>13}  (< 1: padded faster)")
     dense_t, padded_t = _wider(PADDED, PAD, 1)
     for name, (op, attrs, _naive, _tfn) in CASES.items():
         if name == "add" or (sys.argv[1:] and name not in sys.argv[1:]):
@@ -192,8 +264,8 @@ def crop_table() -> None:
     input first (reductions over dims that do not merge) show the cost of that copy."""
     n, c, h, w = CROP
     print(f"\ncrops of wider images: {n}x{c}x{h}x{w} float32 viewed in {n}x{c}x{h}x{w + CROP_PAD}, against the same "
-          "images dense; t(crop) / t(dense), median of interleaved rounds (lower is better, 1 = no cost)")
-    print(f"{'op':<12} {'impl (crop)':<16} {'ws (crop)':>10} {'dense ms':>9} {'crop/dense':>11}")
+          "images dense; t(crop) / t(dense), median of interleaved rounds (< 1: crop faster; 1 = no cost)")
+    print(f"{'op':<12} {'impl (crop)':<16} {'ws (crop)':>10} {'dense ms':>9} {'crop/dense':>11}  (< 1: crop faster)")
     dense_t, crop_t = _wider(CROP, CROP_PAD, 2)
     dev = device("cpu")
     params = [dev.tensor(np.random.default_rng(3).uniform(0.5, 1.5, c).astype(np.float32)) for _ in range(4)]

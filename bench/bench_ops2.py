@@ -3,7 +3,10 @@
 Run: ``.venv/bin/python -m bench.bench_ops2``. ratio = reference time / twophase time (> 1: twophase faster),
 the median over rounds that time twophase and the reference back to back (the machines drift, so each round's
 ratio is taken from times measured together); the ms columns are the medians of each side. Every timing starts
-``settle``d: after a pause in which the other library's spinning workers go idle, and one untimed call.
+``settle``d: after a pause in which the other library's spinning workers go idle, and one untimed call. Before
+timing, each row checks that both sides compute the same result. twophase's outputs and workspace are allocated
+once (phase 1, outside the timing) while torch eager allocates its outputs every call (``F.conv2d`` and the others
+have no ``out=``); numpy.matmul writes into a preallocated ``out=`` like twophase. Each row frees what it allocated.
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ import statistics
 import subprocess
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 import twophase.ops as ops
-from bench.common import settle
+from bench.common import HIGHER_FASTER, assert_same, header, settle
 from twophase.runtime.device import device
 
 try:
@@ -59,13 +62,37 @@ def _loop(fn: Callable[[], Any]) -> Loop:
     return run
 
 
-def twophase_call(op: Any, arrays: list[Any], limit: int | None = None, **attrs: Any) -> tuple[Loop, Any]:
-    """A phase-2 loop body (repeatable executor, pool workspace, one stream) and the executor."""
+class Ours(NamedTuple):
+    """A row's measured side: its loop, the executor (or a stand-in), its first output as a host array after a
+    run, and the release of everything it allocated (workspace, inputs, outputs, stream)."""
+
+    run: Loop
+    ex: Any
+    output: Callable[[], Any]
+    release: Callable[[], None]
+
+
+def _release(stream: Any, ws: Any, tensors: list[Any]) -> Callable[[], None]:
+    """Frees ``ws`` and ``tensors`` in ``stream``'s order, then closes the stream: a row's pool memory does not
+    stay held through the rest of the suite."""
+    def release() -> None:
+        stream.synchronize()
+        ws.free(stream)
+        for t in tensors:
+            t.free(stream)
+        stream.close()
+    return release
+
+
+def twophase_call(op: Any, arrays: list[Any], limit: int | None = None, **attrs: Any) -> Ours:
+    """A phase-2 loop body (repeatable executor, pool workspace, one stream), the executor, output, release."""
     dev = device("cpu")
     stream = dev.stream()
-    tensors = [None if a is None else dev.tensor(a, stream=stream) for a in arrays]
+    tensors = [dev.tensor(a, stream=stream) for a in arrays if a is not None]
+    it = iter(tensors)
+    args = [None if a is None else next(it) for a in arrays]
     stream.synchronize()
-    size, ex = op.get_workspace_size(*tensors, workspace_limit=limit, **attrs)
+    size, ex = op.get_workspace_size(*args, workspace_limit=limit, **attrs)
     ex.set_repeatable()
     outs = [dev.empty_like(d) for d in ex.output_descs]
     for i, t in enumerate(outs):
@@ -76,18 +103,23 @@ def twophase_call(op: Any, arrays: list[Any], limit: int | None = None, **attrs:
         for _ in range(n):
             op(ws, size, ex, stream)
         stream.synchronize()
-    return run, ex
+    return Ours(run, ex, outs[0].numpy, _release(stream, ws, tensors + outs))
 
 
-def row(name: str, ours: Loop, ex: Any, ref_call: Callable[[], Any] | None, ref_name: str) -> str:
+def row(name: str, side: Ours, ref_call: Callable[[], Any] | None, ref_name: str) -> str:
     """One table row: phase 2 in a loop then one synchronize, against the reference called as many times,
-    interleaved over ``ROUNDS`` rounds (median ratio)."""
+    interleaved over ``ROUNDS`` rounds (median ratio), once both are checked to compute the same result; the
+    row's allocations are freed after it."""
+    ours, ex = side.run, side.ex
     ours(1)
+    if ref_call is not None:
+        assert_same(f"{name}: twophase vs {ref_name}", side.output(), np.asarray(ref_call()))
     reps = _reps(ours)
     rounds = SHORT_ROUNDS if REPS_MIN_S / 5 / reps < SHORT_S else ROUNDS
     if ref_call is None:
         t = statistics.median(_per_call(ours, reps) for _ in range(rounds))
         ex.destroy()
+        side.release()
         return f"| {name} | {ex.implementation} | {ex.workspace_size} | {t * 1e3:.3f} | {ref_name}: n/a | n/a |"
     ref = _loop(ref_call)
     ref(1)
@@ -103,6 +135,7 @@ def row(name: str, ours: Loop, ex: Any, ref_call: Callable[[], Any] | None, ref_
         t_ref.append(tr)
         ratios.append(tr / to)
     ex.destroy()
+    side.release()
     return (f"| {name} | {ex.implementation} | {ex.workspace_size} | {statistics.median(t_ours) * 1e3:.3f} | "
             f"{ref_name} {statistics.median(t_ref) * 1e3:.3f} | {statistics.median(ratios):.2f} |")
 
@@ -124,25 +157,28 @@ def bench_matmul(rng: Any) -> list[str]:
         a = rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((k, n)).astype(np.float32)
         o1, o2 = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
-        out.append(row(f"matmul {m}x{k}x{n} numpy against numpy", _loop(lambda a=a, b=b, o=o1: np.matmul(a, b, out=o)),
-                       _Control(), lambda a=a, b=b, o=o2: np.matmul(a, b, out=o), "numpy.matmul"))
+        control = Ours(_loop(lambda a=a, b=b, o=o1: np.matmul(a, b, out=o)), _Control(), lambda o=o1: o, _nothing)
+        out.append(row(f"matmul {m}x{k}x{n} numpy against numpy", control,
+                       lambda a=a, b=b, o=o2: np.matmul(a, b, out=o), "numpy.matmul"))
         for label, limit in (("", None), (" a reversed", None)):
             if label:
                 a_in = np.ascontiguousarray(a[::-1])
-                run, ex = _reversed_matmul(a_in, b)
                 o = np.empty((m, n), np.float32)
                 av = a_in[::-1]
                 ref = lambda av=av, b=b, o=o: np.matmul(av, b, out=o)  # noqa: E731
-                out.append(row(f"matmul {m}x{k}x{n}{label}", run, ex, ref, "numpy.matmul"))
+                out.append(row(f"matmul {m}x{k}x{n}{label}", _reversed_matmul(a_in, b), ref, "numpy.matmul"))
                 continue
-            run, ex = twophase_call(ops.matmul, [a, b], limit)
             o = np.empty((m, n), np.float32)
-            out.append(row(f"matmul {m}x{k}x{n}", run, ex, lambda a=a, b=b, o=o: np.matmul(a, b, out=o),
-                           "numpy.matmul"))
+            out.append(row(f"matmul {m}x{k}x{n}", twophase_call(ops.matmul, [a, b], limit),
+                           lambda a=a, b=b, o=o: np.matmul(a, b, out=o), "numpy.matmul"))
     return out
 
 
-def _reversed_matmul(a_rev_storage: Any, b: Any) -> tuple[Loop, Any]:
+def _nothing() -> None:
+    """The release of a row that allocated nothing in the pool."""
+
+
+def _reversed_matmul(a_rev_storage: Any, b: Any) -> Ours:
     """matmul on a row-reversed view (negative row stride): BLAS cannot take it, so phase 1 packs it into the
     workspace, or (float32, up to 512 rows) the microkernel reads it in place."""
     dev = device("cpu")
@@ -162,7 +198,7 @@ def _reversed_matmul(a_rev_storage: Any, b: Any) -> tuple[Loop, Any]:
         for _ in range(n):
             ops.matmul(ws, size, ex, stream)
         stream.synchronize()
-    return run, ex
+    return Ours(run, ex, o.numpy, _release(stream, ws, [ta, tb, o]))
 
 
 RESNET18 = ((64, 56, 64, 3, 1, 1), (64, 56, 128, 3, 2, 1), (128, 28, 128, 3, 1, 1), (128, 28, 256, 3, 2, 1),
@@ -182,8 +218,8 @@ def bench_conv(rng: Any, batches: tuple[int, ...]) -> list[str]:
                 ref = lambda xt=xt, wt=wt, s=s, p=p: F.conv2d(xt, wt, None, s, p)  # noqa: E731
             name = f"conv2d n{nb} {c}->{oc} {hw}x{hw} k{k} s{s}"
             for label, limit in (("", None), (" tight", 1 << 18)):
-                run, ex = twophase_call(ops.conv2d, [x, w, None], limit, stride=s, padding=p)
-                out.append(row(name + label, run, ex, ref, "torch"))
+                out.append(row(name + label, twophase_call(ops.conv2d, [x, w, None], limit, stride=s, padding=p),
+                               ref, "torch"))
     return out
 
 
@@ -196,18 +232,18 @@ def bench_pool_depthwise(rng: Any) -> list[str]:
         xt = torch.from_numpy(x) if torch is not None else None
         for name in ("max_pool2d", "avg_pool2d"):
             op, fn = getattr(ops, name), name
-            run, ex = twophase_call(op, [x], kernel_size=3, stride=2, padding=1)
+            side = twophase_call(op, [x], kernel_size=3, stride=2, padding=1)
             ref = None if xt is None else (lambda xt=xt, fn=fn: getattr(F, fn)(xt, 3, 2, 1))  # noqa: E731
-            out.append(row(f"{name} n{nb} 64x112x112 k3 s2", run, ex, ref, "torch"))
+            out.append(row(f"{name} n{nb} 64x112x112 k3 s2", side, ref, "torch"))
         for c, hw, s in ((64, 56, 1), (128, 56, 2), (256, 28, 1)):
             x = rng.standard_normal((nb, c, hw, hw)).astype(np.float32)
             w = rng.standard_normal((c, 1, 3, 3)).astype(np.float32)
-            run, ex = twophase_call(ops.conv2d, [x, w, None], stride=s, padding=1, groups=c)
+            side = twophase_call(ops.conv2d, [x, w, None], stride=s, padding=1, groups=c)
             ref = None
             if torch is not None:
                 ref = lambda xt=torch.from_numpy(x), wt=torch.from_numpy(w), s=s, c=c: F.conv2d(  # noqa: E731
                     xt, wt, None, s, 1, 1, c)
-            out.append(row(f"conv2d depthwise n{nb} {c} {hw}x{hw} k3 s{s}", run, ex, ref, "torch"))
+            out.append(row(f"conv2d depthwise n{nb} {c} {hw}x{hw} k3 s{s}", side, ref, "torch"))
     return out
 
 
@@ -221,11 +257,11 @@ def bench_sdpa(rng: Any) -> list[str]:
             ref = lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(qt, kt, vt)  # noqa: E731
         for label, limit in (("", None), (" tight", 1 << 16)):
             for causal in (False, True):
-                run, ex = twophase_call(ops.scaled_dot_product_attention, [q, k, v, None], limit, is_causal=causal)
+                side = twophase_call(ops.scaled_dot_product_attention, [q, k, v, None], limit, is_causal=causal)
                 r = ref
                 if torch is not None and causal:
                     r = lambda qt=qt, kt=kt, vt=vt: F.scaled_dot_product_attention(qt, kt, vt, is_causal=True)  # noqa: E731
-                out.append(row(f"sdpa {shape}{' causal' if causal else ''}{label}", run, ex, r, "torch"))
+                out.append(row(f"sdpa {shape}{' causal' if causal else ''}{label}", side, r, "torch"))
     return out
 
 
@@ -235,12 +271,20 @@ def main() -> None:
     tv = torch.__version__ if torch is not None else "not installed"
     threads = torch.get_num_threads() if torch is not None else "n/a"
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
-    print(f"# bench_ops2: OPENBLAS_CORETYPE={core} OPENBLAS_NUM_THREADS={blas}; numpy {np.__version__}; torch {tv} "
+    print(header("bench_ops2: matmul, conv2d, SDPA and pools vs numpy / torch (bench/bench_ops2.py)"))
+    print(f"OPENBLAS_CORETYPE={core} OPENBLAS_NUM_THREADS={blas}; numpy {np.__version__}; torch {tv} "
           f"(threads {threads}); cpus {os.cpu_count()}; float32; ms per call (median of {ROUNDS} interleaved rounds, "
           f"{SHORT_ROUNDS} for calls under {SHORT_S * 1e3:g} ms), "
           "ratio = median of the rounds' ratios; tight = workspace_limit 256 KiB (conv2d) / 64 KiB (sdpa)")
+    print("What is timed: twophase's phase 2 only, into outputs and a workspace planned and allocated once (phase 1, "
+          "untimed); torch eager allocates its outputs on every call (F.conv2d, the pools and SDPA have no out=), "
+          "so its time includes that allocation and the first touch of the fresh pages (by page faults per call: "
+          "~49 MB for conv2d n8 3->64 224x224 k7, 6-8 MB for the n8 pools and 64->64 convs); numpy.matmul "
+          "writes into a preallocated out= like twophase. Each row first checks that both "
+          "sides compute the same result (float32: max error <= 1e-4 x the largest output).")
     print(f"# uptime: {_uptime()}")
-    print("| case | implementation | workspace (B) | twophase ms | reference ms | ratio (ref/twophase) |")
+    print(f"| case | implementation | workspace (B) | twophase ms | reference ms | ratio reference / twophase "
+          f"({HIGHER_FASTER}) |")
     print("| --- | --- | --- | --- | --- | --- |")
     for section in (lambda: bench_matmul(rng), lambda: bench_conv(rng, (1, 8)), lambda: bench_sdpa(rng),
                     lambda: bench_pool_depthwise(rng)):

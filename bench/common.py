@@ -1,27 +1,111 @@
-"""Shared benchmark helpers: interleaved A/B timing (the machines drift, so ratios are taken per round)."""
+"""Shared benchmark helpers: interleaved A/B timing (the machines drift, so ratios are taken per round), the
+header every module prints (machine, ISA, versions, the OpenBLAS state in force, the commit measured) and the
+check that both sides of a row compute the same result."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import platform
 import statistics
+import subprocess
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+ROOT = Path(__file__).resolve().parent.parent
+
+# the direction every ratio header states, so a reader (and report.py's plot colours) knows which way is faster
+LOWER_FASTER = "< 1: twophase faster"
+HIGHER_FASTER = "> 1: twophase faster"
+
+
+def cpu_model() -> str:
+    """The processor's name from /proc/cpuinfo (``platform.processor()`` is empty on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def isa() -> str:
+    """The vector ISA the kernels can use (AVX-512 or not decides implementations such as the microkernel)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "ISA unknown"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    have = [f for f in ("avx512f", "avx2", "fma") if f in flags]
+    return "ISA " + ("+".join(have) if have else "no avx2") + ("" if "avx512f" in flags else " (no avx512f)")
+
+
+def git_state() -> str:
+    """The commit measured, and whether the tree differs from it (bench/results/ not counted)."""
+    try:
+        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
+                             text=True, timeout=10, check=True).stdout.strip()
+        changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", ".",
+                                  ":(exclude)bench/results"], capture_output=True, text=True, timeout=10,
+                                 check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return "commit: n/a (not a git checkout)"
+    if not changed:
+        return f"commit {rev} (clean tree)"
+    return (f"commit {rev} + uncommitted changes ({len(changed)} paths differ from it, bench/results/ not counted: "
+            "the figures describe the working tree, not the commit alone)")
+
+
+def _blas_call(names: tuple[str, ...], restype: Any) -> Any:
+    """The first of ``names`` found in numpy's OpenBLAS, called with no arguments; None when none is there."""
+    from twophase.kernels.cpu import blas
+    for name in names:
+        found = blas._functions(name)
+        if found is not None:
+            fn = found[0]
+            fn.restype = restype
+            return fn()
+    return None
+
+
+def openblas_state() -> str:
+    """numpy's OpenBLAS as it runs in this process after ``twophase.device("cpu")``, which sets its thread
+    timeout (``blas.quiet_threads``) without touching the environment: numpy's baselines run with this too."""
+    import twophase as tp
+    tp.device("cpu")
+    timeout = _blas_call(("openblas_thread_timeout",), ctypes.c_int)
+    threads = _blas_call(("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
+                          "openblas_get_num_threads"), ctypes.c_int)
+    core = _blas_call(("scipy_openblas_get_corename64_", "openblas_get_corename64_", "openblas_get_corename"),
+                      ctypes.c_char_p)
+    if timeout is None and threads is None and core is None:
+        return "numpy's OpenBLAS: state not readable (not numpy's bundled OpenBLAS)"
+    by_user = [v for v in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT") if v in os.environ]
+    who = (f"as {by_user[0]} sets it" if by_user else
+           "set in-process by twophase.device('cpu'); OpenBLAS's default is 28" if timeout == 4 else
+           "0 = OpenBLAS's default, 28" if timeout == 0 else "")
+    return (f"numpy's OpenBLAS in force (after twophase.device('cpu'); numpy's baselines run with it): core "
+            f"{core.decode() if core else 'n/a'}, {threads if threads is not None else 'n/a'} threads, thread "
+            f"timeout {timeout if timeout is not None else 'n/a'} (idle workers spin 2^timeout cycles; {who})")
+
 
 def header(title: str) -> str:
-    """Machine, versions and the OpenBLAS settings in force (never changed by the suite)."""
+    """Machine, ISA, versions, the OPENBLAS_* variables and the OpenBLAS state in force (twophase sets numpy's
+    OpenBLAS thread timeout in-process), and the commit measured."""
     import numba
     lines = [
         f"# {title}",
-        f"machine: {platform.machine()} {platform.processor() or ''} {os.cpu_count()} cpus; python "
-        f"{platform.python_version()}; numpy {np.__version__}; numba {numba.__version__}",
+        f"machine: {platform.machine()} {cpu_model()}, {isa()}, {os.cpu_count()} cpus; python "
+        f"{platform.python_version()}; numpy {np.__version__}; numba {numba.__version__}; {git_state()}",
         f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')} "
-        f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE', '(unset)')}",
+        f"OPENBLAS_L2_SIZE={os.environ.get('OPENBLAS_L2_SIZE', '(unset)')} "
+        f"OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS', '(unset)')}; {openblas_state()}",
     ]
     return "\n".join(lines)
 
@@ -45,38 +129,54 @@ def per_call(fn: Callable[[], object], n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
-def _round_robin(fns: dict[str, Callable[[], object]], n: int, rounds: int) -> dict[str, list[float]]:
-    """Seconds per call of each function in each round, each timing ``settle``d first."""
+def rotated(names: list[str], r: int) -> list[str]:
+    """``names`` starting at the ``r``-th (mod len): round ``r``'s order, so no side always follows the same one."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def interleaved_times(fns: dict[str, Callable[[], object]], n: int, rounds: int) -> dict[str, list[float]]:
+    """Seconds per call of each function in each round, each timing ``settle``d first; the functions run
+    round-robin, each round starting one function later."""
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for k, fn in fns.items():
-            settle(fn)
-            times[k].append(per_call(fn, n))
+    for r in range(rounds):
+        for k in rotated(list(fns), r):
+            settle(fns[k])
+            times[k].append(per_call(fns[k], n))
     return times
+
+
+def round_ratio(times: dict[str, list[float]], a: str, b: str) -> float:
+    """Median over rounds of t(a) / t(b) taken in the same round."""
+    return statistics.median(x / y for x, y in zip(times[a], times[b], strict=True))
 
 
 def interleaved(fns: dict[str, Callable[[], object]], n: int, rounds: int = 7) -> dict[str, float]:
     """Median seconds per call of each function, measured round-robin so drift hits all alike."""
-    return {k: statistics.median(v) for k, v in _round_robin(fns, n, rounds).items()}
+    return {k: statistics.median(v) for k, v in interleaved_times(fns, n, rounds).items()}
 
 
 def interleaved_ratios(fns: dict[str, Callable[[], object]], ref: str, n: int,
                        rounds: int = 7) -> tuple[dict[str, float], dict[str, float]]:
     """(median seconds per call, median over rounds of t(fn) / t(ref) within the same round) of each function,
     measured round-robin: a ratio pairs times taken moments apart, so drift between rounds cancels."""
-    times = _round_robin(fns, n, rounds)
-    ratios = {k: statistics.median(a / b for a, b in zip(v, times[ref], strict=True)) for k, v in times.items()}
-    return {k: statistics.median(v) for k, v in times.items()}, ratios
+    times = interleaved_times(fns, n, rounds)
+    return {k: statistics.median(v) for k, v in times.items()}, {k: round_ratio(times, k, ref) for k in times}
 
 
 def median_ratio(a: Callable[[], float], b: Callable[[], float], rounds: int = 7) -> tuple[float, float, float]:
-    """Median over rounds of a()/b(), where each call returns one measured time: (ratio, a, b)."""
+    """Median over rounds of a()/b(), where each call returns one measured time: (ratio, a, b). Each call
+    starts after the ``settle`` pause (no untimed call: each already runs hundreds of calls), and the two
+    alternate which goes first."""
     ra, rb, rr = [], [], []
-    for _ in range(rounds):
-        ta, tb = a(), b()
-        ra.append(ta)
-        rb.append(tb)
-        rr.append(ta / tb)
+    for r in range(rounds):
+        got: dict[int, float] = {}
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            time.sleep(SETTLE_S)
+            got[i] = (a, b)[i]()
+        ra.append(got[0])
+        rb.append(got[1])
+        rr.append(got[0] / got[1])
     return statistics.median(rr), statistics.median(ra), statistics.median(rb)
 
 
@@ -92,3 +192,23 @@ def parked(stream: Any, fn: Callable[[], object], n: int) -> float:
     gate.set()
     stream.synchronize()
     return dt
+
+
+def assert_same(what: str, got: Any, want: Any, rel: float = 1e-4) -> None:
+    """Raise unless ``got`` equals ``want`` (same shape; integers exactly, floats within ``rel`` times the
+    largest magnitude of ``want``): a row whose two sides compute different things times nothing comparable."""
+    g, w = np.asarray(got), np.asarray(want)
+    if g.shape != w.shape:
+        raise AssertionError(f"{what}: shapes differ, {g.shape} vs {w.shape}")
+    if g.dtype.kind in "iub" and w.dtype.kind in "iub":
+        if not np.array_equal(g, w):
+            raise AssertionError(f"{what}: {int(np.count_nonzero(g != w))} of {g.size} values differ")
+        return
+    g64, w64 = g.astype(np.float64), w.astype(np.float64)
+    fin = np.isfinite(w64)
+    if not (np.array_equal(g64[~fin], w64[~fin], equal_nan=True) and np.isfinite(g64[fin]).all()):
+        raise AssertionError(f"{what}: NaN / inf values differ")
+    scale = float(np.max(np.abs(w64[fin]))) if fin.any() else 0.0
+    err = float(np.max(np.abs(g64[fin] - w64[fin]))) if fin.any() else 0.0
+    if err > rel * max(scale, float(np.finfo(np.float32).tiny)):
+        raise AssertionError(f"{what}: max abs error {err:.3g} exceeds {rel:g} x max |reference| {scale:.3g}")

@@ -1,7 +1,7 @@
 """``make bench``'s report: run every benchmark module in one process, echo its output, and write
-``bench/results/report.md`` (machine, versions and ``OPENBLAS_*`` settings in the header, each module's tables)
-with PNG plots of the ratio columns (matplotlib, the ``bench`` extra; the report is written without plots when
-it is missing)."""
+``bench/results/report.md`` (machine, ISA, versions, ``OPENBLAS_*`` settings, the OpenBLAS state in force and the
+commit measured in the header, each module's tables) with PNG plots of the ratio columns (matplotlib, the ``bench``
+extra; the report is written without plots when it is missing), coloured by the direction each header states."""
 
 from __future__ import annotations
 
@@ -16,6 +16,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.common import cpu_model, git_state, isa, openblas_state
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -42,39 +44,36 @@ def _version(mod: str) -> str:
         return "not installed"
 
 
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 # named in every header, set or not: the BLAS settings the ratios depend on most
 ALWAYS_SHOWN = ("OPENBLAS_CORETYPE", "OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS", "OMP_WAIT_POLICY")
 
 
 def machine_header() -> list[str]:
-    """Machine, versions, thread and BLAS settings, and the load average when the suite started."""
+    """Machine and ISA, versions, the commit measured, thread and BLAS settings (the environment's and the
+    OpenBLAS state twophase leaves in force), and the load average when the suite started."""
     shown = [f"{k}={os.environ.get(k, '(unset)')}" for k in ALWAYS_SHOWN]
     others = [f"{k}={v}" for k, v in sorted(os.environ.items())
               if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "NUMBA_")) and k not in ALWAYS_SHOWN]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return [
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
-        f"- machine: {_cpu_model()}, {os.cpu_count()} cpus, {platform.system()} {platform.release()}",
+        f"- machine: {cpu_model()}, {isa()}, {os.cpu_count()} cpus, {platform.system()} {platform.release()}",
+        f"- code: {git_state()}; later commits are unmeasured",
         f"- python {platform.python_version()}; numpy {_version('numpy')}; numba {_version('numba')}; "
         f"torch {_version('torch')}; onnxruntime {_version('onnxruntime')}; twophase {_version('twophase')}",
         "- environment: " + ", ".join(shown + (others or ["no other OPENBLAS_* / OMP_* / MKL_* / NUMBA_* variable"])),
+        f"- {openblas_state()}",
         f"- load average at start: {', '.join(f'{x:.2f}' for x in load) if load else 'n/a'} "
         "(other processes share the cpus: ratios are measured side by side, absolute times drift)",
     ]
 
 
+_NOT_HEADING = re.compile(r"^#+\s*uptime:")  # bench_ops2's load lines start with '#' but are no headings
+
+
 def _as_markdown(text: str) -> list[str]:
-    """Markdown table rows and ``#`` / ``-`` lines as they are; every other run of lines in a code block."""
+    """Markdown table rows, ``-`` lines and ``#`` headings (made level 3) as they are; every other run of lines
+    (``# uptime:`` ones included) in a code block."""
     out: list[str] = []
     block: list[str] = []
 
@@ -83,7 +82,7 @@ def _as_markdown(text: str) -> list[str]:
             out.extend(["```", *block, "```"])
         block.clear()
     for line in text.splitlines():
-        if line.startswith("|") or line.startswith("- ") or line.startswith("#"):
+        if line.startswith("|") or line.startswith("- ") or (line.startswith("#") and not _NOT_HEADING.match(line)):
             flush()
             out.append(re.sub(r"^#+ ", "### ", line) if line.startswith("#") else line)
         elif not line.strip():
@@ -117,13 +116,37 @@ def _float(s: str) -> float | None:
         return None
 
 
+_DIRECTION = re.compile(r"\(\s*([<>])\s*1\b")
+
+
+def direction(head: str) -> str | None:
+    """The direction a ratio header states: "<" for "(< 1: ... faster)", ">" for "(> 1: ... faster)", else None."""
+    m = _DIRECTION.search(head)
+    return m.group(1) if m else None
+
+
+def bar_colours(head: str, vals: Sequence[float]) -> list[str]:
+    """Green where the row is faster than the header's reference by its stated direction (twophase faster, for
+    a twophase row), red where slower, grey at exactly 1 or when the header states no direction."""
+    d = direction(head)
+    if d is None:
+        return ["tab:gray"] * len(vals)
+    return ["tab:gray" if v == 1 else "tab:green" if (v < 1) == (d == "<") else "tab:red" for v in vals]
+
+
+def ratio_columns(head: Sequence[str]) -> list[int]:
+    """The columns that hold ratios (their header says "ratio"; shares, times and sizes are not plotted)."""
+    return [i for i, h in enumerate(head) if "ratio" in h.lower()]
+
+
 def plot_ratios(title: str, table: list[list[str]], path: Path) -> bool:
-    """One horizontal bar chart per ratio column of ``table`` (log scale, a line at 1.0); False when nothing to plot."""
+    """One horizontal bar chart per ratio column of ``table`` (log scale, a line at 1.0, colours by the header's
+    direction); False when nothing to plot."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     head, rows = table[0], table[1:]
-    cols = [i for i, h in enumerate(head) if "ratio" in h.lower()]
+    cols = ratio_columns(head)
     series = []
     for i in cols:
         pts = [(" / ".join(r[:2]), _float(r[i])) for r in rows if i < len(r)]
@@ -136,7 +159,7 @@ def plot_ratios(title: str, table: list[list[str]], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(series), figsize=(6 * len(series), 0.32 * n + 1.5), squeeze=False)
     for ax, (name, pts) in zip(axes[0], series):
         labels, vals = zip(*pts)
-        ax.barh(range(len(vals)), vals, color=["tab:green" if v <= 1 else "tab:red" for v in vals])
+        ax.barh(range(len(vals)), vals, color=bar_colours(name, vals))
         ax.set_yticks(range(len(vals)))
         ax.set_yticklabels(labels, fontsize=7)
         ax.invert_yaxis()
@@ -161,6 +184,9 @@ def run_suite(modules: Sequence[str], out_dir: Path = RESULTS) -> Path:
         except ModuleNotFoundError as exc:
             if exc.name != name:
                 raise
+            note = f"(skipped: module {name} not found)"
+            print(f"\n{note}")
+            sections.append((name, note, None))
             continue
         print()
         tee = _Tee(sys.stdout)
@@ -173,9 +199,17 @@ def run_suite(modules: Sequence[str], out_dir: Path = RESULTS) -> Path:
     except ImportError:
         can_plot = False
     lines = ["# twophase benchmark report", "", "Written by `make bench` (`python -m bench`); every ratio is measured "
-             "side by side in one process, runs interleaved; each timing starts after a pause in which the other "
-             "libraries' spinning worker threads go idle, and one untimed call (`bench.common.settle`).", "", *head,
-             ""]
+             "side by side in one process, runs interleaved, the order rotating between rounds. Timings that compare "
+             "libraries (or ways of calling one) start after a pause in which the other libraries' spinning worker "
+             "threads go idle and one untimed call (`bench.common.settle`); the twophase-only microbenchmarks timed "
+             "by `bench.common.median_ratio` (bench_core's phase-1/phase-2, cache and counter rows, bench_sanitizer) "
+             "start after the pause alone, each timing being hundreds of calls; bench_minilm's \"after idle\" line "
+             "has a longer pause and no untimed call, on purpose.", "",
+             "Ratios do not all read the same way: each ratio header states its direction, e.g. "
+             "`twophase / torch (< 1: twophase faster)` or `reference / twophase (> 1: twophase faster)`. In the "
+             "plots a bar is green where the row is faster than the header's reference by that direction (for a "
+             "twophase row: twophase faster), red where slower, grey at 1 or where no direction is stated.", "",
+             *head, ""]
     if not can_plot:
         lines += ["(matplotlib not installed: no plots; `pip install -e '.[bench]'`)", ""]
     for name, text, _result in sections:

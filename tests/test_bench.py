@@ -1,0 +1,94 @@
+"""The benchmark suite's own machinery (no timing is asserted): plot colours follow each ratio header's direction,
+report formatting, the header's provenance, round rotation, and the same-result checks that run before timing."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+common = pytest.importorskip("bench.common")
+report = pytest.importorskip("bench.report")
+
+
+def test_bar_colours_follow_the_direction_each_header_states() -> None:
+    vals = [3.0, 0.33, 1.0]
+    assert report.bar_colours("ratio reference / twophase (> 1: twophase faster)", vals) == [
+        "tab:green", "tab:red", "tab:gray"]
+    assert report.bar_colours("ratio twophase / torch (< 1: twophase faster)", vals) == [
+        "tab:red", "tab:green", "tab:gray"]
+    assert report.bar_colours("ratio / ref", vals) == ["tab:gray"] * 3  # no direction stated: no verdict drawn
+
+
+def test_only_ratio_columns_are_plotted() -> None:
+    assert report.ratio_columns(["measure", "time", "share (median of the rounds')", "target"]) == []
+    assert report.ratio_columns(["op", "miss", "hit", "ratio hit / miss (< 1: the hit faster)"]) == [3]
+
+
+def test_uptime_lines_stay_out_of_the_headings() -> None:
+    md = report._as_markdown("# bench_ops2: title\n# uptime: 10:00 up 1 day\n| a | ratio |\n")
+    assert md[0] == "### bench_ops2: title"
+    assert "### uptime" not in "\n".join(md) and "# uptime: 10:00 up 1 day" in md
+
+
+def test_the_report_names_the_code_the_machine_and_a_skipped_module(tmp_path: Path, monkeypatch: Any) -> None:
+    mod = type(sys)("fake_bench_ops")
+    mod.main = lambda: print("| case | ratio reference / twophase (> 1: twophase faster) |\n| --- | --- |\n"  # type: ignore
+                             "| a | 2.00 |")
+    monkeypatch.setitem(sys.modules, "fake_bench_ops", mod)
+    text = report.run_suite(["fake_bench_ops", "no_such_bench_module"], tmp_path).read_text()
+    assert "- code: commit " in text or "- code: commit: n/a" in text
+    assert "ISA " in text and "thread timeout" in text and "numpy's baselines run with it" in text
+    assert "(skipped: module no_such_bench_module not found)" in text
+    assert "each ratio header states its direction" in text
+
+
+def test_header_names_the_processor_and_the_openblas_state() -> None:
+    head = common.header("t")
+    assert common.cpu_model() in head and "ISA " in head and "numpy's OpenBLAS" in head
+
+
+def test_each_round_starts_one_side_later() -> None:
+    order: list[str] = []
+    common.interleaved_times({k: (lambda k=k: order.append(k)) for k in "abc"}, 1, 3)
+    # per side: the settle's untimed call, then one timed call
+    assert "".join(order) == "aabbcc" + "bbccaa" + "ccaabb"
+
+
+def test_assert_same_passes_float32_noise_and_refuses_real_differences() -> None:
+    want = np.linspace(-3, 3, 64, dtype=np.float32)
+    common.assert_same("close", want * np.float32(1 + 1e-6), want)
+    with pytest.raises(AssertionError, match="max abs error"):
+        common.assert_same("off", want + np.float32(0.01), want)
+    with pytest.raises(AssertionError, match="shapes differ"):
+        common.assert_same("shape", want[:-1], want)
+    with pytest.raises(AssertionError, match="values differ"):
+        common.assert_same("ints", np.array([1, 2]), np.array([1, 3]))
+    with pytest.raises(AssertionError, match="NaN"):
+        common.assert_same("nan", np.array([np.nan, 1.0]), np.array([0.0, 1.0]))
+
+
+def test_ops2_rows_refuse_sides_that_disagree_before_timing() -> None:
+    ops2 = pytest.importorskip("bench.bench_ops2")
+    timed: list[int] = []
+    side = ops2.Ours(timed.append, ops2._Control(), lambda: np.zeros(4, np.float32), ops2._nothing)
+    with pytest.raises(AssertionError, match="twophase vs ref"):
+        ops2.row("case", side, lambda: np.ones(4, np.float32), "ref")
+    assert timed == [1]  # the one untimed run the check reads, nothing timed
+
+
+def test_ops1_torch_out_variants_equal_the_functional_forms() -> None:
+    torch = pytest.importorskip("torch")
+    ops1 = pytest.importorskip("bench.bench_ops1")
+    t = torch.from_numpy(np.random.default_rng(0).standard_normal((8, 64)).astype(np.float32))
+    for name, (*_, (functional, out_variant)) in ops1.CASES.items():
+        want = functional(t)
+        if out_variant is None:
+            assert name in ("layer_norm", "rms_norm")  # printed as 'allocates'
+            continue
+        got = torch.empty_like(want)
+        out_variant(t, got)
+        assert torch.equal(got, want), name
