@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.common import HIGHER_FASTER, assert_same, interleaved_ratios
+from bench.common import HIGHER_FASTER, assert_same, interleaved_ratios, releaser
 from twophase import device, ops
 
 try:
@@ -91,14 +91,7 @@ def ours(op: Any, ins: list[Any], **attrs: Any) -> tuple[Callable[[], None], Cal
             op(ws, size, ex, s)
         s.synchronize()
 
-    def release() -> None:
-        s.synchronize()
-        ws.free(s)
-        for o in outs:
-            o.free(s)
-        ex.destroy()
-        s.close()
-    return run, release, outs
+    return run, releaser(s, ws, outs, ex), outs
 
 
 def _repeat(fn: Callable[..., Any], *args: Any) -> None:

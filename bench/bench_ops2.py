@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 import twophase.ops as ops
-from bench.common import HIGHER_FASTER, assert_same, header, settle
+from bench.common import HIGHER_FASTER, assert_same, header, releaser, settle
 from twophase.runtime.device import device
 
 try:
@@ -72,18 +72,6 @@ class Ours(NamedTuple):
     release: Callable[[], None]
 
 
-def _release(stream: Any, ws: Any, tensors: list[Any]) -> Callable[[], None]:
-    """Frees ``ws`` and ``tensors`` in ``stream``'s order, then closes the stream: a row's pool memory does not
-    stay held through the rest of the suite."""
-    def release() -> None:
-        stream.synchronize()
-        ws.free(stream)
-        for t in tensors:
-            t.free(stream)
-        stream.close()
-    return release
-
-
 def twophase_call(op: Any, arrays: list[Any], limit: int | None = None, **attrs: Any) -> Ours:
     """A phase-2 loop body (repeatable executor, pool workspace, one stream), the executor, output, release."""
     dev = device("cpu")
@@ -103,7 +91,7 @@ def twophase_call(op: Any, arrays: list[Any], limit: int | None = None, **attrs:
         for _ in range(n):
             op(ws, size, ex, stream)
         stream.synchronize()
-    return Ours(run, ex, outs[0].numpy, _release(stream, ws, tensors + outs))
+    return Ours(run, ex, outs[0].numpy, releaser(stream, ws, tensors + outs))
 
 
 def row(name: str, side: Ours, ref_call: Callable[[], Any] | None, ref_name: str) -> str:
@@ -198,7 +186,7 @@ def _reversed_matmul(a_rev_storage: Any, b: Any) -> Ours:
         for _ in range(n):
             ops.matmul(ws, size, ex, stream)
         stream.synchronize()
-    return Ours(run, ex, o.numpy, _release(stream, ws, [ta, tb, o]))
+    return Ours(run, ex, o.numpy, releaser(stream, ws, [ta, tb, o]))
 
 
 RESNET18 = ((64, 56, 64, 3, 1, 1), (64, 56, 128, 3, 2, 1), (128, 28, 128, 3, 1, 1), (128, 28, 256, 3, 2, 1),
