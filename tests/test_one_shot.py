@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 import twophase
 from twophase import ops
+from twophase.ops.elementwise import BINARY
 
 _shapes = st.lists(st.integers(1, 6), min_size=1, max_size=3).map(tuple)
 _float = st.sampled_from(["float32", "float64"])
@@ -190,3 +191,19 @@ def test_every_op_is_its_one_shot_function_on_the_package():
     shadowed = {name for name, op in twophase.registry.items() if getattr(twophase, name) is not twophase.one_shot(op)}
     assert not shadowed
     np.testing.assert_allclose(twophase.log(np.array([1.0, np.e])).numpy(), [0.0, 1.0])
+
+
+@pytest.mark.parametrize("name", sorted(BINARY))
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
+def test_every_binary_op_with_a_python_scalar_matches_numpy_2(dev, name, dtype):
+    """dtype and values of ``op(x, s)`` and ``op(s, x)`` as numpy 2 gives them (weak Python scalars)."""
+    ufunc = BINARY[name][0]
+    a = np.arange(1, 7).astype(dtype)
+    x = dev.tensor(a)
+    for scalar in (2, 2.5, True):
+        for args, nargs in (((x, scalar), (a, scalar)), ((scalar, x), (scalar, a))):
+            with np.errstate(all="ignore"):
+                want = ufunc(*nargs)
+            got = getattr(twophase, name)(*args).numpy()
+            assert got.dtype == want.dtype, (name, dtype, scalar)
+            np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-3, equal_nan=True)
