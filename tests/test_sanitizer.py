@@ -554,3 +554,61 @@ def test_sanitize_block_restores_an_earlier_on_state():
             sanitizer.disable()
         assert sanitizer.is_enabled()
     assert not sanitizer.is_enabled()
+
+
+def test_an_intermediate_overrunning_into_its_arena_neighbour_is_reported_after_the_replay(s):
+    """Intermediates share one arena; under the sanitizer each gets guard bytes, written before the node that
+    writes it and checked after that node."""
+    def poke_past_output(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
+        x, out = ins[0], outs[0]
+
+        def launch(ws: Any) -> None:
+            out[...] = x
+            ctypes.memset(out.ctypes.data + out.nbytes, 0x11, 8)
+        return launch
+
+    op = Op(OpDef(name="poke_past_output", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
+                  select=lambda ins, outs, attrs, limit: Plan("poke", None, 0), kernels={"cpu": poke_past_output}))
+    dev = tp.device("cpu")
+    a = np.arange(20, dtype=np.float32)
+    x = dev.tensor(a, stream=s)
+    with tp.capture(s) as g:
+        g.input("x", x)
+        size, ex = op.get_workspace_size(x)
+        mid = dev.empty_like(ex.output_descs[0], s)  # an intermediate: in the arena after instantiate
+        ex.set_output(0, mid)
+        op(None, size, ex, s)
+        g.output("y", tp.neg(mid, stream=s))
+        mid.free(s)
+    g.instantiate()
+    try:
+        g.replay(s)
+        with pytest.raises(tp.KernelError, match="past the end of intermediate") as e:
+            s.synchronize()
+        assert "node 0 ('poke_past_output')" in str(e.value) and g.name in str(e.value)
+        g.replay(s)
+        with pytest.raises(tp.KernelError, match="past the end"):  # again: the guards are written before each run
+            s.synchronize()
+    finally:
+        g.destroy()
+        x.free(s)
+
+
+def test_a_replay_that_stays_inside_its_buffers_reports_nothing(s, rng):
+    dev = tp.device("cpu")
+    a = rng.standard_normal((16, 33)).astype(np.float32)
+    x = dev.tensor(a, stream=s)
+    with tp.capture(s) as g:
+        g.input("x", x)
+        h = tp.softmax(tp.relu(x, stream=s), dim=-1, stream=s)
+        g.output("y", tp.reduce_sum(tp.exp(h, stream=s), dims=(1,), stream=s))
+    g.instantiate()
+    try:
+        assert g._guards is not None and sum(map(len, g._guards.per_node)) >= 4  # relu, softmax, exp, reduce_sum
+        for _ in range(3):
+            y = g.replay(s)["y"].numpy()
+        e = np.exp(np.maximum(a.astype(np.float64), 0))
+        np.testing.assert_allclose(y, np.exp(e / e.sum(-1, keepdims=True)).sum(1), rtol=1e-5)
+    finally:
+        g.destroy()
+        x.free(s)

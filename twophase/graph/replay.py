@@ -74,6 +74,35 @@ def _within(a: TensorDesc, b: TensorDesc) -> bool:
 # check(graph, stream) before every replay is enqueued, after its rebinding; may raise to refuse it (the sanitizer's)
 REPLAY_CHECKS: list[Callable[[Graph, Stream], None]] = []
 
+# Guard bytes around every buffer of an arena instantiated now ("bytes" 0: none), their fill and the check that
+# raises when they were overwritten: the sanitizer sets them while it is on (an intermediate overrunning into its
+# neighbour in the arena is reported at the node that wrote it).
+ARENA_GUARDS: dict[str, Any] = {"bytes": 0, "fill": 0, "check": None}
+
+
+class _ArenaGuards:
+    """Guard bytes around the arena buffers each node writes (its outputs, its workspace): written just before the
+    node runs and checked just after. A buffer's space is reused once it is dead, so its guards are its own only
+    while it lives."""
+
+    __slots__ = ("raw", "per_node", "bytes", "fill", "check", "graph")
+
+    def __init__(self, raw: Any, per_node: list[list[tuple[str, int, int]]], graph: Graph) -> None:
+        self.raw = raw
+        self.per_node = per_node
+        self.bytes, self.fill, self.check = ARENA_GUARDS["bytes"], ARENA_GUARDS["fill"], ARENA_GUARDS["check"]
+        self.graph = graph
+
+    def before(self, i: int) -> None:
+        g, raw = self.bytes, self.raw
+        for _, off, size in self.per_node[i]:
+            raw[off - g:off] = self.fill
+            raw[off + size:off + size + g] = self.fill
+
+    def after(self, i: int) -> None:
+        if self.per_node[i]:
+            self.check(self.raw, self.per_node[i], self.graph)
+
 
 @dataclass(frozen=True)
 class GraphMemory:
@@ -121,6 +150,7 @@ class Graph:
     _steps: list[tuple[Any, Any, int]] | None
     _execs: tuple[Executor, ...]
     _arena: Block | None
+    _guards: _ArenaGuards | None  # the sanitizer's guard bytes between arena buffers, if it was on at instantiate
     _internal: set[int]
     _mark_blocks: tuple[Block, ...]
     _rebound: set[str]
@@ -152,6 +182,7 @@ class Graph:
         self._steps = None
         self._execs = ()
         self._arena = None
+        self._guards = None
         self._internal = set()
         self._mark_blocks = ()
         self._rebound = set()
@@ -288,6 +319,18 @@ class Graph:
         self._bindings[name] = _Binding(name, kind, tensor, key)
 
     # ---- instantiation
+    def _writers(self, kind: str, k: int) -> list[int]:
+        """The nodes that write arena buffer ``k``: the node of a workspace, the nodes with intermediate ``k`` as
+        an output."""
+        if kind == "w":
+            return [k]
+        return [i for i, n in enumerate(self._nodes)
+                if any(op is not None and op[1] == k for op in n.operands[len(n.input_descs):])]
+
+    def _buffer_label(self, kind: str, k: int) -> str:
+        """An arena buffer as error messages name it."""
+        return f"the workspace of node {k}" if kind == "w" else f"intermediate #{k}"
+
     def instantiate(self, alignment: int = DEFAULT_ALIGNMENT) -> Graph:
         """Plan every intermediate and workspace into one arena, allocate it, and build each node's launch.
 
@@ -307,20 +350,27 @@ class Graph:
         used = {v for u in uses for v in u}
         keep = {v for v in keep if v in used or any(b.key == v for b in self._bindings.values())}
         spans = liveness(uses, keep)
+        guard = ARENA_GUARDS["bytes"]
         keys: list[tuple[str, int]] = [("v", v) for v in sorted(spans)]
-        buffers = [Buffer(self._vsizes[v], *spans[v]) for v in sorted(spans)]
+        buffers = [Buffer(self._vsizes[v] + 2 * guard, *spans[v]) for v in sorted(spans)]
         for i, n in enumerate(nodes):
             if n.workspace_size:
                 keys.append(("w", i))
-                buffers.append(Buffer(n.workspace_size, i, i))
+                buffers.append(Buffer(n.workspace_size + 2 * guard, i, i))
         plan = plan_arena(buffers, alignment)
         pool = self.device.pool
         arena = pool.malloc(plan.size, stream=self.stream)
         execs: list[Executor] = []
+        zones: list[list[tuple[str, int, int]]] = [[] for _ in nodes]  # per node: the guarded buffers it writes
         try:
             blocks: dict[int, VirtualBlock] = {}
             ws: dict[int, Any] = {}
             for (kind, k), off in zip(keys, plan.offsets):
+                off += guard
+                if guard:
+                    size = self._vsizes[k] if kind == "v" else nodes[k].workspace_size
+                    for i in self._writers(kind, k):
+                        zones[i].append((self._buffer_label(kind, k), off, size))
                 if kind == "v":
                     vb = self._vrefs[k]()
                     if vb is None or self._vfreed[k]:
@@ -338,6 +388,7 @@ class Graph:
             arena.free(self.stream)
             raise
         self._arena = arena
+        self._guards = _ArenaGuards(arena.data, zones, self) if guard and arena.data is not None else None
         self._plan = plan
         self._execs = tuple(execs)
         self._steps = [(ex._launch, ws.get(i, NO_WORKSPACE), i) for i, ex in enumerate(execs)]
@@ -527,15 +578,19 @@ class Graph:
 def _run_graph(arg: tuple[list[tuple[Any, Any, int]], Graph, Any]) -> None:
     """The replay task: every prebuilt launch in order; per-node spans for task listeners (the profiler)."""
     steps, graph, q = arg
-    execs = graph._execs
+    execs, guards = graph._execs, graph._guards
     i = -1
     try:
-        if TASK_LISTENERS:
+        if TASK_LISTENERS or guards is not None:
             seq, perf = q.done + 1, time.perf_counter
             for launch, ws, i in steps:
+                if guards is not None:
+                    guards.before(i)
                 t0 = perf()
                 launch(ws)
                 t1 = perf()
+                if guards is not None:
+                    guards.after(i)
                 for cb in TASK_LISTENERS:
                     cb(q.name, execs[i], t0, t1, seq)
         else:

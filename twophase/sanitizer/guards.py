@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import InvalidStateError
+from ..graph.replay import ARENA_GUARDS
 from ..runtime.device import Device
 from ..runtime.memory import Block, MemoryPool
 from ..runtime.stream import CONTROL, Stream
@@ -165,8 +166,28 @@ def _poison_tensor(t: Any, stream: Stream | None) -> None:
             _ordered(blk, blk.fill, _poison_nan, (blk.data, t.dtype.np))
 
 
+def verify_zones(raw: Any, zones: Any, owner: Any) -> None:
+    """Raise ``GuardError`` when a guard zone between the buffers of a graph's arena was overwritten (and restore
+    it): ``zones`` are (buffer, offset, size) with ``GUARD`` canary bytes on each side."""
+    for label, off, size in zones:
+        head, tail = raw[off - GUARD:off], raw[off + size:off + size + GUARD]
+        if (head == CANARY).all() and (tail == CANARY).all():
+            continue
+        parts = []
+        bad_tail, bad_head = np.flatnonzero(tail != CANARY), np.flatnonzero(head != CANARY)
+        if bad_tail.size:
+            parts.append(f"{int(bad_tail[-1]) + 1} byte(s) past the end")
+        if bad_head.size:
+            parts.append(f"{GUARD - int(bad_head[0])} byte(s) before the start")
+        head[:] = CANARY
+        tail[:] = CANARY
+        raise GuardError(f"a kernel wrote {' and '.join(parts)} of {label} ({size} bytes in the arena of {owner})",
+                         arg="arena")
+
+
 def install() -> None:
     _state["generation"] += 1
+    ARENA_GUARDS.update(bytes=GUARD, fill=CANARY, check=verify_zones)
     MemoryPool.malloc = guarded_malloc  # type: ignore[method-assign,assignment]
     MemoryPool.free = guarded_free  # type: ignore[method-assign,assignment]
     Device.empty = guarded_empty  # type: ignore[method-assign,assignment]
@@ -175,6 +196,7 @@ def install() -> None:
 
 
 def uninstall() -> None:
+    ARENA_GUARDS.update(bytes=0, fill=0, check=None)
     MemoryPool.malloc = _plain_malloc  # type: ignore[method-assign]
     Device.empty = _plain_empty  # type: ignore[method-assign]
     Device.empty_like = _plain_empty_like  # type: ignore[method-assign]
