@@ -500,18 +500,25 @@ def test_two_streams_of_one_name_each_check_their_own_launches(san, gate):
         st.close()
 
 
-def test_a_graph_replay_verifies_the_guard_zones_of_its_nodes_operands(s):
-    """A kernel writing past its input is caught in a replay as in an eager launch, naming the node's op."""
-    def poke_past_input(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
+def _poker(target: str, nbytes: int) -> Op:
+    """A buggy op (``poke_past_input`` / ``poke_past_output``): copies x to out, then writes ``nbytes`` past the end
+    of its input or its output through the raw address, as a C kernel would."""
+    def build(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
         x, out = ins[0], outs[0]
+        victim = x if target == "input" else out
 
         def launch(ws: Any) -> None:
             out[...] = x
-            ctypes.memset(x.ctypes.data + x.nbytes, 0x11, 4)
+            ctypes.memset(victim.ctypes.data + victim.nbytes, 0x11, nbytes)
         return launch
 
-    op = Op(OpDef(name="poke_past_input", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
-                  select=lambda ins, outs, attrs, limit: Plan("poke", None, 0), kernels={"cpu": poke_past_input}))
+    return Op(OpDef(name=f"poke_past_{target}", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
+                    select=lambda ins, outs, attrs, limit: Plan("poke", None, 0), kernels={"cpu": build}))
+
+
+def test_a_graph_replay_verifies_the_guard_zones_of_its_nodes_operands(s):
+    """A kernel writing past its input is caught in a replay as in an eager launch, naming the node's op."""
+    op = _poker("input", 4)
     dev = tp.device("cpu")
     x = dev.tensor(np.ones(20, np.float32), stream=s)
     with tp.capture(s) as g:
@@ -559,16 +566,7 @@ def test_sanitize_block_restores_an_earlier_on_state():
 def test_an_intermediate_overrunning_into_its_arena_neighbour_is_reported_after_the_replay(s):
     """Intermediates share one arena; under the sanitizer each gets guard bytes, written before the node that
     writes it and checked after that node."""
-    def poke_past_output(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
-        x, out = ins[0], outs[0]
-
-        def launch(ws: Any) -> None:
-            out[...] = x
-            ctypes.memset(out.ctypes.data + out.nbytes, 0x11, 8)
-        return launch
-
-    op = Op(OpDef(name="poke_past_output", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
-                  select=lambda ins, outs, attrs, limit: Plan("poke", None, 0), kernels={"cpu": poke_past_output}))
+    op = _poker("output", 8)
     dev = tp.device("cpu")
     a = np.arange(20, dtype=np.float32)
     x = dev.tensor(a, stream=s)
