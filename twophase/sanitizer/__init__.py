@@ -3,10 +3,12 @@
 Enable it with ``TWOPHASE_SANITIZE=1``, ``twophase.sanitizer.enable()`` or ``with twophase.sanitizer.sanitize():``.
 While it is on:
 
-1. every pool block sits between guard zones, verified after each kernel (``GuardError`` at the next sync);
+1. every pool block sits between guard zones, verified after each kernel (``GuardError`` at the next sync), and
+   every buffer in the arena of a graph instantiated meanwhile too, verified after the node that writes it;
 2. fresh blocks are filled with 0xCD, fresh float tensors with NaN;
 3. a phase-2 workspace size or block other than phase 1's is reported with where the executor was planned;
-4. freeing a block that a pending task on another stream uses, without an event ordering them, raises;
+4. freeing a block that a pending task on another stream uses, without events ordering them (directly or through
+   a chain of streams), raises;
 5. host access to a tensor (``view()``, ``numpy()``, ``__array__``, DLPack) while a pending task writes it raises;
 6. phase 2 twice on a single-use executor, destroy of a consumed one, destroy while its launch is pending and
    use from another thread raise ``ExecutorMisuseError`` with where it was planned and released;
