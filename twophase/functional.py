@@ -86,8 +86,7 @@ def _inputs_to_device(op: Op, dev: Any, inputs: tuple[Any, ...], stream: Stream,
             ins.append(x)
             continue
         dtype = _weak_dtype(op, i, inputs) if i in promotes and _is_python_scalar(x) else None
-        names = op.spec.inputs
-        ins.append(_to_device(op, dev, x, stream, copies, dtype, names[min(i, len(names) - 1)].rstrip("?*")))
+        ins.append(_to_device(op, dev, x, stream, copies, dtype, op.input_name(i, len(inputs))))
     return tuple(ins)
 
 

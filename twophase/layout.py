@@ -102,6 +102,17 @@ def same_view(a: Any, b: Any) -> bool:
                 and a.dtype == b.dtype)
 
 
+def overlaps(a: Any, b: Any) -> bool:
+    """Whether two arrays share memory: interleaved but disjoint views (even and odd columns) do not; a pair too
+    hard to decide within a small work bound counts as overlapping."""
+    if not np.may_share_memory(a, b):
+        return False
+    try:
+        return bool(np.shares_memory(a, b, max_work=1 << 16))  # type: ignore[arg-type]
+    except np.exceptions.TooHardError:
+        return True
+
+
 def self_overlapping(a: Any) -> bool:
     """Whether two elements of the array ``a`` may share memory (a zero or too small stride: a broadcast view).
     Sufficient test, as torch's: sorted by stride, each dim must step past everything the smaller ones cover."""

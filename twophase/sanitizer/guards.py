@@ -118,14 +118,21 @@ def verify(blk: GuardedBlock, role: str, launch: Any) -> None:
     outer = blk.outer
     if outer is None or outer.data is None:
         return
-    raw = outer.data
     n = blk.size
-    head = raw[:GUARD]
-    tail = raw[GUARD + n:GUARD + n + GUARD]
+    damage = _overrun(outer.data, GUARD, n)
+    if damage:
+        who = "a kernel" if launch is None else launch
+        raise GuardError(f"{who} wrote {damage} of its {role} ({n} bytes at 0x{blk.address:x})",
+                         arg=role, op=getattr(launch, "op_name", None))
+
+
+def _overrun(raw: Any, off: int, size: int) -> str:
+    """What was written over the ``GUARD`` canary bytes on each side of ``raw[off:off + size]`` ("" when nothing),
+    the canaries restored for later checks."""
+    head, tail = raw[off - GUARD:off], raw[off + size:off + size + GUARD]
     if (head == CANARY).all() and (tail == CANARY).all():
-        return
-    bad_tail = np.flatnonzero(tail != CANARY)
-    bad_head = np.flatnonzero(head != CANARY)
+        return ""
+    bad_tail, bad_head = np.flatnonzero(tail != CANARY), np.flatnonzero(head != CANARY)
     head[:] = CANARY
     tail[:] = CANARY
     parts = []
@@ -133,9 +140,7 @@ def verify(blk: GuardedBlock, role: str, launch: Any) -> None:
         parts.append(f"{int(bad_tail[-1]) + 1} byte(s) past the end")
     if bad_head.size:
         parts.append(f"{GUARD - int(bad_head[0])} byte(s) before the start")
-    who = "a kernel" if launch is None else launch
-    raise GuardError(f"{who} wrote {' and '.join(parts)} of its {role} ({n} bytes at 0x{blk.address:x})",
-                     arg=role, op=getattr(launch, "op_name", None))
+    return " and ".join(parts)
 
 
 def _poison_nan(arg: tuple[Any, Any]) -> None:
@@ -170,19 +175,9 @@ def verify_zones(raw: Any, zones: Any, owner: Any) -> None:
     """Raise ``GuardError`` when a guard zone between the buffers of a graph's arena was overwritten (and restore
     it): ``zones`` are (buffer, offset, size) with ``GUARD`` canary bytes on each side."""
     for label, off, size in zones:
-        head, tail = raw[off - GUARD:off], raw[off + size:off + size + GUARD]
-        if (head == CANARY).all() and (tail == CANARY).all():
-            continue
-        parts = []
-        bad_tail, bad_head = np.flatnonzero(tail != CANARY), np.flatnonzero(head != CANARY)
-        if bad_tail.size:
-            parts.append(f"{int(bad_tail[-1]) + 1} byte(s) past the end")
-        if bad_head.size:
-            parts.append(f"{GUARD - int(bad_head[0])} byte(s) before the start")
-        head[:] = CANARY
-        tail[:] = CANARY
-        raise GuardError(f"a kernel wrote {' and '.join(parts)} of {label} ({size} bytes in the arena of {owner})",
-                         arg="arena")
+        damage = _overrun(raw, off, size)
+        if damage:
+            raise GuardError(f"a kernel wrote {damage} of {label} ({size} bytes in the arena of {owner})", arg="arena")
 
 
 def install() -> None:

@@ -64,7 +64,8 @@ class Launch:
 _records: dict[int, ExRecord] = {}
 _collected: list[Leak] = []  # executors garbage-collected while still ready (never destroyed)
 _launches: TaskRecords[Launch] = TaskRecords()
-_waits: weakref.WeakKeyDictionary[Any, dict[Any, int]] = weakref.WeakKeyDictionary()  # queue -> {queue: seq}
+# per queue, its waits: (its own seq at the wait, the queue waited for, the seq waited for), each raising what
+# it had waited for on that queue before
 _wait_log: weakref.WeakKeyDictionary[Any, list[tuple[int, Any, int]]] = weakref.WeakKeyDictionary()
 _lock = threading.Lock()
 _tl = threading.local()
@@ -148,7 +149,7 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
     for i, t in enumerate(ex._tensors):
         if t is None:
             continue
-        role = f"input {i}" if i < n_in else f"output {i - n_in}"
+        role = _role(i, n_in)
         if t.desc != descs[i]:
             raise StaleExecutorError(f"{role} of {ex.describe()} is bound to a tensor of another desc",
                                      op=op.name, arg=role, expected=descs[i], got=t.desc)
@@ -204,13 +205,18 @@ def _after_task(stream_name: str, owner: Any, t0: float, t1: float, seq: int) ->
         guards.verify(blk, role, launch)
 
 
+def _role(i: int, n_in: int) -> str:
+    """Operand ``i`` of an executor with ``n_in`` inputs, as reports name it."""
+    return f"input {i}" if i < n_in else f"output {i - n_in}"
+
+
 def _replayed(owner: Any) -> Launch | None:
     """What a graph replay's node (its executor) or the whole replay (its graph: the arena) used, to verify:
     a replay is one stream task, reported to the listeners once per node and once at its end."""
     used: list[tuple[Any, str]]
     if isinstance(owner, Executor):
         n_in = len(owner.input_descs)
-        used = [(t.block, f"input {i}" if i < n_in else f"output {i - n_in}")
+        used = [(t.block, _role(i, n_in))
                 for i, t in enumerate(owner._tensors) if t is not None]
         what, name = f"{owner.describe()} (a node of a graph replay)", owner.op.name
     else:
@@ -276,7 +282,7 @@ def check_free(blk: GuardedBlock, stream: Stream | None) -> None:
             continue
         if stream is not None:
             sq = stream._q
-            if sq is q or _waits.get(sq, {}).get(q, 0) >= seq:
+            if sq is q or _waited(sq, q) >= seq:
                 continue
         side = "the host (no stream)" if stream is None else f"stream '{stream.name}'"
         raise UseAfterFreeError(
@@ -333,12 +339,15 @@ def _wait_event(self: Stream, event: Event) -> None:
                 if at <= event.seq and seq > got.get(q, 0):
                     got[q] = seq
             got.pop(self._q, None)
-            w = _waits.setdefault(self._q, {})
             log = _wait_log.setdefault(self._q, [])
             for q, seq in got.items():
-                if seq > w.get(q, 0) and q.done < seq:  # a completed task needs no ordering
-                    w[q] = seq
+                if seq > _waited(self._q, q) and q.done < seq:  # a completed task needs no ordering
                     log.append((here, q, seq))
+
+
+def _waited(waiter: Any, q: Any) -> int:
+    """The last seq of queue ``q`` that queue ``waiter``'s later tasks are ordered after (0: none)."""
+    return next((seq for _, on, seq in reversed(_wait_log.get(waiter, ())) if on is q), 0)
 
 
 _PATCHES = ((Executor, "_release", _release), (Executor, "destroy", _destroy), (Executor, "_bind", _bind),

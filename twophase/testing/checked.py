@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from ..executor import ExecState, Executor
+from ..layout import overlaps
 from ..op import Op
 from ..runtime.device import Device, device
 from ..runtime.memory import Block
@@ -61,16 +62,6 @@ def _unwritten(t: Tensor) -> int:
     return 0  # integer / bool outputs cannot be told apart from a legitimately equal value
 
 
-def _overlap(a: np.ndarray[Any, Any], b: np.ndarray[Any, Any]) -> bool:
-    """Whether two views share memory (a view too hard to tell counts as shared)."""
-    if not np.may_share_memory(a, b):
-        return False
-    try:
-        return bool(np.shares_memory(a, b, max_work=1 << 16))  # type: ignore[arg-type]
-    except np.exceptions.TooHardError:
-        return True
-
-
 def in_place_inputs(op: Op, inputs: Sequence[np.ndarray[Any, Any] | None],
                     outputs: Sequence[np.ndarray[Any, Any] | None]) -> frozenset[int]:
     """The inputs (by position) that the op may write: those its ``aliases`` allow and that share memory with an
@@ -78,7 +69,7 @@ def in_place_inputs(op: Op, inputs: Sequence[np.ndarray[Any, Any] | None],
     allowed = op.spec.aliases
     return frozenset(i for i, x in enumerate(inputs)
                      if x is not None and (allowed == "any" or (isinstance(allowed, tuple) and i in allowed))
-                     and any(o is not None and _overlap(x, o) for o in outputs))
+                     and any(o is not None and overlaps(x, o) for o in outputs))
 
 
 def changed_inputs(before: Sequence[bytes | None], inputs: Sequence[np.ndarray[Any, Any] | None],
@@ -87,14 +78,6 @@ def changed_inputs(before: Sequence[bytes | None], inputs: Sequence[np.ndarray[A
     NaN is unchanged and -0.0 for 0.0 is a change), ``skip`` aside."""
     return tuple(i for i, (b, x) in enumerate(zip(before, inputs))
                  if b is not None and x is not None and i not in skip and x.tobytes(order="C") != b)
-
-
-def input_name(op: Op, i: int) -> str:
-    """The name of input ``i`` of ``op`` as error messages give it (``xs[2]`` for the third variadic input)."""
-    names = op.spec.inputs
-    if names and names[-1].endswith("*") and i >= len(names) - 1:
-        return f"{names[-1].rstrip('*')}[{i - len(names) + 1}]"
-    return names[i].rstrip("?*") if i < len(names) else f"input {i}"
 
 
 def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = None, **attrs: Any) -> CheckedRun:
@@ -130,7 +113,7 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
         in_place = in_place_inputs(op, in_views, [t.view() for t in outs])
         before = [None if v is None or i in in_place else v.tobytes(order="C") for i, v in enumerate(in_views)]
         for t in outs:
-            if not any(v is not None and _overlap(t.view(), v) for v in in_views):
+            if not any(v is not None and overlaps(t.view(), v) for v in in_views):
                 _poison(t)
         outer, inner = guarded_workspace(dev, size, stream)
         op(inner, size, ex, stream)

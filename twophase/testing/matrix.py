@@ -20,7 +20,7 @@ from ..runtime.device import Device, device
 from ..runtime.stream import Stream
 from ..tensor import DType, Tensor
 from .cases import GENERATORS, Case, Layout, generic_cases
-from .checked import changed_inputs, in_place_inputs, input_name
+from .checked import changed_inputs, in_place_inputs
 
 __all__ = ["shape_matrix", "run_case", "run_matrix", "MatrixResult", "CaseResult", "format_table", "TOLERANCE"]
 
@@ -154,7 +154,8 @@ def _execute(op: Op, case: Case, dev: Device, streams: list[Stream],
                       np.asarray(x.array if isinstance(x, Layout) else x, dtype=v.dtype).tobytes(order="C")
                       for x, v in zip(hosts, views)]
             skip = in_place_inputs(op, views, [t.view() for t in ys if isinstance(t, Tensor)])
-            changed += [f"input '{input_name(op, i)}' of call {k}" for i in changed_inputs(before, views, skip)]
+            changed += [f"input '{op.input_name(i, len(ins))}' of call {k}"
+                        for i in changed_inputs(before, views, skip)]
         return outs, changed
     finally:
         for s in streams:
