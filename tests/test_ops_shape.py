@@ -214,3 +214,11 @@ def test_embedding_refuses_tables_of_dtypes_it_does_not_list(dtype: str) -> None
     with pytest.raises(ParamError) as e:
         ops.embedding.get_workspace_size(w, dev.tensor(np.array([0, 1])))
     assert e.value.arg == "weight"
+
+
+def test_an_output_overlapping_a_variadic_input_names_that_input() -> None:
+    dev = device("cpu")
+    out = dev.tensor(np.zeros((6, 3), np.float32))
+    xs = [dev.tensor(np.ones((2, 3), np.float32)) for _ in range(2)] + [out.strided((2, 3), (3, 1), 0)]
+    with pytest.raises(ParamError, match=r"overlapping xs\[2\]"):
+        ops.concat.get_workspace_size(*xs, dim=0, out=out)
