@@ -204,6 +204,33 @@ def test_layer_norm_of_large_mean_rows_does_not_cancel(shape: Any, layout: str, 
     np.testing.assert_allclose(r.outputs[0], out, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("value", [1.7e9, 7.7e20, 1e30])
+@pytest.mark.parametrize("n, layout", [(768, "dense"), (4096, "dense"), (5000, "padded")])
+def test_float64_norms_of_rows_of_one_large_value_are_zero(value: float, n: int, layout: str) -> None:
+    """float64 rows of one value (a constant feature, a timestamp column): the mean's rounding left every
+    deviation at ~30 ulp of the value, so with eps = 1e-12 layer_norm and group_norm gave +-1 instead of 0; the
+    corrected two-pass moments give the value back as the mean and 0 out, whatever the row's length."""
+    x = np.full((2, n), value)
+    x[1] = -value / 3
+    r = run_checked(ops.layer_norm, on_device(x, layout), normalized_shape=(n,), eps=1e-12)
+    np.testing.assert_array_equal(r.outputs[0], 0.0)
+    np.testing.assert_array_equal(r.outputs[1].ravel(), x[:, 0])
+    g = run_checked(ops.group_norm, on_device(x.reshape(2, 4, n // 4) if n % 4 == 0 else x.reshape(2, 1, n),
+                                                 "dense"), num_groups=1, eps=1e-12)
+    np.testing.assert_array_equal(g.outputs[0], 0.0)
+
+
+def test_group_norm_of_huge_groups_of_one_large_value_is_zero() -> None:
+    """The split path (block partials merged in the workspace), columns summed row-wise (many short rows of a
+    crop), and a group of one value: out is 0 on every path."""
+    big = np.full((1, 1, 100000), 7.7e20)
+    r = run_checked(ops.group_norm, big, num_groups=1, eps=1e-12)
+    assert r.implementation == "split_groups"
+    np.testing.assert_array_equal(r.outputs[0], 0.0)
+    crop = np.full((2, 4, 64, 100), 7.7e20)[..., :30]  # rows of 30 elements: the column-wise sums
+    np.testing.assert_array_equal(run_checked(ops.group_norm, crop, num_groups=2, eps=1e-12).outputs[0], 0.0)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("op", [ops.layer_norm, ops.rms_norm])
 def test_norms_of_empty_rows_follow_the_reference(op: Any, dtype: Any) -> None:

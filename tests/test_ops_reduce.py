@@ -283,6 +283,19 @@ def test_float32_var_of_large_mean_data_merged_over_deep_trees(small_blocks: int
         np.testing.assert_allclose(r.outputs[0], np.var(x.astype(np.float64), axis=1), rtol=1e-6)
 
 
+@pytest.mark.parametrize("n", [4096, 5000, 300_000])
+def test_float64_var_of_rows_of_one_large_value(n: int) -> None:
+    """float64 rows of one value: the plain second pass summed the squares of the mean's rounding (var of 4096 x
+    1e30 was 6.4e30, numpy's 2e28, the truth 0); corrected it is 0 within a block and ~1e-48 of value^2 when
+    blocks merge."""
+    x = np.full((3, n), 1e30)
+    x[1], x[2] = 1.7e9, -3.3
+    r = run_checked(ops.var, x, dims=(1,))
+    assert np.all(r.outputs[0] <= 1e-40 * x[:, 0] ** 2)
+    if n <= 4096:
+        np.testing.assert_array_equal(r.outputs[0], 0.0)
+
+
 @pytest.mark.parametrize("shape,dims,layout", [((100,), (), "dense"), ((3, 5000, 7), (1,), "dense"),
                                                ((3, 5000, 7), (0, 2), "strided"), ((9000, 4), (0,), "dense"),
                                                ((4, 9000), (1,), "transposed"), ((2, 300_000), (), "dense")])

@@ -299,7 +299,8 @@ register(OpDef(
     implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
     doc=("Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (float32 rows: "
          "sum and sum of squares of x - x[0] in one float64 pass (shifted by a sample: no cancellation from a "
-         "large mean), then the write; float64 rows: sum, squared deviations, write; each row in cache); "
+         "large mean), then the write; float64 rows: sum, then squared deviations "
+         "with their sum correcting the mean's rounding (a row of one value gives 0), write; each row in cache); "
          "mean / rstd outputs have the reduced dims as 1 "
          f"(float32 for float16). Workspace: {_LN_FORMULA} (float16, or dims that do not merge)."),
     reference=_ln_reference))
@@ -489,8 +490,9 @@ register(OpDef(
     implementations=("groups", "split_groups", "groups_packed", "split_groups_packed"),
     workspace_formula=_GN_FORMULA,
     doc=("Group norm of an (N, C, ...) tensor: channels split into ``num_groups`` groups of L = C/G * S "
-         "elements; per (n, group) mean and variance in float64 (sum, then squared deviations: two passes over "
-         "the group in cache), out = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]; a crop of a wider image "
+         "elements; per (n, group) mean and variance in float64 (sum, then squared deviations and their sum, which "
+         "corrects the mean's rounding: two passes over the group in cache), "
+         "out = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]; a crop of a wider image "
          "(group dims that split into R evenly spaced rows) row by row, not packed. Groups of L > 65536 "
          "are split into blocks of 16384 elements (or of whole rows) whose Welford partials (count, mean, M2) "
          "take 24 bytes each and merge "

@@ -382,7 +382,8 @@ var = register(OpDef(
     doc=("Variance over ``dims``: M2 / max(N - correction, 0) (numpy's ddof rule: 0/0 is NaN, an empty "
          "reduction NaN). A block tree: level 1 writes the (count, mean, M2) float64 triple of every block of 4096 "
          "(float32: one pass of float64 sums of y = x - x_0 and y^2, x_0 the block's first element, so a large mean "
-         "does not cancel; float64: two passes; the block is in cache), later levels "
+         "does not cancel; float64: two passes, the second's sum of deviations correcting the mean's rounding; the "
+         "block is in cache), later levels "
          "merge triples pairwise with Chan et al.'s formula, the last level's triples go to a final area, then the "
          "division writes ``out``; rows of R <= 4096 go straight from their moments to ``out``. Workspace: "
          + _VAR_WS

@@ -1,8 +1,9 @@
 """Group norm over an (N, G, R, S) view: a group of L = C/G channels x their spatial elements as R rows of S
 (R = 1 when they walk memory with one stride; R > 1 for a crop of a wider image).
 
-A group that fits in cache takes three passes: its float64 sum (mean), the float64 sum of squared deviations
-(variance, no cancellation), then ``out = (x - mean) * rstd * w[c] + b[c]`` channel by channel. A huge group
+A group that fits in cache takes three passes: its float64 sum (mean), the float64 sums of deviations and of
+squared deviations (variance, no cancellation; the first sum corrects the mean's rounding:
+``vmath.corrected_moments``), then ``out = (x - mean) * rstd * w[c] + b[c]`` channel by channel. A huge group
 is split into blocks whose Welford partials ``(count, mean, M2)`` live in the workspace and are merged per
 group with Chan's formula: for partials a and b, ``n = n_a + n_b``, ``d = mean_b - mean_a``,
 ``mean = mean_a + d * n_b / n``, ``M2 = M2_a + M2_b + d^2 * n_a * n_b / n``; variance = M2 / L.
@@ -30,15 +31,6 @@ jit_inline: Kernel = _jit.jit_inline
 SHORT_ROW = 512  # rows shorter than this are summed column-wise (see _block_stats)
 
 
-@jit_reduce
-def _sq_dev(x: Any, mu: float) -> float:
-    s = 0.0
-    for i in range(x.shape[0]):
-        d = x[i] - mu
-        s += d * d
-    return s
-
-
 @jit
 def _write(x: Any, out: Any, lo: int, hi: int, base: int, n_sp: int, c0: int, w: Any, b: Any, mu: float,
            r: float) -> None:
@@ -64,22 +56,29 @@ def _block_stats(xg: Any, r0: int, r1: int, e0: int, e1: int, dense: bool) -> tu
             row = row_of(xg, r, dense)[e0:e1]
             for i in range(n):
                 acc[i] += row[i]
-        mu = vm.fsum(acc) / ((r1 - r0) * n)
+        count = (r1 - r0) * n
+        mu = vm.fsum(acc) / count
         acc[:] = 0.0
+        dev = np.zeros(n)
         for r in range(r0, r1):
             row = row_of(xg, r, dense)[e0:e1]
             for i in range(n):
                 d = row[i] - mu
+                dev[i] += d
                 acc[i] += d * d
-        return mu, vm.fsum(acc)
+        return vm.corrected_moments(count, mu, vm.fsum(dev), vm.fsum(acc))
     s = 0.0
     for r in range(r0, r1):
         s += vm.fsum(row_of(xg, r, dense)[e0:e1])
-    mu = s / ((r1 - r0) * n)
+    count = (r1 - r0) * n
+    mu = s / count
+    c = 0.0
     q = 0.0
     for r in range(r0, r1):
-        q += _sq_dev(row_of(xg, r, dense)[e0:e1], mu)
-    return mu, q
+        cr, qr = vm.deviation_sums(row_of(xg, r, dense)[e0:e1], mu)
+        c += cr
+        q += qr
+    return vm.corrected_moments(count, mu, c, q)
 
 
 @jit_inline

@@ -14,6 +14,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .jit import FAST, by_density, entry, row_of, rows_dense
+from .vmath import corrected_moments, deviation_sums
 
 Kernel = Callable[[Callable[..., Any]], Any]
 jit: Kernel = _jit.jit  # the numba decorators, typed (jit.py leaves them untyped)
@@ -29,7 +30,8 @@ def _layer_norm_kernel(dense: bool) -> Any:
         """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b
         in the data's precision (but x - mean in float64). Sums in float64: float32 data takes the sum and the
         sum of squares of y = x - x[0] in one pass (var = E[y^2] - E[y]^2: shifted by a sample, the cancellation
-        is ~1e-16 * (E[y] / std)^2, not (mean / std)^2), float64 data two passes (the centred sum of squares);
+        is ~1e-16 * (E[y] / std)^2, not (mean / std)^2), float64 data two passes (the centred sum of squares,
+        corrected: ``vmath.corrected_moments``);
         RMS sums x^2 (nothing cancels). Rows typed dense when
         ``dense`` (``jit.by_density``), so the loops vectorize when the matrix itself is not (rows of a wider
         array)."""
@@ -58,10 +60,8 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any) -> tuple[
     else:
         for i in range(n):
             s += x[i]
-        mu = s / n
-        for i in range(n):
-            d = x[i] - mu
-            q += d * d
+        c, q = deviation_sums(x, s / n)
+        mu, q = corrected_moments(n, s / n, c, q)
         var = q / n
     r = 1.0 / math.sqrt(var + eps)
     rr = x.dtype.type(r)

@@ -24,6 +24,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, run_parts, split_range
 from .jit import REDUCE, by_density, entry, row_of, rows_dense
 from .jit import jit_reduce as _jit_reduce
+from .vmath import corrected_moments, deviation_sums
 from .vmath import maximum as vmax
 from .vmath import minimum as vmin
 
@@ -90,7 +91,8 @@ def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, Any]:
 def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
     """(count, mean, M2) of a span. float32 (and narrower) data: one pass of float64 sums of y = x - x[lo] and y^2,
     M2 = q - s^2 / n (shifted by a sample, the sums cancel by ~(mean(y) / std)^2 only, not (mean / std)^2; no pass
-    waits for the mean); float64 data: two passes (the span is one block: it stays in cache)."""
+    waits for the mean); float64 data: two passes, the second corrected (``vmath.corrected_moments``; the span is
+    one block: it stays in cache)."""
     n = hi - lo
     base = np.uint64(lo)
     s = 0.0
@@ -106,10 +108,8 @@ def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
     for i in range(np.uint64(n)):
         s += v[base + i]
     mean = s / n if n > 0 else 0.0
-    m2 = 0.0
-    for i in range(np.uint64(n)):
-        d = v[base + i] - mean
-        m2 += d * d
+    c, q = deviation_sums(v[lo:hi], mean)
+    mean, m2 = corrected_moments(n, mean, c, q)
     return float(n), mean, m2
 
 

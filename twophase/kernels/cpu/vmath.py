@@ -32,6 +32,7 @@ jit = numba.njit(nogil=True, cache=True, fastmath=FAST, inline="always")  # inli
 
 __all__ = ["exp", "log", "tanh", "erf", "erfc", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
            "exp_f32", "exp_nonpos_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32", "maximum", "minimum", "fsum",
+           "deviation_sums", "corrected_moments",
            "exp_shifted"]
 
 
@@ -452,6 +453,30 @@ def fsum(a: Any) -> float:
     for i in range(a.shape[0]):
         s += a[i]
     return s
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE)
+def deviation_sums(a: Any, mean: float) -> tuple[float, float]:
+    """(sum(d), sum(d^2)) over a 1-d view, d = a - mean: the second pass of a two-pass variance, whose sum(d)
+    corrects the first pass's rounding (``corrected_moments``). Reassociated and not inlined, as ``fsum``."""
+    c = 0.0
+    q = 0.0
+    for i in range(a.shape[0]):
+        d = a[i] - mean
+        c += d
+        q += d * d
+    return c, q
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST, inline="always")
+def corrected_moments(n: float, mean: float, c: float, q: float) -> tuple[float, float]:
+    """(mean, M2) of ``n`` elements from a first-pass ``mean`` and ``deviation_sums`` (c, q), by the corrected
+    two-pass formula (Chan, Golub and LeVeque): mean + c / n and q - c^2 / n. The correction takes out the first
+    pass's rounding: a row of one large value gives its value and M2 = 0 (without it M2 > 0, and a norm of such
+    a row gave +-1 instead of 0)."""
+    if n == 0:
+        return mean, 0.0
+    return mean + c / n, max(q - c * c / n, 0.0)
 
 
 def exp_shifted(v: Any, m: float) -> Any:
