@@ -302,3 +302,54 @@ def test_pool_is_thread_safe_under_concurrent_malloc_and_free(pool):
     s = pool.stats()
     assert s["allocated_bytes"] == 0 and s["requested_bytes"] == 0 and s["alloc_count"] == s["free_count"]
     assert pool.empty_cache() == s["reserved_bytes"] and pool.stats()["segments"] == 0
+
+
+def test_a_miss_trims_a_cache_that_holds_more_than_is_allocated(pool):
+    """Requests that drift upward in size, four live at a time: each size's freed blocks are too small for the
+    next, so without a trim every miss reserved a new segment (reserved reached 7x allocated); a miss while the
+    cache holds more than what is allocated (plus TRIM_SLACK) releases wholly free segments first."""
+    from twophase.runtime.memory import TRIM_SLACK
+    live: list = []
+    worst = 0.0
+    for i in range(300):
+        live.append(pool.malloc((1 + i) * 64 * 1024))
+        if len(live) > 4:
+            live.pop(0).free()
+        s = pool.stats()
+        worst = max(worst, s["reserved_bytes"] - 2 * s["allocated_bytes"])
+    assert worst <= TRIM_SLACK + 2 * 20 * MiB  # the slack, and the segment a request reserves on top
+    assert pool.stats()["cache_trims"] > 0
+    for b in live:
+        b.free()
+
+
+def test_a_dead_threads_default_stream_is_not_kept_alive_by_its_freed_blocks(dev):
+    """A thread frees on its default stream while the stream still has work queued, then exits: the free-list
+    nodes keep only the stream's queue, so the stream is collected and its worker thread ends (the nodes held
+    the stream, and a server churning threads kept one worker thread per dead thread)."""
+    import gc
+    import time
+
+    names: list[str] = []
+
+    def work() -> None:
+        s = dev.default_stream
+        names.append(f"twophase-{s.name}")
+        gate = threading.Event()
+        s.launch_callback(gate.wait)  # the stream is busy when the block is freed
+        b = dev.malloc(4096, stream=s)
+        b.free(s)
+        gate.set()
+        s.synchronize()
+
+    t = threading.Thread(target=work, name="short-lived")
+    t.start()
+    t.join()
+    del t
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        gc.collect()
+        if not any(th.name == names[0] for th in threading.enumerate()):
+            break
+        time.sleep(0.01)
+    assert not any(th.name == names[0] for th in threading.enumerate())

@@ -124,7 +124,7 @@ def test_free_of_an_exported_tensor_waits_for_the_consumer_then_keeps_stream_ord
     opened = gate(stream)  # the stream is still busy when the consumer lets go
     del capsule
     assert not blk.allocated and blk.exports is None
-    assert blk.free_stream is stream  # reusable by other streams only after the stream's work
+    assert blk.free_queue is stream._q  # reusable by other streams only after the stream's work
     stats = dev.pool.stats()
     assert stats["allocated_bytes"] == before["allocated_bytes"] - size
     assert stats["free_count"] == before["free_count"] + 1

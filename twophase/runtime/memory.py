@@ -16,7 +16,7 @@ from ..errors import InvalidStateError, OutOfMemoryError, ParamError
 from ..layout import align
 
 if TYPE_CHECKING:
-    from .stream import Stream
+    from .stream import Stream, _Queue
 
 _log = logging.getLogger("twophase")
 
@@ -25,6 +25,7 @@ __all__ = ["MemoryPool", "Block", "Segment", "ALIGNMENT", "round_size"]
 ALIGNMENT = 512
 SMALL_REQUEST = 1 << 20  # requests up to 1 MiB are split out of 2 MiB segments
 SMALL_SEGMENT = 2 << 20
+TRIM_SLACK = 32 << 20  # a miss trims the cache first when it holds more than what is allocated plus this
 POLICIES = ("huge_first", "normal_only")
 
 
@@ -60,7 +61,7 @@ class Block:
     """
 
     __slots__ = ("pool", "segment", "offset", "size", "requested", "allocated", "freed", "data",
-                 "prev", "next", "_stream", "_seq", "free_stream", "free_seq", "tag", "exports", "__weakref__")
+                 "prev", "next", "_stream", "_seq", "free_queue", "free_seq", "tag", "exports", "__weakref__")
 
     def __init__(self, pool: MemoryPool, segment: Segment, offset: int, size: int) -> None:
         self.pool = pool
@@ -75,7 +76,9 @@ class Block:
         self.next: Block | None = None
         self._stream: Stream | None = None
         self._seq = 0
-        self.free_stream: Stream | None = None
+        # a free block's stream order: the queue of the stream it waits for (not the stream, which a free-list
+        # node must not keep alive: a dead thread's default stream and its worker thread would live on)
+        self.free_queue: _Queue | None = None
         self.free_seq = 0
         self.tag: Any = None  # set by observers (sanitizer: where it was allocated)
         self.exports: _Exports | None = None
@@ -151,8 +154,8 @@ class Block:
         self.pool.free_when_safe(self, ex.stream)
 
     def _ready(self, stream: Stream | None) -> bool:
-        fs = self.free_stream
-        return fs is None or fs is stream or fs._done >= self.free_seq
+        fq = self.free_queue
+        return fq is None or (stream is not None and fq is stream._q) or fq.done >= self.free_seq
 
 
 class _Exports:
@@ -211,6 +214,7 @@ class MemoryPool:
         self._n_hits = 0
         self._n_segments = 0
         self._n_oom_retries = 0
+        self._n_trims = 0
 
     # ---- configuration
     def set_limit(self, nbytes: int | None) -> None:
@@ -232,6 +236,8 @@ class MemoryPool:
             self._free_deferred()
         with self._lock:
             block = self._take_cached(size, stream, policy)
+            if block is None and self._reserved - self._allocated > self._allocated + TRIM_SLACK:
+                block = self._trim_and_take(size, stream, policy)
             if block is None:
                 block = self._take_new(size, nbytes, policy)
             else:
@@ -241,7 +247,7 @@ class MemoryPool:
             block.requested = nbytes
             block._stream = None
             block._seq = 0
-            block.free_stream = None
+            block.free_queue = None
             self._allocated += block.size
             self._requested += nbytes
             self._n_alloc += 1
@@ -271,6 +277,14 @@ class MemoryPool:
                 return blk
             i += 1
         return None
+
+    def _trim_and_take(self, size: int, stream: Stream | None, policy: str) -> Block | None:
+        """A miss while the cache holds more than is allocated: its free blocks did not fit (requests that
+        drift in size leave a segment per size), so merge what is ready, release wholly free segments, and look
+        again before reserving more. Without it reserved memory grew to 7x the allocated under drifting sizes."""
+        self._n_trims += 1
+        self._empty_cache_locked()
+        return self._take_cached(size, stream, policy)
 
     def _take_new(self, size: int, requested: int, policy: str) -> Block:
         seg_size = segment_size(size)
@@ -306,7 +320,7 @@ class MemoryPool:
         if rest < ALIGNMENT:
             return
         tail = Block(self, blk.segment, blk.offset + size, rest)
-        tail.free_stream, tail.free_seq = blk.free_stream, blk.free_seq
+        tail.free_queue, tail.free_seq = blk.free_queue, blk.free_seq
         tail.prev, tail.next = blk, blk.next
         if blk.next is not None:
             blk.next.prev = tail
@@ -344,11 +358,11 @@ class MemoryPool:
             self._n_free += 1
             last = blk._stream
             if stream is not None and stream._submitted > stream._done:
-                blk.free_stream, blk.free_seq = stream, stream._submitted
+                blk.free_queue, blk.free_seq = stream._q, stream._submitted
             elif stream is None and last is not None and last._done < blk._seq:
-                blk.free_stream, blk.free_seq = last, blk._seq  # still in use: reusable after that task
+                blk.free_queue, blk.free_seq = last._q, blk._seq  # still in use: reusable after that task
             else:
-                blk.free_stream, blk.free_seq = None, 0
+                blk.free_queue, blk.free_seq = None, 0
             self._insert_free(self._merge(self._retire(blk)))
         if POOL_LISTENERS:
             for fn in POOL_LISTENERS:
@@ -358,7 +372,7 @@ class MemoryPool:
         """A fresh free-list node in ``blk``'s place: the caller's handle stays freed for good, so a second
         ``free`` of it raises instead of freeing whoever was handed the memory next."""
         node = Block(self, blk.segment, blk.offset, blk.size)
-        node.free_stream, node.free_seq, node.data = blk.free_stream, blk.free_seq, blk.data
+        node.free_queue, node.free_seq, node.data = blk.free_queue, blk.free_seq, blk.data
         node.prev, node.next = blk.prev, blk.next
         if blk.prev is not None:
             blk.prev.next = node
@@ -385,7 +399,7 @@ class MemoryPool:
 
     @staticmethod
     def _mergeable(a: Block, b: Block) -> bool:
-        return a.free_stream is b.free_stream or (a._ready(None) and b._ready(None))
+        return a.free_queue is b.free_queue or (a._ready(None) and b._ready(None))
 
     def _merge(self, blk: Block) -> Block:
         for nb in (blk.prev, blk.next):
@@ -393,14 +407,14 @@ class MemoryPool:
                 continue
             self._remove_free(nb)
             first, second = (nb, blk) if nb is blk.prev else (blk, nb)
-            stream = first.free_stream if first.free_stream is second.free_stream else None
-            seq = max(first.free_seq, second.free_seq) if stream is not None else 0
+            queue = first.free_queue if first.free_queue is second.free_queue else None
+            seq = max(first.free_seq, second.free_seq) if queue is not None else 0
             first.size += second.size
             first.next = second.next
             if second.next is not None:
                 second.next.prev = first
             first.data = None
-            first.free_stream, first.free_seq = stream, seq
+            first.free_queue, first.free_seq = queue, seq
             blk = first
         return blk
 
@@ -420,7 +434,7 @@ class MemoryPool:
                     continue
                 if any(nb is not None and not nb.allocated and nb._ready(None) for nb in (blk.prev, blk.next)):
                     self._remove_free(blk)
-                    blk.free_stream, blk.free_seq = None, 0
+                    blk.free_queue, blk.free_seq = None, 0
                     self._insert_free(self._merge(blk))
                     merged = True
 
@@ -465,6 +479,7 @@ class MemoryPool:
                 "free_count": self._n_free,
                 "cache_hits": self._n_hits,
                 "oom_retries": self._n_oom_retries,
+                "cache_trims": self._n_trims,
             }
 
     def reset_peak(self) -> None:
