@@ -223,6 +223,32 @@ def test_free_ordered_through_a_chain_of_events_is_not_reported_and_a_wait_after
     z.free(s)
 
 
+def test_the_wait_log_keeps_only_pending_waits(san, gate):
+    """Two streams waiting on each other's events for good (a pipeline): the log of orderings kept every wait,
+    growing by one per wait with each wait scanning it all; waits whose task has completed are dropped, and a
+    free ordered by a pending wait is still not reported."""
+    from twophase.sanitizer import tracking
+    dev = tp.device("cpu")
+    a, b = dev.stream("ping"), dev.stream("pong")
+    for i in range(1000):
+        b.wait_event(a.record_event())
+        a.wait_event(b.record_event())
+        if i % 50 == 49:
+            a.synchronize()
+            b.synchronize()
+    assert max(len(tracking._wait_log.get(q, ())) for q in (a._q, b._q)) <= 2 * tracking.PRUNE_EVERY
+    x = dev.tensor(np.ones(64, np.float32), stream=a)
+    a.synchronize()
+    opened = gate(a)
+    y = tp.relu(x, stream=a)
+    b.wait_event(a.record_event())
+    x.free(b)  # ordered by a pending wait: kept
+    opened.set()
+    a.synchronize()
+    b.synchronize()
+    y.free(a)
+
+
 def test_freeing_a_tensor_from_the_host_while_its_copy_in_is_pending_is_reported(s, gate):
     dev = tp.device("cpu")
     opened = gate(s)

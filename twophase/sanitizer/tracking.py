@@ -67,6 +67,7 @@ _launches: TaskRecords[Launch] = TaskRecords()
 # per queue, its waits: (its own seq at the wait, the queue waited for, the seq waited for), each raising what
 # it had waited for on that queue before
 _wait_log: weakref.WeakKeyDictionary[Any, list[tuple[int, Any, int]]] = weakref.WeakKeyDictionary()
+PRUNE_EVERY = 64  # waits between prunings of a queue's log (amortized: a pruning scans the whole log)
 _lock = threading.Lock()
 _tl = threading.local()
 
@@ -340,8 +341,10 @@ def _wait_event(self: Stream, event: Event) -> None:
                     got[q] = seq
             got.pop(self._q, None)
             log = _wait_log.setdefault(self._q, [])
+            if len(log) % PRUNE_EVERY == PRUNE_EVERY - 1:  # a completed task needs no ordering: the log keeps
+                log[:] = [e for e in log if e[1].done < e[2]]  # pending waits only (it kept every wait for good)
             for q, seq in got.items():
-                if seq > _waited(self._q, q) and q.done < seq:  # a completed task needs no ordering
+                if seq > _waited(self._q, q) and q.done < seq:
                     log.append((here, q, seq))
 
 
