@@ -87,7 +87,7 @@ def test_bytes_cap_holds(rows, cap_rows):
     dev = twophase.device("cpu")
     s = dev.stream()
     rng = np.random.default_rng(len(rows) * 100 + cap_rows)
-    cap = cap_rows * 16  # align64(rows * 2 * 8) per plan
+    cap = cap_rows * 512  # a plan holds a workspace block (align64(rows * 2 * 8)) and its output's, 512 B each
     pc = PlanCache(max_entries=100, max_bytes=cap)
     try:
         for n in rows:
@@ -100,7 +100,7 @@ def test_bytes_cap_holds(rows, cap_rows):
             pc._evict()  # nothing pending any more
             info = pc.info()
             assert info["bytes"] <= cap or info["size"] == 0
-            assert info["bytes"] == sum(e.call.workspace_size for e in pc._entries.values())
+            assert info["bytes"] == sum(e.call.held_bytes for e in pc._entries.values())
     finally:
         pc.clear()
         s.close()
@@ -250,3 +250,29 @@ def test_a_plan_made_before_set_workspace_limit_is_not_served_after(dev, stream)
     finally:
         twophase.set_workspace_limit(None)
         pc.clear()
+
+
+def test_bytes_cap_counts_the_outputs_a_cached_call_allocated():
+    """A softmax's workspace is 0: the byte cap counted only workspaces, so 64 cached calls each holding a
+    64 KiB output kept 4 MiB under a 256 KiB cap (a server's distinct shapes held gigabytes)."""
+    dev = twophase.device("cpu")
+    s = dev.stream()
+    pc = PlanCache(max_entries=256, max_bytes=256 << 10)
+    dev.synchronize()
+    before = dev.pool.stats()["allocated_bytes"]
+    try:
+        for n in range(64):
+            x = dev.tensor(np.ones((16, 1024 + n), np.float32), stream=s)
+            with pc.lease("softmax", x, dim=-1, stream=s) as call:
+                assert call.workspace_size == 0 and call.held_bytes >= 16 * 1024 * 4
+                call()
+            s.synchronize()
+            x.free()
+            pc._evict()
+            info = pc.info()
+            assert info["bytes"] <= 256 << 10 or info["size"] == 1
+            assert dev.pool.stats()["allocated_bytes"] - before == info["bytes"]  # all it holds is counted
+        assert pc.evictions > 0
+    finally:
+        pc.clear()
+        s.close()

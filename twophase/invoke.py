@@ -92,6 +92,12 @@ class PlannedCall:
         outs = ex.outputs
         return outs[0] if len(outs) == 1 else outs
 
+    @property
+    def held_bytes(self) -> int:
+        """Pool bytes the call holds: its workspace block and the blocks of the outputs it allocated."""
+        ws = self.workspace
+        return (0 if ws is None else ws.size) + sum(t.block.size for t in self._owned)
+
     def pending(self) -> bool:
         """True while enqueued work that uses the workspace has not completed."""
         ws = self.workspace

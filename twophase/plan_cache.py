@@ -1,6 +1,6 @@
 """``PlanCache``: planned calls (executor + workspace) reused by metadata, leased, LRU-bounded by entry
-count and by total workspace bytes. An entry is never evicted while leased or while its stream still has
-pending work that uses its workspace."""
+count and by the pool bytes they hold (workspaces and the outputs they allocated). An entry is never evicted
+while leased or while its stream still has pending work that uses its workspace."""
 
 from __future__ import annotations
 
@@ -22,12 +22,13 @@ __all__ = ["PlanCache"]
 
 
 class _Entry:
-    __slots__ = ("call", "key", "leases")
+    __slots__ = ("call", "key", "leases", "nbytes")
 
     def __init__(self, call: PlannedCall, key: Any) -> None:
         self.call = call
         self.key = key
         self.leases = 0  # 0 or 1: a planned call is leased to one holder at a time
+        self.nbytes = call.held_bytes  # counted against max_bytes (fixed at planning: outputs are not re-made)
 
 
 class PlanCache:
@@ -93,7 +94,7 @@ class PlanCache:
         if meta is not None:
             self._entries[id(call)] = entry
             self._by_meta.setdefault(key, []).append(entry)
-            self.bytes += call.workspace_size
+            self.bytes += entry.nbytes
             self._evict()
         return call
 
@@ -140,7 +141,7 @@ class PlanCache:
         same.remove(entry)
         if not same:
             del self._by_meta[entry.key]
-        self.bytes -= entry.call.workspace_size
+        self.bytes -= entry.nbytes
         self.evictions += 1
         entry.call.close(sync=False)  # its stream has no pending work on it: freed at once
 
@@ -159,7 +160,7 @@ class PlanCache:
     def show_info(self) -> str:
         """Print (and return) size, bytes, hits and misses."""
         i = self.info()
-        text = (f"PlanCache: {i['size']}/{i['max_entries']} plans, {i['bytes']} workspace bytes"
+        text = (f"PlanCache: {i['size']}/{i['max_entries']} plans, {i['bytes']} bytes held"
                 f" (cap {i['max_bytes']}), hits {i['hits']}, misses {i['misses']}, evictions {i['evictions']},"
                 f" leased {i['leased']}")
         print(text)
