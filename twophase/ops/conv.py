@@ -435,6 +435,12 @@ conv2d = register(OpDef(
          "direct: shifted row updates per kernel tap (3x3 undilated windows of one input channel: each output row "
          "written once with its nine taps; with stride 1 and padding 1 the inner rows of a dense plane as one "
          "flat loop, with column stride 2 dense rows read as element pairs), ranges of (N, OC) planes on helper "
-         "threads, workspace 0, ranked first when depthwise (C/groups == 1)."),
+         "threads, workspace 0, ranked first when depthwise (C/groups == 1). "
+         "Non-finite values: winograd's transforms add and subtract the inputs of a tile (and the taps of a "
+         "weight), so an inf input gives NaN rather than inf in the outputs of its tile, and inputs or weights "
+         "beyond ~1e37 (float32) can overflow to inf or NaN where the convolution itself is finite (as any "
+         "Winograd convolution, cuDNN's included); direct skips the taps that fall on padding rather than "
+         "multiplying them by 0, so an inf weight gives inf, not NaN, at the borders. im2col, im2col_tiles and "
+         "gemm_1x1 follow the reference's inf / NaN."),
     reference=reference,
 ))

@@ -253,7 +253,9 @@ def _register_unary() -> None:
             implementations=("vector", "packed") if vm else ("ufunc",),
             workspace_formula=_PACK_DOC if vm else "0", aliases=(0,),
             doc=(f"Elementwise {name} (dtypes {[d.value for d in dtypes]}). Workspace: "
-                 + (_PACK_DOC + "; float16 is computed in float32." if vm else "0 bytes.")),
+                 + (_PACK_DOC + "; float16 is computed in float32." if vm else "0 bytes.")
+                 + (f" {name}(-inf) is NaN (-inf x 0), as in torch, not the limit -0."
+                    if name in ("gelu", "silu") else "")),
             reference=ref if ref is not None else _gelu_reference))
 
 
