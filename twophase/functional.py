@@ -29,10 +29,12 @@ def one_shot(op: Op) -> Callable[..., Any]:
     fn = _made.get(op)
     if fn is not None:
         return fn
+    if not isinstance(op, Op):
+        raise ParamError(op="one_shot", arg="op", expected="an Op (twophase.ops.NAME)", got=type(op).__name__)
     multi = len(op.spec.outputs) > 1 or op.spec.outputs[0].endswith("*")
 
     def call(*inputs: Any, out: Any = None, stream: Stream | None = None, **attrs: Any) -> Any:
-        dev, s = placement(inputs, stream)
+        dev, s = placement(inputs, stream, op.name)
         copies: list[Tensor] = []  # host inputs copied in: the caller has no handle, so they are freed here
         try:
             ins = inputs

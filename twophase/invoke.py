@@ -6,7 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .executor import ExecState, Executor
-from .op import Op, get_op
+from .op import Op, as_op
 from .runtime.device import placement
 from .runtime.memory import Block
 from .runtime.stream import Stream
@@ -57,8 +57,8 @@ class PlannedCall:
     """
 
     def __init__(self, op: Op | str, stream: Stream | None, *inputs: Any, **kwargs: Any) -> None:
-        self.op = get_op(op) if isinstance(op, str) else op
-        dev, self.stream = placement(inputs, stream)
+        self.op = as_op(op, "plan")
+        dev, self.stream = placement(inputs, stream, self.op.name)
         self.workspace_size, self.executor = self.op.get_workspace_size(*inputs, **kwargs)
         self.workspace: Block | None = None
         self._owned: list[Tensor] = []

@@ -18,7 +18,7 @@ from .executor import ExecState, Executor
 from .layout import overlaps, same_view, self_overlapping
 from .runtime.device import NO_WORKSPACE
 from .runtime.memory import Block
-from .runtime.stream import Stream
+from .runtime.stream import Stream, check_stream
 from .stats import OpCounters
 from .tensor import DType, Format, Tensor, TensorDesc
 
@@ -377,11 +377,15 @@ class Op:
                 self._refuse(ex)
         except AttributeError:
             self._refuse(ex)
-        if workspace_size != ex.workspace_size or stream.device is not ex.device or (
-                workspace_size and workspace is None) or (workspace is not None and (
-                    workspace.size < workspace_size or not workspace.allocated
-                    or (workspace.data is None and ex.device.runs_kernels))):
-            self._refuse_workspace(workspace, workspace_size, ex, stream)
+        try:
+            if workspace_size != ex.workspace_size or stream.device is not ex.device or (
+                    workspace_size and workspace is None) or (workspace is not None and (
+                        workspace.size < workspace_size or not workspace.allocated
+                        or (workspace.data is None and ex.device.runs_kernels))):
+                self._refuse_workspace(workspace, workspace_size, ex, stream)
+        except AttributeError:  # not a Stream / Block: diagnosed off the hot path
+            self._refuse_types(workspace, stream)
+            raise
         if not ex._repeatable:
             ex._gate = None
         seq = stream._enqueue(ex._launch, NO_WORKSPACE if workspace is None else workspace.data, ex)  # type: ignore[arg-type]
@@ -405,6 +409,12 @@ class Op:
                    and (ex.input_descs + ex.output_descs)[i] is not None]
         raise InvalidStateError("operands are not bound; bind them with set_input / set_output", op=self.name,
                                 arg="executor", expected="every operand bound", got=f"unbound operand(s) {missing}")
+
+    def _refuse_types(self, workspace: object, stream: object) -> None:
+        check_stream(stream, self.name)
+        if workspace is not None and not isinstance(workspace, Block):
+            raise ParamError(op=self.name, arg="workspace", expected="None or a twophase Block (dev.malloc)",
+                             got=type(workspace).__name__)
 
     def _refuse_workspace(self, workspace: Block | None, size: int, ex: Executor, stream: Stream) -> None:
         if stream.device is not ex.device:
@@ -431,6 +441,8 @@ _registry_version = [0]
 
 def register(spec: OpDef) -> Op:
     """Add an op to the registry (``twophase.ops.NAME`` and the one-shot API pick it up)."""
+    if not isinstance(spec, OpDef):
+        raise ParamError(op="register", arg="spec", expected="an OpDef", got=type(spec).__name__)
     if spec.name in registry:
         raise InternalError(f"op '{spec.name}' registered twice", op=spec.name)
     op = Op(spec)
@@ -442,5 +454,14 @@ def register(spec: OpDef) -> Op:
 def get_op(name: str) -> Op:
     try:
         return registry[name]
-    except KeyError:
+    except (KeyError, TypeError):
         raise ParamError(op="get_op", arg="name", expected=f"one of {sorted(registry)}", got=name) from None
+
+
+def as_op(op: object, fn: str) -> Op:
+    """``op`` itself, or the registered op of that name; else a ParamError naming ``fn``'s ``op`` argument."""
+    if isinstance(op, Op):
+        return op
+    if isinstance(op, str):
+        return get_op(op)
+    raise ParamError(op=fn, arg="op", expected="an Op or the name of a registered op", got=type(op).__name__)

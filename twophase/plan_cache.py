@@ -13,7 +13,7 @@ from typing import Any
 from .config import check_byte_limit
 from .errors import InvalidStateError, ParamError
 from .invoke import PlannedCall
-from .op import Op, effective_limit, get_op
+from .op import Op, as_op, effective_limit
 from .runtime.device import placement
 from .runtime.stream import Stream
 from .tensor import Tensor
@@ -63,10 +63,10 @@ class PlanCache:
                 **attrs: Any) -> PlannedCall:
         """A leased planned call for these operands' metadata, bound to these tensors."""
         self._check_owner()
-        o = get_op(op) if isinstance(op, str) else op
+        o = as_op(op, "PlanCache.acquire")
         in_descs, bound = o._input_descs(inputs)
         outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
-        _, s = placement(inputs, stream)
+        _, s = placement(inputs, stream, o.name)
         # the limit in force, as phase 1 keys it: a plan made before set_workspace_limit() must not be served after
         meta = o._key(in_descs, outs, effective_limit(o.name, attrs.get("workspace_limit")), attrs, bound)
         key = (meta, s)

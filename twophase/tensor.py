@@ -226,6 +226,8 @@ class Tensor:
         """Bind ``desc`` to ``block``; ``checked=False`` only for a dense desc on a block sized for it."""
         self = object.__new__(cls)
         if checked:
+            if block.freed:
+                raise InvalidStateError("tensor's block was freed", arg="tensor", got=desc)
             lo, hi = desc.span()
             if lo < 0 or hi * desc.dtype.itemsize > block.size:
                 raise ParamError(arg="desc", expected=f"a desc inside a {block.size}-byte block", got=desc)
@@ -253,7 +255,7 @@ class Tensor:
     def view(self) -> np.ndarray[Any, Any]:
         """The numpy view of the device memory (CPU backends); no synchronization."""
         v = self._view
-        if v is None:
+        if v is None or self.block.freed:  # another view of the block may have freed it since the view was made
             if self.block.freed:
                 raise InvalidStateError("tensor's block was freed", arg="tensor", got=self.desc)
             v = self.device._array_view(self.block, self.desc)
@@ -300,6 +302,11 @@ class Tensor:
 
     def transpose(self, a: int = -2, b: int = -1) -> Tensor:
         """A view with dims ``a`` and ``b`` swapped (no copy)."""
+        n = self.desc.ndim
+        for name, d in (("a", a), ("b", b)):
+            if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not -n <= d < n:
+                raise ParamError(op="Tensor.transpose", arg=name, expected=f"a dim in [{-n}, {n}) of a {n}-d tensor",
+                                 got=d)
         shape, strides = list(self.desc.shape), list(self.desc.strides)
         shape[a], shape[b] = shape[b], shape[a]
         strides[a], strides[b] = strides[b], strides[a]

@@ -12,7 +12,7 @@ from .. import config
 from ..errors import CaptureError, ParamError
 from ..tensor import DType, Format, Tensor, TensorDesc
 from .memory import Block, MemoryPool, Segment
-from .stream import Stream
+from .stream import Stream, check_stream
 
 # what a launch gets as its workspace when phase 1 asked for none: empty bytes, so a kernel's
 # ``ws[offset:offset + 0]`` views stay valid (a launch must not have to test for None)
@@ -69,7 +69,7 @@ class Device:
     def default_stream(self) -> Stream:
         """The calling thread's default stream (one per thread, like CUDA's per-thread default stream)."""
         s: Stream | None = getattr(self._local, "stream", None)
-        if s is None:
+        if s is None or s.closed:  # a closed default stream is replaced, not handed out for good
             s = self.stream(f"{self.name}:default:{threading.current_thread().name}")
             self._local.stream = s
         return s
@@ -111,12 +111,18 @@ class Device:
     def tensor(self, array: Any, stream: Stream | None = None, format: Format = Format.ND,
                dtype: Any = None) -> Tensor:
         """Copy a host array in, in ``stream`` order (the default stream when omitted)."""
-        src = np.asarray(array) if dtype is None else np.asarray(array, dtype=DType.of(dtype).np)
+        stream = self.default_stream if stream is None else check_stream(stream, "Device.tensor", device=self)
+        np_dtype = None if dtype is None else DType.of(dtype).np
+        try:
+            src = np.asarray(array, dtype=np_dtype)
+        except (ValueError, TypeError, OverflowError) as e:
+            raise ParamError(op="Device.tensor", arg="array",
+                             expected="an array-like of numbers" + ("" if dtype is None else f" fitting {dtype}"),
+                             got=f"{type(array).__name__} ({e})") from None
         if src.dtype not in _SUPPORTED:
             raise ParamError(op="Device.tensor", arg="array", expected=f"dtype in {sorted(_SUPPORTED_NAMES)}",
                              got=str(src.dtype))
         src = np.array(src, copy=True, order="C")  # the host may reuse its array before the copy runs
-        stream = stream if stream is not None else self.default_stream
         t = self.empty(src.shape, src.dtype, format, stream)
         if self.runs_kernels and src.size:
             # the destination view is made now (not a host read): a stream-ordered free may follow before it runs
@@ -148,10 +154,11 @@ _DEVICES: dict[str, Device] = {}
 _lock = threading.Lock()
 
 
-def placement(inputs: Any, stream: Stream | None) -> tuple[Device, Stream]:
-    """Where a call runs: ``stream``'s device and ``stream``; else the first Tensor input's device (or the
-    default device) and that device's default stream for the calling thread."""
+def placement(inputs: Any, stream: Stream | None, op: str = "call") -> tuple[Device, Stream]:
+    """Where a call of ``op`` runs: ``stream``'s device and ``stream`` (checked: a Stream, open); else the first
+    Tensor input's device (or the default device) and that device's default stream for the calling thread."""
     if stream is not None:
+        check_stream(stream, op)
         return stream.device, stream
     dev = next((x.device for x in inputs if isinstance(x, Tensor)), None) or device()
     return dev, dev.default_stream

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import check_byte_limit
 from ..errors import InvalidStateError, OutOfMemoryError, ParamError
 from ..layout import align
+from .stream import check_stream
 
 if TYPE_CHECKING:
     from .stream import Stream, _Queue
@@ -231,6 +232,8 @@ class MemoryPool:
             raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
         if policy not in POLICIES:
             raise ParamError(op="malloc", arg="policy", expected=f"one of {POLICIES}", got=policy)
+        if stream is not None:
+            check_stream(stream, "malloc", open_=False)
         size = round_size(nbytes)
         if self._deferred:
             self._free_deferred()
@@ -342,6 +345,10 @@ class MemoryPool:
     def free(self, blk: Block, stream: Stream | None = None) -> None:
         """Return ``blk``; with ``stream`` it becomes reusable by other streams only after that stream's
         work enqueued so far has completed."""
+        if not isinstance(blk, Block):
+            raise ParamError(op="free", arg="block", expected="a twophase Block", got=type(blk).__name__)
+        if stream is not None:
+            check_stream(stream, "free", open_=False)  # before anything changes: a bad one lost the block
         if self._deferred:
             self._free_deferred()
         hook = self.observer.on_free

@@ -24,7 +24,7 @@ from ..errors import InvalidStateError, KernelError, ParamError, TwoPhaseError
 if TYPE_CHECKING:
     from .device import Device
 
-__all__ = ["Stream", "Event", "CONTROL", "TaskRecords", "running_queue"]
+__all__ = ["Stream", "Event", "CONTROL", "TaskRecords", "running_queue", "check_stream"]
 
 CONTROL = "<control>"
 
@@ -428,3 +428,18 @@ class Event:
                 raise InvalidStateError("event was recorded without timing", op="Event.elapsed_time", arg=which)
         assert self.time is not None and end.time is not None
         return (end.time - self.time) * 1e3
+
+
+def check_stream(stream: object, op: str, arg: str = "stream", device: Device | None = None,
+                 open_: bool = True) -> Stream:
+    """``stream`` if it is a twophase Stream (of ``device``, when given; open, unless ``open_`` is False), else
+    the ParamError / InvalidStateError naming ``op`` and ``arg``: checked before anything is allocated or
+    changed, so a bad stream leaves no state behind."""
+    if not isinstance(stream, Stream):
+        raise ParamError(op=op, arg=arg, expected="a twophase Stream", got=type(stream).__name__)
+    if device is not None and stream.device is not device:
+        raise ParamError(op=op, arg=arg, expected=f"a stream of device {device.name}",
+                         got=f"'{stream.name}' of device {stream.device.name}")
+    if open_ and stream.closed:
+        raise InvalidStateError(f"stream '{stream.name}' is closed: it takes no more work", op=op, arg=arg)
+    return stream
