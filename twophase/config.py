@@ -36,14 +36,15 @@ def _flag(value: object, op: str, arg: str) -> bool:
     raise _bad(op, arg, "one of 1/0/true/false/yes/no/on/off" if op == _ENV else "a bool", value)
 
 
-def _count(value: object, op: str, arg: str, expected: str) -> int:
-    """An int >= 0 (bools and floats refused: 2.7 must not become 2); from the environment a base-10 integer."""
+def _count(value: object, op: str, arg: str, expected: str, most: int | None = None) -> int:
+    """An int >= 0 (at most ``most``; bools and floats refused: 2.7 must not become 2); from the environment a
+    base-10 integer."""
     v = value
     if op == _ENV and isinstance(value, str):
         if not (value.isascii() and value.isdigit()):  # int() would also take '+3' and '1_000'
             raise _bad(op, arg, expected, value)
         v = int(value, 10)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0:
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 or (most is not None and int(v) > most):
         raise _bad(op, arg, expected, value)
     return int(v)
 
@@ -52,12 +53,17 @@ def _cache_limit(value: object, op: str, arg: str) -> int:
     return _count(value, op, arg, "an int >= 0 (entries; 0 caches nothing)")
 
 
+MAX_THREADS = 1024  # parts a launch may be cut into (2**70 was taken, and every parallel op failed after)
+MAX_SPIN_US = 1_000_000  # helper spin, microseconds (2**70 was taken, and killed the helper threads)
+
+
 def _num_threads(value: object, op: str, arg: str) -> int:
-    return _count(value, op, arg, "an int >= 0 (parts; 0 is automatic)")
+    return _count(value, op, arg, f"an int in [0, {MAX_THREADS}] (parts; 0 is automatic)", MAX_THREADS)
 
 
 def _helper_spin(value: object, op: str, arg: str) -> int:
-    return _count(value, op, arg, "an int >= 0 (helper spin in microseconds; 0 blocks at once)")
+    return _count(value, op, arg, f"an int in [0, {MAX_SPIN_US}] (helper spin in microseconds; 0 blocks at once)",
+                  MAX_SPIN_US)
 
 
 def check_byte_limit(value: object, op: str, arg: str) -> int | None:

@@ -25,7 +25,7 @@ from ..errors import CaptureError, ParamError
 from ..executor import Executor
 from ..op import Op
 from ..runtime.memory import Block
-from ..runtime.stream import SWITCH_LOCK, Stream
+from ..runtime.stream import SWITCH_LOCK, Stream, check_stream
 from .replay import Graph
 from .virtual import VirtualBlock
 
@@ -52,8 +52,7 @@ def capture(stream: Stream, name: str | None = None) -> Iterator[Graph]:
     a tensor the capture uses raises :class:`~twophase.CaptureError`. Name the graph's inputs and outputs
     with ``graph.input(name, tensor)`` / ``graph.output(name, tensor)``.
     """
-    if not isinstance(stream, Stream):
-        raise ParamError(op="capture", arg="stream", expected="a twophase Stream", got=type(stream).__name__)
+    check_stream(stream, "capture")
     tid = threading.get_ident()
     with _lock:
         if tid in _active:

@@ -15,7 +15,7 @@ from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, P
 from ..executor import Executor
 from ..runtime.device import NO_WORKSPACE
 from ..runtime.memory import Block
-from ..runtime.stream import CONTROL, TASK_LISTENERS, Event, Stream, describe_owner
+from ..runtime.stream import CONTROL, TASK_LISTENERS, Event, Stream, check_stream, describe_owner
 from ..tensor import Tensor, TensorDesc
 from .planner import DEFAULT_ALIGNMENT, ArenaPlan, Buffer, liveness, plan_arena
 from .virtual import VirtualBlock
@@ -343,6 +343,10 @@ class Graph:
                                     expected="a finished capture (instantiate once)", got=self._state)
         if threading.get_ident() != self._thread:
             raise InvalidStateError(f"{self} belongs to another thread", op="Graph.instantiate", arg="graph")
+        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or \
+                alignment & (alignment - 1):
+            raise ParamError(op="Graph.instantiate", arg="alignment", expected="a power of two (bytes)",
+                             got=alignment)
         nodes = self._nodes
         uses = [[op[1] for op in n.operands if op is not None and type(op[1]) is int] for n in nodes]
         keep = {b.key for b in self._bindings.values() if type(b.key) is int}
@@ -436,7 +440,7 @@ class Graph:
         steps = self._steps
         if steps is None or threading.get_ident() != self._owner:
             self._refuse_replay()
-        switch = stream is not self._last_stream
+        switch = stream is not self._last_stream or stream is None
         if switch:
             self._check_stream(stream)
         if tensors or self._rebound:
@@ -462,11 +466,7 @@ class Graph:
                                 arg="graph", got=f"replay from thread {threading.current_thread().name}")
 
     def _check_stream(self, stream: Stream) -> None:
-        if not isinstance(stream, Stream):
-            raise ParamError(op="Graph.replay", arg="stream", expected="a twophase Stream", got=type(stream).__name__)
-        if stream.device is not self.device:
-            raise ParamError(op="Graph.replay", arg="stream", expected=f"a stream of {self.device.name}",
-                             got=stream.name)
+        check_stream(stream, "Graph.replay", device=self.device)
 
     def _order_after_last(self, stream: Stream) -> None:
         """Order a new stream after the previous replay (they share the arena)."""
@@ -539,6 +539,10 @@ class Graph:
             raise InvalidStateError(f"{self} is already destroyed", op="Graph.destroy", arg="graph")
         if self._state == "capturing":
             raise CaptureError(f"{self} is still capturing", op="Graph.destroy", arg="graph")
+        owner = self._owner if self._state == "instantiated" else self._thread
+        if threading.get_ident() != owner:  # refused before anything changes: its executors are that thread's
+            raise InvalidStateError(f"{self} belongs to another thread", op="Graph.destroy", arg="graph",
+                                    got=f"destroy from thread {threading.current_thread().name}")
         try:
             if self._last_stream is not None:
                 self._last_stream.synchronize()
