@@ -425,3 +425,42 @@ def test_cached_programs_and_graphs_share_a_byte_budget() -> None:
         assert len(m.programs) == 1 and len(m.graphs) == 1  # within budget: nothing evicted
     finally:
         m.close()
+
+
+@needs_model
+@needs_ops
+def test_bad_calls_leave_nothing_behind(model: Any) -> None:
+    """A closed or foreign stream is refused before the weights are uploaded; one str, a non-batch and rows past
+    the model's 512 positions are ParamErrors naming the argument; a batch whose ids a program cannot bind is
+    refused with its upload freed and the program still bound to the last good batch."""
+    dev = tp.device("cpu")
+    before = _held(dev)
+    closed = dev.stream("closed")
+    closed.close()
+    with pytest.raises(tp.InvalidStateError, match="MiniLM: argument 'stream'"):
+        minilm.MiniLM(stream=closed)
+    with pytest.raises(tp.ParamError, match="MiniLM: argument 'stream'"):
+        minilm.MiniLM(stream=tp.device("null").stream())
+    assert _held(dev) == before  # the weights were never uploaded
+    with pytest.raises(tp.ParamError, match="sentences"):
+        model.encode("one sentence, not a list")
+    with pytest.raises(tp.ParamError, match="argument 'batch'"):
+        model.run(None)
+    good = model.tokenize(SENTENCES[:2], pad_to=16)
+    want = model.run(good, "planned")
+    prog = model.programs[good.shape]
+    model.sync()
+    before = _held(dev)
+    with pytest.raises(tp.ParamError, match="argument 'pad_to'.*512"):
+        model.encode(["hi"], pad_to=600, mode="oneshot")
+    floats = minilm.Batch(good.ids.astype(np.float32), good.type_ids, good.mask)
+    with pytest.raises(tp.ParamError):
+        model.run(floats, "planned")
+    model.sync()
+    assert _held(dev) == before
+    np.testing.assert_allclose(prog(None).numpy(), want, atol=1e-6)  # still bound to the good batch
+
+
+def _held(dev: Any) -> int:
+    dev.synchronize()
+    return int(dev.pool.stats()["allocated_bytes"])

@@ -28,7 +28,7 @@ import twophase as tp
 from twophase.op import registry
 from twophase.ops.checks import as_int
 from twophase.runtime.device import Device
-from twophase.runtime.stream import Stream
+from twophase.runtime.stream import Stream, check_stream
 from twophase.tensor import DType, Tensor, contiguous_strides
 
 __all__ = [
@@ -67,6 +67,8 @@ def model_dir() -> Path | None:
 
 def require_model_dir(path: str | Path | None = None) -> Path:
     """``path`` or the installed model folder; a clear error with the install command otherwise."""
+    if path is not None and not isinstance(path, (str, Path)):
+        raise tp.ParamError(op="MiniLM", arg="path", expected="None, a str or a Path", got=type(path).__name__)
     d = Path(path) if path is not None else model_dir()
     if d is None or not (d / "model.safetensors").is_file():
         raise FileNotFoundError(f"all-MiniLM-L6-v2 weights not found ({PACKAGE} is not installed); {INSTALL_HINT}")
@@ -127,6 +129,14 @@ class Batch:
         return int(b), int(n)
 
 
+def _sentence_list(sentences: object) -> list[Any]:
+    """``sentences`` as a list; one str is refused (a list of its characters is never what was meant)."""
+    if isinstance(sentences, str) or not isinstance(sentences, Sequence):
+        raise tp.ParamError(op="MiniLM", arg="sentences", expected="a sequence of str (a list of sentences)",
+                            got="one str" if isinstance(sentences, str) else type(sentences).__name__)
+    return list(sentences)
+
+
 def _at_least(value: Any, arg: str, least: int) -> int:
     """``value`` as an int >= ``least`` (Python's or numpy's integers; bools and floats refused), else ParamError."""
     try:
@@ -162,7 +172,7 @@ class Tokenizer:
         """Truncate to ``max_length`` tokens, pad to the longest (or ``pad_to``) rounded up to ``multiple_of``."""
         multiple_of = _at_least(multiple_of, "multiple_of", 1)
         pad_to = None if pad_to is None else _at_least(pad_to, "pad_to", 0)
-        sentences = list(sentences)
+        sentences = _sentence_list(sentences)
         for i, text in enumerate(sentences):
             if not isinstance(text, str) or not _is_utf8(text):
                 raise tp.ParamError(op="MiniLM", arg=f"sentences[{i}]",
@@ -339,12 +349,21 @@ class Program:
 
     def bind(self, batch: Batch) -> None:
         """Copy a batch in and rebind the executors that read the model inputs (same descs: no re-planning)."""
+        batch = self.model._check_batch(batch)
         if batch.shape != self.shape:
-            raise ValueError(f"program planned for {self.shape}, got a batch of {batch.shape}")
+            raise tp.ParamError(f"program planned for {self.shape}, got a batch of {batch.shape}", op="MiniLM",
+                                arg="batch", expected=f"a batch of shape {self.shape}", got=batch.shape)
         old, ins = self._inputs, self.model._upload_batch(batch)
-        for ci, ii, which in self.bindings:
-            ex = self.calls[ci].executor
-            ex.set_input(ii, _view(ins[which], ex.input_descs[ii].shape))  # type: ignore[union-attr]
+        try:
+            for ci, ii, which in self.bindings:
+                ex = self.calls[ci].executor
+                ex.set_input(ii, _view(ins[which], ex.input_descs[ii].shape))  # type: ignore[union-attr]
+        except BaseException:  # a refused binding (ids of another dtype): the executors keep the old inputs
+            for ci, ii, which in self.bindings:
+                ex = self.calls[ci].executor
+                ex.set_input(ii, _view(old[which], ex.input_descs[ii].shape))  # type: ignore[union-attr]
+            self.model.defer_free(*ins)
+            raise
         self.model.defer_free(*old)
         self._inputs = ins
 
@@ -404,11 +423,15 @@ class CapturedForward:
 
     def __call__(self, batch: Batch) -> Tensor:
         """Upload ``batch``, replay the graph with the inputs rebound; returns the (batch, hidden) output."""
+        batch = self.model._check_batch(batch)
         if batch.shape != self.shape:
-            raise ValueError(f"graph captured for {self.shape}, got a batch of {batch.shape}")
+            raise tp.ParamError(f"graph captured for {self.shape}, got a batch of {batch.shape}", op="MiniLM",
+                                arg="batch", expected=f"a batch of shape {self.shape}", got=batch.shape)
         ins = self.model._upload_batch(batch)
-        out = self.graph.replay(self.model.stream, **dict(zip(INPUTS, ins)))["emb"]
-        self.model.defer_free(*ins)
+        try:
+            out = self.graph.replay(self.model.stream, **dict(zip(INPUTS, ins)))["emb"]
+        finally:
+            self.model.defer_free(*ins)
         return out  # type: ignore[no-any-return]
 
     @property
@@ -445,6 +468,8 @@ class MiniLM:
         self.config = Config.load(d / "config.json")
         self.tokenizer = Tokenizer(d)
         self.dev = tp.device(device)
+        if stream is not None:  # before the weights are uploaded: a bad stream must not strand them
+            check_stream(stream, "MiniLM", device=self.dev)
         self._own_stream = stream is None
         self.stream = stream if stream is not None else self.dev.stream("minilm")
         self.closed = False
@@ -509,7 +534,20 @@ class MiniLM:
                 got=f"a call from thread {threading.current_thread().name!r}")
 
     def tokenize(self, sentences: Sequence[str], pad_to: int | None = None, multiple_of: int = 1) -> Batch:
-        return self.tokenizer.encode(sentences, pad_to=pad_to, multiple_of=multiple_of)
+        """Token ids, type ids and mask of ``sentences``, padded as :meth:`Tokenizer.encode` says; at most the
+        model's ``max_position`` tokens a row."""
+        batch = self.tokenizer.encode(sentences, pad_to=pad_to, multiple_of=multiple_of)
+        if batch.shape[1] > self.config.max_position:
+            raise tp.ParamError(op="MiniLM", arg="pad_to" if pad_to is not None else "multiple_of",
+                                expected=f"rows of at most {self.config.max_position} tokens (the model's "
+                                         "positions)", got=f"rows padded to {batch.shape[1]}")
+        return batch
+
+    def _check_batch(self, batch: object) -> Batch:
+        if not isinstance(batch, Batch):
+            raise tp.ParamError(op="MiniLM", arg="batch", expected="a Batch (MiniLM.tokenize)",
+                                got=type(batch).__name__)
+        return batch
 
     def _upload_batch(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         dev, s = self.dev, self.stream
@@ -582,6 +620,7 @@ class MiniLM:
 
     def run(self, batch: Batch, mode: str = "planned") -> np.ndarray[Any, Any]:
         """Embeddings of a tokenized batch as a host array (waits for the stream)."""
+        self._check_batch(batch)
         if mode == "oneshot":
             t = self.run_oneshot(batch)
             self.sync()
@@ -603,6 +642,7 @@ class MiniLM:
         if mode not in self.MODES:
             raise tp.ParamError(op="MiniLM", arg="mode", expected=f"one of {self.MODES}", got=mode)
         batch_size = _at_least(batch_size, "batch_size", 1)
+        sentences = _sentence_list(sentences)
         outs = []
         for i in range(0, len(sentences), batch_size):
             batch = self.tokenize(sentences[i:i + batch_size], pad_to=pad_to, multiple_of=multiple_of)
