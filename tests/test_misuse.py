@@ -151,3 +151,44 @@ def test_settings_refuse_values_that_broke_the_kernels(setter, value):
     with pytest.raises(tp.ParamError, match="at most|in \\[0,"):
         setter(value)
     np.testing.assert_allclose(tp.softmax(np.ones((64, 4096), np.float32)).numpy(), 1 / 4096, rtol=1e-6)
+
+
+@pytest.mark.parametrize("args", [("12",), ((2.5,),), ((2,), "float32", (1.0,)), ((2,), "float32", None, True),
+                                  ((2,), "float32", None, 1.7)])
+def test_tensor_desc_takes_ints_only(args):
+    """int() took 2.5 as 2, True as 1 and the string "12" as the shape (1, 2)."""
+    with pytest.raises(tp.ParamError):
+        tp.TensorDesc(*args)
+    assert tp.TensorDesc((np.int64(3),), "float32", (np.int32(1),)).shape == (3,)
+
+
+def test_interop_executor_plan_and_device_arguments(dev, tmp_path):
+    with pytest.raises(tp.ParamError, match="from_dlpack: argument 'dev'"):
+        tp.from_dlpack(np.ones(3, np.float32), "cpu")  # type: ignore[arg-type]
+    ext = tp.from_dlpack(np.ones(3, np.float32))
+    ext.free()
+    with pytest.raises(tp.InvalidStateError, match="double free"):
+        ext.free()
+    x = dev.tensor(np.ones((2, 4), np.float32))
+    size, ex = ops.softmax.get_workspace_size(x, dim=-1)
+    for index in (None, "0", 0.5, True):
+        with pytest.raises(tp.ParamError, match="input index"):
+            ex.set_input(index, x)  # type: ignore[arg-type]
+    ex.destroy()
+    call = tp.plan("softmax", x, dim=-1)
+    y = dev.empty_like(call.executor.output_descs[0])
+    with pytest.raises(tp.ParamError, match="argument 'out'"):
+        call(out=(y, y, y))
+    call.close()
+    with pytest.raises(tp.ParamError, match="PlanCache.release"):
+        tp.PlanCache().release(None)  # type: ignore[arg-type]
+    with pytest.raises(tp.ParamError, match="Device.empty_like"):
+        dev.empty_like(None)  # type: ignore[arg-type]
+    dev.malloc(np.int64(16)).free()  # numpy ints, as every other byte count
+    ran = []
+    with pytest.raises(tp.ParamError, match="profile: argument 'path'"):
+        with tp.profile(tmp_path / "missing" / "t.json"):
+            ran.append(1)
+    assert not ran  # refused before the block ran, not after it (the whole profile was lost)
+    for t in (x, y):
+        t.free()

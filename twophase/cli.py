@@ -52,10 +52,9 @@ def embed(sentences: Sequence[str], mode: str, trace: str | None, stats: bool) -
     """``twophase embed``: embed ``sentences`` in one batch and print norms and similarities."""
     from . import stats as stats_mod
     from .models.minilm import MiniLM
-    from .profile import profile
+    from .profile import check_trace_path, profile
     if trace is not None:
-        with open(trace, "w"):  # a path that cannot be written fails now, not after the run
-            pass
+        check_trace_path(trace)  # a path that cannot be written fails now, not after the run
     with MiniLM() as model:
         ctx = profile(trace) if trace is not None else contextlib.nullcontext()
         with ctx:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import numbers
 import os
 import sys
 import threading
@@ -202,7 +203,7 @@ class Executor:
     def _bind(self, index: int, tensor: Tensor, descs: tuple[TensorDesc | None, ...], base: int,
               kind: str) -> None:
         self._check_ready(f"set_{kind}")
-        if not 0 <= index < len(descs):
+        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < len(descs):
             raise ParamError(op=self.op.name, arg=f"{kind} index", expected=f"0..{len(descs) - 1}", got=index)
         if not isinstance(tensor, Tensor):
             raise ParamError(op=self.op.name, arg=f"{kind} {index}", expected="a Tensor", got=type(tensor).__name__)

@@ -21,6 +21,8 @@ class _External:
     name = "external"
 
     def free(self, blk: Block, stream: Any = None) -> None:
+        if not blk.allocated:  # as the pool: a second free is a bug in the caller
+            raise InvalidStateError("block is not allocated (double free?)", op="free", arg="block", got=blk)
         blk.allocated = False
         blk.freed = True
         blk.data = None
@@ -35,6 +37,9 @@ def from_dlpack(obj: Any, dev: Device | None = None) -> Tensor:
     A twophase Tensor gives a Tensor on its own block, so reads still wait for the work queued on it.
     Read-only memory is refused: ops write their outputs in place, and DLPack cannot say "read-only".
     """
+    if dev is not None and not isinstance(dev, Device):
+        raise ParamError(op="from_dlpack", arg="dev", expected="None or a twophase Device (twophase.device())",
+                         got=type(dev).__name__)
     if isinstance(obj, Tensor):
         return _same_block(obj, dev)
     try:

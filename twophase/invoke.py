@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .errors import ParamError
 from .executor import ExecState, Executor
 from .op import Op, as_op
 from .runtime.device import placement
@@ -82,7 +83,11 @@ class PlannedCall:
             if t is not None and t is not ex._tensors[i]:
                 ex.set_input(i, t)
         if out is not None:
-            for i, t in enumerate(out if isinstance(out, (tuple, list)) else (out,)):
+            outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
+            if len(outs) != len(ex.output_descs):
+                raise ParamError(op=self.op.name, arg="out", expected=f"{len(ex.output_descs)} output tensor(s)",
+                                 got=f"{len(outs)}")
+            for i, t in enumerate(outs):
                 if t is not ex._tensors[len(ex.input_descs) + i]:
                     ex.set_output(i, t)
         ws, s = self.workspace, self.stream

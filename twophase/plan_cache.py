@@ -101,6 +101,9 @@ class PlanCache:
     def release(self, call: PlannedCall) -> None:
         """End the lease of ``call`` (an uncached call is closed in stream order)."""
         self._check_owner()
+        if not isinstance(call, PlannedCall):
+            raise ParamError(op="PlanCache.release", arg="call", expected="a PlannedCall from acquire()",
+                             got=type(call).__name__)
         entry = self._entries.get(id(call))
         if entry is None or entry.call is not call:
             call.close(sync=False)

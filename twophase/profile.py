@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from . import hooks
+from .errors import ParamError
 from .op import Op
 from .runtime.device import _DEVICES
 from .runtime.memory import POOL_LISTENERS, MemoryPool
@@ -179,11 +180,26 @@ def _disable() -> None:
     POOL_LISTENERS.remove(_on_pool_change)
 
 
+def check_trace_path(path: object) -> None:
+    """ParamError unless ``path`` names a file that can be written (it is created, empty)."""
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise ParamError(op="profile", arg="path", expected="None or a file name (str or os.PathLike)", got=path)
+    try:
+        with open(path, "w"):
+            pass
+    except OSError as e:
+        raise ParamError(op="profile", arg="path", expected="a file that can be written",
+                         got=f"{os.fspath(path)!r} ({e.strerror or e})") from None
+
+
 @contextlib.contextmanager
 def profile(path: str | os.PathLike[str] | None = None) -> Iterator[Profiler]:
     """Profile the block: per-op phase times and kernel times in the counters, and (with ``path``) a Chrome
     trace with host spans, per-stream kernel spans, enqueue→kernel flow arrows and a pool counter track.
-    Streams are synchronized on exit so every kernel span is recorded."""
+    Streams are synchronized on exit so every kernel span is recorded. ``path`` is checked before the block
+    runs (a path that cannot be written lost the whole profile at the end)."""
+    if path is not None:
+        check_trace_path(path)
     prof = Profiler()
     if not _active:
         _enable()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import builtins
 import enum
 import math
+from operator import index as _index
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -107,13 +108,18 @@ class TensorDesc:
         offset: int = 0,
         format: Format = Format.ND,
     ) -> None:
-        try:
-            shp = tuple(int(s) for s in shape)
+        try:  # operator.index: ints and numpy ints only (int() took 2.5 as 2, and "12" as the shape (1, 2))
+            if isinstance(shape, (str, bytes)):
+                raise TypeError(shape)
+            shp = tuple(_index(s) for s in shape)
         except (TypeError, ValueError):
             raise ParamError(arg="shape", expected="a sequence of ints", got=shape) from None
         if any(s < 0 for s in shp):
             raise ParamError(arg="shape", expected="non-negative dims", got=shp)
-        st = contiguous_strides(shp) if strides is None else tuple(int(s) for s in strides)
+        try:
+            st = contiguous_strides(shp) if strides is None else tuple(_index(s) for s in strides)
+        except TypeError:
+            raise ParamError(arg="strides", expected="a sequence of ints", got=strides) from None
         if len(st) != len(shp):
             raise ParamError(arg="strides", expected=f"{len(shp)} strides for shape {shp}", got=st)
         if not isinstance(format, Format):
@@ -121,9 +127,12 @@ class TensorDesc:
         rank = _FORMAT_RANK.get(format)
         if rank is not None and rank != len(shp):
             raise ParamError(arg="format", expected=f"rank {rank} for {format.value}", got=f"shape {shp}")
-        off = int(offset)
+        try:
+            off = _index(offset) if not isinstance(offset, bool) else -1
+        except TypeError:
+            off = -1
         if off < 0:
-            raise ParamError(arg="offset", expected="offset >= 0", got=off)
+            raise ParamError(arg="offset", expected="an int >= 0", got=offset)
         dt = DType.of(dtype)
         set_ = object.__setattr__
         set_(self, "shape", shp)

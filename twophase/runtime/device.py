@@ -104,6 +104,9 @@ class Device:
 
     def empty_like(self, desc: TensorDesc, stream: Stream | None = None) -> Tensor:
         """An uninitialised tensor with ``desc``'s shape, dtype and format (dense)."""
+        if not isinstance(desc, TensorDesc):
+            raise ParamError(op="Device.empty_like", arg="desc", expected="a TensorDesc (tensor.desc)",
+                             got=type(desc).__name__)
         if desc.offset or not desc.is_contiguous:
             return self.empty(desc.shape, desc.dtype, desc.format, stream)
         return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self, checked=False)

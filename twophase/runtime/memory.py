@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import bisect
 import logging
+import numbers
 import threading
 import weakref
 from collections.abc import Callable
@@ -228,8 +229,9 @@ class MemoryPool:
     # ---- allocation
     def malloc(self, nbytes: int, stream: Stream | None = None, policy: str = "huge_first") -> Block:
         """A block of at least ``nbytes`` (512-byte aligned); reuses cached memory that is ready for ``stream``."""
-        if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+        if not isinstance(nbytes, numbers.Integral) or isinstance(nbytes, bool) or nbytes < 0:
             raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
+        nbytes = int(nbytes)  # numpy ints too, as every other byte count the library takes
         if policy not in POLICIES:
             raise ParamError(op="malloc", arg="policy", expected=f"one of {POLICIES}", got=policy)
         if stream is not None:
