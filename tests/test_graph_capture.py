@@ -649,3 +649,24 @@ def test_a_host_input_inside_a_capture_is_refused_by_name_and_leaves_nothing_all
     finally:
         g.destroy()
         x.free(stream)
+
+
+def test_a_tensor_freed_during_a_capture_waits_for_the_real_work_on_its_stream(dev, gate):
+    """A free on the captured stream recorded the capture's stand-in queue, which counts as done once the capture
+    ends: another stream got the memory while the real work that reads it was still queued (wrong results)."""
+    s, s2 = dev.stream(), dev.stream()
+    x = dev.tensor(np.ones(4096, np.float32), stream=s)
+    s.synchronize()
+    opened = gate(s)
+    y = tp.mul(x, 2.0, stream=s)  # pending: reads x
+    with tp.capture(s) as g:
+        x.free(s)  # freed in s's order, while s is captured
+        g.input("y", y)
+        g.output("z", tp.exp(y, stream=s))
+    j = dev.tensor(np.full(4096, 1e3, np.float32), stream=s2)  # another stream, the same size, right away
+    s2.synchronize()
+    opened.set()
+    np.testing.assert_array_equal(y.numpy(), 2.0)
+    for t, st in ((j, s2), (y, s)):
+        t.free(st)
+    g.destroy()

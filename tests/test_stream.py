@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -329,3 +330,80 @@ def test_a_failing_setting_listener_puts_the_setting_and_every_stream_back(dev, 
             assert not twophase.settings.launch_blocking and not stream.blocking
     finally:
         twophase.set_launch_blocking(False)
+
+
+def test_a_switch_to_launch_blocking_keeps_the_tasks_queued_before_it_first(dev, gate):
+    """Another thread can enqueue between set_launch_blocking's drain and its switch: the task it queued is still
+    on the worker when the next one runs inline, which ran first (wrong results under a toggling thread)."""
+    s = dev.stream()
+    order: list[int] = []
+    opened = gate(s)
+    s.launch_callback(lambda: order.append(1))  # queued on the worker, behind the gate
+    q = s._q
+    q.set_inline(True)  # what _set_blocking does once it has drained, as if the enqueue above had come after
+    s._enqueue = q.enqueue
+    threading.Timer(0.05, opened.set).start()
+    s.launch_callback(lambda: order.append(2))  # inline: waits for task 1
+    assert order == [1, 2]
+    q.set_inline(False)
+    s._enqueue = q.enqueue
+    s.synchronize()
+
+
+def test_a_switch_off_launch_blocking_keeps_a_running_inline_task_first(dev):
+    """An inline task still running on one thread when launch blocking goes off: the worker runs the next task
+    only after it."""
+    s = dev.stream()
+    q = s._q
+    q.set_inline(True)
+    s._enqueue = q.enqueue
+    order: list[int] = []
+    started, release = threading.Event(), threading.Event()
+
+    def slow() -> None:
+        started.set()
+        release.wait(5)
+        order.append(1)
+
+    t = threading.Thread(target=lambda: s.launch_callback(slow))
+    t.start()
+    started.wait(5)
+    q.set_inline(False)
+    s._enqueue = q.enqueue
+    s.launch_callback(lambda: order.append(2))  # to the worker, while task 1 runs inline on t
+    threading.Timer(0.05, release.set).start()
+    t.join(5)
+    deadline = time.monotonic() + 5  # bounded: the broken order also miscounted done, and a sync never returned
+    while q.done < q.submitted and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert order == [1, 2] and q.done == q.submitted
+
+
+def test_one_op_launched_from_many_threads_at_once(dev):
+    """Every thread's launches share the op's memo of built launches: an eviction by one thread between another's
+    lookup and its LRU move was a KeyError out of the one-shot call."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    errors: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            st = dev.stream()
+            a = dev.tensor(np.full((4, 16), float(k), np.float32), stream=st)
+            ys = [dev.empty((4, 16), stream=st) for _ in range(3)]
+            for i in range(150):
+                twophase.add(a, a, out=ys[i % 3], stream=st)
+            st.synchronize()
+            assert all((y.numpy() == 2 * k).all() for y in ys)
+        except BaseException as e:  # noqa: BLE001  (asserted below)
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(24)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors, errors[:3]

@@ -8,6 +8,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from dataclasses import dataclass, field
+from threading import Lock
 from threading import get_ident as _get_ident
 from typing import Any
 
@@ -135,6 +136,7 @@ class Op:
         self._attr_names = frozenset(a.name for a in spec.attrs)
         self.counters = OpCounters()
         self._launches: OrderedDict[Any, tuple[Plan, Callable[[Any], None]]] = OrderedDict()
+        self._launch_lock = Lock()
         self.__doc__ = spec.doc
 
     def __repr__(self) -> str:
@@ -325,10 +327,12 @@ class Op:
                 raise InvalidStateError("tensor's block was freed", op=self.name, arg="operand", got=t.desc)
             operands.append((t.block.segment.address + t.block.offset, t.desc))
         key = (id(ex.plan), dev.kind, tuple(operands))
-        memo = self._launches
-        hit = memo.get(key)
+        memo = self._launches  # shared by every thread that runs the op: its LRU moves under a lock (another
+        hit = memo.get(key)  # thread's eviction between the get and the move was a KeyError)
         if hit is not None:
-            memo.move_to_end(key)
+            with self._launch_lock:
+                if key in memo:
+                    memo.move_to_end(key)
             return hit[1]
         n = len(ex.input_descs)
         views = [t.view() if t is not None else None for t in ex._tensors]
@@ -340,9 +344,10 @@ class Op:
         if self.spec.aliases != "any":
             self._check_overlap(views, n)
         launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
-        memo[key] = (ex.plan, launch)  # the plan is kept so that its id stays unique
-        if len(memo) > LAUNCH_MEMO:
-            memo.popitem(last=False)
+        with self._launch_lock:
+            memo[key] = (ex.plan, launch)  # the plan is kept so that its id stays unique
+            while len(memo) > LAUNCH_MEMO:
+                memo.popitem(last=False)
         return launch
 
     def _check_overlap(self, views: list[Any], n: int) -> None:

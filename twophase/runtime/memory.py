@@ -157,7 +157,7 @@ class Block:
 
     def _ready(self, stream: Stream | None) -> bool:
         fq = self.free_queue
-        return fq is None or (stream is not None and fq is stream._q) or fq.done >= self.free_seq
+        return fq is None or (stream is not None and fq is stream._work_q) or fq.done >= self.free_seq
 
 
 class _Exports:
@@ -367,9 +367,9 @@ class MemoryPool:
             self._n_free += 1
             last = blk._stream
             if stream is not None and stream._submitted > stream._done:
-                blk.free_queue, blk.free_seq = stream._q, stream._submitted
+                blk.free_queue, blk.free_seq = stream._work_q, stream._submitted
             elif stream is None and last is not None and last._done < blk._seq:
-                blk.free_queue, blk.free_seq = last._q, blk._seq  # still in use: reusable after that task
+                blk.free_queue, blk.free_seq = last._work_q, blk._seq  # in use: reusable after that task
             else:
                 blk.free_queue, blk.free_seq = None, 0
             self._insert_free(self._merge(self._retire(blk)))

@@ -107,7 +107,7 @@ class _Queue:
 
     def __init__(self, name: str, blocking: bool) -> None:
         self.name = name
-        self.tasks: collections.deque[tuple[Callable[[Any], Any], Any, Any]] = collections.deque()
+        self.tasks: collections.deque[tuple[Callable[[Any], Any], Any, Any, int]] = collections.deque()
         self.submitted = 0
         self.done = 0
         self.lock = threading.Lock()
@@ -122,6 +122,7 @@ class _Queue:
         self.thread: threading.Thread | None = None
         self.current: Any = None  # owner of the task being run (for observers)
         self.listeners = TASK_LISTENERS
+        self.inline_tls = threading.local()  # inline tasks running on each thread (nested ones do not wait)
         self.enqueue = self.enqueue_inline if blocking else self.enqueue_async
 
     def start(self) -> None:
@@ -133,7 +134,7 @@ class _Queue:
     def enqueue_async(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
         with self.lock:
             seq = self.submitted = self.submitted + 1
-            self.tasks.append((fn, arg, owner))
+            self.tasks.append((fn, arg, owner, seq))
         if self.idle:
             self.idle = False
             try:
@@ -154,12 +155,21 @@ class _Queue:
     def enqueue_inline(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
         with self.lock:
             seq = self.submitted = self.submitted + 1
+        tls = self.inline_tls
+        depth = getattr(tls, "depth", 0)
+        if self.done < seq - 1 and not depth:  # tasks queued before a switch to launch blocking run first, in
+            self.wait_for(seq - 1, raise_errors=False)  # order (not from inside an inline task: it runs nested)
+        tls.depth = depth + 1
         try:
             with np.errstate(all="ignore"):
                 self.run_one(fn, arg, owner, seq)  # outside the lock: a callback may enqueue on this stream
         finally:
+            tls.depth = depth
             if seq > self.done:
                 self.done = seq
+            if self.waiters:
+                with self.cond:
+                    self.cond.notify_all()
         self.raise_pending(seq)
         return seq
 
@@ -196,7 +206,7 @@ class _Queue:
         tasks = self.tasks
         while True:
             try:
-                fn, arg, owner = tasks.popleft()
+                fn, arg, owner, seq = tasks.popleft()
             except IndexError:
                 self.idle = True
                 if tasks:
@@ -206,8 +216,10 @@ class _Queue:
                 continue
             if fn is None:
                 return
-            self.run_one(fn, arg, owner, self.done + 1)
-            self.done += 1
+            if self.done < seq - 1:  # an inline task (launch blocking was on) is still running: it goes first
+                self.wait_for(seq - 1, raise_errors=False)
+            self.run_one(fn, arg, owner, seq)
+            self.done = seq
             if self.waiters:
                 with self.cond:
                     self.cond.notify_all()
@@ -265,7 +277,7 @@ class _Queue:
             self.closed = True
             self.enqueue = self.enqueue_closed
             if self.thread is not None:
-                self.tasks.append((None, None, None))  # type: ignore[arg-type]
+                self.tasks.append((None, None, None, 0))  # type: ignore[arg-type]
                 try:
                     self.wake.release()
                 except RuntimeError:
@@ -303,6 +315,13 @@ class Stream:
 
     def __repr__(self) -> str:
         return f"Stream('{self.name}', pending={self._q.submitted - self._q.done})"
+
+    @property
+    def _work_q(self) -> _Queue:
+        """The queue the stream's work runs on: during a capture ``_q`` is the capture's stand-in, whose tasks
+        never run (and count as done once the capture ends); what must wait for real work keeps this one."""
+        q = self._q
+        return getattr(q, "_real", q)
 
     @property
     def _submitted(self) -> int:

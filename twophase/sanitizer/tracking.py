@@ -283,7 +283,7 @@ def check_free(blk: GuardedBlock, stream: Stream | None) -> None:
             continue
         if stream is not None:
             sq = stream._q
-            if sq is q or _waited(sq, q) >= seq:
+            if sq is q or stream._work_q is q or _waited(sq, q) >= seq:  # a capture's free: its real queue
                 continue
         side = "the host (no stream)" if stream is None else f"stream '{stream.name}'"
         raise UseAfterFreeError(
