@@ -192,3 +192,14 @@ def test_interop_executor_plan_and_device_arguments(dev, tmp_path):
     assert not ran  # refused before the block ran, not after it (the whole profile was lost)
     for t in (x, y):
         t.free()
+
+
+def test_dtype_stats_and_sanitizer_report_arguments():
+    with pytest.raises(tp.ParamError, match="dtype"):
+        tp.DType("foo")
+    assert tp.DType("float16") is tp.DType.float16 and tp.DType(np.float32) is tp.DType.float32
+    with pytest.raises(tp.ParamError, match="stats.report: argument 'file'"):
+        tp.stats.report(3)
+    for kwargs in ({"since": "x"}, {"warn": "x"}, {"raise_on_leak": "x"}):
+        with pytest.raises(tp.ParamError, match="sanitizer.report"):
+            tp.sanitizer.report(**kwargs)

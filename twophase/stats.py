@@ -8,6 +8,8 @@ import json
 import weakref
 from typing import TYPE_CHECKING, Any
 
+from .errors import ParamError
+
 if TYPE_CHECKING:
     from .executor import Executor
 
@@ -132,7 +134,10 @@ def _fmt_bytes(n: float) -> str:
 
 
 def report(file: Any = None) -> str:
-    """Print (and return) a table of the per-op counters and the pool watermarks."""
+    """Print (and return) a table of the per-op counters and the pool watermarks (to ``file``, default stdout)."""
+    if file is not None and not callable(getattr(file, "write", None)):
+        raise ParamError(op="stats.report", arg="file", expected="None or a text file (with write())",
+                         got=type(file).__name__)
     snap = snapshot()
     head = (f"{'op':<28}{'phase1':>8}{'hits':>8}{'miss':>6}{'phase2':>9}{'live':>6}"
             f"{'p1 us':>9}{'p2 us':>8}{'kern us':>9}  max workspace")

@@ -32,6 +32,15 @@ class DType(enum.Enum):
     uint8 = "uint8"
     bool = "bool"
 
+    @classmethod
+    def _missing_(cls, value: object) -> DType:
+        """``DType("foo")``: the ParamError ``DType.of`` gives (a ValueError, as the enum's own would be)."""
+        return cls.of(value) if not isinstance(value, str) else cls._refuse(value)
+
+    @classmethod
+    def _refuse(cls, value: object) -> DType:
+        raise ParamError(arg="dtype", expected=f"one of {[d.value for d in cls]}", got=value)
+
     @property
     def np(self) -> np.dtype[Any]:
         return _NP[self]

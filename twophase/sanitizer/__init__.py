@@ -27,7 +27,7 @@ import warnings
 from collections.abc import Iterator
 
 from .. import config
-from ..errors import SanitizerError
+from ..errors import ParamError, SanitizerError
 from . import guards, tracking
 from .report import (
     ExecutorMisuseError,
@@ -105,6 +105,11 @@ def report(since: int = 0, warn: bool = True, raise_on_leak: bool = False) -> li
     Each leak is warned as a :class:`LeakWarning` (``warn=False`` to only return them); with ``raise_on_leak`` a
     :class:`SanitizerError` lists them all.
     """
+    if isinstance(since, bool) or not isinstance(since, int):
+        raise ParamError(op="sanitizer.report", arg="since", expected="an int (a mark())", got=since)
+    for name, flag in (("warn", warn), ("raise_on_leak", raise_on_leak)):
+        if not isinstance(flag, bool):
+            raise ParamError(op="sanitizer.report", arg=name, expected="a bool", got=flag)
     leaks = tracking.leaked_executors(since)
     leaks += [Leak("block", f"of {b.size} bytes at 0x{b.address:x}", b.created, b.generation)
               for b in guards.live_blocks() if b.generation >= since]
