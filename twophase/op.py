@@ -331,8 +331,10 @@ class Op:
         hit = memo.get(key)  # thread's eviction between the get and the move was a KeyError)
         if hit is not None:
             with self._launch_lock:
-                if key in memo:
+                try:
                     memo.move_to_end(key)
+                except KeyError:  # evicted meanwhile: the launch is still good
+                    pass
             return hit[1]
         n = len(ex.input_descs)
         views = [t.view() if t is not None else None for t in ex._tensors]

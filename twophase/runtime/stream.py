@@ -321,7 +321,7 @@ class Stream:
         """The queue the stream's work runs on: during a capture ``_q`` is the capture's stand-in, whose tasks
         never run (and count as done once the capture ends); what must wait for real work keeps this one."""
         q = self._q
-        return getattr(q, "_real", q)
+        return q if type(q) is _Queue else q._real  # type: ignore[attr-defined]  # the stand-in
 
     @property
     def _submitted(self) -> int:
