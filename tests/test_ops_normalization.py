@@ -384,3 +384,20 @@ def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str, e
         call()
     assert e.value.arg == arg
     assert expected in str(e.value.expected)
+
+
+@pytest.mark.parametrize("op", [ops.layer_norm, ops.rms_norm])
+@pytest.mark.parametrize("which", [1, 2])
+def test_norm_statistics_outputs_whose_dims_do_not_merge_are_refused_in_phase_1(op: Any, which: int) -> None:
+    """mean / rstd are written as (K,) vectors: a transposed (2, 3, 1) view was a raw TypeError while binding
+    (found by a views audit, /tmp/audit15); refused as reduce_mean refuses the same view."""
+    from twophase import device
+    dev = device("cpu")
+    x = dev.tensor(np.ones((2, 3, 4), np.float32))
+    outs: list[Any] = [dev.empty((2, 3, 4)), dev.empty((2, 3, 1)), dev.empty((2, 3, 1))]
+    odd = dev.empty((6,))
+    outs[which] = odd.strided((2, 3, 1), (1, 2, 1), 0)
+    with pytest.raises(ParamError, match=f"argument '{('mean', 'rstd')[which - 1]}'.*merge into one strided"):
+        op.get_workspace_size(x, out=tuple(outs), normalized_shape=(4,))
+    for t in (x, odd, *outs[:which], *outs[which + 1:]):
+        t.free()

@@ -19,6 +19,7 @@ from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts
 from ..tensor import DType, TensorDesc
 from .checks import FLOATS, as_dims, as_finite, as_int, check_dtype, need, norm_dim
+from .reduce import check_vector_out
 from .selection import Candidate, choose
 
 LONG_ROW = 32768  # rows longer than this are split across blocks
@@ -230,7 +231,16 @@ def _norm_pack(x: TensorDesc, out: TensorDesc, ws: tuple[TensorDesc | None, ...]
         w is not None and merge_dims(w.shape, w.strides) is None for w in ws)
 
 
-def _norm_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+def _norm_select(name: str) -> Callable[[Any, Any, dict[str, Any], int | None], Plan]:
+    def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+        for arg, stat in (("mean", outs[1]), ("rstd", outs[2])):  # written as (K,) vectors (a TypeError at bind)
+            if stat is not None:
+                check_vector_out(name, stat, arg)
+        return _norm_plan(ins, outs, attrs)
+    return select
+
+
+def _norm_plan(ins: Any, outs: Any, attrs: dict[str, Any]) -> Plan:
     x = ins[0]
     nd = len(attrs["normalized_shape"])
     n = 1
@@ -295,7 +305,8 @@ _LN_FORMULA = "0, or align64(numel*c) + 2*align64(N*c) when packed (c = 4 for fl
 register(OpDef(
     name="layer_norm", inputs=("x", "weight?", "bias?"), outputs=("out", "mean", "rstd"),
     attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-5)),
-    dtypes=FLOATS, infer=_norm_infer("layer_norm"), select=_norm_select, kernels={"cpu": _norm_build(False)},
+    dtypes=FLOATS, infer=_norm_infer("layer_norm"), select=_norm_select("layer_norm"),
+    kernels={"cpu": _norm_build(False)},
     implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
     doc=("Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (float32 rows: "
          "sum and sum of squares of x - x[0] in one float64 pass (shifted by a sample: no cancellation from a "
@@ -307,7 +318,8 @@ register(OpDef(
 register(OpDef(
     name="rms_norm", inputs=("x", "weight?"), outputs=("out", "mean", "rstd"),
     attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-6)),
-    dtypes=FLOATS, infer=_norm_infer("rms_norm"), select=_norm_select, kernels={"cpu": _norm_build(True)},
+    dtypes=FLOATS, infer=_norm_infer("rms_norm"), select=_norm_select("rms_norm"),
+    kernels={"cpu": _norm_build(True)},
     implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
     doc=("RMS norm: out = x / sqrt(mean(x^2) + eps) * weight over the trailing ``normalized_shape`` dims; "
          f"the mean output is 0, rstd is 1/rms. Workspace: {_LN_FORMULA}."),

@@ -123,10 +123,11 @@ def plan_tree(x: TensorDesc, red: tuple[int, ...], kept: tuple[int, ...], acc_by
                         k_rows * r >= PARALLEL_MIN, off, stage_offset, orient, tuple(part_offsets), final_offset)
 
 
-def check_vector_out(op: str, out: TensorDesc) -> None:
-    """Reduction outputs are written as a (K,) vector: a strided ``out`` must still walk with one stride."""
+def check_vector_out(op: str, out: TensorDesc, arg: str = "out") -> None:
+    """Reduction outputs (and the norms' mean / rstd) are written as a (K,) vector: a strided output must still
+    walk with one stride."""
     if merge_dims(out.shape, out.strides) is None:
-        raise ParamError(op=op, arg="out", expected="an output whose dims merge into one strided vector",
+        raise ParamError(op=op, arg=arg, expected="an output whose dims merge into one strided vector",
                          got=out)
 
 
