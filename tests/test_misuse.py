@@ -203,3 +203,15 @@ def test_dtype_stats_and_sanitizer_report_arguments():
     for kwargs in ({"since": "x"}, {"warn": "x"}, {"raise_on_leak": "x"}):
         with pytest.raises(tp.ParamError, match="sanitizer.report"):
             tp.sanitizer.report(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"max_version": "x"}, {"copy": "x"}, {"foo": 1}])
+def test_dlpack_keywords_numpy_refuses_are_param_errors_and_release_the_export(dev, kwargs):
+    import gc
+    before = _allocated(dev)
+    t = dev.tensor(np.ones(4, np.float32))
+    with pytest.raises(tp.ParamError, match="Tensor.__dlpack__"):
+        t.__dlpack__(**kwargs)
+    gc.collect()
+    t.free()  # the refused export was released: the free returns the memory now
+    assert t.block.exports is None and _allocated(dev) == before

@@ -307,8 +307,13 @@ class Tensor:
                                       "has no DLPack stream)", got=stream)
         self.block.wait()
         held = self.view().view()  # a fresh array per export: the consumer holds it until its deleter runs
-        self.block.export(held)
-        return held.__dlpack__(**kwargs)
+        self.block.export(held)  # released when ``held`` is collected, also if numpy refuses the arguments
+        try:
+            return held.__dlpack__(**kwargs)
+        except (TypeError, ValueError) as e:  # max_version / copy / an unknown keyword (BufferError: the spec's)
+            raise ParamError(op="Tensor.__dlpack__", arg=", ".join(kwargs) or "arguments",
+                             expected="the DLPack keywords max_version=(major, minor), dl_device, copy=bool",
+                             got=f"{kwargs} ({e})") from None
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # kDLCPU
