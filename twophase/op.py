@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
@@ -11,6 +10,8 @@ from dataclasses import dataclass, field
 from threading import Lock
 from threading import get_ident as _get_ident
 from typing import Any
+
+import numpy as np
 
 from .cache import thread_cache
 from .config import check_byte_limit, settings
@@ -103,6 +104,11 @@ def effective_limit(op: str, limit: Any) -> int | None:
     return check_byte_limit(limit, op, "workspace_limit")
 
 
+def planning_flags(limit: int | None) -> tuple[Any, ...]:
+    """What phase 1 reads besides the operands and attributes (part of every key of planned work)."""
+    return (settings.deterministic, settings.num_threads, limit, planning_scope.get())
+
+
 def over_limit(op: str, workspace: int, implementation: str, limit: int | None) -> ParamError:
     """The error of a phase 1 whose smallest workspace (``implementation``'s) exceeds ``limit``."""
     return ParamError("no implementation fits the workspace limit", op=op, arg="workspace_limit",
@@ -119,8 +125,8 @@ def _typed(v: Any) -> Any:
     t = type(v)
     if t is tuple or t is list:
         return (t, tuple(_typed(e) for e in v))
-    if isinstance(v, float) and v == 0.0:
-        return (t, v, math.copysign(1.0, v))
+    if isinstance(v, (float, np.floating)) and v == 0.0:  # numpy's float32 / float16 zeros too
+        return (t, v, bool(np.signbit(v)))
     return (t, v)
 
 
@@ -192,7 +198,7 @@ class Op:
         out_key = None if outs is None else tuple(g.desc if isinstance(g, Tensor) else g for g in outs)
         dev = next(iter(bound.values())).device.name if bound else None
         try:
-            flags = (settings.deterministic, settings.num_threads, limit, planning_scope.get())
+            flags = planning_flags(limit)
             key = (self, self.spec.version, _registry_version[0], dev, flags, in_descs, out_key,
                    tuple((k, _typed(v)) for k, v in attrs.items()))
             hash(key)
