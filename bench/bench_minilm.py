@@ -358,7 +358,7 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
                                  "; (forward minus linears is negative here: the two were timed under different "
                                  "load, not separable in this run)"))
             if "twophase graph replay" in fns:
-                g = model.graphs[batch.shape].graph
+                g = model.graph(batch).graph
                 gm = g.memory
                 notes.append(f"{b}x{n}: graph arena {gm.arena_bytes / 2**20:.1f} MiB "
                              f"(one by one {gm.naive_bytes / 2**20:.1f} MiB), {len(g)} nodes")

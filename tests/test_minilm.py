@@ -207,11 +207,11 @@ def test_program_replays_without_phase1(model: Any) -> None:
     a, b = model.tokenize(SENTENCES[:2], pad_to=16), model.tokenize(SENTENCES[2:4], pad_to=16)
     want_a, want_b = model.run(a, "oneshot"), model.run(b, "oneshot")
     got_a = model.run(a, "planned")  # plans the (2, 16) program
-    prog = model.programs[(2, 16)]
+    prog = model.program(a)
     before = {n: op.counters.phase1 for n, op in tp.registry.items()}
     got_b, got_a2 = model.run(b, "planned"), model.run(a, "planned")
     assert {n: op.counters.phase1 for n, op in tp.registry.items()} == before  # replays never re-plan
-    assert model.programs[(2, 16)] is prog and len(prog.calls) > 50
+    assert model.program(a) is prog and len(prog.calls) > 50
     for got, want in ((got_a, want_a), (got_b, want_b), (got_a2, want_a)):
         np.testing.assert_allclose(got, want, atol=1e-5)
     assert prog.arena_bytes >= prog.workspace_bytes > 0
@@ -233,14 +233,13 @@ def test_cosine_matrix_orders_similar_sentences(model: Any) -> None:
 def test_graph_replay_per_shape(model: Any, reference: np.ndarray[Any, Any]) -> None:
     got = model.encode(SENTENCES, mode="graph")
     assert (_cos(got, reference) >= 0.9999).all()
-    shape = model.tokenize(SENTENCES, multiple_of=minilm.SEQ_MULTIPLE).shape  # encode's padding
-    g = model.graphs[shape]
+    g = model.graph(model.tokenize(SENTENCES, multiple_of=minilm.SEQ_MULTIPLE))  # encode's padding: cached
     other = model.tokenize(SENTENCES[::-1], multiple_of=minilm.SEQ_MULTIPLE)  # same shape, other data: the
     # cached graph replays with new inputs
     before = {n: op.counters.phase1 for n, op in tp.registry.items()}
     np.testing.assert_allclose(model.run(other, "graph"), got[::-1], atol=1e-5)
     assert {n: op.counters.phase1 for n, op in tp.registry.items()} == before
-    assert model.graphs[shape] is g and g.graph.replays == 2
+    assert model.graph(other) is g and g.graph.replays == 2
     assert 0 < g.arena_bytes < g.graph.memory.naive_bytes  # liveness planning shares the arena
     model.run(model.tokenize(SENTENCES[:2]), "graph")
     assert len(model.graphs) == 2  # a new (batch, seq) shape captures a new graph
@@ -371,13 +370,13 @@ def test_cached_shapes_are_bounded_and_evicted_least_recently_used() -> None:
                 assert len(cache) <= 2
                 m.sync()
                 used.append(dev.pool.stats()["allocated_bytes"])
-            assert list(cache) == [(1, 8), (1, 16)]  # the two last used, oldest first
+            assert _shapes(cache) == [(1, 8), (1, 16)]  # the two last used, oldest first
         a, b = m.tokenize(sentences[:1], multiple_of=8), m.tokenize(sentences[4:], multiple_of=8)
         m.run(a, "planned")
         m.run(m.tokenize(sentences[1:2], multiple_of=8), "planned")  # (1, 8) is now the least recently used
         m.run(a, "planned")  # ... and used again: (1, 16) goes next
         m.run(b, "planned")
-        assert list(m.programs) == [(1, 8), (1, 40)]
+        assert _shapes(m.programs) == [(1, 8), (1, 40)]
         # memory held stays within what the two largest shapes need: the fifth length did not add a program
         assert max(used[5:7]) <= max(used[:5]) and max(used[12:]) <= max(used[7:12])
     finally:
@@ -395,7 +394,7 @@ def test_encode_pads_lengths_to_shared_shapes(model: Any) -> None:
     assert n_short != n_long and -(-n_short // 8) == -(-n_long // 8)  # two lengths, one 8-token bucket
     before = set(model.programs)
     got = np.concatenate([model.encode([t]) for t in (short, longer)])
-    assert len(set(model.programs) - before) <= 1 and (1, -(-n_long // 8) * 8) in model.programs
+    assert len(set(model.programs) - before) <= 1 and (1, -(-n_long // 8) * 8) in _shapes(model.programs)
     exact = np.concatenate([model.encode([t], mode="oneshot", multiple_of=1) for t in (short, longer)])
     np.testing.assert_allclose(got, exact, atol=2e-5)
     with pytest.raises(tp.ParamError, match="multiple_of"):
@@ -415,9 +414,9 @@ def test_cached_programs_and_graphs_share_a_byte_budget() -> None:
         assert len(m.programs) == 1 and m.cached_bytes > 0  # the newest is kept whatever the budget
         got_b = m.encode([b])
         shape_b = m.tokenize([b], multiple_of=minilm.SEQ_MULTIPLE).shape
-        assert list(m.programs) == [shape_b]
+        assert _shapes(m.programs) == [shape_b]
         got_g = m.encode([b], mode="graph")
-        assert list(m.graphs) == [shape_b] and not m.programs  # the graph displaced the program
+        assert _shapes(m.graphs) == [shape_b] and not m.programs  # the graph displaced the program
         np.testing.assert_allclose(np.concatenate([got_a, got_b]), want, atol=1e-5)
         np.testing.assert_allclose(got_g[0], want[1], atol=1e-5)
         m.max_cached_bytes = 1 << 40
@@ -448,7 +447,7 @@ def test_bad_calls_leave_nothing_behind(model: Any) -> None:
         model.run(None)
     good = model.tokenize(SENTENCES[:2], pad_to=16)
     want = model.run(good, "planned")
-    prog = model.programs[good.shape]
+    prog = model.program(good)
     model.sync()
     before = _held(dev)
     with pytest.raises(tp.ParamError, match="argument 'pad_to'.*512"):
@@ -464,3 +463,63 @@ def test_bad_calls_leave_nothing_behind(model: Any) -> None:
 def _held(dev: Any) -> int:
     dev.synchronize()
     return int(dev.pool.stats()["allocated_bytes"])
+
+
+def _shapes(cache: Any) -> list[tuple[int, int]]:
+    """The (batch, seq) shapes a model's cache holds, least recently used first."""
+    return [key[0] for key in cache]
+
+
+@needs_model
+@needs_ops
+def test_a_program_planned_before_a_workspace_limit_is_not_served_after_it(model: Any) -> None:
+    """Programs and graphs are keyed by the planning settings too: a limit set after a program was built used to
+    leave its SDPA on the materialized implementation, over the limit (found by a cache-key audit)."""
+    batch = model.tokenize(SENTENCES[:2], pad_to=24)
+    want = model.run(batch, "planned")
+    old = model.program(batch)
+    limit = min(c.workspace_size for c in old.calls if c.op.name == "scaled_dot_product_attention") - 1
+    try:
+        tp.set_workspace_limit(limit)
+        got = model.run(batch, "planned")
+        new = model.program(batch)
+        assert new is not old and all(c.workspace_size <= limit for c in new.calls)
+        np.testing.assert_allclose(got, want, atol=1e-5)
+    finally:
+        tp.set_workspace_limit(None)
+    assert model.program(batch) is old  # the old settings are back: their program serves again
+
+
+@needs_model
+@needs_ops
+@pytest.mark.parametrize("mode", ["oneshot", "planned", "graph"])
+def test_a_forward_that_fails_midway_leaves_nothing_behind(model: Any, mode: str) -> None:
+    """A phase 1 that fails in the middle of the forward (a workspace limit SDPA cannot meet) freed nothing in
+    one-shot mode (the activations made so far) and in graph mode (the capture's inputs); in planned mode, a
+    kernel error pending from before hid the phase-1 error and stranded the partly planned program (an
+    error-recovery audit, /tmp/audit17). Then a bad token id's kernel error leaves nothing in one-shot mode."""
+    dev = tp.device("cpu")
+    batch = model.tokenize(["a fresh shape for this test, long enough"], pad_to=40)
+    model.sync()
+    before = _held(dev)
+
+    def fail() -> None:
+        raise RuntimeError("an earlier kernel failed")
+    model.stream.launch_callback(fail)  # pending until the next sync
+    tp.set_workspace_limit(1)
+    try:
+        with pytest.raises(tp.ParamError, match="scaled_dot_product_attention.*workspace_limit"):
+            model.run(batch, mode)  # the phase-1 error, not the pending kernel error
+    finally:
+        tp.set_workspace_limit(None)
+    with pytest.raises(tp.KernelError, match="an earlier kernel failed"):
+        model.sync()
+    model.sync()
+    assert _held(dev) == before
+    bad = minilm.Batch(np.full_like(batch.ids, 10**6), batch.type_ids, batch.mask)
+    if mode == "oneshot":
+        with pytest.raises(tp.ParamError, match="embedding"):
+            model.run(bad, mode)
+        model.sync()
+        assert _held(dev) == before
+    assert np.isfinite(model.run(batch, mode)).all()  # and it works again

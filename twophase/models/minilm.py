@@ -25,7 +25,8 @@ from typing import Any
 import numpy as np
 
 import twophase as tp
-from twophase.op import registry
+from twophase.config import settings
+from twophase.op import planning_flags, registry
 from twophase.ops.checks import as_int
 from twophase.runtime.device import Device
 from twophase.runtime.stream import Stream, check_stream
@@ -216,10 +217,35 @@ class Runner:
 
 
 class OneShotRunner(Runner):
-    """The one-shot API: ``twophase.NAME(*inputs, stream=...)`` per op."""
+    """The one-shot API: ``twophase.NAME(*inputs, stream=...)`` per op. It keeps the tensors it made and has not
+    freed (``live``), so that a forward that fails midway frees them (``release``)."""
+
+    def __init__(self, dev: Device, stream: Stream) -> None:
+        super().__init__(dev, stream)
+        self.live: dict[int, Tensor] = {}
 
     def run(self, name: str, *inputs: Any, out: Any = None, **attrs: Any) -> Any:
-        return tp.one_shot(registry[name])(*inputs, out=out, stream=self.stream, **attrs)
+        res = tp.one_shot(registry[name])(*inputs, out=out, stream=self.stream, **attrs)
+        for t in res if isinstance(res, tuple) else (res,):
+            self.live[id(t)] = t
+        return res
+
+    def empty(self, shape: tuple[int, ...], dtype: DType = DType.float32) -> Tensor:
+        t = super().empty(shape, dtype)
+        self.live[id(t)] = t
+        return t
+
+    def free(self, *tensors: Tensor) -> None:
+        for t in tensors:
+            self.live.pop(id(t), None)
+        super().free(*tensors)
+
+    def release(self) -> None:
+        """Free what the forward made and did not free (after a failure: nothing else will)."""
+        live, self.live = self.live, {}
+        for t in live.values():
+            if not t.block.freed:
+                t.free(self.stream)
 
 
 class Recorder(Runner):
@@ -333,14 +359,15 @@ class Program:
         ins = model._upload_batch(batch)
         try:
             self.output = forward(rec, model.config, model.weights, *ins)
-        except BaseException:
+        except BaseException:  # no sync: a kernel error pending from before stays for the next one
             for c in rec.calls:
-                c.close()
+                c.close(sync=False)
             for t in rec.buffers + list(ins):
                 t.free(self.stream)
             raise
         self.calls = rec.calls
         self.buffers = rec.buffers
+        self.fresh = True  # its output holds the forward of the batch it was planned with
         # where each model input is bound: (call index, input index, which input)
         self.bindings = [(ci, ii, which) for ci, c in enumerate(self.calls)
                          for ii, t in enumerate(c.executor._tensors[:len(c.executor.input_descs)])
@@ -410,14 +437,18 @@ class CapturedForward:
         self.shape = batch.shape
         s = model.stream
         self._own = model._upload_batch(batch)  # made before the capture: the graph's named inputs
-        with capture(s, name=f"minilm{self.shape}") as g:
-            for name, t in zip(INPUTS, self._own):
-                g.input(name, t)
-            g.output("emb", forward(OneShotRunner(model.dev, s), model.config, model.weights, *self._own))
+        g = None
         try:
+            with capture(s, name=f"minilm{self.shape}") as g:
+                for name, t in zip(INPUTS, self._own):
+                    g.input(name, t)
+                g.output("emb", forward(OneShotRunner(model.dev, s), model.config, model.weights, *self._own))
             g.instantiate()
         except BaseException:
-            g.destroy()
+            if g is not None and g.state != "destroyed":
+                g.destroy()
+            for t in self._own:
+                t.free(s)
             raise
         self.graph: Any = g
 
@@ -476,8 +507,9 @@ class MiniLM:
         self.weights = self._upload(load_weights(d))
         self.max_shapes = max_shapes
         self.max_cached_bytes = max_cached_bytes
-        self.programs: OrderedDict[tuple[int, int], Program] = OrderedDict()  # least recently used first
-        self.graphs: OrderedDict[tuple[int, int], CapturedForward] = OrderedDict()
+        # by ((batch, seq), planning flags), least recently used first
+        self.programs: OrderedDict[tuple[tuple[int, int], Any], Program] = OrderedDict()
+        self.graphs: OrderedDict[tuple[tuple[int, int], Any], CapturedForward] = OrderedDict()
         self._deferred: list[Tensor] = []
         self._thread = threading.get_ident()
 
@@ -557,8 +589,14 @@ class MiniLM:
         """The forward with the one-shot API (phase 1 via the executor cache on every op call)."""
         self._check_open()
         ins = self._upload_batch(batch)
-        out = forward(OneShotRunner(self.dev, self.stream), self.config, self.weights, *ins)
-        self.defer_free(*ins)
+        runner = OneShotRunner(self.dev, self.stream)
+        try:
+            out: Tensor = forward(runner, self.config, self.weights, *ins)
+        except BaseException:
+            runner.release()  # the activations made before the failure
+            raise
+        finally:
+            self.defer_free(*ins)
         return out
 
     def defer_free(self, *tensors: Tensor) -> None:
@@ -572,19 +610,20 @@ class MiniLM:
             t.free(self.stream)
         self._deferred.clear()
 
-    def _cached(self, cache: OrderedDict[tuple[int, int], Any], batch: Batch, make: Any) -> Any:
+    def _cached(self, cache: OrderedDict[tuple[tuple[int, int], Any], Any], batch: Batch, make: Any) -> Any:
         """``cache``'s entry for ``batch``'s shape, now the most recently used; made by ``make(self, batch)``
         when missing, after the least recently used entries beyond ``max_shapes - 1`` are closed, and then
         older entries of this cache, then of the other, are closed while they hold more than
         ``max_cached_bytes`` together."""
         self._check_open()
-        entry = cache.get(batch.shape)
+        key = (batch.shape, planning_flags(settings.workspace_limit))  # a plan made under other settings (a
+        entry = cache.get(key)  # workspace limit set since) is not served: planned again, the old one kept LRU
         if entry is not None:
-            cache.move_to_end(batch.shape)
+            cache.move_to_end(key)
             return entry
         while len(cache) >= self.max_shapes:
             cache.popitem(last=False)[1].close()
-        entry = cache[batch.shape] = make(self, batch)
+        entry = cache[key] = make(self, batch)
         other = self.graphs if cache is self.programs else self.programs
         for c in (cache, other):
             while c and next(iter(c.values())) is not entry and self.cached_bytes > self.max_cached_bytes:
@@ -604,10 +643,11 @@ class MiniLM:
 
     def run_planned(self, batch: Batch) -> Tensor:
         """The forward as repeatable executors planned once per shape (the batch is bound, then replayed)."""
-        self._check_open()
-        if batch.shape not in self.programs:
-            return self.program(batch).output  # building it ran the forward on this batch
-        return self.program(batch)(batch)
+        p = self.program(batch)
+        if p.fresh:  # building it ran the forward on this batch
+            p.fresh = False
+            return p.output
+        return p(batch)
 
     def graph(self, batch: Batch) -> CapturedForward:
         """The captured graph for ``batch``'s (batch, seq) shape, captured and instantiated on first use."""
@@ -623,10 +663,11 @@ class MiniLM:
         self._check_batch(batch)
         if mode == "oneshot":
             t = self.run_oneshot(batch)
-            self.sync()
-            out = t.numpy()
-            t.free(self.stream)
-            return out
+            try:
+                self.sync()
+                return t.numpy()
+            finally:
+                t.free(self.stream)  # also when the sync raised a kernel error
         if mode in ("planned", "graph"):
             t = self.run_planned(batch) if mode == "planned" else self.run_graph(batch)
             self.sync()

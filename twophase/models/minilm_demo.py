@@ -98,14 +98,14 @@ def main(trace: str = TRACE, runs: int = 5) -> int:
                 model.run(batch, m)
         snap = tp.stats.snapshot()
         impls: dict[str, set[str]] = {}
-        for c in model.programs[batch.shape].calls:
+        for c in model.program(batch).calls:
             impls.setdefault(c.op.name, set()).add(c.executor.implementation)
         print()
         print(f"== per-op counters (one profiled forward each: {', '.join(modes)})")
         print(counters_table(impls))
 
         ops = snap["ops"].values()
-        n_ops = len(model.programs[batch.shape].calls)
+        n_ops = len(model.program(batch).calls)
         p1 = sum(c["phase1_time_s"] for c in ops)  # the one-shot forward's phase 1 (cache hits)
         p1_calls = sum(c["phase1_timed_calls"] for c in ops)
         p2 = sum(c["phase2_time_s"] for c in ops) / max(sum(c["phase2_timed_calls"] for c in ops), 1) * n_ops
@@ -127,14 +127,14 @@ def main(trace: str = TRACE, runs: int = 5) -> int:
               + ", ".join(f"{m} {wall[m] * 1e3:.1f} ms" for m in modes))
 
         pool = model.dev.pool.stats()
-        prog = model.programs[batch.shape]
+        prog = model.program(batch)
         print()
         print("== memory")
         print(f"   pool: peak allocated {_mib(pool['peak_allocated_bytes'])}, peak reserved "
               f"{_mib(pool['peak_reserved_bytes'])} (parameters {_mib(model.parameter_bytes)})")
         print(f"   repeatable executors: {_mib(prog.arena_bytes)} held (every output and workspace its own block)")
         if has_graph:
-            gm = model.graphs[batch.shape].graph.memory
+            gm = model.graph(batch).graph.memory
             print(f"   graph arena: {_mib(gm.arena_bytes)} for {gm.intermediates} intermediates and {gm.workspaces} "
                   f"workspaces (one by one: {_mib(gm.naive_bytes)}; ratio {gm.ratio:.3f}; strategy {gm.strategy})")
         else:
