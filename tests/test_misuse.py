@@ -215,3 +215,32 @@ def test_dlpack_keywords_numpy_refuses_are_param_errors_and_release_the_export(d
     gc.collect()
     t.free()  # the refused export was released: the free returns the memory now
     assert t.block.exports is None and _allocated(dev) == before
+
+
+def test_out_of_memory_on_a_later_output_frees_the_outputs_already_allocated(dev):
+    """Outputs were allocated in one comprehension: an out-of-memory on the second left the first allocated for
+    good (an error-recovery audit, /tmp/audit17/s5_oom.py)."""
+    x = dev.tensor(np.random.default_rng(0).random((2, 393216)).astype(np.float32))
+    before = _allocated(dev)
+    pool = dev.pool
+    pool.empty_cache()
+    pool.set_limit(pool.stats()["reserved_bytes"] + (2 << 20))  # room for one 1.5 MiB output, not two
+    try:
+        with pytest.raises(tp.OutOfMemoryError):
+            tp.split(x, sizes=[1, 1], dim=0)
+        assert _allocated(dev) == before
+    finally:
+        pool.set_limit(None)
+    x.free()
+
+
+@pytest.mark.parametrize("zero", [np.float32, np.float16, np.longdouble])
+def test_a_numpy_negative_zero_attribute_is_not_served_the_positive_zeros_plan(dev, zero):
+    """-0.0 == 0.0 with equal hashes: the executor cache keyed the sign for Python floats only, so
+    pad(value=np.float32(-0.0)) got the plan (and value) of np.float32(0.0) (a cache-key audit)."""
+    x = dev.tensor(np.ones(2, np.float32))
+    tp.pad(x, pads=(1, 1), value=zero(0.0)).free()
+    got = tp.pad(x, pads=(1, 1), value=zero(-0.0))
+    assert np.signbit(got.numpy()[[0, -1]]).all()
+    got.free()
+    x.free()

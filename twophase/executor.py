@@ -216,15 +216,17 @@ class Executor:
         """Allocate a dense tensor from ``dev``'s pool for every unbound output and bind them all at once;
         returns the new tensors (freed again in ``stream`` order if binding fails)."""
         n_in = len(self.input_descs)
-        new = {n_in + i: dev.empty_like(d, stream) for i, (t, d) in enumerate(zip(self.outputs, self.output_descs))
-               if t is None}
-        if new:
-            try:
+        new: dict[int, Tensor] = {}
+        try:
+            for i, (t, d) in enumerate(zip(self.outputs, self.output_descs)):
+                if t is None:
+                    new[n_in + i] = dev.empty_like(d, stream)  # an out-of-memory on a later one frees these
+            if new:
                 self._bind_many(new)
-            except BaseException:
-                for t in new.values():
-                    t.free(stream)
-                raise
+        except BaseException:
+            for t in new.values():
+                t.free(stream)
+            raise
         return list(new.values())
 
     def _bind_many(self, tensors: dict[int, Tensor]) -> None:
