@@ -34,12 +34,9 @@ class DType(enum.Enum):
 
     @classmethod
     def _missing_(cls, value: object) -> DType:
-        """``DType("foo")``: the ParamError ``DType.of`` gives (a ValueError, as the enum's own would be)."""
-        return cls.of(value) if not isinstance(value, str) else cls._refuse(value)
-
-    @classmethod
-    def _refuse(cls, value: object) -> DType:
-        raise ParamError(arg="dtype", expected=f"one of {[d.value for d in cls]}", got=value)
+        """``DType(x)`` for anything but a member's name: what ``DType.of`` gives (a ParamError, a ValueError as
+        the enum's own would be)."""
+        return cls.of(value)
 
     @property
     def np(self) -> np.dtype[Any]:
@@ -272,10 +269,10 @@ class Tensor:
 
     def view(self) -> np.ndarray[Any, Any]:
         """The numpy view of the device memory (CPU backends); no synchronization."""
+        if self.block.freed:  # checked on every call: another view of the block may have freed it since
+            raise InvalidStateError("tensor's block was freed", arg="tensor", got=self.desc)
         v = self._view
-        if v is None or self.block.freed:  # another view of the block may have freed it since the view was made
-            if self.block.freed:
-                raise InvalidStateError("tensor's block was freed", arg="tensor", got=self.desc)
+        if v is None:
             v = self.device._array_view(self.block, self.desc)
             self._view = v
         return v

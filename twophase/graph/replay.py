@@ -442,7 +442,7 @@ class Graph:
             self._refuse_replay()
         switch = stream is not self._last_stream or stream is None
         if switch:
-            self._check_stream(stream)
+            check_stream(stream, "Graph.replay", device=self.device)
         if tensors or self._rebound:
             self._apply(tensors)
             steps = self._steps
@@ -464,9 +464,6 @@ class Graph:
                                     expected="an instantiated graph", got=self._state)
         raise InvalidStateError(f"{self} belongs to the thread that instantiated it", op="Graph.replay",
                                 arg="graph", got=f"replay from thread {threading.current_thread().name}")
-
-    def _check_stream(self, stream: Stream) -> None:
-        check_stream(stream, "Graph.replay", device=self.device)
 
     def _order_after_last(self, stream: Stream) -> None:
         """Order a new stream after the previous replay (they share the arena)."""

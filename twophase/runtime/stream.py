@@ -246,8 +246,8 @@ class _Queue:
         return self.enqueue == self.enqueue_inline
 
     def set_inline(self, inline: bool) -> None:
-        """Run later tasks inline on the enqueuing thread, or on the worker (started if need be); the caller drains
-        the queue first, so that they run after the earlier ones."""
+        """Run later tasks inline on the enqueuing thread, or on the worker (started if need be); either kind
+        waits for the tasks enqueued before it (each task carries its seq), so the switch needs no drain."""
         if self.closed:
             return
         self.enqueue = self.enqueue_inline if inline else self.enqueue_async
@@ -341,7 +341,6 @@ class Stream:
         real one) switches now and its launches use the new mode once the capture ends."""
         if not self.device.runs_kernels:
             return
-        self._q.drain()
         with SWITCH_LOCK:
             q = self._q
             q.set_inline(blocking or not type(self.device).has_worker)
