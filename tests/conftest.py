@@ -74,6 +74,19 @@ def microkernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 
 @pytest.fixture
+def ymm_heads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """The 8-lane kernels (``gemm.gemm_f32_heads_ymm``) for SDPA's head products, as phase 1 picks them on a CPU
+    with AVX2 and FMA but not AVX-512; on one with AVX-512 (which has AVX2 too) by turning the 16-lane kernel off;
+    skipped elsewhere. The executor cache is emptied around the test, as for ``microkernel``."""
+    if not gemm.ymm_available():
+        pytest.skip("the 8-lane GEMM kernels need AVX2 and FMA")
+    monkeypatch.setattr(gemm, "available", lambda: False)
+    twophase.clear_cache()
+    yield
+    twophase.clear_cache()
+
+
+@pytest.fixture
 def fresh_cache():
     """Executor cache on with the default limit, emptied, counters zeroed; settings restored afterwards."""
     enabled, limit = twophase.settings.cache_enabled, twophase.settings.cache_limit

@@ -20,6 +20,7 @@ from ops_layouts import on_device
 
 import twophase
 from twophase import ops
+from twophase.kernels.cpu import attention as attention_kernels
 from twophase.kernels.cpu import blas
 from twophase.kernels.cpu import conv as conv_kernels
 from twophase.kernels.cpu import elementwise as elementwise_kernels
@@ -399,7 +400,8 @@ def test_layer_norm_in_parts(three_parts: None, rms: bool) -> None:
 @pytest.mark.parametrize("mask", ["none", "causal", "bool", "additive"])
 def test_sdpa_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, b: int, h: int, lq: int, lk: int,
                        mask: str) -> None:
-    launched = _spy_on_parts(monkeypatch, blas)  # each part calls BLAS: blas.run_blas_parts runs them
+    # parts whose products call BLAS run through blas.run_blas_parts, those all by the kernel straight away
+    launched = _spy_on_parts(monkeypatch, blas, attention_kernels)
     rng = np.random.default_rng(lq + lk)
     q, k, v = (rng.standard_normal(s).astype(np.float32) for s in ((b, h, lq, 16), (b, h, lk, 16), (b, h, lk, 8)))
     m: Any = None

@@ -336,3 +336,54 @@ def test_sdpa_head_products_by_the_microkernel(monkeypatch: pytest.MonkeyPatch, 
                             workspace_limit=limit)
         _check(r, ref)
     assert gemm.gemm_f32_heads in used
+
+
+@pytest.mark.usefixtures("ymm_heads")
+@pytest.mark.parametrize("mask", ["none", "causal", "bool"])
+@pytest.mark.parametrize("layout", ["dense", "strided"])
+@pytest.mark.parametrize("dv", [8, 13, 32, 47])
+def test_sdpa_head_products_by_the_8_lane_kernel(monkeypatch: pytest.MonkeyPatch, mask: str, layout: str,
+                                                 dv: int) -> None:
+    """Without AVX-512: S = q @ k^T and out = P @ v by the 8-lane kernel (16- and 8-column panels, a last
+    overlapping 8-column one for 13, 47 and 90 keys), in every form; a causal block of fewer than 8 keys goes to
+    np.matmul."""
+    used: list[Any] = []
+    real = attention_kernels.entry
+
+    def spy(kernel: Any, *args: Any) -> Any:
+        used.append(kernel)
+        return real(kernel, *args)
+    monkeypatch.setattr(attention_kernels, "entry", spy)
+    rng = np.random.default_rng(dv + 1)
+    q, k, v = _qkv(rng, 2, 3, 70, 90, 40, dv)
+    m = rng.random((2, 1, 70, 90)) < 0.7 if mask == "bool" else None
+    ref = reference(q, k, v, m, is_causal=mask == "causal")
+    for impl, limit in (("materialized", None), ("tiled", None), ("tiled", 40_000)):
+        with forced(impl):
+            r = run_checked(sdpa, on_device(q, layout), k, on_device(v, layout), m, is_causal=mask == "causal",
+                            workspace_limit=limit)
+        _check(r, ref)
+    assert gemm.gemm_f32_heads_ymm in used and gemm.gemm_f32_heads not in used
+
+
+@pytest.mark.usefixtures("ymm_heads")
+@pytest.mark.parametrize("dv, blas", [(32, False), (5, True)])
+def test_sdpa_parts_set_blas_to_one_thread_only_when_they_call_blas(monkeypatch: pytest.MonkeyPatch, dv: int,
+                                                                    blas: bool) -> None:
+    """Parts whose GEMMs all run by the kernel go straight to the helpers; parts with a BLAS product (5 value
+    columns: too narrow for the kernel) run with OpenBLAS on one thread each (``run_blas_parts``)."""
+    launched: list[str] = []
+    for name in ("run_parts", "run_blas_parts"):
+        real = getattr(attention_kernels, name)
+        monkeypatch.setattr(attention_kernels, name,
+                            lambda calls, real=real, name=name: (launched.append(name), real(calls))[1])
+    q, k, v = _qkv(np.random.default_rng(dv), 1, 4, 128, 128, 32, dv)
+    old = twophase.settings.num_threads
+    twophase.set_num_threads(2)
+    try:
+        with forced("materialized"):
+            r = run_checked(sdpa, q, k, v)
+    finally:
+        twophase.set_num_threads(old)
+    _check(r, reference(q, k, v))
+    assert launched and set(launched) == {"run_blas_parts" if blas else "run_parts"}

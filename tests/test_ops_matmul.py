@@ -319,6 +319,31 @@ def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(rng: np.rand
         assert np.isnan(c).all(), "the kernel wrote outside its block"
 
 
+@pytest.mark.skipif(not gemm.ymm_available(), reason="the 8-lane GEMM kernels need AVX2 and FMA")
+@pytest.mark.parametrize("k", [1, 21, 300])
+def test_8_lane_gemm_writes_exactly_its_block_for_every_column_count(rng: np.random.Generator, k: int) -> None:
+    """``gemm_f32_ymm`` (SDPA's head products without AVX-512) for every column count 8-41 (16- and 8-column
+    panels, the last 8-column panel overlapping for the remainders 1-7), rows off the 6-row block, a strided
+    ``a`` and ``b``'s rows padded with NaN that must never be read into ``c``; the block of a poisoned ``c`` is
+    written exactly, nothing around it; the stacked form agrees head by head."""
+    for n in range(8, 42):
+        for m in (1, 6, 13):
+            a = _rand(rng, (m, 2 * k))[:, ::2]
+            b_mem = np.full((k, n + 5), np.nan, np.float32)
+            b_mem[:, :n] = _rand(rng, (k, n))
+            b = b_mem[:, :n]
+            c = np.full((m + 2, n + 19), -7.0, np.float32)
+            gemm.gemm_f32_ymm(a, b, c[1:m + 1, 3:3 + n])
+            ref = a.astype(np.float64) @ b.astype(np.float64)
+            np.testing.assert_allclose(c[1:m + 1, 3:3 + n], ref, rtol=2e-5, atol=1e-4)
+            c[1:m + 1, 3:3 + n] = -7.0
+            assert (c == -7.0).all(), f"wrote outside the block at {n} columns"
+    a, b = _rand(rng, (2, 3, 11, k)), _rand(rng, (2, 3, k, 29))
+    c = np.full((2, 3, 11, 29), np.nan, np.float32)
+    gemm.gemm_f32_heads_ymm(a, b, c)
+    np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=2e-5, atol=1e-4)
+
+
 @numba.njit(nogil=True)
 def _tile_gemm(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int) -> None:
     gemm.gemm_tile(a.ctypes.data, a.strides[0] // 4, a.strides[1] // 4, b.ctypes.data, b.strides[0] // 4,

@@ -1,10 +1,11 @@
 """Scaled dot-product attention launches. Fully masked rows give 0, never NaN.
 
 * ``build_rows`` (materialized and tiled): per tile of whole score rows (a block of batch entries, of heads, or
-  of queries of one head), one batched BLAS call ``S = q @ k^T`` into the workspace, one fused numba pass over
-  the rows (scale, mask, max, exp, sum, normalize, in place) and one batched BLAS call ``out = P @ v``; a
-  large tile is cut into parts (batch entries, heads or query rows) run by helper threads, each part with its
-  own GEMMs and row pass; causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries, each with
+  of queries of one head), one batched GEMM ``S = q @ k^T`` into the workspace, one fused numba pass over
+  the rows (scale, mask, max, exp, sum, normalize, in place) and one batched GEMM ``out = P @ v`` (float32
+  heads by the register-blocked kernel, ``_products``, else BLAS); a large tile is cut into parts (batch
+  entries, heads or query rows) run by helper threads, each part with its own GEMMs and row pass (those that
+  call BLAS on one BLAS thread each); causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries, each with
   only the keys it can see (the masked half of the scores is never multiplied). The materialized form is the
   single tile holding every score.
 * ``build_online``: query tiles against key tiles with an online softmax (the workspace holds one tile only).
@@ -18,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ...runtime.fanout import fanout_parts, split_range, workspace_launcher
+from ...runtime.fanout import fanout_parts, run_parts, split_range, workspace_launcher
 from . import gemm, vmath
 from . import jit as _jit
 from .blas import run_blas_parts
@@ -108,21 +109,34 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
             row[j] = 0.0
 
 
-def _products(dtype: Any) -> Callable[[Any, Any, Any], None]:
-    """``out = a @ b`` for 4-D stacks of heads: the register-blocked float32 kernel (``gemm.gemm_f32_heads``,
-    12-17% faster than OpenBLAS per head from 128 x 128 x 64 on, equal at 128 x 128 x 32) where its rules hold,
-    else ``np.matmul``."""
-    if np.dtype(dtype) != np.float32 or not gemm.available():
-        return lambda a, b, out: np.matmul(a, b, out=out)
+Product = Callable[[Any, Any, Any], None]
+
+
+def _products(dtype: Any) -> tuple[Product, Callable[[Any, Any, Any], bool]]:
+    """``(product, by_kernel)``: ``product(a, b, out)`` is ``out = a @ b`` for 4-D stacks of heads, by the
+    register-blocked float32 kernel where ``by_kernel(a, b, out)`` (its rules hold), else ``np.matmul``. With
+    AVX-512, ``gemm.gemm_f32_heads`` (12-17% faster than OpenBLAS per head from 128 x 128 x 64 on, equal at 128 x
+    128 x 32); with AVX2 and FMA only, ``gemm.gemm_f32_heads_ymm`` (8-lane panels, from 8 columns; one thread, per
+    head: 18-19 against OpenBLAS's 22-23 us at 128 x 32 x 128 and 128 x 128 x 32, /tmp/w17/g8.py of the
+    seventeenth session)."""
+    if np.dtype(dtype) != np.float32 or not (gemm.available() or gemm.ymm_available()):
+        return (lambda a, b, out: np.matmul(a, b, out=out)), (lambda a, b, out: False)
     strided = any_layout(np.float32, 4)  # compiled once: it takes every layout
-    heads = entry(gemm.gemm_f32_heads, strided, strided, strided)
+    if gemm.available():
+        kernel, fits = gemm.gemm_f32_heads, gemm.columns_fit
+    else:
+        kernel, fits = gemm.gemm_f32_heads_ymm, lambda n: n >= gemm.YMM
+    heads = entry(kernel, strided, strided, strided)
+
+    def by_kernel(a: Any, b: Any, out: Any) -> bool:
+        return b.strides[-1] == 4 and out.strides[-1] == 4 and fits(out.shape[-1]) and a.shape[-1] > 0
 
     def product(a: Any, b: Any, out: Any) -> None:
-        if b.strides[-1] == 4 and out.strides[-1] == 4 and gemm.columns_fit(out.shape[-1]) and a.shape[-1]:
+        if by_kernel(a, b, out):
             heads(a, b, out)
         else:
             np.matmul(a, b, out=out)
-    return product
+    return product, by_kernel
 
 
 def _finfo(dtype: Any) -> tuple[float, float]:
@@ -177,7 +191,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     item = dt.itemsize
     parts = fanout_parts()
     strided = any_layout(dt, 4)  # the row pass is compiled for any score layout ('A')
-    mm = _products(dt)
+    mm, by_kernel = _products(dt)
     steps = []
     for b0 in range(0, nb, tb):
         for h0 in range(0, nh, th):
@@ -209,33 +223,35 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         n = shape[0] * shape[1] * shape[2] * shape[3]
         return ws[off:off + n * item].view(dt).reshape(shape)
 
-    def piece(qv: Any, ktp: Any, vt: Any, ov: Any, mv: Any, s: Any, qp: Any, op: Any, q0: int, chunk: int,
-              rows: Any, blocks: tuple[tuple[int, int, int], ...], packs: tuple[tuple[Any, Any], ...]) -> None:
-        """One part of a tile; ``rows``: the row pass compiled for this part's mask; ``blocks``: its query blocks
-        (``_blocks``); ``packs``: (workspace, source) copies of this part's own keys / values, made here so that
-        parts pack in parallel and GEMM from a warm cache."""
-        for dst, src in packs:
-            np.copyto(dst, src)
-        if qp is not None:
-            np.copyto(qp, qv)
-            qv = qp
+    def products(qv: Any, ktp: Any, vt: Any, s: Any, dst: Any, chunk: int,
+                 blocks: tuple[tuple[int, int, int], ...]) -> tuple[list[tuple[Any, Any, Any]], ...]:
+        """A part's GEMMs as (a, b, out) views: S = q @ k^T in key chunks, per query block; out = P @ v."""
         whole = len(blocks) == 1
+        first, second = [], []
         for a, b, kb in blocks:
             qa, sa = (qv, s) if whole else (qv[..., a:b, :], s[..., a:b, :])
-            for j0 in range(0, kb, chunk):
-                j1 = min(kb, j0 + chunk)
-                mm(qa, ktp[..., j0:j1], sa[..., j0:j1])
-        rows(s, mv, mkind, causal, q0, scale, lowest, tiny)
-        dst = ov if op is None else op
-        if whole:
-            mm(s, vt, dst)
-        else:
-            for a, b, kb in blocks:
-                mm(s[..., a:b, :kb], vt[..., :kb, :], dst[..., a:b, :])
-        if op is not None:
-            np.copyto(ov, op)
+            first += [(qa, ktp[..., j0:min(kb, j0 + chunk)], sa[..., j0:min(kb, j0 + chunk)])
+                      for j0 in range(0, kb, chunk)]
+            if not whole:
+                second.append((s[..., a:b, :kb], vt[..., :kb, :], dst[..., a:b, :]))
+        return first, [(s, vt, dst)] if whole else second
 
-    def bind(ws: Any) -> list[tuple[list[tuple[Any, Any]], list[Callable[[], None]]]]:
+    def piece(packs: tuple[tuple[Any, Any], ...], first: list[tuple[Any, Any, Any]], rows: Callable[[], None],
+              second: list[tuple[Any, Any, Any]], unpack: tuple[tuple[Any, Any], ...]) -> None:
+        """One part of a tile: ``packs``, (workspace, source) copies of its own keys / values (made here so that
+        parts pack in parallel and GEMM from a warm cache) and of q when packed; its score GEMMs; its row pass
+        (compiled for its mask); its output GEMMs; ``unpack``: the output copied out of the workspace."""
+        for dst, src in packs:
+            np.copyto(dst, src)
+        for a, b, o in first:
+            mm(a, b, o)
+        rows()
+        for a, b, o in second:
+            mm(a, b, o)
+        for dst, src in unpack:
+            np.copyto(dst, src)
+
+    def bind(ws: Any) -> list[tuple[list[tuple[Any, Any]], list[Callable[[], None]], bool]]:
         """Per tile: the k^T / v copies made before its parts, and its parts, on the workspace ``ws``."""
         ktp: Any = None
         vp: Any = None
@@ -261,19 +277,28 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
             # each part's GEMMs on one BLAS thread, all keys at once
             chunk = QK_CHUNK if len(plans) == 1 else kend
             calls: list[Callable[[], None]] = []
+            blas = False
             for lo, hi, pm, rows, pq0, blocks in plans:
                 pq, pk, pv, po, ps, pqp, pop = _part(axis, lo, hi, views)
                 own = tuple((_cut(dst, axis, lo, hi), _cut(src, axis, lo, hi)) for dst, src in packs)
-                calls.append(functools.partial(piece, pq, pk, pv, po, pm, ps, pqp, pop, pq0, chunk, rows, blocks,
-                                               own))
-            bound.append((before, calls))
+                if pqp is not None:
+                    own, pq = (*own, (pqp, pq)), pqp
+                first, second = products(pq, pk, pv, ps, po if pop is None else pop, chunk, blocks)
+                blas = blas or not all(by_kernel(*g) for g in first + second)
+                row_pass = functools.partial(rows, ps, pm, mkind, causal, pq0, scale, lowest, tiny)
+                calls.append(functools.partial(piece, own, first, row_pass, second,
+                                               () if pop is None else ((po, pop),)))
+            bound.append((before, calls, blas))
         return bound
 
-    def tiles(bound: list[tuple[list[tuple[Any, Any]], list[Callable[[], None]]]]) -> None:
-        for before, calls in bound:
+    def tiles(bound: list[tuple[list[tuple[Any, Any]], list[Callable[[], None]], bool]]) -> None:
+        for before, calls, blas in bound:
             for dst, src in before:
                 np.copyto(dst, src)
-            run_blas_parts(calls)
+            if blas:
+                run_blas_parts(calls)  # each part's GEMMs on one BLAS thread
+            else:
+                run_parts(calls)
     # bound again only when the workspace changes: binding costs ~60-90 us of Python
     return workspace_launcher(lambda ws: functools.partial(tiles, bind(ws)))
 
