@@ -183,6 +183,32 @@ def onnx_linears(model: Any, rows: int, threads: int = 0) -> Any:
     return ort.InferenceSession(onnx_model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
 
 
+def gemm_flops(cfg: Any, b: int, n: int) -> tuple[float, float]:
+    """Floating-point operations of one forward's GEMMs at batch ``b`` x ``n`` tokens: the 24 linears (q, k, v,
+    the attention output, the two feed-forward layers, per layer) and attention's two products per head."""
+    h, i, layers = cfg.hidden, cfg.intermediate, cfg.layers
+    linears = 2.0 * b * n * layers * (3 * h * h + h * h + 2 * h * i)
+    attention = 2.0 * 2 * b * cfg.heads * n * n * cfg.head_dim * layers
+    return linears, attention
+
+
+def best_gemm_rate(size: int = 1024, tries: int = 5) -> float:
+    """FLOP/s of this process's fastest float32 GEMM: numpy.matmul on ``size``-cubed operands, best of ``tries``
+    (numpy's OpenBLAS, its default threads): a practical ceiling for the GEMMs of a forward."""
+    rng = np.random.default_rng(0)
+    a, b = (rng.standard_normal((size, size)).astype(np.float32) for _ in range(2))
+    c = np.empty((size, size), np.float32)
+    np.matmul(a, b, out=c)
+    best = min(_timed(lambda: np.matmul(a, b, out=c)) for _ in range(tries))
+    return 2.0 * size**3 / best
+
+
+def _timed(fn: Callable[[], Any]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def linear_share(model: Any, b: int, n: int, rounds: int, threads: int = 0) -> dict[str, float]:
     """Median ms of the forward's 24 linears alone: twophase's ``linear`` executors on the model's own weights
     (one stream, one synchronize) and the same MatMul + Add nodes in ONNX Runtime, timed as the forwards are."""
@@ -340,13 +366,13 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
                 rows.append({"case": f"{b}x{n}", "impl": name, "ms": statistics.median(ts) * 1e3,
                              "p10": float(np.percentile(ts, 10)) * 1e3, "p90": float(np.percentile(ts, 90)) * 1e3,
                              "runs": len(ts)})
+            fwd = {r["impl"]: r["ms"] for r in rows if r["case"] == f"{b}x{n}"}
             from twophase.models.minilm import host_costs
             hc = host_costs(model, batch)
             notes.append(f"{b}x{n}: host cost per forward on the null device (no kernels): "
                          + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hc.items()))
             if ort is not None and importlib.util.find_spec("onnx") and "twophase graph replay" in fns:
                 lin = linear_share(model, b, n, rounds, ort_threads)
-                fwd = {r["impl"]: r["ms"] for r in rows if r["case"] == f"{b}x{n}"}
                 ours_l, ort_l = lin["twophase"], lin["ONNX Runtime"]
                 rest = fwd["twophase graph replay"] - ours_l, fwd["ONNX Runtime"] - ort_l
                 notes.append(f"{b}x{n}: the forward's 24 linears alone (x @ W + b, MiniLM's weights, timed as the "
@@ -357,6 +383,15 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0) -> dict[str, Any]:
                                  f"{rest[1]:.2f} ms" if min(rest) > 0 else
                                  "; (forward minus linears is negative here: the two were timed under different "
                                  "load, not separable in this run)"))
+            if "torch eager" in fwd:
+                lin_f, att_f = gemm_flops(cfg, b, n)
+                rate = best_gemm_rate()
+                floor = (lin_f + att_f) / rate * 1e3
+                notes.append(f"{b}x{n}: GEMM work per forward {(lin_f + att_f) / 1e9:.2f} GFLOP (linears "
+                             f"{lin_f / 1e9:.2f}, attention products {att_f / 1e9:.2f}); at this process's best "
+                             f"float32 GEMM rate ({rate / 1e9:.0f} GFLOP/s: numpy.matmul 1024^3, best of 5) they "
+                             f"alone take {floor:.1f} ms = {floor / fwd['torch eager']:.2f}x torch eager's median "
+                             "forward (a floor for any forward on this BLAS; the torch target is 0.7x)")
             if "twophase graph replay" in fns:
                 g = model.graph(batch).graph
                 gm = g.memory

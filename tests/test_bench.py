@@ -92,3 +92,17 @@ def test_ops1_torch_out_variants_equal_the_functional_forms() -> None:
         got = torch.empty_like(want)
         out_variant(t, got)
         assert torch.equal(got, want), name
+
+
+def test_minilm_gemm_floor_counts_every_linear_weight_and_both_attention_products() -> None:
+    """The GEMM work the MiniLM report's floor line divides by the best GEMM rate: 2 x tokens x the weights of
+    the 6 layers' linears (counted from their shapes here), plus q @ k^T and P @ v of every head."""
+    from types import SimpleNamespace
+
+    from bench.bench_minilm import best_gemm_rate, gemm_flops
+    cfg = SimpleNamespace(hidden=384, intermediate=1536, layers=6, heads=12, head_dim=32)
+    weights = [(3 * 384, 384), (384, 384), (1536, 384), (384, 1536)] * 6
+    linears, attention = gemm_flops(cfg, 8, 128)
+    assert linears == 2 * 8 * 128 * sum(o * i for o, i in weights)
+    assert attention == 6 * 2 * (2 * 8 * 12 * 128 * 128 * 32)
+    assert np.isfinite(best_gemm_rate(size=64, tries=2))  # a rate, whatever this machine's speed
