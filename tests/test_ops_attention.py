@@ -311,14 +311,19 @@ def test_row_pass_refuses_score_blocks_that_are_not_dense() -> None:
                           float(fi.tiny))
 
 
-@pytest.mark.usefixtures("microkernel")
 @pytest.mark.parametrize("mask", ["none", "causal", "bool"])
 @pytest.mark.parametrize("layout", ["dense", "strided"])
-@pytest.mark.parametrize("dv", [32, 47, 64])
-def test_sdpa_head_products_by_the_microkernel(monkeypatch: pytest.MonkeyPatch, mask: str, layout: str,
-                                               dv: int) -> None:
-    """float32 heads whose key count and value width suit the register-blocked kernel: S = q @ k^T (k^T packed)
-    and out = P @ v run through it (causal blocks of 32 / 64 keys too, 70 by np.matmul), in every form."""
+@pytest.mark.parametrize("kernel, dv", [("16-lane", 32), ("16-lane", 47), ("16-lane", 64), ("8-lane", 8),
+                                        ("8-lane", 13), ("8-lane", 32), ("8-lane", 47)])
+def test_sdpa_head_products_by_the_register_blocked_kernels(request: pytest.FixtureRequest,
+                                                             monkeypatch: pytest.MonkeyPatch, mask: str, layout: str,
+                                                             kernel: str, dv: int) -> None:
+    """float32 heads whose key count and value width suit a register-blocked kernel: S = q @ k^T (k^T packed)
+    and out = P @ v run through it, in every form. The 16-lane kernel (AVX-512; forced with AVX2 by the
+    ``microkernel`` fixture): causal blocks of 32 / 64 keys too, 70 by np.matmul. The 8-lane one (AVX2 without
+    AVX-512, ``ymm_heads``): 16- and 8-column panels, a last overlapping 8-column one for 13, 47 and 90 keys; a
+    causal block of fewer than 8 keys goes to np.matmul."""
+    request.getfixturevalue("microkernel" if kernel == "16-lane" else "ymm_heads")
     used: list[Any] = []
     real = attention_kernels.entry
 
@@ -335,35 +340,10 @@ def test_sdpa_head_products_by_the_microkernel(monkeypatch: pytest.MonkeyPatch, 
             r = run_checked(sdpa, on_device(q, layout), k, on_device(v, layout), m, is_causal=mask == "causal",
                             workspace_limit=limit)
         _check(r, ref)
-    assert gemm.gemm_f32_heads in used
-
-
-@pytest.mark.usefixtures("ymm_heads")
-@pytest.mark.parametrize("mask", ["none", "causal", "bool"])
-@pytest.mark.parametrize("layout", ["dense", "strided"])
-@pytest.mark.parametrize("dv", [8, 13, 32, 47])
-def test_sdpa_head_products_by_the_8_lane_kernel(monkeypatch: pytest.MonkeyPatch, mask: str, layout: str,
-                                                 dv: int) -> None:
-    """Without AVX-512: S = q @ k^T and out = P @ v by the 8-lane kernel (16- and 8-column panels, a last
-    overlapping 8-column one for 13, 47 and 90 keys), in every form; a causal block of fewer than 8 keys goes to
-    np.matmul."""
-    used: list[Any] = []
-    real = attention_kernels.entry
-
-    def spy(kernel: Any, *args: Any) -> Any:
-        used.append(kernel)
-        return real(kernel, *args)
-    monkeypatch.setattr(attention_kernels, "entry", spy)
-    rng = np.random.default_rng(dv + 1)
-    q, k, v = _qkv(rng, 2, 3, 70, 90, 40, dv)
-    m = rng.random((2, 1, 70, 90)) < 0.7 if mask == "bool" else None
-    ref = reference(q, k, v, m, is_causal=mask == "causal")
-    for impl, limit in (("materialized", None), ("tiled", None), ("tiled", 40_000)):
-        with forced(impl):
-            r = run_checked(sdpa, on_device(q, layout), k, on_device(v, layout), m, is_causal=mask == "causal",
-                            workspace_limit=limit)
-        _check(r, ref)
-    assert gemm.gemm_f32_heads_ymm in used and gemm.gemm_f32_heads not in used
+    want, other = gemm.gemm_f32_heads, gemm.gemm_f32_heads_ymm
+    if kernel == "8-lane":
+        want, other = other, want
+    assert want in used and other not in used
 
 
 @pytest.mark.usefixtures("ymm_heads")
