@@ -5,6 +5,7 @@ from __future__ import annotations
 import atexit
 import logging
 import sys
+import weakref
 from typing import Any
 
 from .config import settings
@@ -40,4 +41,24 @@ def leak_report() -> list[str]:
     return lines
 
 
-atexit.register(leak_report)
+_closed_at_exit: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def close_at_exit(owner: Any) -> None:
+    """Have ``owner.close()`` run at interpreter exit, before the leak report, if ``owner`` is still alive then.
+    For the library's own objects that hold repeatable executors on the user's behalf (a MiniLM's cached programs
+    and graphs): left open, they release them as a file closes, rather than filling the report with executors the
+    user never made. A close that fails (a model of another thread) is logged, and its executors are reported."""
+    _closed_at_exit.add(owner)
+
+
+def _at_exit() -> None:
+    for owner in list(_closed_at_exit):
+        try:
+            owner.close()
+        except Exception as e:  # noqa: BLE001 - at exit: say what could not be closed, then report its leaks
+            logger.warning("could not close %s at exit: %s", type(owner).__name__, e)
+    leak_report()
+
+
+atexit.register(_at_exit)

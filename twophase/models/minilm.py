@@ -26,6 +26,7 @@ import numpy as np
 
 import twophase as tp
 from twophase.config import settings
+from twophase.logger import close_at_exit
 from twophase.op import planning_flags, registry
 from twophase.ops.checks import as_int
 from twophase.runtime.device import Device
@@ -512,6 +513,7 @@ class MiniLM:
         self.graphs: OrderedDict[tuple[tuple[int, int], Any], CapturedForward] = OrderedDict()
         self._deferred: list[Tensor] = []
         self._thread = threading.get_ident()
+        close_at_exit(self)  # still open at exit: closed then, not listed as leaked executors
 
     def _upload(self, raw: dict[str, np.ndarray[Any, Any]]) -> _Weights:
         cfg, s, dev = self.config, self.stream, self.dev
