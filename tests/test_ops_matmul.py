@@ -342,6 +342,10 @@ def test_8_lane_gemm_writes_exactly_its_block_for_every_column_count(rng: np.ran
     c = np.full((2, 3, 11, 29), np.nan, np.float32)
     gemm.gemm_f32_heads_ymm(a, b, c)
     np.testing.assert_allclose(c, a.astype(np.float64) @ b.astype(np.float64), rtol=2e-5, atol=1e-4)
+    c = np.full((3, 7), -7.0, np.float32)
+    with pytest.raises(ValueError, match="fewer than 8 columns"):  # its last panel would start before column 0
+        gemm.gemm_f32_ymm(_rand(rng, (3, k)), _rand(rng, (k, 7)), c)
+    assert (c == -7.0).all()
 
 
 @numba.njit(nogil=True)

@@ -5,9 +5,9 @@
   the rows (scale, mask, max, exp, sum, normalize, in place) and one batched GEMM ``out = P @ v`` (float32
   heads by the register-blocked kernel, ``_products``, else BLAS); a large tile is cut into parts (batch
   entries, heads or query rows) run by helper threads, each part with its own GEMMs and row pass (those that
-  call BLAS on one BLAS thread each); causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries, each with
-  only the keys it can see (the masked half of the scores is never multiplied). The materialized form is the
-  single tile holding every score.
+  call BLAS on one BLAS thread each); causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries,
+  each with only the keys it can see (the masked half of the scores is never multiplied). The materialized form
+  is the single tile holding every score.
 * ``build_online``: query tiles against key tiles with an online softmax (the workspace holds one tile only).
 """
 
