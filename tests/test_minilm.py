@@ -325,6 +325,22 @@ def test_a_model_left_open_is_closed_at_exit_and_a_users_own_leak_is_still_repor
 
 @needs_model
 @needs_ops
+def test_a_model_whose_stream_is_still_busy_at_exit_is_left_open_and_exit_does_not_hang() -> None:
+    """Closing waits for the model's stream: with a task on it that never ends, exit skips the close (one warning)
+    and reports the model's executors, rather than hanging."""
+    script = ("import threading\n"
+              "from twophase.models.minilm import MiniLM\n"
+              "m = MiniLM()\n"
+              "m.encode(['a sentence'])\n"
+              "m.stream.launch_callback(threading.Event().wait)\n")
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "MiniLM left open with work still queued at exit: not closed" in r.stderr
+    assert any("leaked op" in ln for ln in r.stderr.splitlines())
+
+
+@needs_model
+@needs_ops
 def test_close_frees_the_weights_and_the_stream_and_bad_arguments_are_refused() -> None:
     dev = tp.device("cpu")
     dev.synchronize()

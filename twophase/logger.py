@@ -48,16 +48,22 @@ def close_at_exit(owner: Any) -> None:
     """Have ``owner.close()`` run at interpreter exit, before the leak report, if ``owner`` is still alive then.
     For the library's own objects that hold repeatable executors on the user's behalf (a MiniLM's cached programs
     and graphs): left open, they release them as a file closes, rather than filling the report with executors the
-    user never made. A close that fails (a model of another thread) is logged, and its executors are reported."""
+    user never made. ``owner.busy()`` says whether work of its is still queued: then it is not closed (closing
+    would wait for that work, and exit must not hang on it). A close that is skipped or fails (a model of another
+    thread) is logged, and its executors are reported."""
     _closed_at_exit.add(owner)
 
 
 def _at_exit() -> None:
     for owner in list(_closed_at_exit):
+        name = type(owner).__name__
         try:
+            if owner.busy():
+                logger.warning("%s left open with work still queued at exit: not closed", name)
+                continue
             owner.close()
         except Exception as e:  # noqa: BLE001 - at exit: say what could not be closed, then report its leaks
-            logger.warning("could not close %s at exit: %s", type(owner).__name__, e)
+            logger.warning("could not close %s at exit: %s", name, e)
     leak_report()
 
 

@@ -692,6 +692,10 @@ class MiniLM:
             outs.append(self.run(batch, mode))
         return np.concatenate(outs) if outs else np.zeros((0, self.config.hidden), np.float32)
 
+    def busy(self) -> bool:
+        """Whether work the model enqueued has not completed yet (what ``close`` would wait for)."""
+        return not self.closed and not self.stream.query()
+
     def close(self) -> None:
         """Release every cached program (executors, workspaces, buffers), the weights and the model's own stream;
         a second call does nothing."""
