@@ -304,23 +304,26 @@ def test_bench_report_tables_and_plots(tmp_path: Path, monkeypatch: Any) -> None
     assert (tmp_path / "fake_bench_mod_0.png").stat().st_size > 1000 and "fake_bench_mod_0.png" in text
 
 
+def _exit_of(*lines: str) -> tuple[str, list[str]]:
+    """Run a script that makes a MiniLM (``m``) and then ``lines``, never closing it; its stdout and the leak
+    lines of its stderr, once it has exited (within 120 s) with status 0."""
+    script = "\n".join(("import threading", "import numpy as np, twophase as tp",
+                         "from twophase.models.minilm import MiniLM", "m = MiniLM()", *lines))
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    return r.stdout + r.stderr, [ln for ln in r.stderr.splitlines() if "leaked" in ln]
+
+
 @needs_model
 @needs_ops
 def test_a_model_left_open_is_closed_at_exit_and_a_users_own_leak_is_still_reported() -> None:
     """A script that encodes and never closes its MiniLM: its ~70 cached executors are released at exit, not
     listed as leaks; an executor the script itself planned and never closed still is."""
-    script = ("import numpy as np, twophase as tp\n"
-              "from twophase.models.minilm import MiniLM\n"
-              "m = MiniLM()\n"
-              "print(m.encode(['a sentence', 'another one']).shape)\n"
-              "x = tp.device('cpu').tensor(np.ones(4, np.float32))\n"
-              "mine = tp.plan('add', x, x)\n"
-              "mine()\n")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    assert "(2, 384)" in r.stdout
-    leaks = [ln for ln in r.stderr.splitlines() if "leaked" in ln]
-    assert len(leaks) == 1 and "leaked op 'add'" in leaks[0], r.stderr
+    out, leaks = _exit_of("print(m.encode(['a sentence', 'another one']).shape)",
+                          "x = tp.device('cpu').tensor(np.ones(4, np.float32))", "mine = tp.plan('add', x, x)",
+                          "mine()")
+    assert "(2, 384)" in out
+    assert len(leaks) == 1 and "leaked op 'add'" in leaks[0], out
 
 
 @needs_model
@@ -328,15 +331,9 @@ def test_a_model_left_open_is_closed_at_exit_and_a_users_own_leak_is_still_repor
 def test_a_model_whose_stream_is_still_busy_at_exit_is_left_open_and_exit_does_not_hang() -> None:
     """Closing waits for the model's stream: with a task on it that never ends, exit skips the close (one warning)
     and reports the model's executors, rather than hanging."""
-    script = ("import threading\n"
-              "from twophase.models.minilm import MiniLM\n"
-              "m = MiniLM()\n"
-              "m.encode(['a sentence'])\n"
-              "m.stream.launch_callback(threading.Event().wait)\n")
-    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0, r.stderr
-    assert "MiniLM left open with work still queued at exit: not closed" in r.stderr
-    assert any("leaked op" in ln for ln in r.stderr.splitlines())
+    out, leaks = _exit_of("m.encode(['a sentence'])", "m.stream.launch_callback(threading.Event().wait)")
+    assert "MiniLM left open with work still queued at exit: not closed" in out
+    assert leaks and all("leaked op" in ln for ln in leaks)
 
 
 @needs_model
