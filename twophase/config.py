@@ -36,6 +36,12 @@ def _flag(value: object, op: str, arg: str) -> bool:
     raise _bad(op, arg, "one of 1/0/true/false/yes/no/on/off" if op == _ENV else "a bool", value)
 
 
+def int_value(v: object) -> int | None:
+    """``v`` as an int when it is an integer, Python's or numpy's, and not a bool; else None (2.7 must not become
+    2, nor True 1)."""
+    return int(v) if isinstance(v, numbers.Integral) and not isinstance(v, bool) else None
+
+
 def _count(value: object, op: str, arg: str, expected: str, most: int | None = None) -> int:
     """An int >= 0 (at most ``most``; bools and floats refused: 2.7 must not become 2); from the environment a
     base-10 integer."""
@@ -44,9 +50,10 @@ def _count(value: object, op: str, arg: str, expected: str, most: int | None = N
         if not (value.isascii() and value.isdigit()):  # int() would also take '+3' and '1_000'
             raise _bad(op, arg, expected, value)
         v = int(value, 10)
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 0 or (most is not None and int(v) > most):
+    n = int_value(v)
+    if n is None or n < 0 or (most is not None and n > most):
         raise _bad(op, arg, expected, value)
-    return int(v)
+    return n
 
 
 def _cache_limit(value: object, op: str, arg: str) -> int:
@@ -81,9 +88,10 @@ def _log_level(value: object, op: str, arg: str) -> str | int:
         v = int(value)
     if isinstance(v, str) and v.upper() in names:
         return v.upper()
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool) and int(v) >= 0:
-        name = logging.getLevelName(int(v))
-        return name if name in names else int(v)
+    n = int_value(v)
+    if n is not None and n >= 0:
+        name = logging.getLevelName(n)
+        return name if name in names else n
     raise _bad(op, arg, f"a level name ({', '.join(names)}) or an int >= 0", value)
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import enum
 import itertools
-import numbers
 import os
 import sys
 import threading
@@ -12,6 +11,7 @@ import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from .config import int_value
 from .errors import InvalidStateError, ParamError
 from .tensor import Tensor, TensorDesc
 
@@ -203,7 +203,7 @@ class Executor:
     def _bind(self, index: int, tensor: Tensor, descs: tuple[TensorDesc | None, ...], base: int,
               kind: str) -> None:
         self._check_ready(f"set_{kind}")
-        if isinstance(index, bool) or not isinstance(index, numbers.Integral) or not 0 <= index < len(descs):
+        if int_value(index) is None or not 0 <= index < len(descs):
             raise ParamError(op=self.op.name, arg=f"{kind} index", expected=f"0..{len(descs) - 1}", got=index)
         if not isinstance(tensor, Tensor):
             raise ParamError(op=self.op.name, arg=f"{kind} {index}", expected="a Tensor", got=type(tensor).__name__)

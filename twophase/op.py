@@ -333,14 +333,13 @@ class Op:
                 raise InvalidStateError("tensor's block was freed", op=self.name, arg="operand", got=t.desc)
             operands.append((t.block.segment.address + t.block.offset, t.desc))
         key = (id(ex.plan), dev.kind, tuple(operands))
-        memo = self._launches  # shared by every thread that runs the op: its LRU moves under a lock (another
-        hit = memo.get(key)  # thread's eviction between the get and the move was a KeyError)
+        memo = self._launches  # shared by every thread that runs the op (each OrderedDict call is atomic)
+        hit = memo.get(key)
         if hit is not None:
-            with self._launch_lock:
-                try:
-                    memo.move_to_end(key)
-                except KeyError:  # evicted meanwhile: the launch is still good
-                    pass
+            try:
+                memo.move_to_end(key)
+            except KeyError:  # another thread evicted it between the get and the move: the launch is still good
+                pass
             return hit[1]
         n = len(ex.input_descs)
         views = [t.view() if t is not None else None for t in ex._tensors]
@@ -352,7 +351,7 @@ class Op:
         if self.spec.aliases != "any":
             self._check_overlap(views, n)
         launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
-        with self._launch_lock:
+        with self._launch_lock:  # the length check and the evictions together
             memo[key] = (ex.plan, launch)  # the plan is kept so that its id stays unique
             while len(memo) > LAUNCH_MEMO:
                 memo.popitem(last=False)

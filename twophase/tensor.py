@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .config import int_value
 from .errors import InvalidStateError, ParamError
 
 if TYPE_CHECKING:
@@ -324,7 +325,7 @@ class Tensor:
         """A view with dims ``a`` and ``b`` swapped (no copy)."""
         n = self.desc.ndim
         for name, d in (("a", a), ("b", b)):
-            if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or not -n <= d < n:
+            if int_value(d) is None or not -n <= d < n:
                 raise ParamError(op="Tensor.transpose", arg=name, expected=f"a dim in [{-n}, {n}) of a {n}-d tensor",
                                  got=d)
         shape, strides = list(self.desc.shape), list(self.desc.strides)

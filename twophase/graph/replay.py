@@ -11,6 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..config import int_value
 from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError
 from ..executor import Executor
 from ..runtime.device import NO_WORKSPACE
@@ -343,8 +344,7 @@ class Graph:
                                     expected="a finished capture (instantiate once)", got=self._state)
         if threading.get_ident() != self._thread:
             raise InvalidStateError(f"{self} belongs to another thread", op="Graph.instantiate", arg="graph")
-        if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment < 1 or \
-                alignment & (alignment - 1):
+        if int_value(alignment) is None or alignment < 1 or alignment & (alignment - 1):
             raise ParamError(op="Graph.instantiate", arg="alignment", expected="a power of two (bytes)",
                              got=alignment)
         nodes = self._nodes

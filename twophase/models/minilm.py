@@ -377,23 +377,21 @@ class Program:
 
     def bind(self, batch: Batch) -> None:
         """Copy a batch in and rebind the executors that read the model inputs (same descs: no re-planning)."""
-        batch = self.model._check_batch(batch)
-        if batch.shape != self.shape:
-            raise tp.ParamError(f"program planned for {self.shape}, got a batch of {batch.shape}", op="MiniLM",
-                                arg="batch", expected=f"a batch of shape {self.shape}", got=batch.shape)
+        batch = self.model._check_batch(batch, self.shape, "program planned")
         old, ins = self._inputs, self.model._upload_batch(batch)
         try:
-            for ci, ii, which in self.bindings:
-                ex = self.calls[ci].executor
-                ex.set_input(ii, _view(ins[which], ex.input_descs[ii].shape))  # type: ignore[union-attr]
+            self._rebind(ins)
         except BaseException:  # a refused binding (ids of another dtype): the executors keep the old inputs
-            for ci, ii, which in self.bindings:
-                ex = self.calls[ci].executor
-                ex.set_input(ii, _view(old[which], ex.input_descs[ii].shape))  # type: ignore[union-attr]
+            self._rebind(old)
             self.model.defer_free(*ins)
             raise
         self.model.defer_free(*old)
         self._inputs = ins
+
+    def _rebind(self, ins: tuple[Tensor, Tensor, Tensor]) -> None:
+        for ci, ii, which in self.bindings:
+            ex = self.calls[ci].executor
+            ex.set_input(ii, _view(ins[which], ex.input_descs[ii].shape))  # type: ignore[union-attr]
 
     def __call__(self, batch: Batch | None = None) -> Tensor:
         """Phase 2 of every executor in order (after binding ``batch``); returns the (batch, hidden) output."""
@@ -455,10 +453,7 @@ class CapturedForward:
 
     def __call__(self, batch: Batch) -> Tensor:
         """Upload ``batch``, replay the graph with the inputs rebound; returns the (batch, hidden) output."""
-        batch = self.model._check_batch(batch)
-        if batch.shape != self.shape:
-            raise tp.ParamError(f"graph captured for {self.shape}, got a batch of {batch.shape}", op="MiniLM",
-                                arg="batch", expected=f"a batch of shape {self.shape}", got=batch.shape)
+        batch = self.model._check_batch(batch, self.shape, "graph captured")
         ins = self.model._upload_batch(batch)
         try:
             out = self.graph.replay(self.model.stream, **dict(zip(INPUTS, ins)))["emb"]
@@ -577,10 +572,14 @@ class MiniLM:
                                          "positions)", got=f"rows padded to {batch.shape[1]}")
         return batch
 
-    def _check_batch(self, batch: object) -> Batch:
+    def _check_batch(self, batch: object, shape: tuple[int, int] | None = None, what: str = "") -> Batch:
+        """``batch`` if it is a Batch (of ``shape``, when given: what ``what`` was made for), else ParamError."""
         if not isinstance(batch, Batch):
             raise tp.ParamError(op="MiniLM", arg="batch", expected="a Batch (MiniLM.tokenize)",
                                 got=type(batch).__name__)
+        if shape is not None and batch.shape != shape:
+            raise tp.ParamError(f"{what} for {shape}, got a batch of {batch.shape}", op="MiniLM", arg="batch",
+                                expected=f"a batch of shape {shape}", got=batch.shape)
         return batch
 
     def _upload_batch(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:

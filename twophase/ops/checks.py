@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from ..config import int_value
 from ..errors import ParamError
 from ..tensor import DType, TensorDesc
 
@@ -25,9 +26,10 @@ def _expects(text: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]
 
 @_expects("an int")
 def as_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+    n = int_value(v)
+    if n is None:
         raise TypeError(v)
-    return int(v)
+    return n
 
 
 @_expects("a real number")
@@ -65,8 +67,9 @@ def as_bool(v: Any) -> bool:
 
 @_expects("an int or a sequence of ints")
 def as_dims(v: Any) -> tuple[int, ...]:
-    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
-        return (int(v),)
+    n = int_value(v)
+    if n is not None:
+        return (n,)
     if isinstance(v, (str, bytes)) or not isinstance(v, Iterable):
         raise TypeError(v)
     return tuple(as_int(x) for x in v)

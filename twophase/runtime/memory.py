@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import bisect
 import logging
-import numbers
 import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from ..config import check_byte_limit
+from ..config import check_byte_limit, int_value
 from ..errors import InvalidStateError, OutOfMemoryError, ParamError
 from ..layout import align
 from .stream import Stream, check_stream
@@ -230,9 +229,10 @@ class MemoryPool:
     def malloc(self, nbytes: int, stream: Stream | None = None, policy: str = "huge_first") -> Block:
         """A block of at least ``nbytes`` (512-byte aligned); reuses cached memory that is ready for ``stream``."""
         if type(nbytes) is not int:  # the common case first: an ABC isinstance costs ~0.3 us a call
-            if not isinstance(nbytes, numbers.Integral) or isinstance(nbytes, bool):
+            n = int_value(nbytes)  # numpy ints too, as every other byte count the library takes
+            if n is None:
                 raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
-            nbytes = int(nbytes)  # numpy ints too, as every other byte count the library takes
+            nbytes = n
         if nbytes < 0:
             raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
         if policy not in POLICIES:

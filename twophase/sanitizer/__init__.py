@@ -105,7 +105,7 @@ def report(since: int = 0, warn: bool = True, raise_on_leak: bool = False) -> li
     Each leak is warned as a :class:`LeakWarning` (``warn=False`` to only return them); with ``raise_on_leak`` a
     :class:`SanitizerError` lists them all.
     """
-    if isinstance(since, bool) or not isinstance(since, int):
+    if config.int_value(since) is None:
         raise ParamError(op="sanitizer.report", arg="since", expected="an int (a mark())", got=since)
     for name, flag in (("warn", warn), ("raise_on_leak", raise_on_leak)):
         if not isinstance(flag, bool):

@@ -112,31 +112,30 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
 Product = Callable[[Any, Any, Any], None]
 
 
-def _products(dtype: Any) -> tuple[Product, Callable[[Any, Any, Any], bool]]:
-    """``(product, by_kernel)``: ``product(a, b, out)`` is ``out = a @ b`` for 4-D stacks of heads, by the
-    register-blocked float32 kernel where ``by_kernel(a, b, out)`` (its rules hold), else ``np.matmul``. With
-    AVX-512, ``gemm.gemm_f32_heads`` (12-17% faster than OpenBLAS per head from 128 x 128 x 64 on, equal at 128 x
-    128 x 32); with AVX2 and FMA only, ``gemm.gemm_f32_heads_ymm`` (8-lane panels, from 8 columns; one thread, per
-    head: 18-19 against OpenBLAS's 22-23 us at 128 x 32 x 128 and 128 x 128 x 32, /tmp/w17/g8.py of the
-    seventeenth session)."""
+def _blas_product(a: Any, b: Any, out: Any) -> None:
+    np.matmul(a, b, out=out)
+
+
+def _products(dtype: Any) -> Callable[[Any, Any, Any], Product]:
+    """``pick(a, b, out)``: the function that computes ``out = a @ b`` for these 4-D stacks of heads, chosen once
+    when a launch binds its views: the register-blocked float32 kernel where its rules hold, else
+    ``_blas_product`` (np.matmul). With AVX-512, ``gemm.gemm_f32_heads`` (12-17% faster than OpenBLAS per head
+    from 128 x 128 x 64 on, equal at 128 x 128 x 32); with AVX2 and FMA only, ``gemm.gemm_f32_heads_ymm`` (8-lane
+    panels, from 8 columns; one thread, per head: 18-19 against OpenBLAS's 22-23 us at 128 x 32 x 128 and 128 x
+    128 x 32, /tmp/w17/g8.py of the seventeenth session)."""
     if np.dtype(dtype) != np.float32 or not (gemm.available() or gemm.ymm_available()):
-        return (lambda a, b, out: np.matmul(a, b, out=out)), (lambda a, b, out: False)
+        return lambda a, b, out: _blas_product
     strided = any_layout(np.float32, 4)  # compiled once: it takes every layout
     if gemm.available():
         kernel, fits = gemm.gemm_f32_heads, gemm.columns_fit
     else:
         kernel, fits = gemm.gemm_f32_heads_ymm, lambda n: n >= gemm.YMM
-    heads = entry(kernel, strided, strided, strided)
+    heads: Product = entry(kernel, strided, strided, strided)
 
-    def by_kernel(a: Any, b: Any, out: Any) -> bool:
-        return b.strides[-1] == 4 and out.strides[-1] == 4 and fits(out.shape[-1]) and a.shape[-1] > 0
-
-    def product(a: Any, b: Any, out: Any) -> None:
-        if by_kernel(a, b, out):
-            heads(a, b, out)
-        else:
-            np.matmul(a, b, out=out)
-    return product, by_kernel
+    def pick(a: Any, b: Any, out: Any) -> Product:
+        by_kernel = b.strides[-1] == 4 and out.strides[-1] == 4 and fits(out.shape[-1]) and a.shape[-1] > 0
+        return heads if by_kernel else _blas_product
+    return pick
 
 
 def _finfo(dtype: Any) -> tuple[float, float]:
@@ -191,7 +190,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     item = dt.itemsize
     parts = fanout_parts()
     strided = any_layout(dt, 4)  # the row pass is compiled for any score layout ('A')
-    mm, by_kernel = _products(dt)
+    pick = _products(dt)
     steps = []
     for b0 in range(0, nb, tb):
         for h0 in range(0, nh, th):
@@ -225,7 +224,8 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
 
     def products(qv: Any, ktp: Any, vt: Any, s: Any, dst: Any, chunk: int,
                  blocks: tuple[tuple[int, int, int], ...]) -> tuple[list[tuple[Any, Any, Any]], ...]:
-        """A part's GEMMs as (a, b, out) views: S = q @ k^T in key chunks, per query block; out = P @ v."""
+        """A part's GEMMs as (a, b, out) views: S = q @ k^T in key chunks, per query block; out = P @ v (each
+        given its function by ``pick`` when bound)."""
         whole = len(blocks) == 1
         first, second = [], []
         for a, b, kb in blocks:
@@ -236,18 +236,19 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 second.append((s[..., a:b, :kb], vt[..., :kb, :], dst[..., a:b, :]))
         return first, [(s, vt, dst)] if whole else second
 
-    def piece(packs: tuple[tuple[Any, Any], ...], first: list[tuple[Any, Any, Any]], rows: Callable[[], None],
-              second: list[tuple[Any, Any, Any]], unpack: tuple[tuple[Any, Any], ...]) -> None:
+    def piece(packs: tuple[tuple[Any, Any], ...], first: list[tuple[Product, Any, Any, Any]],
+              rows: Callable[[], None], second: list[tuple[Product, Any, Any, Any]],
+              unpack: tuple[tuple[Any, Any], ...]) -> None:
         """One part of a tile: ``packs``, (workspace, source) copies of its own keys / values (made here so that
         parts pack in parallel and GEMM from a warm cache) and of q when packed; its score GEMMs; its row pass
         (compiled for its mask); its output GEMMs; ``unpack``: the output copied out of the workspace."""
         for dst, src in packs:
             np.copyto(dst, src)
-        for a, b, o in first:
-            mm(a, b, o)
+        for f, a, b, o in first:
+            f(a, b, o)
         rows()
-        for a, b, o in second:
-            mm(a, b, o)
+        for f, a, b, o in second:
+            f(a, b, o)
         for dst, src in unpack:
             np.copyto(dst, src)
 
@@ -283,8 +284,9 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 own = tuple((_cut(dst, axis, lo, hi), _cut(src, axis, lo, hi)) for dst, src in packs)
                 if pqp is not None:
                     own, pq = (*own, (pqp, pq)), pqp
-                first, second = products(pq, pk, pv, ps, po if pop is None else pop, chunk, blocks)
-                blas = blas or not all(by_kernel(*g) for g in first + second)
+                first, second = ([(pick(*g), *g) for g in gs]
+                                 for gs in products(pq, pk, pv, ps, po if pop is None else pop, chunk, blocks))
+                blas = blas or any(g[0] is _blas_product for g in first + second)
                 row_pass = functools.partial(rows, ps, pm, mkind, causal, pq0, scale, lowest, tiny)
                 calls.append(functools.partial(piece, own, first, row_pass, second,
                                                () if pop is None else ((po, pop),)))
