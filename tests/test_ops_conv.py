@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -12,8 +14,10 @@ from threads import num_threads
 
 from twophase import Format, device
 from twophase.errors import ParamError
+from twophase.kernels.cpu.conv import parts_areas, parts_units
 from twophase.kernels.cpu.conv_tiles import available as tiles_available
 from twophase.layout import align, spread_stride
+from twophase.ops import conv as conv_op
 from twophase.ops import conv2d
 from twophase.ops.conv import TILE_K, reference, tile_rows, tiles_grid
 from twophase.ops.selection import forced
@@ -44,6 +48,22 @@ def _run(impl: str, x: Any, w: Any, b: Any, limit: int | None = None, **attrs: A
         return run_checked(conv2d, x, w, b, workspace_limit=limit, **attrs)
 
 
+def _case(seed: int, n: int, cg: int, ocg: int, groups: int, h: int, w: int, k: tuple[int, int],
+          stride: tuple[int, int], pad: tuple[int, int], dil: tuple[int, int], bias: bool,
+          nhwc: bool) -> tuple[Any, Any, Any, dict[str, Any], np.ndarray] | None:
+    """A random convolution (input, weight, bias, attributes) and its reference output; None when the window
+    does not fit the padded input."""
+    rng = np.random.default_rng(seed)
+    c, oc = cg * groups, ocg * groups
+    if (h + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) < 0 or (w + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) < 0:
+        return None
+    x = _x(rng, (n, c, h, w), nhwc)
+    wt = (rng.standard_normal((oc, cg) + k) + 0.1).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32) if bias else None
+    attrs = dict(stride=stride, padding=pad, dilation=dil, groups=groups)
+    return x, wt, b, attrs, reference(x, wt, b, nhwc=nhwc, **attrs)
+
+
 @settings(max_examples=20, deadline=None)
 @given(n=st.integers(1, 2), cg=st.integers(1, 3), ocg=st.integers(1, 3), groups=st.integers(1, 2),
        h=st.integers(3, 9), w=st.integers(3, 9), k=st.tuples(st.integers(1, 3), st.integers(1, 3)),
@@ -54,15 +74,10 @@ def test_conv2d_matches_reference_for_every_implementation(n: int, cg: int, ocg:
                                                            k: tuple[int, int], stride: tuple[int, int],
                                                            pad: tuple[int, int], dil: tuple[int, int], bias: bool,
                                                            nhwc: bool, seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    c, oc = cg * groups, ocg * groups
-    if (h + 2 * pad[0] - dil[0] * (k[0] - 1) - 1) < 0 or (w + 2 * pad[1] - dil[1] * (k[1] - 1) - 1) < 0:
+    case = _case(seed, n, cg, ocg, groups, h, w, k, stride, pad, dil, bias, nhwc)
+    if case is None:
         return
-    x = _x(rng, (n, c, h, w), nhwc)
-    wt = (rng.standard_normal((oc, cg) + k) + 0.1).astype(np.float32)
-    b = rng.standard_normal(oc).astype(np.float32) if bias else None
-    attrs = dict(stride=stride, padding=pad, dilation=dil, groups=groups)
-    ref = reference(x, wt, b, nhwc=nhwc, **attrs)
+    x, wt, b, attrs, ref = case
     full = _run("im2col", _input(x, nhwc), wt, b, **attrs)
     _check(full, ref)
     assert full.tiling.tile_rows == ref.shape[1 if nhwc else 2]
@@ -443,6 +458,99 @@ def test_conv2d_im2col_tiles_into_a_channel_slice(dev: Any, rng: np.random.Gener
     full = big.numpy()
     np.testing.assert_allclose(full[:, 2:42], reference(x, w, b, stride=2, padding=1), rtol=1e-4, atol=1e-4)
     assert (full[:, :2] == 7.0).all() and (full[:, 42:] == 7.0).all()
+
+
+@contextlib.contextmanager
+def _parts_on_small_maps() -> Iterator[None]:
+    """im2col_parts' thresholds (map size, work in all and per unit) off, so the small maps of a test take it."""
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("PARTS_MIN_PIXELS", "PARTS_MIN_MACS", "PARTS_MIN_UNIT_MACS"):
+            mp.setattr(conv_op, name, 0)
+        yield
+
+
+@settings(max_examples=25, deadline=None)
+@given(n=st.integers(1, 3), cg=st.integers(1, 3), ocg=st.integers(1, 4), groups=st.integers(1, 2),
+       h=st.integers(3, 12), w=st.integers(3, 12), k=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+       stride=st.tuples(st.integers(1, 3), st.integers(1, 2)), pad=st.tuples(st.integers(0, 2), st.integers(0, 1)),
+       dil=st.tuples(st.integers(1, 2), st.integers(1, 2)), bias=st.booleans(), nhwc=st.booleans(),
+       threads=st.integers(2, 5), one_row=st.booleans(), seed=st.integers(0, 2**31))
+def test_conv2d_im2col_parts(n: int, cg: int, ocg: int, groups: int, h: int, w: int, k: tuple[int, int],
+                             stride: tuple[int, int], pad: tuple[int, int], dil: tuple[int, int], bias: bool,
+                             nhwc: bool, threads: int, one_row: bool, seed: int) -> None:
+    """Parts over the stacked output rows of all (image, group) planes, runs cut at plane boundaries, each part
+    its own unfold area and one-thread GEMM: every output written once (with the bias), NCHW and NHWC, and the
+    workspace exactly the parts' areas, each sized for its longest run (so the last byte is used); a limit of
+    one row per part narrows the runs to one row."""
+    case = _case(seed, n, cg, ocg, groups, h, w, k, stride, pad, dil, bias, nhwc)
+    if case is None:
+        return
+    x, wt, b, attrs, ref = case
+    oh, ow = (ref.shape[1:3] if nhwc else ref.shape[2:])
+    parts = min(threads, n * groups * oh)
+    if parts < 2:  # one output row in all: nothing to share
+        with _parts_on_small_maps(), num_threads(threads), pytest.raises(ParamError, match="implementation"):
+            _run("im2col_parts", _input(x, nhwc), wt, b, **attrs)
+        return
+    limit = parts * align(cg * k[0] * k[1] * ow * 4) if one_row else None
+    with _parts_on_small_maps(), num_threads(threads):
+        r = _run("im2col_parts", _input(x, nhwc), wt, b, limit=limit, **attrs)
+    t = r.tiling
+    assert (r.implementation, t.parts) == ("im2col_parts", parts)
+    longest = [max(u[3] for u in units) for units in parts_units(t)]
+    assert t.tile_rows == max(longest)
+    kc = cg * k[0] * k[1]
+    if one_row:  # two rows only where their area rounds up to the same cache lines as one
+        assert r.workspace_size <= limit and (t.tile_rows == 1 or align(kc * 2 * ow * 4) == align(kc * ow * 4))
+    assert r.workspace_size == sum(align(kc * rows * ow * 4) for rows in longest)
+    _check(r, ref)
+
+
+@pytest.mark.parametrize("n, groups, oh, rows, parts", [
+    (1, 1, 112, 18, 2),  # the stem: 56 rows a part, in runs of 14 (not 18, 18, 18, 2)
+    (3, 2, 7, 3, 4),  # 42 stacked rows: ranges cross planes, each piece cut on its own
+    (8, 1, 28, 28, 2),  # whole images: 4 a part
+    (1, 1, 5, 5, 5),  # a row a part
+])
+def test_parts_units_cover_every_output_row_once(n: int, groups: int, oh: int, rows: int, parts: int) -> None:
+    """im2col_parts' units: each (image, group, row) exactly once, a part's units contiguous in stacked order,
+    the parts' row counts at most one apart, no run longer than tile_rows or crossing a plane, and the runs of a
+    plane's piece at most one row apart."""
+    t = conv_op.ConvTiling(n, 1, oh, 4, groups, oh, 4, 1, 1, 1, 1, 0, 0, 1, 1, groups, 1, 1, 1, 1, "cm", rows,
+                           False, parts=parts)
+    units = parts_units(t)
+    assert len(units) == parts
+    stacked = [((u[0] * groups + u[1]) * oh + u[2], u[3]) for part in units for u in part]
+    at = 0
+    for start, length in stacked:
+        assert start == at and 1 <= length <= rows and (start % oh) + length <= oh
+        at += length
+    assert at == n * groups * oh
+    sizes = [sum(u[3] for u in part) for part in units]
+    assert max(sizes) - min(sizes) <= 1
+    if (n, groups, oh, rows, parts) == (1, 1, 112, 18, 2):
+        assert [u[3] for u in units[0]] == [14] * 4
+    assert parts_areas(t, units, 4)[-1] == sum(align(max(u[3] for u in part) * 4 * 4) for part in units)
+
+
+@pytest.mark.parametrize("shape, w_shape, attrs, threads, limit, impl", [
+    ((8, 64, 56, 56), (128, 64, 3, 3), dict(stride=2, padding=1), 2, None, "im2col_parts"),
+    ((1, 3, 224, 224), (64, 3, 7, 7), dict(stride=2, padding=3), 2, None, "im2col_parts"),  # the stem
+    ((8, 64, 56, 56), (128, 64, 3, 3), dict(stride=2, padding=1), 1, None, "im2col"),  # no helper thread
+    ((1, 64, 56, 56), (128, 64, 1, 1), dict(stride=2), 2, None, "im2col"),  # 6.4 M multiply-adds in all
+    ((8, 256, 28, 28), (512, 256, 3, 3), dict(stride=2, padding=1), 2, None, "im2col"),  # 14x14 maps
+    ((1, 3, 224, 224), (64, 3, 7, 7), dict(stride=2, padding=3), 2, 1 << 18, "im2col"),  # 1 M a one-row run
+])
+def test_conv2d_im2col_parts_rank(shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
+                                  threads: int, limit: int | None, impl: str) -> None:
+    """im2col_parts ranks ahead of im2col with helper threads, maps of 512 pixels or more and enough work in all
+    and per run; else im2col."""
+    dev = device("cpu")
+    x, w = dev.empty(shape, np.float32), dev.empty(w_shape, np.float32)
+    with num_threads(threads), forced("im2col_parts", "im2col", "direct"):
+        _, ex = conv2d.get_workspace_size(x, w, None, workspace_limit=limit, **attrs)
+    assert ex.implementation == impl
+    ex.destroy()
 
 
 @pytest.mark.parametrize("impl", ["im2col", "direct", None])

@@ -3,10 +3,12 @@
 Implementations, ranked: gemm_1x1 (1x1, stride 1, no padding: GEMM on the operands, workspace 0), im2col_tiles
 (float32, one group, NCHW out, AVX-512: per part, tiles of a k block x a few output rows unfolded into the
 workspace and multiplied there by the register-blocked GEMM; ahead of im2col when its tiles fill the GEMM's
-16-column panels or a limit makes im2col tile output rows), im2col (the unfolded input of a tile of whole images
-or output rows in the workspace, then one GEMM per tile; the tile shrinks to fit ``workspace_limit``), winograd
-(F(2x2, 3x3) for 3x3 stride-1 undilated single-group convolutions: 16 GEMMs on transformed tiles; ranked first
-from 32 output tiles) and direct (a numba loop nest, workspace 0; ranked first for depthwise convolutions).
+16-column panels or a limit makes im2col tile output rows), im2col_parts (maps of 512 pixels or more: runs of
+output rows unfolded and multiplied by each helper thread in its own workspace area), im2col (the unfolded input
+of a tile of whole images or output rows in the workspace, then one GEMM per tile; the tile shrinks to fit
+``workspace_limit``), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated single-group convolutions: 16 GEMMs on
+transformed tiles; ranked first from 32 output tiles) and direct (a numba loop nest, workspace 0; ranked first for
+depthwise convolutions).
 """
 
 from __future__ import annotations
@@ -19,7 +21,16 @@ import numpy as np
 
 from ..errors import ParamError
 from ..kernels.cpu import gemm
-from ..kernels.cpu.conv import build_direct, build_gemm_1x1, build_im2col, build_winograd, winograd_parts
+from ..kernels.cpu.conv import (
+    build_direct,
+    build_gemm_1x1,
+    build_im2col,
+    build_im2col_parts,
+    build_winograd,
+    parts_areas,
+    parts_units,
+    winograd_parts,
+)
 from ..kernels.cpu.conv_tiles import available as tiles_available
 from ..kernels.cpu.conv_tiles import build_im2col_tiles, tile_stride, tile_width
 from ..layout import align, merge_dims, spread_stride
@@ -54,6 +65,7 @@ class ConvTiling:
     image; ``staged``: the GEMM result goes to the workspace at ``out_offset`` (0 when nothing is unfolded:
     C = 0), then is copied into out.
     winograd: ``chunk`` 2x2 output tiles per round, ``parts`` for helper threads (a scratch row set each).
+    im2col_parts: ``parts`` ranges of output rows, in runs of at most ``tile_rows``.
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel)."""
 
@@ -183,9 +195,12 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
             cands.append(Candidate("gemm_1x1", t, 0))
         whole = _im2col_candidate(t, os_, item, limit)
         tiled = _tiles_candidate(t, x, limit)
+        in_parts = _parts_candidate(t, item, limit)
         cands.append(whole)
         if tiled is not None:
             cands.insert(len(cands) - 1 if tiles_first(tiled.tiling, whole.tiling) else len(cands), tiled)
+        if in_parts is not None:
+            cands.insert(cands.index(whole), in_parts)
     if (kh, kw, sh, sw, dh, dw, g) == (3, 3, 1, 1, 1, 1, 1):
         wino = _winograd_candidate(t, item, limit)
         if wino is not None:
@@ -233,6 +248,44 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
     per_row = t.kc * t.ow * item
     rows = max(1, min(t.oh, (limit // 64 * 64) // max(per_row, 1)))
     return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_rows": rows}), align(per_row * rows))
+
+
+# output pixels per im2col_parts unit at most (whole output rows, at least one). Against im2col (ResNet-18's
+# stride-2 layers and stem, 2 cores, OpenBLAS; /tmp/w18/chunk2.py of the eighteenth session): 8 images
+# 1.10-1.46x faster at 1024-4096, one image 1.03-1.16x from 392 to 6272
+PARTS_PIXELS = 2048
+# multiply-adds from which im2col_parts ranks ahead of im2col, in all and per unit: one image of 1x1 stride 2
+# 64 -> 128 (6.4 M) ran 0.75-0.9x im2col's speed, and the stem's one-row units under a 256 KiB limit (1.05 M
+# each) 0.8x, while the units of 56 pixels of 64 -> 128 3x3 (4.1 M) ran 1.05-2x (/tmp/w18/ab.py)
+PARTS_MIN_MACS = 1 << 24
+PARTS_MIN_UNIT_MACS = 1 << 21
+PARTS_MIN_PIXELS = IM2COL_WIDE_IMAGE  # smaller maps gain more from im2col's whole-image tiles
+
+
+def _parts_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate | None:
+    """im2col_parts when there are helper threads, output maps of ``PARTS_MIN_PIXELS`` or more and enough work
+    (``PARTS_MIN_MACS``): the most output rows per unit, up to ``PARTS_PIXELS`` pixels and a part's share of
+    the rows, whose per-part unfold areas fit ``limit``, if such a unit still holds ``PARTS_MIN_UNIT_MACS``."""
+    stacked = t.n * t.groups * t.oh
+    parts = min(fanout_parts(), stacked)
+    per_row = t.ocg * t.kc * t.ow  # multiply-adds per output row of one group
+    if parts < 2 or t.oh * t.ow < PARTS_MIN_PIXELS or stacked * per_row < PARTS_MIN_MACS:
+        return None
+    rows = max(1, min(t.oh, PARTS_PIXELS // t.ow, -(-stacked // parts)))
+    while True:
+        tp = ConvTiling(**{**t.__dict__, "tile_rows": rows, "parts": parts})
+        units = parts_units(tp)
+        longest = max(r for part in units for *_, r in part)
+        if longest < rows:  # the runs even out shorter: the tiling says how long they are
+            rows = longest
+            continue
+        size = parts_areas(tp, units, item)[-1]
+        if limit is None or size <= limit or rows == 1:
+            break
+        rows -= 1
+    if (limit is not None and size > limit) or rows * per_row < PARTS_MIN_UNIT_MACS:
+        return None
+    return Candidate("im2col_parts", tp, size)
 
 
 TILE_K = 256  # unfolded rows per tile at most: a 32-column panel of them is 32 KiB, L1
@@ -361,8 +414,8 @@ def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[
     xv, ov = logical(x, t.nhwc), logical(outs[0], t.nhwc)
     if plan.implementation == "im2col_tiles":
         return build_im2col_tiles(t, xv, w, bias, ov)
-    build = {"gemm_1x1": build_gemm_1x1, "im2col": build_im2col, "direct": build_direct,
-             "winograd": build_winograd}[plan.implementation]
+    build = {"gemm_1x1": build_gemm_1x1, "im2col": build_im2col, "im2col_parts": build_im2col_parts,
+             "direct": build_direct, "winograd": build_winograd}[plan.implementation]
     return build(t, xv, w, bias, ov)
 
 
@@ -400,7 +453,7 @@ conv2d = register(OpDef(
     infer=_infer,
     select=_select,
     kernels={"cpu": _build},
-    implementations=("gemm_1x1", "winograd", "im2col_tiles", "im2col", "direct"),
+    implementations=("gemm_1x1", "winograd", "im2col_tiles", "im2col_parts", "im2col", "direct"),
     workspace_formula=("gemm_1x1: 0; winograd: 16*(spread(OC*C*itemsize) + spread(C*chunk*itemsize) + "
                        "spread(OC*chunk*itemsize)) + P*(align64(8*(TW+1)*itemsize) + align64(8*TW*itemsize)), "
                        "spread(b) = the smallest multiple of 64 >= b at which 16 blocks start on distinct cache "
@@ -408,7 +461,10 @@ conv2d = register(OpDef(
                        "parts (1 below 2^20 elements moved, else the fan-out count capped by C and OC); "
                        "im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
                        "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
-                       "pixel-major with mergeable (N, H, W)]; im2col_tiles: P * KB * ceil16(R*OW) * itemsize, "
+                       "pixel-major with mergeable (N, H, W)]; im2col_parts: the sum over parts of "
+                       "align64(C/groups*KH*KW * R*OW * itemsize), R = the part's longest run of output rows "
+                       "(at most tile_rows), parts = the fan-out count, at most N*groups*OH; "
+                       "im2col_tiles: P * KB * ceil16(R*OW) * itemsize, "
                        "P = parts (the fan-out count, fewer when N*OH is smaller), "
                        "KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per k block, "
                        "R = output rows per tile (up to 256 pixels, those filling the GEMM's panels best); "
@@ -421,6 +477,10 @@ conv2d = register(OpDef(
          "fit workspace_limit, else 32 MiB; one at a time for NCHW outputs of 512 pixels or more) or, when one "
          "image does not fit, of tile_rows output rows; see "
          "workspace_formula. "
+         "im2col_parts (output maps of 512 pixels or more, with helper threads): the output rows of all (image, "
+         "group) planes in P nearly equal ranges, one per helper thread, each unfolding runs of at most tile_rows "
+         "rows (up to 2048 pixels, fewer to fit workspace_limit) into its own workspace area and multiplying "
+         "them straight into out with a one-thread GEMM; ranked ahead of im2col. "
          "im2col_tiles (float32, groups 1, NCHW output, on CPUs with AVX-512): parts over output rows (or output "
          "channels when there are few pixels), each unfolding tiles of KB unfolded rows x R output rows into its "
          "own workspace slice and multiplying the weight's k block by them with the register-blocked GEMM into "

@@ -11,7 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align, spread_stride
-from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
+from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .blas import run_blas_parts
 from .jit import by_density, entry, pairs_of, row_of, rows_dense, span_of
@@ -478,6 +478,49 @@ def build_gemm_1x1(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     return launch
 
 
+def _out_matrix(blk: Any, p: int, ocg: int, so: list[int], cm: bool) -> Any:
+    """A tile's block of out (images x group channels x output rows, whose pixels merge) as the GEMM's result:
+    (OCg, pixels) channel-major, (pixels, OCg) pixel-major."""
+    return _mat(blk, (ocg, p), (so[1], so[3])) if cm else _mat(blk, (p, ocg), (so[3], so[1]))
+
+
+def _tile_gemm(wm: Any, cols: Any, res: Any, cm: bool) -> None:
+    """res = W @ cols (channel-major) or its transpose cols^T @ W^T (pixel-major), cols the (KC, pixels) unfold."""
+    if cm:
+        np.matmul(wm, cols, out=res)
+    else:
+        np.matmul(cols.T, wm.T, out=res)
+
+
+def _cols(area: Any, kc: int, p: int, cm: bool) -> Any:
+    """The (KC, pixels) unfold in a workspace area: C-contiguous (channel-major), else a transposed (pixels, KC)
+    matrix, so the pixel-major GEMM reads its rows."""
+    return area.reshape(kc, p) if cm else area.reshape(p, kc).T
+
+
+def _unfold_kernel(t: Any, x: Any) -> Any:
+    """The compiled im2col variant for these operands (dense rows, column step) and the tiling's orientation."""
+    sample = np.empty((2, 2), x.dtype)  # C-contiguous cols (channel-major) or a transposed view (pixel-major)
+    cm = t.orient == "cm"
+    kernel = IM2COL[cm and rows_dense(x), step_key(t.sw)]
+    return entry(kernel, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0, 0)
+
+
+def _out_matrix_area(ws: Any, off: int, ocg: int, p: int, dt: Any, cm: bool) -> Any:
+    """The staged GEMM result in the workspace's second area: (OCg, pixels) or (pixels, OCg)."""
+    area = ws[off:off + ocg * p * dt.itemsize].view(dt)
+    return area.reshape(ocg, p) if cm else area.reshape(p, ocg)
+
+
+def _group_bias(bias: Any, g: int, ocg: int, cm: bool) -> Any:
+    """Group g's bias, shaped to add to its GEMM result: a column (channel-major) or a row (pixel-major); None
+    without bias."""
+    if bias is None:
+        return None
+    bg = bias[g * ocg:(g + 1) * ocg]
+    return bg[:, None] if cm else bg
+
+
 def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """Per tile (``t.tile_n`` whole images, or ``t.tile_rows`` output rows of one image) and group: unfold into
     the workspace, one GEMM into out (or into the workspace's second area when the tile's output columns do
@@ -495,7 +538,7 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         for g in range(t.groups):
             wm = _wmat(t, w, g)
             bias_g = None if bias is None else bias[g * t.ocg:(g + 1) * t.ocg]
-            bv = None if bias_g is None else (bias_g[:, None] if cm else bias_g)
+            bv = _group_bias(bias, g, t.ocg, cm)
             for oh0 in range(0, t.oh, t.tile_rows):
                 rows = min(t.tile_rows, t.oh - oh0)
                 blk = out[n0:n0 + nn, g * t.ocg:(g + 1) * t.ocg, oh0:oh0 + rows]
@@ -505,12 +548,9 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                     bb = None if bias_g is None else (bias_g[None, :, None] if cm else bias_g)
                     steps.append((n0, nn, g * t.cg, oh0, p, wm, o, bb, True))
                 else:  # one image, or pixel-major images that merge into one run of rows
-                    o = _mat(blk, (t.ocg, p), (so[1], so[3])) if cm else _mat(blk, (p, t.ocg), (so[3], so[1]))
-                    steps.append((n0, nn, g * t.cg, oh0, p, wm, o, bv, False))
+                    steps.append((n0, nn, g * t.cg, oh0, p, wm, _out_matrix(blk, p, t.ocg, so, cm), bv, False))
     ranges = split_range(kc, fanout_parts() if kc * tn * t.tile_rows * ow >= PARALLEL_MIN else 1)
-    sample = np.empty((2, 2), dt)  # C-contiguous cols (channel-major) or a transposed view (pixel-major)
-    kernel = IM2COL[cm and rows_dense(x), step_key(t.sw)]
-    k_im2col = entry(kernel, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0, 0)
+    k_im2col = _unfold_kernel(t, x)
 
     def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any) -> None:
         run_parts([functools.partial(k_im2col, x, n0, c0, oh0, geo, cols, lo, hi, 0) for lo, hi in ranges])
@@ -520,18 +560,10 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
 
     def launch(ws: Any) -> None:
         for n0, nn, c0, oh0, p, wm, o, bv, stage in steps:
-            area = ws[:kc * p * item].view(dt)
-            geo = geos[nn]
-            if cm:
-                cols = area.reshape(kc, p)
-                unfold(n0, c0, oh0, geo, cols)
-                res = ws[o_off:o_off + ocg * p * item].view(dt).reshape(ocg, p) if stage else o
-                np.matmul(wm, cols, out=res)
-            else:
-                cols = area.reshape(p, kc)
-                unfold(n0, c0, oh0, geo, cols.T)
-                res = ws[o_off:o_off + ocg * p * item].view(dt).reshape(p, ocg) if stage else o
-                np.matmul(cols, wm.T, out=res)
+            cols = _cols(ws[:kc * p * item].view(dt), kc, p, cm)
+            unfold(n0, c0, oh0, geos[nn], cols)
+            res = _out_matrix_area(ws, o_off, ocg, p, dt, cm) if stage else o
+            _tile_gemm(wm, cols, res, cm)
             if stage:
                 src = res.reshape(ocg, nn, p // nn).transpose(1, 0, 2) if cm else res.reshape(o.shape)
                 if bv is None:
@@ -541,6 +573,73 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             elif bv is not None:
                 np.add(o, bv, out=o)
     return launch
+
+
+def parts_units(t: Any) -> list[list[tuple[int, int, int, int]]]:
+    """im2col_parts' work: per part, its (image, group, first output row, rows) units. The output rows of all
+    (image, group) planes, stacked, are cut into ``t.parts`` contiguous ranges of nearly equal size; each range
+    is cut at plane boundaries, and each piece into nearly equal runs of at most ``t.tile_rows`` rows."""
+    out = []
+    for lo, hi in split_range(t.n * t.groups * t.oh, t.parts):
+        units = []
+        while lo < hi:
+            plane, r0 = divmod(lo, t.oh)
+            end = min(hi, (plane + 1) * t.oh)
+            pieces = -(-(end - lo) // t.tile_rows)
+            for a, b in split_range(end - lo, pieces):
+                units.append((plane // t.groups, plane % t.groups, r0 + a, b - a))
+            lo = end
+        out.append(units)
+    return out
+
+
+def parts_areas(t: Any, units: list[list[tuple[int, int, int, int]]], item: int) -> list[int]:
+    """Workspace offsets of im2col_parts' unfold areas, one per part sized for its longest run, and the end of
+    the last one: the workspace size."""
+    offsets = [0]
+    for part in units:
+        offsets.append(offsets[-1] + align(t.kc * max(r for *_, r in part) * t.ow * item))
+    return offsets
+
+
+def build_im2col_parts(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
+    """im2col over ranges of output rows, one per part on the helper threads: each part unfolds its units into
+    its own workspace area and multiplies them there with a one-thread GEMM (``run_blas_parts``), straight into
+    out, adding the bias per unit. The unfold stays in the cache of the thread that reads it, and no thread
+    waits on another between the unfold and the GEMM."""
+    dt = x.dtype
+    item = dt.itemsize
+    so = [s // item for s in out.strides]
+    cm = t.orient == "cm"
+    kc, ow, ocg = t.kc, t.ow, t.ocg
+    k_im2col = _unfold_kernel(t, x)
+    geo = _geo(t)
+    wms = [_wmat(t, w, g) for g in range(t.groups)]
+    bvs = [_group_bias(bias, g, ocg, cm) for g in range(t.groups)]
+    units = parts_units(t)
+    offsets = parts_areas(t, units, item)
+
+    def bind(ws: Any) -> Callable[[], None]:
+        parts = []
+        for part, at in zip(units, offsets):
+            work = []
+            for n0, g, oh0, rows in part:
+                p = rows * ow
+                cols = _cols(ws[at:at + kc * p * item].view(dt), kc, p, cm)
+                o = _out_matrix(out[n0:n0 + 1, g * ocg:(g + 1) * ocg, oh0:oh0 + rows], p, ocg, so, cm)
+                work.append((n0, g * t.cg, oh0, cols, wms[g], o, bvs[g]))
+            parts.append(functools.partial(_run_units, k_im2col, x, geo, work, cm))
+        return functools.partial(run_blas_parts, parts)
+    return workspace_launcher(bind)
+
+
+def _run_units(k_im2col: Any, x: Any, geo: Any, work: list[tuple[Any, ...]], cm: bool) -> None:
+    """One im2col_parts part: each unit unfolded, multiplied into out, its bias added."""
+    for n0, c0, oh0, cols, wm, o, bv in work:
+        k_im2col(x, n0, c0, oh0, geo, cols, 0, cols.shape[0], 0)
+        _tile_gemm(wm, cols, o, cm)
+        if bv is not None:
+            np.add(o, bv, out=o)
 
 
 # ---- Winograd F(2x2, 3x3): 3x3, stride 1, dilation 1, one group; 16 GEMMs of (OC, C) x (C, tiles)
