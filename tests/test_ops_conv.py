@@ -1,4 +1,5 @@
-"""conv2d: gemm_1x1, im2col (tiled under the workspace limit) and direct vs a float64 reference, NCHW and NHWC."""
+"""conv2d: gemm_1x1, im2col (tiled under the workspace limit), im2col_parts, winograd, im2col_tiles and direct vs a
+float64 reference, NCHW and NHWC."""
 
 from __future__ import annotations
 

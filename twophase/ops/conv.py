@@ -252,11 +252,12 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
 
 # output pixels per im2col_parts unit at most (whole output rows, at least one). Against im2col (ResNet-18's
 # stride-2 layers and stem, 2 cores, OpenBLAS; /tmp/w18/chunk2.py of the eighteenth session): 8 images
-# 1.10-1.46x faster at 1024-4096, one image 1.03-1.16x from 392 to 6272
+# 1.10-1.46x faster at 1024-4096 (the 1x1 layer 0.87-1.06x), one image mostly 1.03-1.16x from 392 to 6272
 PARTS_PIXELS = 2048
-# multiply-adds from which im2col_parts ranks ahead of im2col, in all and per unit: one image of 1x1 stride 2
-# 64 -> 128 (6.4 M) ran 0.75-0.9x im2col's speed, and the stem's one-row units under a 256 KiB limit (1.05 M
-# each) 0.8x, while the units of 56 pixels of 64 -> 128 3x3 (4.1 M) ran 1.05-2x (/tmp/w18/ab.py)
+# multiply-adds from which im2col_parts ranks ahead of im2col, in all and per unit (ratios torch / twophase,
+# im2col against im2col_parts, /tmp/w18/ab.py): one image of 1x1 stride 2 64 -> 128 (6.4 M in all) 1.03-1.38
+# against 0.85-0.95, the stem's one-row units under a 256 KiB limit (1.05 M each) 0.60-0.63 against 0.51-0.52,
+# while units of 56 pixels of 64 -> 128 3x3 (4.1 M each) ran 1.13-2.1x faster than im2col
 PARTS_MIN_MACS = 1 << 24
 PARTS_MIN_UNIT_MACS = 1 << 21
 PARTS_MIN_PIXELS = IM2COL_WIDE_IMAGE  # smaller maps gain more from im2col's whole-image tiles
@@ -480,7 +481,8 @@ conv2d = register(OpDef(
          "im2col_parts (output maps of 512 pixels or more, with helper threads): the output rows of all (image, "
          "group) planes in P nearly equal ranges, one per helper thread, each unfolding runs of at most tile_rows "
          "rows (up to 2048 pixels, fewer to fit workspace_limit) into its own workspace area and multiplying "
-         "them straight into out with a one-thread GEMM; ranked ahead of im2col. "
+         "them straight into out with a one-thread GEMM; ranked ahead of im2col from 2^24 multiply-adds in all "
+         "and 2^21 per run. "
          "im2col_tiles (float32, groups 1, NCHW output, on CPUs with AVX-512): parts over output rows (or output "
          "channels when there are few pixels), each unfolding tiles of KB unfolded rows x R output rows into its "
          "own workspace slice and multiplying the weight's k block by them with the register-blocked GEMM into "
