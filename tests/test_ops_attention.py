@@ -302,6 +302,24 @@ def test_parts_cut_after_a_dim_above_one(causal: bool) -> None:
         _check(masked, reference(q, k, v, keep))
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+@pytest.mark.parametrize("layout", ["dense", "strided", "transposed", "padded"])
+def test_sdpa_masks_of_every_layout(rng: np.random.Generator, kind: str, layout: str) -> None:
+    """The row pass reads a mask row with unit stride as a contiguous row (its loop vectorizes), any other
+    through its strides: bool and additive masks, dense, padded rows, every other key, transposed, each with
+    fully masked keys and a fully masked row, against the reference in every mode."""
+    q, k, v = _qkv(rng, 1, 2, 9, 37, 5, 4)
+    keep = rng.random((9, 37)) < 0.7
+    keep[:, 30:] = False  # key padding
+    keep[4] = False  # a fully masked row
+    mask = keep if kind == "bool" else np.where(keep, rng.standard_normal((9, 37)), -np.inf).astype(np.float32)
+    ref = reference(q, k, v, mask)
+    for impl, limit in MODES:
+        with forced(impl):
+            r = run_checked(sdpa, q, k, v, on_device(mask, layout), workspace_limit=limit)
+        _check(r, ref)
+
+
 def test_row_pass_refuses_score_blocks_that_are_not_dense() -> None:
     from twophase.kernels.cpu import attention as kern
     s = np.zeros((1, 2, 8, 16), np.float32)[..., ::2]  # rows of 8 scores, 2 apart
