@@ -119,6 +119,17 @@ def test_float32_arithmetic_functions_within_their_ulp_bound_over_whole_domain(n
                               equal_nan=True)
 
 
+def test_exp_nonpos_f32_is_zero_below_half_the_smallest_denormal_and_keeps_nan() -> None:
+    """Below -104 (e^-104 < 2^-150) the result is 0 by a select, so masked scores (-inf) skip the underflowing
+    multiply; from -103.9 it still rounds to the denormals (2^-149 = e^-103.28), and NaN propagates."""
+    x = np.array([-np.inf, -1e30, -104.5, -104.01, -103.9, -103.5, -100.0, -87.5, -0.0, np.nan], np.float32)
+    out = np.empty_like(x)
+    _apply(F32_FUNCS["exp_nonpos_f32"][0], x, out)
+    assert (out[:4] == 0).all() and (out[4:6] == np.float32(2.0**-149)).all()
+    np.testing.assert_allclose(out[6:9], np.exp(x[6:9].astype(np.float64)), rtol=1e-6, atol=4 * 2.0**-149)
+    assert np.isnan(out[9])
+
+
 @pytest.mark.parametrize("name", ["erf", "erfc"])
 def test_erf_erfc_float32_max_relative_error_within_2e7(name: str) -> None:
     x = all_float32(4099)
