@@ -19,7 +19,8 @@ _k = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract
 # one kernel per function, which its span loop picks by the literal code (elementwise.span_loops, as the library's
 # unary kernels do): an if-chain over all of them made numba type every body, ~10-14 s per dtype
 _FUNCTIONS = (vm.exp, vm.log, vm.tanh, vm.erf, vm.erfc, vm.sigmoid,  # 0-5
-              vm.exp_f32, vm.sigmoid_f32, vm.silu_f32, vm.gelu_erf_f32, vm.exp_nonpos_f32)  # 6-10: float32 only
+              vm.exp_f32, vm.sigmoid_f32, vm.silu_f32, vm.gelu_erf_f32, vm.exp_nonpos_f32,  # 6-11: float32 only
+              vm.exp_nonpos_zeroing_f32)
 _span, _ = span_loops(_FUNCTIONS)
 
 
@@ -34,7 +35,7 @@ _KERNELS = tuple(_kernel(code) for code in range(len(_FUNCTIONS)))
 
 
 def _apply(code: int, x: Any, out: Any) -> None:
-    """vmath function ``code`` of each element of ``x`` into ``out``; the float32 ones (6-10) take x as float32."""
+    """vmath function ``code`` of each element of ``x`` into ``out``; the float32 ones (6-11) take x as float32."""
     _KERNELS[code](x.astype(np.float32, copy=False) if code >= 6 else x, out)
 
 
@@ -93,7 +94,7 @@ def _gelu64(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 F32_FUNCS: dict[str, tuple[int, Any, float, float]] = {
     "exp_f32": (6, np.exp, 2.0, np.inf), "sigmoid_f32": (7, FUNCS["sigmoid"][1], 8.0, 87.0),
     "silu_f32": (8, lambda x: x / (1.0 + np.exp(-x)), 8.0, 87.0), "gelu_erf_f32": (9, _gelu64, 8.0, 13.0),
-    "exp_nonpos_f32": (10, np.exp, 2.0, np.inf)}  # on x <= 0 only (below)
+    "exp_nonpos_f32": (10, np.exp, 2.0, np.inf), "exp_nonpos_zeroing_f32": (11, np.exp, 2.0, np.inf)}  # x <= 0 only
 
 
 @pytest.mark.parametrize("name", list(F32_FUNCS))
@@ -103,7 +104,7 @@ def test_float32_arithmetic_functions_within_their_ulp_bound_over_whole_domain(n
     results near the underflow lose bits gradually (absolute error below the smallest normal float32)."""
     code, ref_fn, ulps, exact_below = F32_FUNCS[name]
     x = all_float32(257)
-    if name == "exp_nonpos_f32":
+    if name.startswith("exp_nonpos"):
         x = x[~(x > 0)]
     out = np.empty_like(x)
     with np.errstate(all="ignore"):
@@ -119,12 +120,13 @@ def test_float32_arithmetic_functions_within_their_ulp_bound_over_whole_domain(n
                               equal_nan=True)
 
 
-def test_exp_nonpos_f32_is_zero_below_half_the_smallest_denormal_and_keeps_nan() -> None:
-    """Below -104 (e^-104 < 2^-150) the result is 0 by a select, so masked scores (-inf) skip the underflowing
-    multiply; from -103.9 it still rounds to the denormals (2^-149 = e^-103.28), and NaN propagates."""
+@pytest.mark.parametrize("name", ["exp_nonpos_f32", "exp_nonpos_zeroing_f32"])
+def test_exp_nonpos_is_zero_below_half_the_smallest_denormal_and_keeps_nan(name: str) -> None:
+    """Below -104 (e^-104 < 2^-150) the result is 0 (the zeroing variant by a select, so masked scores skip the
+    underflowing multiply); from -103.9 it still rounds to the denormals (2^-149 = e^-103.28); NaN propagates."""
     x = np.array([-np.inf, -1e30, -104.5, -104.01, -103.9, -103.5, -100.0, -87.5, -0.0, np.nan], np.float32)
     out = np.empty_like(x)
-    _apply(F32_FUNCS["exp_nonpos_f32"][0], x, out)
+    _apply(F32_FUNCS[name][0], x, out)
     assert (out[:4] == 0).all() and (out[4:6] == np.float32(2.0**-149)).all()
     np.testing.assert_allclose(out[6:9], np.exp(x[6:9].astype(np.float64)), rtol=1e-6, atol=4 * 2.0**-149)
     assert np.isnan(out[9])

@@ -111,8 +111,12 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
                 x = row[j] * sc
                 row[j] = x
                 m = vmath.maximum(m, x)
-        for j in range(kend):
-            row[j] = vmath.exp_shifted(row[j], m)
+        if kind == NONE:
+            for j in range(kend):
+                row[j] = vmath.exp_shifted(row[j], m)
+        else:  # masked scores are -inf: their exps skip the underflow
+            for j in range(kend):
+                row[j] = vmath.exp_shifted_masked(row[j], m)
         total = vmath.fsum(row[:kend])  # reassociated (vectorized) there; the exps here are not
         inv = ft(1.0 / max(total, tiny))  # and its sum is tiny: 0 * (1 / tiny) = 0
         for j in range(kend):
