@@ -95,7 +95,7 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
         m = ft(lowest)  # a fully masked row keeps max -FLT_MAX: its exps are 0, not NaN
         if kind == ADDITIVE:
             # a mask row of unit stride typed contiguous (no copy: checked): the row pass ran 1.15-1.5x faster
-            # (/tmp/w18/rowpass.py of the eighteenth session); a bool row gained nothing so
+            # (/tmp/w18/rowpass.py of the eighteenth session); a bool row gained nothing from it
             if unit:
                 m = _scale_add_max(row, np.ascontiguousarray(mask[b, h, i]), kend, sc, m)
             else:
