@@ -274,19 +274,16 @@ def _parts_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate |
         return None
     rows = max(1, min(t.oh, PARTS_PIXELS // t.ow, -(-stacked // parts)))
     while True:
-        tp = ConvTiling(**{**t.__dict__, "tile_rows": rows, "parts": parts})
-        units = parts_units(tp)
-        longest = max(r for part in units for *_, r in part)
-        if longest < rows:  # the runs even out shorter: the tiling says how long they are
-            rows = longest
-            continue
-        size = parts_areas(tp, units, item)[-1]
+        units = parts_units(ConvTiling(**{**t.__dict__, "tile_rows": rows, "parts": parts}))
+        # the runs even out, often shorter than asked: the tiling says how long they are (the same runs again)
+        rows = max(r for part in units for *_, r in part)
+        size = parts_areas(t, units, item)[-1]
         if limit is None or size <= limit or rows == 1:
             break
         rows -= 1
     if (limit is not None and size > limit) or rows * per_row < PARTS_MIN_UNIT_MACS:
         return None
-    return Candidate("im2col_parts", tp, size)
+    return Candidate("im2col_parts", ConvTiling(**{**t.__dict__, "tile_rows": rows, "parts": parts}), size)
 
 
 TILE_K = 256  # unfolded rows per tile at most: a 32-column panel of them is 32 KiB, L1

@@ -498,20 +498,19 @@ def exp_shifted(v: Any, m: float) -> Any:
     raise NotImplementedError  # only called from numba kernels
 
 
-@overload(exp_shifted)
-def _exp_shifted_impl(v, m):  # type: ignore[no-untyped-def]  # unannotated, as the implementations (numba checks)
-    if v == types.float32:
-        return lambda v, m: exp_nonpos_f32(v - np.float32(m))
-    return lambda v, m: exp(v - m)
-
-
 def exp_shifted_masked(v: Any, m: float) -> Any:
     """``exp_shifted`` for rows that may hold masked (-inf) entries: float32 by ``exp_nonpos_zeroing_f32``."""
     raise NotImplementedError  # only called from numba kernels
 
 
-@overload(exp_shifted_masked)
-def _exp_shifted_masked_impl(v, m):  # type: ignore[no-untyped-def]
-    if v == types.float32:
-        return lambda v, m: exp_nonpos_zeroing_f32(v - np.float32(m))
-    return lambda v, m: exp(v - m)
+def _shifted(exp32: Any) -> Any:
+    """The numba implementation of an ``exp_shifted`` form whose float32 exp is ``exp32``."""
+    def impl(v, m):  # type: ignore[no-untyped-def]  # unannotated, as the implementations (numba checks)
+        if v == types.float32:
+            return lambda v, m: exp32(v - np.float32(m))
+        return lambda v, m: exp(v - m)
+    return impl
+
+
+overload(exp_shifted)(_shifted(exp_nonpos_f32))
+overload(exp_shifted_masked)(_shifted(exp_nonpos_zeroing_f32))
