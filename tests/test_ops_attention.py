@@ -26,13 +26,26 @@ from twophase.testing import run_checked
 MODES = (("materialized", None), ("tiled", None), ("tiled", 400), ("online", 448))
 
 
-def _check(r: Any, ref: np.ndarray) -> None:
+def _check(r: Any, ref: np.ndarray, padded: bool = False) -> None:
+    """``padded``: a key-padding mask may let tiles run fewer keys, and touch less of the workspace."""
     assert r.guards_intact
     assert r.unwritten == (int(np.isnan(ref).sum()),)
     assert r.touched <= r.workspace_size
-    if r.implementation != "online":  # the reported size is what is used
+    if r.implementation != "online" and not padded:  # the reported size is what is used
         assert r.workspace_size - 64 < r.touched or r.workspace_size == 0
     np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-4, atol=1e-5)
+
+
+def _pads_keys(mask: Any, lq: int) -> bool:
+    """Whether tiles may run fewer keys than there are: a key-padding mask (one row for every query) that
+    masks the last key somewhere."""
+    if mask is None:
+        return False
+    m = np.asarray(mask)
+    if not (lq == 1 or m.ndim < 2 or m.shape[-2] == 1):
+        return False
+    last = m[..., -1]
+    return not bool(last.all() if m.dtype == np.bool_ else (last != -np.inf).all())
 
 
 def _qkv(rng: np.random.Generator, b: int, h: int, lq: int, lk: int, d: int, dv: int) -> tuple[np.ndarray, ...]:
@@ -47,7 +60,7 @@ def _run_modes(q: Any, k: Any, v: Any, mask: Any, **attrs: Any) -> list[Any]:
         with forced(impl):
             r = run_checked(sdpa, q, k, v, mask, workspace_limit=limit, **attrs)
         assert r.implementation == impl
-        _check(r, ref)
+        _check(r, ref, _pads_keys(mask, q.shape[2]))
         runs.append(r)
     return runs
 
@@ -385,3 +398,70 @@ def test_sdpa_parts_set_blas_to_one_thread_only_when_they_call_blas(monkeypatch:
         twophase.set_num_threads(old)
     _check(r, reference(q, k, v))
     assert launched and set(launched) == {"run_blas_parts" if blas else "run_parts"}
+
+
+def _padding_mask(lengths: np.ndarray, lk: int, kind: str, rng: np.random.Generator) -> np.ndarray:
+    """(..., 1, lk) key-padding mask keeping the first ``lengths[...]`` keys of each row."""
+    keep = (np.arange(lk) < lengths[..., None])[..., None, :]
+    if kind == "bool":
+        return keep
+    return np.where(keep, rng.standard_normal(keep.shape), -np.inf).astype(np.float32)
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 3), lq=st.integers(1, 9), lk=st.integers(1, 70), d=st.integers(1, 6),
+       dv=st.integers(1, 5), kind=st.sampled_from(["bool", "additive"]), per_head=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_sdpa_runs_only_the_keys_a_padding_mask_keeps(b: int, h: int, lq: int, lk: int, d: int, dv: int, kind: str,
+                                                      per_head: bool, seed: int) -> None:
+    """Key-padding masks (per batch entry or per head; rows of any length, none included): every implementation
+    matches the reference, and NaN in the k and v rows past every row's kept keys (rounded up to the grain)
+    never reaches the output, because those keys are not read."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _qkv(rng, b, h, lq, lk, d, dv)
+    lengths = rng.integers(0, lk + 1, (b, h) if per_head else (b, 1))
+    mask = _padding_mask(lengths, lk, kind, rng)
+    ref = reference(q, k, v, mask)
+    grain = attention_kernels.KEY_GRAIN
+    cut = min(lk, max(1, -(-int(lengths.max()) // grain) * grain))
+    k[:, :, cut:] = np.nan
+    v[:, :, cut:] = np.nan
+    for impl, limit in MODES:
+        with forced(impl):
+            r = run_checked(sdpa, q, k, v, mask, workspace_limit=limit)
+        _check(r, ref, padded=True)
+
+
+def test_sdpa_padded_tile_touches_only_the_keys_it_runs(rng: np.random.Generator) -> None:
+    """One tile, 10 of 64 keys kept: its scores and its k^T copy are laid out for 16 keys (the grain)."""
+    q, k, v = _qkv(rng, 1, 2, 5, 64, 8, 8)
+    mask = _padding_mask(np.array([10]), 64, "bool", rng)
+    r = run_checked(sdpa, q, k, v, mask)
+    o_s, o_k = r.tiling.offsets[:2]
+    assert r.implementation == "materialized" and o_s == 0 and o_k >= 2 * 5 * 64 * 4
+    assert r.touched == o_k + 2 * 8 * 16 * 4 < r.workspace_size
+    _check(r, reference(q, k, v, mask), padded=True)
+    full = run_checked(sdpa, q, k, v, _padding_mask(np.array([64]), 64, "bool", rng))
+    assert full.touched == full.workspace_size  # every key kept: the whole layout
+
+
+@pytest.mark.parametrize("limit", [None, 3000])
+def test_sdpa_padded_keys_follow_the_mask_at_every_launch(rng: np.random.Generator, limit: int | None) -> None:
+    """A repeatable executor whose mask changes between launches: each launch runs the keys its mask keeps
+    (variants bound once per extent and reused), whole tile or tiles of a few rows."""
+    dev = device("cpu")
+    s = dev.stream()
+    q, k, v = _qkv(rng, 2, 3, 6, 50, 4, 4)
+    ins = [dev.tensor(x, stream=s) for x in (q, k, v)]
+    mt = dev.tensor(np.ones((2, 1, 1, 50), bool), stream=s)
+    s.synchronize()
+    with twophase.plan(sdpa, *ins, mt, stream=s, workspace_limit=limit) as call:
+        assert call.executor.implementation == ("materialized" if limit is None else "tiled")
+        for lengths in ([10, 3], [40, 50], [10, 3], [0, 0], [50, 17], [10, 3]):
+            mask = _padding_mask(np.array(lengths)[:, None], 50, "bool", rng)
+            mt.view()[...] = mask
+            got = call()
+            np.testing.assert_allclose(got.numpy(), reference(q, k, v, mask), rtol=1e-4, atol=1e-5)
+    mt.free(s)
+    for t in ins:
+        t.free(s)

@@ -246,7 +246,11 @@ scaled_dot_product_attention = register(OpDef(
          "whole heads, or whole batch entries; causal tiles skip the keys they cannot see), the largest tile that "
          "fits workspace_limit (see workspace_formula). online: query tiles of bq rows against key tiles of bk "
          "keys with an online softmax, align64(bq*bk*item) + 5*align64(bq*item), + align64(bq*Dv*item) when the "
-         "keys take more than one tile, for limits below one row of scores. Ranked: materialized first while its "
+         "keys take more than one tile, for limits below one row of scores. A key-padding mask (one mask row for "
+         "every query, e.g. (B, 1, 1, Lk)) is read at each launch: every implementation runs only the keys up to "
+         "the last one a tile (online: a head) keeps, rounded up to 16, and never reads k / v past them (a "
+         "padded tile touches less of the workspace; NaN in a skipped key's k / v does not reach the output, "
+         "unlike PyTorch). Ranked: materialized first while its "
          "scores take <= 32 MiB (else after tiled, whose tiles then take at most 4 MiB), then online tiles from "
          "(128, 1024) down to (1, 1); the first that fits workspace_limit wins."),
     reference=reference,

@@ -6,9 +6,14 @@
   heads by the register-blocked kernel, ``_products``, else BLAS); a large tile is cut into parts (batch
   entries, heads or query rows) run by helper threads, each part with its own GEMMs and row pass (those that
   call BLAS on one BLAS thread each); causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries,
-  each with only the keys it can see (the masked half of the scores is never multiplied). The materialized form
-  is the single tile holding every score.
-* ``build_online``: query tiles against key tiles with an online softmax (the workspace holds one tile only).
+  each with only the keys it can see (the masked half of the scores is never multiplied). With a key-padding
+  mask (one mask row for every query), a tile runs only the keys up to the last one the mask keeps for some
+  (batch entry, head) of the tile, rounded up to ``KEY_GRAIN``, and never reads the keys after them. NaN or
+  inf in the k / v row of a key that every query masks therefore reaches the output only when that key lies
+  within a tile's extent (PyTorch's CPU attention always propagates it). The materialized form is the single
+  tile holding every score.
+* ``build_online``: query tiles against key tiles with an online softmax (the workspace holds one tile only);
+  with a key-padding mask, each head runs only the keys up to its last kept one, as ``build_rows``' tiles.
 """
 
 from __future__ import annotations
@@ -38,6 +43,22 @@ FANOUT_MIN = 1 << 16  # score elements per tile from which it is cut into parts 
 # (1, 12, 256, 64) 1.33 / 1.15 / 1.12 / 1.22 / 1.39 / 1.59;
 # (8, 12, 128, 32) 1.69 / 1.60 / 1.61 / 1.71-1.76 / 1.81 / 1.82
 CAUSAL_BLOCK = 32
+KEY_GRAIN = 16  # a padded tile's keys are rounded up to this: fewer bound variants, GEMM widths the kernels take
+
+
+def _padding_rows(rows: Any) -> Any:
+    """A tile's key-padding mask rows ((batch entries, heads, keys), a view of the mask) with its broadcast
+    (stride-0) batch or head axis cut to one entry, so that each launch reads every distinct row once."""
+    return rows[tuple(slice(0, 1) if rows.strides[a] == 0 else slice(None) for a in range(2))]
+
+
+def _padded_keys(rows: Any, kind: int, kend: int) -> int:
+    """The keys a tile runs under a key-padding mask: up to the last one that some row of ``rows`` (..., keys)
+    keeps (bool True, additive above -inf), rounded up to ``KEY_GRAIN``; at least one (a tile whose rows are
+    all masked still goes through the softmax, which gives them 0), at most ``kend``."""
+    live = (rows if kind == BOOL else rows != -np.inf).any(axis=tuple(range(rows.ndim - 1)))
+    kept = int(live.size - np.argmax(live[::-1])) if live.any() else 0
+    return min(kend, max(1, -(-kept // KEY_GRAIN) * KEY_GRAIN))
 
 
 def _blocks(nq: int, q0: int, kend: int, causal: bool) -> tuple[tuple[int, int, int], ...]:
@@ -190,9 +211,10 @@ def _part(axis: int, lo: int, hi: int, views: tuple[Any, ...]) -> tuple[Any, ...
 def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float,
                t: Any) -> Launch:
     """Tiles of ``t.block_b`` batch entries x ``t.block_h`` heads x ``t.block_q`` queries, every key (only the
-    keys a causal tile can see): k^T (and v when packed) copied into the workspace, then per part of the tile
-    (its batch entries, heads or query rows cut for helper threads from ``FANOUT_MIN`` score elements) q packed
-    when needed, S there, the fused row pass, out = P @ v (through the workspace when out is packed)."""
+    keys a causal tile can see, or a padded tile's kept ones): k^T (and v when packed) copied into the workspace,
+    then per part of the tile (its batch entries, heads or query rows cut for helper threads from ``FANOUT_MIN``
+    score elements) q packed when needed, S there, the fused row pass, out = P @ v (through the workspace when
+    out is packed)."""
     nb, nh, nq, d = q.shape
     nk, dv = k.shape[2], v.shape[3]
     dt = q.dtype
@@ -200,6 +222,10 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         return lambda _: out.fill(0)
     lowest, tiny = _finfo(dt)
     marr, mkind = _mask_arg(mask, kind, dt)
+    # a key-padding mask (the same row for every query; masks and is_causal never come together): each launch
+    # reads which keys a tile's rows keep, and the tile runs only those (its row pass then compiled for masks of
+    # any layout, since the tile's mask is cut to them)
+    padding = mkind != NONE and (marr.strides[2] == 0 or nq == 1)
     kt = k.swapaxes(-1, -2)
     tb, th, tq = t.block_b, t.block_h, t.block_q
     o_s, o_k, o_q, o_v, o_o = t.offsets
@@ -227,12 +253,14 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 for lo, hi in ranges:
                     pm = _cut(mv, axis, lo, hi) if mkind != NONE else marr
                     pq0, pnq = (q0 + lo, hi - lo) if axis == 2 else (q0, sq)
-                    plans.append((lo, hi, pm, entry(softmax_rows, strided, pm, 0, False, 0, 0.0, 0.0, 0.0), pq0,
+                    typed = any_layout(pm.dtype, 4) if padding else pm
+                    plans.append((lo, hi, pm, entry(softmax_rows, strided, typed, 0, False, 0, 0.0, 0.0, 0.0), pq0,
                                   _blocks(pnq, pq0, kend, causal)))
                 # the group's k^T / v copies: made by the parts when they own whole heads, else before them
                 pack_kv = 0 if q0 else (2 if axis != 2 and len(plans) > 1 else 1)
                 steps.append((shape, (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
-                              v[(*idx, slice(0, kk))], out[qi], pack_kv, axis, plans))
+                              v[(*idx, slice(0, kk))], out[qi], pack_kv, axis, plans,
+                              _padding_rows(mv[:, :, 0]) if padding else None))
 
     def area(ws: Any, off: int, shape: tuple[int, ...]) -> Any:
         n = shape[0] * shape[1] * shape[2] * shape[3]
@@ -268,57 +296,72 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         for dst, src in unpack:
             np.copyto(dst, src)
 
-    def bind(ws: Any) -> list[tuple[list[tuple[Any, Any]], list[Callable[[], None]], bool]]:
-        """Per tile: the k^T / v copies made before its parts, and its parts, on the workspace ``ws``."""
-        ktp: Any = None
-        vp: Any = None
-        bound = []
-        for shape, kshape, qv, ktv, vv, ov, pack_kv, axis, plans in steps:
-            sb, sh, sq, kend = shape
-            packs: list[tuple[Any, Any]] = []  # k^T / v for the whole head group (causal: the keys its last
-            before: list[tuple[Any, Any]] = []  # tile sees); 1: copied before the parts, 2: each part its heads
-            if pack_kv:
-                ktp = area(ws, o_k, kshape) if o_k >= 0 else ktv
-                if o_k >= 0:
-                    packs.append((ktp, ktv))
-                if o_v >= 0:
-                    vp = area(ws, o_v, (sb, sh, kshape[3], dv))
-                    packs.append((vp, vv))
-                if pack_kv == 1:
-                    before, packs = packs, []
-            s = area(ws, o_s, shape)
-            qp = area(ws, o_q, (sb, sh, sq, d)) if o_q >= 0 else None
-            op = area(ws, o_o, (sb, sh, sq, dv)) if o_o >= 0 else None
-            views = (qv, ktp[..., :kend], (vv if vp is None else vp)[..., :kend, :], ov, s, qp, op)
-            # one part: its score GEMM in key chunks (a wide-N, small-K GEMM threads badly in OpenBLAS); several:
-            # each part's GEMMs on one BLAS thread, all keys at once
-            chunk = QK_CHUNK if len(plans) == 1 else kend
-            calls: list[Callable[[], None]] = []
-            blas = False
-            for lo, hi, pm, rows, pq0, blocks in plans:
-                pq, pk, pv, po, ps, pqp, pop = _part(axis, lo, hi, views)
-                own = tuple((_cut(dst, axis, lo, hi), _cut(src, axis, lo, hi)) for dst, src in packs)
-                if pqp is not None:
-                    own, pq = (*own, (pqp, pq)), pqp
-                first, second = ([(pick(*g), *g) for g in gs]
-                                 for gs in products(pq, pk, pv, ps, po if pop is None else pop, chunk, blocks))
-                blas = blas or any(g[0] is _blas_product for g in first + second)
-                row_pass = functools.partial(rows, ps, pm, mkind, causal, pq0, scale, lowest, tiny)
-                calls.append(functools.partial(piece, own, first, row_pass, second,
-                                               () if pop is None else ((po, pop),)))
-            bound.append((before, calls, blas))
-        return bound
+    Bound = tuple[list[tuple[Any, Any]], list[Callable[[], None]], bool]
 
-    def tiles(bound: list[tuple[list[tuple[Any, Any]], list[Callable[[], None]], bool]]) -> None:
-        for before, calls, blas in bound:
+    def bind_tile(ws: Any, step: Any, keys: int) -> Bound:
+        """One tile on the workspace ``ws``, running its first ``keys`` keys (its ``kend``: all of them): the
+        k^T / v copies made before its parts, its parts, and whether they call BLAS. Every area is laid out
+        from the tile's own shape, so a later query tile of a group finds the keys its first tile packed (a
+        padded group's tiles all run the same keys: the mask row is the same for every query)."""
+        shape, kshape, qv, ktv, vv, ov, pack_kv, axis, plans, _ = step
+        sb, sh, sq, kend = shape
+        if keys < kend:
+            shape, kshape = (sb, sh, sq, keys), (sb, sh, d, keys)
+            ktv, vv = ktv[..., :keys], vv[..., :keys, :]
+            plans = [(lo, hi, pm[..., :keys], rows, pq0, tuple((a, b, min(kb, keys)) for a, b, kb in blocks))
+                     for lo, hi, pm, rows, pq0, blocks in plans]
+            kend = keys
+        ktp = area(ws, o_k, kshape) if o_k >= 0 else ktv
+        vp = area(ws, o_v, (sb, sh, kshape[3], dv)) if o_v >= 0 else None
+        packs: list[tuple[Any, Any]] = []  # k^T / v for the whole head group (causal: the keys its last
+        before: list[tuple[Any, Any]] = []  # tile sees); 1: copied before the parts, 2: each part its heads
+        if pack_kv:
+            packs = [(dst, src) for dst, src, off in ((ktp, ktv, o_k), (vp, vv, o_v)) if off >= 0]
+            if pack_kv == 1:
+                before, packs = packs, []
+        s = area(ws, o_s, shape)
+        qp = area(ws, o_q, (sb, sh, sq, d)) if o_q >= 0 else None
+        op = area(ws, o_o, (sb, sh, sq, dv)) if o_o >= 0 else None
+        views = (qv, ktp[..., :kend], (vv if vp is None else vp)[..., :kend, :], ov, s, qp, op)
+        # one part: its score GEMM in key chunks (a wide-N, small-K GEMM threads badly in OpenBLAS); several:
+        # each part's GEMMs on one BLAS thread, all keys at once
+        chunk = QK_CHUNK if len(plans) == 1 else kend
+        calls: list[Callable[[], None]] = []
+        blas = False
+        for lo, hi, pm, rows, pq0, blocks in plans:
+            pq, pk, pv, po, ps, pqp, pop = _part(axis, lo, hi, views)
+            own = tuple((_cut(dst, axis, lo, hi), _cut(src, axis, lo, hi)) for dst, src in packs)
+            if pqp is not None:
+                own, pq = (*own, (pqp, pq)), pqp
+            first, second = ([(pick(*g), *g) for g in gs]
+                             for gs in products(pq, pk, pv, ps, po if pop is None else pop, chunk, blocks))
+            blas = blas or any(g[0] is _blas_product for g in first + second)
+            row_pass = functools.partial(rows, ps, pm, mkind, causal, pq0, scale, lowest, tiny)
+            calls.append(functools.partial(piece, own, first, row_pass, second,
+                                           () if pop is None else ((po, pop),)))
+        return before, calls, blas
+
+    def tiles(ws: Any, bound: list[Bound], padded: dict[tuple[int, int], Bound]) -> None:
+        """Each tile in turn; a padded tile that keeps fewer keys than it has runs a variant bound to them (made
+        at its first use on this workspace, then kept in ``padded``)."""
+        for i, (step, tile) in enumerate(zip(steps, bound)):
+            rows = step[-1]
+            if rows is not None:
+                keys = _padded_keys(rows, mkind, step[0][3])
+                if keys < step[0][3]:
+                    tile = padded.get((i, keys)) or padded.setdefault((i, keys), bind_tile(ws, step, keys))
+            before, calls, blas = tile
             for dst, src in before:
                 np.copyto(dst, src)
             if blas:
                 run_blas_parts(calls)  # each part's GEMMs on one BLAS thread
             else:
                 run_parts(calls)
+
+    def bind(ws: Any) -> Callable[[], None]:
+        return functools.partial(tiles, ws, [bind_tile(ws, step, step[0][3]) for step in steps], {})
     # bound again only when the workspace changes: binding costs ~60-90 us of Python
-    return workspace_launcher(lambda ws: functools.partial(tiles, bind(ws)))
+    return workspace_launcher(bind)
 
 
 # ---- online softmax over key tiles (the workspace holds one bq x bk tile)
@@ -384,12 +427,16 @@ def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal:
     def vec(ws: Any, i: int, n: int) -> Any:
         return ws[offs[i]:offs[i] + n * item].view(dt)
 
+    padding = kind != "none" and (mask.strides[2] == 0 or nq == 1)  # as build_rows: the keys kept, per head
+    mkind = BOOL if kind == "bool" else ADDITIVE
+
     def launch(ws: Any) -> None:
         for b in range(nb):
             for h in range(nh):
+                keys = _padded_keys(mask[b, h, 0], mkind, nk) if padding else nk
                 for q0 in range(0, nq, bq):
                     n_q = min(bq, nq - q0)
-                    kend = min(nk, q0 + n_q) if causal else nk
+                    kend = min(keys, q0 + n_q) if causal else keys
                     qt, ot = q[b, h, q0:q0 + n_q], out[b, h, q0:q0 + n_q]
                     m, msum = vec(ws, 2, n_q), vec(ws, 5, n_q)
                     m.fill(-np.inf)
