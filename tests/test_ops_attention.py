@@ -445,10 +445,11 @@ def test_sdpa_padded_tile_touches_only_the_keys_it_runs(rng: np.random.Generator
     assert full.touched == full.workspace_size  # every key kept: the whole layout
 
 
-@pytest.mark.parametrize("limit", [None, 3000])
+@pytest.mark.parametrize("limit", [None, 1500, 700])
 def test_sdpa_padded_keys_follow_the_mask_at_every_launch(rng: np.random.Generator, limit: int | None) -> None:
     """A repeatable executor whose mask changes between launches: each launch runs the keys its mask keeps
-    (variants bound once per extent and reused), whole tile or tiles of a few rows."""
+    (variants bound once per extent and reused). One tile; tiles of 3 query rows, the second of each head
+    reading the k^T its first packed; tiles of 3 rows with k^T used in place."""
     dev = device("cpu")
     s = dev.stream()
     q, k, v = _qkv(rng, 2, 3, 6, 50, 4, 4)
@@ -456,7 +457,9 @@ def test_sdpa_padded_keys_follow_the_mask_at_every_launch(rng: np.random.Generat
     mt = dev.tensor(np.ones((2, 1, 1, 50), bool), stream=s)
     s.synchronize()
     with twophase.plan(sdpa, *ins, mt, stream=s, workspace_limit=limit) as call:
+        t = call.executor.tiling
         assert call.executor.implementation == ("materialized" if limit is None else "tiled")
+        assert (t.block_q, t.offsets[1] >= 0) == {None: (6, True), 1500: (3, True), 700: (3, False)}[limit]
         for lengths in ([10, 3], [40, 50], [10, 3], [0, 0], [50, 17], [10, 3]):
             mask = _padding_mask(np.array(lengths)[:, None], 50, "bool", rng)
             mt.view()[...] = mask
