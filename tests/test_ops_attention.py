@@ -432,6 +432,18 @@ def test_sdpa_runs_only_the_keys_a_padding_mask_keeps(b: int, h: int, lq: int, l
         _check(r, ref, padded=True)
 
 
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_sdpa_padding_rows_that_differ_per_head(rng: np.random.Generator, kind: str) -> None:
+    """Heads of one batch entry keep 2, 40 and 17 of 50 keys: a tile, or an online head, runs the keys of the
+    rows it covers, not those of its first head."""
+    q, k, v = _qkv(rng, 2, 3, 5, 50, 4, 3)
+    mask = _padding_mask(np.array([[2, 40, 17], [33, 1, 0]]), 50, kind, rng)
+    ref = reference(q, k, v, mask)
+    for impl, limit in MODES:
+        with forced(impl):
+            _check(run_checked(sdpa, q, k, v, mask, workspace_limit=limit), ref, padded=True)
+
+
 def test_sdpa_padded_tile_touches_only_the_keys_it_runs(rng: np.random.Generator) -> None:
     """One tile, 10 of 64 keys kept: its scores and its k^T copy are laid out for 16 keys (the grain)."""
     q, k, v = _qkv(rng, 1, 2, 5, 64, 8, 8)

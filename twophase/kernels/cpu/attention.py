@@ -46,6 +46,12 @@ CAUSAL_BLOCK = 32
 KEY_GRAIN = 16  # a padded tile's keys are rounded up to this: fewer bound variants, GEMM widths the kernels take
 
 
+def _is_key_padding(mask: Any, kind: int, nq: int) -> bool:
+    """Whether ``mask`` (broadcast to (B, H, Lq, Lk)) is a key-padding mask, the same row for every query: then
+    each launch runs only the keys it keeps (masks and is_causal never come together)."""
+    return kind != NONE and (mask.strides[2] == 0 or nq == 1)
+
+
 def _padding_rows(rows: Any) -> Any:
     """A tile's key-padding mask rows ((batch entries, heads, keys), a view of the mask) with its broadcast
     (stride-0) batch or head axis cut to one entry, so that each launch reads every distinct row once."""
@@ -222,10 +228,9 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         return lambda _: out.fill(0)
     lowest, tiny = _finfo(dt)
     marr, mkind = _mask_arg(mask, kind, dt)
-    # a key-padding mask (the same row for every query; masks and is_causal never come together): each launch
-    # reads which keys a tile's rows keep, and the tile runs only those (its row pass then compiled for masks of
-    # any layout, since the tile's mask is cut to them)
-    padding = mkind != NONE and (marr.strides[2] == 0 or nq == 1)
+    # a key-padding mask: each launch reads which keys a tile's rows keep, and the tile runs only those (its row
+    # pass then compiled for masks of any layout, since the tile's mask is cut to them)
+    padding = _is_key_padding(marr, mkind, nq)
     kt = k.swapaxes(-1, -2)
     tb, th, tq = t.block_b, t.block_h, t.block_q
     o_s, o_k, o_q, o_v, o_o = t.offsets
@@ -427,13 +432,16 @@ def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal:
     def vec(ws: Any, i: int, n: int) -> Any:
         return ws[offs[i]:offs[i] + n * item].view(dt)
 
-    padding = kind != "none" and (mask.strides[2] == 0 or nq == 1)  # as build_rows: the keys kept, per head
-    mkind = BOOL if kind == "bool" else ADDITIVE
+    mkind = _mask_arg(mask, kind, dt)[1]
+    padding = _is_key_padding(mask, mkind, nq)  # as build_rows: the keys kept, per head (per batch entry when
+    per_head = padding and mask.strides[1] != 0  # every head shares its row)
 
     def launch(ws: Any) -> None:
         for b in range(nb):
+            keys = _padded_keys(mask[b, 0, 0], mkind, nk) if padding else nk
             for h in range(nh):
-                keys = _padded_keys(mask[b, h, 0], mkind, nk) if padding else nk
+                if per_head:
+                    keys = _padded_keys(mask[b, h, 0], mkind, nk)
                 for q0 in range(0, nq, bq):
                     n_q = min(bq, nq - q0)
                     kend = min(keys, q0 + n_q) if causal else keys
