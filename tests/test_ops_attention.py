@@ -445,16 +445,21 @@ def test_sdpa_padding_rows_that_differ_per_head(rng: np.random.Generator, kind: 
 
 
 def test_sdpa_padded_tile_touches_only_the_keys_it_runs(rng: np.random.Generator) -> None:
-    """One tile, 10 of 64 keys kept: its scores and its k^T copy are laid out for 16 keys (the grain)."""
-    q, k, v = _qkv(rng, 1, 2, 5, 64, 8, 8)
-    mask = _padding_mask(np.array([10]), 64, "bool", rng)
-    r = run_checked(sdpa, q, k, v, mask)
-    o_s, o_k = r.tiling.offsets[:2]
-    assert r.implementation == "materialized" and o_s == 0 and o_k >= 2 * 5 * 64 * 4
-    assert r.touched == o_k + 2 * 8 * 16 * 4 < r.workspace_size
-    _check(r, reference(q, k, v, mask), padded=True)
-    full = run_checked(sdpa, q, k, v, _padding_mask(np.array([64]), 64, "bool", rng))
-    assert full.touched == full.workspace_size  # every key kept: the whole layout
+    """One tile (2 batch entries x 2 heads, 64 keys): rows that all keep the same 10 keys run exactly those,
+    without the mask (NaN in the k / v rows after them stays out); rows keeping 10 and 7 run 16 (the grain)
+    with it. The scores and the k^T copy are laid out for the keys run."""
+    q, k, v = _qkv(rng, 2, 2, 5, 64, 8, 8)
+    for lengths, keys in (([10, 10], 10), ([10, 7], 16), ([64, 64], 64)):
+        mask = _padding_mask(np.array(lengths)[:, None], 64, "bool", rng)
+        ref = reference(q, k, v, mask)
+        kn, vn = k.copy(), v.copy()
+        kn[:, :, keys:] = np.nan
+        vn[:, :, keys:] = np.nan
+        r = run_checked(sdpa, q, kn, vn, mask)
+        o_s, o_k = r.tiling.offsets[:2]
+        assert r.implementation == "materialized" and o_s == 0 and o_k >= 2 * 2 * 5 * 64 * 4
+        assert r.touched == o_k + 2 * 2 * 8 * keys * 4 <= r.workspace_size
+        _check(r, ref, padded=True)
 
 
 @pytest.mark.parametrize("limit", [None, 1500, 700])

@@ -8,7 +8,8 @@
   call BLAS on one BLAS thread each); causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries,
   each with only the keys it can see (the masked half of the scores is never multiplied). With a key-padding
   mask (one mask row for every query), a tile runs only the keys up to the last one the mask keeps for some
-  (batch entry, head) of the tile, rounded up to ``KEY_GRAIN``, and never reads the keys after them. NaN or
+  (batch entry, head) of the tile, rounded up to ``KEY_GRAIN`` (exactly those keys, and no mask at all, when
+  every row of the tile keeps the same ones: a bool mask), and never reads the keys after them. NaN or
   inf in the k / v row of a key that every query masks therefore reaches the output only when that key lies
   within a tile's extent (PyTorch's CPU attention always propagates it). The materialized form is the single
   tile holding every score.
@@ -58,13 +59,18 @@ def _padding_rows(rows: Any) -> Any:
     return rows[tuple(slice(0, 1) if rows.strides[a] == 0 else slice(None) for a in range(2))]
 
 
-def _padded_keys(rows: Any, kind: int, kend: int) -> int:
-    """The keys a tile runs under a key-padding mask: up to the last one that some row of ``rows`` (..., keys)
-    keeps (bool True, additive above -inf), rounded up to ``KEY_GRAIN``; at least one (a tile whose rows are
-    all masked still goes through the softmax, which gives them 0), at most ``kend``."""
-    live = (rows if kind == BOOL else rows != -np.inf).any(axis=tuple(range(rows.ndim - 1)))
+def _padded_keys(rows: Any, kind: int, kend: int) -> tuple[int, bool]:
+    """(keys, exact): the keys a tile runs under a key-padding mask. ``exact`` when every row of ``rows``
+    (..., keys) keeps the same leading keys and nothing else (bool masks only): the tile then runs just those,
+    with no mask at all. Otherwise up to the last key that some row keeps (bool True, additive above -inf),
+    rounded up to ``KEY_GRAIN``, with the mask; at least one key (a tile whose rows are all masked still goes
+    through the softmax, which gives them 0), at most ``kend``."""
+    keep = rows if kind == BOOL else rows != -np.inf
+    live = keep.any(axis=tuple(range(rows.ndim - 1)))
     kept = int(live.size - np.argmax(live[::-1])) if live.any() else 0
-    return min(kend, max(1, -(-kept // KEY_GRAIN) * KEY_GRAIN))
+    if kind == BOOL and kept and keep[..., :kept].all():
+        return kept, True
+    return min(kend, max(1, -(-kept // KEY_GRAIN) * KEY_GRAIN)), False
 
 
 def _blocks(nq: int, q0: int, kend: int, causal: bool) -> tuple[tuple[int, int, int], ...]:
@@ -303,9 +309,10 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
 
     Bound = tuple[list[tuple[Any, Any]], list[Callable[[], None]], bool]
 
-    def bind_tile(ws: Any, step: Any, keys: int) -> Bound:
-        """One tile on the workspace ``ws``, running its first ``keys`` keys (its ``kend``: all of them): the
-        k^T / v copies made before its parts, its parts, and whether they call BLAS. Every area is laid out
+    def bind_tile(ws: Any, step: Any, keys: int, kind: int) -> Bound:
+        """One tile on the workspace ``ws``, running its first ``keys`` keys (its ``kend``: all of them) with a
+        mask of ``kind`` (NONE: the rows keep exactly those keys): the k^T / v copies made before its parts, its
+        parts, and whether they call BLAS. Every area is laid out
         from the tile's own shape, so a later query tile of a group finds the keys its first tile packed (a
         padded group's tiles all run the same keys: the mask row is the same for every query)."""
         shape, kshape, qv, ktv, vv, ov, pack_kv, axis, plans, _ = step
@@ -341,20 +348,23 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
             first, second = ([(pick(*g), *g) for g in gs]
                              for gs in products(pq, pk, pv, ps, po if pop is None else pop, chunk, blocks))
             blas = blas or any(g[0] is _blas_product for g in first + second)
-            row_pass = functools.partial(rows, ps, pm, mkind, causal, pq0, scale, lowest, tiny)
+            row_pass = functools.partial(rows, ps, pm, kind, causal, pq0, scale, lowest, tiny)
             calls.append(functools.partial(piece, own, first, row_pass, second,
                                            () if pop is None else ((po, pop),)))
         return before, calls, blas
 
-    def tiles(ws: Any, bound: list[Bound], padded: dict[tuple[int, int], Bound]) -> None:
-        """Each tile in turn; a padded tile that keeps fewer keys than it has runs a variant bound to them (made
-        at its first use on this workspace, then kept in ``padded``)."""
+    def tiles(ws: Any, bound: list[Bound], padded: dict[tuple[int, int, bool], Bound]) -> None:
+        """Each tile in turn; a padded tile that runs fewer keys than it has, or whose rows all keep the same
+        ones (run without the mask), runs a variant bound to them (made at its first use on this workspace,
+        then kept in ``padded``)."""
         for i, (step, tile) in enumerate(zip(steps, bound)):
             rows = step[-1]
             if rows is not None:
-                keys = _padded_keys(rows, mkind, step[0][3])
-                if keys < step[0][3]:
-                    tile = padded.get((i, keys)) or padded.setdefault((i, keys), bind_tile(ws, step, keys))
+                keys, exact = _padded_keys(rows, mkind, step[0][3])
+                if keys < step[0][3] or exact:
+                    key = (i, keys, exact)
+                    tile = padded.get(key) or padded.setdefault(key, bind_tile(ws, step, keys,
+                                                                                 NONE if exact else mkind))
             before, calls, blas = tile
             for dst, src in before:
                 np.copyto(dst, src)
@@ -364,7 +374,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 run_parts(calls)
 
     def bind(ws: Any) -> Callable[[], None]:
-        return functools.partial(tiles, ws, [bind_tile(ws, step, step[0][3]) for step in steps], {})
+        return functools.partial(tiles, ws, [bind_tile(ws, step, step[0][3], mkind) for step in steps], {})
     # bound again only when the workspace changes: binding costs ~60-90 us of Python
     return workspace_launcher(bind)
 
@@ -438,10 +448,10 @@ def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal:
 
     def launch(ws: Any) -> None:
         for b in range(nb):
-            keys = _padded_keys(mask[b, 0, 0], mkind, nk) if padding else nk
+            keys = _padded_keys(mask[b, 0, 0], mkind, nk)[0] if padding else nk
             for h in range(nh):
                 if per_head:
-                    keys = _padded_keys(mask[b, h, 0], mkind, nk)
+                    keys = _padded_keys(mask[b, h, 0], mkind, nk)[0]
                 for q0 in range(0, nq, bq):
                     n_q = min(bq, nq - q0)
                     kend = min(keys, q0 + n_q) if causal else keys
