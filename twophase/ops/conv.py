@@ -14,7 +14,7 @@ depthwise convolutions).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -186,7 +186,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
     direct = Candidate("direct", t, 0)
     cands: list[Candidate] = []
     if orient and w_ok:
-        t = ConvTiling(**{**t.__dict__, "orient": orient})
+        t = replace(t, orient=orient)
         x_pix = merge_dims((n, h, wd), (xs[0], xs[2], xs[3])) if orient == "pm" else \
             merge_dims((h, wd), (xs[2], xs[3]))
         x_ok = x_pix is not None and (matrix_ok((n * h * wd, cg), (xs[3], xs[1])) if orient == "pm"
@@ -243,11 +243,11 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
         while tn < most and ws(tn + 1)[0] <= budget:
             tn += 1
         size, off = ws(tn)
-        return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_n": tn, "staged": stages(tn), "out_offset": off}),
+        return Candidate("im2col", replace(t, tile_n=tn, staged=stages(tn), out_offset=off),
                          size)
     per_row = t.kc * t.ow * item
     rows = max(1, min(t.oh, (limit // 64 * 64) // max(per_row, 1)))
-    return Candidate("im2col", ConvTiling(**{**t.__dict__, "tile_rows": rows}), align(per_row * rows))
+    return Candidate("im2col", replace(t, tile_rows=rows), align(per_row * rows))
 
 
 # output pixels per im2col_parts unit at most (whole output rows, at least one). Against im2col (ResNet-18's
@@ -274,7 +274,7 @@ def _parts_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate |
         return None
     rows = max(1, min(t.oh, PARTS_PIXELS // t.ow, -(-stacked // parts)))
     while True:
-        units = parts_units(ConvTiling(**{**t.__dict__, "tile_rows": rows, "parts": parts}))
+        units = parts_units(replace(t, tile_rows=rows, parts=parts))
         # the runs even out, often shorter than asked: the tiling says how long they are (the same runs again)
         rows = max(r for part in units for *_, r in part)
         size = parts_areas(t, units, item)[-1]
@@ -283,7 +283,7 @@ def _parts_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate |
         rows -= 1
     if (limit is not None and size > limit) or rows * per_row < PARTS_MIN_UNIT_MACS:
         return None
-    return Candidate("im2col_parts", ConvTiling(**{**t.__dict__, "tile_rows": rows, "parts": parts}), size)
+    return Candidate("im2col_parts", replace(t, tile_rows=rows, parts=parts), size)
 
 
 TILE_K = 256  # unfolded rows per tile at most: a 32-column panel of them is 32 KiB, L1
@@ -347,7 +347,7 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, limit: int | None) -> Candida
         rows = tile_rows(t.oh, t.ow, most)
         size = len(grid) * tile_stride(kblock, tile_width(rows, t.ow), x.dtype.itemsize)
         if limit is None or size <= limit:
-            tt = ConvTiling(**{**t.__dict__, "chunk": rows, "kblock": kblock, "parts": len(grid), "grid": grid})
+            tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid)
             return Candidate("im2col_tiles", tt, size)
         if rows == 1:
             return None
@@ -393,7 +393,7 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
         if lo == 0:
             return None
         chunk = lo
-    tw = ConvTiling(**{**t.__dict__, "chunk": chunk, "parts": parts})
+    tw = replace(t, chunk=chunk, parts=parts)
     return Candidate("winograd", tw, size(chunk))
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -71,6 +71,24 @@ def _padded_keys(rows: Any, kind: int, kend: int) -> tuple[int, bool]:
     if kind == BOOL and kept and keep[..., :kept].all():
         return kept, True
     return min(kend, max(1, -(-kept // KEY_GRAIN) * KEY_GRAIN)), False
+
+
+class _Tile(NamedTuple):
+    """One tile of ``build_rows``, fixed in phase 1: its (batch, heads, queries, keys) shape, its k^T copy's shape
+    (the keys its head group's last tile sees), its q / k^T / v / out views, how it packs k^T / v (0: its group's
+    first tile did; 1: before its parts; 2: each part its heads), the axis its parts are cut along, the parts'
+    plans, and on a padded group's first tile the group's key-padding mask rows (else None)."""
+
+    shape: tuple[int, int, int, int]
+    kshape: tuple[int, int, int, int]
+    q: Any
+    kt: Any
+    v: Any
+    out: Any
+    pack_kv: int
+    axis: int
+    plans: list[Any]
+    rows: Any
 
 
 def _blocks(nq: int, q0: int, kend: int, causal: bool) -> tuple[tuple[int, int, int], ...]:
@@ -269,9 +287,9 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                                   _blocks(pnq, pq0, kend, causal)))
                 # the group's k^T / v copies: made by the parts when they own whole heads, else before them
                 pack_kv = 0 if q0 else (2 if axis != 2 and len(plans) > 1 else 1)
-                steps.append((shape, (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
-                              v[(*idx, slice(0, kk))], out[qi], pack_kv, axis, plans,
-                              _padding_rows(mv[:, :, 0]) if padding else None))
+                steps.append(_Tile(shape, (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
+                                   v[(*idx, slice(0, kk))], out[qi], pack_kv, axis, plans,
+                                   _padding_rows(mv[:, :, 0]) if padding and pack_kv else None))
 
     def area(ws: Any, off: int, shape: tuple[int, ...]) -> Any:
         n = shape[0] * shape[1] * shape[2] * shape[3]
@@ -309,7 +327,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
 
     Bound = tuple[list[tuple[Any, Any]], list[Callable[[], None]], bool]
 
-    def bind_tile(ws: Any, step: Any, keys: int, kind: int) -> Bound:
+    def bind_tile(ws: Any, step: _Tile, keys: int, kind: int) -> Bound:
         """One tile on the workspace ``ws``, running its first ``keys`` keys (its ``kend``: all of them) with a
         mask of ``kind`` (NONE: the rows keep exactly those keys): the k^T / v copies made before its parts, its
         parts, and whether they call BLAS. Every area is laid out
@@ -357,14 +375,13 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         """Each tile in turn; a padded tile that runs fewer keys than it has, or whose rows all keep the same
         ones (run without the mask), runs a variant bound to them (made at its first use on this workspace,
         then kept in ``padded``)."""
+        keys, exact = nk, False
         for i, (step, tile) in enumerate(zip(steps, bound)):
-            rows = step[-1]
-            if rows is not None:
-                keys, exact = _padded_keys(rows, mkind, step[0][3])
-                if keys < step[0][3] or exact:
-                    key = (i, keys, exact)
-                    tile = padded.get(key) or padded.setdefault(key, bind_tile(ws, step, keys,
-                                                                                 NONE if exact else mkind))
+            if step.rows is not None:  # a padded head group's first tile: the group's query tiles run these keys
+                keys, exact = _padded_keys(step.rows, mkind, step.shape[3])
+            if keys < step.shape[3] or exact:
+                key = (i, keys, exact)
+                tile = padded.get(key) or padded.setdefault(key, bind_tile(ws, step, keys, NONE if exact else mkind))
             before, calls, blas = tile
             for dst, src in before:
                 np.copyto(dst, src)
@@ -374,7 +391,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 run_parts(calls)
 
     def bind(ws: Any) -> Callable[[], None]:
-        return functools.partial(tiles, ws, [bind_tile(ws, step, step[0][3], mkind) for step in steps], {})
+        return functools.partial(tiles, ws, [bind_tile(ws, step, step.shape[3], mkind) for step in steps], {})
     # bound again only when the workspace changes: binding costs ~60-90 us of Python
     return workspace_launcher(bind)
 
