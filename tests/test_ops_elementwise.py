@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from unittest import mock
 
 import numba
 import numpy as np
@@ -14,11 +15,14 @@ from ops_layouts import LAYOUTS, on_device, random, shapes
 from threads import num_threads
 
 import twophase
-from twophase import device, functions, ops
+from twophase import DType, TensorDesc, device, functions, ops
 from twophase.errors import ParamError
+from twophase.kernels.cpu import streaming
 from twophase.kernels.cpu.elementwise import IN_PLACE, KERNELS, _rows_call, function_for
 from twophase.kernels.cpu.jit import FAST
+from twophase.ops import elementwise as elementwise_ops
 from twophase.ops.elementwise import BINARY, COMPARE, UNARY, unary_reference
+from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
 TOL = {np.float16: 2e-3, np.float32: 2e-6, np.float64: 1e-12}
@@ -324,3 +328,103 @@ def test_an_out_whose_format_tag_contradicts_the_result_is_refused(dev: Any) -> 
     o = twophase.relu(nhwc, out=dev.empty((2, 8, 8, 6)))  # an ND out takes any layout, and stays ND
     assert o.desc.format is fm.ND
     np.testing.assert_array_equal(o.numpy(), np.maximum(xn.transpose(0, 2, 3, 1), 0))
+
+
+# ---------------------------------------------------------------- streaming stores (add / sub / mul / div)
+STREAMING = sorted(streaming.CODES)
+POISON_BITS = {np.float32: np.uint32(0x7FA0_0001), np.float64: np.uint64(0x7FF4_0000_0000_0001)}  # signalling NaNs
+
+
+def _dense_at(dev: Any, base: np.ndarray[Any, Any], shape: tuple[int, ...], offset: int) -> Any:
+    """(whole, view): a device copy of the 1-D ``base`` and a dense tensor of ``shape`` ``offset`` elements in."""
+    whole = dev.tensor(base)
+    whole.synchronize()
+    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return whole, whole.strided(shape, strides, offset)
+
+
+@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+@settings(max_examples=60, deadline=None)
+@given(name=st.sampled_from(STREAMING), dtype=st.sampled_from([np.float32, np.float64]),
+       shape=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
+       offsets=st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)), parts=st.integers(1, 3),
+       seed=st.integers(0, 2**31))
+def test_streaming_binary_is_bitwise_numpy_at_any_alignment(name: str, dtype: Any, shape: tuple[int, ...],
+                                                            offsets: tuple[int, int, int], parts: int,
+                                                            seed: int) -> None:
+    """Operands and output start at any element offset (the kernel's scalar head runs up to the output's first
+    32-byte boundary), cut into one to three parts; every element is written, nothing around the output is, and
+    the result is numpy's bit for bit (NaN where numpy has NaN), inf, -0 and subnormals included."""
+    dev = device("cpu")
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, np.finfo(dtype).smallest_subnormal], dtype)
+    x, y = (np.where(rng.random(n) < 0.1, rng.choice(special, n), rng.standard_normal(n) * 3).astype(dtype)
+            for _ in range(2))
+    bx, by = np.zeros(n + 9, dtype), np.zeros(n + 9, dtype)
+    bx[offsets[0]:offsets[0] + n], by[offsets[1]:offsets[1] + n] = x, y
+    bout = np.full(n + 9, 7.0, dtype)
+    bout[offsets[2]:offsets[2] + n] = np.full(n, POISON_BITS[dtype]).view(dtype)
+    (_, tx), (_, ty), (whole, tout) = (_dense_at(dev, b, shape, o) for b, o in zip((bx, by, bout), offsets))
+    op = getattr(ops, name)
+    with forced("streaming"), num_threads(parts), mock.patch.object(elementwise_ops, "FANOUT_MIN", 8):
+        size, ex = op.get_workspace_size(tx, ty, out=tout)
+    assert ex.implementation == "streaming" and size == 0
+    op(None, 0, ex, dev.default_stream)
+    out = whole.numpy()  # waits for the launch
+    with np.errstate(all="ignore"):
+        want = BINARY[name][0](x, y)
+    written = out[offsets[2]:offsets[2] + n]
+    assert not (written.view(POISON_BITS[dtype].dtype) == POISON_BITS[dtype]).any()
+    np.testing.assert_array_equal(written, want)
+    assert (np.delete(out, np.arange(offsets[2], offsets[2] + n)) == 7.0).all()
+
+
+def test_streaming_is_ranked_first_only_for_outputs_as_large_as_the_last_level_cache() -> None:
+    """Phase 1 on descs alone (nothing is allocated): from the LLC's size on, 'streaming'; below it numpy's ufunc,
+    whose stores leave the result cached for the next op; never where the kernel does not apply."""
+    llc = streaming.last_level_cache_bytes()
+    big = TensorDesc((llc // 4,), DType.float32)
+    small = TensorDesc((llc // 4 - 128,), DType.float32)
+
+    def impl(*descs: TensorDesc, name: str = "add", **attrs: Any) -> str:
+        _, ex = getattr(ops, name).get_workspace_size(*descs, **attrs)
+        ex.destroy()
+        return ex.implementation
+    want = "streaming" if streaming.AVAILABLE else "ufunc"
+    assert [impl(big, big, name=n) for n in STREAMING] == [want] * 4
+    assert impl(TensorDesc((llc // 8,), DType.float64), TensorDesc((llc // 8,), DType.float64)) == want
+    assert impl(small, small) == "ufunc"
+    cases = {"alpha": (big, big), "broadcast": (big, TensorDesc((1,), DType.float32)),
+             "float16": (TensorDesc((llc // 2,), DType.float16),) * 2,
+             "int32": (TensorDesc((llc // 4,), DType.int32),) * 2,
+             "promoted": (big, TensorDesc((llc // 4,), DType.float64)),
+             "strided": (TensorDesc((llc // 4,), DType.float32, strides=(2,)), big)}
+    for case, descs in cases.items():
+        attrs = {"alpha": 2.0} if case == "alpha" else {}
+        assert impl(*descs, **attrs) == "ufunc", case
+        with forced("streaming"), pytest.raises(ParamError) as err:
+            impl(*descs, **attrs)
+        assert err.value.arg == "implementation", case
+
+
+@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+@pytest.mark.parametrize("case", ["x", "other", "shifted"])
+def test_streaming_output_in_place_or_overlapping_is_numpys_result(dev: Any, case: str) -> None:
+    """``out`` as an input's own view runs the streaming kernel in place; ``out`` one element past ``x`` (numpy
+    buffers that overlap) runs numpy's ufunc under the same plan, with numpy's result."""
+    rng = np.random.default_rng(3)
+    base = rng.standard_normal(1001).astype(np.float32)
+    other = rng.standard_normal(1000).astype(np.float32)
+    t = dev.tensor(base)
+    to = dev.tensor(other)
+    x = t.strided((1000,), (1,), 0)
+    out = {"x": x, "other": to, "shifted": t.strided((1000,), (1,), 1)}[case]
+    want = base.copy()
+    w_other = other.copy()
+    np.subtract(want[:1000], w_other, out={"x": want[:1000], "other": w_other, "shifted": want[1:]}[case])
+    with forced("streaming"):
+        got = twophase.sub(x, to, out=out)
+    assert got is out
+    np.testing.assert_array_equal(t.numpy(), want)
+    np.testing.assert_array_equal(to.numpy(), w_other)

@@ -10,12 +10,15 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
+from ..kernels.cpu import streaming
 from ..kernels.cpu.elementwise import FANOUT_MIN, build_unary, pieces
+from ..kernels.cpu.jit import entry
 from ..layout import align, broadcast_shape, merge_dims, same_view
 from ..op import Attr, Op, OpDef, Plan, register
-from ..runtime.fanout import fanout_parts, launcher
+from ..runtime.fanout import fanout_parts, launcher, split_range
 from ..tensor import DType, Format, TensorDesc
 from .checks import FLOATS, NUMERIC, as_scalar, cast_scalar, check_dtype, choice, need
+from .selection import Candidate, choose
 
 __all__ = ["BINARY", "COMPARE", "UNARY", "unary_reference"]
 
@@ -70,10 +73,47 @@ def _binary_infer(name: str) -> Callable[[tuple[TensorDesc | None, ...], dict[st
     return infer
 
 
-def _binary_build(ufunc: Any) -> Builder:
+def _streaming_select(name: str) -> Any:
+    """Phase 1 of add / sub / mul / div: 'streaming' (non-temporal stores, ``kernels/cpu/streaming.py``) where the
+    operands and the output are dense, of one float dtype and one shape (``alpha`` 1), ranked first from outputs of
+    the last-level cache's size; numpy's 'ufunc' otherwise, and first below that size."""
+    def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+        out = outs[0]
+        ufunc = Candidate("ufunc", None, 0)
+        if not (streaming.AVAILABLE and attrs.get("alpha", 1) == 1 and out.dtype in (DType.float32, DType.float64)
+                and out.numel and all(d.shape == out.shape and d.dtype is out.dtype and d.is_contiguous
+                                      for d in (*ins, out))):
+            return choose(name, [ufunc], limit)
+        stream = Candidate("streaming", None, 0)
+        ranked = [stream, ufunc] if out.nbytes >= streaming.last_level_cache_bytes() else [ufunc, stream]
+        return choose(name, ranked, limit)
+    return select
+
+
+def _build_streaming(name: str, x: Any, y: Any, out: Any) -> Callable[[Any], None] | None:
+    """The 'streaming' launch, in one part per helper thread from ``FANOUT_MIN`` elements; None where the bound
+    memory cannot take it: an output overlapping an input other than as the same view (numpy buffers such a call,
+    and a stream of vector stores would read what it overwrote), or not aligned to its element size, or (which
+    phase 1's contiguous descs rule out) not C-contiguous."""
+    if out.ctypes.data % out.itemsize or not all(a.flags.c_contiguous for a in (x, y, out)) or any(
+            np.may_share_memory(a, out) and not same_view(a, out) for a in (x, y)):
+        return None
+    flat = [a.reshape(-1) for a in (x, y, out)]
+    fn = entry(streaming.KERNELS[name], *flat)
+    parts = fanout_parts() if out.size >= FANOUT_MIN else 1
+    return launcher([functools.partial(fn, *(a[lo:hi] for a in flat))
+                     for lo, hi in split_range(out.size, parts, FANOUT_MIN // 2)])
+
+
+def _binary_build(ufunc: Any, name: str = "") -> Builder:
+    """The launch of a binary op: numpy's ``ufunc`` in parts, or op ``name``'s 'streaming' kernel where planned."""
     def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
         x, y = ins
         out = outs[0]
+        if plan.implementation == "streaming":
+            launch = _build_streaming(name, x, y, out)
+            if launch is not None:
+                return launch
         alpha = attrs.get("alpha", 1)
         if out.dtype.kind == "f":
             alpha = float(alpha)  # an int past int64 (checked in phase 1) is an object array to numpy < 2.4
@@ -102,10 +142,16 @@ def _register_binary() -> None:
         register(OpDef(
             name=name, inputs=("x", "other"),
             attrs=(Attr("alpha", as_scalar, 1, "scale of other"),) if scaled else (),
-            dtypes=NUMERIC, infer=_binary_infer(name), select=_zero_plan, kernels={"cpu": _binary_build(ufunc)},
-            implementations=("ufunc",), workspace_formula="0", aliases="any", promotes=(0, 1),
+            dtypes=NUMERIC, infer=_binary_infer(name),
+            select=_streaming_select(name) if name in streaming.CODES else _zero_plan,
+            kernels={"cpu": _binary_build(ufunc, name)},
+            implementations=("ufunc", "streaming") if name in streaming.CODES else ("ufunc",), workspace_formula="0",
+            aliases="any", promotes=(0, 1),
             doc=(f"out = {name}(x, {'alpha * ' if scaled else ''}other) with numpy broadcasting and type promotion "
-                 f"(dtypes {[d.value for d in NUMERIC]}). Workspace: 0 bytes."),
+                 f"(dtypes {[d.value for d in NUMERIC]}). Workspace: 0 bytes."
+                 + (" Implementations: 'ufunc' (numpy's); 'streaming' (vector stores that bypass the cache) where "
+                    "operands and output are dense float32 / float64 of one shape (alpha 1), ranked first from "
+                    "outputs of the last-level cache's size." if name in streaming.CODES else "")),
             reference=ref))
 
 
