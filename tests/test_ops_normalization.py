@@ -6,21 +6,28 @@ from __future__ import annotations
 import math
 import warnings
 from typing import Any
+from unittest import mock
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ops_layouts import LAYOUTS, on_device, random, shapes
+from threads import num_threads
 
-from twophase import TensorDesc, ops
+import twophase
+from twophase import DType, TensorDesc, device, ops
 from twophase.errors import ParamError
+from twophase.kernels.cpu import norm as norm_kernels
+from twophase.kernels.cpu import streaming
 from twophase.kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
 from twophase.ops.normalization import SoftmaxTiling
+from twophase.ops.selection import forced
 from twophase.runtime.fanout import fanout_parts
 from twophase.testing import run_checked
 
 TOL = {np.float16: 3e-3, np.float32: 2e-5, np.float64: 1e-10}
+POISON_BITS = {np.float32: np.uint32(0x7FA0_0001), np.float64: np.uint64(0x7FF4_0000_0000_0001)}  # signalling NaNs
 DTYPES = [np.float32, np.float64, np.float16]
 
 
@@ -401,3 +408,80 @@ def test_norm_statistics_outputs_whose_dims_do_not_merge_are_refused_in_phase_1(
         op.get_workspace_size(x, out=tuple(outs), normalized_shape=(4,))
     for t in (x, odd, *outs[:which], *outs[which + 1:]):
         t.free()
+
+
+# ---------------------------------------------------------------- layer_norm / rms_norm with streaming stores
+def _dense_at(dev: Any, base: np.ndarray[Any, Any], shape: tuple[int, ...], offset: int) -> Any:
+    """(whole, view): a device copy of the 1-D ``base`` and a dense tensor of ``shape`` ``offset`` elements in."""
+    whole = dev.tensor(base)
+    whole.synchronize()
+    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return whole, whole.strided(shape, strides, offset)
+
+
+@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+@settings(max_examples=40, deadline=None)
+@given(rows=st.integers(1, 9), n=st.integers(1, 70), offsets=st.tuples(st.integers(0, 9), st.integers(0, 9)),
+       dtype=st.sampled_from([np.float32, np.float64]), rms=st.booleans(), affine=st.booleans(),
+       parts=st.integers(1, 3))
+def test_streaming_norm_rows_match_the_reference_at_any_alignment(rows: int, n: int, offsets: tuple[int, int],
+                                                                 dtype: Any, rms: bool, affine: bool,
+                                                                 parts: int) -> None:
+    """Rows of any length starting at any element offset (each row's scalar head runs up to its first 32-byte
+    boundary): every output element is written (a signalling-NaN poison is gone), nothing around the output is, the
+    values match the float64 reference, and within a few ulp the 'rows' kernel's."""
+    dev = device("cpu")
+    rng = np.random.default_rng(n * 100 + rows)
+    x = random((rows, n), dtype, rng) + 1.5
+    w, b = random((n,), dtype, rng), random((n,), dtype, rng)
+    op = ops.rms_norm if rms else ops.layer_norm
+    params = ([w] if rms else [w, b]) if affine else []
+    bx = np.zeros(rows * n + 9, dtype)
+    bx[offsets[0]:offsets[0] + rows * n] = x.reshape(-1)
+    poison = np.full(rows * n, POISON_BITS[dtype]).view(dtype)
+    bout = np.full(rows * n + 9, 7.0, dtype)
+    bout[offsets[1]:offsets[1] + rows * n] = poison
+    (_, tx), (whole, tout) = (_dense_at(dev, a, (rows, n), o) for a, o in zip((bx, bout), offsets))
+    tp = [dev.tensor(p) for p in params]
+    with forced("rows_streaming"), num_threads(parts), mock.patch.object(norm_kernels, "FANOUT_MIN", 1):
+        _, first = op.get_workspace_size(tx.desc, *(t.desc for t in tp), normalized_shape=(n,))
+        first.destroy()
+        stats = [dev.empty_like(d) for d in first.output_descs[1:]]
+        size, ex = op.get_workspace_size(tx, *tp, out=(tout, *stats), normalized_shape=(n,))
+    assert ex.implementation == "rows_streaming" and size == 0
+    op(None, 0, ex, dev.default_stream)
+    out = whole.numpy()
+    written = out[offsets[1]:offsets[1] + rows * n]
+    assert not (written.view(POISON_BITS[dtype].dtype) == POISON_BITS[dtype]).any()
+    assert (np.delete(out, np.arange(offsets[1], offsets[1] + rows * n)) == 7.0).all()
+    want = op.spec.reference(x, *params, normalized_shape=(n,))[0]
+    np.testing.assert_allclose(written.reshape(rows, n).astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
+    with forced("rows"):
+        plain = getattr(twophase, op.name)(dev.tensor(x), *(dev.tensor(p) for p in params), normalized_shape=(n,))[0]
+    np.testing.assert_allclose(written.reshape(rows, n), plain.numpy(), rtol=4 * np.finfo(dtype).eps,
+                               atol=4 * np.finfo(dtype).eps)
+
+
+def test_streaming_norms_are_ranked_first_only_for_outputs_as_large_as_the_last_level_cache() -> None:
+    """Phase 1 on descs alone: from the LLC's size on 'rows_streaming', below it 'rows'; never for float16 (packed),
+    a strided weight, or rows that are not dense."""
+    llc = streaming.last_level_cache_bytes()
+    n = 1024
+    big, small = TensorDesc((llc // 4 // n, n), DType.float32), TensorDesc((llc // 4 // n - 1, n), DType.float32)
+    w = TensorDesc((n,), DType.float32)
+
+    def impl(*descs: TensorDesc | None, op: Any = ops.layer_norm) -> str:
+        _, ex = op.get_workspace_size(*descs, normalized_shape=(n,))
+        ex.destroy()
+        return ex.implementation
+    want = "rows_streaming" if streaming.AVAILABLE else "rows"
+    assert impl(big, w, w) == impl(big, w, op=ops.rms_norm) == impl(big) == want
+    assert impl(small, w, w) == "rows"
+    cases = {"strided weight": (big, TensorDesc((n,), DType.float32, strides=(2,))),
+             "strided rows": (TensorDesc((llc // 4 // n, n), DType.float32, strides=(2 * n, 1)),)}
+    for case, descs in cases.items():
+        assert impl(*descs) == "rows", case
+        with forced("rows_streaming"), pytest.raises(ParamError) as err:
+            impl(*descs)
+        assert err.value.arg == "implementation", case
+    assert impl(TensorDesc((llc // 2 // n, n), DType.float16)) == "rows_packed"

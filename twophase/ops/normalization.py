@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
+from ..kernels.cpu import streaming
 from ..kernels.cpu.jit import entry
 from ..kernels.cpu.norm import build_norm
 from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
@@ -236,11 +237,15 @@ def _norm_select(name: str) -> Callable[[Any, Any, dict[str, Any], int | None], 
         for arg, stat in (("mean", outs[1]), ("rstd", outs[2])):  # written as (K,) vectors (a TypeError at bind)
             if stat is not None:
                 check_vector_out(name, stat, arg)
-        return _norm_plan(ins, outs, attrs)
+        return _norm_plan(name, ins, outs, attrs, limit)
     return select
 
 
-def _norm_plan(ins: Any, outs: Any, attrs: dict[str, Any]) -> Plan:
+def _norm_plan(name: str, ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+    """'rows_packed' where the rows must be copied (float16, dims that do not merge); else 'rows', and
+    'rows_streaming' (rows written with non-temporal stores, ``kernels/cpu/streaming.py``) where x, the output and
+    weight / bias are dense float32 / float64, ranked first from outputs of the last-level cache's size.
+    Tiling: (pack, x area bytes, weight vector bytes, streaming)."""
     x = ins[0]
     nd = len(attrs["normalized_shape"])
     n = 1
@@ -248,8 +253,16 @@ def _norm_plan(ins: Any, outs: Any, attrs: dict[str, Any]) -> Plan:
         n *= s
     pack = x.numel > 0 and _norm_pack(x, outs[0], ins[1:], nd)
     item = 4 if x.dtype is DType.float16 else x.dtype.itemsize
-    ws = align(x.numel * item) + 2 * align(n * item) if pack else 0
-    return Plan("rows_packed" if pack else "rows", (pack, align(x.numel * item), align(n * item)), ws)
+    areas = (align(x.numel * item), align(n * item))
+    if pack:
+        return choose(name, [Candidate("rows_packed", (True, *areas, False), areas[0] + 2 * areas[1])], limit)
+    rows = Candidate("rows", (False, *areas, False), 0)
+    if not (streaming.AVAILABLE and x.numel and x.dtype in (DType.float32, DType.float64)
+            and all(d is None or d.is_contiguous for d in (*ins, outs[0]))):
+        return choose(name, [rows], limit)
+    stream = Candidate("rows_streaming", (False, *areas, True), 0)
+    return choose(name, [stream, rows] if outs[0].nbytes >= streaming.last_level_cache_bytes() else [rows, stream],
+                  limit)
 
 
 def _norm_build(rms: bool) -> Any:
@@ -257,7 +270,7 @@ def _norm_build(rms: bool) -> Any:
         x, w, b = ins[0], ins[1], ins[2] if len(ins) > 2 else None
         out, mean, rstd = outs
         nd = len(attrs["normalized_shape"])
-        pack, x_bytes, w_bytes = plan.tiling
+        pack, x_bytes, w_bytes, stream = plan.tiling
         compute = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
         n = int(np.prod(attrs["normalized_shape"]))
         lead, trail = tuple(range(x.ndim - nd)), tuple(range(x.ndim - nd, x.ndim))
@@ -268,7 +281,7 @@ def _norm_build(rms: bool) -> Any:
             wv = ones if w is None else as_matrix(w, (), tuple(range(w.ndim)))[0]  # type: ignore[index]
             bv = zeros if b is None else as_matrix(b, (), tuple(range(b.ndim)))[0]  # type: ignore[index]
             return build_norm(as_matrix(x, lead, trail), as_matrix(out, lead, trail), wv, bv, mean1, rstd1,
-                              attrs["eps"], rms, False, compute)
+                              attrs["eps"], rms, False, compute, stream)
         inner = build_norm(x, out, ones, zeros, mean1, rstd1, attrs["eps"], rms, True, compute)
         if w is None and b is None:
             return inner
@@ -302,27 +315,30 @@ def _ln_reference(x: Any, weight: Any = None, bias: Any = None, normalized_shape
 
 
 _LN_FORMULA = "0, or align64(numel*c) + 2*align64(N*c) when packed (c = 4 for float16, else itemsize)"
+_STREAMING_DOC = ("'rows_streaming' writes the rows with vector stores that bypass the cache, for dense float32 / "
+                  "float64 operands; ranked first from outputs of the last-level cache's size.")
 register(OpDef(
     name="layer_norm", inputs=("x", "weight?", "bias?"), outputs=("out", "mean", "rstd"),
     attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-5)),
     dtypes=FLOATS, infer=_norm_infer("layer_norm"), select=_norm_select("layer_norm"),
     kernels={"cpu": _norm_build(False)},
-    implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
+    implementations=("rows", "rows_streaming", "rows_packed"), workspace_formula=_LN_FORMULA,
     doc=("Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (float32 rows: "
          "sum and sum of squares of x - x[0] in one float64 pass (shifted by a sample: no cancellation from a "
          "large mean), then the write; float64 rows: sum, then squared deviations "
          "with their sum correcting the mean's rounding (a row of one value gives 0), write; each row in cache); "
          "mean / rstd outputs have the reduced dims as 1 "
-         f"(float32 for float16). Workspace: {_LN_FORMULA} (float16, or dims that do not merge)."),
+         f"(float32 for float16). Workspace: {_LN_FORMULA} (float16, or dims that do not merge). "
+         + _STREAMING_DOC),
     reference=_ln_reference))
 register(OpDef(
     name="rms_norm", inputs=("x", "weight?"), outputs=("out", "mean", "rstd"),
     attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-6)),
     dtypes=FLOATS, infer=_norm_infer("rms_norm"), select=_norm_select("rms_norm"),
     kernels={"cpu": _norm_build(True)},
-    implementations=("rows", "rows_packed"), workspace_formula=_LN_FORMULA,
+    implementations=("rows", "rows_streaming", "rows_packed"), workspace_formula=_LN_FORMULA,
     doc=("RMS norm: out = x / sqrt(mean(x^2) + eps) * weight over the trailing ``normalized_shape`` dims; "
-         f"the mean output is 0, rstd is 1/rms. Workspace: {_LN_FORMULA}."),
+         f"the mean output is 0, rstd is 1/rms. Workspace: {_LN_FORMULA}. " + _STREAMING_DOC),
     reference=lambda x, weight=None, normalized_shape=(), eps=1e-6: _ln_reference(x, weight, None, normalized_shape,
                                                                                    eps, rms=True)))
 

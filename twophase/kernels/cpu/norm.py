@@ -14,6 +14,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .jit import FAST, by_density, entry, row_of, rows_dense
+from .streaming import VECTOR_BYTES, sfence, store_normalized
 from .vmath import corrected_moments, deviation_sums
 
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -24,7 +25,7 @@ kern = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {
 FANOUT_MIN = 1 << 19  # elements from which the rows are cut into ranges for helper threads
 
 
-def _layer_norm_kernel(dense: bool) -> Any:
+def _layer_norm_kernel(dense: bool, stream: bool = False) -> Any:
     @kern
     def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mean: Any, rstd: Any) -> None:
         """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b
@@ -34,17 +35,21 @@ def _layer_norm_kernel(dense: bool) -> Any:
         corrected: ``vmath.corrected_moments``);
         RMS sums x^2 (nothing cancels). Rows typed dense when
         ``dense`` (``jit.by_density``), so the loops vectorize when the matrix itself is not (rows of a wider
-        array)."""
+        array). With ``stream`` (dense rows, unit-stride w and b) the rows are written with non-temporal stores
+        (``streaming.store_normalized``)."""
         for k in range(x.shape[0]):
-            mu, r = _norm_row(row_of(x, k, dense), w, b, eps, rms, row_of(out, k, dense))
+            mu, r = _norm_row(row_of(x, k, dense), w, b, eps, rms, row_of(out, k, dense), stream)
             mean[k] = mu
             rstd[k] = r
+        if stream:
+            sfence()
     return layer_norm_rows
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {"reassoc"}, inline="always")
-def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any) -> tuple[float, float]:
-    """One row of ``layer_norm_rows``: writes it, returns (mean, rstd)."""
+def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: bool) -> tuple[float, float]:
+    """One row of ``layer_norm_rows``: writes it (whole vectors with non-temporal stores when ``stream``, a
+    constant at the call), returns (mean, rstd)."""
     n = x.shape[0]
     s = 0.0
     q = 0.0
@@ -65,17 +70,29 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any) -> tuple[
         var = q / n
     r = 1.0 / math.sqrt(var + eps)
     rr = x.dtype.type(r)
-    for i in range(n):  # x - mean in float64 (exact for float32 x), rounded once: accurate when rstd is large
+    first, last = 0, 0
+    if stream:  # a scalar head up to out's first aligned vector, the vectors, then the scalar tail
+        lanes = VECTOR_BYTES // out.itemsize
+        first = min(((-out.ctypes.data) & (VECTOR_BYTES - 1)) // out.itemsize, n)
+        last = first + (n - first) // lanes * lanes
+        for i in range(first, last, lanes):
+            store_normalized(out, x, w, b, i, mu, r)
+    for i in range(first):
+        out[i] = x.dtype.type(np.float64(x[i]) - mu) * rr * w[i] + b[i]
+    for i in range(last, n):  # x - mean in float64 (exact for float32 x), rounded once: accurate when rstd is large
         out[i] = x.dtype.type(np.float64(x[i]) - mu) * rr * w[i] + b[i]
     return mu, r
 
 
 LAYER_NORM_ROWS = by_density(_layer_norm_kernel)
+LAYER_NORM_ROWS_STREAMING = _layer_norm_kernel(True, stream=True)
 
 
 def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: float, rms: bool,
-               pack: bool, compute: Any) -> Callable[[Any], None]:
-    """Launch over (K, N) views, or through a dense ``compute`` copy of the rows in the workspace when ``pack``."""
+               pack: bool, compute: Any, stream: bool = False) -> Callable[[Any], None]:
+    """Launch over (K, N) views, or through a dense ``compute`` copy of the rows in the workspace when ``pack``;
+    ``stream``: rows written with non-temporal stores, where every row of ``src`` and ``dst`` is dense and ``w`` / ``b``
+    have unit stride (else the plain kernel)."""
     k, n = (src.shape[0], src.shape[1]) if not pack else (mean.size, src.size // max(mean.size, 1))
     if k * n == 0:
         def empty(_: Any) -> None:
@@ -83,8 +100,10 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
             rstd.fill(np.nan)
         return empty
     sample = np.empty((1, 1), compute) if pack else src
-    fn = entry(LAYER_NORM_ROWS[pack or rows_dense(src, dst)], sample, w, b, eps, rms, sample if pack else dst, mean,
-               rstd)
+    stream = stream and not pack and rows_dense(src, dst) and all(v.strides[0] == v.itemsize for v in (w, b)) and (
+        dst.ctypes.data % dst.itemsize == 0)
+    kernel = LAYER_NORM_ROWS_STREAMING if stream else LAYER_NORM_ROWS[pack or rows_dense(src, dst)]
+    fn = entry(kernel, sample, w, b, eps, rms, sample if pack else dst, mean, rstd)
     ranges = split_range(k, fanout_parts() if k * n >= FANOUT_MIN else 1)
 
     def parts(x: Any, out: Any) -> list[Callable[[], None]]:

@@ -1,15 +1,16 @@
-"""Binary arithmetic (add, sub, mul, div) that writes its output with non-temporal (streaming) stores.
+"""Kernels that write their output with non-temporal (streaming) stores: binary arithmetic (add, sub, mul, div)
+and the row write of layer / RMS norm (``store_normalized``, used by ``norm.py``).
 
 A plain store to a line that is not cached reads that line first (read for ownership), so ``out = x + y`` over
 arrays larger than the last-level cache moves four arrays' bytes through memory to write three. An aligned 32-byte
 ``vmovntps`` / ``vmovntpd`` writes whole lines past the cache without reading them. On this project's AMD EPYC
-(AVX2, 2 vCPUs) a 4096 x 4096 float32 add ran 1.14-1.25x faster this way. Below the cache's size the result would
-have stayed cached for the next op, which then reads it from memory instead: an add followed by a read of its
-8 MiB output ran 0.85x as fast (``/tmp/w20/ntsz.py`` of the twentieth session). So phase 1 ranks this
-implementation first only for outputs of at least :func:`last_level_cache_bytes`.
+(AVX2, 2 vCPUs) a 4096 x 4096 float32 add ran 1.14-1.25x faster this way, layer / RMS norm 1.22-1.63x. Below the
+cache's size the result would have stayed cached for the next op, which then reads it from memory instead: an add
+followed by a read of its 8 MiB output ran 0.85x as fast (``/tmp/w20/ntsz.py`` of the twentieth session). So
+phase 1 ranks these implementations first only for outputs of at least :func:`last_level_cache_bytes`.
 
-The arithmetic is plain IEEE (no fast-math flags), one rounding per element as numpy's: the results are bitwise
-numpy's, NaN and inf included. x86 only (the ``sfence`` that orders the streaming stores before the part's
+The binary arithmetic is plain IEEE (no fast-math flags), one rounding per element as numpy's: the results are
+bitwise numpy's, NaN and inf included. x86 only (the ``sfence`` that orders the streaming stores before the part's
 completion is an x86 instruction).
 """
 
@@ -25,7 +26,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["CODES", "KERNELS", "AVAILABLE", "VECTOR_BYTES", "last_level_cache_bytes"]
+__all__ = ["CODES", "KERNELS", "AVAILABLE", "VECTOR_BYTES", "last_level_cache_bytes", "sfence", "store_normalized"]
 
 CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 _INSTRUCTIONS = ("fadd", "fsub", "fmul", "fdiv")
@@ -94,6 +95,46 @@ def _store_typing(typingctx: Any, code: Any, out: Any, a: Any, b: Any, i: Any) -
     return sig, codegen
 
 
+def _normalized_typing(typingctx: Any, out: Any, x: Any, w: Any, b: Any, i: Any, mu: Any, r: Any) -> Any:
+    """``out[i:i + lanes] = T(x - mu) * r * w + b`` over one vector, stored with a non-temporal store (``&out[i]``
+    aligned to ``VECTOR_BYTES``): layer / RMS norm's write of a row (``norm._norm_row``), ``x - mu`` taken in
+    float64 and rounded once to the data's type T, as the scalar loop does; ``r`` is a float64 rounded to T. All
+    four arrays 1-D, of T, with unit stride."""
+    arrays = (out, x, w, b)
+    if not all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == out.dtype for t in arrays) or not isinstance(
+            out.dtype, types.Float) or not isinstance(i, types.Integer):
+        return None
+    sig = types.void(out, x, w, b, i, types.float64, types.float64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        elem = context.get_value_type(out.dtype)
+        size = context.get_abi_sizeof(elem)
+        lanes = VECTOR_BYTES // size
+        vec = ir.VectorType(elem, lanes)
+        wide = ir.VectorType(ir.DoubleType(), lanes)
+        index = context.cast(builder, args[4], signature.args[4], types.intp)
+
+        def at(k: int) -> Any:
+            arr = context.make_array(signature.args[k])(context, builder, args[k])
+            return builder.bitcast(builder.gep(arr.data, [index]), vec.as_pointer())
+
+        def splat(value: Any, ty: Any) -> Any:
+            v = builder.insert_element(ir.Constant(ty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
+            return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(
+                ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+        xs = builder.load(at(1), align=size)
+        centred = builder.fsub(xs if size == 8 else builder.fpext(xs, wide), splat(args[5], wide))
+        if size != 8:
+            centred = builder.fptrunc(centred, vec)
+        r = args[6] if size == 8 else builder.fptrunc(args[6], elem)
+        y = builder.fmul(builder.fmul(centred, splat(r, vec)), builder.load(at(2), align=size))
+        y = builder.fadd(y, builder.load(at(3), align=size))
+        store = builder.store(y, at(0), align=VECTOR_BYTES)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 def _sfence_typing(typingctx: Any) -> Any:
     """x86's ``sfence``: the streaming stores before it are visible to every thread before any store after it
     (the part's completion count)."""
@@ -109,6 +150,8 @@ def _sfence_typing(typingctx: Any) -> Any:
 _apply: Any = intrinsic(_apply_typing)
 _store: Any = intrinsic(_store_typing)
 _sfence: Any = intrinsic(_sfence_typing)
+store_normalized: Any = intrinsic(_normalized_typing)
+sfence: Any = _sfence
 
 
 def _kernel(code: int) -> Any:
