@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from .spin import clear_then_spin_while_equal, spin_until_clear, spin_while_equal
+from .spin import spin_until_zero, spin_while_equal
 
 __all__ = ["fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
 
@@ -65,35 +65,22 @@ def split_range(n: int, parts: int, grain: int = 1) -> list[tuple[int, int]]:
 
 
 class _Job:
-    """One launch's parts, claimed one at a time by whichever thread is free.
+    """One launch's parts, claimed one at a time by whichever thread is free."""
 
-    ``held[j]`` is 1 while the j-th helper to claim a part may still hold the GIL for this job; it clears it only
-    once it has let go of the GIL (``clear_then_spin_while_equal``). The launching thread spins until every part is
-    done and every slot is clear, so that it then takes the GIL at once: had a helper still held it, the
-    launching thread would have blocked and been woken 30-60 us later on these machines."""
+    __slots__ = ("parts", "claim", "left", "lock", "done", "error")
 
-    __slots__ = ("parts", "claim", "left", "lock", "done", "error", "held", "slots")
-
-    def __init__(self, parts: Sequence[Part], helpers: int) -> None:
+    def __init__(self, parts: Sequence[Part]) -> None:
         self.parts = parts
         self.claim = itertools.count()
         self.left = np.array([len(parts)], np.int64)  # parts not finished; run_parts spins on it
         self.lock = threading.Lock()
-        self.done = threading.Lock()  # held until the last part is done: released by whoever finishes it
-        self.done.acquire()
+        self.done = threading.Lock()  # held until the last part is done, released by whoever finishes it (an Event
+        self.done.acquire()  # costs ~4 us more to make: it is a Condition over a lock, in Python)
         self.error: BaseException | None = None
-        self.held = np.zeros(max(helpers, 1), np.int64)
-        self.slots = itertools.count()
 
-    def work(self, helper: bool = False) -> int:
-        """Claim and run parts until none is left; a helper that ran any returns its slot in ``held`` (set),
-        else -1."""
+    def work(self) -> None:
         n = len(self.parts)
-        slot = -1
         while (i := next(self.claim)) < n:
-            if helper and slot < 0:
-                slot = next(self.slots)
-                self.held[slot] = 1
             try:
                 self.parts[i]()
             except BaseException as exc:  # noqa: BLE001  (re-raised on the launching thread)
@@ -104,7 +91,6 @@ class _Job:
                 if left == 0:
                     self.done.release()
                 self.left[0] = left  # after done is released: a spin that sees 0 never blocks on done
-        return slot
 
 
 class _Helpers:
@@ -120,8 +106,6 @@ class _Helpers:
         if self.count >= n:
             return
         spin_while_equal(self.posted, -1, 1)  # compiled (or loaded) here, not by a helper holding the GIL
-        clear_then_spin_while_equal(np.zeros(1, np.int64), 0, self.posted, -1, 0)
-        spin_until_clear(np.zeros(1, np.int64), np.zeros(1, np.int64))
         with self.lock:
             while self.count < n:
                 threading.Thread(target=self._loop, name=f"twophase-fanout-{self.count}", daemon=True).start()
@@ -133,32 +117,19 @@ class _Helpers:
         self.posted[0] += n
 
     def _loop(self) -> None:
-        """Take jobs for ever: the next one from the queue, else spin until one is posted, else block. The slot
-        this helper set in its last job is cleared as it enters the spin, once it has let go of the GIL (with no
-        spin, cleared just the same before it blocks). Parts run with numpy's floating-point warnings off, as stream
-        tasks do (``runtime.stream``)."""
+        """Take jobs for ever: the next one from the queue, else spin until one is posted, else block. Parts run
+        with numpy's floating-point warnings off, as stream tasks do (``runtime.stream``)."""
         np.seterr(all="ignore")
-        held: tuple[np.ndarray[Any, Any], int] | None = None
         while True:
             seen = int(self.posted[0])
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 spin = config.settings.helper_spin_us
-                if held is not None:
-                    changed = clear_then_spin_while_equal(held[0], held[1], self.posted, seen, spin)
-                    held = None
-                else:
-                    changed = spin > 0 and spin_while_equal(self.posted, seen, spin)
-                if changed:
+                if spin > 0 and spin_while_equal(self.posted, seen, spin):
                     continue
                 job = self.jobs.get()
-            else:
-                if held is not None:  # straight on to the next job: cleared with the GIL held (rare)
-                    held[0][held[1]] = 0
-                    held = None
-            slot = job.work(helper=True)
-            held = (job.held, slot) if slot >= 0 else None
+            job.work()
 
 
 _helpers = _Helpers()
@@ -172,14 +143,14 @@ def run_parts(parts: Sequence[Part]) -> None:
         for part in parts:
             part()
         return
+    job = _Job(parts)
     helpers = min(len(parts), worker_threads()) - 1  # more parts than threads: each thread claims several
-    job = _Job(parts, helpers)
     if helpers > 0:
         _helpers.ensure(helpers)
         _helpers.post(job, helpers)
     job.work()
-    if job.left[0] or job.held.any():
-        spin_until_clear(job.left, job.held)  # a blocked wait wakes 25-40 us late, as does one for the GIL
+    if job.left[0]:
+        spin_until_zero(job.left)  # the other parts are ending on helpers: a blocked wait wakes 25-40 us late
     if job.left[0]:
         job.done.acquire()
     if job.error is not None:

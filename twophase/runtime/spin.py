@@ -1,14 +1,11 @@
-"""Short spins, without the GIL, until counters in memory reach zero or change.
+"""Short spins, without the GIL, until a counter in memory reaches zero or changes.
 
-:func:`~twophase.runtime.fanout.run_parts` uses them for the last parts of a launch, which other threads are
-finishing: waking a thread blocked on a lock took 25-40 us on these machines (measured after a 0.5 ms GEMM part),
-a spin sees the counter change at once. The spin runs in a ``nogil`` numba loop so the finishing thread can take
-the GIL to count its part down; it gives up after about :data:`SPIN_US` microseconds, and the caller then blocks as
-before. It also waits (:func:`spin_until_clear`) for each helper that ran a part to clear its slot, which the
-helper does only after letting go of the GIL (:func:`clear_then_spin_while_equal`): a launching thread that
-went for the GIL while a helper still held it was woken 30-60 us later. Helper threads wait for the next launch
-with :func:`spin_while_equal` on the count of jobs posted, yielding their core every :data:`YIELD_US`
-(``fanout._Helpers``).
+:func:`~twophase.runtime.fanout.run_parts` uses it for the last parts of a launch, which other threads are
+finishing: waking a thread blocked on a lock took 25-40 us on these machines (measured after a 0.5 ms
+GEMM part), a spin sees the counter change at once. The spin runs in a ``nogil`` numba loop so the finishing
+thread can take the GIL to count its part down; it gives up after about :data:`SPIN_US` microseconds, and the
+caller then blocks as before. Helper threads wait for the next launch with :func:`spin_while_equal` on the
+count of jobs posted, yielding their core every :data:`YIELD_US` (``fanout._Helpers``).
 """
 
 from __future__ import annotations
@@ -24,7 +21,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["SPIN_US", "clear_then_spin_while_equal", "spin_until_clear", "spin_while_equal"]
+__all__ = ["SPIN_US", "spin_until_zero", "spin_while_equal"]
 
 SPIN_US = 100.0
 YIELD_US = 20.0
@@ -55,19 +52,7 @@ def _pause_typing(typingctx: Any) -> Any:
     return sig, codegen
 
 
-def _store_release_typing(typingctx: Any, addr: Any, value: Any) -> Any:
-    """Store the int64 ``value`` at address ``addr`` with release ordering (every earlier store is seen first)."""
-    sig = types.void(types.int64, types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
-        builder.store_atomic(args[1], ptr, "release", 8)
-        return context.get_dummy_value()
-    return sig, codegen
-
-
 _load_acquire: Any = intrinsic(_load_acquire_typing)
-_store_release: Any = intrinsic(_store_release_typing)
 _pause: Any = intrinsic(_pause_typing)
 
 
@@ -104,32 +89,6 @@ def _spin(counter: Any, value: int, until_equal: bool, limit: int, every: int) -
     return (last == value) == until_equal
 
 
-@numba.njit(nogil=True, cache=True)
-def _spin_until_clear(counter: Any, slots: Any, limit: int) -> bool:
-    """Spin at most ``limit`` times until ``counter[0]`` and every element of ``slots`` are 0; True when they were."""
-    addr = counter.ctypes.data
-    base = slots.ctypes.data
-    n = slots.shape[0]
-    for _ in range(limit + 1):
-        clear = _load_acquire(addr) == 0
-        i = 0
-        while clear and i < n:
-            clear = _load_acquire(base + 8 * i) == 0
-            i += 1
-        if clear:
-            return True
-        _pause()
-    return False
-
-
-@numba.njit(nogil=True, cache=True)
-def _clear_then_spin(slots: Any, slot: int, counter: Any, value: int, limit: int, every: int) -> bool:
-    """``slots[slot] = 0`` once the GIL is released (calling a ``nogil`` kernel releases it), then ``_spin`` while
-    ``counter[0] == value``."""
-    _store_release(slots.ctypes.data + 8 * slot, 0)
-    return _spin(counter, value, False, limit, every)
-
-
 @functools.cache
 def _iterations() -> int:
     """Spin iterations in about SPIN_US microseconds (timed once on a counter that stays non-zero)."""
@@ -142,10 +101,11 @@ def _iterations() -> int:
     return max(1, int(SPIN_US * 1e-6 / per))
 
 
-def spin_until_clear(counter: np.ndarray[Any, Any], slots: np.ndarray[Any, Any]) -> bool:
-    """Spin until ``counter[0]`` and every element of ``slots`` (int64 arrays other threads clear) are 0, for at
-    most about SPIN_US microseconds; True when they were."""
-    return bool(_spin_until_clear(counter, slots, _iterations()))
+def spin_until_zero(counter: np.ndarray[Any, Any]) -> bool:
+    """Spin until ``counter[0]`` (an int64 array another thread counts down) is 0, for at most about SPIN_US
+    microseconds; True when it reached 0."""
+    n = _iterations()
+    return bool(_spin(counter, 0, True, n, n + 1))  # no yield: the parts end within microseconds
 
 
 def spin_while_equal(counter: np.ndarray[Any, Any], value: int, us: float) -> bool:
@@ -153,13 +113,3 @@ def spin_while_equal(counter: np.ndarray[Any, Any], value: int, us: float) -> bo
     other runnable thread (``sched_yield``) every :data:`YIELD_US`; True when it changed."""
     per_us = _iterations() / SPIN_US
     return bool(_spin(counter, value, False, max(1, int(per_us * us)), max(1, int(per_us * YIELD_US))))
-
-
-def clear_then_spin_while_equal(slots: np.ndarray[Any, Any], slot: int, counter: np.ndarray[Any, Any], value: int,
-                                us: float) -> bool:
-    """``slots[slot] = 0`` after this thread has let go of the GIL, then :func:`spin_while_equal`: a thread spinning
-    (``spin_until_clear``) until the slot is clear then takes the GIL without waiting for this one (``us`` may be 0:
-    clear only)."""
-    per_us = _iterations() / SPIN_US
-    return bool(_clear_then_spin(slots, slot, counter, value, max(0, int(per_us * us)),
-                                 max(1, int(per_us * YIELD_US))))
