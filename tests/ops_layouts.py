@@ -55,3 +55,16 @@ def random(shape: tuple[int, ...], dtype: Any, rng: np.random.Generator,
         return rng.integers(-9, 10, shape).astype(dt)
     x = rng.standard_normal(shape) * 3
     return (np.abs(x) + 0.1 if positive else x).astype(dt)
+
+
+POISON_BITS = {np.float32: np.uint32(0x7FA0_0001), np.float64: np.uint64(0x7FF4_0000_0000_0001)}  # signalling NaNs:
+# no arithmetic result has these bits (operations quiet a signalling NaN), so one left in an output was never written
+
+
+def dense_at(base: np.ndarray[Any, Any], shape: tuple[int, ...], offset: int) -> tuple[Tensor, Tensor]:
+    """(whole, view): a device copy of the 1-D ``base`` and a dense tensor of ``shape`` ``offset`` elements into it
+    (any element alignment: the pool's blocks start 512-byte aligned)."""
+    whole = device("cpu").tensor(base)
+    whole.synchronize()
+    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    return whole, whole.strided(shape, strides, offset)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_layouts import LAYOUTS, on_device, random, shapes
+from ops_layouts import LAYOUTS, POISON_BITS, dense_at, on_device, random, shapes
 from threads import num_threads
 
 import twophase
@@ -332,15 +332,6 @@ def test_an_out_whose_format_tag_contradicts_the_result_is_refused(dev: Any) -> 
 
 # ---------------------------------------------------------------- streaming stores (add / sub / mul / div)
 STREAMING = sorted(streaming.CODES)
-POISON_BITS = {np.float32: np.uint32(0x7FA0_0001), np.float64: np.uint64(0x7FF4_0000_0000_0001)}  # signalling NaNs
-
-
-def _dense_at(dev: Any, base: np.ndarray[Any, Any], shape: tuple[int, ...], offset: int) -> Any:
-    """(whole, view): a device copy of the 1-D ``base`` and a dense tensor of ``shape`` ``offset`` elements in."""
-    whole = dev.tensor(base)
-    whole.synchronize()
-    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-    return whole, whole.strided(shape, strides, offset)
 
 
 @pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
@@ -365,7 +356,7 @@ def test_streaming_binary_is_bitwise_numpy_at_any_alignment(name: str, dtype: An
     bx[offsets[0]:offsets[0] + n], by[offsets[1]:offsets[1] + n] = x, y
     bout = np.full(n + 9, 7.0, dtype)
     bout[offsets[2]:offsets[2] + n] = np.full(n, POISON_BITS[dtype]).view(dtype)
-    (_, tx), (_, ty), (whole, tout) = (_dense_at(dev, b, shape, o) for b, o in zip((bx, by, bout), offsets))
+    (_, tx), (_, ty), (whole, tout) = (dense_at(b, shape, o) for b, o in zip((bx, by, bout), offsets))
     op = getattr(ops, name)
     with forced("streaming"), num_threads(parts), mock.patch.object(elementwise_ops, "FANOUT_MIN", 8):
         size, ex = op.get_workspace_size(tx, ty, out=tout)
@@ -428,3 +419,16 @@ def test_streaming_output_in_place_or_overlapping_is_numpys_result(dev: Any, cas
     assert got is out
     np.testing.assert_array_equal(t.numpy(), want)
     np.testing.assert_array_equal(to.numpy(), w_other)
+
+
+@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+@pytest.mark.parametrize("dtype,store", [(np.float32, "vmovntps"), (np.float64, "vmovntpd")])
+def test_streaming_kernels_store_whole_vectors_past_the_cache(dtype: Any, store: str) -> None:
+    """The arithmetic kernels, recompiled uncached (cached code has no assembly), store with aligned non-temporal
+    vector stores (what the implementation is for), then an sfence."""
+    arr = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C")
+    for name in STREAMING:
+        fresh = numba.njit(nogil=True, error_model="numpy")(streaming.KERNELS[name].py_func)
+        fresh.compile((arr, arr, arr))
+        asm = fresh.inspect_asm((arr, arr, arr))
+        assert re.search(rf"{store}\s+%ymm", asm) and "sfence" in asm, name

@@ -4,15 +4,17 @@ poisoned outputs, a guarded workspace, and workspace sizes against the documente
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from typing import Any
 from unittest import mock
 
+import numba
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_layouts import LAYOUTS, on_device, random, shapes
+from ops_layouts import LAYOUTS, POISON_BITS, dense_at, on_device, random, shapes
 from threads import num_threads
 
 import twophase
@@ -27,7 +29,6 @@ from twophase.runtime.fanout import fanout_parts
 from twophase.testing import run_checked
 
 TOL = {np.float16: 3e-3, np.float32: 2e-5, np.float64: 1e-10}
-POISON_BITS = {np.float32: np.uint32(0x7FA0_0001), np.float64: np.uint64(0x7FF4_0000_0000_0001)}  # signalling NaNs
 DTYPES = [np.float32, np.float64, np.float16]
 
 
@@ -411,14 +412,6 @@ def test_norm_statistics_outputs_whose_dims_do_not_merge_are_refused_in_phase_1(
 
 
 # ---------------------------------------------------------------- layer_norm / rms_norm with streaming stores
-def _dense_at(dev: Any, base: np.ndarray[Any, Any], shape: tuple[int, ...], offset: int) -> Any:
-    """(whole, view): a device copy of the 1-D ``base`` and a dense tensor of ``shape`` ``offset`` elements in."""
-    whole = dev.tensor(base)
-    whole.synchronize()
-    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
-    return whole, whole.strided(shape, strides, offset)
-
-
 @pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
 @settings(max_examples=40, deadline=None)
 @given(rows=st.integers(1, 9), n=st.integers(1, 70), offsets=st.tuples(st.integers(0, 9), st.integers(0, 9)),
@@ -441,7 +434,7 @@ def test_streaming_norm_rows_match_the_reference_at_any_alignment(rows: int, n: 
     poison = np.full(rows * n, POISON_BITS[dtype]).view(dtype)
     bout = np.full(rows * n + 9, 7.0, dtype)
     bout[offsets[1]:offsets[1] + rows * n] = poison
-    (_, tx), (whole, tout) = (_dense_at(dev, a, (rows, n), o) for a, o in zip((bx, bout), offsets))
+    (_, tx), (whole, tout) = (dense_at(a, (rows, n), o) for a, o in zip((bx, bout), offsets))
     tp = [dev.tensor(p) for p in params]
     with forced("rows_streaming"), num_threads(parts), mock.patch.object(norm_kernels, "FANOUT_MIN", 1):
         _, first = op.get_workspace_size(tx.desc, *(t.desc for t in tp), normalized_shape=(n,))
@@ -485,3 +478,17 @@ def test_streaming_norms_are_ranked_first_only_for_outputs_as_large_as_the_last_
             impl(*descs)
         assert err.value.arg == "implementation", case
     assert impl(TensorDesc((llc // 2 // n, n), DType.float16)) == "rows_packed"
+
+
+@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+def test_streaming_norm_kernel_stores_whole_vectors_past_the_cache() -> None:
+    """The 'rows_streaming' kernel, recompiled uncached (cached code has no assembly), writes rows with aligned
+    non-temporal vector stores, then an sfence."""
+    kernel = norm_kernels.LAYER_NORM_ROWS_STREAMING
+    fresh = numba.njit(nogil=True, error_model="numpy", fastmath=norm_kernels.FAST | {"reassoc"})(kernel.py_func)
+    m = numba.types.Array(numba.float32, 2, "C")
+    v = numba.types.Array(numba.float32, 1, "C")
+    sig = (m, v, v, numba.float64, numba.boolean, m, v, v)
+    fresh.compile(sig)
+    asm = fresh.inspect_asm(sig)
+    assert re.search(r"vmovntps\s+%ymm", asm) and "sfence" in asm

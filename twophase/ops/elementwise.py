@@ -84,9 +84,7 @@ def _streaming_select(name: str) -> Any:
                 and out.numel and all(d.shape == out.shape and d.dtype is out.dtype and d.is_contiguous
                                       for d in (*ins, out))):
             return choose(name, [ufunc], limit)
-        stream = Candidate("streaming", None, 0)
-        ranked = [stream, ufunc] if out.nbytes >= streaming.last_level_cache_bytes() else [ufunc, stream]
-        return choose(name, ranked, limit)
+        return choose(name, streaming.ranked(Candidate("streaming", None, 0), ufunc, out.nbytes), limit)
     return select
 
 

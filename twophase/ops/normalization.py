@@ -260,8 +260,7 @@ def _norm_plan(name: str, ins: Any, outs: Any, attrs: dict[str, Any], limit: int
     if not (streaming.AVAILABLE and x.numel and x.dtype in (DType.float32, DType.float64)
             and all(d is None or d.is_contiguous for d in (*ins, outs[0]))):
         return choose(name, [rows], limit)
-    stream = Candidate("rows_streaming", (False, *areas, True), 0)
-    return choose(name, [stream, rows] if outs[0].nbytes >= streaming.last_level_cache_bytes() else [rows, stream],
+    return choose(name, streaming.ranked(Candidate("rows_streaming", (False, *areas, True), 0), rows, outs[0].nbytes),
                   limit)
 
 

@@ -14,7 +14,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .jit import FAST, by_density, entry, row_of, rows_dense
-from .streaming import VECTOR_BYTES, sfence, store_normalized
+from .streaming import VECTOR_BYTES, aligned_head, sfence, store_normalized
 from .vmath import corrected_moments, deviation_sums
 
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -73,7 +73,7 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: b
     first, last = 0, 0
     if stream:  # a scalar head up to out's first aligned vector, the vectors, then the scalar tail
         lanes = VECTOR_BYTES // out.itemsize
-        first = min(((-out.ctypes.data) & (VECTOR_BYTES - 1)) // out.itemsize, n)
+        first = aligned_head(out, n)
         last = first + (n - first) // lanes * lanes
         for i in range(first, last, lanes):
             store_normalized(out, x, w, b, i, mu, r)

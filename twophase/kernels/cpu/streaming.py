@@ -26,7 +26,8 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["CODES", "KERNELS", "AVAILABLE", "VECTOR_BYTES", "last_level_cache_bytes", "sfence", "store_normalized"]
+__all__ = ["CODES", "KERNELS", "AVAILABLE", "VECTOR_BYTES", "aligned_head", "last_level_cache_bytes", "ranked",
+           "sfence", "store_normalized"]
 
 CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 _INSTRUCTIONS = ("fadd", "fsub", "fmul", "fdiv")
@@ -154,6 +155,20 @@ store_normalized: Any = intrinsic(_normalized_typing)
 sfence: Any = _sfence
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def aligned_head(out: Any, n: int) -> int:
+    """How many of the first ``n`` elements of ``out`` come before its first ``VECTOR_BYTES``-aligned one (the scalar
+    head of a streaming loop; ``out`` must be aligned to its element size)."""
+    head: int = ((-out.ctypes.data) & (VECTOR_BYTES - 1)) // out.itemsize
+    return min(head, n)
+
+
+def ranked(stream: Any, plain: Any, out_bytes: int) -> list[Any]:
+    """Phase 1's order of a streaming implementation and its plain one: streaming first from outputs of the
+    last-level cache's size (nothing of them could stay cached), plain first below it."""
+    return [stream, plain] if out_bytes >= last_level_cache_bytes() else [plain, stream]
+
+
 def _kernel(code: int) -> Any:
     """``run(a, b, out)`` over 1-D C-contiguous views of one float dtype: scalar elements up to the first
     ``VECTOR_BYTES``-aligned one of ``out``, whole vectors with streaming stores, then the scalar tail. ``out``
@@ -161,9 +176,8 @@ def _kernel(code: int) -> Any:
     @numba.njit(nogil=True, cache=True, error_model="numpy")  # no fastmath: bitwise numpy's results
     def run(a: Any, b: Any, out: Any) -> None:
         n = out.shape[0]
-        size = out.itemsize
-        lanes = VECTOR_BYTES // size
-        head = min(((-out.ctypes.data) & (VECTOR_BYTES - 1)) // size, n)
+        lanes = VECTOR_BYTES // out.itemsize
+        head = aligned_head(out, n)
         for i in range(head):
             out[i] = _apply(code, a[i], b[i])
         i = head
