@@ -80,9 +80,8 @@ def _streaming_select(name: str) -> Any:
     def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
         out = outs[0]
         ufunc = Candidate("ufunc", None, 0)
-        if not (streaming.AVAILABLE and attrs.get("alpha", 1) == 1 and out.dtype in (DType.float32, DType.float64)
-                and out.numel and all(d.shape == out.shape and d.dtype is out.dtype and d.is_contiguous
-                                      for d in (*ins, out))):
+        if not (attrs.get("alpha", 1) == 1 and streaming.offered(out, *ins)
+                and all(d.shape == out.shape and d.dtype is out.dtype for d in ins)):
             return choose(name, [ufunc], limit)
         return choose(name, streaming.ranked(Candidate("streaming", None, 0), ufunc, out.nbytes), limit)
     return select
@@ -93,7 +92,7 @@ def _build_streaming(name: str, x: Any, y: Any, out: Any) -> Callable[[Any], Non
     memory cannot take it: an output overlapping an input other than as the same view (numpy buffers such a call,
     and a stream of vector stores would read what it overwrote), or not aligned to its element size, or (which
     phase 1's contiguous descs rule out) not C-contiguous."""
-    if out.ctypes.data % out.itemsize or not all(a.flags.c_contiguous for a in (x, y, out)) or any(
+    if not streaming.element_aligned(out) or not all(a.flags.c_contiguous for a in (x, y, out)) or any(
             np.may_share_memory(a, out) and not same_view(a, out) for a in (x, y)):
         return None
     flat = [a.reshape(-1) for a in (x, y, out)]

@@ -257,8 +257,7 @@ def _norm_plan(name: str, ins: Any, outs: Any, attrs: dict[str, Any], limit: int
     if pack:
         return choose(name, [Candidate("rows_packed", (True, *areas, False), areas[0] + 2 * areas[1])], limit)
     rows = Candidate("rows", (False, *areas, False), 0)
-    if not (streaming.AVAILABLE and x.numel and x.dtype in (DType.float32, DType.float64)
-            and all(d is None or d.is_contiguous for d in (*ins, outs[0]))):
+    if not streaming.offered(x, *ins[1:], outs[0]):
         return choose(name, [rows], limit)
     return choose(name, streaming.ranked(Candidate("rows_streaming", (False, *areas, True), 0), rows, outs[0].nbytes),
                   limit)

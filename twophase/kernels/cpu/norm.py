@@ -14,7 +14,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .jit import FAST, by_density, entry, row_of, rows_dense
-from .streaming import VECTOR_BYTES, aligned_head, sfence, store_normalized
+from .streaming import VECTOR_BYTES, aligned_head, element_aligned, sfence, store_normalized
 from .vmath import corrected_moments, deviation_sums
 
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -77,11 +77,17 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: b
         last = first + (n - first) // lanes * lanes
         for i in range(first, last, lanes):
             store_normalized(out, x, w, b, i, mu, r)
-    for i in range(first):
-        out[i] = x.dtype.type(np.float64(x[i]) - mu) * rr * w[i] + b[i]
-    for i in range(last, n):  # x - mean in float64 (exact for float32 x), rounded once: accurate when rstd is large
-        out[i] = x.dtype.type(np.float64(x[i]) - mu) * rr * w[i] + b[i]
+    _write(x, w, b, mu, rr, out, 0, first)
+    _write(x, w, b, mu, rr, out, last, n)
     return mu, r
+
+
+@numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {"reassoc"}, inline="always")
+def _write(x: Any, w: Any, b: Any, mu: float, rr: Any, out: Any, lo: int, hi: int) -> None:
+    """``out[lo:hi]`` of a normalized row: x - mean in float64 (exact for float32 x), rounded once (accurate when
+    rstd is large), times rstd and the weight, plus the bias."""
+    for i in range(lo, hi):
+        out[i] = x.dtype.type(np.float64(x[i]) - mu) * rr * w[i] + b[i]
 
 
 LAYER_NORM_ROWS = by_density(_layer_norm_kernel)
@@ -100,8 +106,8 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
             rstd.fill(np.nan)
         return empty
     sample = np.empty((1, 1), compute) if pack else src
-    stream = stream and not pack and rows_dense(src, dst) and all(v.strides[0] == v.itemsize for v in (w, b)) and (
-        dst.ctypes.data % dst.itemsize == 0)
+    stream = stream and not pack and rows_dense(src, dst) and all(v.strides[0] == v.itemsize for v in (w, b)) and \
+        element_aligned(dst)
     kernel = LAYER_NORM_ROWS_STREAMING if stream else LAYER_NORM_ROWS[pack or rows_dense(src, dst)]
     fn = entry(kernel, sample, w, b, eps, rms, sample if pack else dst, mean, rstd)
     ranges = split_range(k, fanout_parts() if k * n >= FANOUT_MIN else 1)

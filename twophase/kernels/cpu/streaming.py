@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any
 
 import numba
+import numpy as np
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["CODES", "KERNELS", "AVAILABLE", "VECTOR_BYTES", "aligned_head", "last_level_cache_bytes", "ranked",
-           "sfence", "store_normalized"]
+__all__ = ["CODES", "KERNELS", "AVAILABLE", "VECTOR_BYTES", "aligned_head", "element_aligned", "last_level_cache_bytes",
+           "offered", "ranked", "sfence", "store_normalized"]
 
 CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 _INSTRUCTIONS = ("fadd", "fsub", "fmul", "fdiv")
@@ -150,9 +151,8 @@ def _sfence_typing(typingctx: Any) -> Any:
 
 _apply: Any = intrinsic(_apply_typing)
 _store: Any = intrinsic(_store_typing)
-_sfence: Any = intrinsic(_sfence_typing)
+sfence: Any = intrinsic(_sfence_typing)
 store_normalized: Any = intrinsic(_normalized_typing)
-sfence: Any = _sfence
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -161,6 +161,20 @@ def aligned_head(out: Any, n: int) -> int:
     head of a streaming loop; ``out`` must be aligned to its element size)."""
     head: int = ((-out.ctypes.data) & (VECTOR_BYTES - 1)) // out.itemsize
     return min(head, n)
+
+
+def offered(*descs: Any) -> bool:
+    """Whether phase 1 may offer a streaming implementation for these operand descs (None: an absent optional
+    operand): on x86, the first desc non-empty float32 / float64, and every desc contiguous."""
+    first = descs[0]
+    return AVAILABLE and first.numel > 0 and first.dtype.np in (np.float32, np.float64) and all(
+        d is None or d.is_contiguous for d in descs)
+
+
+def element_aligned(out: Any) -> bool:
+    """Whether ``out``'s memory starts on a multiple of its element size, from where the streaming loops reach a
+    ``VECTOR_BYTES`` boundary (checked when a launch is bound: memory from outside the pool may not)."""
+    return bool(out.ctypes.data % out.itemsize == 0)
 
 
 def ranked(stream: Any, plain: Any, out_bytes: int) -> list[Any]:
@@ -186,7 +200,7 @@ def _kernel(code: int) -> Any:
             i += lanes
         for j in range(i, n):
             out[j] = _apply(code, a[j], b[j])
-        _sfence()
+        sfence()
     return run
 
 
