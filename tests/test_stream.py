@@ -55,6 +55,55 @@ def test_event_completes_after_the_work_before_it(stream, gate):
     assert e.query() and done == [1]
 
 
+class _CountingCondition(threading.Condition):
+    """A Condition that counts its notify_all calls: how often the worker wakes the threads waiting on a stream."""
+
+    def __init__(self) -> None:
+        super().__init__(threading.Lock())
+        self.notified = 0
+
+    def notify_all(self) -> None:
+        self.notified += 1
+        super().notify_all()
+
+
+def _waiting_on(s, wait, waiters=1):
+    """Run ``wait`` on a thread once nothing is pending on ``s``'s worker yet; return the thread once it waits."""
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 10
+    while len(s._q.waiting) < waiters and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert len(s._q.waiting) == waiters, "the waiting thread never registered"
+    return t
+
+
+def test_the_worker_wakes_a_waiting_host_thread_once_at_the_awaited_task(stream, gate):
+    # A wake per finished task costs a blocked thread's wake-up (tens of microseconds, a core) on every launch of
+    # a loop that ends in one synchronize: the waiter is woken only by the task it waits for.
+    q = stream._q
+    counting = q.cond = _CountingCondition()
+    first = gate(stream)
+    done = []
+    for i in range(20):
+        stream.launch_callback(lambda i=i: done.append(i))
+    ev = stream.record_event()
+    second = gate(stream)
+    for i in range(20, 30):
+        stream.launch_callback(lambda i=i: done.append(i))
+    waiter = _waiting_on(stream, ev.synchronize)
+    first.set()
+    waiter.join(10)
+    assert not waiter.is_alive() and done == list(range(20)) and ev.query()
+    assert counting.notified == 1, "woken by tasks before the event"
+    syncer = _waiting_on(stream, stream.synchronize)
+    second.set()
+    syncer.join(10)
+    assert not syncer.is_alive() and done == list(range(30))
+    assert counting.notified == 2, "woken by tasks before the last one"
+    assert q.waiting == []
+
+
 def test_elapsed_time_between_completed_events(stream):
     a = stream.record_event()
     stream.launch_callback(lambda: sum(range(1000)))

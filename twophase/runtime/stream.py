@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["Stream", "Event", "CONTROL", "TaskRecords", "running_queue", "check_stream"]
 
 CONTROL = "<control>"
+_NEVER = 1 << 62  # wake_at when no host thread waits: no seq reaches it
 
 # Called on the worker after each task as cb(stream_name, owner, t0, t1, seq). Shared by every stream
 # (profiler, sanitizer); run_one checks it for emptiness only, so an empty list costs nothing.
@@ -112,7 +113,8 @@ class _Queue:
         self.done = 0
         self.lock = threading.Lock()
         self.cond = threading.Condition(threading.Lock())
-        self.waiters = 0
+        self.waiting: list[int] = []  # the seqs host threads wait for (under cond)
+        self.wake_at = _NEVER  # min(waiting): a finished task notifies only from there on
         self.idle = False
         self.wake = threading.Lock()
         self.wake.acquire()
@@ -167,7 +169,7 @@ class _Queue:
             tls.depth = depth
             if seq > self.done:
                 self.done = seq
-            if self.waiters:
+            if seq >= self.wake_at:
                 with self.cond:
                     self.cond.notify_all()
         self.raise_pending(seq)
@@ -220,20 +222,23 @@ class _Queue:
                 self.wait_for(seq - 1, raise_errors=False)
             self.run_one(fn, arg, owner, seq)
             self.done = seq
-            if self.waiters:
+            if seq >= self.wake_at:
                 with self.cond:
                     self.cond.notify_all()
 
     # ---- synchronization
     def wait_for(self, seq: int, raise_errors: bool = True) -> None:
         if self.done < seq:
-            with self.cond:
-                self.waiters += 1
+            with self.cond:  # the worker reads wake_at after setting done: one of the two sees the other's write
+                waiting = self.waiting
+                waiting.append(seq)
+                self.wake_at = min(waiting)
                 try:
                     while self.done < seq:
                         self.cond.wait(0.05)
                 finally:
-                    self.waiters -= 1
+                    waiting.remove(seq)
+                    self.wake_at = min(waiting, default=_NEVER)
         if raise_errors:
             self.raise_pending(seq)
 
