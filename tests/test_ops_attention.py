@@ -485,3 +485,39 @@ def test_sdpa_padded_keys_follow_the_mask_at_every_launch(rng: np.random.Generat
     mt.free(s)
     for t in ins:
         t.free(s)
+
+
+@settings(max_examples=25, deadline=None)
+@given(b=st.integers(1, 3), h=st.integers(1, 5), lq=st.integers(1, 40), lk=st.integers(1, 40), d=st.integers(1, 6),
+       dv=st.integers(1, 5), mask=st.sampled_from(["none", "causal", "bool", "additive", "padding"]),
+       heads_per_chunk=st.integers(1, 3), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
+def test_sdpa_parts_run_their_heads_in_chunks(b: int, h: int, lq: int, lk: int, d: int, dv: int, mask: str,
+                                             heads_per_chunk: int, threads: int, seed: int) -> None:
+    """A part whose scores pass ``HEAD_CHUNK_BYTES`` makes, normalizes and multiplies them by v a chunk of heads at
+    a time: with chunks of 1-3 heads' scores, and tiles cut into parts from any size, every (batch entry, head)
+    matches the reference, in every mask kind, and the workspace is still what the kernel touches."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _qkv(rng, b, h, lq, lk, d, dv)
+    m: Any = None
+    if mask == "bool":
+        m = rng.random((b, h, lq, lk)) < 0.7
+    elif mask == "additive":
+        m = rng.standard_normal((1, h, lq, lk)).astype(np.float32)
+    elif mask == "padding":
+        m = _padding_mask(rng.integers(0, lk + 1, (b, 1)), lk, "bool", rng)
+    causal = mask == "causal"
+    ref = reference(q, k, v, m, is_causal=causal)
+    old_threads, old_cache = twophase.settings.num_threads, twophase.settings.cache_enabled
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(attention_kernels, "HEAD_CHUNK_BYTES", heads_per_chunk * lq * lk * 4)
+        mp.setattr(attention_kernels, "FANOUT_MIN", 1)
+        twophase.set_num_threads(threads)
+        twophase.set_cache_enabled(False)  # a cached executor may hold a launch bound before the patch
+        try:
+            for impl, limit in MODES[:3]:
+                with forced(impl):
+                    r = run_checked(sdpa, q, k, v, m, is_causal=causal, workspace_limit=limit)
+                _check(r, ref, _pads_keys(m, lq))
+        finally:
+            twophase.set_num_threads(old_threads)
+            twophase.set_cache_enabled(old_cache)

@@ -5,7 +5,8 @@
   the rows (scale, mask, max, exp, sum, normalize, in place) and one batched GEMM ``out = P @ v`` (float32
   heads by the register-blocked kernel, ``_products``, else BLAS); a large tile is cut into parts (batch
   entries, heads or query rows) run by helper threads, each part with its own GEMMs and row pass (those that
-  call BLAS on one BLAS thread each); causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries,
+  call BLAS on one BLAS thread each), a part of many heads in chunks of heads whose scores stay in the core's L2
+  (``HEAD_CHUNK_BYTES``); causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries,
   each with only the keys it can see (the masked half of the scores is never multiplied). With a key-padding
   mask (one mask row for every query), a tile runs only the keys up to the last one the mask keeps for some
   (batch entry, head) of the tile, rounded up to ``KEY_GRAIN`` (exactly those keys, and no mask at all, when
@@ -44,6 +45,11 @@ FANOUT_MIN = 1 << 16  # score elements per tile from which it is cut into parts 
 # (1, 12, 256, 64) 1.33 / 1.15 / 1.12 / 1.22 / 1.39 / 1.59;
 # (8, 12, 128, 32) 1.69 / 1.60 / 1.61 / 1.71-1.76 / 1.81 / 1.82
 CAUSAL_BLOCK = 32
+# a part's scores beyond this many bytes are made and used in chunks of heads (``_head_chunks``; Zen 3's L2 size).
+# Measured against whole parts (/tmp/w21/chunk_ab.py of the twenty-first session, interleaved in one process):
+# (8, 12, 128, 32), parts of 48 heads, 1.06-1.07x as fast; (1, 12, 512, 64), one head a chunk, 1.07-1.09x.
+# Chunks of 256 KiB also cut MiniLM's parts of 6 heads (384 KiB of scores), which then ran 0.96-0.98x as fast.
+HEAD_CHUNK_BYTES = 1 << 19
 KEY_GRAIN = 16  # a padded tile's keys are rounded up to this: fewer bound variants, GEMM widths the kernels take
 
 
@@ -229,6 +235,24 @@ def _cut(a: Any, axis: int, lo: int, hi: int) -> Any:
     return None if a is None else a[(slice(None),) * axis + (slice(lo, hi),)]
 
 
+def _head_chunks(shape: tuple[int, ...], item: int, axis: int) -> list[tuple[int, int, int, int]]:
+    """A part's (batch, head) blocks in the order it runs them, as (first batch entry, end, first head, end): all
+    at once when its scores (``shape``) fit ``HEAD_CHUNK_BYTES`` or it is a part of query rows (``axis`` 2), else
+    chunks of one batch entry's heads whose scores fit (at least one head), so that each chunk's scores are
+    made, normalized and multiplied by v while they are in the core's L2."""
+    pb, ph, sq, nk = shape
+    per_head = sq * nk * item
+    if axis == 2 or pb * ph * per_head <= HEAD_CHUNK_BYTES:
+        return [(0, pb, 0, ph)]
+    c = max(1, HEAD_CHUNK_BYTES // max(per_head, 1))
+    return [(b, b + 1, h, min(ph, h + c)) for b in range(pb) for h in range(0, ph, c)]
+
+
+def _heads(a: Any, cut: tuple[int, int, int, int]) -> Any:
+    """``a[b0:b1, h0:h1]`` of a 4-D view, ``cut`` = (b0, b1, h0, h1)."""
+    return a[cut[0]:cut[1], cut[2]:cut[3]]
+
+
 def _part(axis: int, lo: int, hi: int, views: tuple[Any, ...]) -> tuple[Any, ...]:
     """One part's views of a tile, ``[lo:hi]`` along ``axis``: (q, k^T, v, out, scores, packed q, packed out);
     None stays None, and a query-row part (axis 2) shares the keys and values whole."""
@@ -309,23 +333,24 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                 second.append((s[..., a:b, :kb], vt[..., :kb, :], dst[..., a:b, :]))
         return first, [(s, vt, dst)] if whole else second
 
-    def piece(packs: tuple[tuple[Any, Any], ...], first: list[tuple[Product, Any, Any, Any]],
-              rows: Callable[[], None], second: list[tuple[Product, Any, Any, Any]],
-              unpack: tuple[tuple[Any, Any], ...]) -> None:
+    def piece(packs: tuple[tuple[Any, Any], ...], steps: list[Step], unpack: tuple[tuple[Any, Any], ...]) -> None:
         """One part of a tile: ``packs``, (workspace, source) copies of its own keys / values (made here so that
-        parts pack in parallel and GEMM from a warm cache) and of q when packed; its score GEMMs; its row pass
-        (compiled for its mask); its output GEMMs; ``unpack``: the output copied out of the workspace."""
+        parts pack in parallel and GEMM from a warm cache) and of q when packed; then per chunk of its heads
+        (``steps``) the score GEMMs, the row pass (compiled for its mask) and the output GEMMs; ``unpack``: the
+        output copied out of the workspace."""
         for dst, src in packs:
             np.copyto(dst, src)
-        for f, a, b, o in first:
-            f(a, b, o)
-        rows()
-        for f, a, b, o in second:
-            f(a, b, o)
+        for first, rows, second in steps:
+            for f, a, b, o in first:
+                f(a, b, o)
+            rows()
+            for f, a, b, o in second:
+                f(a, b, o)
         for dst, src in unpack:
             np.copyto(dst, src)
 
     Bound = tuple[list[tuple[Any, Any]], list[Callable[[], None]], bool]
+    Step = tuple[list[tuple[Product, Any, Any, Any]], Callable[[], None], list[tuple[Product, Any, Any, Any]]]
 
     def bind_tile(ws: Any, step: _Tile, keys: int, kind: int) -> Bound:
         """One tile on the workspace ``ws``, running its first ``keys`` keys (its ``kend``: all of them) with a
@@ -363,12 +388,14 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
             own = tuple((_cut(dst, axis, lo, hi), _cut(src, axis, lo, hi)) for dst, src in packs)
             if pqp is not None:
                 own, pq = (*own, (pqp, pq)), pqp
-            first, second = ([(pick(*g), *g) for g in gs]
-                             for gs in products(pq, pk, pv, ps, po if pop is None else pop, chunk, blocks))
-            blas = blas or any(g[0] is _blas_product for g in first + second)
-            row_pass = functools.partial(rows, ps, pm, kind, causal, pq0, scale, lowest, tiny)
-            calls.append(functools.partial(piece, own, first, row_pass, second,
-                                           () if pop is None else ((po, pop),)))
+            steps: list[Step] = []
+            for cut in _head_chunks(ps.shape, item, axis):
+                cq, ck, cv, cs, cd = (_heads(x, cut) for x in (pq, pk, pv, ps, po if pop is None else pop))
+                first, second = ([(pick(*g), *g) for g in gs] for gs in products(cq, ck, cv, cs, cd, chunk, blocks))
+                blas = blas or any(g[0] is _blas_product for g in first + second)
+                cm = pm if kind == NONE else _heads(pm, cut)
+                steps.append((first, functools.partial(rows, cs, cm, kind, causal, pq0, scale, lowest, tiny), second))
+            calls.append(functools.partial(piece, own, steps, () if pop is None else ((po, pop),)))
         return before, calls, blas
 
     def tiles(ws: Any, bound: list[Bound], padded: dict[tuple[int, int, bool], Bound]) -> None:
