@@ -152,6 +152,26 @@ def test_sdpa_tiles_are_the_largest_that_fit_and_causal_tiles_skip_later_keys(rn
     _check(causal, reference(q, k, v, is_causal=True))
 
 
+def test_causal_query_tiles_report_the_workspace_their_largest_tile_touches(rng: np.random.Generator) -> None:
+    """Causal tiles of a few query rows of one head: the tile of rows [q0, q0 + sq) holds sq x min(Lk, q0 + sq)
+    scores, so the reported workspace is the largest of those (the last full tile, or the partial one after it),
+    not tq x Lk; every tiling the limits give is exact and matches the reference."""
+    sizes = set()
+    for lq in range(1, 41):
+        for lk in (5, 17, 40):
+            q, k, v = _qkv(rng, 1, 1, lq, lk, 4, 3)
+            ref = reference(q, k, v, is_causal=True)
+            for limit in (200, 400, 1000):
+                with forced("tiled"):
+                    try:
+                        r = run_checked(sdpa, q, k, v, None, is_causal=True, workspace_limit=limit)
+                    except ParamError:
+                        continue  # not even one row with k^T in place fits
+                _check(r, ref)
+                sizes.add(r.tiling.block_q)
+    assert len(sizes) > 5  # tiles of many sizes were planned, not only whole heads
+
+
 def test_sdpa_tiles_use_k_in_place_when_its_packed_copy_does_not_fit(rng: np.random.Generator) -> None:
     q, k, v = _qkv(rng, 1, 2, 6, 40, 8, 3)
     p = Dims(1, 2, 6, 40, 8, 3, 4)

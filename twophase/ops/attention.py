@@ -45,7 +45,7 @@ class AttentionTiling:
 
 @dataclass(frozen=True)
 class Dims:
-    """Problem sizes (``lk``: the keys any query sees, min(Lk, Lq) when causal), which of q, v, out BLAS
+    """Problem sizes (``lk``: the keys any query sees, min(Lk, Lq) when ``causal``), which of q, v, out BLAS
     cannot take as they are (packed per tile) and whether it can take k^T in place."""
 
     b: int
@@ -59,14 +59,26 @@ class Dims:
     pack_v: bool = False
     pack_o: bool = False
     k_ok: bool = True
+    causal: bool = False
+
+
+def tile_scores(p: Dims, tq: int) -> int:
+    """Scores of the largest tile of ``tq`` query rows (of one head): tq * lk, except causal tiles of fewer than
+    Lq rows, where the rows [q0, q0 + sq) see min(lk, q0 + sq) keys; the largest is then the last full tile or the
+    partial one after it, which sees every key."""
+    if not p.causal or tq >= p.lq:
+        return tq * p.lk
+    full = p.lq - p.lq % tq
+    return max(tq * min(p.lk, full), (p.lq - full) * p.lk)
 
 
 def rows_layout(p: Dims, tb: int, th: int, tq: int, pack_k: bool = True) -> AttentionTiling:
-    """A tile of whole key rows and its workspace: align64(rows*Lk*item) scores (rows = tb*th*tq),
+    """A tile of whole key rows and its workspace: align64(tb*th*tile_scores(tq)*item) scores (tq*Lk but for causal
+    query tiles),
     align64(tb*th*D*Lk*item) for k^T when ``pack_k``, then align64(rows*D*item) for q, align64(tb*th*Lk*Dv*item)
     for v and align64(rows*Dv*item) for out when those are packed; 0 when Lk == 0."""
     heads, rows = tb * th, tb * th * tq
-    sizes = [align(rows * p.lk * p.item), align(heads * p.d * p.lk * p.item) if pack_k else -1,
+    sizes = [align(heads * tile_scores(p, tq) * p.item), align(heads * p.d * p.lk * p.item) if pack_k else -1,
              align(rows * p.d * p.item) if p.pack_q else -1, align(heads * p.lk * p.dv * p.item) if p.pack_v else -1,
              align(rows * p.dv * p.item) if p.pack_o else -1]
     offsets, off = [], 0
@@ -180,7 +192,7 @@ def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Pl
     lk = min(k.shape[2], lq) if attrs["is_causal"] else k.shape[2]  # causal: no query sees a later key
     p = Dims(b, h, lq, lk, d, v.shape[3], q.dtype.itemsize, not matrix_ok(q.shape, q.strides),
              not matrix_ok(v.shape, v.strides), not matrix_ok(out.shape, out.strides, out=True),
-             matrix_ok(k.shape, k.strides))
+             matrix_ok(k.shape, k.strides), attrs["is_causal"])
     return plan_attention(p, limit, k.shape[2])
 
 
@@ -229,7 +241,9 @@ scaled_dot_product_attention = register(OpDef(
     kernels={"cpu": _build},
     implementations=("materialized", "tiled", "online"),
     workspace_formula=("materialized: the tiled formula with one tile (tb, th, tq) = (B, H, Lq); tiled (tb x th x tq "
-                       "rows): align64(tb*th*tq*Lk*item) [+ align64(tb*th*D*Lk*item) for k^T, unless no tile with "
+                       "rows): align64(tb*th*S*item), S = tq*Lk (causal: Lk = min(Lk, Lq), and for tiles of tq < Lq "
+                       "rows of one head S = max(tq*min(Lk, F), (Lq - F)*Lk), F = Lq - Lq % tq: the scores of the "
+                       "largest tile) [+ align64(tb*th*D*Lk*item) for k^T, unless no tile with "
                        "it fits the limit] [+ align64(tb*th*tq*D*item) if q is packed] [+ align64(tb*th*Lk*Dv*item) "
                        "if v is packed] [+ align64(tb*th*tq*Dv*item) if out is packed] (q, v, out are packed when "
                        "BLAS cannot take their matrices); "
