@@ -73,10 +73,9 @@ def tile_scores(p: Dims, tq: int) -> int:
 
 
 def rows_layout(p: Dims, tb: int, th: int, tq: int, pack_k: bool = True) -> AttentionTiling:
-    """A tile of whole key rows and its workspace: align64(tb*th*tile_scores(tq)*item) scores (tq*Lk but for causal
-    query tiles),
-    align64(tb*th*D*Lk*item) for k^T when ``pack_k``, then align64(rows*D*item) for q, align64(tb*th*Lk*Dv*item)
-    for v and align64(rows*Dv*item) for out when those are packed; 0 when Lk == 0."""
+    """A tile of whole key rows and its workspace: align64(tb*th*tile_scores(tq)*item) scores, align64(tb*th*D*Lk*item)
+    for k^T when ``pack_k``, then align64(rows*D*item) for q, align64(tb*th*Lk*Dv*item) for v and
+    align64(rows*Dv*item) for out when those are packed (rows = tb*th*tq); 0 when Lk == 0."""
     heads, rows = tb * th, tb * th * tq
     sizes = [align(heads * tile_scores(p, tq) * p.item), align(heads * p.d * p.lk * p.item) if pack_k else -1,
              align(rows * p.d * p.item) if p.pack_q else -1, align(heads * p.lk * p.dv * p.item) if p.pack_v else -1,
