@@ -24,4 +24,6 @@ def test_phase1_raises_only_project_exceptions(seed: int) -> None:
 
 
 def test_at_least_ten_thousand_phase1_calls_ran() -> None:
+    if TOTAL[0] == 0:  # the examples ran in another pytest-xdist worker (or not yet): run them in this one
+        test_phase1_raises_only_project_exceptions()
     assert TOTAL[0] >= 10_000
