@@ -298,6 +298,27 @@ def test_causal_query_blocks_in_parts(layout: str, heads: int, impl: str, limit:
     _check(r, reference(q, k, v, None, is_causal=True))
 
 
+@pytest.mark.parametrize("rows", [1, 2, 7, 64])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_row_pass_without_mask_runs_rows_in_pairs_bit_for_bit(rows: int, dtype: Any) -> None:
+    """Unmasked, non-causal rows go two at a time (``_plain_rows``); an odd last row alone. Each row must come out
+    bit for bit as the one-row loop gives it, which the causal path from query ``Lk`` on runs (every row keeps
+    every key), with NaN, inf, -inf and fully underflowing rows among them."""
+    from twophase.kernels.cpu import attention as kern
+    rng = np.random.default_rng(rows)
+    s0 = (rng.standard_normal((2, 3, rows, 37)) * 30).astype(dtype)
+    s0[0, 0, 0, 5] = np.nan
+    s0[0, 1, -1, 3] = np.inf
+    s0[1, 2, 0] = -np.inf
+    fi = np.finfo(dtype)
+    args = (np.ones((1, 1, 1, 1), dtype), kern.NONE)
+    paired, single = s0.copy(), s0.copy()
+    kern.softmax_rows(paired, *args, False, 0, 0.3, float(-fi.max), float(fi.tiny))
+    kern.softmax_rows(single, *args, True, 37, 0.3, float(-fi.max), float(fi.tiny))
+    np.testing.assert_array_equal(paired, single)
+    assert np.isfinite(paired[1]).all() and not np.array_equal(paired, s0)
+
+
 def test_row_softmax_keeps_the_exp_range_reduction_exact() -> None:
     """The materialized row pass on scaled scores spread over [-80, 0]: within 4 float32 ulp of float64 (its exp
     must not be compiled with reassociation, which undoes the exact range reduction: 6.2 ulp measured so)."""

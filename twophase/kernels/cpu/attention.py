@@ -145,6 +145,9 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
     # the dense block typed as a C matrix (no copy: softmax_rows checked it is dense), so that the row loops
     # vectorize when s itself is typed strided (a part cut after a dim > 1: 4.6 against 0.65 ns per score)
     block = np.ascontiguousarray(s[b, h])
+    if kind == NONE and not causal:
+        _plain_rows(block, sc, ft(lowest), tiny)
+        return
     unit = kind == ADDITIVE and mask.strides[3] == mask.itemsize
     for i in range(nq):
         row = block[i]
@@ -180,6 +183,47 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
             row[j] = row[j] * inv
         for j in range(kend, nk):
             row[j] = 0.0
+
+
+@jit_inline
+def _plain_rows(block: Any, sc: Any, lowest: Any, tiny: float) -> None:
+    """``_head_rows`` for a block with no mask and no causal cut, bit for bit, two rows at a time: both rows' exps
+    in one loop, so that a short row's exp loop does not wait out its own latency (128-key rows: 1.01 against 1.15
+    ns a score on one thread, /tmp/w21/pairs.py of the twenty-first session; 512 keys: 0.98 against 1.04)."""
+    nq, nk = block.shape
+    for i in range(0, nq, 2):
+        r0 = block[i]
+        r1 = block[i + 1 if i + 1 < nq else i]  # an odd last row pairs with itself: its second pass is skipped
+        m0 = _scaled_max(r0, sc, lowest)
+        if i + 1 < nq:
+            m1 = _scaled_max(r1, sc, lowest)
+            for j in range(nk):
+                r0[j] = vmath.exp_shifted(r0[j], m0)
+                r1[j] = vmath.exp_shifted(r1[j], m1)
+            _normalize(r1, tiny)
+        else:
+            for j in range(nk):
+                r0[j] = vmath.exp_shifted(r0[j], m0)
+        _normalize(r0, tiny)
+
+
+@jit_inline
+def _scaled_max(row: Any, sc: Any, lowest: Any) -> Any:
+    """row *= sc in place; the max of ``lowest`` and the scaled values."""
+    m = lowest
+    for j in range(row.shape[0]):
+        x = row[j] * sc
+        row[j] = x
+        m = vmath.maximum(m, x)
+    return m
+
+
+@jit_inline
+def _normalize(row: Any, tiny: float) -> None:
+    """row /= its float64 sum (a sum of 0, every exp having underflowed, gives 0s)."""
+    inv = row.dtype.type(1.0 / max(vmath.fsum(row), tiny))
+    for j in range(row.shape[0]):
+        row[j] = row[j] * inv
 
 
 Product = Callable[[Any, Any, Any], None]
