@@ -47,7 +47,8 @@ FANOUT_MIN = 1 << 16  # score elements per tile from which it is cut into parts 
 CAUSAL_BLOCK = 32
 # a part's scores beyond this many bytes are made and used in chunks of heads (``_head_chunks``; Zen 3's L2 size).
 # Measured against whole parts (/tmp/w21/chunk_ab.py of the twenty-first session, interleaved in one process):
-# (8, 12, 128, 32), parts of 48 heads, 1.06-1.07x as fast; (1, 12, 512, 64), one head a chunk, 1.07-1.09x.
+# (8, 12, 128, 32), parts of 48 heads, 0.99-1.07x as fast over four runs; (1, 12, 512, 64), one head a chunk,
+# 1.07-1.09x over two.
 # Chunks of 256 KiB also cut MiniLM's parts of 6 heads (384 KiB of scores), which then ran 0.96-0.98x as fast.
 HEAD_CHUNK_BYTES = 1 << 19
 KEY_GRAIN = 16  # a padded tile's keys are rounded up to this: fewer bound variants, GEMM widths the kernels take
@@ -167,20 +168,13 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
                 row[j] = x
                 m = vmath.maximum(m, x)
         else:
-            for j in range(kend):
-                x = row[j] * sc
-                row[j] = x
-                m = vmath.maximum(m, x)
+            m = _scaled_max(row[:kend], sc, m)
         if kind == NONE:
-            for j in range(kend):
-                row[j] = vmath.exp_shifted(row[j], m)
+            _exps(row[:kend], m)
         else:  # masked scores are -inf: their exps skip the underflow
             for j in range(kend):
                 row[j] = vmath.exp_shifted_masked(row[j], m)
-        total = vmath.fsum(row[:kend])  # reassociated (vectorized) there; the exps here are not
-        inv = ft(1.0 / max(total, tiny))  # and its sum is tiny: 0 * (1 / tiny) = 0
-        for j in range(kend):
-            row[j] = row[j] * inv
+        _normalize(row[:kend], tiny)
         for j in range(kend, nk):
             row[j] = 0.0
 
@@ -191,20 +185,19 @@ def _plain_rows(block: Any, sc: Any, lowest: Any, tiny: float) -> None:
     in one loop, so that a short row's exp loop does not wait out its own latency (128-key rows: 1.01 against 1.15
     ns a score on one thread, /tmp/w21/pairs.py of the twenty-first session; 512 keys: 0.98 against 1.04)."""
     nq, nk = block.shape
-    for i in range(0, nq, 2):
-        r0 = block[i]
-        r1 = block[i + 1 if i + 1 < nq else i]  # an odd last row pairs with itself: its second pass is skipped
+    for i in range(0, nq - 1, 2):
+        r0, r1 = block[i], block[i + 1]
         m0 = _scaled_max(r0, sc, lowest)
-        if i + 1 < nq:
-            m1 = _scaled_max(r1, sc, lowest)
-            for j in range(nk):
-                r0[j] = vmath.exp_shifted(r0[j], m0)
-                r1[j] = vmath.exp_shifted(r1[j], m1)
-            _normalize(r1, tiny)
-        else:
-            for j in range(nk):
-                r0[j] = vmath.exp_shifted(r0[j], m0)
+        m1 = _scaled_max(r1, sc, lowest)
+        for j in range(nk):
+            r0[j] = vmath.exp_shifted(r0[j], m0)
+            r1[j] = vmath.exp_shifted(r1[j], m1)
         _normalize(r0, tiny)
+        _normalize(r1, tiny)
+    if nq % 2:
+        last = block[nq - 1]
+        _exps(last, _scaled_max(last, sc, lowest))
+        _normalize(last, tiny)
 
 
 @jit_inline
@@ -219,8 +212,16 @@ def _scaled_max(row: Any, sc: Any, lowest: Any) -> Any:
 
 
 @jit_inline
+def _exps(row: Any, m: Any) -> None:
+    """row = exp(row - m) in place (row <= m)."""
+    for j in range(row.shape[0]):
+        row[j] = vmath.exp_shifted(row[j], m)
+
+
+@jit_inline
 def _normalize(row: Any, tiny: float) -> None:
-    """row /= its float64 sum (a sum of 0, every exp having underflowed, gives 0s)."""
+    """row /= its float64 sum (reassociated in ``vmath.fsum``, never in the exps); a sum of 0 (every exp
+    underflowed) gives 0s: 0 * (1 / tiny)."""
     inv = row.dtype.type(1.0 / max(vmath.fsum(row), tiny))
     for j in range(row.shape[0]):
         row[j] = row[j] * inv
