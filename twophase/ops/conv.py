@@ -337,8 +337,9 @@ def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
 
 def _tiles_candidate(t: ConvTiling, x: TensorDesc, limit: int | None) -> Candidate | None:
     """im2col_tiles for float32, one group, a channel-major output, on a CPU with the register-blocked GEMM:
-    the most output rows per tile (up to ``TILE_PIXELS`` pixels) whose per-part tiles fit ``limit``."""
-    if t.groups != 1 or t.orient != "cm" or not tiles_available(x.dtype.np):
+    the most output rows per tile (up to ``TILE_PIXELS`` pixels) whose per-part tiles fit ``limit``; None without
+    input channels (nothing to unfold: the others write the bias)."""
+    if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
         return None
     kblock = -(-t.kc // -(-t.kc // TILE_K))  # k blocks of nearly equal depth
     grid = tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts())
