@@ -301,18 +301,21 @@ MICRO_COLS = [n for n in range(32, 200) if n >= 0.9 * (-(-n // 16) * 16)]
 
 @needs_micro
 @pytest.mark.parametrize("has_bias", [False, True])
-def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(rng: np.random.Generator,
-                                                                    has_bias: bool) -> None:
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("k", [37, 300])
+def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(rng: np.random.Generator, has_bias: bool,
+                                                                    packed: bool, k: int) -> None:
     """The kernel itself on blocks of a larger poisoned matrix: 32- and 16-wide panels, the last overlapping
     16-wide panel (every remainder 1-15), blocks narrower than 16 (scalar loop), row blocks off the 6-row
-    kernel, with and without a bias row; nothing outside the block is touched."""
-    k = 37
+    kernel, with and without a bias row, b's panels read in place or packed (a NaN-poisoned scratch), one k
+    block or two (the second adds to the first); nothing outside the block is touched."""
     a, b = _rand(rng, (30, k)), _rand(rng, (k, 90))
     bias = _rand(rng, (90,))
+    pack = np.full(gemm.panel_bytes(k) // 4 if packed else 0, np.nan, np.float32)
     for i0, i1, j0, j1 in [(0, 30, 0, 90), (3, 20, 5, 21), (1, 2, 0, 17), (7, 30, 40, 55), (0, 13, 60, 63),
                            (5, 11, 0, 48), (0, 30, 33, 90)]:
         c = np.full((30, 90), np.nan, np.float32)
-        gemm.gemm_f32(a, b, c, bias, has_bias, i0, i1, j0, j1)
+        gemm.gemm_f32(a, b, c, bias, has_bias, i0, i1, j0, j1, pack)
         ref = a[i0:i1].astype(np.float64) @ b[:, j0:j1].astype(np.float64) + (bias[j0:j1] if has_bias else 0.0)
         np.testing.assert_allclose(c[i0:i1, j0:j1], ref, rtol=2e-5, atol=1e-4)
         c[i0:i1, j0:j1] = np.nan
@@ -424,11 +427,42 @@ def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(rng: np.random.Generat
         # a read through a negative row stride, in place (BLAS would need it packed)
         rev = device("cpu").tensor(np.ascontiguousarray(x[::-1])).strided((m, k), (-k, 1), (m - 1) * k)
         r = run_checked(matmul, rev, w)
-        assert r.implementation == "microkernel" and r.workspace_size == 0
+        assert r.implementation == "microkernel" and r.workspace_size == _panels_workspace(r.tiling.parts, k)
         _check(r, ref - bias, rtol=1e-5)
         # an addend that is not a bias row: the kernel, then the epilogue
         c = _rand(rng, (m, n))
         _check(run_checked(baddbmm, c, x, w, alpha=0.5, beta=2.0), 0.5 * (ref - bias) + 2.0 * c, rtol=1e-5)
+
+
+def _panels_workspace(parts: tuple[tuple[int, int, int, int], ...], k: int) -> int:
+    """The microkernel's documented workspace: a packed panel of b per part when every part has enough rows."""
+    packs = min(i1 - i0 for i0, i1, _, _ in parts) >= gemm.PACK_MIN_ROWS
+    return len(parts) * align(min(gemm.KC, k) * gemm.NR * 4) if packs else 0
+
+
+@needs_micro
+@pytest.mark.parametrize("m,k,n", [(31, 40, 64), (32, 40, 64), (64, 300, 200), (128, 384, 1152), (100, 600, 47)])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_microkernel_packs_b_panels_from_enough_rows_and_without_room_reads_b_in_place(
+        rng: np.random.Generator, m: int, k: int, n: int, threads: int) -> None:
+    """From PACK_MIN_ROWS rows per part the microkernel asks for one packed panel of b per part (its documented
+    workspace, touched to the last aligned byte); under a limit below that it reads b in place with no
+    workspace. Both sum in the same order: bit for bit the same result, against the float64 reference."""
+    x, w, bias = _rand(rng, (m, k)), _rand(rng, (k, n)), _rand(rng, (n,))
+    ref = x.astype(np.float64) @ w.astype(np.float64) + bias
+    wt = device("cpu").tensor(w).transpose()
+    with num_threads(threads):
+        packed = run_checked(linear, x, wt, bias)
+        assert packed.implementation == "microkernel"
+        want = _panels_workspace(packed.tiling.parts, k)
+        assert packed.workspace_size == want and packed.tiling.panels == (want > 0)
+        assert want == 0 or packed.touched > want - 64 * len(packed.tiling.parts)
+        _check(packed, ref, rtol=1e-5)
+        in_place = run_checked(linear, x, wt, bias, workspace_limit=0)
+    assert in_place.implementation == "microkernel" and in_place.workspace_size == 0 and not in_place.tiling.panels
+    np.testing.assert_array_equal(packed.outputs[0], in_place.outputs[0])
+    if m >= gemm.PACK_MIN_ROWS * threads:
+        assert packed.tiling.panels
 
 
 @needs_micro

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -66,6 +66,7 @@ class MatmulTiling:
     offsets: tuple[int, int, int]
     workspace: int
     parts: tuple[tuple[int, int, int, int], ...] = ()  # microkernel: (i0, i1, j0, j1) blocks of out, one per part
+    panels: bool = False  # microkernel: each part packs b's panels into its workspace area, align64(panel_bytes(K))
 
 
 def _blas2d(s_row: int, s_col: int, cols: int) -> bool:
@@ -165,7 +166,11 @@ def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tu
     if ma is not None and mo is not None and itemsize == 4:
         micro = _micro_parts(ma.folded_rows, sb.shape[-2], sb.shape[-1], sb.strides[-1])
         if micro:
-            cands.insert(0, Candidate("microkernel", MatmulTiling(ma, sb, mo, 0, no_pack, (0, 0, 0), 0, micro), 0))
+            plain = MatmulTiling(ma, sb, mo, 0, no_pack, (0, 0, 0), 0, micro)
+            cands.insert(0, Candidate("microkernel", plain, 0))
+            if min(i1 - i0 for i0, i1, _, _ in micro) >= gemm.PACK_MIN_ROWS:  # under a tighter limit: unpacked
+                panels = len(micro) * align(gemm.panel_bytes(sb.shape[-2]))
+                cands.insert(0, Candidate("microkernel", replace(plain, workspace=panels, panels=True), panels))
     if a_ok and b_ok and o_ok:
         cands.append(Candidate("blas", MatmulTiling(sa, sb, so, -1, no_pack, (0, 0, 0), 0), 0))
     pack = (not a_ok, not b_ok, not o_ok)
@@ -241,7 +246,10 @@ def _build_matmul(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
     return build_matmul(plan.tiling, plan.implementation, ins[0], ins[1], outs[0])
 
 
-WS_DOC = ("microkernel, gemm_folded, batch_loop, blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
+WS_DOC = (f"microkernel: P * align64(min({gemm.KC}, K) * {gemm.NR} * 4) (P parts, each packing b's panels of "
+          f"{gemm.NR} columns, K rows of b) when every part has {gemm.PACK_MIN_ROWS} rows or more and the limit "
+          "allows, else 0; gemm_folded, batch_loop, "
+          "blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
           "align64(numel(b) * itemsize) if b is packed + align64(numel(out) * itemsize) if out is packed")
 
 matmul = register(OpDef(
@@ -256,8 +264,8 @@ matmul = register(OpDef(
     doc=("a @ b with numpy semantics (1-D promotion, broadcast batch dims), float32 / float64. Implementations, "
          "fastest first: microkernel (float32, b one matrix with unit column stride, "
          f"{MICRO_MIN_ROWS}-{MICRO_MAX_ROWS} folded rows, a with any strides, at least {gemm.MIN_COLS} columns: "
-         "a register-blocked GEMM reading the operands in place, bias fused, column panels split over the cores; "
-         "workspace 0), gemm_folded (b shared "
+         "a register-blocked GEMM reading a in place and b's column panels copied contiguous from "
+         f"{gemm.PACK_MIN_ROWS} rows, bias fused, column panels split over the cores), gemm_folded (b shared "
          "by the whole batch: one GEMM over batch*M rows, workspace 0), batch_loop (one folded GEMM per index of "
          "the batch dims b varies over, workspace 0), blas (np.matmul on "
          "the views, workspace 0, when every matrix has a unit stride), packed (operands BLAS cannot take copied "

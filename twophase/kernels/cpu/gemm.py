@@ -28,8 +28,8 @@ from numba.extending import intrinsic
 from ...runtime.fanout import split_range
 
 __all__ = ["available", "host_has", "columns_computed", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile",
-           "MIN_COLS", "MR", "NR", "KC", "MC", "LANES", "HALF", "row_ranges", "ymm_available", "gemm_f32_ymm",
-           "gemm_f32_heads_ymm", "YMM"]
+           "MIN_COLS", "MR", "NR", "KC", "MC", "LANES", "HALF", "panel_bytes", "PACK_MIN_ROWS", "row_ranges",
+           "ymm_available", "gemm_f32_ymm", "gemm_f32_heads_ymm", "YMM"]
 
 MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast: 15 of the 32 zmm registers
 LANES = 16
@@ -37,6 +37,17 @@ HALF = 8  # a last run of at most this many columns takes the 8-wide (ymm) maske
 NR = 2 * LANES  # columns of a full panel
 KC = 256  # k block: a 32-column panel of b over KC rows is 32 KiB
 MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panels
+# rows from which gemm_f32 packs b's panels: the copy is read by every MR-row block after it. b's rows in place, a
+# row stride such as 1152 or 384 floats (a multiple of 4 KiB every few rows) maps a panel's 512 lines onto a
+# quarter of L1's sets, which then miss to L2 on every pass (Intel Xeon, AVX-512, one thread; /tmp/w22/
+# packproto.py of the twenty-second session: 128 rows x MiniLM's linears 1.1-1.45x faster packed, 512^3 1.1-1.3x;
+# 24 rows 0.8-1.1x)
+PACK_MIN_ROWS = 32
+
+
+def panel_bytes(k: int) -> int:
+    """The scratch ``gemm_f32`` packs a panel of b into, for ``k`` rows of b: one k block of 32 columns."""
+    return min(KC, k) * NR * 4
 
 
 @functools.cache
@@ -254,6 +265,32 @@ def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
 
 _prefetch: Any = intrinsic(_prefetch_typing)
 
+
+def _copy_panel_typing(typingctx: Any, dst: Any, src: Any, ld: Any, rows: Any, nv: Any) -> Any:
+    """Copy ``rows`` rows of ``16 * nv`` floats (nv 1 or 2), ``ld`` floats apart at address ``src``, to consecutive
+    rows at address ``dst``: one panel of b packed, two (or one) vector loads and stores per row."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        d, src_, ld_, n, nv_ = args
+        vec = ir.VectorType(_F32, LANES)
+        fptr, vptr = _F32.as_pointer(), vec.as_pointer()
+        dp, sp = builder.inttoptr(d, fptr), builder.inttoptr(src_, fptr)
+        with builder.if_else(builder.icmp_signed("==", nv_, ir.Constant(_I64, 2))) as (wide, narrow):
+            for block, nv in ((wide, 2), (narrow, 1)):
+                with block, cgutils.for_range(builder, n) as loop:
+                    s_row = builder.gep(sp, [builder.mul(loop.index, ld_)])
+                    d_row = builder.gep(dp, [builder.mul(loop.index, ir.Constant(_I64, LANES * nv))])
+                    for v in range(nv):
+                        at = ir.Constant(_I64, LANES * v)
+                        x = builder.load(builder.bitcast(builder.gep(s_row, [at]), vptr), align=4)
+                        builder.store(x, builder.bitcast(builder.gep(d_row, [at]), vptr), align=4)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+_copy_panel: Any = intrinsic(_copy_panel_typing)
+
 _jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract", "arcp", "nsz"})
 _inline = numba.njit(nogil=True, cache=True, inline="always")
 
@@ -312,10 +349,12 @@ def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int,
 
 
 @_jit
-def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int, j0: int, j1: int) -> None:
+def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int, j0: int, j1: int,
+             pack: Any) -> None:
     """``c[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1]`` (plus ``bias[j0:j1]`` on every row when ``has_bias``) for
     float32 matrices: ``b``, ``c`` and ``bias`` with unit column stride, ``a`` any strides. Writes exactly that
-    block of ``c``.
+    block of ``c``. With ``pack`` not empty (float32, ``panel_bytes(k)`` at least), each k block's 16- and
+    32-column panels of ``b`` are first copied there, contiguous, and all rows run over the copy.
 
     Columns go in 32- then 16-wide panels; a last run of fewer than 16 is computed by one more 16-wide panel
     ending at ``j1``, over the whole k at once, which overwrites up to 15 columns already done (with sums rounded
@@ -327,11 +366,22 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int
     ldb, ldc = b.strides[0] // item, c.strides[0] // item
     pa, pb, pc, pz = a.ctypes.data, b.ctypes.data, c.ctypes.data, bias.ctypes.data
     vec_end = j0 + (j1 - j0) // LANES * LANES
+    packed = pack.size > 0
     for k0 in range(0, kdim, KC):  # the whole 16-column panels, k block by k block (no masked panel: n % 16 == 0)
-        gemm_tile(pa + (i0 * lda + k0 * sak) * item, lda, sak, pb + (k0 * ldb + j0) * item, ldb,
-                  pc + (i0 * ldc + j0) * item, ldc, min(KC, kdim - k0), i1 - i0, vec_end - j0, k0,
-                  pz + j0 * item if has_bias and k0 == 0 else 0,
-                  pb + ((k0 + KC) * ldb + j0) * item if k0 + KC < kdim else 0)
+        kl = min(KC, kdim - k0)
+        a_k, bias_k = pa + (i0 * lda + k0 * sak) * item, pz if has_bias and k0 == 0 else 0
+        next_k = pb + ((k0 + KC) * ldb + j0) * item if k0 + KC < kdim else 0
+        if not packed:
+            gemm_tile(a_k, lda, sak, pb + (k0 * ldb + j0) * item, ldb, pc + (i0 * ldc + j0) * item, ldc, kl,
+                      i1 - i0, vec_end - j0, k0, bias_k + j0 * item if bias_k else 0, next_k)
+            continue
+        j = j0
+        while j < vec_end:  # panel by panel: copied, then every row over the copy (a's k block stays in L2)
+            w = NR if j + NR <= vec_end else LANES
+            _copy_panel(pack.ctypes.data, pb + (k0 * ldb + j) * item, ldb, kl, w // LANES)
+            gemm_tile(a_k, lda, sak, pack.ctypes.data, w, pc + (i0 * ldc + j) * item, ldc, kl, i1 - i0, w, k0,
+                      bias_k + j * item if bias_k else 0, pb + (k0 * ldb + j + w) * item if j + w < vec_end else next_k)
+            j += w
     if vec_end == j1:
         return
     if j1 - j0 >= LANES:
@@ -357,7 +407,7 @@ def gemm_f32_heads(a: Any, b: Any, c: Any) -> None:
     m, n = c.shape[2], c.shape[3]
     for i in range(c.shape[0]):
         for h in range(c.shape[1]):
-            gemm_f32(a[i, h], b[i, h], c[i, h], none, False, 0, m, 0, n)
+            gemm_f32(a[i, h], b[i, h], c[i, h], none, False, 0, m, 0, n, none[:0])
 
 
 @_jit

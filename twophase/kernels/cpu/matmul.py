@@ -11,7 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align
-from ...runtime.fanout import launcher
+from ...runtime.fanout import launcher, run_parts, workspace_launcher
 from . import gemm
 from .blas import fused_gemm
 from .elementwise import activation_in_place, activation_kernel, matrix2d
@@ -140,7 +140,8 @@ def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any,
     """The register-blocked float32 GEMM (``gemm.gemm_f32``), one call per part of ``t.parts``; a bias row
     (``addend`` a 1-D ``c`` over the columns, alpha = beta = 1, as linear passes it) is added by the kernel,
     any other addend by the epilogue after it. An activation runs in each part on the block it just computed,
-    unless there is an epilogue (then once over ``out``, after it)."""
+    unless there is an epilogue (then once over ``out``, after it). With ``t.panels``, part i packs b's panels
+    into the workspace's i-th ``align64(panel_bytes(K))``."""
     c, alpha, beta = (None, 1.0, 0.0) if addend is None else addend
     fused = c is not None and (alpha, beta) == (1.0, 1.0) and c.ndim == 1 and c.shape[0] == o2.shape[1] and \
         c.strides[0] == c.itemsize and not np.shares_memory(c, out)
@@ -148,13 +149,26 @@ def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any,
     if not fused and addend is not None and activation != "none":
         return _then_activate(_build_micro(t, a2, b2, o2, out, addend), activation, out)
     post: Launch = (lambda _: None) if fused else _epilogue_or_nothing(out, addend)
-    fn = entry(gemm.gemm_f32, a2, b2, o2, bias, fused, 0, 0, 0, 0)
-    parts: list[Callable[[], None]] = []
-    for p in t.parts:
-        gemm_part = functools.partial(fn, a2, b2, o2, bias, fused, *p)
-        act = activation_in_place(activation, o2[p[0]:p[1], p[2]:p[3]])
-        parts.append(gemm_part if act is None else functools.partial(_in_turn, gemm_part, act))
-    run = launcher(parts)
+    no_pack = np.zeros(0, np.float32)
+    fn = entry(gemm.gemm_f32, a2, b2, o2, bias, fused, 0, 0, 0, 0, no_pack)
+    acts = [activation_in_place(activation, o2[p[0]:p[1], p[2]:p[3]]) for p in t.parts]
+
+    def parts(packs: list[Any]) -> list[Callable[[], None]]:
+        calls: list[Callable[[], None]] = []
+        for p, act, pack in zip(t.parts, acts, packs):
+            gemm_part = functools.partial(fn, a2, b2, o2, bias, fused, *p, pack)
+            calls.append(gemm_part if act is None else functools.partial(_in_turn, gemm_part, act))
+        return calls
+    if t.panels:
+        used = gemm.panel_bytes(b2.shape[0])
+        area = align(used)
+
+        def bind(ws: Any) -> Callable[[], None]:
+            calls = parts([ws[i * area:i * area + used].view(np.float32) for i in range(len(t.parts))])
+            return calls[0] if len(calls) == 1 else functools.partial(run_parts, calls)
+        run = workspace_launcher(bind)
+    else:
+        run = launcher(parts([no_pack] * len(t.parts)))
 
     def launch(ws: Any) -> None:
         run(ws)
