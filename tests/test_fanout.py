@@ -87,41 +87,64 @@ def test_a_failing_part_raises_after_every_part_has_finished() -> None:
     assert sorted(done) == [1, 2]  # nothing still writing when the error reaches the caller
 
 
-def test_spin_sees_a_count_reach_zero_and_gives_up_on_one_that_does_not() -> None:
-    from twophase.runtime.spin import spin_until_zero
-    assert spin_until_zero(np.zeros(1, np.int64))
-    assert not spin_until_zero(np.ones(1, np.int64))  # bounded: returns False instead of hanging
-    counter = np.full(1, 3, np.int64)
+def test_spin_sees_the_slots_reach_their_total_and_gives_up_on_one_they_do_not() -> None:
+    from twophase.runtime.spin import count_and_wait, spin_until_total
+    slots = np.zeros(3, np.int64)
+    assert spin_until_total(slots, 0)
+    assert not spin_until_total(slots, 1)  # bounded: returns False instead of hanging
+    posted = np.zeros(1, np.int64)
 
-    def count_down() -> None:
-        for _ in range(3):
-            time.sleep(0.001)
-            counter[0] -= 1
-    th = threading.Thread(target=count_down)
-    th.start()
-    seen = False
-    for _ in range(10_000):  # each spin gives up after ~100 us; the thread needs ~3 ms
-        if spin_until_zero(counter):
-            seen = True
-            break
-    th.join(10)
-    assert seen and counter[0] == 0
+    def count_in(slot: int, parts: int) -> None:
+        time.sleep(0.001 * slot)
+        count_and_wait(slots, slot, parts, posted, 0, 0)  # us = 0: count only, no wait
+    threads = [threading.Thread(target=count_in, args=(i, i + 1)) for i in (1, 2)]
+    for th in threads:
+        th.start()
+    slots[0] += 2
+    seen = any(spin_until_total(slots, 7) for _ in range(10_000))  # each spin ~100 us; the threads need ~2 ms
+    for th in threads:
+        th.join(10)
+    assert seen and slots.tolist() == [2, 2, 3]
+    assert not spin_until_total(slots, 6)  # an exact total: more than asked is not it
 
 
-def test_spin_while_equal_sees_a_change_and_gives_up_on_none() -> None:
-    from twophase.runtime.spin import spin_while_equal
-    counter = np.zeros(1, np.int64)
-    assert spin_while_equal(counter, 1, 1000)  # already different
-    assert not spin_while_equal(counter, 0, 200)  # bounded: returns False instead of hanging
+def test_count_and_wait_counts_then_sees_a_change_and_gives_up_on_none() -> None:
+    from twophase.runtime.spin import count_and_wait
+    slots, counter = np.zeros(2, np.int64), np.zeros(1, np.int64)
+    assert count_and_wait(slots, 1, 4, counter, 1, 1000)  # already different
+    assert not count_and_wait(slots, 1, 1, counter, 0, 2000)  # bounded: returns False instead of hanging
+    assert slots.tolist() == [0, 5]  # counted either way
 
     def bump() -> None:
         time.sleep(0.002)
         counter[0] = 7
     th = threading.Thread(target=bump)
     th.start()
-    seen = any(spin_while_equal(counter, 0, 1000) for _ in range(10_000))  # the thread needs ~2 ms
+    seen = any(count_and_wait(slots, 0, 0, counter, 0, 1000) for _ in range(10_000))  # the thread needs ~2 ms
     th.join(10)
     assert seen and counter[0] == 7
+
+
+def test_parts_of_helpers_without_a_slot_in_the_job_are_waited_for_all_the_same(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A helper started after a job was made has no slot in it (its count goes nowhere): the caller's spin on
+    the slots then never sees the total, and it waits on the parts' own count instead, returning only once every
+    part has run."""
+    made = fanout_module._Job
+
+    def slotless(parts: Any, threads: int) -> Any:
+        return made(parts, 1)  # the caller's slot only
+    monkeypatch.setattr(fanout_module, "_Job", slotless)
+    ran: list[int] = []
+
+    def part(i: int) -> None:
+        time.sleep(0.02)
+        ran.append(i)
+    monkeypatch.setattr(twophase.settings, "num_threads", 2)
+    for _ in range(3):
+        ran.clear()
+        run_parts([lambda: part(0), lambda: part(1)])
+        assert sorted(ran) == [0, 1]
 
 
 @pytest.mark.parametrize("spin_us", [0, 500, 200_000])

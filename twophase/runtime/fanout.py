@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
-from .spin import spin_until_zero, spin_while_equal
+from .spin import count_and_wait, spin_until_total
 
 __all__ = ["fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
 
@@ -65,32 +65,43 @@ def split_range(n: int, parts: int, grain: int = 1) -> list[tuple[int, int]]:
 
 
 class _Job:
-    """One launch's parts, claimed one at a time by whichever thread is free."""
+    """One launch's parts, claimed one at a time by whichever thread is free.
 
-    __slots__ = ("parts", "claim", "left", "lock", "done", "error")
+    Two counts of finished parts: ``left``, counted down under the lock as each part ends (it releases ``done``
+    for a caller that blocks), and ``finished``, one slot per thread (0: the caller, i: helper i), which a
+    helper adds to from compiled code as it goes back to spinning (``count_and_wait``). The caller spins on
+    ``finished``: it then sees the helpers' parts done only once they no longer hold the GIL, so it never has
+    to sleep until a helper lets go of it."""
 
-    def __init__(self, parts: Sequence[Part]) -> None:
+    __slots__ = ("parts", "claim", "left", "lock", "done", "error", "finished")
+
+    def __init__(self, parts: Sequence[Part], threads: int) -> None:
         self.parts = parts
         self.claim = itertools.count()
-        self.left = np.array([len(parts)], np.int64)  # parts not finished; run_parts spins on it
+        self.left = np.array([len(parts)], np.int64)
         self.lock = threading.Lock()
         self.done = threading.Lock()  # held until the last part is done, released by whoever finishes it (an Event
         self.done.acquire()  # costs ~4 us more to make: it is a Condition over a lock, in Python)
         self.error: BaseException | None = None
+        self.finished = np.zeros(threads, np.int64)
 
-    def work(self) -> None:
+    def work(self) -> int:
+        """Claim and run parts until none is left; how many this thread ran."""
         n = len(self.parts)
+        ran = 0
         while (i := next(self.claim)) < n:
             try:
                 self.parts[i]()
             except BaseException as exc:  # noqa: BLE001  (re-raised on the launching thread)
                 if self.error is None:
                     self.error = exc
+            ran += 1
             with self.lock:
                 left = int(self.left[0]) - 1
                 if left == 0:
                     self.done.release()
-                self.left[0] = left  # after done is released: a spin that sees 0 never blocks on done
+                self.left[0] = left
+        return ran
 
 
 class _Helpers:
@@ -105,31 +116,42 @@ class _Helpers:
     def ensure(self, n: int) -> None:
         if self.count >= n:
             return
-        spin_while_equal(self.posted, -1, 1)  # compiled (or loaded) here, not by a helper holding the GIL
+        count_and_wait(np.zeros(1, np.int64), 0, 0, self.posted, -1, 1)  # compiled (or loaded) here, not by a
+        spin_until_total(np.zeros(1, np.int64), 0)  # helper holding the GIL
         with self.lock:
             while self.count < n:
-                threading.Thread(target=self._loop, name=f"twophase-fanout-{self.count}", daemon=True).start()
                 self.count += 1
+                threading.Thread(target=self._loop, args=(self.count,), name=f"twophase-fanout-{self.count - 1}",
+                                 daemon=True).start()
 
     def post(self, job: _Job, n: int) -> None:
         for _ in range(n):
             self.jobs.put(job)
         self.posted[0] += n
 
-    def _loop(self) -> None:
-        """Take jobs for ever: the next one from the queue, else spin until one is posted, else block. Parts run
-        with numpy's floating-point warnings off, as stream tasks do (``runtime.stream``)."""
+    def _loop(self, slot: int) -> None:
+        """Take jobs for ever: the next one from the queue, else spin until one is posted, else block; the parts
+        it ran of a job are counted into the job's ``finished[slot]`` as it takes the next or starts to wait.
+        Parts run with numpy's floating-point warnings off, as stream tasks do (``runtime.stream``)."""
         np.seterr(all="ignore")
+        nothing = np.zeros(slot + 1, np.int64)
+        finished, ran = nothing, 0
         while True:
             seen = int(self.posted[0])
             try:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 spin = config.settings.helper_spin_us
-                if spin > 0 and spin_while_equal(self.posted, seen, spin):
+                changed = count_and_wait(finished, slot, ran, self.posted, seen, spin)
+                finished, ran = nothing, 0
+                if changed:
                     continue
                 job = self.jobs.get()
-            job.work()
+            else:
+                count_and_wait(finished, slot, ran, self.posted, seen, 0)
+            ran = job.work()
+            # a job made before this helper started has no slot for it: its caller falls back on ``left``
+            finished = job.finished if slot < job.finished.size else nothing
 
 
 _helpers = _Helpers()
@@ -143,15 +165,15 @@ def run_parts(parts: Sequence[Part]) -> None:
         for part in parts:
             part()
         return
-    job = _Job(parts)
     helpers = min(len(parts), worker_threads()) - 1  # more parts than threads: each thread claims several
     if helpers > 0:
         _helpers.ensure(helpers)
+    job = _Job(parts, _helpers.count + 1)
+    if helpers > 0:
         _helpers.post(job, helpers)
-    job.work()
-    if job.left[0]:
-        spin_until_zero(job.left)  # the other parts are ending on helpers: a blocked wait wakes 25-40 us late
-    if job.left[0]:
+    job.finished[0] = job.work()
+    # the other parts are ending on helpers: a blocked wait wakes 25-90 us late
+    if not spin_until_total(job.finished, len(parts)) and job.left[0]:
         job.done.acquire()
     if job.error is not None:
         raise job.error

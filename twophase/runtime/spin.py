@@ -1,11 +1,12 @@
-"""Short spins, without the GIL, until a counter in memory reaches zero or changes.
+"""Short spins, without the GIL, on counters in memory that other threads change.
 
-:func:`~twophase.runtime.fanout.run_parts` uses it for the last parts of a launch, which other threads are
-finishing: waking a thread blocked on a lock took 25-40 us on these machines (measured after a 0.5 ms
-GEMM part), a spin sees the counter change at once. The spin runs in a ``nogil`` numba loop so the finishing
-thread can take the GIL to count its part down; it gives up after about :data:`SPIN_US` microseconds, and the
-caller then blocks as before. Helper threads wait for the next launch with :func:`spin_while_equal` on the
-count of jobs posted, yielding their core every :data:`YIELD_US` (``fanout._Helpers``).
+:func:`~twophase.runtime.fanout.run_parts` spins for the parts of a launch that helper threads are finishing:
+waking a thread blocked on a lock took 25-40 us on earlier machines and 43 us median (90 us p90) on a 2-vCPU
+Xeon VM, a spin sees the count at once. A helper counts its parts from compiled code
+(:func:`count_and_wait`) as it goes back to spinning for the next launch on the count of jobs posted, so the
+launching thread sees them done only when the helper no longer holds the GIL, and never sleeps waiting for
+it. The spins run in ``nogil`` numba loops, give up after a bounded time (the caller then blocks as before)
+and yield the core every :data:`YIELD_US` while waiting for a launch (``fanout._Helpers``).
 """
 
 from __future__ import annotations
@@ -21,10 +22,16 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["SPIN_US", "spin_until_zero", "spin_while_equal"]
+__all__ = ["SETTLE_US", "SPIN_US", "count_and_wait", "spin_until_total"]
 
 SPIN_US = 100.0
 YIELD_US = 20.0
+# spins a helper waits once it saw a launch posted, before it returns to Python for the GIL: the launching thread
+# holds the GIL ~10 us more (claiming its part, numba's dispatch), and a thread that finds the GIL taken sleeps
+# until it is signalled (a wake-up took 43 us median, 90 us p90, on the twenty-second session's 2-vCPU Xeon VM).
+# Two 128x384x192 GEMM parts: the helper started 26-30 us after the launch with it, 50-69 us without
+# (/tmp/w22/par4.py).
+SETTLE_US = 15.0
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 
 
@@ -52,7 +59,21 @@ def _pause_typing(typingctx: Any) -> Any:
     return sig, codegen
 
 
+def _add_release_typing(typingctx: Any, addr: Any, value: Any) -> Any:
+    """Add ``value`` to the int64 at address ``addr``, stored with release ordering (what this thread wrote
+    before is visible to a thread that reads the sum with acquire ordering). Not atomic: one writer per slot."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        old = builder.load_atomic(ptr, "monotonic", 8)
+        builder.store_atomic(builder.add(old, args[1]), ptr, "release", 8)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 _load_acquire: Any = intrinsic(_load_acquire_typing)
+_add_release: Any = intrinsic(_add_release_typing)
 _pause: Any = intrinsic(_pause_typing)
 
 
@@ -89,6 +110,33 @@ def _spin(counter: Any, value: int, until_equal: bool, limit: int, every: int) -
     return (last == value) == until_equal
 
 
+@numba.njit(nogil=True, cache=True)
+def _count_and_wait(slots: Any, slot: int, count: int, counter: Any, value: int, limit: int, every: int,
+                    settle: int) -> bool:
+    """``slots[slot] += count`` (release), then ``_spin`` while ``counter[0] == value``; once it changed, ``settle``
+    more pauses before returning. True when it changed."""
+    _add_release(slots.ctypes.data + slot * 8, count)
+    changed = _spin(counter, value, False, limit, every)
+    if changed:
+        for _ in range(settle):
+            _pause()
+    return changed
+
+
+@numba.njit(nogil=True, cache=True)
+def _spin_total(slots: Any, total: int, limit: int) -> bool:
+    """Spin at most ``limit`` times until the slots sum to ``total``; True when they did."""
+    base = slots.ctypes.data
+    for _ in range(limit + 1):
+        s = 0
+        for i in range(slots.size):
+            s += _load_acquire(base + i * 8)
+        if s == total:
+            return True
+        _pause()
+    return False
+
+
 @functools.cache
 def _iterations() -> int:
     """Spin iterations in about SPIN_US microseconds (timed once on a counter that stays non-zero)."""
@@ -101,15 +149,18 @@ def _iterations() -> int:
     return max(1, int(SPIN_US * 1e-6 / per))
 
 
-def spin_until_zero(counter: np.ndarray[Any, Any]) -> bool:
-    """Spin until ``counter[0]`` (an int64 array another thread counts down) is 0, for at most about SPIN_US
-    microseconds; True when it reached 0."""
-    n = _iterations()
-    return bool(_spin(counter, 0, True, n, n + 1))  # no yield: the parts end within microseconds
-
-
-def spin_while_equal(counter: np.ndarray[Any, Any], value: int, us: float) -> bool:
-    """Spin while ``counter[0]`` equals ``value``, for at most about ``us`` microseconds, giving the core to any
-    other runnable thread (``sched_yield``) every :data:`YIELD_US`; True when it changed."""
+def count_and_wait(slots: np.ndarray[Any, Any], slot: int, count: int, counter: np.ndarray[Any, Any], value: int,
+                   us: float) -> bool:
+    """Add ``count`` to ``slots[slot]`` (int64; this thread its only writer) from compiled code, so a thread
+    spinning on the slots (:func:`spin_until_total`) sees it only once this one no longer holds the GIL; then
+    spin while ``counter[0] == value`` for at most ``us`` microseconds (0: count only), yielding the core every
+    ``YIELD_US``, and ``SETTLE_US`` more once it changed. True when it changed."""
     per_us = _iterations() / SPIN_US
-    return bool(_spin(counter, value, False, max(1, int(per_us * us)), max(1, int(per_us * YIELD_US))))
+    return bool(_count_and_wait(slots, slot, count, counter, value, int(per_us * us), max(1, int(per_us * YIELD_US)),
+                                int(per_us * SETTLE_US)))
+
+
+def spin_until_total(slots: np.ndarray[Any, Any], total: int) -> bool:
+    """Spin until the int64 ``slots`` (counted by :func:`count_and_wait`) sum to ``total``, for at most about
+    SPIN_US microseconds; True when they did."""
+    return bool(_spin_total(slots, total, _iterations()))
