@@ -39,9 +39,9 @@ KC = 256  # k block: a 32-column panel of b over KC rows is 32 KiB
 MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panels
 # rows from which gemm_f32 packs b's panels: the copy is read by every MR-row block after it. b's rows in place, a
 # row stride such as 1152 or 384 floats (a multiple of 4 KiB every few rows) maps a panel's 512 lines onto a
-# quarter of L1's sets, which then miss to L2 on every pass (Intel Xeon, AVX-512, one thread; /tmp/w22/
-# packproto.py of the twenty-second session: 128 rows x MiniLM's linears 1.1-1.45x faster packed, 512^3 1.1-1.3x;
-# 24 rows 0.8-1.1x)
+# quarter of L1's sets, and rows not 64-byte aligned span three lines each (Intel Xeon, AVX-512, one thread, the
+# twenty-second session: 128 rows x MiniLM's linears and 512^3 1.04-1.16x faster packed with 64-byte-aligned
+# operands, /tmp/w22/peak2.py; 1.2-1.45x unaligned, packproto.py; 24 rows 0.8-1.1x)
 PACK_MIN_ROWS = 32
 
 
