@@ -236,7 +236,10 @@ def linear_share(model: Any, b: int, n: int, rounds: int, threads: int = 0) -> d
         def onnx() -> None:
             sess.run(None, {"x": x, "f": f})
         ours()
-        got, want = calls[-1].outputs[0].numpy(), sess.run(None, {"x": x, "f": f})[-1]
+        last = calls[-1].outputs[0]
+        if last is None:
+            raise AssertionError("the last linear's plan has no output bound")
+        got, want = last.numpy(), sess.run(None, {"x": x, "f": f})[-1]
         if not np.allclose(got, want, rtol=1e-3, atol=1e-3):
             raise AssertionError("the linears disagree with ONNX Runtime's")
         times = _interleaved({"twophase": ours, "ONNX Runtime": onnx}, rounds)
