@@ -116,8 +116,9 @@ class _Helpers:
     def ensure(self, n: int) -> None:
         if self.count >= n:
             return
-        count_and_wait(np.zeros(1, np.int64), 0, 0, self.posted, -1, 1)  # compiled (or loaded) here, not by a
-        spin_until_total(np.zeros(1, np.int64), 0)  # helper holding the GIL
+        # the spins compiled (or loaded from the cache) here, not by a helper while it holds the GIL
+        count_and_wait(np.zeros(1, np.int64), 0, 0, self.posted, -1, 0)
+        spin_until_total(np.zeros(1, np.int64), 0)
         with self.lock:
             while self.count < n:
                 self.count += 1

@@ -93,13 +93,13 @@ _yield: Any = intrinsic(_yield_typing)
 
 
 @numba.njit(nogil=True, cache=True)
-def _spin(counter: Any, value: int, until_equal: bool, limit: int, every: int) -> bool:
-    """Spin at most ``limit`` times until ``counter[0] == value`` (``until_equal``) or ``!= value``, yielding the
-    core every ``every`` spins; True when that happened."""
+def _spin(counter: Any, value: int, limit: int, every: int) -> bool:
+    """Spin at most ``limit`` times while ``counter[0] == value``, yielding the core every ``every`` spins; True
+    when it changed."""
     addr = counter.ctypes.data  # read here: from Python, ``ctypes.data`` costs ~1 us a call
     left = every
     for _ in range(limit):
-        if (_load_acquire(addr) == value) == until_equal:
+        if _load_acquire(addr) != value:
             return True
         _pause()
         left -= 1
@@ -107,7 +107,7 @@ def _spin(counter: Any, value: int, until_equal: bool, limit: int, every: int) -
             _yield()
             left = every
     last: int = _load_acquire(addr)
-    return (last == value) == until_equal
+    return last != value
 
 
 @numba.njit(nogil=True, cache=True)
@@ -116,7 +116,7 @@ def _count_and_wait(slots: Any, slot: int, count: int, counter: Any, value: int,
     """``slots[slot] += count`` (release), then ``_spin`` while ``counter[0] == value``; once it changed, ``settle``
     more pauses before returning. True when it changed."""
     _add_release(slots.ctypes.data + slot * 8, count)
-    changed = _spin(counter, value, False, limit, every)
+    changed = _spin(counter, value, limit, every)
     if changed:
         for _ in range(settle):
             _pause()
@@ -139,12 +139,12 @@ def _spin_total(slots: Any, total: int, limit: int) -> bool:
 
 @functools.cache
 def _iterations() -> int:
-    """Spin iterations in about SPIN_US microseconds (timed once on a counter that stays non-zero)."""
+    """Spin iterations in about SPIN_US microseconds (timed once on a counter that does not change)."""
     counter = np.ones(1, np.int64)
     n = 20_000
-    _spin(counter, 0, True, 10, n + 1)  # compile (or load from the cache) outside the timing
+    _spin(counter, 1, 10, n + 1)  # compile (or load from the cache) outside the timing
     t0 = time.perf_counter()
-    _spin(counter, 0, True, n, n + 1)
+    _spin(counter, 1, n, n + 1)
     per = max((time.perf_counter() - t0) / n, 1e-10)
     return max(1, int(SPIN_US * 1e-6 / per))
 
