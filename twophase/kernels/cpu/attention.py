@@ -30,7 +30,7 @@ from ...runtime.fanout import fanout_parts, run_parts, split_range, workspace_la
 from . import gemm, vmath
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import any_layout, entry
+from .jit import any_layout, entry, wide_vectors
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -118,6 +118,7 @@ def softmax_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: flo
     nb, nh = s.shape[0], s.shape[1]
     if s.size and (s.strides[3] != s.itemsize or s.strides[2] != s.shape[3] * s.itemsize):
         raise ValueError("softmax_rows: the score blocks are not dense")
+    wide_vectors()
     for b in range(nb):
         for h in range(nh):
             _head_rows(s, mask, kind, causal, q0, scale, lowest, tiny, b, h)

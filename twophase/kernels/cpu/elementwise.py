@@ -20,7 +20,7 @@ from numba.extending import overload
 from ...layout import align, as_matrix
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
-from .jit import FAST, by_density, entry, row_of, rows_dense
+from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
 _LOOP_OPTIONS: Any = {"nogil": True, "fastmath": FAST, "error_model": "numpy"}  # also the span loops' (overloads)
@@ -74,6 +74,7 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
             return None
 
         def impl(code: Any, x: Any, out: Any) -> None:  # the stub's signature, annotations included (numba checks)
+            wide_vectors()
             for i in range(x.shape[0]):
                 out[i] = f(x[i])
         return impl
@@ -85,6 +86,7 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
             return None
 
         def impl(code: Any, x: Any) -> None:
+            wide_vectors()
             for i in range(x.shape[0]):
                 x[i] = f(x[i])
         return impl

@@ -15,7 +15,7 @@ from numba.np.numpy_support import carray
 from ...errors import InternalError
 
 __all__ = ["entry", "any_layout", "CHECK_LAYOUT", "jit", "jit_inline", "jit_reduce", "FAST", "REDUCE", "row_of",
-           "rows_dense", "by_density", "span_of", "pairs_of", "variant_call"]
+           "rows_dense", "by_density", "span_of", "pairs_of", "variant_call", "wide_vectors"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -46,6 +46,23 @@ def _pointer_intrinsic(name: str, pointee: Callable[[Any], Any]) -> Any:
     typing.__name__ = typing.__qualname__ = name  # numba names the intrinsic after its typing function
     return intrinsic(typing)
 
+
+def _wide_vectors_typing(typingctx: Any) -> Any:
+    """Let LLVM vectorize the calling function's loops with 512-bit vectors where the CPU has them."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        # a string attribute, which llvmlite's attribute set refuses by name: added to the underlying set
+        set.add(builder.function.attributes, '"prefer-vector-width"="512"')
+        return context.get_dummy_value()
+    return types.void(), codegen
+
+
+# ``wide_vectors()`` as a kernel's first statement: LLVM's x86 tuning for Intel's AVX-512 CPUs prefers 256-bit
+# vectors, so numba's loops run on ymm registers there. The function attribute lifts that for one function (numba
+# has no per-function option; NUMBA_CPU_FEATURES would change every numba function in the process). Measured on an
+# Intel Xeon (twenty-third session, one thread, same bits): gelu 1.2x, SDPA's row pass 1.2-1.3x, softmax and
+# layer_norm on rows in cache 1.05-1.26x, max over rows 1.07-1.29x; column sums and maxima no faster (left narrow).
+# Without AVX-512 it changes nothing.
+wide_vectors: Any = intrinsic(_wide_vectors_typing)
 
 _element_pointer: Any = _pointer_intrinsic("_element_pointer", lambda dt: dt)
 # float32 rows as complex64 (even, odd) pairs, float64 as complex128

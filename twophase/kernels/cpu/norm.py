@@ -13,7 +13,7 @@ import numpy as np
 
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
-from .jit import FAST, by_density, entry, row_of, rows_dense
+from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
 from .streaming import VECTOR_BYTES, aligned_head, element_aligned, sfence, store_normalized
 from .vmath import corrected_moments, deviation_sums
 
@@ -37,6 +37,7 @@ def _layer_norm_kernel(dense: bool, stream: bool = False) -> Any:
         ``dense`` (``jit.by_density``), so the loops vectorize when the matrix itself is not (rows of a wider
         array). With ``stream`` (dense rows, unit-stride w and b) the rows are written with non-temporal stores
         (``streaming.store_normalized``)."""
+        wide_vectors()
         for k in range(x.shape[0]):
             mu, r = _norm_row(row_of(x, k, dense), w, b, eps, rms, row_of(out, k, dense), stream)
             mean[k] = mu

@@ -22,7 +22,7 @@ import numba
 import numpy as np
 
 from ...runtime.fanout import fanout_parts, run_parts, split_range
-from .jit import REDUCE, by_density, entry, row_of, rows_dense
+from .jit import REDUCE, by_density, entry, row_of, rows_dense, wide_vectors
 from .jit import jit_reduce as _jit_reduce
 from .vmath import corrected_moments, deviation_sums
 from .vmath import maximum as vmax
@@ -163,6 +163,7 @@ def _level_kernel(kind: str, dense: bool) -> Any:
         """out[k, j] = the sum (``scalar``: the zero of the accumulator's type) or the max (``scalar`` 1) / min
         (-1) of x[k, j*block:(j+1)*block], for the tasks ``t0 <= t = k * nb + j < t1`` (a range of them per
         helper thread; all of them on one)."""
+        wide_vectors()
         nb = out.shape[1]
         k, j = t0 // nb, t0 % nb
         for _ in range(t0, t1):

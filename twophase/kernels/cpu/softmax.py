@@ -24,7 +24,7 @@ from ...errors import InternalError, Status
 from ...runtime.fanout import launcher, run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
-from .jit import by_density, entry, row_of, rows_dense
+from .jit import by_density, entry, row_of, rows_dense, wide_vectors
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
 LOG_SOFTMAX_IN_OUT = 2  # log-softmax whose out does not overlap x: its exps go to out, as softmax's do
@@ -127,6 +127,7 @@ def _rows_kernel(mode: int, dense: bool) -> Any:
     not a slice of it (a slice types as 'A', whose loops vectorize worse)."""
     @jit
     def rows(x: Any, out: Any, scratch: Any) -> None:
+        wide_vectors()
         _rows(x, out, mode, scratch[0], dense)
     return rows
 
