@@ -367,6 +367,7 @@ def _argmax_level_kernel(dense: bool) -> Any:
     def argmax_level(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t0: int, t1: int) -> None:
         """(out_v, out_i)[k, j] = first max of x[k, block j] and its index (positions, or ``idx`` of the
         partials), tasks t0 <= t = k * nb + j < t1."""
+        wide_vectors()
         if out_v.shape[1] == 1 and idx.shape[1] == 0:  # one block per row of the data (short rows): the lean loop
             for k in range(t0, t1):
                 out_v[k, 0], out_i[k, 0] = _argmax_row(x, k, 0, x.shape[1], dense)
