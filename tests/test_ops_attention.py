@@ -280,13 +280,14 @@ def test_causal_materialized_long_heads_in_one_part(layout: str, lq: int, lk: in
 @pytest.mark.parametrize("heads", [1, 3])  # one head: its query rows cut in two parts (the second from query 150)
 @pytest.mark.parametrize("impl, limit", [("materialized", None), ("tiled", 200_000)])  # tiled: from query > 0
 def test_causal_query_blocks_in_parts(layout: str, heads: int, impl: str, limit: int | None) -> None:
-    """Causal rows multiplied in blocks of ``CAUSAL_BLOCK`` queries, each against only the keys up to its last
+    """Causal rows multiplied in blocks of ``causal_block()`` queries, each against only the keys up to its last
     query, in two parts on helper threads (heads, or query rows whose part starts mid-head), in the whole problem
     or in tiles of queries from a later one, Lk > Lq."""
-    from twophase.kernels.cpu.attention import CAUSAL_BLOCK, FANOUT_MIN
+    from twophase.kernels.cpu.attention import FANOUT_MIN, causal_block
     rng = np.random.default_rng(heads)
     q, k, v = _qkv(rng, 1, heads, 300, 330, 16, 8)
-    assert 300 * 300 >= FANOUT_MIN and 300 > 2 * CAUSAL_BLOCK
+    rows = causal_block(q.dtype)
+    assert 300 * 300 >= FANOUT_MIN and 300 > 2 * rows
     old = twophase.settings.num_threads
     twophase.set_num_threads(2)
     try:
@@ -294,7 +295,7 @@ def test_causal_query_blocks_in_parts(layout: str, heads: int, impl: str, limit:
             r = run_checked(sdpa, on_device(q, layout), k, v, None, is_causal=True, workspace_limit=limit)
     finally:
         twophase.set_num_threads(old)
-    assert r.implementation == impl and (impl == "materialized" or CAUSAL_BLOCK < r.tiling.block_q < 300)
+    assert r.implementation == impl and (impl == "materialized" or rows < r.tiling.block_q < 300)
     _check(r, reference(q, k, v, None, is_causal=True))
 
 
@@ -562,3 +563,23 @@ def test_sdpa_parts_run_their_heads_in_chunks(b: int, h: int, lq: int, lk: int, 
         finally:
             twophase.set_num_threads(old_threads)
             twophase.set_cache_enabled(old_cache)
+
+
+@pytest.mark.parametrize("rows", [32, 64])
+def test_causal_blocks_cover_the_rows_each_against_the_keys_it_sees(rows: int) -> None:
+    from twophase.kernels.cpu.attention import _blocks
+    for nq, q0, kend in ((300, 0, 330), (150, 150, 330), (rows, 0, rows), (rows + 1, 7, 400), (5, 0, 5)):
+        blocks = _blocks(nq, q0, kend, True, rows)
+        assert blocks[0][0] == 0 and blocks[-1][1] == nq
+        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:]))
+        assert all(0 < e - s <= rows and keys == min(kend, q0 + e) for s, e, keys in blocks)
+        assert len(blocks) == -(-nq // rows)
+    assert _blocks(300, 0, 330, False, rows) == ((0, 300, 330),)
+
+
+def test_causal_block_is_wider_where_heads_run_on_the_avx512_kernel() -> None:
+    from twophase.kernels.cpu import gemm
+    from twophase.kernels.cpu.attention import CAUSAL_BLOCK, CAUSAL_BLOCK_WIDE, causal_block
+    assert causal_block(np.float32) == (CAUSAL_BLOCK_WIDE if gemm.available() else CAUSAL_BLOCK)
+    assert causal_block(np.float64) == CAUSAL_BLOCK
+    assert CAUSAL_BLOCK_WIDE > CAUSAL_BLOCK

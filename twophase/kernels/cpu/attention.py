@@ -6,7 +6,7 @@
   heads by the register-blocked kernel, ``_products``, else BLAS); a large tile is cut into parts (batch
   entries, heads or query rows) run by helper threads, each part with its own GEMMs and row pass (those that
   call BLAS on one BLAS thread each), a part of many heads in chunks of heads whose scores stay in the core's L2
-  (``HEAD_CHUNK_BYTES``); causal rows go through both GEMMs in blocks of ``CAUSAL_BLOCK`` queries,
+  (``HEAD_CHUNK_BYTES``); causal rows go through both GEMMs in blocks of ``causal_block()`` queries,
   each with only the keys it can see (the masked half of the scores is never multiplied). With a key-padding
   mask (one mask row for every query), a tile runs only the keys up to the last one the mask keeps for some
   (batch entry, head) of the tile, rounded up to ``KEY_GRAIN`` (exactly those keys, and no mask at all, when
@@ -40,11 +40,21 @@ jit_inline: Kernel = _jit.jit_inline
 NONE, ADDITIVE, BOOL = 0, 1, 2
 QK_CHUNK = 128  # keys per score GEMM call (measured: 4 calls of N=128 beat one of N=512 with threaded BLAS)
 FANOUT_MIN = 1 << 16  # score elements per tile from which it is cut into parts for helper threads
-# query rows per GEMM of a causal part, each block against only the keys it can see. Measured (causal SDPA, ms) with
-# blocks of 16 / 32 / 48 / 64 / 128 rows / one block: (1, 12, 512, 64) 4.0 / 3.8 / 4.1 / 4.1-4.4 / 4.4-4.9 / 5.9-6.2;
-# (1, 12, 256, 64) 1.33 / 1.15 / 1.12 / 1.22 / 1.39 / 1.59;
-# (8, 12, 128, 32) 1.69 / 1.60 / 1.61 / 1.71-1.76 / 1.81 / 1.82
+# query rows per GEMM of a causal part, each block against only the keys it can see. Measured (causal SDPA, ms) on
+# the AMD EPYC with AVX2 (heads on the 8-lane kernel or BLAS) with blocks of 16 / 32 / 48 / 64 / 128 rows / one
+# block: (1, 12, 512, 64) 4.0 / 3.8 / 4.1 / 4.1-4.4 / 4.4-4.9 / 5.9-6.2; (1, 12, 256, 64) 1.33 / 1.15 / 1.12 / 1.22 /
+# 1.39 / 1.59; (8, 12, 128, 32) 1.69 / 1.60 / 1.61 / 1.71-1.76 / 1.81 / 1.82. Where float32 heads run on the AVX-512
+# kernel (an Intel Xeon, the twenty-third session, /tmp/w23/cblock.py, 21 interleaved rounds), 64 against 32:
+# (1, 12, 512, 64) 3.97 against 6.00 ms, (1, 12, 256, 64) 1.71 against 2.05, (8, 12, 128, 32) 2.62 against 3.11
+# (a first run of 16 / 32 / 64 / 128 / one block: 8.0 / 5.8 / 5.4 / 5.5 / 7.2 at (1, 12, 512, 64)).
 CAUSAL_BLOCK = 32
+CAUSAL_BLOCK_WIDE = 64
+
+
+def causal_block(dtype: Any) -> int:
+    """Query rows per causal block: ``CAUSAL_BLOCK_WIDE`` where the heads' products run on the AVX-512 kernel
+    (float32 on a CPU that has it), else ``CAUSAL_BLOCK``."""
+    return CAUSAL_BLOCK_WIDE if np.dtype(dtype) == np.float32 and gemm.available() else CAUSAL_BLOCK
 # a part's scores beyond this many bytes are made and used in chunks of heads (``_head_chunks``; Zen 3's L2 size).
 # Measured against whole parts (/tmp/w21/chunk_ab.py of the twenty-first session, interleaved in one process):
 # (8, 12, 128, 32), parts of 48 heads, 0.99-1.07x as fast over four runs; (1, 12, 512, 64), one head a chunk,
@@ -98,14 +108,13 @@ class _Tile(NamedTuple):
     rows: Any
 
 
-def _blocks(nq: int, q0: int, kend: int, causal: bool) -> tuple[tuple[int, int, int], ...]:
+def _blocks(nq: int, q0: int, kend: int, causal: bool, rows: int) -> tuple[tuple[int, int, int], ...]:
     """(first row, end row, keys) of a part's query blocks: ``nq`` rows from query ``q0`` against ``kend`` keys;
-    causal rows in blocks of ``CAUSAL_BLOCK``, each against the keys up to its last query (the keys after a row's
-    own it gets as 0s from the row pass), else one block of every row and key."""
-    if not causal or nq <= CAUSAL_BLOCK:
+    causal rows in blocks of ``rows`` (``causal_block``), each against the keys up to its last query (the keys
+    after a row's own it gets as 0s from the row pass), else one block of every row and key."""
+    if not causal or nq <= rows:
         return ((0, nq, kend),)
-    return tuple((a, min(nq, a + CAUSAL_BLOCK), min(kend, q0 + min(nq, a + CAUSAL_BLOCK)))
-                 for a in range(0, nq, CAUSAL_BLOCK))
+    return tuple((a, min(nq, a + rows), min(kend, q0 + min(nq, a + rows))) for a in range(0, nq, rows))
 
 
 @jit
@@ -332,6 +341,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     parts = fanout_parts()
     strided = any_layout(dt, 4)  # the row pass is compiled for any score layout ('A')
     pick = _products(dt)
+    block_rows = causal_block(dt)
     steps = []
     for b0 in range(0, nb, tb):
         for h0 in range(0, nh, th):
@@ -354,7 +364,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                     pq0, pnq = (q0 + lo, hi - lo) if axis == 2 else (q0, sq)
                     typed = any_layout(pm.dtype, 4) if padding else pm
                     plans.append((lo, hi, pm, entry(softmax_rows, strided, typed, 0, False, 0, 0.0, 0.0, 0.0), pq0,
-                                  _blocks(pnq, pq0, kend, causal)))
+                                  _blocks(pnq, pq0, kend, causal, block_rows)))
                 # the group's k^T / v copies: made by the parts when they own whole heads, else before them
                 pack_kv = 0 if q0 else (2 if axis != 2 and len(plans) > 1 else 1)
                 steps.append(_Tile(shape, (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
