@@ -371,10 +371,17 @@ def test_streaming_binary_is_bitwise_numpy_at_any_alignment(name: str, dtype: An
     assert (np.delete(out, np.arange(offsets[2], offsets[2] + n)) == 7.0).all()
 
 
+def test_stream_threshold_is_the_last_level_cache_at_most_64_mib(monkeypatch: pytest.MonkeyPatch) -> None:
+    for llc, want in ((260 << 20, 64 << 20), (64 << 20, 64 << 20), (32 << 20, 32 << 20), (1 << 20, 1 << 20)):
+        monkeypatch.setattr(streaming, "last_level_cache_bytes", lambda llc=llc: llc)
+        assert streaming.stream_threshold() == want
+
+
 def test_streaming_is_ranked_first_only_for_outputs_as_large_as_the_last_level_cache() -> None:
-    """Phase 1 on descs alone (nothing is allocated): from the LLC's size on, 'streaming'; below it numpy's ufunc,
-    whose stores leave the result cached for the next op; never where the kernel does not apply."""
-    llc = streaming.last_level_cache_bytes()
+    """Phase 1 on descs alone (nothing is allocated): from ``stream_threshold()`` on (the LLC's size, at most 64
+    MiB), 'streaming'; below it numpy's ufunc, whose stores leave the result cached for the next op; never where
+    the kernel does not apply."""
+    llc = streaming.stream_threshold()
     big = TensorDesc((llc // 4,), DType.float32)
     small = TensorDesc((llc // 4 - 128,), DType.float32)
 

@@ -456,9 +456,9 @@ def test_streaming_norm_rows_match_the_reference_at_any_alignment(rows: int, n: 
 
 
 def test_streaming_norms_are_ranked_first_only_for_outputs_as_large_as_the_last_level_cache() -> None:
-    """Phase 1 on descs alone: from the LLC's size on 'rows_streaming', below it 'rows'; never for float16 (packed),
-    a strided weight, or rows that are not dense."""
-    llc = streaming.last_level_cache_bytes()
+    """Phase 1 on descs alone: from ``stream_threshold()`` on 'rows_streaming', below it 'rows'; never for float16
+    (packed), a strided weight, or rows that are not dense."""
+    llc = streaming.stream_threshold()
     n = 1024
     big, small = TensorDesc((llc // 4 // n, n), DType.float32), TensorDesc((llc // 4 // n - 1, n), DType.float32)
     w = TensorDesc((n,), DType.float32)

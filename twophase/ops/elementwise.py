@@ -76,7 +76,7 @@ def _binary_infer(name: str) -> Callable[[tuple[TensorDesc | None, ...], dict[st
 def _streaming_select(name: str) -> Any:
     """Phase 1 of add / sub / mul / div: 'streaming' (non-temporal stores, ``kernels/cpu/streaming.py``) where the
     operands and the output are dense, of one float dtype and one shape (``alpha`` 1), ranked first from outputs of
-    the last-level cache's size; numpy's 'ufunc' otherwise, and first below that size."""
+    ``streaming.stream_threshold()`` bytes; numpy's 'ufunc' otherwise, and first below that size."""
     def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
         out = outs[0]
         ufunc = Candidate("ufunc", None, 0)
@@ -148,7 +148,7 @@ def _register_binary() -> None:
                  f"(dtypes {[d.value for d in NUMERIC]}). Workspace: 0 bytes."
                  + (" Implementations: 'ufunc' (numpy's); 'streaming' (vector stores that bypass the cache) where "
                     "operands and output are dense float32 / float64 of one shape (alpha 1), ranked first from "
-                    "outputs of the last-level cache's size." if name in streaming.CODES else "")),
+                    "outputs of the last-level cache's size (at most 64 MiB)." if name in streaming.CODES else "")),
             reference=ref))
 
 

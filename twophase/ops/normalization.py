@@ -244,7 +244,7 @@ def _norm_select(name: str) -> Callable[[Any, Any, dict[str, Any], int | None], 
 def _norm_plan(name: str, ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
     """'rows_packed' where the rows must be copied (float16, dims that do not merge); else 'rows', and
     'rows_streaming' (rows written with non-temporal stores, ``kernels/cpu/streaming.py``) where x, the output and
-    weight / bias are dense float32 / float64, ranked first from outputs of the last-level cache's size.
+    weight / bias are dense float32 / float64, ranked first from outputs of ``streaming.stream_threshold()`` bytes.
     Tiling: (pack, x area bytes, weight vector bytes, streaming)."""
     x = ins[0]
     nd = len(attrs["normalized_shape"])
@@ -314,7 +314,7 @@ def _ln_reference(x: Any, weight: Any = None, bias: Any = None, normalized_shape
 
 _LN_FORMULA = "0, or align64(numel*c) + 2*align64(N*c) when packed (c = 4 for float16, else itemsize)"
 _STREAMING_DOC = ("'rows_streaming' writes the rows with vector stores that bypass the cache, for dense float32 / "
-                  "float64 operands; ranked first from outputs of the last-level cache's size.")
+                  "float64 operands; ranked first from outputs of the last-level cache's size (at most 64 MiB).")
 register(OpDef(
     name="layer_norm", inputs=("x", "weight?", "bias?"), outputs=("out", "mean", "rstd"),
     attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-5)),

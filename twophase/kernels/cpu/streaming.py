@@ -7,7 +7,8 @@ arrays larger than the last-level cache moves four arrays' bytes through memory 
 (AVX2, 2 vCPUs) a 4096 x 4096 float32 add ran 1.14-1.25x faster this way, layer / RMS norm 1.22-1.63x. Below the
 cache's size the result would have stayed cached for the next op, which then reads it from memory instead: an add
 followed by a read of its 8 MiB output ran 0.85x as fast (``/tmp/w20/ntsz.py`` of the twentieth session). So
-phase 1 ranks these implementations first only for outputs of at least :func:`last_level_cache_bytes`.
+phase 1 ranks these implementations first only for outputs of at least :func:`stream_threshold`: the last-level
+cache's size, at most ``STREAM_MAX_THRESHOLD``.
 
 The binary arithmetic is plain IEEE (no fast-math flags), one rounding per element as numpy's: the results are
 bitwise numpy's, NaN and inf included. x86 only (the ``sfence`` that orders the streaming stores before the part's
@@ -28,13 +29,19 @@ from numba.core import types
 from numba.extending import intrinsic
 
 __all__ = ["CODES", "KERNELS", "AVAILABLE", "VECTOR_BYTES", "aligned_head", "element_aligned", "last_level_cache_bytes",
-           "offered", "ranked", "sfence", "store_normalized"]
+           "offered", "ranked", "sfence", "store_normalized", "stream_threshold", "STREAM_MAX_THRESHOLD"]
 
 CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 _INSTRUCTIONS = ("fadd", "fsub", "fmul", "fdiv")
 VECTOR_BYTES = 32  # one ymm register: the widest store every x86-64 with AVX takes aligned
 AVAILABLE = platform.machine().lower() in ("x86_64", "amd64")
 DEFAULT_LLC = 32 << 20  # where the machine does not say (no sysfs)
+# outputs from which streaming ranks first even where the last-level cache is larger: a server's L3 is shared by the
+# socket's cores and tenants, and a process keeps a fraction of it. On an Intel Xeon reporting a 260 MiB L3 (2 vCPUs,
+# the twenty-third session, /tmp/w23/add_stream.py and norm_stream.py, interleaved in one process) 64 MiB outputs ran
+# faster streamed in every reading: add 1.17-1.34x, layer norm 1.12-1.34x, RMS norm 1.02-1.39x; 32 MiB ones were
+# mixed (add 0.93x in one reading, 1.34x in another).
+STREAM_MAX_THRESHOLD = 64 << 20
 
 
 @functools.cache
@@ -177,10 +184,16 @@ def element_aligned(out: Any) -> bool:
     return bool(out.ctypes.data % out.itemsize == 0)
 
 
+def stream_threshold() -> int:
+    """Output bytes from which streaming stores rank first: the last-level cache's size (nothing of such an output
+    could stay cached), at most ``STREAM_MAX_THRESHOLD``."""
+    return min(last_level_cache_bytes(), STREAM_MAX_THRESHOLD)
+
+
 def ranked(stream: Any, plain: Any, out_bytes: int) -> list[Any]:
-    """Phase 1's order of a streaming implementation and its plain one: streaming first from outputs of the
-    last-level cache's size (nothing of them could stay cached), plain first below it."""
-    return [stream, plain] if out_bytes >= last_level_cache_bytes() else [plain, stream]
+    """Phase 1's order of a streaming implementation and its plain one: streaming first from outputs of
+    ``stream_threshold()`` bytes, plain first below."""
+    return [stream, plain] if out_bytes >= stream_threshold() else [plain, stream]
 
 
 def _kernel(code: int) -> Any:
