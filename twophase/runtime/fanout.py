@@ -24,7 +24,7 @@ import numpy as np
 from .. import config
 from .spin import count_and_wait, spin_until_total
 
-__all__ = ["fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
+__all__ = ["bound", "fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
 
 Part = Callable[[], None]
 
@@ -180,12 +180,15 @@ def run_parts(parts: Sequence[Part]) -> None:
         raise job.error
 
 
+def bound(calls: Sequence[Part]) -> Part:
+    """Parts as one call: the one part itself, else :func:`run_parts` over them."""
+    return calls[0] if len(calls) == 1 else functools.partial(run_parts, calls)
+
+
 def launcher(calls: Sequence[Part]) -> Callable[[Any], None]:
-    """The phase-2 launch of parts made in phase 1: the one part called directly, else :func:`run_parts`."""
-    if len(calls) == 1:
-        call = calls[0]
-        return lambda _: call()
-    return lambda _: run_parts(calls)
+    """The phase-2 launch of parts made in phase 1 (:func:`bound`); it takes the workspace and ignores it."""
+    call = bound(calls)
+    return lambda _: call()
 
 
 def workspace_launcher(bind: Callable[[Any], Callable[[], None]]) -> Callable[[Any], None]:

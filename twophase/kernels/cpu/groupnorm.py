@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
+from ...runtime.fanout import bound, fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from . import vmath as vm
 from .jit import by_density, entry, row_of, rows_dense
@@ -233,7 +233,7 @@ def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float
             return launcher(calls(src, w, b, dst))
 
         def kernel(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> Callable[[], None]:
-            return functools.partial(run_parts, calls(x, wv, bv, out))
+            return bound(calls(x, wv, bv, out))
     if not t.pack:
         return workspace_launcher(lambda ws: kernel(src, w, b, dst, ws))
     nbytes, pbytes = src.size * compute.itemsize, w.size * compute.itemsize

@@ -11,7 +11,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align
-from ...runtime.fanout import launcher, run_parts, workspace_launcher
+from ...runtime.fanout import bound, launcher, workspace_launcher
 from . import gemm
 from .blas import fused_gemm
 from .elementwise import activation_in_place, activation_kernel, matrix2d
@@ -164,8 +164,7 @@ def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any,
         area = align(used)
 
         def bind(ws: Any) -> Callable[[], None]:
-            calls = parts([ws[i * area:i * area + used].view(np.float32) for i in range(len(t.parts))])
-            return calls[0] if len(calls) == 1 else functools.partial(run_parts, calls)
+            return bound(parts([ws[i * area:i * area + used].view(np.float32) for i in range(len(t.parts))]))
         run = workspace_launcher(bind)
     else:
         run = launcher(parts([no_pack] * len(t.parts)))
