@@ -431,7 +431,8 @@ def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) 
 @needs_tiles
 @pytest.mark.parametrize("shape, k, stride, first", [
     ((1, 64, 56, 56), 3, 2, True),  # 28x28 outputs: 4-row tiles of 112 pixels fill 7 panels
-    ((1, 256, 14, 14), 3, 2, True),  # 7x7 outputs: 49 of 56 columns computed (the last panel 8 wide)
+    ((1, 128, 28, 28), 3, 2, True),  # 14x14 outputs: 196 pixels of 208 columns' work (a last panel of 16)
+    ((1, 256, 14, 14), 3, 2, False),  # 7x7 outputs: 49 pixels of 64 columns' work (a masked 32-wide last panel)
     ((1, 8, 5, 5), 3, 2, False),  # 3x3 outputs: 9 of 16 columns, im2col + BLAS ranks first
     ((1, 64, 56, 56), 1, 2, True),
 ])

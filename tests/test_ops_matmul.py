@@ -360,11 +360,12 @@ def _tile_gemm(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int)
 @needs_micro
 @pytest.mark.parametrize("accumulate", [0, 1])
 def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Generator, accumulate: int) -> None:
-    """``gemm_tile`` (conv2d's tiles): every column count 1-40, so each remainder takes the 8-wide (1-8 left) or
-    the 16-wide (9-15) masked panel, on rows off the 6-row kernel and a strided ``a``; the block of a poisoned
-    ``c`` is written (or added to) exactly, nothing around it."""
+    """``gemm_tile`` (conv2d's tiles): every column count 1-72, so each remainder takes the 8-wide (1-8 left), the
+    16-wide (9-15) or the 32-wide (17-31: second vector) masked panel, alone or after whole 32-column panels, on rows
+    off the 6-row kernel and a strided ``a``; the block of a poisoned ``c`` is written (or added to) exactly,
+    nothing around it."""
     k = 21
-    for n in range(1, 41):
+    for n in range(1, 73):
         for m in (1, 6, 13):
             a = _rand(rng, (m, 2 * k))[:, ::2]
             b = _rand(rng, (k, -(-n // 16) * 16 + 16))  # rows padded past a multiple of 16, as a tile's
@@ -377,7 +378,7 @@ def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Gener
             np.testing.assert_allclose(c[1:m + 1, 3:3 + n], ref, rtol=2e-5, atol=1e-4)
             c[1:m + 1, 3:3 + n] = np.nan
             assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
-    assert gemm.columns_computed(49) == 56 and gemm.columns_computed(57) == 64 and gemm.columns_computed(48) == 48
+    assert [gemm.columns_computed(n) for n in (49, 57, 48, 40, 33, 32, 8)] == [64, 64, 48, 48, 48, 32, 16]
 
 
 

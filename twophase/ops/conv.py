@@ -322,10 +322,10 @@ def tiles_grid(n: int, oh: int, ow: int, oc: int, parts: int) -> tuple[tuple[int
     return tuple((a, b, 0, oc) for a, b in split_range(rows, parts))
 
 
-# pixels / GEMM columns computed from which im2col_tiles ranks ahead of whole-image im2col: 7x7 maps (49 of 56
-# columns, 0.875, with the 8-wide last panel) measured even with im2col + OpenBLAS (1 x 256 -> 512 14^2 s2: 0.92-1.06
-# against 0.98-1.06 ms; 512^2 7^2: 1.81-1.87 against 1.90-1.94; /tmp/w/c7.py, ninth session), in a third of the
-# workspace
+# pixels / GEMM columns computed (``gemm.columns_computed``) from which im2col_tiles ranks ahead of whole-image
+# im2col. 7x7 maps (49 pixels: 64 columns' work, 0.77) rank im2col first: 8 images of 256 -> 512 14^2 s2 ran 1.11x
+# faster by im2col + OpenBLAS than by the tiles, 512^2 7^2 1.35x; one image even (0.99-1.00x; Intel Xeon, 15
+# alternating rounds, /tmp/w24/rank7.py of the twenty-fourth session). 14x14 maps (0.94) keep the tiles
 TILES_MIN_USE = 0.85
 
 

@@ -90,11 +90,12 @@ def row_ranges(m: int, parts: int) -> list[tuple[int, int]]:
 
 
 def columns_computed(n: int) -> int:
-    """Columns ``gemm_tile`` computes for ``n``: whole 16-wide panels, then a masked last panel of 8 (at most 8
-    left) or 16."""
-    full = n // LANES * LANES
+    """Columns' worth of work ``gemm_tile`` does for ``n``: whole 32-wide panels, then a last panel of 32 (17-31
+    left, the second vector masked) or of 16 (1-16 left; the 8-wide ymm panel of 1-8 costs a 16-wide one's time per
+    row of ``b``: the same loads and FMAs, on half-width registers)."""
+    full = n // NR * NR
     rest = n - full
-    return full + (0 if rest == 0 else HALF if rest <= HALF else LANES)
+    return full + (0 if rest == 0 else LANES if rest <= LANES else NR)
 
 
 _I64 = ir.IntType(64)
@@ -118,9 +119,9 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
                 k: Any, accumulate: Any, bias: Any, ncols: Any = None, width: int = LANES) -> None:
     """IR for the ``rows x width nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
     plus the bias row at address ``bias`` when it is not 0 (addresses in bytes, strides in elements). With
-    ``ncols`` (nv = 1), only the first ``ncols`` columns of ``c`` and the bias are read and written (masked), while
-    ``b``'s rows are still read a whole vector wide. ``width``: floats per vector (16: zmm; 8: ymm, for a last
-    panel of at most 8 columns, which then computes 8 lanes instead of 16)."""
+    ``ncols``, only the first ``ncols`` columns of the last vector of ``c`` and the bias are read and written
+    (masked), while ``b``'s rows are still read whole vectors wide. ``width``: floats per vector (16: zmm; 8: ymm,
+    for a last panel of at most 8 columns, which then computes 8 lanes instead of 16)."""
     w = width
     vec = ir.VectorType(_F32, w)
     fptr, vptr = _F32.as_pointer(), vec.as_pointer()
@@ -139,13 +140,13 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
         mstore = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
             builder.module, ir.FunctionType(ir.VoidType(), [vec, vptr, i32, mtype]), f"llvm.masked.store.{types_}")
 
-    def load_c(p: Any) -> Any:
-        if mask is None:
+    def load_c(p: Any, v: int) -> Any:
+        if mask is None or v < nv - 1:
             return builder.load(p, align=4)
         return builder.call(mload, [p, ir.Constant(i32, 4), mask, ir.Constant(vec, None)])
 
-    def store_c(x: Any, p: Any) -> None:
-        if mask is None:
+    def store_c(x: Any, p: Any, v: int) -> None:
+        if mask is None or v < nv - 1:
             builder.store(x, p, align=4)
         else:
             builder.call(mstore, [x, p, ir.Constant(i32, 4), mask])
@@ -192,13 +193,13 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
         with old_c:
             for r in range(rows):
                 for v in range(nv):
-                    builder.store(load_c(vec_at(cp, r, ldc, w * v)), addend[r][v])
+                    builder.store(load_c(vec_at(cp, r, ldc, w * v), v), addend[r][v])
         with fresh:
             with builder.if_else(builder.icmp_signed("!=", bias, const(0))) as (with_bias, without):
                 with with_bias:
                     bias_p = builder.inttoptr(bias, fptr)
                     for v in range(nv):
-                        x = load_c(vec_at(bias_p, 0, const(0), w * v))
+                        x = load_c(vec_at(bias_p, 0, const(0), w * v), v)
                         for r in range(rows):
                             builder.store(x, addend[r][v])
                 with without:
@@ -208,13 +209,13 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
     for r in range(rows):
         for v in range(nv):
             total = builder.fadd(builder.load(acc[r][v]), builder.load(addend[r][v]))
-            store_c(total, vec_at(cp, r, ldc, w * v))
+            store_c(total, vec_at(cp, r, ldc, w * v), v)
 
 
 def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
     """An intrinsic ``(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias[, ncols])``: ``_emit_block`` for 16 nv
-    columns (``masked``: the first ``ncols`` of 16) and ``rows`` (1..MR) rows, one specialised block per row count
-    behind a switch (the accumulators must be known when compiling)."""
+    columns (``masked``: the last vector's first ``ncols``) and ``rows`` (1..MR) rows, one specialised block per row
+    count behind a switch (the accumulators must be known when compiling)."""
     nargs = 12 if masked else 11
 
     def codegen(context: Any, builder: Any, signature: Any, argv: Any) -> Any:
@@ -247,7 +248,7 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
 
 
 # one intrinsic per panel width: numba's jit sees them as module globals
-_K16, _K32, _K16M = _microkernel(1), _microkernel(2), _microkernel(1, masked=True)
+_K16, _K32, _K16M, _K32M = _microkernel(1), _microkernel(2), _microkernel(1, masked=True), _microkernel(2, masked=True)
 _K8M = _microkernel(1, masked=True, width=8)
 YMM = 8  # floats per ymm vector: the 8-lane kernels' panels are 2 * YMM and YMM columns wide
 _Y16, _Y8 = _microkernel(2, width=YMM), _microkernel(1, width=YMM)
@@ -306,26 +307,43 @@ def _block(rows: int, wide: bool, c: int, ldc: int, a: int, lda: int, sak: int, 
 
 
 @_inline
+def _panel(rows: int, w: int, c: int, ldc: int, a: int, lda: int, sak: int, b: int, ldb: int, k: int,
+           accumulate: int, bias: int) -> None:
+    """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..32) columns: 32 or 16 whole, 17-31 as
+    32 with the second vector masked, 9-15 as a masked 16, 1-8 as a masked 8 (ymm); masked panels read ``b``'s rows
+    that wide."""
+    if w == NR:
+        _K32(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+    elif w > LANES:
+        _K32M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - LANES)
+    elif w == LANES:
+        _K16(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+    elif w > HALF:
+        _K16M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w)
+    else:
+        _K8M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w)
+
+
+@_inline
 def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int, kl: int, m: int, n: int,
               accumulate: int, bias: int, pnext: int) -> None:
     """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` plus the old ``c`` when ``accumulate``, else plus the bias row at
     address ``bias`` when it is not 0, on float32 matrices given by address and element strides (``b``, ``c`` and
-    the bias with unit column stride). The last run of fewer than 16 columns
-    is one masked panel, 8 wide (ymm) for at most 8 columns, else 16, that reads ``b``'s rows that wide: they
-    must be readable up to a multiple of 16 columns (a padded tile). Writes exactly that block of ``c``.
+    the bias with unit column stride). Columns go in 32-wide panels; the last run of fewer than 32 is one panel
+    (``_panel``): 16 whole, else masked, reading ``b``'s rows up to the next multiple of 16 columns (17-31 left:
+    32 wide): they must be readable that far (a padded tile). Writes exactly that block of ``c``.
 
     While a panel is multiplied, the next panel of ``b`` is prefetched into L2, a slice of its rows per row block
     (a linear layer's weight is read once per call, from memory: MiniLM's 24 linears 15.7-16.8 -> 14.6-15.0 ms);
     during the last panel, the 32 columns from address ``pnext`` (the next k block's first panel; 0: none)."""
     item = 4
-    full = n // LANES * LANES
     for ic in range(0, m, MC):
         ie = min(ic + MC, m)
         j = 0
         step = -(-kl // -(-(ie - ic) // MR))  # rows of the next panel of b to prefetch per row block
-        while j < full:
-            wide = j + NR <= full
-            nxt = j + (NR if wide else LANES)
+        while j < n:
+            w = min(NR, n - j)
+            nxt = j + w
             target = pb + nxt * item if nxt < n else pnext  # the next panel's first row
             for bi, i in enumerate(range(ic, ie, MR)):
                 if target:
@@ -334,18 +352,9 @@ def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int,
                         _prefetch(row)
                         _prefetch(row + 64)
                         _prefetch(row + 124)
-                _block(min(MR, ie - i), wide, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
+                _panel(min(MR, ie - i), w, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
                        pb + j * item, ldb, kl, accumulate, bias + j * item if bias else 0)
-            j += NR if wide else LANES
-        if full < n:
-            narrow = n - full <= HALF
-            zb = bias + full * item if bias else 0
-            for i in range(ic, ie, MR):
-                rows, ci, ai = min(MR, ie - i), pc + (i * ldc + full) * item, pa + i * lda * item
-                if narrow:
-                    _K8M(rows, ci, ldc, ai, lda, sak, pb + full * item, ldb, kl, accumulate, zb, n - full)
-                else:
-                    _K16M(rows, ci, ldc, ai, lda, sak, pb + full * item, ldb, kl, accumulate, zb, n - full)
+            j = nxt
 
 
 @_jit
