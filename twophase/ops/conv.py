@@ -323,9 +323,10 @@ def tiles_grid(n: int, oh: int, ow: int, oc: int, parts: int) -> tuple[tuple[int
 
 
 # pixels / GEMM columns computed (``gemm.columns_computed``) from which im2col_tiles ranks ahead of whole-image
-# im2col. 7x7 maps (49 pixels: 64 columns' work, 0.77) rank im2col first: 8 images of 256 -> 512 14^2 s2 ran 1.11x
-# faster by im2col + OpenBLAS than by the tiles, 512^2 7^2 1.35x; one image even (0.99-1.00x; Intel Xeon, 15
-# alternating rounds, /tmp/w24/rank7.py of the twenty-fourth session). 14x14 maps (0.94) keep the tiles
+# im2col. 7x7 maps (49 pixels: 64 columns' work, 0.77) rank im2col first: 8 images of 256 -> 512 14^2 s2 ran
+# 1.11x and 1.6x faster by im2col + OpenBLAS than by the tiles in two runs, 512^2 7^2 1.35x; one image even
+# (0.99-1.03x; Intel Xeon, 9-15 alternating rounds, /tmp/w24/rank7.py, rank_all.py of the twenty-fourth
+# session). 14x14 maps (0.94) keep the tiles
 TILES_MIN_USE = 0.85
 
 
