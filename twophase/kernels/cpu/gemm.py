@@ -312,16 +312,6 @@ _inline = numba.njit(nogil=True, cache=True, inline="always")
 
 
 @_inline
-def _block(rows: int, wide: bool, c: int, ldc: int, a: int, lda: int, sak: int, b: int, ldb: int, k: int,
-           accumulate: int, bias: int) -> None:
-    """The microkernel for ``rows`` (1..MR) rows and 32 (``wide``) or 16 columns."""
-    if wide:
-        _K32(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    else:
-        _K16(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-
-
-@_inline
 def _panel(rows: int, w: int, c: int, ldc: int, a: int, lda: int, sak: int, b: int, ldb: int, k: int,
            accumulate: int, bias: int) -> None:
     """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..32) columns: 32 or 16 whole, 17-31 as
@@ -412,7 +402,7 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int
         j = j1 - LANES
         zb = pz + j * item if has_bias else 0
         for i in range(i0, i1, MR):
-            _block(min(MR, i1 - i), False, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
+            _panel(min(MR, i1 - i), LANES, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
                    pb + j * item, ldb, kdim, 0, zb)
         return
     for i in range(i0, i1):
