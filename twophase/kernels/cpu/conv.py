@@ -14,7 +14,7 @@ from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import by_density, entry, pairs_of, row_of, rows_dense, span_of
+from .jit import by_density, copy_run, entry, pairs_of, row_of, rows_dense, span_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -104,14 +104,15 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
         kk = kh_n * kw_n
         step = np.uint64(fixed_step if fixed_step else sw)
         flat = FLAT and sh == 1 and ow_n == width
+        c = k0 // kk  # k = (c*KH + kh)*KW + kw, stepped below without a division per k
+        kh = (k0 - c * kk) // kw_n
+        kw = k0 - c * kk - kh * kw_n
         for k in range(k0, k1):
-            c = k // kk
-            kh = (k - c * kk) // kw_n
-            kw = k - c * kk - kh * kw_n
             off = kw * dw - pw
-            lo, hi = ow_range(off, sw, width, ow_n)
+            # column and row bounds: steps of 1 (3x3 stride-1 layers) take the forms without a division
+            lo, hi = ow_range(off, 1, width, ow_n) if sw == 1 else ow_range(off, sw, width, ow_n)
             ih0 = oh0 * sh - ph + kh * dh  # the input row of output row 0
-            r_lo, r_hi = ow_range(ih0, sh, height, rows)  # output rows whose input row is inside the image
+            r_lo, r_hi = ow_range(ih0, 1, height, rows) if sh == 1 else ow_range(ih0, sh, height, rows)
             crow = row_of(cols, k - kbase, dense)
             for i in range(nn):
                 plane = x[n0 + i, c0 + c]
@@ -123,11 +124,8 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
                 if flat and _plane_flat(plane):
                     # output (r, ow) reads plane element (ih0 + r)*W + off + ow: one run from the first row's
                     # column lo to the last row's column hi - 1
-                    src = span_of(plane, 0, height * width)
-                    d0 = np.uint64(base + r_lo * ow_n + lo)
-                    s0 = np.uint64((ih0 + r_lo) * width + off + lo)
-                    for u in range(np.uint64((r_hi - r_lo - 1) * ow_n + hi - lo)):
-                        crow[d0 + u] = src[s0 + u]
+                    copy_run(crow, base + r_lo * ow_n + lo, span_of(plane, 0, height * width),
+                             (ih0 + r_lo) * width + off + lo, (r_hi - r_lo - 1) * ow_n + hi - lo)
                     for r in range(r_lo, r_hi):
                         d = base + r * ow_n
                         _zero(crow, d, d + lo)
@@ -158,6 +156,13 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
                     else:  # a short row (7-wide maps): the plain loop, faster than the vector loop's entry checks
                         for ow in range(lo, hi):
                             crow[d + ow] = xr[ow * sw + off]
+            kw += 1
+            if kw == kw_n:
+                kw = 0
+                kh += 1
+                if kh == kh_n:
+                    kh = 0
+                    c += 1
     return im2col
 
 

@@ -15,7 +15,7 @@ from numba.np.numpy_support import carray
 from ...errors import InternalError
 
 __all__ = ["entry", "any_layout", "CHECK_LAYOUT", "jit", "jit_inline", "jit_reduce", "FAST", "REDUCE", "row_of",
-           "rows_dense", "by_density", "span_of", "pairs_of", "variant_call", "wide_vectors"]
+           "rows_dense", "by_density", "span_of", "pairs_of", "variant_call", "wide_vectors", "copy_run"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -64,6 +64,31 @@ def _wide_vectors_typing(typingctx: Any) -> Any:
 # var's moments no faster (left narrow).
 # Without AVX-512 it changes nothing.
 wide_vectors: Any = intrinsic(_wide_vectors_typing)
+
+def _copy_run_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: Any) -> Any:
+    """``dst[d0:d0 + n] = src[s0:s0 + n]`` for 1-D arrays of one dtype whose elements are adjacent (dense rows:
+    the caller checks), by ``llvm.memcpy``: a short run (an unfolded row of a 7x7 map, ~49 floats) is copied in a
+    few vector moves, where numba's loop, too short for its vector body, copied it one element at a time."""
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == src.ndim == 1
+            and dst.dtype == src.dtype):
+        return None
+    sig = types.void(dst, d0, src, s0, n)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        item = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
+
+        def address(k: int) -> Any:
+            arr = context.make_array(signature.args[k])(context, builder, args[k])
+            index = context.cast(builder, args[k + 1], signature.args[k + 1], types.intp)
+            return builder.gep(builder.bitcast(arr.data, cgutils.voidptr_t),
+                               [builder.mul(index, context.get_constant(types.intp, item))])
+        count = context.cast(builder, args[4], signature.args[4], types.intp)
+        cgutils.raw_memcpy(builder, address(0), address(2), count, item)  # type: ignore[no-untyped-call]
+        return context.get_dummy_value()
+    return sig, codegen
+
+
+copy_run: Any = intrinsic(_copy_run_typing)
 
 _element_pointer: Any = _pointer_intrinsic("_element_pointer", lambda dt: dt)
 # float32 rows as complex64 (even, odd) pairs, float64 as complex128
