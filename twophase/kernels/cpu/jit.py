@@ -10,7 +10,7 @@ import numba
 import numpy as np
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
-from numba.np.numpy_support import carray
+from numba.np.numpy_support import as_dtype, carray
 
 from ...errors import InternalError
 
@@ -75,7 +75,7 @@ def _copy_run_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: An
     sig = types.void(dst, d0, src, s0, n)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        item = context.get_abi_sizeof(context.get_data_type(signature.args[0].dtype))
+        item = as_dtype(signature.args[0].dtype).itemsize
 
         def address(k: int) -> Any:
             arr = context.make_array(signature.args[k])(context, builder, args[k])
