@@ -65,6 +65,7 @@ def _wide_vectors_typing(typingctx: Any) -> Any:
 # Without AVX-512 it changes nothing.
 wide_vectors: Any = intrinsic(_wide_vectors_typing)
 
+
 def _copy_run_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: Any) -> Any:
     """``dst[d0:d0 + n] = src[s0:s0 + n]`` for 1-D arrays of one dtype whose elements are adjacent (dense rows:
     the caller checks), by ``llvm.memcpy``: a short run (an unfolded row of a 7x7 map, ~49 floats) is copied in a
@@ -89,6 +90,7 @@ def _copy_run_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: An
 
 
 copy_run: Any = intrinsic(_copy_run_typing)
+
 
 _element_pointer: Any = _pointer_intrinsic("_element_pointer", lambda dt: dt)
 # float32 rows as complex64 (even, odd) pairs, float64 as complex128
