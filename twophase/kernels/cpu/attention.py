@@ -51,10 +51,17 @@ CAUSAL_BLOCK = 32
 CAUSAL_BLOCK_WIDE = 64
 
 
+def _heads_on_zmm(dtype: Any) -> bool:
+    """Whether the heads' products of this dtype run on the AVX-512 kernel (``gemm.gemm_f32_heads``)."""
+    return np.dtype(dtype) == np.float32 and gemm.available()
+
+
 def causal_block(dtype: Any) -> int:
     """Query rows per causal block: ``CAUSAL_BLOCK_WIDE`` where the heads' products run on the AVX-512 kernel
     (float32 on a CPU that has it), else ``CAUSAL_BLOCK``."""
-    return CAUSAL_BLOCK_WIDE if np.dtype(dtype) == np.float32 and gemm.available() else CAUSAL_BLOCK
+    return CAUSAL_BLOCK_WIDE if _heads_on_zmm(dtype) else CAUSAL_BLOCK
+
+
 # a part's scores beyond this many bytes are made and used in chunks of heads (``_head_chunks``; Zen 3's L2 size).
 # Measured against whole parts (/tmp/w21/chunk_ab.py of the twenty-first session, interleaved in one process):
 # (8, 12, 128, 32), parts of 48 heads, 0.99-1.07x as fast over four runs; (1, 12, 512, 64), one head a chunk,
@@ -254,7 +261,7 @@ def _products(dtype: Any) -> Callable[[Any, Any, Any], Product]:
     if np.dtype(dtype) != np.float32 or not (gemm.available() or gemm.ymm_available()):
         return lambda a, b, out: _blas_product
     strided = any_layout(np.float32, 4)  # compiled once: it takes every layout
-    if gemm.available():
+    if _heads_on_zmm(dtype):
         kernel, fits = gemm.gemm_f32_heads, gemm.columns_fit
     else:
         kernel, fits = gemm.gemm_f32_heads_ymm, lambda n: n >= gemm.YMM

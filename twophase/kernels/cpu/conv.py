@@ -46,6 +46,13 @@ def ow_range(off: int, sw: int, width: int, ow_n: int) -> tuple[int, int]:
 
 
 @jit_inline
+def _bounds(off: int, step: int, size: int, n: int) -> Any:
+    """``ow_range``, its step-1 form (3x3 stride-1 layers) compiled apart with the step a constant: no division
+    per unfolded row."""
+    return ow_range(off, 1, size, n) if step == 1 else ow_range(off, step, size, n)
+
+
+@jit_inline
 def _copy_span(dst: Any, d0: Any, src: Any, s0: Any, step: Any, n: Any) -> None:
     """dst[d0 + u] = src[s0 + u * step] for u < n, all unsigned."""
     if step == 1:
@@ -109,10 +116,9 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
         kw = k0 - c * kk - kh * kw_n
         for k in range(k0, k1):
             off = kw * dw - pw
-            # column and row bounds: steps of 1 (3x3 stride-1 layers) take the forms without a division
-            lo, hi = ow_range(off, 1, width, ow_n) if sw == 1 else ow_range(off, sw, width, ow_n)
+            lo, hi = _bounds(off, sw, width, ow_n)
             ih0 = oh0 * sh - ph + kh * dh  # the input row of output row 0
-            r_lo, r_hi = ow_range(ih0, 1, height, rows) if sh == 1 else ow_range(ih0, sh, height, rows)
+            r_lo, r_hi = _bounds(ih0, sh, height, rows)  # output rows whose input row is inside the image
             crow = row_of(cols, k - kbase, dense)
             for i in range(nn):
                 plane = x[n0 + i, c0 + c]
