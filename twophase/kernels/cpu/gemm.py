@@ -26,6 +26,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from ...runtime.fanout import split_range
+from .jit import TYPED_POINTERS, emit_prefetch
 
 __all__ = ["available", "host_has", "columns_computed", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile",
            "MIN_COLS", "MR", "NR", "KC", "MC", "LANES", "HALF", "panel_bytes", "PACK_MIN_ROWS", "row_ranges",
@@ -101,21 +102,6 @@ def columns_computed(n: int) -> int:
 
 _I64 = ir.IntType(64)
 _F32 = ir.FloatType()
-# pointer types in intrinsic names: "p0" + the pointee in LLVMs with typed pointers (LLVM 15: llvmlite 0.44, under
-# numba 0.61), "p0" alone in those with opaque pointers only (LLVM 17 on; llvmlite 0.45 on brings LLVM 20 and up)
-_TYPED_POINTERS = llvm.llvm_version_info < (17,)
-
-
-def _emit_prefetch(builder: Any, ptr: Any, write: bool, locality: int) -> None:
-    """IR for ``llvm.prefetch`` of the line at pointer ``ptr`` (locality 3: L1, 2: L2)."""
-    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
-    fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-        "llvm.prefetch.p0i8" if _TYPED_POINTERS else "llvm.prefetch")
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality),
-                      ir.Constant(i32, 1)])
-
-
 def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
                 k: Any, accumulate: Any, bias: Any, ncols: Any = None, width: int = LANES) -> None:
     """IR for the ``rows x width nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
@@ -135,7 +121,7 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
         wanted = builder.shuffle_vector(wanted, wanted, ir.Constant(ir.VectorType(i32, w), [0] * w))
         mask = builder.icmp_unsigned("<", lanes, wanted)
         mtype = mask.type
-        types_ = f"v{w}f32.p0" + (f"v{w}f32" if _TYPED_POINTERS else "")
+        types_ = f"v{w}f32.p0" + (f"v{w}f32" if TYPED_POINTERS else "")
         mload = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
             builder.module, ir.FunctionType(vec, [vptr, i32, mtype, vec]), f"llvm.masked.load.{types_}")
         mstore = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
@@ -173,7 +159,7 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
     # large output, or attention's scores of many heads: 8-10% there)
     for r in range(rows):
         for v in range(nv):
-            _emit_prefetch(builder, vec_at(cp, r, ldc, w * v), write=True, locality=3)
+            emit_prefetch(builder, vec_at(cp, r, ldc, w * v), write=True, locality=3)
     acc = [[cgutils.alloca_once(builder, vec) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
     for row in acc:
         for slot in row:
@@ -274,7 +260,7 @@ def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
     sig = types.void(types.int64)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        _emit_prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), write=False, locality=2)
+        emit_prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), write=False, locality=2)
         return context.get_dummy_value()
     return sig, codegen
 

@@ -8,6 +8,8 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import binding as llvm
+from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 from numba.np.numpy_support import as_dtype, carray
@@ -15,7 +17,8 @@ from numba.np.numpy_support import as_dtype, carray
 from ...errors import InternalError
 
 __all__ = ["entry", "any_layout", "CHECK_LAYOUT", "jit", "jit_inline", "jit_reduce", "FAST", "REDUCE", "row_of",
-           "rows_dense", "by_density", "span_of", "pairs_of", "variant_call", "wide_vectors", "copy_run"]
+           "rows_dense", "by_density", "span_of", "pairs_of", "variant_call", "wide_vectors", "copy_run",
+           "emit_prefetch", "TYPED_POINTERS"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -23,6 +26,21 @@ REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wid
 jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST)
 jit_reduce = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE)
 jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST, inline="always")
+
+
+# pointer types in intrinsic names: "p0" + the pointee in LLVMs with typed pointers (LLVM 15: llvmlite 0.44, under
+# numba 0.61), "p0" alone in those with opaque pointers only (LLVM 17 on; llvmlite 0.45 on brings LLVM 20 and up)
+TYPED_POINTERS = llvm.llvm_version_info < (17,)
+
+
+def emit_prefetch(builder: Any, ptr: Any, write: bool, locality: int) -> None:
+    """IR for ``llvm.prefetch`` of the line at pointer ``ptr`` (locality 3: L1, 2: L2)."""
+    i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+    fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+        "llvm.prefetch.p0i8" if TYPED_POINTERS else "llvm.prefetch")
+    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality),
+                      ir.Constant(i32, 1)])
 
 
 def _pointer_intrinsic(name: str, pointee: Callable[[Any], Any]) -> Any:

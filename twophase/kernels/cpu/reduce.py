@@ -24,6 +24,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, run_parts, split_range
 from .jit import REDUCE, by_density, entry, row_of, rows_dense, wide_vectors
 from .jit import jit_reduce as _jit_reduce
+from .span_sums import bulk_moments, bulk_sum
 from .vmath import corrected_moments, deviation_sums
 from .vmath import maximum as vmax
 from .vmath import minimum as vmin
@@ -49,9 +50,9 @@ KC = 4096  # kept columns per task of a ``cols`` level (16 KiB of float32 rows: 
 # negative-index wrap-around select, which turns the vector loads into gathers (6x slower).
 @jit_inline
 def _sum_span(v: Any, lo: int, hi: int, zero: Any) -> Any:
-    acc = zero
-    base = np.uint64(lo)
-    for i in range(np.uint64(hi - lo)):
+    acc, done = bulk_sum(v, lo, hi - lo, zero)
+    base = np.uint64(lo + done)
+    for i in range(np.uint64(hi - lo - done)):
         acc += v[base + i]
     return acc
 
@@ -98,14 +99,17 @@ def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
     s = 0.0
     if v.itemsize <= 4:
         shift = np.float64(v[lo]) if n > 0 else 0.0
-        q = 0.0
-        for i in range(np.uint64(n)):
+        s, q, done = bulk_moments(v, lo, n, shift)
+        base = np.uint64(lo + done)
+        for i in range(np.uint64(n - done)):
             e = np.float64(v[base + i]) - shift
             s += e
             q += e * e
         d = s / n if n > 0 else 0.0
         return float(n), shift + d, max(q - s * d, 0.0)
-    for i in range(np.uint64(n)):
+    s, done = bulk_sum(v, lo, n, s)
+    base = np.uint64(lo + done)
+    for i in range(np.uint64(n - done)):
         s += v[base + i]
     mean = s / n if n > 0 else 0.0
     c, q = deviation_sums(v[lo:hi], mean)
