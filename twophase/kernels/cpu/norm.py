@@ -14,6 +14,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
+from .span_sums import bulk_moments, bulk_sum
 from .streaming import VECTOR_BYTES, aligned_head, element_aligned, sfence, store_normalized
 from .vmath import corrected_moments, deviation_sums
 
@@ -56,7 +57,8 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: b
     q = 0.0
     if rms or x.itemsize <= 4:
         shift = 0.0 if rms else np.float64(x[0])
-        for i in range(n):
+        s, q, done = bulk_moments(x, 0, n, shift)
+        for i in range(done, n):
             v = np.float64(x[i]) - shift
             s += v
             q += v * v
@@ -64,7 +66,8 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: b
         mu = 0.0 if rms else shift + d
         var = q / n if rms else max(q / n - d * d, 0.0)
     else:
-        for i in range(n):
+        s, done = bulk_sum(x, 0, n, s)
+        for i in range(done, n):
             s += x[i]
         c, q = deviation_sums(x, s / n)
         mu, q = corrected_moments(n, s / n, c, q)
