@@ -204,6 +204,22 @@ def test_multi_level_sum_max_in_both_loop_orders_with_small_blocks(small_blocks:
         np.testing.assert_allclose(r.outputs[0], op.spec.reference(x, dims=dims), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_argmax_first_index_on_rows_long_enough_to_search(dtype: Any, layout: str) -> None:
+    """Rows of 255-5000 elements (the search for the max's first position from FIRST_SEARCH_MIN on), rounded so
+    that the max repeats, some with NaNs (the first NaN wins) and a max in the last, partial step."""
+    rng = np.random.default_rng(11)
+    for n in (255, 256, 300, 1000, 5000):
+        x = np.round(rng.standard_normal((6, n)) * 2).astype(dtype)
+        x[1, -1] = 50.0  # in the tail after the whole steps
+        x[2, [n // 3, n - 2]] = np.nan
+        x[3, [7, n // 2]] = 60.0
+        x[4, :] = -1.0
+        r = run_checked(ops.argmax, on_device(x, layout), dim=1)
+        np.testing.assert_array_equal(r.outputs[0], np.argmax(x, axis=1), err_msg=f"n={n}")
+
+
 def test_long_reductions_and_many_short_rows() -> None:
     rng = np.random.default_rng(9)
     long = rng.standard_normal((2, 600_000)).astype(np.float32)

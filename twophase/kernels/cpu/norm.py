@@ -14,7 +14,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
-from .span_sums import bulk_moments, bulk_sum
+from .span_ir import bulk_moments, bulk_sum
 from .streaming import VECTOR_BYTES, aligned_head, element_aligned, sfence, store_normalized
 from .vmath import corrected_moments, deviation_sums
 

@@ -24,7 +24,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, run_parts, split_range
 from .jit import REDUCE, by_density, entry, row_of, rows_dense, wide_vectors
 from .jit import jit_reduce as _jit_reduce
-from .span_sums import bulk_moments, bulk_sum
+from .span_ir import bulk_extremum, bulk_first, bulk_moments, bulk_sum
 from .vmath import corrected_moments, deviation_sums
 from .vmath import maximum as vmax
 from .vmath import minimum as vmin
@@ -41,6 +41,10 @@ jit_reduce = _typed(_jit_reduce)
 # helpers inlined into each level kernel (a call per row costs more than a short row's work)
 jit_inline = _typed(numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE, inline="always"))
 
+# spans from which argmax finds its max's first position by a search that stops at the hit (span_ir.bulk_first):
+# on shorter ones the branch that ends it mispredicts more than the whole span costs to scan without branches
+# (262144 rows of 64 floats: 1.5x slower searched, one thread, /tmp/w25/ab.py)
+FIRST_SEARCH_MIN = 256
 KC = 4096  # kept columns per task of a ``cols`` level (16 KiB of float32 rows: the prefetcher runs across pages)
 
 
@@ -60,13 +64,13 @@ def _sum_span(v: Any, lo: int, hi: int, zero: Any) -> Any:
 @jit_inline
 def _max_span(v: Any, lo: int, hi: int, sign: Any) -> Any:
     """max (sign > 0) or min (sign < 0) of a non-empty span; NaN wins."""
-    m = v[lo]
-    base = np.uint64(lo)
+    m, done = bulk_extremum(v, lo, hi - lo, sign, v[lo])
+    base = np.uint64(lo + done)
     if sign > 0:
-        for i in range(np.uint64(hi - lo)):
+        for i in range(np.uint64(hi - lo - done)):
             m = vmax(m, v[base + i])
     else:
-        for i in range(np.uint64(hi - lo)):
+        for i in range(np.uint64(hi - lo - done)):
             m = vmin(m, v[base + i])
     return m
 
@@ -74,14 +78,15 @@ def _max_span(v: Any, lo: int, hi: int, sign: Any) -> Any:
 @jit_inline
 def _argmax_span(v: Any, lo: int, hi: int) -> tuple[Any, Any]:
     """(max, index of its first occurrence) of a non-empty span; the first NaN wins (numpy's argmax)."""
-    m = v[lo]
+    m = _max_span(v, lo, hi, 1)
+    found, done = bulk_first(v, lo, hi - lo, m) if hi - lo >= FIRST_SEARCH_MIN else (0, 0)
+    if found < done:
+        return m, np.int64(lo + found)
     base = np.uint64(lo)
-    for i in range(np.uint64(hi - lo)):
-        m = vmax(m, v[base + i])
     nan = m != m
     n = np.int32(hi - lo)  # a span is at most one block (ops.reduce.BLOCK): int32 offsets, twice int64's lanes
     first = n  # a min-reduction of the matching offsets: vectorizes (a search with an early exit does not)
-    for i in range(np.uint64(n)):
+    for i in range(np.uint64(done), np.uint64(n)):
         e = v[base + i]
         hit = (e != e) if nan else (e == m)
         first = vmin(first, np.int32(i) if hit else n)

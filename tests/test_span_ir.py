@@ -1,0 +1,178 @@
+"""The IR span reductions (kernels/cpu/span_ir.py): whole steps summed in float64 or maxed / minned, the rest
+left to the caller."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numba
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from twophase.kernels.cpu.span_ir import BULK, bulk_extremum, bulk_first, bulk_moments, bulk_sum
+
+
+@numba.njit
+def _sum(v: Any, lo: int, n: int, zero: float = 0.0) -> tuple[float, int]:
+    return bulk_sum(v, lo, n, zero)  # type: ignore[no-any-return]
+
+
+@numba.njit
+def _int_sum(v: Any, lo: int, n: int) -> tuple[int, int]:
+    return bulk_sum(v, lo, n, np.int64(0))  # type: ignore[no-any-return]
+
+
+@numba.njit
+def _moments(v: Any, lo: int, n: int, shift: float) -> tuple[float, float, int]:
+    return bulk_moments(v, lo, n, shift)  # type: ignore[no-any-return]
+
+
+def _data(rng: np.random.Generator, size: int, dtype: Any) -> np.ndarray:
+    return (rng.standard_normal(size) * 100 + 3).astype(dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), lo=st.integers(0, 17), dtype=st.sampled_from([np.float32, np.float64]),
+       seed=st.integers(0, 2**32 - 1))
+def test_bulk_sum_covers_whole_steps(n: int, lo: int, dtype: Any, seed: int) -> None:
+    v = _data(np.random.default_rng(seed), lo + n + 40, dtype)  # elements past the span: must not be summed
+    got, done = _sum(v, lo, n)
+    assert done == n - n % BULK
+    want = math.fsum(v[lo:lo + done].astype(np.float64))
+    assert got == pytest.approx(want, rel=1e-13, abs=1e-9)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bulk_sum_long_span_with_offsets(dtype: Any) -> None:
+    """Long spans (many steps: every accumulator and the prefetch distance in play) at unaligned starts."""
+    rng = np.random.default_rng(5)
+    v = _data(rng, 70000, dtype)
+    for lo, n in ((0, 65536), (1, 65535), (7, 40000), (3, 4096 + 31)):
+        got, done = _sum(v, lo, n, 1000.0)  # added to the sum so far
+        assert done == n - n % BULK
+        assert got == pytest.approx(1000.0 + math.fsum(v[lo:lo + done].astype(np.float64)), rel=1e-13)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("special, want", [([np.nan], "nan"), ([np.inf], "inf"), ([np.inf, -np.inf], "nan"),
+                                           ([-np.inf], "-inf")])
+def test_bulk_sum_propagates_nan_and_inf(dtype: Any, special: list[float], want: str) -> None:
+    for where in (0, 13, 55):  # in the first step, inside a vector, in the last step (the -inf 40 on)
+        v = _data(np.random.default_rng(1), 96, dtype)
+        v[where:where + len(special) * 40:40] = special
+        got, done = _sum(v, 0, 96)
+        assert done == 96
+        assert str(got) == want, (where, got)
+
+
+def test_bulk_sum_leaves_other_spans_to_the_caller() -> None:
+    """Integer data, a strided view and a float32 accumulator get no bulk: 0 done, the zero unchanged."""
+    ints = np.arange(100, dtype=np.int32)
+    assert _int_sum(ints, 0, 100) == (0, 0)
+    strided = _data(np.random.default_rng(2), 200, np.float32)[::2]
+    assert _sum(strided, 0, 100) == (0.0, 0)
+
+    @numba.njit
+    def narrow(v: Any) -> tuple[Any, int]:
+        return bulk_sum(v, 0, v.shape[0], np.float32(0))  # type: ignore[no-any-return]
+    assert narrow(np.ones(64, np.float32)) == (0.0, 0)
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(0, 300), lo=st.integers(0, 9), dtype=st.sampled_from([np.float32, np.float64]),
+       seed=st.integers(0, 2**32 - 1))
+def test_bulk_moments_sums_shifted_values_and_squares(n: int, lo: int, dtype: Any, seed: int) -> None:
+    v = _data(np.random.default_rng(seed), lo + n + 40, dtype)
+    shift = float(v[lo])
+    s, q, done = _moments(v, lo, n, shift)
+    assert done == n - n % BULK
+    y = v[lo:lo + done].astype(np.float64) - shift
+    assert s == pytest.approx(math.fsum(y), rel=1e-12, abs=1e-8)
+    assert q == pytest.approx(math.fsum(y * y), rel=1e-12, abs=1e-8)
+    assert _moments(v[::2], 0, min(n, v[::2].shape[0]), shift) == (0.0, 0.0, 0)
+
+
+@numba.njit
+def _extremum(v: Any, lo: int, n: int, sign: int, m: Any) -> tuple[Any, int]:
+    return bulk_extremum(v, lo, n, sign, m)  # type: ignore[no-any-return]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), lo=st.integers(0, 17), dtype=st.sampled_from([np.float32, np.float64]),
+       sign=st.sampled_from([1, -1]), seed=st.integers(0, 2**32 - 1))
+def test_bulk_extremum_covers_whole_steps(n: int, lo: int, dtype: Any, sign: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    v = _data(rng, lo + n + 40, dtype)
+    v[lo + n:] = 1e6 * sign  # past the span: would win if read
+    m0 = dtype(rng.standard_normal() * 100)
+    got, done = _extremum(v, lo, n, sign, m0)
+    assert done == n - n % BULK
+    pick = np.max if sign > 0 else np.min
+    assert got == pick(np.append(v[lo:lo + done], m0))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_bulk_extremum_nan_wins_and_infinities_count(dtype: Any, sign: int) -> None:
+    for where in (0, 17, 63):
+        v = _data(np.random.default_rng(3), 64, dtype)
+        v[where] = np.nan
+        got, _ = _extremum(v, 0, 64, sign, dtype(0))
+        assert np.isnan(got), where
+        v[where] = np.inf * sign
+        assert _extremum(v, 0, 64, sign, dtype(0))[0] == np.inf * sign
+        v[where] = -np.inf * sign
+        assert _extremum(v, 0, 64, sign, dtype(0))[0] == (np.max if sign > 0 else np.min)(np.append(v, 0))
+    v = _data(np.random.default_rng(4), 64, dtype)
+    assert np.isnan(_extremum(v, 0, 64, sign, dtype(np.nan))[0])  # a NaN carried in stays
+
+
+def test_bulk_extremum_leaves_integers_and_strided_spans_to_the_caller() -> None:
+    ints = np.arange(100, dtype=np.int32)
+    assert _extremum(ints, 0, 100, 1, np.int32(-5)) == (-5, 0)
+    strided = _data(np.random.default_rng(2), 200, np.float32)[::2]
+    assert _extremum(strided, 0, 100, -1, np.float32(7)) == (7, 0)
+
+
+@numba.njit
+def _first(v: Any, lo: int, n: int, m: Any) -> tuple[int, int]:
+    return bulk_first(v, lo, n, m)  # type: ignore[no-any-return]
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), lo=st.integers(0, 17), dtype=st.sampled_from([np.float32, np.float64]),
+       hits=st.lists(st.integers(0, 299), max_size=3), nan=st.booleans(), seed=st.integers(0, 2**32 - 1))
+def test_bulk_first_finds_the_first_match_in_whole_steps(n: int, lo: int, dtype: Any, hits: list[int], nan: bool,
+                                                         seed: int) -> None:
+    v = _data(np.random.default_rng(seed), lo + 340, dtype)
+    target = dtype(np.nan) if nan else dtype(1e9)
+    for h in hits:
+        v[lo + h] = target  # past the span too: must not be found there
+    found, done = _first(v, lo, n, target)
+    assert done == n - n % BULK
+    inside = [h for h in hits if h < done]
+    assert found == (min(inside) if inside else done)
+    if not nan and n > 0:  # an ordinary value of the span is found at its first position
+        k = n // 2
+        want = int(np.flatnonzero(v[lo:lo + done] == v[lo + k])[0]) if k < done else done
+        assert _first(v, lo, n, v[lo + k]) == (want, done)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_bulk_first_matches_a_nan_only_when_looking_for_one(dtype: Any) -> None:
+    v = _data(np.random.default_rng(6), 96, dtype)
+    v[[3, 70]] = np.nan
+    v[40] = 7.5
+    assert _first(v, 0, 96, dtype(7.5)) == (40, 96)
+    assert _first(v, 0, 96, dtype(np.nan)) == (3, 96)
+    assert _first(v, 4, 92, dtype(np.nan)) == (64, 64)  # two whole steps from 4: the NaN at 70 lies beyond them
+    assert _first(v, 10, 64, dtype(np.nan)) == (60, 64)
+    assert _first(v, 4, 64, dtype(-1e30)) == (64, 64)
+
+
+def test_bulk_first_leaves_strided_spans_to_the_caller() -> None:
+    strided = np.zeros(200, np.float32)[::2]
+    assert _first(strided, 0, 100, np.float32(0)) == (0, 0)
