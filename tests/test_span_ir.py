@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twophase.kernels.cpu.span_ir import BULK, bulk_extremum, bulk_first, bulk_moments, bulk_sum
+from twophase.kernels.cpu.span_ir import BULK, bulk_column_sums, bulk_extremum, bulk_first, bulk_moments, bulk_sum
 
 
 @numba.njit
@@ -176,3 +176,32 @@ def test_bulk_first_matches_a_nan_only_when_looking_for_one(dtype: Any) -> None:
 def test_bulk_first_leaves_strided_spans_to_the_caller() -> None:
     strided = np.zeros(200, np.float32)[::2]
     assert _first(strided, 0, 100, np.float32(0)) == (0, 0)
+
+
+@numba.njit
+def _columns(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
+    return bulk_column_sums(v, lo, rows, width, acc)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("vectors", [1, 2, 4, 8])
+def test_bulk_column_sums_adds_each_columns_sum(dtype: Any, vectors: int) -> None:
+    width = vectors * 64 // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(vectors)
+    for rows, lo in ((0, 0), (1, 3), (7, 0), (1000, 5)):
+        v = _data(rng, lo + (rows + 300) * width, dtype)  # rows past the block: must not be added
+        acc = rng.standard_normal(width)
+        start = acc.copy()
+        assert _columns(v, lo, rows, width, acc)
+        block = v[lo:lo + rows * width].reshape(rows, width).astype(np.float64)
+        np.testing.assert_allclose(acc, start + block.sum(axis=0), rtol=1e-13, atol=1e-9)
+
+
+def test_bulk_column_sums_leaves_other_widths_and_data_to_the_caller() -> None:
+    acc = np.ones(64)
+    v = np.ones(6400, np.float32)
+    for width in (8, 48, 63, 256):
+        assert not _columns(v, 0, 10, width, acc)
+    assert not _columns(v[::2], 0, 10, 16, acc)
+    assert not _columns(np.ones(640, np.int32), 0, 10, 16, np.ones(16, np.int64))
+    assert (acc == 1).all()

@@ -22,9 +22,9 @@ import numba
 import numpy as np
 
 from ...runtime.fanout import fanout_parts, run_parts, split_range
-from .jit import REDUCE, by_density, entry, row_of, rows_dense, wide_vectors
+from .jit import REDUCE, by_density, entry, row_of, rows_dense, span_of, wide_vectors
 from .jit import jit_reduce as _jit_reduce
-from .span_ir import bulk_extremum, bulk_first, bulk_moments, bulk_sum
+from .span_ir import bulk_column_sums, bulk_extremum, bulk_first, bulk_moments, bulk_sum
 from .vmath import corrected_moments, deviation_sums
 from .vmath import maximum as vmax
 from .vmath import minimum as vmin
@@ -196,6 +196,10 @@ def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int, den
     acc = np.full(w, zero)
     u0 = np.uint64(c0)  # unsigned indices: no negative-index wrap-around select in the inner loop
     r, end = j * block, min(n, (j + 1) * block)
+    if dense:
+        if w == kk and x.strides[0] == kk * x.itemsize:  # narrow rows back to back: accumulators in registers
+            if bulk_column_sums(span_of(x, 0, n * kk), r * kk, end - r, kk, acc):
+                r = end
     while r + 4 <= end:  # four rows per pass over acc: a quarter of the accumulator traffic
         r0, r1, r2, r3 = row_of(x, r, dense), row_of(x, r + 1, dense), row_of(x, r + 2, dense), row_of(x, r + 3, dense)
         for c in range(np.uint64(w)):

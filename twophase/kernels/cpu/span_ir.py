@@ -24,7 +24,8 @@ from numba.extending import intrinsic, overload
 
 from .jit import emit_prefetch
 
-__all__ = ["BULK", "AHEAD", "bulk_sum", "bulk_moments", "bulk_extremum", "bulk_first"]
+__all__ = ["BULK", "AHEAD", "bulk_sum", "bulk_moments", "bulk_extremum", "bulk_first",
+           "bulk_column_sums"]
 
 BULK = 32  # elements per step: two 16-float vectors, or four 8-double ones
 AHEAD = 16384  # bytes between the step's first line and the lines it prefetches
@@ -263,6 +264,64 @@ def _first_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any, m: Any) -> Any:
 _first_steps: Any = intrinsic(_first_steps_typing)
 
 
+def _column_sums(vectors: int) -> Any:
+    """An intrinsic ``(v, lo, rows, acc)``: acc[c] += the float64 sum over r < rows of v[lo + r * width + c], for
+    rows of ``vectors`` 64-byte vectors (width 16 * vectors float32 or 8 * vectors float64) lying back to back:
+    one accumulator per 8 columns, kept in registers across the rows (numba's loop over a column block loaded
+    and stored its accumulator array every few rows); the rows ``AHEAD`` bytes on are prefetched."""
+    def typing(typingctx: Any, v: Any, lo: Any, rows: Any, acc: Any) -> Any:
+        if not (_dense_float(v) and isinstance(acc, types.Array) and acc.dtype == types.float64
+                and acc.layout == "C" and acc.ndim == 1):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            data, elem, count = _start(context, builder, signature, args)
+            size = 8 if elem == _F64 else 4
+            width = vectors * 64 // size
+            out = context.make_array(signature.args[3])(context, builder, args[3]).data
+            zero = ir.Constant(_V8D, [0.0] * 8)
+            pre = builder.block
+            loop = builder.function.append_basic_block("column_rows")
+            after = builder.function.append_basic_block("column_rows_done")
+            builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_I64, 0)), loop, after)
+            builder.position_at_end(loop)
+            row = builder.phi(_I64)
+            accs = [builder.phi(_V8D) for _ in range(width // 8)]
+            first = builder.gep(data, [builder.mul(row, ir.Constant(_I64, width))])
+            ahead = builder.gep(first, [ir.Constant(_I64, AHEAD // size)])
+            vec = ir.VectorType(elem, 64 // size)
+            loaded = []
+            for k in range(vectors):
+                emit_prefetch(builder, builder.gep(ahead, [ir.Constant(_I64, k * vec.count)]), write=False,
+                              locality=3)
+                loaded.append(builder.load(builder.bitcast(builder.gep(first, [ir.Constant(_I64, k * vec.count)]),
+                                                           vec.as_pointer()), align=size))
+            grown = [builder.fadd(a, h) for a, h in zip(accs, _widened(builder, loaded))]
+            following = builder.add(row, ir.Constant(_I64, 1))
+            end = builder.block
+            builder.cbranch(builder.icmp_signed("<", following, count), loop, after)
+            row.add_incoming(ir.Constant(_I64, 0), pre)
+            row.add_incoming(following, end)
+            for a, g in zip(accs, grown):
+                a.add_incoming(zero, pre)
+                a.add_incoming(g, end)
+            builder.position_at_end(after)
+            finals = [builder.phi(_V8D) for _ in accs]
+            for f, g in zip(finals, grown):
+                f.add_incoming(zero, pre)
+                f.add_incoming(g, end)
+            for k, f in enumerate(finals):
+                at = builder.bitcast(builder.gep(out, [ir.Constant(_I64, 8 * k)]), _V8D.as_pointer())
+                builder.store(builder.fadd(builder.load(at, align=8), f), at, align=8)
+            return context.get_dummy_value()
+        return types.void(v, lo, rows, acc), codegen
+    typing.__name__ = typing.__qualname__ = f"_column_sums_{vectors}"  # numba names the intrinsic after it
+    return intrinsic(typing)
+
+
+_columns1, _columns2, _columns4, _columns8 = (_column_sums(k) for k in (1, 2, 4, 8))
+
+
 def bulk_sum(v: Any, lo: int, n: int, zero: Any) -> tuple[Any, int]:
     """(the sum of the first ``done`` elements of v[lo : lo + n] added to ``zero``, done): the whole steps of a
     dense float span when ``zero`` is a float64, else nothing (0 done). In jitted code only."""
@@ -285,6 +344,13 @@ def bulk_first(v: Any, lo: int, n: int, m: Any) -> tuple[int, int]:
     """(the offset from lo of the first element of v[lo : lo + done] equal to m, or of the first NaN when m is NaN;
     done when there is none, done): the whole steps of a dense float span, else (0, 0). In jitted code only."""
     raise NotImplementedError("bulk_first runs in jitted code")
+
+
+def bulk_column_sums(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
+    """Whether acc[0:width] got the float64 column sums of the ``rows`` rows of ``width`` elements lying back to
+    back in v from v[lo] on added: only for a dense float span of rows of 1, 2, 4 or 8 64-byte vectors (16 to 128
+    float32, 8 to 64 float64), else acc is left as it is. In jitted code only."""
+    raise NotImplementedError("bulk_column_sums runs in jitted code")
 
 
 @overload(bulk_sum, inline="always")
@@ -336,4 +402,28 @@ def _bulk_first(v: Any, lo: int, n: int, m: Any) -> Any:
 
     def none(v: Any, lo: int, n: int, m: Any) -> tuple[int, int]:
         return 0, 0
+    return none
+
+
+@overload(bulk_column_sums, inline="always")
+def _bulk_column_sums(v: Any, lo: int, rows: int, width: int, acc: Any) -> Any:
+    if _dense_float(v) and isinstance(acc, types.Array) and acc.dtype == types.float64:
+        per = 64 // v.dtype.bitwidth * 8  # elements per 64-byte vector
+
+        def fast(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
+            if width == per:
+                _columns1(v, lo, rows, acc)
+            elif width == 2 * per:
+                _columns2(v, lo, rows, acc)
+            elif width == 4 * per:
+                _columns4(v, lo, rows, acc)
+            elif width == 8 * per:
+                _columns8(v, lo, rows, acc)
+            else:
+                return False
+            return True
+        return fast
+
+    def none(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
+        return False
     return none
