@@ -223,12 +223,18 @@ def test_argmax_first_index_on_rows_long_enough_to_search(dtype: Any, layout: st
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("width", [8, 16, 32, 40, 64, 128])
 def test_sums_over_the_leading_dim_of_narrow_rows(dtype: Any, width: int) -> None:
-    """Column sums of narrow rows lying back to back (accumulated in registers where the width is 1, 2, 4 or 8
-    64-byte vectors), over several blocks and levels, against float64; a mean too."""
+    """Column sums, maxima and minima of narrow rows lying back to back (accumulated in registers where the width
+    is 1, 2, 4 or 8 64-byte vectors), over several blocks and levels; sums against float64, a NaN column."""
     x = np.random.default_rng(width).standard_normal((9000, width)).astype(dtype) + 1
     for op in (ops.reduce_sum, ops.reduce_mean):
         r = run_checked(op, x, dims=(0,))
         np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), dims=(0,)), rtol=1e-6)
+    x[4500, 1] = np.nan  # that column's max and min are NaN
+    x[7000, 2] = 99.0
+    x[100, 3] = -99.0
+    for op, pick in ((ops.reduce_max, np.max), (ops.reduce_min, np.min)):
+        r = run_checked(op, x, dims=(0,))
+        np.testing.assert_array_equal(r.outputs[0], pick(x, axis=0))
 
 
 def test_long_reductions_and_many_short_rows() -> None:

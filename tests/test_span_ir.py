@@ -12,7 +12,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twophase.kernels.cpu.span_ir import BULK, bulk_column_sums, bulk_extremum, bulk_first, bulk_moments, bulk_sum
+from twophase.kernels.cpu.span_ir import (
+    BULK,
+    bulk_column_extrema,
+    bulk_column_sums,
+    bulk_extremum,
+    bulk_first,
+    bulk_moments,
+    bulk_sum,
+)
 
 
 @numba.njit
@@ -204,4 +212,38 @@ def test_bulk_column_sums_leaves_other_widths_and_data_to_the_caller() -> None:
         assert not _columns(v, 0, 10, width, acc)
     assert not _columns(v[::2], 0, 10, 16, acc)
     assert not _columns(np.ones(640, np.int32), 0, 10, 16, np.ones(16, np.int64))
+    assert (acc == 1).all()
+
+
+@numba.njit
+def _column_extrema(v: Any, lo: int, rows: int, width: int, sign: int, acc: Any) -> bool:
+    return bulk_column_extrema(v, lo, rows, width, sign, acc)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("vectors", [1, 2, 4, 8])
+@pytest.mark.parametrize("sign", [1, -1])
+def test_bulk_column_extrema_per_column_with_nans(dtype: Any, vectors: int, sign: int) -> None:
+    width = vectors * 64 // np.dtype(dtype).itemsize
+    rng = np.random.default_rng(vectors + 10 * (sign > 0))
+    pick = np.max if sign > 0 else np.min
+    for rows, lo in ((0, 0), (1, 3), (9, 0), (700, 5)):
+        v = _data(rng, lo + (rows + 300) * width, dtype)
+        v[lo + rows * width:] = 1e6 * sign  # rows past the block: would win if read
+        block = v[lo:lo + rows * width].reshape(rows, width)
+        if rows:
+            block[rows // 2, 3] = np.nan  # column 3 becomes NaN
+        acc = _data(rng, width, dtype)
+        acc[5] = np.nan  # a NaN already in acc stays
+        start = acc.copy()
+        assert _column_extrema(v, lo, rows, width, sign, acc)
+        with np.errstate(invalid="ignore"):
+            want = pick(np.vstack([start[None], block]), axis=0)  # numpy's max / min: NaN wins
+        np.testing.assert_array_equal(acc, want)
+
+
+def test_bulk_column_extrema_leaves_other_widths_to_the_caller() -> None:
+    acc = np.ones(64, np.float32)
+    v = np.zeros(6400, np.float32)
+    assert not _column_extrema(v, 0, 10, 48, 1, acc) and not _column_extrema(v, 0, 10, 16, 1, np.ones(16))
     assert (acc == 1).all()

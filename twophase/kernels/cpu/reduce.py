@@ -24,7 +24,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, run_parts, split_range
 from .jit import REDUCE, by_density, entry, row_of, rows_dense, span_of, wide_vectors
 from .jit import jit_reduce as _jit_reduce
-from .span_ir import bulk_column_sums, bulk_extremum, bulk_first, bulk_moments, bulk_sum
+from .span_ir import bulk_column_extrema, bulk_column_sums, bulk_extremum, bulk_first, bulk_moments, bulk_sum
 from .vmath import corrected_moments, deviation_sums
 from .vmath import maximum as vmax
 from .vmath import minimum as vmin
@@ -235,6 +235,10 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int, den
     acc = x[j * block, c0:c0 + w].copy()
     u0 = np.uint64(c0)
     last = min(n, (j + 1) * block) - 1
+    if dense:
+        if w == kk and x.strides[0] == kk * x.itemsize:  # narrow rows back to back: accumulators in registers
+            if bulk_column_extrema(span_of(x, 0, n * kk), (j * block + 1) * kk, last - j * block, kk, sign, acc):
+                last = j * block  # nothing left for the loop
     for r in range(j * block + 1, last + 1, 4):  # four rows per pass over acc, as in sums; the last pass repeats
         r0, r1 = row_of(x, r, dense), row_of(x, min(r + 1, last), dense)  # the last rows again: max is idempotent
         r2, r3 = row_of(x, min(r + 2, last), dense), row_of(x, min(r + 3, last), dense)

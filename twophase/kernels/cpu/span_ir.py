@@ -25,7 +25,7 @@ from numba.extending import intrinsic, overload
 from .jit import emit_prefetch
 
 __all__ = ["BULK", "AHEAD", "bulk_sum", "bulk_moments", "bulk_extremum", "bulk_first",
-           "bulk_column_sums"]
+           "bulk_column_sums", "bulk_column_extrema"]
 
 BULK = 32  # elements per step: two 16-float vectors, or four 8-double ones
 AHEAD = 16384  # bytes between the step's first line and the lines it prefetches
@@ -59,30 +59,30 @@ def _horizontal(builder: Any, accs: list[Any], combine: Combine) -> Any:
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _emit_steps(builder: Any, data: Any, elem: Any, n: Any, inits: list[Any],
+def _emit_steps(builder: Any, data: Any, elem: Any, steps: Any, vectors: int, inits: list[Any],
                 step: Callable[[list[Any], list[Any]], list[Any]]) -> list[Any]:
-    """IR of a loop over the ``n // BULK`` whole steps from the element pointer ``data`` (float or double): the
-    accumulator vectors start as ``inits``; each step prefetches the lines ``AHEAD`` bytes on, loads its 64-byte
-    vectors and maps (accumulators, vectors) to the next accumulators. Returns their final values."""
+    """IR of a loop over ``steps`` steps of ``vectors`` 64-byte vectors each, back to back from the element pointer
+    ``data`` (float or double): the accumulator vectors start as ``inits``; each step prefetches the lines
+    ``AHEAD`` bytes on, loads its vectors and maps (accumulators, vectors) to the next accumulators. Returns their
+    final values."""
     size = 8 if elem == _F64 else 4
     per = 64 // size  # elements per 64-byte vector: 16 floats or 8 doubles
     vec = ir.VectorType(elem, per)
     pre = builder.block
     loop = builder.function.append_basic_block("span_steps")
     after = builder.function.append_basic_block("span_steps_done")
-    steps = builder.sdiv(n, ir.Constant(_I64, BULK))
     builder.cbranch(builder.icmp_signed(">", steps, ir.Constant(_I64, 0)), loop, after)
 
     builder.position_at_end(loop)
     index = builder.phi(_I64)
     accs = [builder.phi(a.type) for a in inits]
-    first = builder.gep(data, [builder.mul(index, ir.Constant(_I64, BULK))])
+    first = builder.gep(data, [builder.mul(index, ir.Constant(_I64, vectors * per))])
     ahead = builder.gep(first, [ir.Constant(_I64, AHEAD // size)])
-    for line in range(BULK // per):
+    for line in range(vectors):
         emit_prefetch(builder, builder.gep(ahead, [ir.Constant(_I64, line * per)]), write=False, locality=3)
-    vectors = [builder.load(builder.bitcast(builder.gep(first, [ir.Constant(_I64, line * per)]), vec.as_pointer()),
-                            align=size) for line in range(BULK // per)]
-    grown = step(accs, vectors)
+    loaded = [builder.load(builder.bitcast(builder.gep(first, [ir.Constant(_I64, line * per)]), vec.as_pointer()),
+                           align=size) for line in range(vectors)]
+    grown = step(accs, loaded)
     following = builder.add(index, ir.Constant(_I64, 1))
     end = builder.block
     builder.cbranch(builder.icmp_signed("<", following, steps), loop, after)
@@ -98,6 +98,11 @@ def _emit_steps(builder: Any, data: Any, elem: Any, n: Any, inits: list[Any],
         f.add_incoming(init, pre)
         f.add_incoming(g, end)
     return finals
+
+
+def _bulk_steps(builder: Any, elem: Any, n: Any) -> tuple[Any, int]:
+    """(the number of whole ``BULK``-element steps in n, 64-byte vectors per step)."""
+    return builder.sdiv(n, ir.Constant(_I64, BULK)), BULK * (8 if elem == _F64 else 4) // 64
 
 
 def _widened(builder: Any, vectors: list[Any]) -> list[Any]:
@@ -118,14 +123,15 @@ def _emit_sums(builder: Any, data: Any, elem: Any, n: Any, shift: Any | None) ->
     if shift is None:
         def add(accs: list[Any], vectors: list[Any]) -> list[Any]:
             return [builder.fadd(a, h) for a, h in zip(accs, _widened(builder, vectors))]
-        return [_horizontal(builder, _emit_steps(builder, data, elem, n, [zero] * 4, add), _fadd)]
+        return [_horizontal(builder, _emit_steps(builder, data, elem, *_bulk_steps(builder, elem, n), [zero] * 4, add),
+                            _fadd)]
     centre = _splat(builder, shift, _V8D)
 
     def moments(accs: list[Any], vectors: list[Any]) -> list[Any]:
         ys = [builder.fsub(h, centre) for h in _widened(builder, vectors)]
         return [builder.fadd(a, y) for a, y in zip(accs[:4], ys)] + [builder.fadd(a, builder.fmul(y, y))
                                                                        for a, y in zip(accs[4:], ys)]
-    finals = _emit_steps(builder, data, elem, n, [zero] * 8, moments)
+    finals = _emit_steps(builder, data, elem, *_bulk_steps(builder, elem, n), [zero] * 8, moments)
     return [_horizontal(builder, finals[:4], _fadd), _horizontal(builder, finals[4:], _fadd)]
 
 
@@ -174,34 +180,51 @@ def _moment_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any, shift: Any) ->
 _moment_steps: Any = intrinsic(_moment_steps_typing)
 
 
+def _pick(pred: str) -> Combine:
+    """The plain compare-and-select extremum (one ``vmaxps`` / ``vminps``): "ogt" max, "olt" min; NaN loses."""
+    def pick(builder: Any, a: Any, b: Any) -> Any:
+        return builder.select(builder.fcmp_ordered(pred, a, b), a, b)
+    return pick
+
+
+def _extremum_step(builder: Any, pred: str) -> Callable[[list[Any], list[Any]], list[Any]]:
+    """The step of NaN-propagating extrema: accumulators [values..., NaN masks...], one of each per vector; a
+    vector's values are picked in, its NaNs added to its mask."""
+    pick = _pick(pred)
+
+    def step(accs: list[Any], vectors: list[Any]) -> list[Any]:
+        k = len(vectors)
+        return ([pick(builder, x, a) for a, x in zip(accs[:k], vectors)]
+                + [builder.or_(m, builder.fcmp_unordered("uno", x, x)) for m, x in zip(accs[k:], vectors)])
+    return step
+
+
+def _with_masks(builder: Any, values: list[Any]) -> list[Any]:
+    """Extremum accumulators starting at ``values``: the values and their NaN masks."""
+    return values + [builder.fcmp_unordered("uno", v, v) for v in values]
+
+
 def _extremum_steps(pred: str) -> Any:
     """An intrinsic ``(v, lo, n, m)``: the max (``pred`` "ogt") or min ("olt") of m and the elements of
     v[lo : lo + n // BULK * BULK], NaN if any of them is NaN. The accumulators keep the plain compare-and-select
-    extremum (one ``vmaxps``) and a mask of the NaNs seen; ``llvm.maximum`` costs several instructions a vector
-    on x86, and its horizontal tail ended a 64-float row with a long dependent chain. -0.0 and +0.0 may come out
-    in either order."""
-    def pick(builder: Any, a: Any, b: Any) -> Any:
-        return builder.select(builder.fcmp_ordered(pred, a, b), a, b)
-
+    extremum and masks of the NaNs seen; ``llvm.maximum`` costs several instructions a vector on x86, and its
+    horizontal tail ended a 64-float row with a long dependent chain. -0.0 and +0.0 may come out in either order."""
     def typing(typingctx: Any, v: Any, lo: Any, n: Any, m: Any) -> Any:
         if not _dense_float(v) or m != v.dtype:
             return None
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             data, elem, count = _start(context, builder, signature, args)
-            vec = ir.VectorType(elem, 8 if elem == _F64 else 16)
-            first = _splat(builder, args[3], vec)
-
-            def step(accs: list[Any], vectors: list[Any]) -> list[Any]:
-                nan = accs[-1]
-                for x in vectors:
-                    nan = builder.or_(nan, builder.fcmp_unordered("uno", x, x))
-                return [pick(builder, x, a) for a, x in zip(accs, vectors)] + [nan]
-            finals = _emit_steps(builder, data, elem, count,
-                                 [first] * (BULK // vec.count) + [builder.fcmp_unordered("uno", first, first)], step)
-            seen = builder.bitcast(finals[-1], ir.IntType(vec.count))
-            return builder.select(builder.icmp_unsigned("!=", seen, ir.Constant(seen.type, 0)),
-                                  ir.Constant(elem, float("nan")), _horizontal(builder, finals[:-1], pick))
+            steps, k = _bulk_steps(builder, elem, count)
+            first = _splat(builder, args[3], ir.VectorType(elem, 8 if elem == _F64 else 16))
+            finals = _emit_steps(builder, data, elem, steps, k, _with_masks(builder, [first] * k),
+                                 _extremum_step(builder, pred))
+            seen = finals[k]
+            for mask in finals[k + 1:]:
+                seen = builder.or_(seen, mask)
+            bits = builder.bitcast(seen, ir.IntType(seen.type.count))
+            return builder.select(builder.icmp_unsigned("!=", bits, ir.Constant(bits.type, 0)),
+                                  ir.Constant(elem, float("nan")), _horizontal(builder, finals[:k], _pick(pred)))
         return m(v, lo, n, m), codegen
     # numba names the intrinsic after its typing function
     typing.__name__ = typing.__qualname__ = f"_{pred}_steps"
@@ -264,62 +287,46 @@ def _first_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any, m: Any) -> Any:
 _first_steps: Any = intrinsic(_first_steps_typing)
 
 
-def _column_sums(vectors: int) -> Any:
-    """An intrinsic ``(v, lo, rows, acc)``: acc[c] += the float64 sum over r < rows of v[lo + r * width + c], for
-    rows of ``vectors`` 64-byte vectors (width 16 * vectors float32 or 8 * vectors float64) lying back to back:
-    one accumulator per 8 columns, kept in registers across the rows (numba's loop over a column block loaded
-    and stored its accumulator array every few rows); the rows ``AHEAD`` bytes on are prefetched."""
+def _columns(vectors: int, kind: str) -> Any:
+    """An intrinsic ``(v, lo, rows, acc)`` over rows of ``vectors`` 64-byte vectors (width 16 * vectors float32 or
+    8 * vectors float64) lying back to back from v[lo]: ``kind`` "sum": acc[c] += the float64 sum of column c
+    (acc float64); "ogt" / "olt": acc[c] = the max / min of acc[c] and column c, NaN winning (acc of the data's
+    dtype). The accumulators stay in registers across the rows (numba's loop over a column block loaded and
+    stored its accumulator array every few rows); the rows ``AHEAD`` bytes on are prefetched."""
     def typing(typingctx: Any, v: Any, lo: Any, rows: Any, acc: Any) -> Any:
-        if not (_dense_float(v) and isinstance(acc, types.Array) and acc.dtype == types.float64
-                and acc.layout == "C" and acc.ndim == 1):
+        want = types.float64 if kind == "sum" else getattr(v, "dtype", None)
+        if not (_dense_float(v) and isinstance(acc, types.Array) and acc.dtype == want and acc.layout == "C"
+                and acc.ndim == 1):
             return None
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             data, elem, count = _start(context, builder, signature, args)
-            size = 8 if elem == _F64 else 4
-            width = vectors * 64 // size
             out = context.make_array(signature.args[3])(context, builder, args[3]).data
-            zero = ir.Constant(_V8D, [0.0] * 8)
-            pre = builder.block
-            loop = builder.function.append_basic_block("column_rows")
-            after = builder.function.append_basic_block("column_rows_done")
-            builder.cbranch(builder.icmp_signed(">", count, ir.Constant(_I64, 0)), loop, after)
-            builder.position_at_end(loop)
-            row = builder.phi(_I64)
-            accs = [builder.phi(_V8D) for _ in range(width // 8)]
-            first = builder.gep(data, [builder.mul(row, ir.Constant(_I64, width))])
-            ahead = builder.gep(first, [ir.Constant(_I64, AHEAD // size)])
-            vec = ir.VectorType(elem, 64 // size)
-            loaded = []
-            for k in range(vectors):
-                emit_prefetch(builder, builder.gep(ahead, [ir.Constant(_I64, k * vec.count)]), write=False,
-                              locality=3)
-                loaded.append(builder.load(builder.bitcast(builder.gep(first, [ir.Constant(_I64, k * vec.count)]),
-                                                           vec.as_pointer()), align=size))
-            grown = [builder.fadd(a, h) for a, h in zip(accs, _widened(builder, loaded))]
-            following = builder.add(row, ir.Constant(_I64, 1))
-            end = builder.block
-            builder.cbranch(builder.icmp_signed("<", following, count), loop, after)
-            row.add_incoming(ir.Constant(_I64, 0), pre)
-            row.add_incoming(following, end)
-            for a, g in zip(accs, grown):
-                a.add_incoming(zero, pre)
-                a.add_incoming(g, end)
-            builder.position_at_end(after)
-            finals = [builder.phi(_V8D) for _ in accs]
-            for f, g in zip(finals, grown):
-                f.add_incoming(zero, pre)
-                f.add_incoming(g, end)
-            for k, f in enumerate(finals):
-                at = builder.bitcast(builder.gep(out, [ir.Constant(_I64, 8 * k)]), _V8D.as_pointer())
-                builder.store(builder.fadd(builder.load(at, align=8), f), at, align=8)
+            vec = _V8D if kind == "sum" else ir.VectorType(elem, 8 if elem == _F64 else 16)
+            width = vectors * (16 if elem != _F64 else 8)
+            slots = [builder.bitcast(builder.gep(out, [ir.Constant(_I64, vec.count * k)]), vec.as_pointer())
+                     for k in range(width // vec.count)]
+            align = 8 if vec.element == _F64 else 4
+            starts = [builder.load(slot, align=align) for slot in slots]
+            if kind == "sum":
+                finals = _emit_steps(builder, data, elem, count, vectors, starts, lambda accs, loaded: [
+                    builder.fadd(a, h) for a, h in zip(accs, _widened(builder, loaded))])
+            else:
+                finals = _emit_steps(builder, data, elem, count, vectors, _with_masks(builder, starts),
+                                     _extremum_step(builder, kind))
+                nan = ir.Constant(vec, [float("nan")] * vec.count)
+                finals = [builder.select(m, nan, f) for f, m in zip(finals[:len(slots)], finals[len(slots):])]
+            for slot, f in zip(slots, finals):
+                builder.store(f, slot, align=align)
             return context.get_dummy_value()
         return types.void(v, lo, rows, acc), codegen
-    typing.__name__ = typing.__qualname__ = f"_column_sums_{vectors}"  # numba names the intrinsic after it
+    typing.__name__ = typing.__qualname__ = f"_columns_{kind}_{vectors}"  # numba names the intrinsic after it
     return intrinsic(typing)
 
 
-_columns1, _columns2, _columns4, _columns8 = (_column_sums(k) for k in (1, 2, 4, 8))
+_columns1, _columns2, _columns4, _columns8 = (_columns(k, "sum") for k in (1, 2, 4, 8))
+_max_columns1, _max_columns2, _max_columns4, _max_columns8 = (_columns(k, "ogt") for k in (1, 2, 4, 8))
+_min_columns1, _min_columns2, _min_columns4, _min_columns8 = (_columns(k, "olt") for k in (1, 2, 4, 8))
 
 
 def bulk_sum(v: Any, lo: int, n: int, zero: Any) -> tuple[Any, int]:
@@ -351,6 +358,13 @@ def bulk_column_sums(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
     back in v from v[lo] on added: only for a dense float span of rows of 1, 2, 4 or 8 64-byte vectors (16 to 128
     float32, 8 to 64 float64), else acc is left as it is. In jitted code only."""
     raise NotImplementedError("bulk_column_sums runs in jitted code")
+
+
+def bulk_column_extrema(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> bool:
+    """Whether acc[0:width] became the max (``sign`` > 0) or min of itself and the columns of the ``rows`` rows of
+    ``width`` elements lying back to back in v from v[lo] on, NaN winning: for the rows ``bulk_column_sums``
+    takes, with acc of v's dtype, else acc is left as it is. In jitted code only."""
+    raise NotImplementedError("bulk_column_extrema runs in jitted code")
 
 
 @overload(bulk_sum, inline="always")
@@ -425,5 +439,38 @@ def _bulk_column_sums(v: Any, lo: int, rows: int, width: int, acc: Any) -> Any:
         return fast
 
     def none(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
+        return False
+    return none
+
+
+@overload(bulk_column_extrema, inline="always")
+def _bulk_column_extrema(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> Any:
+    if _dense_float(v) and isinstance(acc, types.Array) and acc.dtype == v.dtype:
+        per = 64 // v.dtype.bitwidth * 8
+
+        def fast(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> bool:
+            if width not in (per, 2 * per, 4 * per, 8 * per):
+                return False
+            if sign > 0:
+                if width == per:
+                    _max_columns1(v, lo, rows, acc)
+                elif width == 2 * per:
+                    _max_columns2(v, lo, rows, acc)
+                elif width == 4 * per:
+                    _max_columns4(v, lo, rows, acc)
+                else:
+                    _max_columns8(v, lo, rows, acc)
+            elif width == per:
+                _min_columns1(v, lo, rows, acc)
+            elif width == 2 * per:
+                _min_columns2(v, lo, rows, acc)
+            elif width == 4 * per:
+                _min_columns4(v, lo, rows, acc)
+            else:
+                _min_columns8(v, lo, rows, acc)
+            return True
+        return fast
+
+    def none(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> bool:
         return False
     return none
