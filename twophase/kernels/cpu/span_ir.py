@@ -25,7 +25,7 @@ from numba.extending import intrinsic, overload
 from .jit import emit_prefetch
 
 __all__ = ["BULK", "AHEAD", "bulk_sum", "bulk_moments", "bulk_extremum", "bulk_first",
-           "bulk_column_sums", "bulk_column_extrema"]
+           "bulk_column_sums", "bulk_column_extrema", "COLUMN_VECTORS"]
 
 BULK = 32  # elements per step: two 16-float vectors, or four 8-double ones
 AHEAD = 16384  # bytes between the step's first line and the lines it prefetches
@@ -287,13 +287,38 @@ def _first_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any, m: Any) -> Any:
 _first_steps: Any = intrinsic(_first_steps_typing)
 
 
-def _columns(vectors: int, kind: str) -> Any:
-    """An intrinsic ``(v, lo, rows, acc)`` over rows of ``vectors`` 64-byte vectors (width 16 * vectors float32 or
-    8 * vectors float64) lying back to back from v[lo]: ``kind`` "sum": acc[c] += the float64 sum of column c
-    (acc float64); "ogt" / "olt": acc[c] = the max / min of acc[c] and column c, NaN winning (acc of the data's
-    dtype). The accumulators stay in registers across the rows (numba's loop over a column block loaded and
-    stored its accumulator array every few rows); the rows ``AHEAD`` bytes on are prefetched."""
-    def typing(typingctx: Any, v: Any, lo: Any, rows: Any, acc: Any) -> Any:
+COLUMN_VECTORS = (1, 2, 4, 8)  # row widths, in 64-byte vectors, whose columns are reduced in registers
+
+
+def _emit_columns(builder: Any, data: Any, elem: Any, rows: Any, out: Any, vectors: int, kind: str) -> None:
+    """IR reducing the columns of ``rows`` rows of ``vectors`` 64-byte vectors each into the accumulator array at
+    ``out`` (see ``_columns``)."""
+    vec = _V8D if kind == "sum" else ir.VectorType(elem, 8 if elem == _F64 else 16)
+    width = vectors * (8 if elem == _F64 else 16)
+    slots = [builder.bitcast(builder.gep(out, [ir.Constant(_I64, vec.count * k)]), vec.as_pointer())
+             for k in range(width // vec.count)]
+    align = 8 if vec.element == _F64 else 4
+    starts = [builder.load(slot, align=align) for slot in slots]
+    if kind == "sum":
+        finals = _emit_steps(builder, data, elem, rows, vectors, starts, lambda accs, loaded: [
+            builder.fadd(a, h) for a, h in zip(accs, _widened(builder, loaded))])
+    else:
+        finals = _emit_steps(builder, data, elem, rows, vectors, _with_masks(builder, starts),
+                             _extremum_step(builder, kind))
+        nan = ir.Constant(vec, [float("nan")] * vec.count)
+        finals = [builder.select(m, nan, f) for f, m in zip(finals[:len(slots)], finals[len(slots):])]
+    for slot, f in zip(slots, finals):
+        builder.store(f, slot, align=align)
+
+
+def _columns(kind: str) -> Any:
+    """An intrinsic ``(v, lo, rows, width, acc) -> bool`` over rows of ``width`` elements lying back to back from
+    v[lo]: ``kind`` "sum": acc[c] += the float64 sum of column c (acc float64); "ogt" / "olt": acc[c] = the max /
+    min of acc[c] and column c, NaN winning (acc of the data's dtype). Rows of ``COLUMN_VECTORS`` 64-byte vectors
+    only (one loop each, picked by a switch on the width; false for any other width, acc untouched): their
+    accumulators stay in registers across the rows (numba's loop over a column block loaded and stored its
+    accumulator array every few rows); the rows ``AHEAD`` bytes on are prefetched."""
+    def typing(typingctx: Any, v: Any, lo: Any, rows: Any, width: Any, acc: Any) -> Any:
         want = types.float64 if kind == "sum" else getattr(v, "dtype", None)
         if not (_dense_float(v) and isinstance(acc, types.Array) and acc.dtype == want and acc.layout == "C"
                 and acc.ndim == 1):
@@ -301,32 +326,33 @@ def _columns(vectors: int, kind: str) -> Any:
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             data, elem, count = _start(context, builder, signature, args)
-            out = context.make_array(signature.args[3])(context, builder, args[3]).data
-            vec = _V8D if kind == "sum" else ir.VectorType(elem, 8 if elem == _F64 else 16)
-            width = vectors * (16 if elem != _F64 else 8)
-            slots = [builder.bitcast(builder.gep(out, [ir.Constant(_I64, vec.count * k)]), vec.as_pointer())
-                     for k in range(width // vec.count)]
-            align = 8 if vec.element == _F64 else 4
-            starts = [builder.load(slot, align=align) for slot in slots]
-            if kind == "sum":
-                finals = _emit_steps(builder, data, elem, count, vectors, starts, lambda accs, loaded: [
-                    builder.fadd(a, h) for a, h in zip(accs, _widened(builder, loaded))])
-            else:
-                finals = _emit_steps(builder, data, elem, count, vectors, _with_masks(builder, starts),
-                                     _extremum_step(builder, kind))
-                nan = ir.Constant(vec, [float("nan")] * vec.count)
-                finals = [builder.select(m, nan, f) for f, m in zip(finals[:len(slots)], finals[len(slots):])]
-            for slot, f in zip(slots, finals):
-                builder.store(f, slot, align=align)
-            return context.get_dummy_value()
-        return types.void(v, lo, rows, acc), codegen
-    typing.__name__ = typing.__qualname__ = f"_columns_{kind}_{vectors}"  # numba names the intrinsic after it
+            out = context.make_array(signature.args[4])(context, builder, args[4]).data
+            per = 8 if elem == _F64 else 16
+            fn = builder.function
+            other, done = fn.append_basic_block("columns_other"), fn.append_basic_block("columns_done")
+            switch = builder.switch(context.cast(builder, args[3], signature.args[3], types.int64), other)
+            ends = []
+            for vectors in COLUMN_VECTORS:
+                case = fn.append_basic_block(f"columns_{vectors}")
+                switch.add_case(ir.Constant(_I64, vectors * per), case)
+                builder.position_at_end(case)
+                _emit_columns(builder, data, elem, count, out, vectors, kind)
+                ends.append(builder.block)
+                builder.branch(done)
+            builder.position_at_end(other)
+            builder.branch(done)
+            builder.position_at_end(done)
+            took = builder.phi(ir.IntType(1))
+            for end in ends:
+                took.add_incoming(ir.Constant(ir.IntType(1), 1), end)
+            took.add_incoming(ir.Constant(ir.IntType(1), 0), other)
+            return took
+        return types.boolean(v, lo, rows, width, acc), codegen
+    typing.__name__ = typing.__qualname__ = f"_columns_{kind}"  # numba names the intrinsic after it
     return intrinsic(typing)
 
 
-_columns1, _columns2, _columns4, _columns8 = (_columns(k, "sum") for k in (1, 2, 4, 8))
-_max_columns1, _max_columns2, _max_columns4, _max_columns8 = (_columns(k, "ogt") for k in (1, 2, 4, 8))
-_min_columns1, _min_columns2, _min_columns4, _min_columns8 = (_columns(k, "olt") for k in (1, 2, 4, 8))
+_column_sums, _column_maxima, _column_minima = _columns("sum"), _columns("ogt"), _columns("olt")
 
 
 def bulk_sum(v: Any, lo: int, n: int, zero: Any) -> tuple[Any, int]:
@@ -422,20 +448,8 @@ def _bulk_first(v: Any, lo: int, n: int, m: Any) -> Any:
 @overload(bulk_column_sums, inline="always")
 def _bulk_column_sums(v: Any, lo: int, rows: int, width: int, acc: Any) -> Any:
     if _dense_float(v) and isinstance(acc, types.Array) and acc.dtype == types.float64:
-        per = 64 // v.dtype.bitwidth * 8  # elements per 64-byte vector
-
         def fast(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
-            if width == per:
-                _columns1(v, lo, rows, acc)
-            elif width == 2 * per:
-                _columns2(v, lo, rows, acc)
-            elif width == 4 * per:
-                _columns4(v, lo, rows, acc)
-            elif width == 8 * per:
-                _columns8(v, lo, rows, acc)
-            else:
-                return False
-            return True
+            return _column_sums(v, lo, rows, width, acc)  # type: ignore[no-any-return]
         return fast
 
     def none(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
@@ -446,29 +460,10 @@ def _bulk_column_sums(v: Any, lo: int, rows: int, width: int, acc: Any) -> Any:
 @overload(bulk_column_extrema, inline="always")
 def _bulk_column_extrema(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> Any:
     if _dense_float(v) and isinstance(acc, types.Array) and acc.dtype == v.dtype:
-        per = 64 // v.dtype.bitwidth * 8
-
         def fast(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> bool:
-            if width not in (per, 2 * per, 4 * per, 8 * per):
-                return False
             if sign > 0:
-                if width == per:
-                    _max_columns1(v, lo, rows, acc)
-                elif width == 2 * per:
-                    _max_columns2(v, lo, rows, acc)
-                elif width == 4 * per:
-                    _max_columns4(v, lo, rows, acc)
-                else:
-                    _max_columns8(v, lo, rows, acc)
-            elif width == per:
-                _min_columns1(v, lo, rows, acc)
-            elif width == 2 * per:
-                _min_columns2(v, lo, rows, acc)
-            elif width == 4 * per:
-                _min_columns4(v, lo, rows, acc)
-            else:
-                _min_columns8(v, lo, rows, acc)
-            return True
+                return _column_maxima(v, lo, rows, width, acc)  # type: ignore[no-any-return]
+            return _column_minima(v, lo, rows, width, acc)  # type: ignore[no-any-return]
         return fast
 
     def none(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> bool:
