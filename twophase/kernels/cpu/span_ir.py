@@ -9,8 +9,11 @@ dependency chains) and prefetches the lines ``AHEAD`` bytes on, which the hardwa
 cache 1.1x faster than numba's loop (``/tmp/w25/ir.py``). The max / min spans gain on short rows, where numba's
 reduction of ``llvm.maximum`` ended each 64-float row with a long horizontal tail.
 
-The intrinsics cover the whole ``BULK``-element steps of a span; the caller's loop does the rest. A prefetch never
-faults, so the lines ahead of a span's end (a dense matrix's next rows) are prefetched too.
+The span intrinsics cover the whole ``BULK``-element steps of a span; the caller's loop does the rest. The column
+intrinsics reduce rows 1, 2, 4 or 8 vectors wide lying back to back (a reduction over a leading dim), one row a
+step, into accumulators that stay in registers. A prefetch never faults, so the lines ahead of a span's end (a
+dense matrix's next rows) are prefetched too. Each entry point is a numba ``overload`` that falls back (nothing
+done) for other dtypes, strided spans or other widths, so the callers' numba loops stay the general path.
 """
 
 from __future__ import annotations
