@@ -5,7 +5,7 @@ zmm, [mem]``): half as many bytes per load as a float32 loop, and on the Intel X
 it read a 64 MiB array 1.45-1.6x slower than ``np.max`` of its int32 view did, 1.1-1.3x in cache
 (``/tmp/w25/acc2.py``). Here each step loads whole 64-byte vectors into several accumulators (independent
 dependency chains) and prefetches the lines ``AHEAD`` bytes on, which the hardware prefetcher, stopping at every
-4 KiB page, did not keep up with: the same 64 MiB then read as fast as ``np.max`` (0.98-1.04x), and a span in
+4 KiB page, did not keep up with: the same 64 MiB then took 1.03-1.04x ``np.max``'s time, and a span in
 cache 1.1x faster than numba's loop (``/tmp/w25/ir.py``). The max / min spans gain on short rows, where numba's
 reduction of ``llvm.maximum`` ended each 64-float row with a long horizontal tail.
 
