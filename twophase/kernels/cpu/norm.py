@@ -14,7 +14,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
-from .span_ir import bulk_moments, bulk_sum
+from .span_ir import span_moments, span_sum
 from .streaming import VECTOR_BYTES, aligned_head, element_aligned, sfence, store_normalized
 from .vmath import corrected_moments, deviation_sums
 
@@ -53,22 +53,14 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: b
     """One row of ``layer_norm_rows``: writes it (whole vectors with non-temporal stores when ``stream``, a
     constant at the call), returns (mean, rstd)."""
     n = x.shape[0]
-    s = 0.0
-    q = 0.0
     if rms or x.itemsize <= 4:
         shift = 0.0 if rms else np.float64(x[0])
-        s, q, done = bulk_moments(x, 0, n, shift)
-        for i in range(done, n):
-            v = np.float64(x[i]) - shift
-            s += v
-            q += v * v
+        s, q = span_moments(x, 0, n, shift)
         d = s / n
         mu = 0.0 if rms else shift + d
         var = q / n if rms else max(q / n - d * d, 0.0)
     else:
-        s, done = bulk_sum(x, 0, n, s)
-        for i in range(done, n):
-            s += x[i]
+        s = span_sum(x, 0, n, 0.0)
         c, q = deviation_sums(x, s / n)
         mu, q = corrected_moments(n, s / n, c, q)
         var = q / n

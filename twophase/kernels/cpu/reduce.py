@@ -24,7 +24,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, run_parts, split_range
 from .jit import REDUCE, by_density, entry, row_of, rows_dense, span_of, wide_vectors
 from .jit import jit_reduce as _jit_reduce
-from .span_ir import bulk_column_extrema, bulk_column_sums, bulk_extremum, bulk_first, bulk_moments, bulk_sum
+from .span_ir import bulk_column_extrema, bulk_column_sums, bulk_extremum, bulk_first, span_moments, span_sum
 from .vmath import corrected_moments, deviation_sums
 from .vmath import maximum as vmax
 from .vmath import minimum as vmin
@@ -52,15 +52,6 @@ KC = 4096  # kept columns per task of a ``cols`` level (16 KiB of float32 rows: 
 # Spans take a whole row ``v`` (``x[k]`` keeps a C-contiguous matrix's layout; a slice would type as 'A', whose
 # unknown stride blocks vectorization) and the bounds [lo, hi). Indices are unsigned: a signed index gets numba's
 # negative-index wrap-around select, which turns the vector loads into gathers (6x slower).
-@jit_inline
-def _sum_span(v: Any, lo: int, hi: int, zero: Any) -> Any:
-    acc, done = bulk_sum(v, lo, hi - lo, zero)
-    base = np.uint64(lo + done)
-    for i in range(np.uint64(hi - lo - done)):
-        acc += v[base + i]
-    return acc
-
-
 @jit_inline
 def _max_span(v: Any, lo: int, hi: int, sign: Any) -> Any:
     """max (sign > 0) or min (sign < 0) of a non-empty span; NaN wins."""
@@ -100,22 +91,12 @@ def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
     waits for the mean); float64 data: two passes, the second corrected (``vmath.corrected_moments``; the span is
     one block: it stays in cache)."""
     n = hi - lo
-    base = np.uint64(lo)
-    s = 0.0
     if v.itemsize <= 4:
         shift = np.float64(v[lo]) if n > 0 else 0.0
-        s, q, done = bulk_moments(v, lo, n, shift)
-        base = np.uint64(lo + done)
-        for i in range(np.uint64(n - done)):
-            e = np.float64(v[base + i]) - shift
-            s += e
-            q += e * e
+        s, q = span_moments(v, lo, n, shift)
         d = s / n if n > 0 else 0.0
         return float(n), shift + d, max(q - s * d, 0.0)
-    s, done = bulk_sum(v, lo, n, s)
-    base = np.uint64(lo + done)
-    for i in range(np.uint64(n - done)):
-        s += v[base + i]
+    s = span_sum(v, lo, n, 0.0)
     mean = s / n if n > 0 else 0.0
     c, q = deviation_sums(v[lo:hi], mean)
     mean, m2 = corrected_moments(n, mean, c, q)
@@ -127,7 +108,7 @@ def _moments_span(v: Any, lo: int, hi: int) -> tuple[float, float, float]:
 # loops ran 8-16x slower typed strided.
 @jit_inline
 def _sum_row(x: Any, k: int, lo: int, hi: int, zero: Any, dense: bool) -> Any:
-    return _sum_span(row_of(x, k, dense), lo, hi, zero)
+    return span_sum(row_of(x, k, dense), lo, hi - lo, zero)
 
 
 @jit_inline
@@ -187,6 +168,13 @@ def _level_kernel(kind: str, dense: bool) -> Any:
 
 # ---------------------------------------------------------------- cols levels: x (n, K) -> out (nb, K)
 @jit_inline
+def _whole_rows_packed(x: Any, w: int) -> bool:
+    """Whether a task's chunk of ``w`` columns is x's whole rows and they lie back to back (x's memory is then one
+    span, which ``span_ir``'s column intrinsics walk a row at a time)."""
+    return bool(w == x.shape[1] and x.strides[0] == x.shape[1] * x.itemsize)
+
+
+@jit_inline
 def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int, dense: bool) -> None:
     n, kk = x.shape
     nk = (kk + kc - 1) // kc
@@ -196,10 +184,9 @@ def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int, den
     acc = np.full(w, zero)
     u0 = np.uint64(c0)  # unsigned indices: no negative-index wrap-around select in the inner loop
     r, end = j * block, min(n, (j + 1) * block)
-    if dense:
-        if w == kk and x.strides[0] == kk * x.itemsize:  # narrow rows back to back: accumulators in registers
-            if bulk_column_sums(span_of(x, 0, n * kk), r * kk, end - r, kk, acc):
-                r = end
+    if dense and _whole_rows_packed(x, w):  # narrow rows back to back: accumulators in registers
+        if bulk_column_sums(span_of(x, 0, n * kk), r * kk, end - r, kk, acc):
+            r = end
     while r + 4 <= end:  # four rows per pass over acc: a quarter of the accumulator traffic
         r0, r1, r2, r3 = row_of(x, r, dense), row_of(x, r + 1, dense), row_of(x, r + 2, dense), row_of(x, r + 3, dense)
         for c in range(np.uint64(w)):
@@ -235,10 +222,9 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int, den
     acc = x[j * block, c0:c0 + w].copy()
     u0 = np.uint64(c0)
     last = min(n, (j + 1) * block) - 1
-    if dense:
-        if w == kk and x.strides[0] == kk * x.itemsize:  # narrow rows back to back: accumulators in registers
-            if bulk_column_extrema(span_of(x, 0, n * kk), (j * block + 1) * kk, last - j * block, kk, sign, acc):
-                last = j * block  # nothing left for the loop
+    if dense and _whole_rows_packed(x, w):  # narrow rows back to back: accumulators in registers
+        if bulk_column_extrema(span_of(x, 0, n * kk), (j * block + 1) * kk, last - j * block, kk, sign, acc):
+            last = j * block  # nothing left for the loop
     for r in range(j * block + 1, last + 1, 4):  # four rows per pass over acc, as in sums; the last pass repeats
         r0, r1 = row_of(x, r, dense), row_of(x, min(r + 1, last), dense)  # the last rows again: max is idempotent
         r2, r3 = row_of(x, min(r + 2, last), dense), row_of(x, min(r + 3, last), dense)

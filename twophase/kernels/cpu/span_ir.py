@@ -21,13 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-from .jit import emit_prefetch
+from .jit import emit_prefetch, jit_inline
 
-__all__ = ["BULK", "AHEAD", "bulk_sum", "bulk_moments", "bulk_extremum", "bulk_first",
+__all__ = ["BULK", "AHEAD", "span_sum", "span_moments", "bulk_sum", "bulk_moments", "bulk_extremum", "bulk_first",
            "bulk_column_sums", "bulk_column_extrema", "COLUMN_VECTORS"]
 
 BULK = 32  # elements per step: two 16-float vectors, or four 8-double ones
@@ -472,3 +473,28 @@ def _bulk_column_extrema(v: Any, lo: int, rows: int, width: int, sign: Any, acc:
     def none(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> bool:
         return False
     return none
+
+
+# Whole spans: the IR's steps, then the caller-side rest in a numba loop (unsigned indices: a signed one gets
+# numba's negative-index wrap-around select, which turns vector loads into gathers). Inlined: they take the
+# calling kernel's fast-math flags.
+@jit_inline
+def span_sum(v: Any, lo: int, n: int, zero: Any) -> Any:
+    """``zero`` + the sum of v[lo : lo + n], accumulated in ``zero``'s type."""
+    acc, done = bulk_sum(v, lo, n, zero)
+    base = np.uint64(lo + done)
+    for i in range(np.uint64(n - done)):
+        acc += v[base + i]
+    return acc
+
+
+@jit_inline
+def span_moments(v: Any, lo: int, n: int, shift: float) -> tuple[float, float]:
+    """(sum of y, sum of y * y) in float64 over v[lo : lo + n], y = x - shift."""
+    s, q, done = bulk_moments(v, lo, n, shift)
+    base = np.uint64(lo + done)
+    for i in range(np.uint64(n - done)):
+        y = np.float64(v[base + i]) - shift
+        s += y
+        q += y * y
+    return s, q

@@ -21,7 +21,7 @@ import numba
 import numpy as np
 from llvmlite import ir
 from llvmlite.binding import llvm_version_info
-from numba.core import cgutils, types
+from numba.core import types
 from numba.extending import intrinsic, overload
 from numpy.polynomial import Chebyshev, Polynomial
 from numpy.polynomial import chebyshev as cheb
@@ -32,7 +32,7 @@ jit = numba.njit(nogil=True, cache=True, fastmath=FAST, inline="always")  # inli
 
 __all__ = ["exp", "log", "tanh", "erf", "erfc", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
            "exp_f32", "exp_nonpos_f32", "exp_nonpos_zeroing_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32",
-           "maximum", "minimum", "emit_extremum", "fsum",
+           "maximum", "minimum", "fsum",
            "deviation_sums", "corrected_moments",
            "exp_shifted", "exp_shifted_masked"]
 
@@ -319,8 +319,9 @@ def _erfcx_over_t(t: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 _GELU_CLAMP = 14.5  # Phi(-14.5) = 5.8e-48 rounds to 0 in float32 (and gelu(-inf) = -inf * 0 = NaN, as x/2 erfc)
 _GELU_TMIN = 1.0 / (1.0 + _GELU_CLAMP * 0.5 * _SQRT1_2)  # t = 1/(1 + z/2) on [_GELU_TMIN, 1], z = |x|/sqrt 2
 # Phi(-|x|) = exp(-x^2/2) t H(t), H of degree 8 in t itself, its coefficients scaled by 2^-64 (which undoes the
-# 2^64 of ``_exp_2p64_f32``, so no multiply is spent on it): 7.3 ulp at most, one fewer degree and no centring
-# subtraction than the first version (6.3 ulp; the bound is 8), 1.07-1.09x faster on one thread (/tmp/w25/gexp.py)
+# 2^64 of ``_exp_2p64_f32``, so no multiply is spent on it): 7.3 ulp on the test's grid, 7.7 on denser sweeps
+# (the bound is 8; the first version, degree 9 in t - tmid: 6.3-6.8), 1.07-1.09x faster on one thread
+# (/tmp/w25/gexp.py, gerr4.py)
 _GELU_H = tuple(_F(0.5 * 2.0**-64 * float(c)) for c in _fit_f32(_erfcx_over_t, _GELU_TMIN, 1.0, 8))
 _EXP_F32 = _fit_f32(np.exp, -math.log(2.0) / 2, math.log(2.0) / 2, 6)  # |r| <= ln2/2: 0.35 ulp (float32 coefs)
 _F0, _F1, _FH = _F(0.0), _F(1.0), _F(0.5)
@@ -429,27 +430,12 @@ def gelu_erf_f32(x: Any) -> Any:
 NAN_MAX_INTRINSICS = llvm_version_info >= (17,)
 
 
-def emit_extremum(builder: Any, float_name: str, x: Any, y: Any) -> Any:
-    """IR for the NaN-propagating ``float_name`` (``llvm.maximum`` / ``llvm.minimum``) of two floats or float
-    vectors. Where the back end cannot select it (``NAN_MAX_INTRINSICS`` false), the same result from ``maxnum`` /
-    ``minnum`` and a select: NaN (``x + y``) where either operand is NaN; that fallback may order -0.0 and +0.0
-    either way."""
-    ty = x.type
-    suffix = f"v{ty.count}{ty.element.intrinsic_name}" if isinstance(ty, ir.VectorType) else ty.intrinsic_name
-
-    def call(name: str) -> Any:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ty, [ty, ty]),  # type: ignore[no-untyped-call]
-                                            f"{name}.{suffix}")
-        return builder.call(fn, [x, y])
-    if NAN_MAX_INTRINSICS:
-        return call(float_name)
-    num = call(float_name.replace("imum", "num"))  # llvm.maximum -> llvm.maxnum, llvm.minimum -> llvm.minnum
-    return builder.select(builder.fcmp_unordered("uno", x, y), builder.fadd(x, y), num)
-
-
 def _llvm_binary(float_name: str, int_name: str) -> Any:
-    """An intrinsic calling ``float_name`` on floats (``emit_extremum``), ``int_name`` on integers (both operands
-    of one type)."""
+    """An intrinsic calling ``float_name`` on floats, ``int_name`` on integers (both operands of one type). Where
+    the back end cannot select ``float_name`` (``NAN_MAX_INTRINSICS`` false), floats get the same NaN-propagating
+    result from ``maxnum`` / ``minnum`` and a select: NaN (``a + b``) where either operand is NaN. The fallback
+    may order -0.0 and +0.0 either way."""
+    fallback = float_name.replace("imum", "num")  # llvm.maximum -> llvm.maxnum, llvm.minimum -> llvm.minnum
 
     @intrinsic
     def op(typingctx: Any, a: Any, b: Any) -> Any:
@@ -457,10 +443,15 @@ def _llvm_binary(float_name: str, int_name: str) -> Any:
             return None
 
         def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
-            if isinstance(sig.return_type, types.Float):
-                return emit_extremum(builder, float_name, *args)
             ty = context.get_value_type(sig.return_type)
-            return builder.call(builder.module.declare_intrinsic(int_name, [ty], ir.FunctionType(ty, [ty, ty])), args)
+            fnty = ir.FunctionType(ty, [ty, ty])
+            if not isinstance(sig.return_type, types.Float):
+                return builder.call(builder.module.declare_intrinsic(int_name, [ty], fnty), args)
+            if NAN_MAX_INTRINSICS:
+                return builder.call(builder.module.declare_intrinsic(float_name, [ty], fnty), args)
+            x, y = args
+            num = builder.call(builder.module.declare_intrinsic(fallback, [ty], fnty), args)
+            return builder.select(builder.fcmp_unordered("uno", x, y), builder.fadd(x, y), num)
         return a(a, a), codegen
     return op
 
