@@ -27,6 +27,7 @@ from twophase.kernels.cpu import elementwise as elementwise_kernels
 from twophase.kernels.cpu import groupnorm as groupnorm_kernels
 from twophase.kernels.cpu import norm as norm_kernels
 from twophase.kernels.cpu import reduce as reduce_kernels
+from twophase.kernels.cpu import winograd4 as winograd4_kernels
 from twophase.ops.attention import reference as sdpa_reference
 from twophase.ops.conv import reference as conv_reference
 from twophase.ops.selection import forced
@@ -489,6 +490,29 @@ def test_conv2d_im2col_rows_in_parts(three_parts: None, monkeypatch: pytest.Monk
     got = r.outputs[0]
     np.testing.assert_allclose(got.transpose(0, 3, 1, 2) if got.shape != ref.shape else got, ref, rtol=1e-4,
                                atol=1e-4)
+
+
+@pytest.mark.parametrize("x_shape, oc, limit, rounds", [
+    ((3, 48, 47, 48), 40, None, 1),  # 3 images in one round
+    ((3, 48, 47, 48), 40, 5 << 20, 2),  # rounds of 2 images, then 1
+])
+def test_conv2d_winograd4_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, ...],
+                                   oc: int, limit: int | None, rounds: int) -> None:
+    """Every round of whole images in three hand-offs of three parts: the input transform (with U in the first)
+    in channel ranges, the 36 GEMMs in batch ranges, the output transform in channel ranges."""
+    launched = _spy_on_parts(monkeypatch, winograd4_kernels)
+    gemms = _spy_on_parts(monkeypatch, blas)
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal(x_shape).astype(np.float32)  # odd sizes: clipped edge tiles
+    w = (rng.standard_normal((oc, x_shape[1], 3, 3)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32)
+    with forced("winograd4"):
+        r = run_checked(ops.conv2d, x, w, b, stride=1, padding=1, workspace_limit=limit)
+    assert r.implementation == "winograd4" and r.tiling.parts == 3
+    assert -(-x_shape[0] // r.tiling.chunk) == rounds
+    assert launched == [3, 3] * rounds and gemms == [3] * rounds
+    assert r.guards_intact and r.workspace_size - 64 < r.touched <= r.workspace_size and r.unwritten == (0,)
+    np.testing.assert_allclose(r.outputs[0], conv_reference(x, w, b, stride=1, padding=1), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("x_shape, oc, limit, rounds", [

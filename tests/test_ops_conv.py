@@ -15,6 +15,7 @@ from threads import num_threads
 
 from twophase import Format, device
 from twophase.errors import ParamError
+from twophase.kernels.cpu import winograd4
 from twophase.kernels.cpu.conv import parts_areas, parts_units
 from twophase.kernels.cpu.conv_tiles import available as tiles_available
 from twophase.layout import align, spread_stride
@@ -91,6 +92,7 @@ def test_conv2d_matches_reference_for_every_implementation(n: int, cg: int, ocg:
         _check(_run("gemm_1x1", _input(x, nhwc), wt, b, **attrs), ref)
     if k == (3, 3) and stride == (1, 1) and dil == (1, 1) and groups == 1:
         _check(_run("winograd", _input(x, nhwc), wt, b, **attrs), ref)
+        _check(_run("winograd4", _input(x, nhwc), wt, b, **attrs), ref)
     if groups == 1 and not nhwc and tiles_available(np.float32):
         _check(_run("im2col_tiles", _input(x, nhwc), wt, b, **attrs), ref)
 
@@ -305,6 +307,75 @@ def test_conv2d_winograd_chunks_fit_workspace_limit(rng: np.random.Generator, dt
             np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-12, atol=1e-12)
     with pytest.raises(ParamError):
         _run("winograd", x, wt, b, limit=size(1) - 1, padding=1)
+
+
+@pytest.mark.parametrize(("n", "c", "oc", "h", "w", "pad", "nhwc"), [
+    (1, 3, 5, 9, 11, (1, 1), False),  # clipped last tile row and column
+    (3, 7, 4, 13, 30, (2, 1), False),  # bands of tile rows, 3 images, asymmetric padding
+    (2, 5, 6, 33, 17, (1, 2), True),   # NHWC: strided rows
+    (1, 8, 8, 70, 71, (1, 1), False),  # several bands (19 tiles a row: 14 rows a band)
+    (2, 3, 2, 3, 4, (0, 5), False),    # padding wider than a tile: whole tiles of zeros
+    (1, 2, 3, 1, 1, (1, 1), False),
+])
+def test_conv2d_winograd4_matches_reference(rng: np.random.Generator, n: int, c: int, oc: int, h: int, w: int,
+                                            pad: tuple[int, int], nhwc: bool) -> None:
+    x = _x(rng, (n, c, h, w), nhwc)
+    wt, b = rng.standard_normal((oc, c, 3, 3)).astype(np.float32), rng.standard_normal(oc).astype(np.float32)
+    r = _run("winograd4", _input(x, nhwc), wt, b, padding=pad)
+    assert r.implementation == "winograd4" and r.tiling.chunk == n
+    _check(r, reference(x, wt, b, padding=pad, nhwc=nhwc))
+
+
+def test_conv2d_winograd4_rounds_of_whole_images_fit_workspace_limit(rng: np.random.Generator) -> None:
+    n, c, oc, h, w = 3, 3, 4, 10, 29
+    x = _x(rng, (n, c, h, w), False)
+    wt, b = rng.standard_normal((oc, c, 3, 3)).astype(np.float32), rng.standard_normal(oc).astype(np.float32)
+    ref = reference(x, wt, b, padding=1)
+    th, tr = 3, 9  # ceil(10/4) tile rows, ceil(29/4) + 1 tiles a row (the last a dummy); one band of 3 rows
+
+    def size(images: int) -> int:  # U, V, M (36 matrices each, spread_stride apart), one part's scratch rows
+        nt = images * th * tr
+        return (36 * sum(spread_stride(e * 4, 36) for e in (oc * c, c * nt, oc * nt))
+                + align(24 * (th * tr + 1) * 4) + align(28 * th * tr * 4) + align(18 * c * 4))
+
+    assert winograd4.geometry(h, w) == (th, tr - 1, th)
+    for limit, images in ((None, 3), (size(3), 3), (size(3) - 1, 2), (size(2) - 1, 1), (size(1), 1)):
+        r = _run("winograd4", x, wt, b, limit=limit, padding=1)
+        assert (r.tiling.chunk, r.workspace_size) == (images, size(images))
+        _check(r, ref)
+    with pytest.raises(ParamError) as e:
+        _run("winograd4", x, wt, b, limit=size(1) - 1, padding=1)
+    assert e.value.arg == "workspace_limit" and str(size(1)) in str(e.value)  # names the smallest that works
+
+
+def test_conv2d_winograd4_is_float32_only(rng: np.random.Generator) -> None:
+    """Its transforms' constants (1/6, 1/12, 1/24) are float32: a float64 convolution keeps winograd."""
+    x, wt = _x(rng, (1, 2, 40, 40), False).astype(np.float64), rng.standard_normal((3, 2, 3, 3))
+    with pytest.raises(ParamError) as e:
+        _run("winograd4", x, wt, None, padding=1)
+    assert e.value.arg == "implementation"
+    assert _run("winograd", x, wt, None, padding=1).implementation == "winograd"
+
+
+@pytest.mark.parametrize(("shape", "first"), [
+    ((3, 4, 28, 28), True),    # 7 tile columns (4x4 output tiles), 3 x 49 = 147 tiles
+    ((6, 4, 28, 24), False),   # 6 tile columns
+    ((2, 4, 28, 28), False),   # 98 tiles
+    ((1, 4, 64, 32), True),    # 16 x 8 = 128 tiles
+])
+def test_conv2d_winograd4_ranks_first_from_7_tile_columns_and_128_tiles(shape: tuple[int, ...], first: bool) -> None:
+    dev = device("cpu")
+    x, w = dev.tensor(np.ones(shape, np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
+    _, ex = conv2d.get_workspace_size(x, w, padding=1)
+    with forced("winograd", "winograd4"):
+        _, both = conv2d.get_workspace_size(x, w, padding=1)
+    try:
+        assert both.implementation == ("winograd4" if first else "winograd")
+        if first:
+            assert ex.implementation == "winograd4"
+    finally:
+        ex.destroy()
+        both.destroy()
 
 
 def test_conv2d_float64_nhwc_output_keeps_the_format(rng: np.random.Generator) -> None:

@@ -6,9 +6,10 @@ workspace and multiplied there by the register-blocked GEMM; ahead of im2col whe
 16-column panels or a limit makes im2col tile output rows), im2col_parts (maps of 512 pixels or more: runs of
 output rows unfolded and multiplied by each helper thread in its own workspace area), im2col (the unfolded input
 of a tile of whole images or output rows in the workspace, then one GEMM per tile; the tile shrinks to fit
-``workspace_limit``), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated single-group convolutions: 16 GEMMs on
-transformed tiles; ranked first from 32 output tiles) and direct (a numba loop nest, workspace 0; ranked first for
-depthwise convolutions).
+``workspace_limit``), winograd4 (F(4x4, 3x3), float32: 36 GEMMs on transformed 6x6 tiles; ranked first on maps
+of 7 tile columns or more and 128 tiles, else after winograd), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated
+single-group convolutions: 16 GEMMs on transformed tiles; ranked first from 32 output tiles, after winograd4) and
+direct (a numba loop nest, workspace 0; ranked first for depthwise convolutions).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu import gemm
+from ..kernels.cpu import gemm, winograd4
 from ..kernels.cpu.conv import (
     build_direct,
     build_gemm_1x1,
@@ -65,6 +66,7 @@ class ConvTiling:
     image; ``staged``: the GEMM result goes to the workspace at ``out_offset`` (0 when nothing is unfolded:
     C = 0), then is copied into out.
     winograd: ``chunk`` 2x2 output tiles per round, ``parts`` for helper threads (a scratch row set each).
+    winograd4: ``chunk`` whole images per round, ``parts`` for helper threads (a scratch row set each).
     im2col_parts: ``parts`` ranges of output rows, in runs of at most ``tile_rows``.
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel)."""
@@ -206,6 +208,11 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         if wino is not None:
             tiles = t.n * ((oh + 1) // 2) * ((ow + 1) // 2)
             cands.insert(0 if tiles >= WINOGRAD_MIN_TILES else len(cands), wino)
+        wino4 = _winograd4_candidate(t, limit) if x.dtype is DType.float32 else None
+        if wino4 is not None:
+            th4, tw4, _ = winograd4.geometry(oh, ow)
+            first = tw4 >= WINOGRAD4_MIN_TILE_COLUMNS and t.n * th4 * tw4 >= WINOGRAD4_MIN_TILES
+            cands.insert(0 if first else cands.index(wino) + 1 if wino is not None else len(cands), wino4)
     if cg == 1 and g > 1:
         cands.insert(0, direct)
     else:
@@ -399,6 +406,31 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
     return Candidate("winograd", tw, size(chunk))
 
 
+# tile columns (ceil(OW / 4)) and 4x4 tiles in all from which winograd4 ranks first, else right after winograd.
+# F(4x4, 3x3) against F(2x2, 3x3), both through the op, side by side (Intel Xeon, 1 and 2 threads, 9-11
+# alternating rounds, /tmp/w26/libvsproto.py and w4bspeed.py of the twenty-sixth session): 8 x 64 -> 64 56^2
+# (1568 tiles) 1.20-1.30x faster, 8 x 128 -> 128 28^2 (392) 1.11-1.24x, 1 x 64 -> 64 56^2 (196) 1.16-1.47x,
+# 1 x 128 -> 128 28^2 (49 tiles: GEMMs 56 columns wide) 0.97-1.08x, 14^2 maps (4 tile columns) 0.71-0.78x: the
+# 36 * OC * C transformed weights and short tile rows outweigh the GEMMs' savings
+WINOGRAD4_MIN_TILE_COLUMNS = 7
+WINOGRAD4_MIN_TILES = 128
+
+
+def _winograd4_candidate(t: ConvTiling, limit: int | None) -> Candidate:
+    """Winograd F(4x4, 3x3) (float32) with the most whole images per round that fit ``limit`` (else 32 MiB), at
+    least one (whose workspace ``choose`` then finds over a smaller limit)."""
+    th_n, tw_n, _ = winograd4.geometry(t.oh, t.ow)
+    parts = winograd_parts(t.oc, t.c, t.n * th_n * (tw_n + 1), winograd4.MATS)
+
+    def size(images: int) -> int:
+        return winograd4.workspace(t.oc, t.c, t.oh, t.ow, images, parts)
+    budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
+    images = t.n
+    while images > 1 and size(images) > budget:
+        images -= 1
+    return Candidate("winograd4", replace(t, chunk=images, parts=parts), size(images))
+
+
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
     return plan_conv(ins[0], ins[1], outs[0], attrs, effective_limit(OP, limit))
 
@@ -415,7 +447,8 @@ def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[
     if plan.implementation == "im2col_tiles":
         return build_im2col_tiles(t, xv, w, bias, ov)
     build = {"gemm_1x1": build_gemm_1x1, "im2col": build_im2col, "im2col_parts": build_im2col_parts,
-             "direct": build_direct, "winograd": build_winograd}[plan.implementation]
+             "direct": build_direct, "winograd": build_winograd,
+             "winograd4": winograd4.build_winograd4}[plan.implementation]
     return build(t, xv, w, bias, ov)
 
 
@@ -453,8 +486,13 @@ conv2d = register(OpDef(
     infer=_infer,
     select=_select,
     kernels={"cpu": _build},
-    implementations=("gemm_1x1", "winograd", "im2col_tiles", "im2col_parts", "im2col", "direct"),
-    workspace_formula=("gemm_1x1: 0; winograd: 16*(spread(OC*C*itemsize) + spread(C*chunk*itemsize) + "
+    implementations=("gemm_1x1", "winograd4", "winograd", "im2col_tiles", "im2col_parts", "im2col", "direct"),
+    workspace_formula=("gemm_1x1: 0; winograd4: 36*(spread36(OC*C*4) + spread36(C*NT*4) + spread36(OC*NT*4)) + "
+                       "P*(align64(24*(B*(TW4+1)+1)*4) + align64(28*B*(TW4+1)*4) + align64(18*C*4)), spread36(b) = "
+                       "the smallest multiple of 64 >= b at which 36 blocks start on distinct cache lines mod 4 KiB, "
+                       "NT = chunk*TH4*(TW4+1) tiles per round of chunk images, TH4 = ceil(OH/4), TW4 = "
+                       "ceil(OW/4), B = min(TH4, ceil(256/(TW4+1))) tile rows per band, P as winograd's with 36 "
+                       "matrices; winograd: 16*(spread(OC*C*itemsize) + spread(C*chunk*itemsize) + "
                        "spread(OC*chunk*itemsize)) + P*(align64(8*(TW+1)*itemsize) + align64(8*TW*itemsize)), "
                        "spread(b) = the smallest multiple of 64 >= b at which 16 blocks start on distinct cache "
                        "lines mod 4 KiB, chunk = 2x2 output tiles per round, TW = ceil(OW/2), P = helper-thread "
@@ -488,6 +526,11 @@ conv2d = register(OpDef(
          "out (bias added per tile); ranked ahead of im2col when R*OW fills at least 0.85 of the GEMM columns "
          "computed (16-wide panels, the last one 8 wide when at most 8 columns are left) or when "
          "a limit makes im2col tile output rows. "
+         "winograd4 F(4x4, 3x3) (float32, 3x3, stride 1, dilation 1, groups 1): weights, input tiles (6x6, 4 "
+         "apart; each row of tiles one dummy tile longer, so the transforms run flat over bands of tile rows) and "
+         "36 GEMMs of (OC, C) x (C, NT) in the workspace, rounds of whole images (as many as fit workspace_limit, "
+         "else 32 MiB); 0.56x winograd's multiply-adds; ranked first from ceil(OW/4) >= 7 tile columns and "
+         "N*ceil(OH/4)*ceil(OW/4) >= 128 tiles, else right after winograd. "
          "winograd F(2x2, 3x3) (3x3, stride 1, dilation 1, groups 1): weights, input tiles and 16 GEMMs of (OC, C) "
          "x (C, chunk) in the workspace (chunk: all tiles that fit workspace_limit, else 32 MiB), output transform "
          "adds the bias; transforms in channel ranges and the GEMMs in batch ranges (one BLAS thread each) on "
@@ -497,9 +540,10 @@ conv2d = register(OpDef(
          "written once with its nine taps; with stride 1 and padding 1 the inner rows of a dense plane as one "
          "flat loop, with column stride 2 dense rows read as element pairs), ranges of (N, OC) planes on helper "
          "threads, workspace 0, ranked first when depthwise (C/groups == 1). "
-         "Non-finite values: winograd's transforms add and subtract the inputs of a tile (and the taps of a "
-         "weight), so an inf input gives NaN rather than inf in the outputs of its tile, and inputs or weights "
-         "beyond ~1e37 (float32) can overflow to inf or NaN where the convolution itself is finite (as any "
+         "Non-finite values: winograd's and winograd4's transforms add and subtract the inputs of a tile (and the "
+         "taps of a weight), so an inf input gives NaN rather than inf in the outputs of its tile, and inputs or "
+         "weights beyond ~1e37 (float32; ~1e36 for winograd4, whose transforms scale by up to 8 and 25) can "
+         "overflow to inf or NaN where the convolution itself is finite (as any "
          "Winograd convolution, cuDNN's included); direct skips the taps that fall on padding rather than "
          "multiplying them by 0, so an inf weight gives inf, not NaN, at the borders. im2col, im2col_tiles and "
          "gemm_1x1 follow the reference's inf / NaN."),

@@ -807,22 +807,24 @@ def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, nt: int, g
         _wino_output(m, bias, has_bias, out, oc, t0, nt, geo, scratch)
 
 
-def _rows16(ws: Any, offset: int, stride: int, dt: np.dtype[Any]) -> Any:
-    """The 16 rows, ``stride`` bytes apart (``spread_stride``), that hold U, V or M: a C-contiguous (16, .)."""
-    return ws[offset:offset + 16 * stride].view(dt).reshape(16, stride // dt.itemsize)
+def spread_rows(ws: Any, offset: int, stride: int, dt: np.dtype[Any], count: int = 16) -> Any:
+    """The ``count`` rows, ``stride`` bytes apart (``spread_stride``), that hold a winograd's U, V or M: a
+    C-contiguous (count, .)."""
+    return ws[offset:offset + count * stride].view(dt).reshape(count, stride // dt.itemsize)
 
 
-def _matrices(rows: Any, r: int, c: int) -> Any:
-    """The same memory as 16 (r, c) matrices, for the GEMMs."""
-    return as_strided(rows, (16, r, c), (rows.strides[0], c * rows.itemsize, rows.itemsize))
+def matrices(rows: Any, r: int, c: int) -> Any:
+    """The same memory as one (r, c) matrix per row, for the GEMMs."""
+    return as_strided(rows, (rows.shape[0], r, c), (rows.strides[0], c * rows.itemsize, rows.itemsize))
 
 
-def winograd_parts(oc: int, c: int, tiles: int) -> int:
-    """Helper-thread parts of a winograd launch (phase 1: the workspace holds a scratch row set per part): the
-    fan-out count for large problems, at most the channel counts (every part then has channels to do)."""
-    if 16 * (oc * c + (c + oc) * tiles) < PARALLEL_MIN:
+def winograd_parts(oc: int, c: int, tiles: int, count: int = 16) -> int:
+    """Helper-thread parts of a winograd launch with ``count`` transformed matrices (phase 1: the workspace holds
+    a scratch row set per part): the fan-out count for large problems, at most the channel counts (every part
+    then has channels to do)."""
+    if count * (oc * c + (c + oc) * tiles) < PARALLEL_MIN:
         return 1
-    return max(1, min(fanout_parts(), oc, c, 16))
+    return max(1, min(fanout_parts(), oc, c, count))
 
 
 def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
@@ -856,15 +858,15 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     c, oc = t.c, t.oc
 
     def launch(ws: Any) -> None:
-        u = _rows16(ws, 0, su, dt)
-        v, m = _rows16(ws, o_v, sv, dt), _rows16(ws, o_m, sm, dt)
+        u = spread_rows(ws, 0, su, dt)
+        v, m = spread_rows(ws, o_v, sv, dt), spread_rows(ws, o_m, sm, dt)
         s_in = [ws[o_si + i * si_b:o_si + i * si_b + 8 * (tw_n + 1) * item].view(dt).reshape(8, tw_n + 1)
                 for i in range(parts)]
         s_out = [ws[o_so + i * so_b:o_so + i * so_b + 8 * tw_n * item].view(dt).reshape(8, tw_n)
                  for i in range(parts)]
-        u_mats = _matrices(u, oc, c)
+        u_mats = matrices(u, oc, c)
         for r, (t0, nt) in enumerate(rounds):
-            v_mats, m_mats = _matrices(v, c, nt), _matrices(m, oc, nt)
+            v_mats, m_mats = matrices(v, c, nt), matrices(m, oc, nt)
             run_parts([functools.partial(transform_in, u, v, t0, nt, r == 0, s_in[i], i) for i in range(parts)])
             run_blas_parts([functools.partial(np.matmul, u_mats[lo:hi], v_mats[lo:hi], out=m_mats[lo:hi])
                             for lo, hi in k_ranges])
