@@ -309,20 +309,27 @@ def test_conv2d_winograd_chunks_fit_workspace_limit(rng: np.random.Generator, dt
         _run("winograd", x, wt, b, limit=size(1) - 1, padding=1)
 
 
-@pytest.mark.parametrize(("n", "c", "oc", "h", "w", "pad", "nhwc"), [
-    (1, 3, 5, 9, 11, (1, 1), False),  # clipped last tile row and column
-    (3, 7, 4, 13, 30, (2, 1), False),  # bands of tile rows, 3 images, asymmetric padding
-    (2, 5, 6, 33, 17, (1, 2), True),   # NHWC: strided rows
-    (1, 8, 8, 70, 71, (1, 1), False),  # several bands (19 tiles a row: 14 rows a band)
-    (2, 3, 2, 3, 4, (0, 5), False),    # padding wider than a tile: whole tiles of zeros
-    (1, 2, 3, 1, 1, (1, 1), False),
+@pytest.mark.parametrize(("n", "c", "oc", "h", "w", "pad", "nhwc", "flat"), [
+    (1, 3, 5, 9, 11, (1, 1), False, False),  # clipped last tile row and column
+    (3, 7, 4, 13, 30, (2, 1), False, False),  # bands of tile rows, 3 images, asymmetric padding
+    (2, 5, 6, 33, 17, (1, 2), True, False),   # NHWC: strided rows
+    (1, 8, 8, 70, 71, (1, 1), False, False),  # several bands (19 tiles a row: 14 rows a band)
+    (2, 3, 2, 3, 4, (0, 5), False, False),    # padding wider than a tile: whole tiles of zeros
+    (1, 2, 3, 1, 1, (1, 1), False, False),
+    (2, 3, 4, 17, 28, (1, 1), False, True),   # whole planes split into phases: ResNet's padding
+    (1, 5, 3, 12, 8, (2, 2), False, True),
+    (1, 4, 4, 9, 8, (0, 0), False, True),
+    (2, 4, 5, 20, 20, (4, 3), False, True),   # the most padding the split planes take
+    (1, 4, 5, 20, 20, (1, 5), False, False),
+    (1, 8, 8, 70, 72, (1, 1), False, True),   # several bands
+    (2, 3, 4, 16, 28, (1, 1), True, False),   # NHWC: rows not dense
 ])
 def test_conv2d_winograd4_matches_reference(rng: np.random.Generator, n: int, c: int, oc: int, h: int, w: int,
-                                            pad: tuple[int, int], nhwc: bool) -> None:
+                                            pad: tuple[int, int], nhwc: bool, flat: bool) -> None:
     x = _x(rng, (n, c, h, w), nhwc)
     wt, b = rng.standard_normal((oc, c, 3, 3)).astype(np.float32), rng.standard_normal(oc).astype(np.float32)
     r = _run("winograd4", _input(x, nhwc), wt, b, padding=pad)
-    assert r.implementation == "winograd4" and r.tiling.chunk == n
+    assert r.implementation == "winograd4" and r.tiling.chunk == n and r.tiling.flat == flat
     _check(r, reference(x, wt, b, padding=pad, nhwc=nhwc))
 
 
@@ -333,19 +340,25 @@ def test_conv2d_winograd4_rounds_of_whole_images_fit_workspace_limit(rng: np.ran
     ref = reference(x, wt, b, padding=1)
     th, tr = 3, 9  # ceil(10/4) tile rows, ceil(29/4) + 1 tiles a row (the last a dummy); one band of 3 rows
 
-    def size(images: int) -> int:  # U, V, M (36 matrices each, spread_stride apart), one part's scratch rows
+    def size(images: int, planes: bool = False, tr: int = tr) -> int:  # U, V, M (36 matrices each,
+        # spread_stride apart), one part's scratch rows (and the split planes: 16 rows of TH + 2 tile rows)
         nt = images * th * tr
         return (36 * sum(spread_stride(e * 4, 36) for e in (oc * c, c * nt, oc * nt))
-                + align(24 * (th * tr + 1) * 4) + align(28 * th * tr * 4) + align(18 * c * 4))
+                + align(24 * (th * tr + 1) * 4) + align(28 * th * tr * 4) + align(18 * c * 4)
+                + (align(16 * (th + 2) * tr * 4) if planes else 0))
 
     assert winograd4.geometry(h, w) == (th, tr - 1, th)
     for limit, images in ((None, 3), (size(3), 3), (size(3) - 1, 2), (size(2) - 1, 1), (size(1), 1)):
         r = _run("winograd4", x, wt, b, limit=limit, padding=1)
-        assert (r.tiling.chunk, r.workspace_size) == (images, size(images))
+        assert (r.tiling.chunk, r.tiling.flat, r.workspace_size) == (images, False, size(images))
         _check(r, ref)
     with pytest.raises(ParamError) as e:
         _run("winograd4", x, wt, b, limit=size(1) - 1, padding=1)
     assert e.value.arg == "workspace_limit" and str(size(1)) in str(e.value)  # names the smallest that works
+    x4 = np.ascontiguousarray(x[:, :, :, :28])  # 28 columns: whole planes split into phases, 7 + 1 tiles a row
+    r = _run("winograd4", x4, wt, b, limit=size(2, True, 8), padding=1)
+    assert (r.tiling.chunk, r.tiling.flat, r.workspace_size) == (2, True, size(2, True, 8))
+    _check(r, reference(x4, wt, b, padding=1))
 
 
 def test_conv2d_winograd4_is_float32_only(rng: np.random.Generator) -> None:

@@ -66,7 +66,8 @@ class ConvTiling:
     image; ``staged``: the GEMM result goes to the workspace at ``out_offset`` (0 when nothing is unfolded:
     C = 0), then is copied into out.
     winograd: ``chunk`` 2x2 output tiles per round, ``parts`` for helper threads (a scratch row set each).
-    winograd4: ``chunk`` whole images per round, ``parts`` for helper threads (a scratch row set each).
+    winograd4: ``chunk`` whole images per round, ``parts`` for helper threads (a scratch row set each), ``flat``:
+    the input transform splits whole planes into phases (``winograd4.flat_phases``).
     im2col_parts: ``parts`` ranges of output rows, in runs of at most ``tile_rows``.
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel)."""
@@ -101,6 +102,7 @@ class ConvTiling:
     parts: int = 1
     kblock: int = 0
     grid: tuple[tuple[int, int, int, int], ...] = ()
+    flat: bool = False
 
 
 def nchw(d: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -208,7 +210,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         if wino is not None:
             tiles = t.n * ((oh + 1) // 2) * ((ow + 1) // 2)
             cands.insert(0 if tiles >= WINOGRAD_MIN_TILES else len(cands), wino)
-        wino4 = _winograd4_candidate(t, limit) if x.dtype is DType.float32 else None
+        wino4 = _winograd4_candidate(t, xs[3] == 1, limit) if x.dtype is DType.float32 else None
         if wino4 is not None:
             th4, tw4, _ = winograd4.geometry(oh, ow)
             first = tw4 >= WINOGRAD4_MIN_TILE_COLUMNS and t.n * th4 * tw4 >= WINOGRAD4_MIN_TILES
@@ -416,19 +418,20 @@ WINOGRAD4_MIN_TILE_COLUMNS = 7
 WINOGRAD4_MIN_TILES = 128
 
 
-def _winograd4_candidate(t: ConvTiling, limit: int | None) -> Candidate:
+def _winograd4_candidate(t: ConvTiling, dense: bool, limit: int | None) -> Candidate:
     """Winograd F(4x4, 3x3) (float32) with the most whole images per round that fit ``limit`` (else 32 MiB), at
-    least one (whose workspace ``choose`` then finds over a smaller limit)."""
+    least one (whose workspace ``choose`` then finds over a smaller limit); ``dense``: x's rows unit-stride."""
     th_n, tw_n, _ = winograd4.geometry(t.oh, t.ow)
     parts = winograd_parts(t.oc, t.c, t.n * th_n * (tw_n + 1), winograd4.MATS)
+    flat = winograd4.flat_phases(t.w, t.ph, t.pw, tw_n, dense)
 
     def size(images: int) -> int:
-        return winograd4.workspace(t.oc, t.c, t.oh, t.ow, images, parts)
+        return winograd4.workspace(t.oc, t.c, t.oh, t.ow, images, parts, flat)
     budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
     images = t.n
     while images > 1 and size(images) > budget:
         images -= 1
-    return Candidate("winograd4", replace(t, chunk=images, parts=parts), size(images))
+    return Candidate("winograd4", replace(t, chunk=images, parts=parts, flat=flat), size(images))
 
 
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
@@ -488,7 +491,9 @@ conv2d = register(OpDef(
     kernels={"cpu": _build},
     implementations=("gemm_1x1", "winograd4", "winograd", "im2col_tiles", "im2col_parts", "im2col", "direct"),
     workspace_formula=("gemm_1x1: 0; winograd4: 36*(spread36(OC*C*4) + spread36(C*NT*4) + spread36(OC*NT*4)) + "
-                       "P*(align64(24*(B*(TW4+1)+1)*4) + align64(28*B*(TW4+1)*4) + align64(18*C*4)), spread36(b) = "
+                       "P*(align64(24*(B*(TW4+1)+1)*4) + align64(28*B*(TW4+1)*4) + align64(18*C*4) [+ "
+                       "align64(16*(TH4+2)*(TW4+1)*4) when x's rows are dense, W % 4 == 0, padding <= 4 and "
+                       "ceil((W+pw)/4) <= TW4 + 1]), spread36(b) = "
                        "the smallest multiple of 64 >= b at which 36 blocks start on distinct cache lines mod 4 KiB, "
                        "NT = chunk*TH4*(TW4+1) tiles per round of chunk images, TH4 = ceil(OH/4), TW4 = "
                        "ceil(OW/4), B = min(TH4, ceil(256/(TW4+1))) tile rows per band, P as winograd's with 36 "

@@ -1,0 +1,229 @@
+"""Constant linear maps between float32 rows and 4-way (de)interleaves of a row, written as LLVM IR.
+
+A Winograd transform step reads a few rows and writes a few others, element by element (``out_j[k] = sum_i
+M[j, i] * in_i[k]``). numba's loop over such rows is not vectorized: LLVM cannot prove the rows apart and needs a
+runtime overlap check per pair of them, more than its limit of 8 for six rows written and four or six read, so
+it runs the scalar loop. Here the rows are pointers and the loop is explicit 16-float vectors (a masked last
+one), the map's constants folded into adds, subtracts and FMAs. The interleaves move 16 groups of four floats a
+step through shuffles, for the column phases of 4x4-output-tile transforms.
+
+Each intrinsic takes its rows as an int64 array of addresses (outputs first), so one compiled intrinsic serves any
+rows; the caller keeps the rows' memory alive and their lengths at least ``n`` (plus ``shift``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
+
+from .jit import TYPED_POINTERS
+
+__all__ = ["LANES", "linear_map", "deinterleave4", "interleave4"]
+
+LANES = 16
+_F32, _I64, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+_VEC = ir.VectorType(_F32, LANES)
+_MASK = ir.VectorType(ir.IntType(1), LANES)
+
+
+def _pointers(context: Any, builder: Any, sig_arg: Any, arg: Any, count: int) -> list[Any]:
+    """The first ``count`` addresses of an int64 array argument, as float pointers."""
+    arr = context.make_array(sig_arg)(context, builder, arg)
+    return [builder.inttoptr(builder.load(builder.gep(arr.data, [ir.Constant(_I64, i)])), _F32.as_pointer())
+            for i in range(count)]
+
+
+def _vec_at(builder: Any, p: Any, k: Any) -> Any:
+    return builder.bitcast(builder.gep(p, [k]), _VEC.as_pointer())
+
+
+def _masked(builder: Any) -> tuple[Any, Any]:
+    """The llvm.masked.load / store declarations for 16 floats."""
+    types_ = "v16f32.p0" + ("v16f32" if TYPED_POINTERS else "")
+    vptr = _VEC.as_pointer()
+    load = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(_VEC, [vptr, _I32, _MASK, _VEC]), f"llvm.masked.load.{types_}")
+    store = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(ir.VoidType(), [_VEC, vptr, _I32, _MASK]), f"llvm.masked.store.{types_}")
+    return load, store
+
+
+def _splat(builder: Any, x: Any) -> Any:
+    one = builder.insert_element(ir.Constant(_VEC, ir.Undefined), x, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, ir.Constant(_VEC, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES),
+                                                                                    [0] * LANES))
+
+
+def _combine(builder: Any, row: Sequence[float], xs: list[Any], addend: Any) -> Any:
+    """IR of addend + sum_i row[i] * xs[i]: 1 and -1 as adds and subtracts, other constants as FMAs."""
+    fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), "llvm.fma.v16f32")
+    acc = addend
+    for c, x in zip(row, xs):
+        if c == 0:
+            continue
+        if acc is None:
+            acc = x if c == 1 else builder.fneg(x) if c == -1 else builder.fmul(ir.Constant(_VEC, [c] * LANES), x)
+        elif c == 1:
+            acc = builder.fadd(acc, x)
+        elif c == -1:
+            acc = builder.fsub(acc, x)
+        else:
+            acc = builder.call(fma, [ir.Constant(_VEC, [c] * LANES), x, acc])
+    return acc if acc is not None else ir.Constant(_VEC, [0.0] * LANES)
+
+
+def _loop(builder: Any, count: Any, body: Any) -> None:
+    """for k in range(count): body(k)."""
+    with cgutils.for_range(builder, count) as loop:
+        body(loop.index)
+
+
+def linear_map(matrix: Sequence[Sequence[float]], shifts: Sequence[int] | None = None) -> Any:
+    """An intrinsic ``(rows, n, addend)``: out_j[k] = addend + sum_i matrix[j][i] * in_i[k + shifts[i]] for
+    k < n, ``rows`` the int64 addresses of the outputs then the inputs (float32), ``addend`` a float32 (0 for
+    none). 16 floats a step, the last step masked: exactly n elements written."""
+    outs, ins = len(matrix), len(matrix[0])
+    shift = list(shifts) if shifts is not None else [0] * ins
+
+    def typing(typingctx: Any, rows: Any, n: Any, addend: Any) -> Any:
+        if not (isinstance(rows, types.Array) and rows.dtype == types.int64):
+            return None
+
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            ptrs = _pointers(context, builder, signature.args[0], args[0], outs + ins)
+            out_p = ptrs[:outs]
+            in_p = [builder.gep(p, [ir.Constant(_I64, s)]) for p, s in zip(ptrs[outs:], shift)]
+            count = context.cast(builder, args[1], signature.args[1], types.int64)
+            add = _splat(builder, context.cast(builder, args[2], signature.args[2], types.float32))
+            steps = builder.sdiv(count, ir.Constant(_I64, LANES))
+
+            def step(k: Any) -> None:
+                at = builder.mul(k, ir.Constant(_I64, LANES))
+                xs = [builder.load(_vec_at(builder, p, at), align=4) for p in in_p]
+                for j in range(outs):
+                    builder.store(_combine(builder, matrix[j], xs, add), _vec_at(builder, out_p[j], at), align=4)
+            _loop(builder, steps, step)
+            at = builder.mul(steps, ir.Constant(_I64, LANES))
+            rest = builder.sub(count, at)
+            with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(_I64, 0))):
+                load, store = _masked(builder)
+                mask = _lanes_below(builder, rest)
+                zero = ir.Constant(_VEC, [0.0] * LANES)
+                xs = [builder.call(load, [_vec_at(builder, p, at), ir.Constant(_I32, 4), mask, zero]) for p in in_p]
+                for j in range(outs):
+                    builder.call(store, [_combine(builder, matrix[j], xs, add), _vec_at(builder, out_p[j], at),
+                                         ir.Constant(_I32, 4), mask])
+            return context.get_dummy_value()
+        return types.void(rows, n, addend), codegen
+
+    typing.__name__ = typing.__qualname__ = f"linear_map_{outs}x{ins}"
+    return intrinsic(typing)
+
+
+def _interleave_mask(groups: int) -> list[int]:
+    """Lane order that takes 4 concatenated 16-lane vectors (phase-major) to element order: lane 4g + r <- r*16 + g."""
+    return [r * LANES + g for g in range(groups) for r in range(4)]
+
+
+def _concat4(builder: Any, vs: list[Any]) -> Any:
+    """The 64-lane concatenation of four 16-lane vectors."""
+    i32v = ir.VectorType(_I32, 2 * LANES)
+    a = builder.shuffle_vector(vs[0], vs[1], ir.Constant(i32v, list(range(2 * LANES))))
+    b = builder.shuffle_vector(vs[2], vs[3], ir.Constant(i32v, list(range(2 * LANES))))
+    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 4 * LANES), list(range(4 * LANES))))
+
+
+def _lanes_below(builder: Any, n: Any) -> Any:
+    """The 16-lane mask of lanes < n (an i64)."""
+    v64 = ir.VectorType(_I64, LANES)
+    wanted = builder.shuffle_vector(builder.insert_element(ir.Constant(v64, ir.Undefined), n, ir.Constant(_I32, 0)),
+                                    ir.Constant(v64, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES),
+                                                                                [0] * LANES))
+    return builder.icmp_signed("<", ir.Constant(v64, list(range(LANES))), wanted)
+
+
+def _steps_and_rest(builder: Any, count: Any, step: Any) -> None:
+    """step(first group, masks) for every 16 groups of ``count``, the last ones masked: ``masks`` None for a whole
+    step, else the masks of the step's 4 vectors in element order (4 lanes a group) and in group order."""
+    steps = builder.sdiv(count, ir.Constant(_I64, LANES))
+    _loop(builder, steps, lambda k: step(builder.mul(k, ir.Constant(_I64, LANES)), None))
+    at = builder.mul(steps, ir.Constant(_I64, LANES))
+    rest = builder.sub(count, at)
+    with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(_I64, 0))):
+        elems = builder.mul(rest, ir.Constant(_I64, 4))
+        by_elem = [_lanes_below(builder, builder.sub(elems, ir.Constant(_I64, LANES * v))) for v in range(4)]
+        step(at, (by_elem, _lanes_below(builder, rest)))
+
+
+def _deinterleave4_typing(typingctx: Any, rows: Any, n: Any) -> Any:
+    """``(rows, n)``, rows = addresses (p0, p1, p2, p3, src): p_r[k] = src[4k + r] for k < n, 16 groups a step
+    (the last step masked: exactly those elements read and written)."""
+    if not (isinstance(rows, types.Array) and rows.dtype == types.int64):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        p = _pointers(context, builder, signature.args[0], args[0], 5)
+        count = context.cast(builder, args[1], signature.args[1], types.int64)
+        to_phases = [0] * (4 * LANES)
+        for lane, src in enumerate(_interleave_mask(LANES)):
+            to_phases[src] = lane  # the inverse order: phase-major lanes from element order
+        load, store = _masked(builder)
+        zero = ir.Constant(_VEC, [0.0] * LANES)
+
+        def step(at: Any, masks: Any) -> None:
+            src = builder.gep(p[4], [builder.mul(at, ir.Constant(_I64, 4))])
+            ptrs = [_vec_at(builder, src, ir.Constant(_I64, LANES * v)) for v in range(4)]
+            vs = [builder.load(q, align=4) if masks is None else
+                  builder.call(load, [q, ir.Constant(_I32, 4), masks[0][v], zero]) for v, q in enumerate(ptrs)]
+            whole = _concat4(builder, vs)
+            for r in range(4):
+                part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
+                    ir.VectorType(_I32, LANES), to_phases[r * LANES:(r + 1) * LANES]))
+                if masks is None:
+                    builder.store(part, _vec_at(builder, p[r], at), align=4)
+                else:
+                    builder.call(store, [part, _vec_at(builder, p[r], at), ir.Constant(_I32, 4), masks[1]])
+        _steps_and_rest(builder, count, step)
+        return context.get_dummy_value()
+    return types.void(rows, n), codegen
+
+
+def _interleave4_typing(typingctx: Any, rows: Any, n: Any) -> Any:
+    """``(rows, n)``, rows = addresses (q0, q1, q2, q3, dst): dst[4k + r] = q_r[k] for k < n, 16 groups a step
+    (the last step masked: exactly those elements read and written)."""
+    if not (isinstance(rows, types.Array) and rows.dtype == types.int64):
+        return None
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        p = _pointers(context, builder, signature.args[0], args[0], 5)
+        count = context.cast(builder, args[1], signature.args[1], types.int64)
+        order = _interleave_mask(LANES)
+        load, store = _masked(builder)
+        zero = ir.Constant(_VEC, [0.0] * LANES)
+
+        def step(at: Any, masks: Any) -> None:
+            vs = [builder.load(_vec_at(builder, p[r], at), align=4) if masks is None else
+                  builder.call(load, [_vec_at(builder, p[r], at), ir.Constant(_I32, 4), masks[1], zero])
+                  for r in range(4)]
+            whole = _concat4(builder, vs)
+            dst = builder.gep(p[4], [builder.mul(at, ir.Constant(_I64, 4))])
+            for v in range(4):
+                part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
+                    ir.VectorType(_I32, LANES), order[v * LANES:(v + 1) * LANES]))
+                q = _vec_at(builder, dst, ir.Constant(_I64, LANES * v))
+                if masks is None:
+                    builder.store(part, q, align=4)
+                else:
+                    builder.call(store, [part, q, ir.Constant(_I32, 4), masks[0][v]])
+        _steps_and_rest(builder, count, step)
+        return context.get_dummy_value()
+    return types.void(rows, n), codegen
+
+
+deinterleave4: Any = intrinsic(_deinterleave4_typing)
+interleave4: Any = intrinsic(_interleave4_typing)
