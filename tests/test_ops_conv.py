@@ -371,12 +371,12 @@ def test_conv2d_winograd4_is_float32_only(rng: np.random.Generator) -> None:
 
 
 @pytest.mark.parametrize(("shape", "first"), [
-    ((3, 4, 28, 28), True),    # 7 tile columns (4x4 output tiles), 3 x 49 = 147 tiles
+    ((1, 4, 28, 28), True),    # 7 tile columns (4x4 output tiles), 49 tiles
     ((6, 4, 28, 24), False),   # 6 tile columns
-    ((2, 4, 28, 28), False),   # 98 tiles
-    ((1, 4, 64, 32), True),    # 16 x 8 = 128 tiles
+    ((1, 4, 16, 28), False),   # 4 x 7 = 28 tiles
+    ((1, 4, 20, 28), True),    # 5 x 7 = 35 tiles
 ])
-def test_conv2d_winograd4_ranks_first_from_7_tile_columns_and_128_tiles(shape: tuple[int, ...], first: bool) -> None:
+def test_conv2d_winograd4_ranks_first_from_7_tile_columns_and_32_tiles(shape: tuple[int, ...], first: bool) -> None:
     dev = device("cpu")
     x, w = dev.tensor(np.ones(shape, np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
     _, ex = conv2d.get_workspace_size(x, w, padding=1)
@@ -440,6 +440,25 @@ def test_conv2d_winograd_ranks_first_from_32_tiles(shape: tuple[int, ...], first
         _, ex = conv2d.get_workspace_size(x, w, padding=1)
     assert ex.implementation == ("winograd" if first else "im2col")
     ex.destroy()
+
+
+@pytest.mark.parametrize(("shape", "order"), [
+    ((1, 4, 13, 13), ("im2col_tiles", "winograd", "im2col")),  # 49 2x2 tiles: after the tiles
+    ((2, 4, 13, 13), ("winograd", "im2col_tiles", "im2col")),  # 98
+    ((1, 4, 7, 7), ("im2col", "im2col_tiles", "winograd")),    # 16 tiles: after im2col and the tiles
+    ((2, 4, 7, 7), ("winograd", "im2col", "im2col_tiles")),    # 32 tiles; 49 pixels fill 0.77 of the panels
+])
+def test_conv2d_winograd_ranks_just_ahead_of_im2col_below_64_tiles(shape: tuple[int, ...],
+                                                                    order: tuple[str, ...]) -> None:
+    if not tiles_available(np.float32):
+        pytest.skip("im2col_tiles needs the register-blocked GEMM (AVX-512)")
+    dev = device("cpu")
+    x, w = dev.tensor(np.ones(shape, np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
+    for k in range(len(order)):  # the first of the rest is chosen: the ranking, one step at a time
+        with forced(*order[k:]):
+            _, ex = conv2d.get_workspace_size(x, w, padding=1)
+        assert ex.implementation == order[k]
+        ex.destroy()
 
 
 @given(st.integers(0, 1 << 22), st.integers(1, 64))
@@ -516,8 +535,9 @@ def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) 
 @pytest.mark.parametrize("shape, k, stride, first", [
     ((1, 64, 56, 56), 3, 2, True),  # 28x28 outputs: 4-row tiles of 112 pixels fill 7 panels
     ((1, 128, 28, 28), 3, 2, True),  # 14x14 outputs: 196 pixels of 208 columns' work (a last panel of 16)
-    ((1, 256, 14, 14), 3, 2, False),  # 7x7 outputs: 49 pixels of 64 columns' work (a masked 32-wide last panel)
-    ((1, 8, 5, 5), 3, 2, False),  # 3x3 outputs: 9 of 16 columns, im2col + BLAS ranks first
+    ((1, 256, 14, 14), 3, 2, True),  # 7x7 outputs: 49 pixels of 64 columns' work, but one image of 58 M
+    ((2, 256, 14, 14), 3, 2, False),  # (a masked 32-wide last panel): two images rank im2col first
+    ((1, 8, 5, 5), 3, 2, False),  # 3x3 outputs: 9 of 16 columns, 10 K multiply-adds: im2col + BLAS ranks first
     ((1, 64, 56, 56), 1, 2, True),
 ])
 def test_conv2d_im2col_tiles_rank(shape: tuple[int, ...], k: int, stride: int, first: bool) -> None:

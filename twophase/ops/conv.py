@@ -7,8 +7,9 @@ workspace and multiplied there by the register-blocked GEMM; ahead of im2col whe
 output rows unfolded and multiplied by each helper thread in its own workspace area), im2col (the unfolded input
 of a tile of whole images or output rows in the workspace, then one GEMM per tile; the tile shrinks to fit
 ``workspace_limit``), winograd4 (F(4x4, 3x3), float32: 36 GEMMs on transformed 6x6 tiles; ranked first on maps
-of 7 tile columns or more and 128 tiles, else after winograd), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated
-single-group convolutions: 16 GEMMs on transformed tiles; ranked first from 32 output tiles, after winograd4) and
+of 7 tile columns or more and 32 tiles, else after winograd), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated
+single-group convolutions: 16 GEMMs on transformed tiles; ranked first from 64 output tiles, just ahead of im2col
+from 32, after winograd4 on wider maps) and
 direct (a numba loop nest, workspace 0; ranked first for depthwise convolutions).
 """
 
@@ -209,11 +210,13 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         wino = _winograd_candidate(t, item, limit)
         if wino is not None:
             tiles = t.n * ((oh + 1) // 2) * ((ow + 1) // 2)
-            cands.insert(0 if tiles >= WINOGRAD_MIN_TILES else len(cands), wino)
+            blas = [i for i, c in enumerate(cands) if c.implementation in ("im2col_parts", "im2col")]
+            cands.insert(0 if tiles >= WINOGRAD_FIRST_TILES else (blas or [0])[0]
+                         if tiles >= WINOGRAD_MIN_TILES else len(cands), wino)
         wino4 = _winograd4_candidate(t, xs[3] == 1, limit) if x.dtype is DType.float32 else None
         if wino4 is not None:
             th4, tw4, _ = winograd4.geometry(oh, ow)
-            first = tw4 >= WINOGRAD4_MIN_TILE_COLUMNS and t.n * th4 * tw4 >= WINOGRAD4_MIN_TILES
+            first = tw4 >= WINOGRAD4_MIN_TILE_COLUMNS and t.n * th4 * tw4 >= WINOGRAD_MIN_TILES
             cands.insert(0 if first else cands.index(wino) + 1 if wino is not None else len(cands), wino4)
     if cg == 1 and g > 1:
         cands.insert(0, direct)
@@ -337,12 +340,19 @@ def tiles_grid(n: int, oh: int, ow: int, oc: int, parts: int) -> tuple[tuple[int
 # (0.99-1.03x; Intel Xeon, 9-15 alternating rounds, /tmp/w24/rank7.py, rank_all.py of the twenty-fourth
 # session). 14x14 maps (0.94) keep the tiles
 TILES_MIN_USE = 0.85
+# multiply-adds from which one image ranks im2col_tiles ahead of im2col whatever the tiles' use (one OpenBLAS GEMM
+# a few dozen columns wide): 1 x 512 -> 512 7^2 ran 1.03-1.46x faster by the tiles in five runs, 1 x 256 -> 512
+# 14^2 s2 1.06-1.10x, 1 x 64 -> 128 12^2 s2 (2.7 M) 1.14-1.43x, while 1 x 8 -> 16 5^2 s2 (10 K) ran 2-4.6x
+# slower (Intel Xeon, 2 threads, 11 alternating rounds, /tmp/w26/small.py and s2.py of the twenty-sixth session)
+TILES_ONE_IMAGE_MACS = 1 << 21
 
 
 def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     """Whether im2col_tiles ranks ahead of im2col: when a limit makes im2col unfold only some output rows of an
-    image per GEMM, or when the tiles' pixels fill the GEMM's panels well enough (``TILES_MIN_USE``)."""
-    return im2col.tile_rows < im2col.oh or tiles_use(tiles.oh, tiles.ow, tiles.chunk) >= TILES_MIN_USE
+    image per GEMM, when the tiles' pixels fill the GEMM's panels well enough (``TILES_MIN_USE``), or for one
+    image of ``TILES_ONE_IMAGE_MACS`` or more."""
+    return (im2col.tile_rows < im2col.oh or tiles_use(tiles.oh, tiles.ow, tiles.chunk) >= TILES_MIN_USE
+            or (tiles.n == 1 and tiles.ocg * tiles.kc * tiles.oh * tiles.ow >= TILES_ONE_IMAGE_MACS))
 
 
 def _tiles_candidate(t: ConvTiling, x: TensorDesc, limit: int | None) -> Candidate | None:
@@ -365,11 +375,16 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, limit: int | None) -> Candida
         most = rows * t.ow - 1
 
 
-# 2x2 output tiles from which winograd ranks first. Measured side by side (make-bench shapes and smaller, 2
-# cores; its 16 GEMMs fan out over helper threads on one BLAS thread each; t(winograd) / t(im2col)): 6272 tiles
-# 0.51, 1568 0.57, 784 0.57, 392 0.51, 196 0.45-0.58, 128 0.71, 64 0.78, 49 0.47-0.74, 32 0.96, 16 1.03-1.57
-# (16 * OC * C transformed weights per launch outweigh the GEMM's savings on few tiles).
+# 2x2 output tiles from which winograd ranks ahead of im2col. Measured side by side (make-bench shapes and
+# smaller, 2 cores; its 16 GEMMs fan out over helper threads on one BLAS thread each; t(winograd) / t(im2col)):
+# 6272 tiles 0.51, 1568 0.57, 784 0.57, 392 0.51, 196 0.45-0.58, 128 0.71, 64 0.78, 49 0.47-0.74, 32 0.96, 16
+# 1.03-1.57 (16 * OC * C transformed weights per launch outweigh the GEMM's savings on few tiles). Below
+# WINOGRAD_FIRST_TILES it ranks just ahead of im2col (after im2col_tiles when those rank ahead of im2col): one
+# image of 256 -> 256 14^2 (49 tiles) ran 1.03-1.23x faster by the tiles, while 8 images (392 tiles) ran
+# 1.25-1.38x faster by winograd (Intel Xeon, 2 threads, 9 alternating rounds, three runs, /tmp/w26/small.py of
+# the twenty-sixth session).
 WINOGRAD_MIN_TILES = 32
+WINOGRAD_FIRST_TILES = 64
 
 
 def winograd_workspace(oc: int, c: int, chunk: int, item: int, ow: int, parts: int = 1) -> int:
@@ -408,14 +423,13 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
     return Candidate("winograd", tw, size(chunk))
 
 
-# tile columns (ceil(OW / 4)) and 4x4 tiles in all from which winograd4 ranks first, else right after winograd.
-# F(4x4, 3x3) against F(2x2, 3x3), both through the op, side by side (Intel Xeon, 1 and 2 threads, 9-11
-# alternating rounds, /tmp/w26/libvsproto.py and w4bspeed.py of the twenty-sixth session): 8 x 64 -> 64 56^2
-# (1568 tiles) 1.20-1.30x faster, 8 x 128 -> 128 28^2 (392) 1.11-1.24x, 1 x 64 -> 64 56^2 (196) 1.16-1.47x,
-# 1 x 128 -> 128 28^2 (49 tiles: GEMMs 56 columns wide) 0.97-1.08x, 14^2 maps (4 tile columns) 0.71-0.78x: the
-# 36 * OC * C transformed weights and short tile rows outweigh the GEMMs' savings
+# tile columns (ceil(OW / 4)) from which winograd4 ranks first (with WINOGRAD_MIN_TILES 4x4 tiles in all), else
+# right after winograd. F(4x4, 3x3) against F(2x2, 3x3), both through the op, side by side (Intel Xeon, 2 threads,
+# 9 alternating rounds, /tmp/w26/impls.py and small.py of the twenty-sixth session): 8 x 64 -> 64 56^2 1.38x
+# faster, 8 x 128 -> 128 28^2 1.55x, 1 x 64 -> 64 56^2 1.35x, 1 x 128 -> 128 28^2 (49 tiles) 1.19-1.32x; 14^2 maps
+# (4 tile columns) 0.54-0.86x, 7^2 0.30-0.45x: the 36 * OC * C transformed weights and short tile rows outweigh
+# the GEMMs' savings
 WINOGRAD4_MIN_TILE_COLUMNS = 7
-WINOGRAD4_MIN_TILES = 128
 
 
 def _winograd4_candidate(t: ConvTiling, dense: bool, limit: int | None) -> Candidate:
@@ -529,18 +543,18 @@ conv2d = register(OpDef(
          "channels when there are few pixels), each unfolding tiles of KB unfolded rows x R output rows into its "
          "own workspace slice and multiplying the weight's k block by them with the register-blocked GEMM into "
          "out (bias added per tile); ranked ahead of im2col when R*OW fills at least 0.85 of the GEMM columns "
-         "computed (16-wide panels, the last one 8 wide when at most 8 columns are left) or when "
-         "a limit makes im2col tile output rows. "
+         "computed (16-wide panels, the last one 8 wide when at most 8 columns are left), for one image of 2^21 "
+         "multiply-adds or more, or when a limit makes im2col tile output rows. "
          "winograd4 F(4x4, 3x3) (float32, 3x3, stride 1, dilation 1, groups 1): weights, input tiles (6x6, 4 "
          "apart; each row of tiles one dummy tile longer, so the transforms run flat over bands of tile rows) and "
          "36 GEMMs of (OC, C) x (C, NT) in the workspace, rounds of whole images (as many as fit workspace_limit, "
          "else 32 MiB); 0.56x winograd's multiply-adds; ranked first from ceil(OW/4) >= 7 tile columns and "
-         "N*ceil(OH/4)*ceil(OW/4) >= 128 tiles, else right after winograd. "
+         "N*ceil(OH/4)*ceil(OW/4) >= 32 tiles, else right after winograd. "
          "winograd F(2x2, 3x3) (3x3, stride 1, dilation 1, groups 1): weights, input tiles and 16 GEMMs of (OC, C) "
          "x (C, chunk) in the workspace (chunk: all tiles that fit workspace_limit, else 32 MiB), output transform "
          "adds the bias; transforms in channel ranges and the GEMMs in batch ranges (one BLAS thread each) on "
-         "helper threads; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 32, else after "
-         "im2col. "
+         "helper threads; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 64, just ahead "
+         "of im2col_parts and im2col from 32, else after im2col. "
          "direct: shifted row updates per kernel tap (3x3 undilated windows of one input channel: each output row "
          "written once with its nine taps; with stride 1 and padding 1 the inner rows of a dense plane as one "
          "flat loop, with column stride 2 dense rows read as element pairs), ranges of (N, OC) planes on helper "
