@@ -344,7 +344,7 @@ def test_conv2d_winograd4_rounds_of_whole_images_fit_workspace_limit(rng: np.ran
         # spread_stride apart), one part's scratch rows (and the split planes: 16 rows of TH + 2 tile rows)
         nt = images * th * tr
         return (36 * sum(spread_stride(e * 4, 36) for e in (oc * c, c * nt, oc * nt))
-                + align(24 * (th * tr + 1) * 4) + align(28 * th * tr * 4) + align(18 * c * 4)
+                + align(24 * (th * tr + 1) * 4) + align(28 * th * tr * 4) + align(27 * c * 4)
                 + (align(16 * (th + 2) * tr * 4) if planes else 0))
 
     assert winograd4.geometry(h, w) == (th, tr - 1, th)

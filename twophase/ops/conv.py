@@ -505,7 +505,7 @@ conv2d = register(OpDef(
     kernels={"cpu": _build},
     implementations=("gemm_1x1", "winograd4", "winograd", "im2col_tiles", "im2col_parts", "im2col", "direct"),
     workspace_formula=("gemm_1x1: 0; winograd4: 36*(spread36(OC*C*4) + spread36(C*NT*4) + spread36(OC*NT*4)) + "
-                       "P*(align64(24*(B*(TW4+1)+1)*4) + align64(28*B*(TW4+1)*4) + align64(18*C*4) [+ "
+                       "P*(align64(24*(B*(TW4+1)+1)*4) + align64(28*B*(TW4+1)*4) + align64(27*C*4) [+ "
                        "align64(16*(TH4+2)*(TW4+1)*4) when x's rows are dense, W % 4 == 0, padding <= 4 and "
                        "ceil((W+pw)/4) <= TW4 + 1]), spread36(b) = "
                        "the smallest multiple of 64 >= b at which 36 blocks start on distinct cache lines mod 4 KiB, "

@@ -28,7 +28,7 @@ from ...runtime.fanout import run_parts, split_range
 from . import jit as _jit
 from .blas import run_blas_parts
 from .conv import matrices, spread_rows
-from .jit import entry, wide_vectors
+from .jit import entry
 from .rows_ir import deinterleave4, interleave4, linear_map
 
 __all__ = ["MATS", "BAND_TILES", "geometry", "workspace", "build_winograd4"]
@@ -39,9 +39,8 @@ jit_inline: Callable[[Callable[..., Any]], Any] = _jit.jit_inline
 
 MATS = 36  # transformed matrices: one per element of a 6x6 tile
 BAND_TILES = 256  # tiles (dummies included) a band of tile rows holds at least, unless the map is smaller
-_SCRATCH_IN, _SCRATCH_OUT, _SCRATCH_W = 24, 28, 18  # scratch rows of the input, output and weight transforms
+_SCRATCH_IN, _SCRATCH_OUT, _SCRATCH_W = 24, 28, 27  # scratch rows of the input, output and weight transforms
 _PLANES = 16  # a plane split into 4 column x 4 row phases
-_G0, _G6, _G12, _G24 = np.float32(0.25), np.float32(1 / 6), np.float32(1 / 12), np.float32(1 / 24)
 
 
 def geometry(oh: int, ow: int) -> tuple[int, int, int]:
@@ -60,7 +59,7 @@ def _areas(oc: int, c: int, nt: int, th_n: int, tr: int, band: int, flat: bool) 
 
 def workspace(oc: int, c: int, oh: int, ow: int, images: int, parts: int, flat: bool) -> int:
     """36 * (spread36(OC*C*4) + spread36(C*NT*4) + spread36(OC*NT*4)) + P * (align64(24*(B*(TW+1) + 1)*4) +
-    align64(28*B*(TW+1)*4) + align64(18*C*4) [+ align64(16*(TH+2)*(TW+1)*4) when ``flat``]), NT = images * TH
+    align64(28*B*(TW+1)*4) + align64(27*C*4) [+ align64(16*(TH+2)*(TW+1)*4) when ``flat``]), NT = images * TH
     * (TW + 1) tiles per round, B = tile rows per band, P = parts."""
     th_n, tw_n, band = geometry(oh, ow)
     tr = tw_n + 1
@@ -69,30 +68,9 @@ def workspace(oc: int, c: int, oh: int, ow: int, images: int, parts: int, flat: 
 
 
 @jit_inline
-def _g(a0: Any, a1: Any, a2: Any) -> tuple[Any, Any, Any, Any, Any, Any]:
-    """G (a0, a1, a2)."""
-    s = a0 + a2
-    return (_G0 * a0, -(s + a1) * _G6, -(s - a1) * _G6, a0 * _G24 + a1 * _G12 + a2 * _G6,
-            a0 * _G24 - a1 * _G12 + a2 * _G6, a2)
-
-
-@jit
-def winograd4_weights(w: Any, u: Any, oc0: int, oc1: int, tmp: Any) -> None:
-    """u[6*i + j, oc*C + c] = (G g G^T)[i, j] for g = w[oc, c], output channels ``oc0 <= oc < oc1``; ``tmp``
-    (18, C) scratch (G down the kernel's columns for every c, then G across: loops over c)."""
-    wide_vectors()
-    c_n = w.shape[1]
-    for oc in range(oc0, oc1):
-        at = oc * c_n
-        for kw in range(3):
-            for c in range(c_n):
-                tmp[kw, c], tmp[3 + kw, c], tmp[6 + kw, c], tmp[9 + kw, c], tmp[12 + kw, c], tmp[15 + kw, c] = \
-                    _g(w[oc, c, 0, kw], w[oc, c, 1, kw], w[oc, c, 2, kw])
-        for i in range(6):
-            t0, t1, t2 = tmp[3 * i], tmp[3 * i + 1], tmp[3 * i + 2]
-            u0, u1, u2, u3, u4, u5 = u[6 * i], u[6 * i + 1], u[6 * i + 2], u[6 * i + 3], u[6 * i + 4], u[6 * i + 5]
-            for c in range(c_n):
-                u0[at + c], u1[at + c], u2[at + c], u3[at + c], u4[at + c], u5[at + c] = _g(t0[c], t1[c], t2[c])
+def _row_at(a: Any, row: int, col: int) -> Any:
+    """The address of a[row, col] (a 2-D float32 array with unit column stride)."""
+    return a.ctypes.data + row * a.strides[0] + col * 4
 
 
 _BT = ((4, 0, -5, 0, 1, 0), (0, -4, -4, 1, 1, 0), (0, 4, -4, -1, 1, 0), (0, -2, -1, 2, 1, 0), (0, 2, -1, -2, 1, 0),
@@ -100,6 +78,35 @@ _BT = ((4, 0, -5, 0, 1, 0), (0, -4, -4, 1, 1, 0), (0, 4, -4, -1, 1, 0), (0, -2, 
 _AT = ((1, 1, 1, 1, 1, 0), (0, 1, -1, 2, -2, 0), (0, 1, 1, 4, 4, 0), (0, 1, -1, 8, -8, 1))
 _down_bt = linear_map(_BT)  # B^T down a tile's 6 rows (in place, or from the split plane), or B across
 _by_at = linear_map(_AT)  # A^T, down or (with the bias as addend) across
+_G = ((0.25, 0, 0), (-1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6), (1 / 24, 1 / 12, 1 / 6),
+      (1 / 24, -1 / 12, 1 / 6), (0, 0, 1))
+_by_g = linear_map(_G)  # G down the kernel's rows, then across its columns
+
+
+@jit
+def winograd4_weights(w: Any, u: Any, oc0: int, oc1: int, tmp: Any) -> None:
+    """u[6*i + j, oc*C + c] = (G g G^T)[i, j] for g = w[oc, c], output channels ``oc0 <= oc < oc1``; ``tmp``
+    (27, C) scratch: the 9 taps of every c in rows, G down the kernel's rows (18 rows), then G across into u."""
+    c_n = w.shape[1]
+    addr = np.empty(9, np.int64)
+    for oc in range(oc0, oc1):
+        for c in range(c_n):
+            for k in range(9):
+                tmp[k, c] = w[oc, c, k // 3, k % 3]
+        for kw in range(3):  # tmp[9 + 3*i + kw] = (G g)[i, kw]
+            for i in range(6):
+                addr[i] = _row_at(tmp, 9 + 3 * i + kw, 0)
+            for kh in range(3):
+                addr[6 + kh] = _row_at(tmp, 3 * kh + kw, 0)
+            _by_g(addr, c_n, np.float32(0.0))
+        for i in range(6):
+            for j in range(6):
+                addr[j] = _row_at(u, 6 * i + j, oc * c_n)
+            for kw in range(3):
+                addr[6 + kw] = _row_at(tmp, 9 + 3 * i + kw, 0)
+            _by_g(addr, c_n, np.float32(0.0))
+
+
 
 
 @jit_inline
@@ -123,12 +130,6 @@ def _phases(x: Any, n: int, c: int, yy: int, pw: int, s: Any, i: int, o: int, tr
         for r in range(4):
             ce = 4 * q + r - pw
             s[4 * i + r, o + q] = x[n, c, yy, ce] if 0 <= ce < width else 0.0
-
-
-@jit_inline
-def _row_at(a: Any, row: int, col: int) -> Any:
-    """The address of a[row, col] (a 2-D float32 array with unit column stride)."""
-    return a.ctypes.data + row * a.strides[0] + col * 4
 
 
 def flat_phases(w: int, ph: int, pw: int, tw_n: int, dense: bool) -> bool:
