@@ -5,7 +5,8 @@ M[j, i] * in_i[k]``). numba's loop over such rows is not vectorized: LLVM cannot
 runtime overlap check per pair of them, more than its limit of 8 for six rows written and four or six read, so
 it runs the scalar loop. Here the rows are pointers and the loop is explicit 16-float vectors (a masked last
 one), the map's constants folded into adds, subtracts and FMAs. The interleaves move 16 groups of four floats a
-step through shuffles, for the column phases of 4x4-output-tile transforms.
+step through shuffles, for the column phases of 4x4-output-tile transforms, over several rows a call (a numba
+call per row of 14 groups cost ~30-50 ns more than its work).
 
 Each intrinsic takes its rows as an int64 array of addresses (outputs first), so one compiled intrinsic serves any
 rows; the caller keeps the rows' memory alive and their lengths at least ``n`` (plus ``shift``).
@@ -160,69 +161,83 @@ def _steps_and_rest(builder: Any, count: Any, step: Any) -> None:
         step(at, (by_elem, _lanes_below(builder, rest)))
 
 
-def _deinterleave4_typing(typingctx: Any, rows: Any, n: Any) -> Any:
-    """``(rows, n)``, rows = addresses (p0, p1, p2, p3, src): p_r[k] = src[4k + r] for k < n, 16 groups a step
-    (the last step masked: exactly those elements read and written)."""
+def _deinterleave4_typing(typingctx: Any, rows: Any, n: Any, count: Any, src_step: Any, dst_step: Any) -> Any:
+    """``(rows, n, count, src_step, dst_step)``, rows = addresses (p0, p1, p2, p3, src): for each of ``count``
+    rows, p_r[k] = src[4k + r] for k < n, the row's src ``src_step`` and its p_r ``dst_step`` floats on from the
+    last; 16 groups a step (the last step masked: exactly those elements read and written)."""
     if not (isinstance(rows, types.Array) and rows.dtype == types.int64):
         return None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        p = _pointers(context, builder, signature.args[0], args[0], 5)
-        count = context.cast(builder, args[1], signature.args[1], types.int64)
+        first = _pointers(context, builder, signature.args[0], args[0], 5)
+        n_, count_, s_step, d_step = (context.cast(builder, a, t, types.int64)
+                                      for a, t in zip(args[1:], signature.args[1:]))
         to_phases = [0] * (4 * LANES)
         for lane, src in enumerate(_interleave_mask(LANES)):
             to_phases[src] = lane  # the inverse order: phase-major lanes from element order
         load, store = _masked(builder)
         zero = ir.Constant(_VEC, [0.0] * LANES)
 
-        def step(at: Any, masks: Any) -> None:
-            src = builder.gep(p[4], [builder.mul(at, ir.Constant(_I64, 4))])
-            ptrs = [_vec_at(builder, src, ir.Constant(_I64, LANES * v)) for v in range(4)]
-            vs = [builder.load(q, align=4) if masks is None else
-                  builder.call(load, [q, ir.Constant(_I32, 4), masks[0][v], zero]) for v, q in enumerate(ptrs)]
-            whole = _concat4(builder, vs)
-            for r in range(4):
-                part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
-                    ir.VectorType(_I32, LANES), to_phases[r * LANES:(r + 1) * LANES]))
-                if masks is None:
-                    builder.store(part, _vec_at(builder, p[r], at), align=4)
-                else:
-                    builder.call(store, [part, _vec_at(builder, p[r], at), ir.Constant(_I32, 4), masks[1]])
-        _steps_and_rest(builder, count, step)
+        def row(i: Any) -> None:
+            p = [builder.gep(q, [builder.mul(i, d_step)]) for q in first[:4]] + \
+                [builder.gep(first[4], [builder.mul(i, s_step)])]
+
+            def step(at: Any, masks: Any) -> None:
+                src = builder.gep(p[4], [builder.mul(at, ir.Constant(_I64, 4))])
+                ptrs = [_vec_at(builder, src, ir.Constant(_I64, LANES * v)) for v in range(4)]
+                vs = [builder.load(q, align=4) if masks is None else
+                      builder.call(load, [q, ir.Constant(_I32, 4), masks[0][v], zero]) for v, q in enumerate(ptrs)]
+                whole = _concat4(builder, vs)
+                for r in range(4):
+                    part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
+                        ir.VectorType(_I32, LANES), to_phases[r * LANES:(r + 1) * LANES]))
+                    if masks is None:
+                        builder.store(part, _vec_at(builder, p[r], at), align=4)
+                    else:
+                        builder.call(store, [part, _vec_at(builder, p[r], at), ir.Constant(_I32, 4), masks[1]])
+            _steps_and_rest(builder, n_, step)
+        _loop(builder, count_, row)
         return context.get_dummy_value()
-    return types.void(rows, n), codegen
+    return types.void(rows, n, count, src_step, dst_step), codegen
 
 
-def _interleave4_typing(typingctx: Any, rows: Any, n: Any) -> Any:
-    """``(rows, n)``, rows = addresses (q0, q1, q2, q3, dst): dst[4k + r] = q_r[k] for k < n, 16 groups a step
-    (the last step masked: exactly those elements read and written)."""
+def _interleave4_typing(typingctx: Any, rows: Any, n: Any, count: Any, src_step: Any, dst_step: Any) -> Any:
+    """``(rows, n, count, src_step, dst_step)``, rows = addresses (q0, q1, q2, q3, dst): for each of ``count``
+    rows, dst[4k + r] = q_r[k] for k < n, the row's q_r ``src_step`` and its dst ``dst_step`` floats on from the
+    last; 16 groups a step (the last step masked: exactly those elements read and written)."""
     if not (isinstance(rows, types.Array) and rows.dtype == types.int64):
         return None
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        p = _pointers(context, builder, signature.args[0], args[0], 5)
-        count = context.cast(builder, args[1], signature.args[1], types.int64)
+        first = _pointers(context, builder, signature.args[0], args[0], 5)
+        n_, count_, s_step, d_step = (context.cast(builder, a, t, types.int64)
+                                      for a, t in zip(args[1:], signature.args[1:]))
         order = _interleave_mask(LANES)
         load, store = _masked(builder)
         zero = ir.Constant(_VEC, [0.0] * LANES)
 
-        def step(at: Any, masks: Any) -> None:
-            vs = [builder.load(_vec_at(builder, p[r], at), align=4) if masks is None else
-                  builder.call(load, [_vec_at(builder, p[r], at), ir.Constant(_I32, 4), masks[1], zero])
-                  for r in range(4)]
-            whole = _concat4(builder, vs)
-            dst = builder.gep(p[4], [builder.mul(at, ir.Constant(_I64, 4))])
-            for v in range(4):
-                part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
-                    ir.VectorType(_I32, LANES), order[v * LANES:(v + 1) * LANES]))
-                q = _vec_at(builder, dst, ir.Constant(_I64, LANES * v))
-                if masks is None:
-                    builder.store(part, q, align=4)
-                else:
-                    builder.call(store, [part, q, ir.Constant(_I32, 4), masks[0][v]])
-        _steps_and_rest(builder, count, step)
+        def row(i: Any) -> None:
+            p = [builder.gep(q, [builder.mul(i, s_step)]) for q in first[:4]] + \
+                [builder.gep(first[4], [builder.mul(i, d_step)])]
+
+            def step(at: Any, masks: Any) -> None:
+                vs = [builder.load(_vec_at(builder, p[r], at), align=4) if masks is None else
+                      builder.call(load, [_vec_at(builder, p[r], at), ir.Constant(_I32, 4), masks[1], zero])
+                      for r in range(4)]
+                whole = _concat4(builder, vs)
+                dst = builder.gep(p[4], [builder.mul(at, ir.Constant(_I64, 4))])
+                for v in range(4):
+                    part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
+                        ir.VectorType(_I32, LANES), order[v * LANES:(v + 1) * LANES]))
+                    q = _vec_at(builder, dst, ir.Constant(_I64, LANES * v))
+                    if masks is None:
+                        builder.store(part, q, align=4)
+                    else:
+                        builder.call(store, [part, q, ir.Constant(_I32, 4), masks[0][v]])
+            _steps_and_rest(builder, n_, step)
+        _loop(builder, count_, row)
         return context.get_dummy_value()
-    return types.void(rows, n), codegen
+    return types.void(rows, n, count, src_step, dst_step), codegen
 
 
 deinterleave4: Any = intrinsic(_deinterleave4_typing)

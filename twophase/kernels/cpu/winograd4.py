@@ -120,7 +120,7 @@ def _phases(x: Any, n: int, c: int, yy: int, pw: int, s: Any, i: int, o: int, tr
         for r in range(4):
             addr[r] = s.ctypes.data + (4 * i + r) * s.strides[0] + (o + lo) * 4
         addr[4] = x.ctypes.data + n * x.strides[0] + c * x.strides[1] + yy * x.strides[2] + (4 * lo - pw) * 4
-        deinterleave4(addr, hi - lo)
+        deinterleave4(addr, hi - lo, 1, 0, 0)
     else:
         for q in range(lo, hi):
             for r in range(4):
@@ -144,14 +144,17 @@ def _split_plane(x: Any, n: int, c: int, ph: int, pw: int, tr: int, pp: Any, add
     """pp[4*(X % 4) + Y % 4, (Y // 4)*TR + X // 4] = x[n, c, yy, col] for X = col + pw, Y = yy + ph: the
     padded plane in 4 column phases x 4 row phases (the padding is never written: zero from the kernel's
     start). Each row split by ``deinterleave4``, its column phase r going to X phase (r + pw) % 4."""
-    groups = x.shape[3] // 4
-    base = x.ctypes.data + n * x.strides[0] + c * x.strides[1]
-    for yy in range(x.shape[2]):
-        big, rho = (yy + ph) // 4, (yy + ph) % 4
+    height = x.shape[2]
+    step = x.strides[2] // 4
+    for rho in range(4):  # the rows of one row phase: yy = yy0, yy0 + 4, ..., each a group row further in pp
+        yy0 = (rho - ph) % 4
+        if yy0 >= height:
+            continue
+        big = (yy0 + ph) // 4
         for r in range(4):
             addr[r] = _row_at(pp, 4 * ((r + pw) % 4) + rho, big * tr + (r + pw) // 4)
-        addr[4] = base + yy * x.strides[2]
-        deinterleave4(addr, groups)
+        addr[4] = x.ctypes.data + n * x.strides[0] + c * x.strides[1] + yy0 * x.strides[2]
+        deinterleave4(addr, x.shape[3] // 4, (height - yy0 + 3) // 4, 4 * step, tr)
 
 
 @jit
@@ -239,15 +242,17 @@ def winograd4_output(m: Any, bias: Any, has_bias: bool, out: Any, n0: int, nt: i
                     for j in range(6):
                         addr[4 + j] = _row_at(s, 6 * a + j, 0)
                     _by_at(addr, length, b0)
-                    for ty in range(ty0, min(ty1, (oh_n - a + 3) // 4)):  # rows 4*ty + a inside the map
+                    rows = max(0, min(ty1, (oh_n - a + 3) // 4) - ty0)  # rows 4*ty + a inside the map
+                    if out.strides[3] == 4:  # the whole tiles' columns of all those rows
+                        for q in range(4):
+                            addr[q] = _row_at(s, 24 + q, 0)
+                        addr[4] = (out.ctypes.data + n * out.strides[0] + oc * out.strides[1]
+                                   + (4 * ty0 + a) * out.strides[2])
+                        interleave4(addr, whole, rows, tr, 4 * (out.strides[2] // 4))
+                    for ty in range(ty0, ty0 + rows):
                         y = 4 * ty + a
                         o = (ty - ty0) * tr
-                        if out.strides[3] == 4:
-                            for q in range(4):
-                                addr[q] = _row_at(s, 24 + q, o)
-                            addr[4] = out.ctypes.data + n * out.strides[0] + oc * out.strides[1] + y * out.strides[2]
-                            interleave4(addr, whole)
-                        else:
+                        if out.strides[3] != 4:
                             for k in range(whole):
                                 for q in range(4):
                                     out[n, oc, y, 4 * k + q] = s[24 + q, o + k]
