@@ -502,17 +502,23 @@ def test_conv2d_winograd4_in_parts(three_parts: None, monkeypatch: pytest.Monkey
     in channel ranges, the 36 GEMMs in batch ranges, the output transform in channel ranges."""
     launched = _spy_on_parts(monkeypatch, winograd4_kernels)
     gemms = _spy_on_parts(monkeypatch, blas)
-    rng = np.random.default_rng(11)
+    r = _winograd_in_parts("winograd4", x_shape, oc, limit)
+    assert -(-x_shape[0] // r.tiling.chunk) == rounds
+    assert launched == [3, 3] * rounds and gemms == [3] * rounds
+
+
+def _winograd_in_parts(impl: str, x_shape: tuple[int, ...], oc: int, limit: int | None) -> Any:
+    """A 3x3 padded conv2d forced to ``impl`` (in three parts), checked against the reference; its run."""
+    rng = np.random.default_rng(10)
     x = rng.standard_normal(x_shape).astype(np.float32)  # odd sizes: clipped edge tiles
     w = (rng.standard_normal((oc, x_shape[1], 3, 3)) * 0.1).astype(np.float32)
     b = rng.standard_normal(oc).astype(np.float32)
-    with forced("winograd4"):
+    with forced(impl):
         r = run_checked(ops.conv2d, x, w, b, stride=1, padding=1, workspace_limit=limit)
-    assert r.implementation == "winograd4" and r.tiling.parts == 3
-    assert -(-x_shape[0] // r.tiling.chunk) == rounds
-    assert launched == [3, 3] * rounds and gemms == [3] * rounds
+    assert r.implementation == impl and r.tiling.parts == 3
     assert r.guards_intact and r.workspace_size - 64 < r.touched <= r.workspace_size and r.unwritten == (0,)
     np.testing.assert_allclose(r.outputs[0], conv_reference(x, w, b, stride=1, padding=1), rtol=1e-4, atol=1e-4)
+    return r
 
 
 @pytest.mark.parametrize("x_shape, oc, limit, rounds", [
@@ -526,20 +532,12 @@ def test_conv2d_winograd_in_parts(three_parts: None, monkeypatch: pytest.MonkeyP
     ranges, the GEMMs in batch ranges, the output transform in channel ranges."""
     launched = _spy_on_parts(monkeypatch, conv_kernels)
     gemms = _spy_on_parts(monkeypatch, blas)  # the GEMM parts run through blas.run_blas_parts
-    rng = np.random.default_rng(10)
-    x = rng.standard_normal(x_shape).astype(np.float32)  # odd sizes: clipped edge tiles
-    w = (rng.standard_normal((oc, x_shape[1], 3, 3)) * 0.1).astype(np.float32)
-    b = rng.standard_normal(oc).astype(np.float32)
-    with forced("winograd"):
-        r = run_checked(ops.conv2d, x, w, b, stride=1, padding=1, workspace_limit=limit)
-    assert r.implementation == "winograd" and r.tiling.parts == 3
+    r = _winograd_in_parts("winograd", x_shape, oc, limit)
     n, h, w_ = x_shape[0], x_shape[2], x_shape[3]
     tiles, chunk = n * ((h + 1) // 2) * ((w_ + 1) // 2), r.tiling.chunk
     sizes = [min(chunk, tiles - t0) for t0 in range(0, tiles, chunk)]
     assert len(sizes) == rounds
     assert launched == [3, 3] * len(sizes) and gemms == [3] * len(sizes)
-    assert r.guards_intact and r.workspace_size - 64 < r.touched <= r.workspace_size and r.unwritten == (0,)
-    np.testing.assert_allclose(r.outputs[0], conv_reference(x, w, b, stride=1, padding=1), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("groups, stride, nhwc", [(24, 1, False), (24, 2, True), (3, 1, False)])

@@ -28,21 +28,17 @@ def _run_map(outs: Any, ins: Any, n: int, addend: float) -> None:
 
 
 @numba.njit
-def _run_de(p: Any, src: Any, n: int, rows: int, s_step: int, d_step: int) -> None:
-    a = np.empty(5, np.int64)
-    for r in range(4):
-        a[r] = p[r].ctypes.data
-    a[4] = src.ctypes.data
+def _run_de(a: Any, n: int, rows: int, s_step: int, d_step: int) -> None:
     deinterleave4(a, n, rows, s_step, d_step)
 
 
 @numba.njit
-def _run_inter(q: Any, dst: Any, n: int, rows: int, s_step: int, d_step: int) -> None:
-    a = np.empty(5, np.int64)
-    for r in range(4):
-        a[r] = q[r].ctypes.data
-    a[4] = dst.ctypes.data
+def _run_inter(a: Any, n: int, rows: int, s_step: int, d_step: int) -> None:
     interleave4(a, n, rows, s_step, d_step)
+
+
+def _addresses(four: Any, one: Any) -> Any:
+    return np.array([r.ctypes.data for r in four] + [one.ctypes.data], np.int64)
 
 
 @settings(max_examples=40, deadline=None)
@@ -74,7 +70,7 @@ def test_deinterleave4_rows(n: int, rows: int, gap: int, seed: int) -> None:
     s_step, d_step = 4 * n + gap, n + gap
     src = rng.standard_normal(max(1, rows * s_step + 64)).astype(np.float32)
     p = np.full((4, max(1, rows * d_step + 20)), np.nan, np.float32)
-    _run_de(p, src, n, rows, s_step, d_step)
+    _run_de(_addresses(p, src), n, rows, s_step, d_step)
     written = np.zeros(p.shape, bool)
     for i in range(rows):
         for r in range(4):
@@ -90,7 +86,7 @@ def test_interleave4_rows(n: int, rows: int, gap: int, seed: int) -> None:
     s_step, d_step = n + gap, 4 * n + gap
     q = rng.standard_normal((4, max(1, rows * s_step + 20))).astype(np.float32)
     dst = np.full(max(1, rows * d_step + 64), np.nan, np.float32)
-    _run_inter(q, dst, n, rows, s_step, d_step)
+    _run_inter(_addresses(q, dst), n, rows, s_step, d_step)
     written = np.zeros(dst.shape, bool)
     for i in range(rows):
         got = dst[i * d_step:i * d_step + 4 * n].reshape(n, 4)

@@ -162,84 +162,62 @@ def _steps_and_rest(builder: Any, count: Any, step: Any) -> None:
         step(at, (by_elem, _lanes_below(builder, rest)))
 
 
-def _deinterleave4_typing(typingctx: Any, rows: Any, n: Any, count: Any, src_step: Any, dst_step: Any) -> Any:
-    """``(rows, n, count, src_step, dst_step)``, rows = addresses (p0, p1, p2, p3, src): for each of ``count``
-    rows, p_r[k] = src[4k + r] for k < n, the row's src ``src_step`` and its p_r ``dst_step`` floats on from the
-    last; 16 groups a step (the last step masked: exactly those elements read and written)."""
-    if not (isinstance(rows, types.Array) and rows.dtype == types.int64):
-        return None
+def _regroup(split: bool) -> Any:
+    """The intrinsic ``(rows, n, count, src_step, dst_step)``, rows = 5 addresses, over ``count`` rows, each
+    ``src_step`` / ``dst_step`` floats on from the last, 16 groups a step (the last step masked: exactly those
+    elements read and written). ``split``: rows (p0, p1, p2, p3, src), p_r[k] = src[4k + r] for k < n (dst_step
+    for the p_r); else rows (q0, q1, q2, q3, dst), dst[4k + r] = q_r[k] (src_step for the q_r)."""
+    order = _interleave_mask(LANES)  # element order from phase-major lanes
+    if split:
+        inverse = [0] * (4 * LANES)
+        for lane, src in enumerate(order):
+            inverse[src] = lane
+        order = inverse
 
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        first = _pointers(context, builder, signature.args[0], args[0], 5)
-        n_, count_, s_step, d_step = (context.cast(builder, a, t, types.int64)
-                                      for a, t in zip(args[1:], signature.args[1:]))
-        to_phases = [0] * (4 * LANES)
-        for lane, src in enumerate(_interleave_mask(LANES)):
-            to_phases[src] = lane  # the inverse order: phase-major lanes from element order
-        load, store = _masked(builder)
-        zero = ir.Constant(_VEC, [0.0] * LANES)
+    def typing(typingctx: Any, rows: Any, n: Any, count: Any, src_step: Any, dst_step: Any) -> Any:
+        if not (isinstance(rows, types.Array) and rows.dtype == types.int64):
+            return None
 
-        def row(i: Any) -> None:
-            p = [builder.gep(q, [builder.mul(i, d_step)]) for q in first[:4]] + \
-                [builder.gep(first[4], [builder.mul(i, s_step)])]
+        def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+            first = _pointers(context, builder, signature.args[0], args[0], 5)
+            n_, count_, s_step, d_step = (context.cast(builder, a, t, types.int64)
+                                          for a, t in zip(args[1:], signature.args[1:]))
+            four_step, one_step = (d_step, s_step) if split else (s_step, d_step)
+            load, store = _masked(builder)
+            zero = ir.Constant(_VEC, [0.0] * LANES)
 
-            def step(at: Any, masks: Any) -> None:
-                src = builder.gep(p[4], [builder.mul(at, ir.Constant(_I64, 4))])
-                ptrs = [_vec_at(builder, src, ir.Constant(_I64, LANES * v)) for v in range(4)]
-                vs = [builder.load(q, align=4) if masks is None else
-                      builder.call(load, [q, ir.Constant(_I32, 4), masks[0][v], zero]) for v, q in enumerate(ptrs)]
-                whole = _concat4(builder, vs)
-                for r in range(4):
-                    part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
-                        ir.VectorType(_I32, LANES), to_phases[r * LANES:(r + 1) * LANES]))
-                    if masks is None:
-                        builder.store(part, _vec_at(builder, p[r], at), align=4)
-                    else:
-                        builder.call(store, [part, _vec_at(builder, p[r], at), ir.Constant(_I32, 4), masks[1]])
-            _steps_and_rest(builder, n_, step)
-        _loop(builder, count_, row)
-        return context.get_dummy_value()
-    return types.void(rows, n, count, src_step, dst_step), codegen
+            def row(i: Any) -> None:
+                four = [builder.gep(q, [builder.mul(i, four_step)]) for q in first[:4]]
+                one = builder.gep(first[4], [builder.mul(i, one_step)])
 
+                def step(at: Any, masks: Any) -> None:
+                    wide = builder.gep(one, [builder.mul(at, ir.Constant(_I64, 4))])  # 4 floats a group
+                    # (load pointer, store pointer, mask) per vector: 4 vectors of groups in element order on
+                    # the ``one`` side, one vector of 16 groups per phase on the other
+                    ins = ([_vec_at(builder, wide, ir.Constant(_I64, LANES * v)) for v in range(4)] if split
+                           else [_vec_at(builder, q, at) for q in four])
+                    outs = ([_vec_at(builder, q, at) for q in four] if split
+                            else [_vec_at(builder, wide, ir.Constant(_I64, LANES * v)) for v in range(4)])
+                    in_masks, out_masks = (None, None) if masks is None else (
+                        (masks[0], [masks[1]] * 4) if split else ([masks[1]] * 4, masks[0]))
+                    vs = [builder.load(q, align=4) if in_masks is None else
+                          builder.call(load, [q, ir.Constant(_I32, 4), in_masks[v], zero]) for v, q in enumerate(ins)]
+                    whole = _concat4(builder, vs)
+                    for v, q in enumerate(outs):
+                        part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
+                            ir.VectorType(_I32, LANES), order[v * LANES:(v + 1) * LANES]))
+                        if out_masks is None:
+                            builder.store(part, q, align=4)
+                        else:
+                            builder.call(store, [part, q, ir.Constant(_I32, 4), out_masks[v]])
+                _steps_and_rest(builder, n_, step)
+            _loop(builder, count_, row)
+            return context.get_dummy_value()
+        return types.void(rows, n, count, src_step, dst_step), codegen
 
-def _interleave4_typing(typingctx: Any, rows: Any, n: Any, count: Any, src_step: Any, dst_step: Any) -> Any:
-    """``(rows, n, count, src_step, dst_step)``, rows = addresses (q0, q1, q2, q3, dst): for each of ``count``
-    rows, dst[4k + r] = q_r[k] for k < n, the row's q_r ``src_step`` and its dst ``dst_step`` floats on from the
-    last; 16 groups a step (the last step masked: exactly those elements read and written)."""
-    if not (isinstance(rows, types.Array) and rows.dtype == types.int64):
-        return None
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        first = _pointers(context, builder, signature.args[0], args[0], 5)
-        n_, count_, s_step, d_step = (context.cast(builder, a, t, types.int64)
-                                      for a, t in zip(args[1:], signature.args[1:]))
-        order = _interleave_mask(LANES)
-        load, store = _masked(builder)
-        zero = ir.Constant(_VEC, [0.0] * LANES)
-
-        def row(i: Any) -> None:
-            p = [builder.gep(q, [builder.mul(i, s_step)]) for q in first[:4]] + \
-                [builder.gep(first[4], [builder.mul(i, d_step)])]
-
-            def step(at: Any, masks: Any) -> None:
-                vs = [builder.load(_vec_at(builder, p[r], at), align=4) if masks is None else
-                      builder.call(load, [_vec_at(builder, p[r], at), ir.Constant(_I32, 4), masks[1], zero])
-                      for r in range(4)]
-                whole = _concat4(builder, vs)
-                dst = builder.gep(p[4], [builder.mul(at, ir.Constant(_I64, 4))])
-                for v in range(4):
-                    part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
-                        ir.VectorType(_I32, LANES), order[v * LANES:(v + 1) * LANES]))
-                    q = _vec_at(builder, dst, ir.Constant(_I64, LANES * v))
-                    if masks is None:
-                        builder.store(part, q, align=4)
-                    else:
-                        builder.call(store, [part, q, ir.Constant(_I32, 4), masks[0][v]])
-            _steps_and_rest(builder, n_, step)
-        _loop(builder, count_, row)
-        return context.get_dummy_value()
-    return types.void(rows, n, count, src_step, dst_step), codegen
+    typing.__name__ = typing.__qualname__ = "deinterleave4" if split else "interleave4"
+    return intrinsic(typing)
 
 
-deinterleave4: Any = intrinsic(_deinterleave4_typing)
-interleave4: Any = intrinsic(_interleave4_typing)
+deinterleave4: Any = _regroup(True)
+interleave4: Any = _regroup(False)
