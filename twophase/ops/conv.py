@@ -427,7 +427,7 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
 # right after winograd. F(4x4, 3x3) against F(2x2, 3x3), both through the op, side by side (Intel Xeon, 2 threads,
 # 9 alternating rounds, /tmp/w26/impls.py and small.py of the twenty-sixth session): 8 x 64 -> 64 56^2 1.38x
 # faster, 8 x 128 -> 128 28^2 1.55x, 1 x 64 -> 64 56^2 1.35x, 1 x 128 -> 128 28^2 (49 tiles) 1.19-1.32x; 14^2 maps
-# (4 tile columns) 0.54-0.86x, 7^2 0.30-0.45x: the 36 * OC * C transformed weights and short tile rows outweigh
+# (4 tile columns) 0.54-0.79x, 7^2 0.29-0.45x: the 36 * OC * C transformed weights and short tile rows outweigh
 # the GEMMs' savings
 WINOGRAD4_MIN_TILE_COLUMNS = 7
 
