@@ -49,6 +49,7 @@ FANOUT_MIN = 1 << 16  # score elements per tile from which it is cut into parts 
 # (a first run of 16 / 32 / 64 / 128 / one block: 8.0 / 5.8 / 5.4 / 5.5 / 7.2 at (1, 12, 512, 64)).
 CAUSAL_BLOCK = 32
 CAUSAL_BLOCK_WIDE = 64
+CAUSAL_EXP_STEP = 16  # a causal row's exps run to a multiple of this many keys (then its keys past the end are 0)
 
 
 def _heads_on_zmm(dtype: Any) -> bool:
@@ -163,8 +164,11 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
     # the dense block typed as a C matrix (no copy: softmax_rows checked it is dense), so that the row loops
     # vectorize when s itself is typed strided (a part cut after a dim > 1: 4.6 against 0.65 ns per score)
     block = np.ascontiguousarray(s[b, h])
-    if kind == NONE and not causal:
-        _plain_rows(block, sc, ft(lowest), tiny)
+    if kind == NONE:
+        if causal:
+            _causal_rows(block, q0, sc, ft(lowest), tiny)
+        else:
+            _plain_rows(block, sc, ft(lowest), tiny)
         return
     unit = kind == ADDITIVE and mask.strides[3] == mask.itemsize
     for i in range(nq):
@@ -215,6 +219,38 @@ def _plain_rows(block: Any, sc: Any, lowest: Any, tiny: float) -> None:
         last = block[nq - 1]
         _exps(last, _scaled_max(last, sc, lowest))
         _normalize(last, tiny)
+
+
+@jit_inline
+def _causal_rows(block: Any, q0: int, sc: Any, lowest: Any, tiny: float) -> None:
+    """``_head_rows`` for a causal block with no mask, bit for bit, two rows at a time as ``_plain_rows``: row i
+    keeps the keys up to query q0 + i. Both rows' exps in one loop run to a whole number of vectors past the
+    second row's end (their extra values then set to 0 with the rest), so no row ends in a scalar exp loop. The
+    row pass ran 1.11-1.51x faster than row by row, causal SDPA (8, 12, 128, 32) 1.12-1.15x and (1, 12, 512, 64)
+    1.02-1.06x (same bits; /tmp/w26/rowsab.py, sdpa_ab.py of the twenty-sixth session)."""
+    nq, nk = block.shape
+    for i in range(0, nq - 1, 2):
+        r0, r1 = block[i], block[i + 1]
+        k0, k1 = min(nk, q0 + i + 1), min(nk, q0 + i + 2)
+        m0 = _scaled_max(r0[:k0], sc, lowest)
+        m1 = _scaled_max(r1[:k1], sc, lowest)
+        # the exps up to a whole number of vectors (no scalar remainder), the keys past each row's end then 0
+        for j in range(min(nk, -(-k1 // CAUSAL_EXP_STEP) * CAUSAL_EXP_STEP)):
+            r0[j] = vmath.exp_shifted(r0[j], m0)
+            r1[j] = vmath.exp_shifted(r1[j], m1)
+        for j in range(k0, nk):
+            r0[j] = 0.0
+        for j in range(k1, nk):
+            r1[j] = 0.0
+        _normalize(r0[:k0], tiny)
+        _normalize(r1[:k1], tiny)
+    if nq % 2:
+        last = block[nq - 1]
+        kend = min(nk, q0 + nq)
+        _exps(last[:kend], _scaled_max(last[:kend], sc, lowest))
+        _normalize(last[:kend], tiny)
+        for j in range(kend, nk):
+            last[j] = 0.0
 
 
 @jit_inline
