@@ -165,10 +165,7 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
     # vectorize when s itself is typed strided (a part cut after a dim > 1: 4.6 against 0.65 ns per score)
     block = np.ascontiguousarray(s[b, h])
     if kind == NONE:
-        if causal:
-            _causal_rows(block, q0, sc, ft(lowest), tiny)
-        else:
-            _plain_rows(block, sc, ft(lowest), tiny)
+        _paired_rows(block, causal, q0, sc, ft(lowest), tiny)
         return
     unit = kind == ADDITIVE and mask.strides[3] == mask.itemsize
     for i in range(nq):
@@ -201,40 +198,20 @@ def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float
 
 
 @jit_inline
-def _plain_rows(block: Any, sc: Any, lowest: Any, tiny: float) -> None:
-    """``_head_rows`` for a block with no mask and no causal cut, bit for bit, two rows at a time: both rows' exps
-    in one loop, so that a short row's exp loop does not wait out its own latency (128-key rows: 1.01 against 1.15
-    ns a score on one thread, /tmp/w21/pairs.py of the twenty-first session; 512 keys: 0.98 against 1.04)."""
-    nq, nk = block.shape
-    for i in range(0, nq - 1, 2):
-        r0, r1 = block[i], block[i + 1]
-        m0 = _scaled_max(r0, sc, lowest)
-        m1 = _scaled_max(r1, sc, lowest)
-        for j in range(nk):
-            r0[j] = vmath.exp_shifted(r0[j], m0)
-            r1[j] = vmath.exp_shifted(r1[j], m1)
-        _normalize(r0, tiny)
-        _normalize(r1, tiny)
-    if nq % 2:
-        last = block[nq - 1]
-        _exps(last, _scaled_max(last, sc, lowest))
-        _normalize(last, tiny)
-
-
-@jit_inline
-def _causal_rows(block: Any, q0: int, sc: Any, lowest: Any, tiny: float) -> None:
-    """``_head_rows`` for a causal block with no mask, bit for bit, two rows at a time as ``_plain_rows``: row i
-    keeps the keys up to query q0 + i. Both rows' exps in one loop run to a whole number of vectors past the
-    second row's end (their extra values then set to 0 with the rest), so no row ends in a scalar exp loop. The
-    row pass ran 1.11-1.51x faster than row by row, causal SDPA (8, 12, 128, 32) 1.12-1.15x and (1, 12, 512, 64)
+def _paired_rows(block: Any, causal: bool, q0: int, sc: Any, lowest: Any, tiny: float) -> None:
+    """``_head_rows`` for a block with no mask, bit for bit, two rows at a time: both rows' exps in one loop, so
+    that a short row's exp loop does not wait out its own latency (128-key rows: 1.01 against 1.15 ns a score on
+    one thread, /tmp/w21/pairs.py of the twenty-first session; 512 keys: 0.98 against 1.04). ``causal``: row i
+    keeps the keys up to query q0 + i; the pair's exps run to a whole number of vectors past the second row's
+    end (their extra values then set to 0 with the rest), so no row ends in a scalar exp loop: the causal row
+    pass ran 1.11-1.51x faster than row by row, causal SDPA (8, 12, 128, 32) 1.12-1.15x and (1, 12, 512, 64)
     1.02-1.06x (same bits; /tmp/w26/rowsab.py, sdpa_ab.py of the twenty-sixth session)."""
     nq, nk = block.shape
     for i in range(0, nq - 1, 2):
         r0, r1 = block[i], block[i + 1]
-        k0, k1 = min(nk, q0 + i + 1), min(nk, q0 + i + 2)
+        k0, k1 = (min(nk, q0 + i + 1), min(nk, q0 + i + 2)) if causal else (nk, nk)
         m0 = _scaled_max(r0[:k0], sc, lowest)
         m1 = _scaled_max(r1[:k1], sc, lowest)
-        # the exps up to a whole number of vectors (no scalar remainder), the keys past each row's end then 0
         for j in range(min(nk, -(-k1 // CAUSAL_EXP_STEP) * CAUSAL_EXP_STEP)):
             r0[j] = vmath.exp_shifted(r0[j], m0)
             r1[j] = vmath.exp_shifted(r1[j], m1)
@@ -246,7 +223,7 @@ def _causal_rows(block: Any, q0: int, sc: Any, lowest: Any, tiny: float) -> None
         _normalize(r1[:k1], tiny)
     if nq % 2:
         last = block[nq - 1]
-        kend = min(nk, q0 + nq)
+        kend = min(nk, q0 + nq) if causal else nk
         _exps(last[:kend], _scaled_max(last[:kend], sc, lowest))
         _normalize(last[:kend], tiny)
         for j in range(kend, nk):
