@@ -9,8 +9,8 @@ of a tile of whole images or output rows in the workspace, then one GEMM per til
 ``workspace_limit``), winograd4 (F(4x4, 3x3), float32: 36 GEMMs on transformed 6x6 tiles; ranked first on maps
 of 7 tile columns or more and 32 tiles, else after winograd), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated
 single-group convolutions: 16 GEMMs on transformed tiles; ranked first from 64 output tiles, just ahead of im2col
-from 32, after winograd4 on wider maps) and
-direct (a numba loop nest, workspace 0; ranked first for depthwise convolutions).
+from 32, after winograd4 on wider maps) and direct (a numba loop nest, workspace 0; ranked first for depthwise
+convolutions).
 """
 
 from __future__ import annotations
@@ -209,15 +209,14 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
     if (kh, kw, sh, sw, dh, dw, g) == (3, 3, 1, 1, 1, 1, 1):
         wino = _winograd_candidate(t, item, limit)
         if wino is not None:
-            tiles = t.n * ((oh + 1) // 2) * ((ow + 1) // 2)
-            blas = [i for i, c in enumerate(cands) if c.implementation in ("im2col_parts", "im2col")]
-            cands.insert(0 if tiles >= WINOGRAD_FIRST_TILES else (blas or [0])[0]
-                         if tiles >= WINOGRAD_MIN_TILES else len(cands), wino)
-        wino4 = _winograd4_candidate(t, xs[3] == 1, limit) if x.dtype is DType.float32 else None
-        if wino4 is not None:
+            cands.insert(_winograd_rank(t.n * ((oh + 1) // 2) * ((ow + 1) // 2), cands), wino)
+        if x.dtype is DType.float32:
             th4, tw4, _ = winograd4.geometry(oh, ow)
-            first = tw4 >= WINOGRAD4_MIN_TILE_COLUMNS and t.n * th4 * tw4 >= WINOGRAD_MIN_TILES
-            cands.insert(0 if first else cands.index(wino) + 1 if wino is not None else len(cands), wino4)
+            if tw4 >= WINOGRAD4_MIN_TILE_COLUMNS and t.n * th4 * tw4 >= WINOGRAD_MIN_TILES:
+                at = 0
+            else:
+                at = cands.index(wino) + 1 if wino is not None else len(cands)
+            cands.insert(at, _winograd4_candidate(t, xs[3] == 1, limit))
     if cg == 1 and g > 1:
         cands.insert(0, direct)
     else:
@@ -421,6 +420,16 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
         chunk = lo
     tw = replace(t, chunk=chunk, parts=parts)
     return Candidate("winograd", tw, size(chunk))
+
+
+def _winograd_rank(tiles: int, cands: list[Candidate]) -> int:
+    """Where winograd (``tiles`` 2x2 output tiles) goes among the ranked candidates: first from
+    ``WINOGRAD_FIRST_TILES``, just ahead of im2col_parts / im2col from ``WINOGRAD_MIN_TILES``, else last."""
+    if tiles >= WINOGRAD_FIRST_TILES:
+        return 0
+    if tiles >= WINOGRAD_MIN_TILES:
+        return next((i for i, c in enumerate(cands) if c.implementation in ("im2col_parts", "im2col")), 0)
+    return len(cands)
 
 
 # tile columns (ceil(OW / 4)) from which winograd4 ranks first (with WINOGRAD_MIN_TILES 4x4 tiles in all), else
