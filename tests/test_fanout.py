@@ -27,7 +27,6 @@ from twophase.kernels.cpu import elementwise as elementwise_kernels
 from twophase.kernels.cpu import groupnorm as groupnorm_kernels
 from twophase.kernels.cpu import norm as norm_kernels
 from twophase.kernels.cpu import reduce as reduce_kernels
-from twophase.kernels.cpu import winograd4 as winograd4_kernels
 from twophase.ops.attention import reference as sdpa_reference
 from twophase.ops.conv import reference as conv_reference
 from twophase.ops.selection import forced
@@ -500,7 +499,7 @@ def test_conv2d_winograd4_in_parts(three_parts: None, monkeypatch: pytest.Monkey
                                    oc: int, limit: int | None, rounds: int) -> None:
     """Every round of whole images in three hand-offs of three parts: the input transform (with U in the first)
     in channel ranges, the 36 GEMMs in batch ranges, the output transform in channel ranges."""
-    launched = _spy_on_parts(monkeypatch, winograd4_kernels)
+    launched = _spy_on_parts(monkeypatch, conv_kernels)  # the rounds run through conv.winograd_launch
     gemms = _spy_on_parts(monkeypatch, blas)
     r = _winograd_in_parts("winograd4", x_shape, oc, limit)
     assert -(-x_shape[0] // r.tiling.chunk) == rounds

@@ -827,6 +827,32 @@ def winograd_parts(oc: int, c: int, tiles: int, count: int = 16) -> int:
     return max(1, min(fanout_parts(), oc, c, count))
 
 
+Part = Callable[[], None]
+Round = tuple[list[Part], list[Part], list[Part]]
+
+
+def gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> list[Part]:
+    """A winograd round's batched GEMMs M = U @ V (one matrix per transformed tile element) in batch ranges."""
+    return [functools.partial(np.matmul, u[lo:hi], v[lo:hi], out=m[lo:hi]) for lo, hi in ranges]
+
+
+def winograd_launch(rounds: Callable[[Any], list[Round]]) -> Launch:
+    """The phase-2 launch of a winograd (F(2x2, 3x3) or ``winograd4``'s F(4x4, 3x3)): per round, the transform
+    parts, the GEMM parts (one BLAS thread each) and the output transform parts, each set a hand-off to the
+    helper threads. ``rounds(ws)`` binds them to the workspace's views, again only when the workspace changes
+    (``workspace_launcher``), so a repeated launch builds no views or partials."""
+    def bind(ws: Any) -> Part:
+        steps = rounds(ws)
+
+        def run() -> None:
+            for transforms, gemms, outputs in steps:
+                run_parts(transforms)
+                run_blas_parts(gemms)
+                run_parts(outputs)
+        return run
+    return workspace_launcher(bind)
+
+
 def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """Transformed weights U (16, OC, C), per round of ``t.chunk`` 2x2 output tiles the transformed input
     V (16, C, chunk) and M = U @ V (16, OC, chunk) in the workspace, then the output transform (+ bias); the
@@ -854,24 +880,21 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     k_w = entry(wino_weights, w, s2, 0, 0)
     k_in = entry(wino_input, x, s2, 0, 0, geo, s2, 0, 0)
     k_out = entry(wino_output, s2, b, has, out, 0, 0, geo, s2, 0, 0)
-    rounds = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
+    rounds_at = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
     c, oc = t.c, t.oc
 
-    def launch(ws: Any) -> None:
+    def rounds(ws: Any) -> list[Round]:
         u = spread_rows(ws, 0, su, dt)
         v, m = spread_rows(ws, o_v, sv, dt), spread_rows(ws, o_m, sm, dt)
         s_in = [ws[o_si + i * si_b:o_si + i * si_b + 8 * (tw_n + 1) * item].view(dt).reshape(8, tw_n + 1)
                 for i in range(parts)]
         s_out = [ws[o_so + i * so_b:o_so + i * so_b + 8 * tw_n * item].view(dt).reshape(8, tw_n)
                  for i in range(parts)]
-        u_mats = matrices(u, oc, c)
-        for r, (t0, nt) in enumerate(rounds):
-            v_mats, m_mats = matrices(v, c, nt), matrices(m, oc, nt)
-            run_parts([functools.partial(transform_in, u, v, t0, nt, r == 0, s_in[i], i) for i in range(parts)])
-            run_blas_parts([functools.partial(np.matmul, u_mats[lo:hi], v_mats[lo:hi], out=m_mats[lo:hi])
-                            for lo, hi in k_ranges])
-            run_parts([functools.partial(k_out, m, b, has, out, t0, nt, geo, s_out[i], *oc_ranges[i])
-                       for i in range(parts)])
+        return [([functools.partial(transform_in, u, v, t0, nt, r == 0, s_in[i], i) for i in range(parts)],
+                 gemm_parts(matrices(u, oc, c), matrices(v, c, nt), matrices(m, oc, nt), k_ranges),
+                 [functools.partial(k_out, m, b, has, out, t0, nt, geo, s_out[i], *oc_ranges[i])
+                  for i in range(parts)])
+                for r, (t0, nt) in enumerate(rounds_at)]
 
     def transform_in(u: Any, v: Any, t0: int, nt: int, first: bool, scratch: Any, i: int) -> None:
         """Part i of the weight transform (first round only: its output channels) and of the input transform (its
@@ -879,4 +902,4 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         if first:
             k_w(w, u, *oc_ranges[i])
         k_in(x, v, t0, nt, geo, scratch, *c_ranges[i])
-    return launch
+    return winograd_launch(rounds)

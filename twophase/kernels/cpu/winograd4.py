@@ -23,10 +23,9 @@ from typing import Any
 import numpy as np
 
 from ...layout import align, spread_stride
-from ...runtime.fanout import run_parts, split_range
+from ...runtime.fanout import split_range
 from . import jit as _jit
-from .blas import run_blas_parts
-from .conv import matrices, spread_rows
+from .conv import Round, gemm_parts, matrices, spread_rows, winograd_launch
 from .jit import entry
 from .rows_ir import deinterleave4, interleave4, linear_map
 
@@ -283,29 +282,26 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     k_w = entry(winograd4_weights, w, s2, 0, 0, s2)
     k_in = entry(winograd4_input, x, s2, 0, 0, geo, s2, s2, 0, 0)
     k_out = entry(winograd4_output, s2, b, has, out, 0, 0, geo, s2, 0, 0)
-    rounds = [(n0, min(chunk, t.n - n0) * th_n * tr) for n0 in range(0, t.n, chunk)]
+    rounds_at = [(n0, min(chunk, t.n - n0) * th_n * tr) for n0 in range(0, t.n, chunk)]
     c, oc = t.c, t.oc
 
     def scratch(ws: Any, i: int, at: int, rows: int, cols: int) -> Any:
         start = o_s + i * per_part + at
         return ws[start:start + rows * cols * 4].view(dt).reshape(rows, cols)
 
-    def launch(ws: Any) -> None:
+    def rounds(ws: Any) -> list[Round]:
         u = spread_rows(ws, 0, su, dt, MATS)
         v, m = spread_rows(ws, o_v, sv, dt, MATS), spread_rows(ws, o_m, sm, dt, MATS)
         s_in = [scratch(ws, i, 0, _SCRATCH_IN, band * tr + 1) for i in range(parts)]
         s_out = [scratch(ws, i, si_b, _SCRATCH_OUT, band * tr) for i in range(parts)]
         s_w = [scratch(ws, i, si_b + so_b, _SCRATCH_W, c) for i in range(parts)]
         s_p = [scratch(ws, i, si_b + so_b + sw_b, _PLANES, (th_n + 2) * tr if flat else 0) for i in range(parts)]
-        u_mats = matrices(u, oc, c)
-        for r, (n0, cnt) in enumerate(rounds):
-            v_mats, m_mats = matrices(v, c, cnt), matrices(m, oc, cnt)
-            run_parts([functools.partial(transform_in, u, v, n0, cnt, r == 0, s_in[i], s_w[i], s_p[i], i)
-                       for i in range(parts)])
-            run_blas_parts([functools.partial(np.matmul, u_mats[lo:hi], v_mats[lo:hi], out=m_mats[lo:hi])
-                            for lo, hi in k_ranges])
-            run_parts([functools.partial(k_out, m, b, has, out, n0, cnt, geo, s_out[i], *oc_ranges[i])
-                       for i in range(parts)])
+        return [([functools.partial(transform_in, u, v, n0, cnt, r == 0, s_in[i], s_w[i], s_p[i], i)
+                  for i in range(parts)],
+                 gemm_parts(matrices(u, oc, c), matrices(v, c, cnt), matrices(m, oc, cnt), k_ranges),
+                 [functools.partial(k_out, m, b, has, out, n0, cnt, geo, s_out[i], *oc_ranges[i])
+                  for i in range(parts)])
+                for r, (n0, cnt) in enumerate(rounds_at)]
 
     def transform_in(u: Any, v: Any, n0: int, cnt: int, first: bool, s_in: Any, s_w: Any, s_p: Any,
                      i: int) -> None:
@@ -314,4 +310,4 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         if first:
             k_w(w, u, *oc_ranges[i], s_w)
         k_in(x, v, n0, cnt, geo, s_in, s_p, *c_ranges[i])
-    return launch
+    return winograd_launch(rounds)
