@@ -26,7 +26,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from ...runtime.fanout import split_range
-from .jit import TYPED_POINTERS, emit_prefetch
+from .jit import emit_lanes_below, emit_prefetch, emit_splat, masked_memory
 
 __all__ = ["available", "host_has", "columns_computed", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile",
            "MIN_COLS", "MR", "NR", "KC", "MC", "LANES", "HALF", "panel_bytes", "PACK_MIN_ROWS", "row_ranges",
@@ -115,17 +115,8 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
     i32 = ir.IntType(32)
     mask = None
     if ncols is not None:
-        lanes = ir.Constant(ir.VectorType(_I64, w), list(range(w)))
-        wanted = builder.insert_element(ir.Constant(ir.VectorType(_I64, w), ir.Undefined), ncols,
-                                        ir.Constant(i32, 0))
-        wanted = builder.shuffle_vector(wanted, wanted, ir.Constant(ir.VectorType(i32, w), [0] * w))
-        mask = builder.icmp_unsigned("<", lanes, wanted)
-        mtype = mask.type
-        types_ = f"v{w}f32.p0" + (f"v{w}f32" if TYPED_POINTERS else "")
-        mload = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, ir.FunctionType(vec, [vptr, i32, mtype, vec]), f"llvm.masked.load.{types_}")
-        mstore = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, ir.FunctionType(ir.VoidType(), [vec, vptr, i32, mtype]), f"llvm.masked.store.{types_}")
+        mask = emit_lanes_below(builder, ncols, w)
+        mload, mstore = masked_memory(builder, vec)
 
     def load_c(p: Any, v: int) -> Any:
         if mask is None or v < nv - 1:
@@ -140,15 +131,9 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
     fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
         builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{w}f32")
     zero = ir.Constant(vec, None)
-    undef = ir.Constant(vec, ir.Undefined)
-    splat = ir.Constant(ir.VectorType(ir.IntType(32), w), [0] * w)
 
     def const(v: int) -> Any:
         return ir.Constant(_I64, v)
-
-    def broadcast(x: Any) -> Any:
-        return builder.shuffle_vector(builder.insert_element(undef, x, ir.Constant(ir.IntType(32), 0)),
-                                      undef, splat)
 
     def vec_at(base: Any, row: int, ld: Any, col: int) -> Any:
         p = builder.gep(base, [builder.add(builder.mul(const(row), ld), const(col))])
@@ -174,7 +159,7 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
                   for v in range(nv)]
             ak = kk if step is None else builder.mul(kk, step)
             for r in range(rows):
-                sv = broadcast(builder.load(builder.gep(a_rows[r], [ak]), align=4))
+                sv = emit_splat(builder, builder.load(builder.gep(a_rows[r], [ak]), align=4), vec)
                 for v in range(nv):
                     builder.store(builder.call(fma, [sv, bv[v], builder.load(acc[r][v])]), acc[r][v])
     if UNIT_STEP_LOOP and ncols is None:  # (the masked last panels keep one loop: less to compile)

@@ -18,7 +18,7 @@ from ...errors import InternalError
 
 __all__ = ["entry", "any_layout", "CHECK_LAYOUT", "jit", "jit_inline", "jit_reduce", "FAST", "REDUCE", "row_of",
            "rows_dense", "by_density", "span_of", "pairs_of", "variant_call", "wide_vectors", "copy_run",
-           "emit_prefetch", "TYPED_POINTERS"]
+           "emit_prefetch", "emit_splat", "emit_lanes_below", "masked_memory", "TYPED_POINTERS"]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -41,6 +41,35 @@ def emit_prefetch(builder: Any, ptr: Any, write: bool, locality: int) -> None:
         "llvm.prefetch.p0i8" if TYPED_POINTERS else "llvm.prefetch")
     builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality),
                       ir.Constant(i32, 1)])
+
+
+def emit_splat(builder: Any, value: Any, vec: Any) -> Any:
+    """IR of ``value`` in every lane of a vector of type ``vec``."""
+    i32 = ir.IntType(32)
+    one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(i32, vec.count),
+                                                                                   [0] * vec.count))
+
+
+def emit_lanes_below(builder: Any, n: Any, lanes: int) -> Any:
+    """IR of the ``lanes``-wide i1 mask of the lanes < ``n`` (an i64, signed: none when n <= 0)."""
+    i64 = ir.IntType(64)
+    wanted = emit_splat(builder, n, ir.VectorType(i64, lanes))
+    return builder.icmp_signed("<", ir.Constant(ir.VectorType(i64, lanes), list(range(lanes))), wanted)
+
+
+def masked_memory(builder: Any, vec: Any) -> tuple[Any, Any]:
+    """The ``llvm.masked.load`` / ``llvm.masked.store`` declarations for float vectors of type ``vec``; called
+    as load(ptr, align, mask, passthru) and store(value, ptr, align, mask)."""
+    n = vec.count
+    types_ = f"v{n}f32.p0" + (f"v{n}f32" if TYPED_POINTERS else "")
+    vptr, i32 = vec.as_pointer(), ir.IntType(32)
+    mask = ir.VectorType(ir.IntType(1), n)
+    load = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(vec, [vptr, i32, mask, vec]), f"llvm.masked.load.{types_}")
+    store = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(ir.VoidType(), [vec, vptr, i32, mask]), f"llvm.masked.store.{types_}")
+    return load, store
 
 
 def _pointer_intrinsic(name: str, pointee: Callable[[Any], Any]) -> Any:

@@ -22,14 +22,13 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-from .jit import TYPED_POINTERS
+from .jit import emit_lanes_below, emit_splat, masked_memory
 
 __all__ = ["LANES", "linear_map", "deinterleave4", "interleave4"]
 
 LANES = 16
 _F32, _I64, _I32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
 _VEC = ir.VectorType(_F32, LANES)
-_MASK = ir.VectorType(ir.IntType(1), LANES)
 
 
 def _pointers(context: Any, builder: Any, sig_arg: Any, arg: Any, count: int) -> list[Any]:
@@ -41,23 +40,6 @@ def _pointers(context: Any, builder: Any, sig_arg: Any, arg: Any, count: int) ->
 
 def _vec_at(builder: Any, p: Any, k: Any) -> Any:
     return builder.bitcast(builder.gep(p, [k]), _VEC.as_pointer())
-
-
-def _masked(builder: Any) -> tuple[Any, Any]:
-    """The llvm.masked.load / store declarations for 16 floats."""
-    types_ = "v16f32.p0" + ("v16f32" if TYPED_POINTERS else "")
-    vptr = _VEC.as_pointer()
-    load = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(_VEC, [vptr, _I32, _MASK, _VEC]), f"llvm.masked.load.{types_}")
-    store = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(ir.VoidType(), [_VEC, vptr, _I32, _MASK]), f"llvm.masked.store.{types_}")
-    return load, store
-
-
-def _splat(builder: Any, x: Any) -> Any:
-    one = builder.insert_element(ir.Constant(_VEC, ir.Undefined), x, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(_VEC, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES),
-                                                                                    [0] * LANES))
 
 
 def _combine(builder: Any, row: Sequence[float], xs: list[Any], addend: Any) -> Any:
@@ -101,7 +83,7 @@ def linear_map(matrix: Sequence[Sequence[float]], shifts: Sequence[int] | None =
             out_p = ptrs[:outs]
             in_p = [builder.gep(p, [ir.Constant(_I64, s)]) for p, s in zip(ptrs[outs:], shift)]
             count = context.cast(builder, args[1], signature.args[1], types.int64)
-            add = _splat(builder, context.cast(builder, args[2], signature.args[2], types.float32))
+            add = emit_splat(builder, context.cast(builder, args[2], signature.args[2], types.float32), _VEC)
             steps = builder.sdiv(count, ir.Constant(_I64, LANES))
 
             def step(k: Any) -> None:
@@ -113,8 +95,8 @@ def linear_map(matrix: Sequence[Sequence[float]], shifts: Sequence[int] | None =
             at = builder.mul(steps, ir.Constant(_I64, LANES))
             rest = builder.sub(count, at)
             with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(_I64, 0))):
-                load, store = _masked(builder)
-                mask = _lanes_below(builder, rest)
+                load, store = masked_memory(builder, _VEC)
+                mask = emit_lanes_below(builder, rest, LANES)
                 zero = ir.Constant(_VEC, [0.0] * LANES)
                 xs = [builder.call(load, [_vec_at(builder, p, at), ir.Constant(_I32, 4), mask, zero]) for p in in_p]
                 for j in range(outs):
@@ -140,15 +122,6 @@ def _concat4(builder: Any, vs: list[Any]) -> Any:
     return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(_I32, 4 * LANES), list(range(4 * LANES))))
 
 
-def _lanes_below(builder: Any, n: Any) -> Any:
-    """The 16-lane mask of lanes < n (an i64)."""
-    v64 = ir.VectorType(_I64, LANES)
-    wanted = builder.shuffle_vector(builder.insert_element(ir.Constant(v64, ir.Undefined), n, ir.Constant(_I32, 0)),
-                                    ir.Constant(v64, ir.Undefined), ir.Constant(ir.VectorType(_I32, LANES),
-                                                                                [0] * LANES))
-    return builder.icmp_signed("<", ir.Constant(v64, list(range(LANES))), wanted)
-
-
 def _steps_and_rest(builder: Any, count: Any, step: Any) -> None:
     """step(first group, masks) for every 16 groups of ``count``, the last ones masked: ``masks`` None for a whole
     step, else the masks of the step's 4 vectors in element order (4 lanes a group) and in group order."""
@@ -158,8 +131,8 @@ def _steps_and_rest(builder: Any, count: Any, step: Any) -> None:
     rest = builder.sub(count, at)
     with builder.if_then(builder.icmp_signed(">", rest, ir.Constant(_I64, 0))):
         elems = builder.mul(rest, ir.Constant(_I64, 4))
-        by_elem = [_lanes_below(builder, builder.sub(elems, ir.Constant(_I64, LANES * v))) for v in range(4)]
-        step(at, (by_elem, _lanes_below(builder, rest)))
+        by_elem = [emit_lanes_below(builder, builder.sub(elems, ir.Constant(_I64, LANES * v)), LANES) for v in range(4)]
+        step(at, (by_elem, emit_lanes_below(builder, rest, LANES)))
 
 
 def _regroup(split: bool) -> Any:
@@ -183,7 +156,7 @@ def _regroup(split: bool) -> Any:
             n_, count_, s_step, d_step = (context.cast(builder, a, t, types.int64)
                                           for a, t in zip(args[1:], signature.args[1:]))
             four_step, one_step = (d_step, s_step) if split else (s_step, d_step)
-            load, store = _masked(builder)
+            load, store = masked_memory(builder, _VEC)
             zero = ir.Constant(_VEC, [0.0] * LANES)
 
             def row(i: Any) -> None:

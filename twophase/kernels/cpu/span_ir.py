@@ -26,7 +26,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic, overload
 
-from .jit import emit_prefetch, jit_inline
+from .jit import emit_prefetch, emit_splat, jit_inline
 
 __all__ = ["BULK", "AHEAD", "span_sum", "span_moments", "bulk_sum", "bulk_moments", "bulk_extremum", "bulk_first",
            "bulk_column_sums", "bulk_column_extrema", "COLUMN_VECTORS"]
@@ -43,13 +43,6 @@ def _lanes(builder: Any, vec: Any, first: int, n: int) -> Any:
     """Lanes ``first .. first + n - 1`` of ``vec`` as a vector of n."""
     return builder.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined),
                                   ir.Constant(ir.VectorType(_I32, n), list(range(first, first + n))))
-
-
-def _splat(builder: Any, value: Any, vec: Any) -> Any:
-    """``value`` in every lane of a vector of type ``vec``."""
-    one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(_I32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(_I32, vec.count),
-                                                                                   [0] * vec.count))
 
 
 def _horizontal(builder: Any, accs: list[Any], combine: Combine) -> Any:
@@ -129,7 +122,7 @@ def _emit_sums(builder: Any, data: Any, elem: Any, n: Any, shift: Any | None) ->
             return [builder.fadd(a, h) for a, h in zip(accs, _widened(builder, vectors))]
         return [_horizontal(builder, _emit_steps(builder, data, elem, *_bulk_steps(builder, elem, n), [zero] * 4, add),
                             _fadd)]
-    centre = _splat(builder, shift, _V8D)
+    centre = emit_splat(builder, shift, _V8D)
 
     def moments(accs: list[Any], vectors: list[Any]) -> list[Any]:
         ys = [builder.fsub(h, centre) for h in _widened(builder, vectors)]
@@ -220,7 +213,7 @@ def _extremum_steps(pred: str) -> Any:
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             data, elem, count = _start(context, builder, signature, args)
             steps, k = _bulk_steps(builder, elem, count)
-            first = _splat(builder, args[3], ir.VectorType(elem, 8 if elem == _F64 else 16))
+            first = emit_splat(builder, args[3], ir.VectorType(elem, 8 if elem == _F64 else 16))
             finals = _emit_steps(builder, data, elem, steps, k, _with_masks(builder, [first] * k),
                                  _extremum_step(builder, pred))
             seen = finals[k]
@@ -248,7 +241,7 @@ def _first_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any, m: Any) -> Any:
         data, elem, count = _start(context, builder, signature, args)
         per = 8 if elem == _F64 else 16
         vec, mask = ir.VectorType(elem, per), ir.IntType(per)
-        target = _splat(builder, args[3], vec)
+        target = emit_splat(builder, args[3], vec)
         want_nan = builder.fcmp_unordered("uno", target, target)  # all lanes alike
         vectors = builder.mul(builder.sdiv(count, ir.Constant(_I64, BULK)), ir.Constant(_I64, BULK // per))
         done = builder.mul(vectors, ir.Constant(_I64, per))
