@@ -1,12 +1,13 @@
 """Register-blocked float32 GEMM: ``c[i0:i1, j0:j1] = a @ b (+ bias)`` on operands read where they lie.
 
 numba alone cannot keep a block of ``C`` in SIMD registers (LLVM turns scalar accumulators into scalar FMAs), so
-the microkernel is written as LLVM IR through a numba intrinsic: ``MR`` x 2 accumulators of 16 floats, per k
-two vector loads of a ``b`` row, one broadcast of each ``a`` element and ``2 * MR`` vector FMAs; LLVM allocates
-them to zmm registers. Around it a plain numba loop nest blocks k (``KC``) and the rows (``MC``) so the
-block of ``a`` stays in L2 while the 32-column panels of ``b`` stream past it. Neither operand is packed: the
-workspace is 0, and a linear layer's weight is read in place on every call (OpenBLAS packs both operands per
-call). The bias, when given, is added as the accumulators are stored, so it costs no pass over ``c``.
+the microkernel is written as LLVM IR through a numba intrinsic: ``MR`` x 2 accumulators of 16 floats (``MR`` x 4
+in the 64-column panels of ``b`` read in place), per k two (four) vector loads of a ``b`` row, one broadcast of
+each ``a`` element and ``2 * MR`` (``4 * MR``) vector FMAs; LLVM allocates them to zmm registers. Around it a plain
+numba loop nest blocks k (``KC``) and the rows (``MC``) so the block of ``a`` stays in L2 while the panels of ``b``
+stream past it. The operands are read where they lie (``b``'s 32-column panels are copied when enough rows reuse
+them: ``PACK_MIN_ROWS``), and a linear layer's weight is read in place on every call (OpenBLAS packs both operands
+per call). The bias, when given, is added as the accumulators are stored, so it costs no pass over ``c``.
 
 Without AVX-512, ``gemm_f32_ymm`` runs the same IR with 8-float vectors (6 x 16 blocks in 12 of AVX2's 16 ymm
 registers) for the small products of attention's heads, where it beats OpenBLAS's per-call cost; the linear
@@ -35,7 +36,13 @@ __all__ = ["available", "host_has", "columns_computed", "columns_fit", "gemm_f32
 MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast: 15 of the 32 zmm registers
 LANES = 16
 HALF = 8  # a last run of at most this many columns takes the 8-wide (ymm) masked panel
-NR = 2 * LANES  # columns of a full panel
+NR = 2 * LANES  # columns of a full panel (of a packed copy of b, and the last panels of a run)
+# columns of a wide panel, where b is read in place: 6 x 4 accumulators (24 of the 32 zmm registers), so each
+# broadcast of a feeds four FMAs instead of two. Against 32-wide panels (one thread, the same loops, interleaved,
+# /tmp/w27/k64b.py of the twenty-seventh session): 1.14-1.20x on attention's 512 x 512 x 64 and 512 x 64 x 512
+# heads and on the im2col tiles of 7x7 and 14x14 maps (512 x 4608 x 64, 256 x 2304 x 192), 0.97-1.02x on MiniLM's
+# linears (those pack b 32 wide: ``PACK_MIN_ROWS``)
+WIDE = 4 * LANES
 KC = 256  # k block: a 32-column panel of b over KC rows is 32 KiB
 MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panels
 # rows from which gemm_f32 packs b's panels: the copy is read by every MR-row block after it. b's rows in place, a
@@ -235,6 +242,7 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
 
 # one intrinsic per panel width: numba's jit sees them as module globals
 _K16, _K32, _K16M, _K32M = _microkernel(1), _microkernel(2), _microkernel(1, masked=True), _microkernel(2, masked=True)
+_K64, _K64M = _microkernel(4), _microkernel(4, masked=True)
 _K8M = _microkernel(1, masked=True, width=8)
 YMM = 8  # floats per ymm vector: the 8-lane kernels' panels are 2 * YMM and YMM columns wide
 _Y16, _Y8 = _microkernel(2, width=YMM), _microkernel(1, width=YMM)
@@ -285,10 +293,14 @@ _inline = numba.njit(nogil=True, cache=True, inline="always")
 @_inline
 def _panel(rows: int, w: int, c: int, ldc: int, a: int, lda: int, sak: int, b: int, ldb: int, k: int,
            accumulate: int, bias: int) -> None:
-    """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..32) columns: 32 or 16 whole, 17-31 as
-    32 with the second vector masked, 9-15 as a masked 16, 1-8 as a masked 8 (ymm); masked panels read ``b``'s rows
-    that wide."""
-    if w == NR:
+    """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..64) columns: 64, 32 or 16 whole, 49-63 as
+    64 with the fourth vector masked, 17-31 as 32 with the second vector masked, 9-15 as a masked 16, 1-8 as a
+    masked 8 (ymm); masked panels read ``b``'s rows that wide. (33-48 are not one panel: ``panel_width``.)"""
+    if w == WIDE:
+        _K64(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+    elif w > WIDE - LANES:
+        _K64M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - (WIDE - LANES))
+    elif w == NR:
         _K32(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif w > LANES:
         _K32M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - LANES)
@@ -305,32 +317,44 @@ def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int,
               accumulate: int, bias: int, pnext: int) -> None:
     """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` plus the old ``c`` when ``accumulate``, else plus the bias row at
     address ``bias`` when it is not 0, on float32 matrices given by address and element strides (``b``, ``c`` and
-    the bias with unit column stride). Columns go in 32-wide panels; the last run of fewer than 32 is one panel
-    (``_panel``): 16 whole, else masked, reading ``b``'s rows up to the next multiple of 16 columns (17-31 left:
-    32 wide): they must be readable that far (a padded tile). Writes exactly that block of ``c``.
+    the bias with unit column stride). Columns go in panels of ``panel_width``: 64 wide, then the last run of
+    fewer as one panel (49-63, 32 or fewer) or two (33-48: 32, then the rest), each panel 16 whole, 32 or 64 whole,
+    else masked, reading ``b``'s rows up to the next multiple of 16 columns: they must be readable that far (a
+    padded tile). Writes exactly that block of ``c``.
 
     While a panel is multiplied, the next panel of ``b`` is prefetched into L2, a slice of its rows per row block
     (a linear layer's weight is read once per call, from memory: MiniLM's 24 linears 15.7-16.8 -> 14.6-15.0 ms);
-    during the last panel, the 32 columns from address ``pnext`` (the next k block's first panel; 0: none)."""
+    during the last panel, the first panel from address ``pnext`` (the next k block's; 0: none)."""
     item = 4
     for ic in range(0, m, MC):
         ie = min(ic + MC, m)
         j = 0
         step = -(-kl // -(-(ie - ic) // MR))  # rows of the next panel of b to prefetch per row block
         while j < n:
-            w = min(NR, n - j)
+            w = panel_width(n - j)
             nxt = j + w
-            target = pb + nxt * item if nxt < n else pnext  # the next panel's first row
+            target, tw = (pb + nxt * item, panel_width(n - nxt)) if nxt < n else (pnext, panel_width(n))
             for bi, i in enumerate(range(ic, ie, MR)):
                 if target:
                     for kk in range(bi * step, min(kl, (bi + 1) * step)):
                         row = target + kk * ldb * item
-                        _prefetch(row)
-                        _prefetch(row + 64)
-                        _prefetch(row + 124)
+                        for off in range(0, tw * item, 64):
+                            _prefetch(row + off)
+                        _prefetch(row + tw * item - item)  # the row's last line when it is not 64-byte aligned
                 _panel(min(MR, ie - i), w, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
                        pb + j * item, ldb, kl, accumulate, bias + j * item if bias else 0)
             j = nxt
+
+
+@_inline
+def panel_width(left: int) -> int:
+    """Columns of the next panel of ``gemm_tile`` with ``left`` columns to go: 64 (``WIDE``), all of 49-63 (one
+    masked wide panel), else up to 32."""
+    if left >= WIDE:
+        return WIDE
+    if left > WIDE - LANES:
+        return left
+    return min(NR, left)
 
 
 @_jit
