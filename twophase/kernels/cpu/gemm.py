@@ -338,8 +338,11 @@ def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int,
                 if target:
                     for kk in range(bi * step, min(kl, (bi + 1) * step)):
                         row = target + kk * ldb * item
-                        for off in range(0, tw * item, 64):
-                            _prefetch(row + off)
+                        _prefetch(row)
+                        _prefetch(row + 64)
+                        if tw > NR:
+                            _prefetch(row + 128)
+                            _prefetch(row + 192)
                         _prefetch(row + tw * item - item)  # the row's last line when it is not 64-byte aligned
                 _panel(min(MR, ie - i), w, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
                        pb + j * item, ldb, kl, accumulate, bias + j * item if bias else 0)
