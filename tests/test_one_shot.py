@@ -193,6 +193,16 @@ def test_every_op_is_its_one_shot_function_on_the_package():
     np.testing.assert_allclose(twophase.log(np.array([1.0, np.e])).numpy(), [0.0, 1.0])
 
 
+def test_no_submodule_of_ops_is_named_as_an_op():
+    """``twophase.ops.<op>`` is the Op at run time, but a type checker resolves a submodule of that name first
+    (``twophase.ops.matmul`` was the module holding matmul: ``get_workspace_size`` failed mypy there)."""
+    import pkgutil
+
+    submodules = {m.name for m in pkgutil.iter_modules(ops.__path__)}
+    assert not submodules & set(twophase.registry)
+    assert all(isinstance(getattr(ops, name), twophase.Op) for name in twophase.registry)
+
+
 @pytest.mark.parametrize("name", sorted(BINARY))
 @pytest.mark.parametrize("dtype", ["float16", "float32", "float64", "int32", "int64"])
 def test_every_binary_op_with_a_python_scalar_matches_numpy_2(dev, name, dtype):

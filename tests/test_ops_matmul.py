@@ -199,7 +199,7 @@ def test_linear_activation_matches_the_reference_on_every_implementation(rng: np
     microkernel's shapes (weight stored (in, out)) in three parts, each on its own block (without AVX-512, on
     BLAS); with a bias the kernel
     cannot take (strided), after the epilogue. Inputs are centred so the activations' negative side is hit."""
-    from twophase.ops.matmul import _ref_linear
+    from twophase.ops.linalg import _ref_linear
     x, w, b = rng.standard_normal((6, 9)).astype(np.float32), _rand(rng, (5, 9)), _rand(rng, (5,))
     assert {"blas", "packed"} <= _run_all(linear, x, w, b, activation=activation,
                                                 ref=_ref_linear(x, w, b, activation))
@@ -221,7 +221,7 @@ def test_linear_activation_matches_the_reference_on_every_implementation(rng: np
 
 def test_linear_activation_on_an_output_whose_leading_dims_do_not_merge(dev: Any, rng: np.random.Generator) -> None:
     """An ``out`` of rows 0-3 of a (2, 6, 5) tensor: the activation goes slab by slab after the GEMM."""
-    from twophase.ops.matmul import _ref_linear
+    from twophase.ops.linalg import _ref_linear
     x, w, b = rng.standard_normal((2, 4, 9)).astype(np.float32), _rand(rng, (5, 9)), _rand(rng, (5,))
     base = dev.tensor(np.full((2, 6, 5), np.nan, np.float32))
     out = base.strided((2, 4, 5), (30, 5, 1), 0)
@@ -469,7 +469,7 @@ def test_microkernel_packs_b_panels_from_enough_rows_and_without_room_reads_b_in
 
 @needs_micro
 def test_microkernel_parts_split_columns_at_panels_else_rows() -> None:
-    from twophase.ops.matmul import _micro_parts
+    from twophase.ops.linalg import _micro_parts
     with num_threads(2):
         assert _micro_parts(128, 384, 1152, 1) == ((0, 128, 0, 576), (0, 128, 576, 1152))
         assert _micro_parts(128, 384, 110, 1) == ((0, 128, 0, 32), (0, 128, 32, 110))

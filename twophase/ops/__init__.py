@@ -3,7 +3,7 @@
 from typing import Any
 
 from ..op import registry
-from . import attention, conv, elementwise, matmul, normalization, pool, reduce, shape  # noqa: F401  (each registers its ops)
+from . import attention, conv, elementwise, linalg, normalization, pool, reduce, shape  # noqa: F401  (each registers its ops)
 
 globals().update(registry)
 

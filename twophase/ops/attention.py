@@ -16,7 +16,7 @@ from ..layout import align, broadcast_shape
 from ..op import Attr, OpDef, Plan, register
 from ..tensor import DType, TensorDesc
 from .checks import as_bool, as_finite, check_dtype, need, optional
-from .matmul import matrix_ok
+from .linalg import matrix_ok
 from .selection import Candidate, choose, effective_limit
 
 OP = "scaled_dot_product_attention"

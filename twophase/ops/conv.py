@@ -40,7 +40,7 @@ from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, split_range
 from ..tensor import DType, Format, TensorDesc
 from .checks import as_int, check_dtype, need
-from .matmul import matrix_ok
+from .linalg import matrix_ok
 from .selection import Candidate, choose, effective_limit
 
 OP = "conv2d"
