@@ -199,10 +199,10 @@ def _encoder(dev: tp.Device, s: tp.Stream, b: int = 4, t: int = 64, d: int = 128
         xc = tp.sub(x, mu, stream=s)
         r = tp.rsqrt(tp.add(tp.reduce_mean(tp.mul(xc, xc, stream=s), dims=(-1,), keep_dims=True, stream=s), eps,
                             stream=s), stream=s)
-        return tp.add(tp.mul(tp.mul(xc, r, stream=s), gam[i], stream=s), bet[i], stream=s)
+        return tp.add(tp.mul(tp.mul(xc, r, stream=s), gam[i], stream=s), bet[i], stream=s)  # type: ignore[no-any-return]
 
     def heads(y: tp.Tensor) -> tp.Tensor:
-        return tp.permute(y.strided((b, t, h, d // h), (t * d, d, d // h, 1)), dims=(0, 2, 1, 3), stream=s)
+        return tp.permute(y.strided((b, t, h, d // h), (t * d, d, d // h, 1)), dims=(0, 2, 1, 3), stream=s)  # type: ignore[no-any-return]
 
     def block(x: tp.Tensor) -> tp.Tensor:
         hh = ln(x, 0)
@@ -210,7 +210,7 @@ def _encoder(dev: tp.Device, s: tp.Stream, b: int = 4, t: int = 64, d: int = 128
         a = tp.permute(tp.scaled_dot_product_attention(q, k, v, stream=s), dims=(0, 2, 1, 3), stream=s)
         x = tp.add(x, tp.linear(a.strided((b, t, d), (t * d, d, 1)), *w["o"], stream=s), stream=s)
         m = tp.linear(tp.gelu(tp.linear(ln(x, 1), w1, b1, stream=s), stream=s), w2, b2, stream=s)
-        return tp.add(x, m, stream=s)
+        return tp.add(x, m, stream=s)  # type: ignore[no-any-return]
 
     return block, p(b, t, d)
 

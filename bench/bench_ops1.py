@@ -27,7 +27,7 @@ from twophase import device, ops
 try:
     import torch
 except ImportError:  # optional
-    torch = None
+    torch = None  # type: ignore[assignment]
 
 SHAPES = [(4096, 4096), (64, 262144), (262144, 64)]
 CALLS, ROUNDS = 3, 7  # calls per timing, interleaved rounds (median of the per-round ratios)
@@ -170,11 +170,11 @@ def table() -> None:
             if name == "gelu":  # scalar erf per element: time 1/64 of the rows, scaled
                 part = x[: max(1, shape[0] // 64)]
                 scale = shape[0] / part.shape[0]
-                fns["naive"] = lambda part=part, naive=naive: naive(part)
+                fns["naive"] = functools.partial(naive, part)
                 want = naive(part)
             else:
                 scale = 1.0
-                fns["naive"] = lambda naive=naive, x=x: naive(x)
+                fns["naive"] = functools.partial(naive, x)
                 want = naive(x)
             run()
             _check(name, shape, outs[0].numpy(), want, to, t_ref)

@@ -11,6 +11,7 @@ have no ``out=``); numpy.matmul writes into a preallocated ``out=`` like twophas
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import subprocess
@@ -28,7 +29,7 @@ try:
     import torch
     import torch.nn.functional as F
 except ImportError:  # torch is optional
-    torch = None
+    torch = None  # type: ignore[assignment]
 
 REPS_MIN_S = 0.3
 
@@ -145,9 +146,10 @@ def bench_matmul(rng: Any) -> list[str]:
         a = rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((k, n)).astype(np.float32)
         o1, o2 = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
-        control = Ours(_loop(lambda a=a, b=b, o=o1: np.matmul(a, b, out=o)), _Control(), lambda o=o1: o, _nothing)
+        control = Ours(_loop(functools.partial(np.matmul, a, b, out=o1)), _Control(), functools.partial(np.asarray, o1),
+                       _nothing)
         out.append(row(f"matmul {m}x{k}x{n} numpy against numpy", control,
-                       lambda a=a, b=b, o=o2: np.matmul(a, b, out=o), "numpy.matmul"))
+                       functools.partial(np.matmul, a, b, out=o2), "numpy.matmul"))
         for label, limit in (("", None), (" a reversed", None)):
             if label:
                 a_in = np.ascontiguousarray(a[::-1])
@@ -158,7 +160,7 @@ def bench_matmul(rng: Any) -> list[str]:
                 continue
             o = np.empty((m, n), np.float32)
             out.append(row(f"matmul {m}x{k}x{n}", twophase_call(ops.matmul, [a, b], limit),
-                           lambda a=a, b=b, o=o: np.matmul(a, b, out=o), "numpy.matmul"))
+                           functools.partial(np.matmul, a, b, out=o), "numpy.matmul"))
     return out
 
 
@@ -221,7 +223,7 @@ def bench_pool_depthwise(rng: Any) -> list[str]:
         for name in ("max_pool2d", "avg_pool2d"):
             op, fn = getattr(ops, name), name
             side = twophase_call(op, [x], kernel_size=3, stride=2, padding=1)
-            ref = None if xt is None else (lambda xt=xt, fn=fn: getattr(F, fn)(xt, 3, 2, 1))  # noqa: E731
+            ref: Callable[[], Any] | None = None if xt is None else functools.partial(getattr(F, fn), xt, 3, 2, 1)
             out.append(row(f"{name} n{nb} 64x112x112 k3 s2", side, ref, "torch"))
         for c, hw, s in ((64, 56, 1), (128, 56, 2), (256, 28, 1)):
             x = rng.standard_normal((nb, c, hw, hw)).astype(np.float32)
@@ -229,8 +231,7 @@ def bench_pool_depthwise(rng: Any) -> list[str]:
             side = twophase_call(ops.conv2d, [x, w, None], stride=s, padding=1, groups=c)
             ref = None
             if torch is not None:
-                ref = lambda xt=torch.from_numpy(x), wt=torch.from_numpy(w), s=s, c=c: F.conv2d(  # noqa: E731
-                    xt, wt, None, s, 1, 1, c)
+                ref = functools.partial(F.conv2d, torch.from_numpy(x), torch.from_numpy(w), None, s, 1, 1, c)
             out.append(row(f"conv2d depthwise n{nb} {c} {hw}x{hw} k3 s{s}", side, ref, "torch"))
     return out
 
@@ -274,8 +275,10 @@ def main() -> None:
     print(f"| case | implementation | workspace (B) | twophase ms | reference ms | ratio reference / twophase "
           f"({HIGHER_FASTER}) |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for section in (lambda: bench_matmul(rng), lambda: bench_conv(rng, (1, 8)), lambda: bench_sdpa(rng),
-                    lambda: bench_pool_depthwise(rng)):
+    sections: list[Callable[[], list[str]]] = [
+        functools.partial(bench_matmul, rng), functools.partial(bench_conv, rng, (1, 8)),
+        functools.partial(bench_sdpa, rng), functools.partial(bench_pool_depthwise, rng)]
+    for section in sections:
         for line in section():
             print(line, flush=True)
     print(f"# uptime: {_uptime()}")
