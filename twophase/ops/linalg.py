@@ -235,10 +235,13 @@ def _infer_matmul(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> 
     return (_mm_out("matmul", need("matmul", "a", ins[0]), need("matmul", "b", ins[1])),)
 
 
-def _select_matmul(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
-    a, b = ins[0], ins[1]
-    return plan_matmul("matmul", promote(a, "a"), promote(b, "b"), out_spec(outs[0], a.ndim == 1, b.ndim == 1),
-                       a.dtype.itemsize, limit)
+def _product_select(op: str, first: int) -> Callable[[Any, Any, dict[str, Any], int | None], Plan]:
+    """Phase 1 of an op whose product's operands a, b are its inputs ``first`` and ``first + 1``."""
+    def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+        a, b = ins[first], ins[first + 1]
+        return plan_matmul(op, promote(a, "a"), promote(b, "b"), out_spec(outs[0], a.ndim == 1, b.ndim == 1),
+                           a.dtype.itemsize, limit)
+    return select
 
 
 def _build_matmul(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
@@ -257,7 +260,7 @@ matmul = register(OpDef(
     inputs=("a", "b"),
     dtypes=MM_DTYPES,
     infer=_infer_matmul,
-    select=_select_matmul,
+    select=_product_select("matmul", 0),
     kernels={"cpu": _build_matmul},
     implementations=IMPLEMENTATIONS,
     workspace_formula=WS_DOC,
@@ -335,12 +338,6 @@ def _infer_baddbmm(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) ->
     return (out,)
 
 
-def _select_baddbmm(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
-    a, b = ins[1], ins[2]
-    return plan_matmul("baddbmm", promote(a, "a"), promote(b, "b"), out_spec(outs[0], a.ndim == 1, b.ndim == 1),
-                       a.dtype.itemsize, limit)
-
-
 def _build_baddbmm(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
                    outs: tuple[Any, ...]) -> Callable[[Any], None]:
     c, a, b = ins
@@ -366,7 +363,7 @@ baddbmm = register(OpDef(
            Attr("alpha", as_float, 1.0, "scale of a @ b")),
     dtypes=MM_DTYPES,
     infer=_infer_baddbmm,
-    select=_select_baddbmm,
+    select=_product_select("baddbmm", 1),
     kernels={"cpu": _build_baddbmm},
     implementations=IMPLEMENTATIONS,
     workspace_formula=WS_DOC,
