@@ -38,10 +38,10 @@ LANES = 16
 HALF = 8  # a last run of at most this many columns takes the 8-wide (ymm) masked panel
 NR = 2 * LANES  # columns of a full panel (of a packed copy of b, and the last panels of a run)
 # columns of a wide panel, where b is read in place: 6 x 4 accumulators (24 of the 32 zmm registers), so each
-# broadcast of a feeds four FMAs instead of two. Against 32-wide panels (one thread, the same loops, interleaved,
-# /tmp/w27/k64b.py of the twenty-seventh session): 1.14-1.20x on attention's 512 x 512 x 64 and 512 x 64 x 512
-# heads and on the im2col tiles of 7x7 and 14x14 maps (512 x 4608 x 64, 256 x 2304 x 192), 0.97-1.02x on MiniLM's
-# linears (those pack b 32 wide: ``PACK_MIN_ROWS``)
+# broadcast of a feeds four FMAs instead of two. gemm_f32 unpacked against the 32-wide module, one thread,
+# interleaved in one process (/tmp/w27/gab.py of the twenty-seventh session, two runs): attention's 512 x 512 x 64
+# and 512 x 64 x 512 heads 1.08-1.13x, 512 x 4608 x 64 1.07-1.17x, 128 x 384 x 1536 1.05-1.11x, 0.91-1.02x on four
+# other shapes in one run or the other. The packed path (``PACK_MIN_ROWS``) keeps 32-wide copies of b's panels.
 WIDE = 4 * LANES
 KC = 256  # k block: a 32-column panel of b over KC rows is 32 KiB
 MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panels
@@ -99,9 +99,10 @@ def row_ranges(m: int, parts: int) -> list[tuple[int, int]]:
 
 
 def columns_computed(n: int) -> int:
-    """Columns' worth of work ``gemm_tile`` does for ``n``: whole 32-wide panels, then a last panel of 32 (17-31
-    left, the second vector masked) or of 16 (1-16 left; the 8-wide ymm panel of 1-8 costs a 16-wide one's time per
-    row of ``b``: the same loads and FMAs, on half-width registers)."""
+    """Columns' worth of work ``gemm_tile`` does for ``n``: whole panels (64 wide, ``panel_width``), then the rest
+    as a masked 64 (49-63 left), 32 + 16 (33-48), a masked 32 (17-31) or 16 (1-16; the 8-wide ymm panel of 1-8
+    costs a 16-wide one's time per row of ``b``: the same loads and FMAs, on half-width registers). The same
+    counts as whole 32-wide panels and a last one of 32 or 16, which the formula computes."""
     full = n // NR * NR
     rest = n - full
     return full + (0 if rest == 0 else LANES if rest <= LANES else NR)
