@@ -56,7 +56,12 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
     function from its literal when the kernel is typed, so only that function is compiled (an ``if code == ...``
     chain of inlined calls had every body typed and lowered before the dead branches were pruned, ~8 s a kernel
     against ~1). The loops are functions of their own, not inlined: inlined into a row loop, AVX2 code reloaded
-    the polynomial constants on every iteration (110 instructions against 61)."""
+    the polynomial constants on every iteration (110 instructions against 61).
+
+    Each iteration computes one element from each half of the span: two independent memory streams keep more
+    lines in flight while the arithmetic runs (Intel Xeon, 16 M float32 elements out of cache, one thread: gelu
+    15.7 against 17.2 ms, silu 12.0 against 13.8; two threads, through the op, gelu / torch 0.84-1.02 against
+    0.87-0.96, /tmp/w28/gq.py, opab.py). The same in cache; four streams were no better than two."""
     def span(code: int, x: Any, out: Any) -> None:
         for i in range(x.shape[0]):
             out[i] = functions[code](x[i])
@@ -75,8 +80,13 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
 
         def impl(code: Any, x: Any, out: Any) -> None:  # the stub's signature, annotations included (numba checks)
             wide_vectors()
-            for i in range(x.shape[0]):
+            n = x.shape[0]
+            h = n // 2
+            for i in range(h):
                 out[i] = f(x[i])
+                out[i + h] = f(x[i + h])
+            if n % 2:
+                out[n - 1] = f(x[n - 1])
         return impl
 
     @overload(span_in_place, jit_options=_LOOP_OPTIONS)
@@ -87,8 +97,13 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
 
         def impl(code: Any, x: Any) -> None:
             wide_vectors()
-            for i in range(x.shape[0]):
+            n = x.shape[0]
+            h = n // 2
+            for i in range(h):
                 x[i] = f(x[i])
+                x[i + h] = f(x[i + h])
+            if n % 2:
+                x[n - 1] = f(x[n - 1])
         return impl
     return span, span_in_place
 
