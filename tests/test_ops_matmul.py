@@ -429,16 +429,17 @@ def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(rng: np.random.Generat
         # a read through a negative row stride, in place (BLAS would need it packed)
         rev = device("cpu").tensor(np.ascontiguousarray(x[::-1])).strided((m, k), (-k, 1), (m - 1) * k)
         r = run_checked(matmul, rev, w)
-        assert r.implementation == "microkernel" and r.workspace_size == _panels_workspace(r.tiling.parts, k)
+        assert r.implementation == "microkernel" and r.workspace_size == _panels_workspace(r.tiling.parts, k, n)
         _check(r, ref - bias, rtol=1e-5)
         # an addend that is not a bias row: the kernel, then the epilogue
         c = _rand(rng, (m, n))
         _check(run_checked(baddbmm, c, x, w, alpha=0.5, beta=2.0), 0.5 * (ref - bias) + 2.0 * c, rtol=1e-5)
 
 
-def _panels_workspace(parts: tuple[tuple[int, int, int, int], ...], k: int) -> int:
-    """The microkernel's documented workspace: a packed panel of b per part when every part has enough rows."""
-    packs = min(i1 - i0 for i0, i1, _, _ in parts) >= gemm.PACK_MIN_ROWS
+def _panels_workspace(parts: tuple[tuple[int, int, int, int], ...], k: int, row_stride: int, offset: int = 0) -> int:
+    """The microkernel's documented workspace: a packed panel of b per part when every part has enough rows and
+    b's rows (``row_stride`` floats apart from float ``offset``) are not all 64-byte aligned."""
+    packs = min(i1 - i0 for i0, i1, _, _ in parts) >= gemm.PACK_MIN_ROWS and (row_stride % 16 or offset % 16)
     return len(parts) * align(min(gemm.KC, k) * gemm.NR * 4) if packs else 0
 
 
@@ -447,16 +448,17 @@ def _panels_workspace(parts: tuple[tuple[int, int, int, int], ...], k: int) -> i
 @pytest.mark.parametrize("threads", [1, 2])
 def test_microkernel_packs_b_panels_from_enough_rows_and_without_room_reads_b_in_place(
         rng: np.random.Generator, m: int, k: int, n: int, threads: int) -> None:
-    """From PACK_MIN_ROWS rows per part the microkernel asks for one packed panel of b per part (its documented
-    workspace, touched to the last aligned byte); under a limit below that it reads b in place with no
-    workspace. Both sum in the same order: bit for bit the same result, against the float64 reference."""
+    """From PACK_MIN_ROWS rows per part, when b's rows are not 64-byte aligned, the microkernel asks for one packed
+    panel of b per part (its documented workspace, touched to the last aligned byte); under a limit below that, or
+    with aligned rows, it reads b in place with no workspace. Both sum in the same order: bit for bit the same
+    result, against the float64 reference."""
     x, w, bias = _rand(rng, (m, k)), _rand(rng, (k, n)), _rand(rng, (n,))
     ref = x.astype(np.float64) @ w.astype(np.float64) + bias
     wt = device("cpu").tensor(w).transpose()
     with num_threads(threads):
         packed = run_checked(linear, x, wt, bias)
         assert packed.implementation == "microkernel"
-        want = _panels_workspace(packed.tiling.parts, k)
+        want = _panels_workspace(packed.tiling.parts, k, n)
         assert packed.workspace_size == want and packed.tiling.panels == (want > 0)
         assert want == 0 or packed.touched > want - 64 * len(packed.tiling.parts)
         _check(packed, ref, rtol=1e-5)
@@ -464,7 +466,24 @@ def test_microkernel_packs_b_panels_from_enough_rows_and_without_room_reads_b_in
     assert in_place.implementation == "microkernel" and in_place.workspace_size == 0 and not in_place.tiling.panels
     np.testing.assert_array_equal(packed.outputs[0], in_place.outputs[0])
     if m >= gemm.PACK_MIN_ROWS * threads:
-        assert packed.tiling.panels
+        assert packed.tiling.panels == (n % 16 != 0)
+
+
+@needs_micro
+def test_microkernel_packs_b_panels_only_when_b_rows_are_not_64_byte_aligned(rng: np.random.Generator) -> None:
+    """b read through views of one aligned (k, n + 16) block: its row stride is 64-byte aligned, so the panels are
+    packed only where the view starts off a 64-byte boundary (offset 1), and the results match either way."""
+    m, k, n = 64, 96, 128
+    x, w, bias = _rand(rng, (m, k)), _rand(rng, (k, n + 16)), _rand(rng, (n,))
+    whole = device("cpu").tensor(w)
+    with num_threads(1):
+        for offset, packs in ((0, False), (16, False), (1, True), (5, True)):
+            wt = whole.strided((n, k), (1, n + 16), offset)  # weight (out, in): weight.T is w[:, offset:offset + n]
+            r = run_checked(linear, x, wt, bias)
+            assert r.implementation == "microkernel" and r.tiling.panels == packs, offset
+            assert r.workspace_size == _panels_workspace(r.tiling.parts, k, n + 16, offset)
+            ref = x.astype(np.float64) @ w[:, offset:offset + n].astype(np.float64) + bias
+            _check(r, ref, rtol=1e-5)
 
 
 @needs_micro

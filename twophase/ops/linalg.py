@@ -141,8 +141,9 @@ def _fold_point(a: Spec, b: Spec, out: Spec) -> tuple[int, Spec, Spec] | None:
 
 
 def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]],
-                out: tuple[tuple[int, ...], tuple[int, ...]], itemsize: int, limit: Any) -> Plan:
-    """Rank the implementations for promoted operand (shape, strides) pairs and pick under ``limit``.
+                out: tuple[tuple[int, ...], tuple[int, ...]], itemsize: int, limit: Any, b_offset: int = 0) -> Plan:
+    """Rank the implementations for promoted operand (shape, strides) pairs and pick under ``limit``; ``b_offset``:
+    b's offset in elements (whether its rows are 64-byte aligned decides the microkernel's panel copies).
 
     Workspace: 0 for microkernel, gemm_folded, batch_loop and blas; packed: align64(numel * itemsize) for each packed
     operand of (a, b, out) (those whose matrices BLAS cannot take; a and b when all can).
@@ -168,7 +169,8 @@ def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tu
         if micro:
             plain = MatmulTiling(ma, sb, mo, 0, no_pack, (0, 0, 0), 0, micro)
             cands.insert(0, Candidate("microkernel", plain, 0))
-            if min(i1 - i0 for i0, i1, _, _ in micro) >= gemm.PACK_MIN_ROWS:  # under a tighter limit: unpacked
+            rows = min(i1 - i0 for i0, i1, _, _ in micro)
+            if gemm.packs_panels(rows, sb.strides[-2], b_offset):  # under a tighter limit: unpacked
                 panels = len(micro) * align(gemm.panel_bytes(sb.shape[-2]))
                 cands.insert(0, Candidate("microkernel", replace(plain, workspace=panels, panels=True), panels))
     if a_ok and b_ok and o_ok:
@@ -240,7 +242,7 @@ def _product_select(op: str, first: int) -> Callable[[Any, Any, dict[str, Any], 
     def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
         a, b = ins[first], ins[first + 1]
         return plan_matmul(op, promote(a, "a"), promote(b, "b"), out_spec(outs[0], a.ndim == 1, b.ndim == 1),
-                           a.dtype.itemsize, limit)
+                           a.dtype.itemsize, limit, b.offset)
     return select
 
 
@@ -250,9 +252,9 @@ def _build_matmul(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
 
 
 WS_DOC = (f"microkernel: P * align64(min({gemm.KC}, K) * {gemm.NR} * 4) (P parts, each packing b's panels of "
-          f"{gemm.NR} columns, K rows of b) when every part has {gemm.PACK_MIN_ROWS} rows or more and the limit "
-          "allows, else 0; gemm_folded, batch_loop, "
-          "blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
+          f"{gemm.NR} columns, K rows of b) when every part has {gemm.PACK_MIN_ROWS} rows or more, b's rows are not "
+          "all 64-byte aligned (row stride or offset not a multiple of 16 floats) and the limit allows, else 0; "
+          "gemm_folded, batch_loop, blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
           "align64(numel(b) * itemsize) if b is packed + align64(numel(out) * itemsize) if out is packed")
 
 matmul = register(OpDef(
@@ -267,8 +269,9 @@ matmul = register(OpDef(
     doc=("a @ b with numpy semantics (1-D promotion, broadcast batch dims), float32 / float64. Implementations, "
          "fastest first: microkernel (float32, b one matrix with unit column stride, "
          f"{MICRO_MIN_ROWS}-{MICRO_MAX_ROWS} folded rows, a with any strides, at least {gemm.MIN_COLS} columns: "
-         "a register-blocked GEMM reading a in place and b's column panels copied contiguous from "
-         f"{gemm.PACK_MIN_ROWS} rows, bias fused, column panels split over the cores), gemm_folded (b shared "
+         "a register-blocked GEMM reading a in place, and b in place or, from "
+         f"{gemm.PACK_MIN_ROWS} rows when its rows are not 64-byte aligned, its column panels copied contiguous; "
+         "bias fused, column panels split over the cores), gemm_folded (b shared "
          "by the whole batch: one GEMM over batch*M rows, workspace 0), batch_loop (one folded GEMM per index of "
          "the batch dims b varies over, workspace 0), blas (np.matmul on "
          "the views, workspace 0, when every matrix has a unit stride), packed (operands BLAS cannot take copied "
@@ -294,7 +297,7 @@ def _infer_linear(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> 
 def _select_linear(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
     x, w = ins[0], ins[1]
     return plan_matmul("linear", promote(x, "a"), _weight_t(w), out_spec(outs[0], x.ndim == 1, False),
-                       x.dtype.itemsize, limit)
+                       x.dtype.itemsize, limit, w.offset)
 
 
 def _build_linear(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],

@@ -6,8 +6,9 @@ in the 64-column panels of ``b`` read in place), per k two (four) vector loads o
 each ``a`` element and ``2 * MR`` (``4 * MR``) vector FMAs; LLVM allocates them to zmm registers. Around it a plain
 numba loop nest blocks k (``KC``) and the rows (``MC``) so the block of ``a`` stays in L2 while the panels of ``b``
 stream past it. The operands are read where they lie (``b``'s 32-column panels are copied when enough rows reuse
-them: ``PACK_MIN_ROWS``), and a linear layer's weight is read in place on every call (OpenBLAS packs both operands
-per call). The bias, when given, is added as the accumulators are stored, so it costs no pass over ``c``.
+them and its rows are not 64-byte aligned: ``packs_panels``), and a linear layer's weight is read in place on
+every call (OpenBLAS packs both operands per call). The bias, when given, is added as the accumulators are
+stored, so it costs no pass over ``c``.
 
 Without AVX-512, ``gemm_f32_ymm`` runs the same IR with 8-float vectors (6 x 16 blocks in 12 of AVX2's 16 ymm
 registers) for the small products of attention's heads, where it beats OpenBLAS's per-call cost; the linear
@@ -30,8 +31,8 @@ from ...runtime.fanout import split_range
 from .jit import emit_lanes_below, emit_prefetch, emit_splat, masked_memory
 
 __all__ = ["available", "host_has", "columns_computed", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile",
-           "MIN_COLS", "MR", "NR", "KC", "MC", "LANES", "HALF", "panel_bytes", "PACK_MIN_ROWS", "row_ranges",
-           "ymm_available", "gemm_f32_ymm", "gemm_f32_heads_ymm", "YMM"]
+           "MIN_COLS", "MR", "NR", "KC", "MC", "LANES", "HALF", "panel_bytes", "PACK_MIN_ROWS", "packs_panels",
+           "row_ranges", "ymm_available", "gemm_f32_ymm", "gemm_f32_heads_ymm", "YMM"]
 
 MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast: 15 of the 32 zmm registers
 LANES = 16
@@ -45,12 +46,21 @@ NR = 2 * LANES  # columns of a full panel (of a packed copy of b, and the last p
 WIDE = 4 * LANES
 KC = 256  # k block: a 32-column panel of b over KC rows is 32 KiB
 MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panels
-# rows from which gemm_f32 packs b's panels: the copy is read by every MR-row block after it. b's rows in place, a
-# row stride such as 1152 or 384 floats (a multiple of 4 KiB every few rows) maps a panel's 512 lines onto a
-# quarter of L1's sets, and rows not 64-byte aligned span three lines each (Intel Xeon, AVX-512, one thread, the
-# twenty-second session: 128 rows x MiniLM's linears and 512^3 1.04-1.16x faster packed with 64-byte-aligned
-# operands, /tmp/w22/peak2.py; 1.2-1.45x unaligned, packproto.py; 24 rows 0.8-1.1x)
+# rows from which gemm_f32 packs b's panels when b's rows are not 64-byte aligned (``packs_panels``): the copy is
+# read by every MR-row block after it, and rows in place would span an extra line per 64 columns (twenty-second
+# session: 1.2-1.45x packed, /tmp/w22/packproto.py; 24 rows 0.8-1.1x). Aligned rows are read in place: with the
+# 64-column panels the packed 32-wide copies lost (Intel Xeon, one thread, 64-byte-aligned operands, interleaved in
+# one process, two runs, /tmp/w28/gab3.py: in place / packed 128 x 384 x 1152 1.05 / 1.09x, 128 x 1536 x 384
+# 1.07 / 1.14x, 128 x 384 x 384 1.07 / 1.15x, 512^3 1.12 / 1.06x, 0.95-1.39x on eight others; rows 383 floats
+# apart 0.88 / 0.87x). Copying 64-wide panels instead measured 0.89-1.28x the 32-wide ones: not taken.
 PACK_MIN_ROWS = 32
+
+
+def packs_panels(rows: int, row_stride: int, offset: int) -> bool:
+    """Whether ``gemm_f32`` runs faster over packed copies of b's panels (phase 1 asks): every part has
+    ``PACK_MIN_ROWS`` rows and b's rows, ``row_stride`` floats apart from float ``offset`` of a 64-byte-aligned
+    allocation, do not all start on a 64-byte boundary."""
+    return rows >= PACK_MIN_ROWS and (row_stride % LANES != 0 or offset % LANES != 0)
 UNIT_STEP_LOOP = True  # the microkernels' k loop specialised for a's unit step (False: one loop; to measure)
 
 
