@@ -30,8 +30,11 @@ from .selection import Candidate, choose
 MM_DTYPES = (DType.float32, DType.float64)
 IMPLEMENTATIONS = ("microkernel", "gemm_folded", "batch_loop", "blas", "packed")
 # microkernel (kernels/cpu/gemm.py) where it measured faster than numpy's OpenBLAS (bench/bench_ops2.py): float32,
-# up to MICRO_MAX_ROWS rows (a block of them stays in L2 while b streams past), columns by gemm.columns_fit
-MICRO_MAX_ROWS = 512
+# up to MICRO_MAX_ROWS rows (a block of them stays in L2 while b streams past), columns by gemm.columns_fit. With the
+# 64-column panels, aligned MiniLM linears of 1024 and 2048 rows ran 1.01-1.51x OpenBLAS on two threads, 1.01-1.15x
+# on one, 1024^3 1.02x; 4096 x 1024 x 1024 0.90x (Intel Xeon, interleaved in one process, /tmp/w28/big.py). MiniLM
+# 8 x 128 graph replay against 512 rows, in one process: 0.92, 1.02, 0.96x the time in three runs (mab2.py)
+MICRO_MAX_ROWS = 2048
 MICRO_MIN_ROWS = 3  # one or two rows: OpenBLAS's GEMV-like kernels are faster (1 x 384 x 1536: 36 against 70 us)
 MICRO_PART_FLOPS = 6_000_000  # below this a GEMM runs as one part (4 x 384 x 1536: 60 us in one, 70 in two)
 
