@@ -499,6 +499,8 @@ def test_microkernel_parts_split_columns_at_panels_else_rows() -> None:
         assert _micro_parts(300, 300, 47, 1) == ((0, 96, 0, 47), (96, 198, 0, 47), (198, 300, 0, 47))
     assert _micro_parts(128, 384, 1152, 2) == ()  # b's columns strided
     assert _micro_parts(2049, 384, 1152, 1) == ()  # more rows than measured to pay
+    assert _micro_parts(1024, 1024, 1024, 1) == ()  # a large b: more rows than measured to pay
+    assert _micro_parts(1024, 1536, 384, 1) != ()  # a small b (MiniLM's weights): up to 2048 rows
     assert _micro_parts(128, 384, 31, 1) == ()  # no full panel
     assert _micro_parts(512, 4608, 49, 1) == ()  # 64 columns computed for 49
     assert _micro_parts(2, 384, 1536, 1) == ()  # GEMV-like: BLAS
