@@ -18,7 +18,7 @@ import twophase
 from twophase import DType, TensorDesc, device, functions, ops
 from twophase.errors import ParamError
 from twophase.kernels.cpu import streaming
-from twophase.kernels.cpu.elementwise import IN_PLACE, KERNELS, _rows_call, function_for
+from twophase.kernels.cpu.elementwise import IN_PLACE, KERNELS, STAGE, _rows_call, function_for
 from twophase.kernels.cpu.jit import FAST
 from twophase.ops import elementwise as elementwise_ops
 from twophase.ops.elementwise import BINARY, COMPARE, UNARY, unary_reference
@@ -102,6 +102,29 @@ def test_unary_matches_float64_reference_in_any_layout(name: str, shape: tuple[i
     if dtype == np.float16 and name in ("exp", "tanh", "gelu") and x.size:
         assert r.implementation == "packed" and r.workspace_size >= x.size * 4
     check_close(r.outputs[0], ref.astype(dtype).astype(np.float64) if dtype == np.float16 else ref, dtype)
+
+
+@pytest.mark.parametrize("layout", ["strided", "transposed", "reversed"])
+@pytest.mark.parametrize("name", ["gelu", "silu", "exp", "tanh"])
+def test_unary_on_strided_rows_longer_than_the_stage_buffer(name: str, layout: str) -> None:
+    """Rows without unit stride go through a dense buffer STAGE elements at a time: rows of 2 * STAGE + 37
+    elements cross two chunk boundaries and end in a partial chunk; every element written, each to its own."""
+    x = random((3, 2 * STAGE + 37), np.float32, np.random.default_rng(7))
+    op = getattr(ops, name)
+    r = run_checked(op, on_device(x, layout))
+    assert r.unwritten == (0,) and r.implementation == "vector"
+    check_close(r.outputs[0], op.spec.reference(x.astype(np.float64)), np.float32)
+
+
+def test_in_place_kernel_on_strided_rows_touches_only_its_elements() -> None:
+    """The in-place kernel for rows without unit stride (staged through the dense buffer) writes every element
+    of the view, and none of the elements between them."""
+    base = random((3, 2 * (STAGE + 37)), np.float32, np.random.default_rng(8))
+    want = base.copy()
+    want[:, ::2] = ops.silu.spec.reference(base[:, ::2].astype(np.float64))
+    IN_PLACE["silu_f32"][False](base[:, ::2])
+    np.testing.assert_array_equal(base[:, 1::2], want[:, 1::2])
+    np.testing.assert_allclose(base[:, ::2], want[:, ::2], rtol=2e-6, atol=1e-30)
 
 
 def test_long_vector_runs_parallel_blocks_and_stays_exact() -> None:
