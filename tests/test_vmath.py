@@ -21,7 +21,7 @@ _k = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract
 _FUNCTIONS = (vm.exp, vm.log, vm.tanh, vm.erf, vm.erfc, vm.sigmoid,  # 0-5
               vm.exp_f32, vm.sigmoid_f32, vm.silu_f32, vm.gelu_erf_f32, vm.exp_nonpos_f32,  # 6-11: float32 only
               vm.exp_nonpos_zeroing_f32)
-_span, _ = span_loops(_FUNCTIONS)
+_span = span_loops(_FUNCTIONS)[0]
 
 
 def _kernel(code: int) -> Any:
