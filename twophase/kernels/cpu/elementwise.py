@@ -147,7 +147,7 @@ def _rows(code: int) -> dict[bool, Any]:
         @kern
         def rows(x: Any, out: Any) -> None:
             if not dense:
-                buf = np.empty(min(STAGE, x.shape[1]), out.dtype)
+                buf = np.empty(max(1, min(STAGE, x.shape[1])), out.dtype)  # step 0 would not end
                 for k in range(x.shape[0]):
                     _span_staged(code, x[k], out[k], buf)
                 return
@@ -166,7 +166,7 @@ def _in_place(code: int) -> dict[bool, Any]:
         @kern
         def rows_in_place(x: Any) -> None:
             if not dense:
-                buf = np.empty(min(STAGE, x.shape[1]), x.dtype)
+                buf = np.empty(max(1, min(STAGE, x.shape[1])), x.dtype)
                 for k in range(x.shape[0]):
                     _span_staged(code, x[k], x[k], buf)
                 return

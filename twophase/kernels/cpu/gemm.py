@@ -54,6 +54,7 @@ MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panel
 # 1.07 / 1.14x, 128 x 384 x 384 1.07 / 1.15x, 512^3 1.12 / 1.06x, 0.95-1.39x on eight others; rows 383 floats
 # apart 0.88 / 0.87x). Copying 64-wide panels instead measured 0.89-1.28x the 32-wide ones: not taken.
 PACK_MIN_ROWS = 32
+UNIT_STEP_LOOP = True  # the microkernels' k loop specialised for a's unit step (False: one loop; to measure)
 
 
 def packs_panels(rows: int, row_stride: int, offset: int) -> bool:
@@ -61,7 +62,6 @@ def packs_panels(rows: int, row_stride: int, offset: int) -> bool:
     ``PACK_MIN_ROWS`` rows and b's rows, ``row_stride`` floats apart from float ``offset`` of a 64-byte-aligned
     allocation, do not all start on a 64-byte boundary."""
     return rows >= PACK_MIN_ROWS and (row_stride % LANES != 0 or offset % LANES != 0)
-UNIT_STEP_LOOP = True  # the microkernels' k loop specialised for a's unit step (False: one loop; to measure)
 
 
 def panel_bytes(k: int) -> int:
