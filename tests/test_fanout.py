@@ -686,3 +686,41 @@ def test_deterministic_results_do_not_depend_on_the_thread_count() -> None:
         config.set_deterministic(saved[0])
         config.set_num_threads(saved[1])
     assert all(len(h) == 1 for h in seen.values()), seen
+
+
+def test_busy_counts_launches_on_helpers_and_is_zero_again_after_a_failing_part() -> None:
+    """``BUSY`` = [launches running parts on helpers now, such launches so far]: a one-part launch is not
+    counted, a launch of several is, and the count of those running goes back to 0 when a part raises."""
+    from twophase.runtime.fanout import BUSY
+    before = int(BUSY[1])
+    run_parts([lambda: None])
+    assert BUSY.tolist() == [0, before]
+    seen: list[int] = []
+
+    def bad() -> None:
+        seen.append(int(BUSY[0]))
+        raise ValueError("part failed")
+    with pytest.raises(ValueError, match="part failed"):
+        run_parts([bad, lambda: seen.append(int(BUSY[0]))])
+    assert seen == [1, 1] and BUSY.tolist() == [0, before + 1]
+
+
+def test_spin_until_reached_sees_the_count_gives_up_when_told_and_is_bounded() -> None:
+    from twophase.runtime.spin import spin_until_reached
+    counter, unless = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    assert spin_until_reached(counter, 0, 0, unless)
+    assert not spin_until_reached(counter, 1, 2000, unless)  # bounded: returns False instead of hanging
+
+    def bump() -> None:
+        time.sleep(0.002)
+        counter[0] = 3
+    th = threading.Thread(target=bump)
+    th.start()
+    seen = any(spin_until_reached(counter, 2, 1000, unless) for _ in range(10_000))  # the thread needs ~2 ms
+    th.join(10)
+    assert seen
+    unless[0] = 1  # told to stop: gives up at once, long before its 60 s budget
+    waiter = threading.Thread(target=spin_until_reached, args=(counter, 4, 60e6, unless), daemon=True)
+    waiter.start()
+    waiter.join(30)  # a hang guard, not a timing check
+    assert not waiter.is_alive()

@@ -456,3 +456,66 @@ def test_one_op_launched_from_many_threads_at_once(dev):
     finally:
         sys.setswitchinterval(old)
     assert not errors, errors[:3]
+
+
+@pytest.mark.parametrize("spin_us", [0, 500])
+def test_a_synchronize_after_each_launch_returns_after_its_task_and_raises_its_failure(stream, spin_us):
+    """launch + synchronize in a loop, with the worker and the host spinning (500: the default) or blocking at
+    once (0): every synchronize returns after its task ran, and a failing task is raised by the synchronize
+    after it, whichever path the host took."""
+    old = twophase.settings.helper_spin_us
+    twophase.set_helper_spin(spin_us)
+    try:
+        seen: list[int] = []
+        for i in range(300):
+            if i % 50 == 49:
+                stream.launch_callback(lambda: 1 / 0)
+                with pytest.raises(twophase.KernelError, match="ZeroDivisionError"):
+                    stream.synchronize()
+                continue
+            stream.launch_callback(lambda i=i: (time.sleep(0.0002 * (i % 3)), seen.append(i)))
+            stream.synchronize()
+            assert seen[-1] == i
+        q = stream._q
+        assert q.finished[0] <= q.done == q.submitted  # what the worker published never runs ahead of what ran
+    finally:
+        twophase.set_helper_spin(old)
+
+
+def test_a_stream_closed_while_its_worker_spins_for_work_stops_its_worker(dev):
+    """Closing right after a synchronize, while the worker spins for its next task: the thread ends."""
+    s = dev.stream()
+    s.launch_callback(lambda: None)
+    s.synchronize()
+    worker = s._q.thread
+    s.close()
+    worker.join(60)  # a hang guard, not a timing check
+    assert not worker.is_alive()
+
+
+def test_a_worker_does_not_spin_after_a_launch_on_helper_threads(dev, monkeypatch):
+    """After a launch whose parts ran on helpers (which spin for the next launch themselves), the worker blocks
+    at once instead of spinning for its next task, so the host thread keeps a core; after one that did not, it
+    spins for the configured time."""
+    from twophase.runtime import fanout
+    from twophase.runtime import stream as stream_mod
+    spins: dict[int, float] = {}  # tasks done when the worker ran out of tasks: how long it spun
+    real = stream_mod.count_and_wait
+    s = dev.stream()
+    q = s._q
+
+    def record(slots, slot, count, counter, value, us):
+        if slots is q.finished:
+            spins[q.done] = us
+        return real(slots, slot, count, counter, value, us)
+    monkeypatch.setattr(stream_mod, "count_and_wait", record)
+    first = q.submitted + 1
+    try:
+        s.launch_callback(lambda: fanout.run_parts([lambda: None, lambda: None]))
+        s.synchronize()
+        s.launch_callback(lambda: None)
+        s.synchronize()
+    finally:
+        s.close()
+    assert spins[first] == 0.0  # after the fan-out: blocked at once
+    assert spins[first + 1] == stream_mod._spin_us() > 0  # after a plain task: spun

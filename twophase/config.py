@@ -183,7 +183,11 @@ def set_helper_spin(us: int) -> None:
     other runnable thread every 20 us. Why: on VMs whose kernel packs sleeping threads onto one vCPU (seen on
     these machines: ``sched_vcpu_pack``), helpers that block after every part are woken onto the launching
     thread's vCPU after an idle gap and the kernels run at one-thread speed for as long as the calls keep
-    coming; a helper that stays runnable between launches is moved to the idle vCPU within a few ms."""
+    coming; a helper that stays runnable between launches is moved to the idle vCPU within a few ms.
+
+    It also caps the shorter spins of a stream's worker waiting for its next task and of a host thread in
+    ``synchronize`` (``stream.SYNC_SPIN_US``, 100 us), which save the two thread wake-ups of a launch +
+    synchronize; 0 turns every spin off."""
     _set("helper_spin_us", _helper_spin(us, "set_helper_spin", "us"))
 
 

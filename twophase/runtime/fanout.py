@@ -24,11 +24,18 @@ import numpy as np
 from .. import config
 from .spin import count_and_wait, spin_until_total
 
-__all__ = ["bound", "fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
+__all__ = ["BUSY", "bound", "fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
 
 Part = Callable[[], None]
 
 
+# [launches running parts on helper threads now, such launches so far]: a host thread waiting for a stream spins
+# only while the first is 0, and a stream's worker spins for its next task only when the second has not moved
+# since its last spin (``stream.SYNC_SPIN_US``): the helpers spin after such a launch, and one more spinning
+# thread would take the core the host thread needs (gelu of 128 x 1536 in two parts, launch + synchronize:
+# 1.3x the time with both spinning, /tmp/w29/procab.py of the twenty-ninth session)
+BUSY = np.zeros(2, np.int64)
+_busy_lock = threading.Lock()
 DETERMINISTIC_PARTS = 8  # parts of every parallel kernel under set_deterministic(True), whatever the machine
 
 
@@ -170,12 +177,19 @@ def run_parts(parts: Sequence[Part]) -> None:
     if helpers > 0:
         _helpers.ensure(helpers)
     job = _Job(parts, _helpers.count + 1)
-    if helpers > 0:
-        _helpers.post(job, helpers)
-    job.finished[0] = job.work()
-    # the other parts are ending on helpers: a blocked wait wakes 25-90 us late
-    if not spin_until_total(job.finished, len(parts)) and job.left[0]:
-        job.done.acquire()
+    with _busy_lock:
+        BUSY[0] += 1
+        BUSY[1] += 1
+    try:
+        if helpers > 0:
+            _helpers.post(job, helpers)
+        job.finished[0] = job.work()
+        # the other parts are ending on helpers: a blocked wait wakes 25-90 us late
+        if not spin_until_total(job.finished, len(parts)) and job.left[0]:
+            job.done.acquire()
+    finally:
+        with _busy_lock:
+            BUSY[0] -= 1
     if job.error is not None:
         raise job.error
 

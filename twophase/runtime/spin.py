@@ -22,7 +22,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["SETTLE_US", "SPIN_US", "count_and_wait", "spin_until_total"]
+__all__ = ["SETTLE_US", "SPIN_US", "count_and_wait", "spin_until_reached", "spin_until_total"]
 
 SPIN_US = 100.0
 YIELD_US = 20.0
@@ -124,6 +124,26 @@ def _count_and_wait(slots: Any, slot: int, count: int, counter: Any, value: int,
 
 
 @numba.njit(nogil=True, cache=True)
+def _spin_reach(counter: Any, target: int, unless: Any, limit: int, every: int) -> bool:
+    """Spin at most ``limit`` times while ``counter[0] < target`` and ``unless[0] == 0``, yielding the core every
+    ``every`` spins; True when it reached ``target``."""
+    addr, stop = counter.ctypes.data, unless.ctypes.data
+    left = every
+    for _ in range(limit):
+        if _load_acquire(addr) >= target:
+            return True
+        if _load_acquire(stop) != 0:
+            break
+        _pause()
+        left -= 1
+        if left == 0:
+            _yield()
+            left = every
+    last: int = _load_acquire(addr)
+    return last >= target
+
+
+@numba.njit(nogil=True, cache=True)
 def _spin_total(slots: Any, total: int, limit: int) -> bool:
     """Spin at most ``limit`` times until the slots sum to ``total``; True when they did."""
     base = slots.ctypes.data
@@ -164,3 +184,11 @@ def spin_until_total(slots: np.ndarray[Any, Any], total: int) -> bool:
     """Spin until the int64 ``slots`` (counted by :func:`count_and_wait`) sum to ``total``, for at most about
     SPIN_US microseconds; True when they did."""
     return bool(_spin_total(slots, total, _iterations()))
+
+
+def spin_until_reached(counter: np.ndarray[Any, Any], target: int, us: float, unless: np.ndarray[Any, Any]) -> bool:
+    """Spin while the int64 ``counter[0]`` (counted by :func:`count_and_wait`) is below ``target`` and the int64
+    ``unless[0]`` is 0, for at most ``us`` microseconds, yielding the core every ``YIELD_US``; True when it
+    reached ``target``."""
+    per_us = _iterations() / SPIN_US
+    return bool(_spin_reach(counter, target, unless, int(per_us * us), max(1, int(per_us * YIELD_US))))

@@ -3,6 +3,10 @@
 A task is ``(fn, arg, owner)``; the worker calls ``fn(arg)``. ``owner`` names the work in error
 messages: an executor, a label, or ``CONTROL`` for the runtime's own markers, which always run.
 
+A worker that runs out of tasks spins briefly for the next one, and a host thread in ``synchronize`` spins
+briefly for the work to end, both without the GIL, before they block (``SYNC_SPIN_US``): a thread woken from a
+block starts tens of microseconds late on a VM, twice per launch + synchronize.
+
 Tasks run with numpy's floating-point warnings off (``np.errstate(all="ignore")``): a kernel's overflow, division
 by zero or invalid operation gives inf / NaN as IEEE says, as the numba kernels do, without a ``RuntimeWarning``
 from whichever numpy call the launch happens to make.
@@ -19,7 +23,10 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import numpy as np
 
+from .. import config
 from ..errors import InvalidStateError, KernelError, ParamError, TwoPhaseError
+from .fanout import BUSY
+from .spin import count_and_wait, spin_until_reached
 
 if TYPE_CHECKING:
     from .device import Device
@@ -28,6 +35,21 @@ __all__ = ["Stream", "Event", "CONTROL", "TaskRecords", "running_queue", "check_
 
 CONTROL = "<control>"
 _NEVER = 1 << 62  # wake_at when no host thread waits: no seq reaches it
+# microseconds a stream's worker that ran out of tasks spins for the next one, and a host thread waiting for a
+# stream spins for its work to end (on the count the worker publishes as it runs out of tasks; not while a launch
+# runs parts on helper threads: ``fanout.BUSY``), before they block; never more than the helpers' spin
+# (``config.set_helper_spin``; 0: no spin). Both spins run without the GIL. Each of the two wake-ups of a launch +
+# synchronize took ~50 us on a 2-vCPU VM: a gelu of 64 elements 104 us against 3 us launch-blocking, 19 us with
+# the spins (/tmp/w29/rt.py of the twenty-ninth session). Launch + synchronize against the commit before, six
+# alternating processes (/tmp/w29/procab2.py): a 16-element op 19-26 us against 22-211 (median ~135), a one-part
+# gelu of 64 x 1536 92-131 us against 105-406 (~210); two-part gelu and conv2d launches unchanged (the worker
+# does not spin after those), 100 tiny ops queued then one synchronize 2.6-3.4 us an op against 2.8-3.4.
+SYNC_SPIN_US = 100.0
+
+
+def _spin_us() -> float:
+    """Microseconds the worker and a synchronizing host thread spin (``SYNC_SPIN_US``, capped by the setting)."""
+    return min(float(config.settings.helper_spin_us), SYNC_SPIN_US)
 
 # Called on the worker after each task as cb(stream_name, owner, t0, t1, seq). Shared by every stream
 # (profiler, sanitizer); run_one checks it for emptiness only, so an empty list costs nothing.
@@ -118,6 +140,11 @@ class _Queue:
         self.idle = False
         self.wake = threading.Lock()
         self.wake.acquire()
+        # while the worker spins for the next task (``spinning``), an enqueue counts into ``posted``; as it runs out of
+        # tasks the worker publishes ``done`` into ``finished`` from compiled code, once it has let go of the GIL
+        self.posted = np.zeros(1, np.int64)
+        self.finished = np.zeros(1, np.int64)
+        self.spinning = False
         self.error: tuple[BaseException, Any, int] | None = None
         self.dropped = 0
         self.closed = False
@@ -129,6 +156,8 @@ class _Queue:
 
     def start(self) -> None:
         """Start the worker thread."""
+        count_and_wait(np.zeros(1, np.int64), 0, 0, self.posted, -1, 0)  # compiled (or loaded) here, not by the
+        spin_until_reached(self.finished, 0, 0, BUSY)  # worker while it holds the GIL
         self.thread = threading.Thread(target=self.serve, name=f"twophase-{self.name}", daemon=True)
         self.thread.start()
 
@@ -137,6 +166,8 @@ class _Queue:
         with self.lock:
             seq = self.submitted = self.submitted + 1
             self.tasks.append((fn, arg, owner, seq))
+            if self.spinning:
+                self.posted[0] += 1
         if self.idle:
             self.idle = False
             try:
@@ -206,10 +237,23 @@ class _Queue:
     def serve(self) -> None:
         np.seterr(all="ignore")  # this thread's numpy error state (the module docstring says why)
         tasks = self.tasks
+        published, fanned = 0, int(BUSY[1])
         while True:
             try:
                 fn, arg, owner, seq = tasks.popleft()
             except IndexError:
+                # out of tasks: publish the done count and spin for the next task (an enqueue made after
+                # ``spinning`` is set counts into ``posted``; one made before is in ``tasks``), then block
+                self.spinning = True
+                seen = int(self.posted[0])
+                if not tasks:
+                    count, published = self.done - published, self.done
+                    quiet = int(BUSY[1]) == fanned  # no launch ran parts on helpers since the last spin
+                    count_and_wait(self.finished, 0, count, self.posted, seen, _spin_us() if quiet else 0.0)
+                    fanned = int(BUSY[1])
+                self.spinning = False
+                if tasks:
+                    continue
                 self.idle = True
                 if tasks:
                     self.idle = False
@@ -228,7 +272,8 @@ class _Queue:
 
     # ---- synchronization
     def wait_for(self, seq: int, raise_errors: bool = True) -> None:
-        if self.done < seq:
+        if self.done < seq and not (self.thread is not None and threading.current_thread() is not self.thread
+                                    and spin_until_reached(self.finished, seq, _spin_us(), BUSY)):
             with self.cond:  # the worker reads wake_at after setting done: one of the two sees the other's write
                 waiting = self.waiting
                 waiting.append(seq)
@@ -283,6 +328,7 @@ class _Queue:
             self.enqueue = self.enqueue_closed
             if self.thread is not None:
                 self.tasks.append((None, None, None, 0))  # type: ignore[arg-type]
+                self.posted[0] += 1
                 try:
                     self.wake.release()
                 except RuntimeError:
