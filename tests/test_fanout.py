@@ -690,19 +690,28 @@ def test_deterministic_results_do_not_depend_on_the_thread_count() -> None:
 
 def test_busy_counts_launches_on_helpers_and_is_zero_again_after_a_failing_part() -> None:
     """``BUSY`` = [launches running parts on helpers now, such launches so far]: a one-part launch is not
-    counted, a launch of several is, and the count of those running goes back to 0 when a part raises."""
+    counted, nor several parts on one thread; a launch of several on two threads is, and the count of those
+    running goes back to 0 when a part raises."""
+    import twophase
     from twophase.runtime.fanout import BUSY
-    before = int(BUSY[1])
-    run_parts([lambda: None])
-    assert BUSY.tolist() == [0, before]
-    seen: list[int] = []
+    old = twophase.settings.num_threads
+    try:
+        twophase.set_num_threads(1)
+        before = int(BUSY[1])
+        run_parts([lambda: None])
+        run_parts([lambda: None, lambda: None])
+        assert BUSY.tolist() == [0, before]
+        twophase.set_num_threads(2)
+        seen: list[int] = []
 
-    def bad() -> None:
-        seen.append(int(BUSY[0]))
-        raise ValueError("part failed")
-    with pytest.raises(ValueError, match="part failed"):
-        run_parts([bad, lambda: seen.append(int(BUSY[0]))])
-    assert seen == [1, 1] and BUSY.tolist() == [0, before + 1]
+        def bad() -> None:
+            seen.append(int(BUSY[0]))
+            raise ValueError("part failed")
+        with pytest.raises(ValueError, match="part failed"):
+            run_parts([bad, lambda: seen.append(int(BUSY[0]))])
+        assert seen == [1, 1] and BUSY.tolist() == [0, before + 1]
+    finally:
+        twophase.set_num_threads(old)
 
 
 def test_spin_until_reached_sees_the_count_gives_up_when_told_and_is_bounded() -> None:

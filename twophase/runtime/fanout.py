@@ -177,9 +177,10 @@ def run_parts(parts: Sequence[Part]) -> None:
     if helpers > 0:
         _helpers.ensure(helpers)
     job = _Job(parts, _helpers.count + 1)
-    with _busy_lock:
-        BUSY[0] += 1
-        BUSY[1] += 1
+    if helpers > 0:
+        with _busy_lock:
+            BUSY[0] += 1
+            BUSY[1] += 1
     try:
         if helpers > 0:
             _helpers.post(job, helpers)
@@ -188,8 +189,9 @@ def run_parts(parts: Sequence[Part]) -> None:
         if not spin_until_total(job.finished, len(parts)) and job.left[0]:
             job.done.acquire()
     finally:
-        with _busy_lock:
-            BUSY[0] -= 1
+        if helpers > 0:
+            with _busy_lock:
+                BUSY[0] -= 1
     if job.error is not None:
         raise job.error
 
