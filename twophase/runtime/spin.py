@@ -92,6 +92,17 @@ def _yield_typing(typingctx: Any) -> Any:
 _yield: Any = intrinsic(_yield_typing)
 
 
+@numba.njit(nogil=True, cache=True, inline="always")
+def _breathe(left: int, every: int) -> int:
+    """One spin's pause, and the core yielded when ``left`` (spins to the next yield) runs out; the new ``left``."""
+    _pause()
+    left -= 1
+    if left == 0:
+        _yield()
+        left = every
+    return left
+
+
 @numba.njit(nogil=True, cache=True)
 def _spin(counter: Any, value: int, limit: int, every: int) -> bool:
     """Spin at most ``limit`` times while ``counter[0] == value``, yielding the core every ``every`` spins; True
@@ -101,11 +112,7 @@ def _spin(counter: Any, value: int, limit: int, every: int) -> bool:
     for _ in range(limit):
         if _load_acquire(addr) != value:
             return True
-        _pause()
-        left -= 1
-        if left == 0:
-            _yield()
-            left = every
+        left = _breathe(left, every)
     last: int = _load_acquire(addr)
     return last != value
 
@@ -134,11 +141,7 @@ def _spin_reach(counter: Any, target: int, unless: Any, limit: int, every: int) 
             return True
         if _load_acquire(stop) != 0:
             break
-        _pause()
-        left -= 1
-        if left == 0:
-            _yield()
-            left = every
+        left = _breathe(left, every)
     last: int = _load_acquire(addr)
     return last >= target
 
