@@ -174,22 +174,22 @@ def run_parts(parts: Sequence[Part]) -> None:
             part()
         return
     helpers = min(len(parts), worker_threads()) - 1  # more parts than threads: each thread claims several
-    if helpers > 0:
+    if helpers == 0:  # one thread: the caller runs every part
+        job = _Job(parts, 1)
+        job.work()
+    else:
         _helpers.ensure(helpers)
-    job = _Job(parts, _helpers.count + 1)
-    if helpers > 0:
+        job = _Job(parts, _helpers.count + 1)
         with _busy_lock:
             BUSY[0] += 1
             BUSY[1] += 1
-    try:
-        if helpers > 0:
+        try:
             _helpers.post(job, helpers)
-        job.finished[0] = job.work()
-        # the other parts are ending on helpers: a blocked wait wakes 25-90 us late
-        if not spin_until_total(job.finished, len(parts)) and job.left[0]:
-            job.done.acquire()
-    finally:
-        if helpers > 0:
+            job.finished[0] = job.work()
+            # the other parts are ending on helpers: a blocked wait wakes 25-90 us late
+            if not spin_until_total(job.finished, len(parts)) and job.left[0]:
+                job.done.acquire()
+        finally:
             with _busy_lock:
                 BUSY[0] -= 1
     if job.error is not None:

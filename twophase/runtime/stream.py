@@ -272,8 +272,7 @@ class _Queue:
 
     # ---- synchronization
     def wait_for(self, seq: int, raise_errors: bool = True) -> None:
-        if self.done < seq and not (self.thread is not None and threading.current_thread() is not self.thread
-                                    and spin_until_reached(self.finished, seq, _spin_us(), BUSY)):
+        if self.done < seq and not self._spun_for(seq):
             with self.cond:  # the worker reads wake_at after setting done: one of the two sees the other's write
                 waiting = self.waiting
                 waiting.append(seq)
@@ -286,6 +285,11 @@ class _Queue:
                     self.wake_at = min(waiting, default=_NEVER)
         if raise_errors:
             self.raise_pending(seq)
+
+    def _spun_for(self, seq: int) -> bool:
+        """Whether a spin (not on the worker itself, which publishes the count) saw task ``seq`` done."""
+        return (self.thread is not None and threading.current_thread() is not self.thread
+                and spin_until_reached(self.finished, seq, _spin_us(), BUSY))
 
     def drain(self) -> None:
         """Wait for every task enqueued so far without raising: a failure stays pending for the next sync."""
