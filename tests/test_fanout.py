@@ -125,6 +125,51 @@ def test_count_and_wait_counts_then_sees_a_change_and_gives_up_on_none() -> None
     assert seen and counter[0] == 7
 
 
+def test_count_and_wait_with_a_gate_sees_the_change_whether_the_gate_opened_or_not() -> None:
+    """The gate only shortens the wait after a change: open or shut, the change is seen and the count made."""
+    from twophase.runtime.spin import count_and_wait
+    slots, counter = np.zeros(1, np.int64), np.array([5], np.int64)
+    opened, shut = np.array([5], np.int64), np.array([4], np.int64)
+    assert count_and_wait(slots, 0, 2, counter, 0, 1000, opened)
+    assert count_and_wait(slots, 0, 3, counter, 0, 1000, shut)  # bounded by the settle, not stuck on the gate
+    assert not count_and_wait(slots, 0, 1, counter, 5, 2000, opened)  # no change: gives up all the same
+    assert slots.tolist() == [6] and opened.tolist() == [5] and shut.tolist() == [4]  # gates only read
+
+
+def test_a_launching_thread_raises_the_gate_to_its_ticket_just_before_its_first_part() -> None:
+    """``_Job.work`` opens the helpers' gate (``count_and_wait``) once, as it claims its first part, and never
+    lowers a gate a later launch raised higher."""
+    gate = np.array([3], np.int64)
+    seen: list[int] = []
+    job = fanout_module._Job([lambda: seen.append(int(gate[0])), lambda: seen.append(int(gate[0]))], 1)
+    assert job.work(gate, 7) == 2
+    assert seen == [7, 7] and gate.tolist() == [7]
+    gate[0] = 9
+    job = fanout_module._Job([lambda: seen.append(int(gate[0]))], 1)
+    assert job.work(gate, 8) == 1 and seen[-1] == 9 and gate.tolist() == [9]
+    job = fanout_module._Job([], 1)
+    gate[0] = 0
+    assert job.work(gate, 5) == 0 and gate.tolist() == [0]  # no part claimed: the gate stays shut
+
+
+def test_run_parts_opens_the_gate_to_the_count_of_jobs_posted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The launch's ticket is the posted count once its jobs went in: the part the launching thread runs sees the
+    gate at exactly that count (a helper spinning on ``posted`` waits for the gate to reach what it saw)."""
+    monkeypatch.setattr(twophase.settings, "num_threads", 2)
+    helpers = fanout_module._helpers
+    me = threading.get_ident()
+    seen: list[tuple[int, int]] = []
+
+    def part() -> None:
+        if threading.get_ident() == me:
+            seen.append((int(helpers.gate[0]), int(helpers.posted[0])))
+    for _ in range(50):  # the caller runs a part in nearly every launch; one is enough
+        fanout_module.run_parts([part, part])
+        if seen:
+            break
+    assert seen and all(gate == posted > 0 for gate, posted in seen)
+
+
 def test_parts_of_helpers_without_a_slot_in_the_job_are_waited_for_all_the_same(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A helper started after a job was made has no slot in it (its count goes nowhere): the caller's spin on
@@ -733,3 +778,6 @@ def test_spin_until_reached_sees_the_count_gives_up_when_told_and_is_bounded() -
     waiter.start()
     waiter.join(30)  # a hang guard, not a timing check
     assert not waiter.is_alive()
+    gate = np.zeros(1, np.int64)
+    assert spin_until_reached(counter, 0, 0, unless, gate, 11) and gate.tolist() == [11]  # set even when done
+    assert not spin_until_reached(counter, 9, 0, unless, gate, 12) and gate.tolist() == [12]

@@ -504,10 +504,13 @@ def test_a_worker_does_not_spin_after_a_launch_on_helper_threads(dev, monkeypatc
     s = dev.stream()
     q = s._q
 
-    def record(slots, slot, count, counter, value, us):
+    gates = []
+
+    def record(slots, slot, count, counter, value, us, *gate):
         if slots is q.finished:
             spins[q.done] = us
-        return real(slots, slot, count, counter, value, us)
+            gates.extend(gate)
+        return real(slots, slot, count, counter, value, us, *gate)
     monkeypatch.setattr(stream_mod, "count_and_wait", record)
     first = q.submitted + 1
     try:
@@ -519,3 +522,19 @@ def test_a_worker_does_not_spin_after_a_launch_on_helper_threads(dev, monkeypatc
         s.close()
     assert spins[first] == 0.0  # after the fan-out: blocked at once
     assert spins[first + 1] == stream_mod._spin_us() > 0  # after a plain task: spun
+    assert gates and all(g is q.gate for g in gates)  # the gate a synchronizing host thread opens (test below)
+
+
+def test_a_synchronizing_host_thread_opens_the_workers_gate_at_the_tasks_posted(stream, gate):
+    """A host thread that spins for a task (no GIL held) sets the stream's gate to the tasks posted so far: a
+    worker that saw a new task waits only until then for the GIL (``spin.count_and_wait``)."""
+    q = stream._q
+    stream.launch_callback(lambda: None)
+    stream.synchronize()  # the worker started
+    opened = gate(stream)
+    for _ in range(3):
+        stream.launch_callback(lambda: None)
+    q.gate[0] = -1  # no count posted is negative
+    threading.Timer(0.001, opened.set).start()  # done while the host spins, or after it blocked
+    stream.synchronize()
+    assert q.gate[0] == q.posted[0] >= 0

@@ -92,11 +92,16 @@ class _Job:
         self.error: BaseException | None = None
         self.finished = np.zeros(threads, np.int64)
 
-    def work(self) -> int:
-        """Claim and run parts until none is left; how many this thread ran."""
+    def work(self, gate: np.ndarray[Any, Any] | None = None, ticket: int = 0) -> int:
+        """Claim and run parts until none is left; how many this thread ran. ``gate[0]`` is raised to ``ticket``
+        just before the first part runs."""
         n = len(self.parts)
         ran = 0
         while (i := next(self.claim)) < n:
+            if gate is not None:
+                if gate[0] < ticket:
+                    gate[0] = ticket
+                gate = None
             try:
                 self.parts[i]()
             except BaseException as exc:  # noqa: BLE001  (re-raised on the launching thread)
@@ -117,6 +122,7 @@ class _Helpers:
     def __init__(self) -> None:
         self.jobs: queue.SimpleQueue[_Job] = queue.SimpleQueue()
         self.posted = np.zeros(1, np.int64)  # jobs put so far: a helper spins on it before it blocks
+        self.gate = np.zeros(1, np.int64)  # posted count whose launching thread is entering its own part
         self.count = 0
         self.lock = threading.Lock()
 
@@ -132,10 +138,12 @@ class _Helpers:
                 threading.Thread(target=self._loop, args=(self.count,), name=f"twophase-fanout-{self.count - 1}",
                                  daemon=True).start()
 
-    def post(self, job: _Job, n: int) -> None:
+    def post(self, job: _Job, n: int) -> int:
+        """Queue ``job`` for ``n`` helpers; the posted count, the caller's ticket for the gate."""
         for _ in range(n):
             self.jobs.put(job)
         self.posted[0] += n
+        return int(self.posted[0])
 
     def _loop(self, slot: int) -> None:
         """Take jobs for ever: the next one from the queue, else spin until one is posted, else block; the parts
@@ -150,7 +158,7 @@ class _Helpers:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 spin = config.settings.helper_spin_us
-                changed = count_and_wait(finished, slot, ran, self.posted, seen, spin)
+                changed = count_and_wait(finished, slot, ran, self.posted, seen, spin, self.gate)
                 finished, ran = nothing, 0
                 if changed:
                     continue
@@ -184,8 +192,8 @@ def run_parts(parts: Sequence[Part]) -> None:
             BUSY[0] += 1
             BUSY[1] += 1
         try:
-            _helpers.post(job, helpers)
-            job.finished[0] = job.work()
+            ticket = _helpers.post(job, helpers)
+            job.finished[0] = job.work(_helpers.gate, ticket)
             # the other parts are ending on helpers: a blocked wait wakes 25-90 us late
             if not spin_until_total(job.finished, len(parts)) and job.left[0]:
                 job.done.acquire()

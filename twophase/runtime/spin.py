@@ -6,7 +6,9 @@ Xeon VM, a spin sees the count at once. A helper counts its parts from compiled 
 (:func:`count_and_wait`) as it goes back to spinning for the next launch on the count of jobs posted, so the
 launching thread sees them done only when the helper no longer holds the GIL, and never sleeps waiting for
 it. The spins run in ``nogil`` numba loops, give up after a bounded time (the caller then blocks as before)
-and yield the core every :data:`YIELD_US` while waiting for a launch (``fanout._Helpers``).
+and yield the core every :data:`YIELD_US` while waiting for a launch (``fanout._Helpers``). A thread that saw
+a launch waits a little longer before it takes the GIL, until the launching thread has opened a gate (a counter
+it sets as it lets go of the GIL), so that it does not sleep on a GIL that is about to be released.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
-__all__ = ["SETTLE_US", "SPIN_US", "count_and_wait", "spin_until_reached", "spin_until_total"]
+__all__ = ["GATE_US", "SETTLE_US", "SPIN_US", "count_and_wait", "spin_until_reached", "spin_until_total"]
 
 SPIN_US = 100.0
 YIELD_US = 20.0
@@ -32,6 +34,11 @@ YIELD_US = 20.0
 # Two 128x384x192 GEMM parts: the helper started 26-30 us after the launch with it, 50-69 us without
 # (/tmp/w22/par4.py).
 SETTLE_US = 15.0
+# A gate shortens that wait (``fanout.run_parts``): the launching thread raises it just before it calls its own
+# part, whose entry then lets go of the GIL within ~1-2 us, so a helper waits GATE_US after it opens (SETTLE_US
+# in all at most). Two ~32 us GEMM parts: the helper started 17-19 us after the launch against 26-27 with the
+# settle alone (/tmp/w30/tl.py, alternating processes, thirtieth session).
+GATE_US = 2.0
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i686", "x86")
 
 
@@ -72,7 +79,19 @@ def _add_release_typing(typingctx: Any, addr: Any, value: Any) -> Any:
     return sig, codegen
 
 
+def _store_seq_typing(typingctx: Any, addr: Any, value: Any) -> Any:
+    """Store ``value`` at the int64 at address ``addr``, sequentially consistent (not sunk below later loads)."""
+    sig = types.void(types.int64, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
+        builder.store_atomic(args[1], ptr, "seq_cst", 8)
+        return context.get_dummy_value()
+    return sig, codegen
+
+
 _load_acquire: Any = intrinsic(_load_acquire_typing)
+_store_seq: Any = intrinsic(_store_seq_typing)
 _add_release: Any = intrinsic(_add_release_typing)
 _pause: Any = intrinsic(_pause_typing)
 
@@ -119,22 +138,29 @@ def _spin(counter: Any, value: int, limit: int, every: int) -> bool:
 
 @numba.njit(nogil=True, cache=True)
 def _count_and_wait(slots: Any, slot: int, count: int, counter: Any, value: int, limit: int, every: int,
-                    settle: int) -> bool:
-    """``slots[slot] += count`` (release), then ``_spin`` while ``counter[0] == value``; once it changed, ``settle``
-    more pauses before returning. True when it changed."""
+                    settle: int, gate: Any, after: int) -> bool:
+    """``slots[slot] += count`` (release), then ``_spin`` while ``counter[0] == value``; once it changed, pause
+    until ``gate[0]`` reaches ``counter[0]``, then ``after`` more, ``settle`` pauses in all at most. True when it
+    changed."""
     _add_release(slots.ctypes.data + slot * 8, count)
     changed = _spin(counter, value, limit, every)
     if changed:
-        for _ in range(settle):
+        posted, opened = counter.ctypes.data, gate.ctypes.data
+        n = 0
+        while n < settle and _load_acquire(opened) < _load_acquire(posted):
+            _pause()
+            n += 1
+        for _ in range(min(after, settle - n)):
             _pause()
     return changed
 
 
 @numba.njit(nogil=True, cache=True)
-def _spin_reach(counter: Any, target: int, unless: Any, limit: int, every: int) -> bool:
-    """Spin at most ``limit`` times while ``counter[0] < target`` and ``unless[0] == 0``, yielding the core every
-    ``every`` spins; True when it reached ``target``."""
+def _spin_reach(counter: Any, target: int, unless: Any, limit: int, every: int, gate: Any, opened: int) -> bool:
+    """Set ``gate[0] = opened``, then spin at most ``limit`` times while ``counter[0] < target`` and
+    ``unless[0] == 0``, yielding the core every ``every`` spins; True when it reached ``target``."""
     addr, stop = counter.ctypes.data, unless.ctypes.data
+    _store_seq(gate.ctypes.data, opened)
     left = every
     for _ in range(limit):
         if _load_acquire(addr) >= target:
@@ -172,15 +198,20 @@ def _iterations() -> int:
     return max(1, int(SPIN_US * 1e-6 / per))
 
 
+_SHUT = np.zeros(1, np.int64)  # a gate that never opens: the whole SETTLE_US
+_SCRATCH = np.zeros(1, np.int64)  # a gate nobody waits on
+
+
 def count_and_wait(slots: np.ndarray[Any, Any], slot: int, count: int, counter: np.ndarray[Any, Any], value: int,
-                   us: float) -> bool:
+                   us: float, gate: np.ndarray[Any, Any] = _SHUT) -> bool:
     """Add ``count`` to ``slots[slot]`` (int64; this thread its only writer) from compiled code, so a thread
     spinning on the slots (:func:`spin_until_total`) sees it only once this one no longer holds the GIL; then
     spin while ``counter[0] == value`` for at most ``us`` microseconds (0: count only), yielding the core every
-    ``YIELD_US``, and ``SETTLE_US`` more once it changed. True when it changed."""
+    ``YIELD_US``; once it changed, ``GATE_US`` more after ``gate[0]`` reaches ``counter[0]``, ``SETTLE_US`` in all at
+    most (the default gate never opens: the whole ``SETTLE_US``). True when it changed."""
     per_us = _iterations() / SPIN_US
     return bool(_count_and_wait(slots, slot, count, counter, value, int(per_us * us), max(1, int(per_us * YIELD_US)),
-                                int(per_us * SETTLE_US)))
+                                int(per_us * SETTLE_US), gate, int(per_us * GATE_US)))
 
 
 def spin_until_total(slots: np.ndarray[Any, Any], total: int) -> bool:
@@ -189,9 +220,12 @@ def spin_until_total(slots: np.ndarray[Any, Any], total: int) -> bool:
     return bool(_spin_total(slots, total, _iterations()))
 
 
-def spin_until_reached(counter: np.ndarray[Any, Any], target: int, us: float, unless: np.ndarray[Any, Any]) -> bool:
+def spin_until_reached(counter: np.ndarray[Any, Any], target: int, us: float, unless: np.ndarray[Any, Any],
+                       gate: np.ndarray[Any, Any] | None = None, opened: int = 0) -> bool:
     """Spin while the int64 ``counter[0]`` (counted by :func:`count_and_wait`) is below ``target`` and the int64
     ``unless[0]`` is 0, for at most ``us`` microseconds, yielding the core every ``YIELD_US``; True when it
-    reached ``target``."""
+    reached ``target``. ``gate[0]`` is set to ``opened`` first, from compiled code, once this thread has let go of
+    the GIL (the gate of a :func:`count_and_wait`)."""
     per_us = _iterations() / SPIN_US
-    return bool(_spin_reach(counter, target, unless, int(per_us * us), max(1, int(per_us * YIELD_US))))
+    return bool(_spin_reach(counter, target, unless, int(per_us * us), max(1, int(per_us * YIELD_US)),
+                            _SCRATCH if gate is None else gate, opened))

@@ -144,6 +144,7 @@ class _Queue:
         # tasks the worker publishes ``done`` into ``finished`` from compiled code, once it has let go of the GIL
         self.posted = np.zeros(1, np.int64)
         self.finished = np.zeros(1, np.int64)
+        self.gate = np.zeros(1, np.int64)  # ``posted`` as a host thread began to spin without the GIL
         self.spinning = False
         self.error: tuple[BaseException, Any, int] | None = None
         self.dropped = 0
@@ -249,7 +250,7 @@ class _Queue:
                 if not tasks:
                     count, published = self.done - published, self.done
                     quiet = int(BUSY[1]) == fanned  # no launch ran parts on helpers since the last spin
-                    count_and_wait(self.finished, 0, count, self.posted, seen, _spin_us() if quiet else 0.0)
+                    count_and_wait(self.finished, 0, count, self.posted, seen, _spin_us() if quiet else 0.0, self.gate)
                     fanned = int(BUSY[1])
                 self.spinning = False
                 if tasks:
@@ -289,7 +290,7 @@ class _Queue:
     def _spun_for(self, seq: int) -> bool:
         """Whether a spin (not on the worker itself, which publishes the count) saw task ``seq`` done."""
         return (self.thread is not None and threading.current_thread() is not self.thread
-                and spin_until_reached(self.finished, seq, _spin_us(), BUSY))
+                and spin_until_reached(self.finished, seq, _spin_us(), BUSY, self.gate, int(self.posted[0])))
 
     def drain(self) -> None:
         """Wait for every task enqueued so far without raising: a failure stays pending for the next sync."""
