@@ -1,5 +1,6 @@
 """Core contract costs (issues 2 and 3): phase 1 vs phase 2, phase-2 enqueue vs a bare ``np.add``,
-executor-cache hit vs miss, one-shot call vs torch eager, and what the counters cost on the hot path. Every ratio
+executor-cache hit vs miss, one-shot call vs torch eager, what the counters cost on the hot path, and what the
+wake-up gates of the helper threads and the stream worker save on a launch and sync. Every ratio
 is the median over rounds of the two times taken in the same round; each ratio header states its direction.
 
 Run: ``.venv/bin/python -m bench.bench_core``
@@ -16,6 +17,7 @@ import numpy as np
 
 import twophase as tp
 from twophase import config
+from twophase.runtime import fanout, spin
 
 from .common import LOWER_FASTER, header, interleaved_times, median_ratio, parked, round_ratio
 
@@ -144,7 +146,7 @@ def _extra_case(name: str, dev: tp.Device, rng: np.random.Generator) -> tuple[st
     """(shape label, phase-1 call) of a heavier op for the cache table, or None when phase 1 refuses it."""
     try:
         if name == "matmul":
-            a = dev.tensor(rng.standard_normal((128, 384), dtype=np.float32))
+            a = dev.tensor(rng.standard_normal((64, 384), dtype=np.float32))
             b = dev.tensor(rng.standard_normal((384, 384), dtype=np.float32))
             return "128x384x384", lambda: tp.ops.matmul.get_workspace_size(a, b)
         if name == "conv2d":
@@ -155,7 +157,7 @@ def _extra_case(name: str, dev: tp.Device, rng: np.random.Generator) -> tuple[st
             q = dev.tensor(rng.standard_normal((8, 12, 128, 32), dtype=np.float32))
             return "8x12x128x32", lambda: tp.ops.scaled_dot_product_attention.get_workspace_size(q, q, q)
         if name == "layer_norm":
-            x = dev.tensor(rng.standard_normal((128, 384), dtype=np.float32))
+            x = dev.tensor(rng.standard_normal((64, 384), dtype=np.float32))
             g = dev.tensor(np.ones(384, np.float32))
             return "128x384", lambda: tp.ops.layer_norm.get_workspace_size(x, g, g, normalized_shape=(384,))
     except tp.TwoPhaseError:
@@ -249,9 +251,73 @@ def counter_cost() -> list[str]:
             _counter_row("cpu")]
 
 
+def _gate_row(name: str, launch: Callable[[], None], s: tp.Stream, n: int) -> str:
+    """Launch + synchronize ``n`` times with the gates as shipped against the same with them shut (a thread that
+    saw a launch waits the whole ``SETTLE_US`` before taking the GIL, as before the gates)."""
+    shipped = spin.GATE_US
+
+    def timed(gate_us: float) -> float:
+        spin.GATE_US = gate_us
+        try:
+            t0 = time.perf_counter()
+            for _ in range(n):
+                launch()
+                s.synchronize()
+            return (time.perf_counter() - t0) / n
+        finally:
+            spin.GATE_US = shipped
+    launch()
+    s.synchronize()
+    ratio, t_on, t_off = median_ratio(lambda: timed(shipped), lambda: timed(spin.SETTLE_US), rounds=9)
+    return f"| {name} | {t_off * 1e6:.1f} us | {t_on * 1e6:.1f} us | {ratio:.2f} |"
+
+
+def gate_costs() -> list[str]:
+    """A helper (fan-out) or the stream worker that sees a launch waits for the launching or synchronizing thread
+    to let go of the GIL before it takes it (``spin.count_and_wait``): with the gate it waits ``GATE_US`` after
+    that thread opened it, without, the whole ``SETTLE_US``."""
+    dev = tp.device("cpu")
+    s = dev.stream()
+    rng = np.random.default_rng(2)
+    x = dev.tensor(rng.standard_normal((4, 16), dtype=np.float32), stream=s)
+    y = dev.empty((4, 16))
+    n_g, ex_g = tp.ops.gelu.get_workspace_size(x, out=y)
+    ex_g.set_repeatable()
+    ws_g = dev.malloc(n_g, stream=s) if n_g else None
+    old = config.settings.num_threads
+    config.set_num_threads(2)
+    try:
+        a = dev.tensor(rng.standard_normal((64, 384), dtype=np.float32), stream=s)
+        b = dev.tensor(rng.standard_normal((384, 192), dtype=np.float32), stream=s)
+        c = dev.empty((64, 192))
+        n_m, ex_m = tp.ops.matmul.get_workspace_size(a, b, out=c)
+        ex_m.set_repeatable()
+        ws_m = dev.malloc(n_m, stream=s) if n_m else None
+        before = int(fanout.BUSY[1])
+        tp.ops.matmul(ws_m, n_m, ex_m, s)
+        s.synchronize()
+        split = int(fanout.BUSY[1]) > before
+        rows = [_gate_row("gelu 4x16, launch + sync (stream gate)",
+                          lambda: tp.ops.gelu(ws_g, n_g, ex_g, s), s, 2000)]
+        if split:
+            rows.append(_gate_row("matmul 64x384 @ 384x192 in 2 parts, launch + sync (both gates)",
+                                  lambda: tp.ops.matmul(ws_m, n_m, ex_m, s), s, 500))
+        else:
+            rows.append("| matmul 64x384 @ 384x192: not cut into parts on this machine (1 core?) | | | |")
+        for ex, ws in ((ex_g, ws_g), (ex_m, ws_m)):
+            ex.destroy()
+            if ws is not None:
+                ws.free(s)
+    finally:
+        config.set_num_threads(old)
+    return [f"## Wake-up gates: launch + sync with the gates (GATE_US = {spin.GATE_US:g} us) vs shut "
+            f"(SETTLE_US = {spin.SETTLE_US:g} us), median of 9 rounds",
+            "| case | gates shut | gates | ratio gates / shut (< 1: the gates faster) |", "|---|---|---|---|", *rows]
+
+
 def main() -> None:
     print(header("twophase core benchmark (bench/bench_core.py)"))
-    for section in (contract_costs, cache_costs, one_shot_vs_torch, counter_cost):
+    for section in (contract_costs, cache_costs, one_shot_vs_torch, counter_cost, gate_costs):
         print()
         print("\n".join(section()))
 
