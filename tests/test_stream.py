@@ -535,6 +535,12 @@ def test_a_synchronizing_host_thread_opens_the_workers_gate_at_the_tasks_posted(
     for _ in range(3):
         stream.launch_callback(lambda: None)
     q.gate[0] = -1  # no count posted is negative
-    threading.Timer(0.001, opened.set).start()  # done while the host spins, or after it blocked
+
+    def open_once_blocked() -> None:  # the host spins before it blocks: once it waits, it has spun
+        deadline = time.monotonic() + 30
+        while not q.waiting and time.monotonic() < deadline:
+            time.sleep(0.0005)
+        opened.set()
+    threading.Thread(target=open_once_blocked, daemon=True).start()
     stream.synchronize()
     assert q.gate[0] == q.posted[0] >= 0
