@@ -16,6 +16,7 @@ from typing import Any
 from . import hooks
 from .errors import ParamError
 from .op import Op
+from .runtime import forking
 from .runtime.device import _DEVICES
 from .runtime.memory import POOL_LISTENERS, MemoryPool
 from .runtime.stream import CONTROL, Stream, TaskRecords, running_queue
@@ -32,6 +33,7 @@ class Profiler:
         self.t0 = time.perf_counter()
         self.events: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+        forking.locks_of(self, "_lock")  # a stream worker may hold it at a fork
         self._flow = itertools.count(1)
         self._pending_flows: TaskRecords[int] = TaskRecords()
         self._started: set[int] = set()  # flows whose start is written and whose end is not

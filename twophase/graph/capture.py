@@ -24,6 +24,7 @@ from .. import hooks
 from ..errors import CaptureError, ParamError
 from ..executor import Executor
 from ..op import Op
+from ..runtime import forking
 from ..runtime.memory import Block
 from ..runtime.stream import SWITCH_LOCK, Stream, check_stream
 from .replay import Graph
@@ -32,7 +33,7 @@ from .virtual import VirtualBlock
 __all__ = ["capture", "capturing"]
 
 _active: dict[int, Graph] = {}  # capturing thread -> its graph
-_lock = threading.Lock()
+_lock = forking.lock()
 _shared: dict[str, Any] = {"n": 0}  # swaps shared by every capture: Op._build_launch, the phase-2 hook
 _taps: dict[int, list[Any]] = {}  # id(device) -> [count, restore functions]
 

@@ -11,6 +11,7 @@ import numpy as np
 from .. import config
 from ..errors import CaptureError, ParamError
 from ..tensor import DType, Format, Tensor, TensorDesc
+from . import forking
 from .memory import Block, MemoryPool, Segment
 from .stream import Stream, check_stream
 
@@ -154,7 +155,7 @@ _SUPPORTED = {d.np for d in DType}
 _SUPPORTED_NAMES = {d.value for d in DType}
 _BACKENDS: dict[str, type[Device]] = {}
 _DEVICES: dict[str, Device] = {}
-_lock = threading.Lock()
+_lock = forking.lock()
 
 
 def placement(inputs: Any, stream: Stream | None, op: str = "call") -> tuple[Device, Stream]:

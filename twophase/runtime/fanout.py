@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import config
+from . import forking
 from .spin import count_and_wait, spin_until_total
 
 __all__ = ["BUSY", "bound", "fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
@@ -35,7 +36,7 @@ Part = Callable[[], None]
 # thread would take the core the host thread needs (gelu of 128 x 1536 in two parts, launch + synchronize:
 # 1.3x the time with both spinning, /tmp/w29/procab.py of the twenty-ninth session)
 BUSY = np.zeros(2, np.int64)
-_busy_lock = threading.Lock()
+_busy_lock = forking.lock()
 DETERMINISTIC_PARTS = 8  # parts of every parallel kernel under set_deterministic(True), whatever the machine
 
 
@@ -125,6 +126,14 @@ class _Helpers:
         self.gate = np.zeros(1, np.int64)  # posted count whose launching thread is entering its own part
         self.count = 0
         self.lock = threading.Lock()
+        forking.track(self)
+
+    def after_fork(self) -> None:
+        """In a forked child: no helper came along; the next launch that wants them starts them anew."""
+        forking.reinit(self.lock)
+        self.jobs = queue.SimpleQueue()
+        self.posted[0] = self.gate[0] = 0
+        self.count = 0
 
     def ensure(self, n: int) -> None:
         if self.count >= n:
@@ -171,6 +180,12 @@ class _Helpers:
 
 
 _helpers = _Helpers()
+
+
+@forking.on_fork
+def _no_launch_on_helpers() -> None:
+    """In a forked child no launch runs parts on helpers (the threads that ran them did not come along)."""
+    BUSY[0] = 0
 
 
 def run_parts(parts: Sequence[Part]) -> None:

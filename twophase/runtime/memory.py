@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ..config import check_byte_limit, int_value
 from ..errors import InvalidStateError, OutOfMemoryError, ParamError
 from ..layout import align
+from . import forking
 from .stream import Stream, check_stream
 
 if TYPE_CHECKING:
@@ -170,7 +171,7 @@ class _Exports:
         self.stream: Stream | None = None
 
 
-_EXPORT_LOCK = threading.RLock()  # reentrant: a finalizer may run in a collection inside the locked code
+_EXPORT_LOCK = forking.rlock()  # reentrant: a finalizer may run in a collection inside the locked code
 
 
 # Called as fn(pool) after every allocation and free, by any pool (the profiler's counter track).
@@ -199,6 +200,7 @@ class MemoryPool:
         self._make_data = make_data
         self.name = name
         self._lock = threading.RLock()
+        forking.locks_of(self, "_lock")  # a stream worker may hold it at a fork
         self._deferred: list[tuple[Block, Stream | None]] = []  # frees from finalizers that ran inside the lock
         self._free: list[tuple[int, int, int, Block]] = []  # (size, address, id, block), sorted
         self._segments: list[Segment] = []

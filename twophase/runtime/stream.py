@@ -25,6 +25,7 @@ import numpy as np
 
 from .. import config
 from ..errors import InvalidStateError, KernelError, ParamError, TwoPhaseError
+from . import forking
 from .fanout import BUSY
 from .spin import count_and_wait, spin_until_reached
 
@@ -55,7 +56,7 @@ def _spin_us() -> float:
 # (profiler, sanitizer); run_one checks it for emptiness only, so an empty list costs nothing.
 TASK_LISTENERS: list[Callable[[str, Any, float, float, int], None]] = []
 # Held while a stream's ``_q`` / ``_enqueue`` are switched: launch-blocking mode, capture begin and end.
-SWITCH_LOCK = threading.Lock()
+SWITCH_LOCK = forking.lock()
 _running = threading.local()
 _R = TypeVar("_R")
 
@@ -72,6 +73,7 @@ class TaskRecords(Generic[_R]):
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
+        forking.locks_of(self, "_lock")  # a stream worker may hold it at a fork
         self._by_queue: weakref.WeakKeyDictionary[Any, dict[int, _R]] = weakref.WeakKeyDictionary()
 
     def put(self, q: Any, seq: int, record: _R) -> None:
@@ -154,6 +156,38 @@ class _Queue:
         self.listeners = TASK_LISTENERS
         self.inline_tls = threading.local()  # inline tasks running on each thread (nested ones do not wait)
         self.enqueue = self.enqueue_inline if blocking else self.enqueue_async
+        forking.track(self)
+
+    def after_fork(self) -> None:
+        """In a forked child, where of the parent's threads only the forking one runs: the locks anew and no
+        waiter; the tasks that were running (on the worker, or inline on another thread) never end here, so the
+        first of them fails, reported at the next sync, and the later ones are dropped, as after any failure;
+        the worker, if there was one, starts again for the tasks still queued."""
+        forking.reinit(self.lock)
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting = []
+        self.wake_at = _NEVER
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.idle = self.spinning = False
+        queued = next((task[3] for task in self.tasks if task[0] is not None), self.submitted + 1)
+        lost = queued - 1 - self.done
+        if lost > 0:
+            if self.error is None:
+                exc = InvalidStateError(
+                    f"the process forked while {lost} task(s) of stream '{self.name}' were running: in this child "
+                    "they never finish and their outputs hold whatever the fork caught", op="stream", arg="stream")
+                self.error = (exc, self.current if self.current is not None else "a task", self.done + 1)
+                lost -= 1
+            self.dropped += lost
+            self.done = queued - 1
+        self.current = None
+        self.finished[0] = self.done
+        self.posted[0] = self.gate[0] = 0
+        if self.thread is not None:
+            self.thread = None
+            if self.tasks or not self.closed:
+                self.start()
 
     def start(self) -> None:
         """Start the worker thread."""
@@ -238,7 +272,7 @@ class _Queue:
     def serve(self) -> None:
         np.seterr(all="ignore")  # this thread's numpy error state (the module docstring says why)
         tasks = self.tasks
-        published, fanned = 0, int(BUSY[1])
+        published, fanned = int(self.finished[0]), int(BUSY[1])  # finished: nonzero in a forked child
         while True:
             try:
                 fn, arg, owner, seq = tasks.popleft()

@@ -8,13 +8,13 @@ is turned off until every guarded block has been returned, so the pool never see
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
 
 from ..errors import InvalidStateError
 from ..graph.replay import ARENA_GUARDS
+from ..runtime import forking
 from ..runtime.device import Device
 from ..runtime.memory import Block, MemoryPool
 from ..runtime.stream import CONTROL, Stream
@@ -31,7 +31,7 @@ _plain_empty = Device.empty
 _plain_empty_like = Device.empty_like
 
 _live: dict[int, GuardedBlock] = {}  # id -> block: guarded blocks not yet freed (what the leak report lists)
-_lock = threading.Lock()
+_lock = forking.lock()
 _state = {"malloc": False, "free": False, "generation": 0}
 
 

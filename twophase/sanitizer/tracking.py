@@ -16,6 +16,7 @@ from typing import Any
 from .. import hooks
 from ..executor import ExecState, Executor
 from ..op import Op
+from ..runtime import forking
 from ..runtime.device import _copy_task
 from ..runtime.memory import Block
 from ..runtime.stream import Event, Stream, TaskRecords, running_queue
@@ -68,7 +69,7 @@ _launches: TaskRecords[Launch] = TaskRecords()
 # it had waited for on that queue before
 _wait_log: weakref.WeakKeyDictionary[Any, list[tuple[int, Any, int]]] = weakref.WeakKeyDictionary()
 PRUNE_EVERY = 64  # waits between prunings of a queue's log (amortized: a pruning scans the whole log)
-_lock = threading.Lock()
+_lock = forking.lock()
 _tl = threading.local()
 
 _plain: dict[str, Any] = {

@@ -14,12 +14,12 @@ import ctypes
 import functools
 import glob
 import os
-import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
+from ...runtime import forking
 from ...runtime.fanout import run_parts
 
 __all__ = ["gemm_for", "fused_gemm", "quiet_threads", "serial_calls", "run_blas_parts"]
@@ -116,9 +116,21 @@ def _thread_count_calls() -> tuple[Any, Any] | None:
     return get, put
 
 
-_serial_lock = threading.Lock()
+_serial_lock = forking.lock()
 _serial_depth = 0
 _serial_saved = 0
+
+
+@forking.on_fork
+def _not_serial() -> None:
+    """In a forked child no part runs inside ``serial_calls`` (their threads did not come along): BLAS's thread
+    count back to what it was before them."""
+    global _serial_depth
+    if _serial_depth:
+        _serial_depth = 0
+        calls = _thread_count_calls()
+        if calls is not None:
+            calls[1](_serial_saved)
 
 
 @contextlib.contextmanager
