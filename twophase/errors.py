@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from typing import Any
+from typing import Any, NoReturn
 
 __all__ = [
     "Status",
@@ -113,6 +113,13 @@ class InvalidStateError(TwoPhaseError, RuntimeError):
     """An object was used out of its lifecycle order (consumed executor, double destroy, wrong thread)."""
 
     default_status = Status.ERR_PARAM_INVALID_STATE
+
+
+def refuse_pickle(obj: object, instead: str) -> NoReturn:
+    """``__reduce__`` of what lives only in the process that made it (threads, device memory, plans)."""
+    name = type(obj).__name__
+    raise InvalidStateError(f"this {name} belongs to the process that made it (its threads, memory or plans): it "
+                            f"cannot be pickled or copied; {instead}", op="pickle", arg=name.lower())
 
 
 class CaptureError(InvalidStateError):

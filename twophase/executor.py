@@ -12,7 +12,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .config import int_value
-from .errors import InvalidStateError, ParamError
+from .errors import InvalidStateError, ParamError, refuse_pickle
 from .tensor import Tensor, TensorDesc
 
 if TYPE_CHECKING:
@@ -137,6 +137,9 @@ class Executor:
 
     def describe(self) -> str:
         return f"op '{self.op.name}' (executor #{self.id}, implementation '{self.plan.implementation}')"
+
+    def __reduce__(self) -> Any:
+        refuse_pickle(self, "run phase 1 (get_workspace_size) in the receiving process")
 
     def __repr__(self) -> str:
         return (f"Executor(#{self.id}, op={self.op.name}, impl={self.plan.implementation}, "

@@ -268,6 +268,11 @@ class Tensor:
     def __repr__(self) -> str:
         return f"Tensor({self.desc!r}, device={self.device.name})"
 
+    def __reduce__(self) -> Any:
+        """Pickled as its data (after its pending work, like ``numpy()``), its format and its device's name: the
+        receiving process copies it onto its own device of that name; a strided view arrives dense."""
+        return _unpickle_tensor, (self.device.name, self.numpy(), self.desc.format)
+
     def view(self) -> np.ndarray[Any, Any]:
         """The numpy view of the device memory (CPU backends); no synchronization."""
         if self.block.freed:  # checked on every call: another view of the block may have freed it since
@@ -337,3 +342,10 @@ class Tensor:
         """Return the tensor's block to the pool in ``stream`` order (only for the tensor that owns it)."""
         self.block.free(stream)
         self._view = None
+
+
+def _unpickle_tensor(device_name: str, array: np.ndarray[Any, Any], format: Format) -> Tensor:
+    """A pickled :class:`Tensor` copied onto this process's device ``device_name`` (its default stream)."""
+    from .runtime.device import device  # the runtime imports this module
+
+    return device(device_name).tensor(array, format=format)

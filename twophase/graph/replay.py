@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import int_value
-from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError
+from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError, refuse_pickle
 from ..executor import Executor
 from ..runtime.device import NO_WORKSPACE
 from ..runtime.memory import Block
@@ -231,6 +231,9 @@ class Graph:
 
     def __str__(self) -> str:
         return f"graph '{self.name}'"
+
+    def __reduce__(self) -> Any:
+        refuse_pickle(self, "capture the graph again in the receiving process")
 
     def __repr__(self) -> str:
         return f"Graph('{self.name}', {len(self._nodes)} nodes, {self._state})"

@@ -40,6 +40,10 @@ class Device:
         self._local = threading.local()
         config.on_change("launch_blocking", self._apply_launch_blocking)
 
+    def __reduce__(self) -> Any:
+        """Pickled by name: the receiving process gets its own device of that name (one per name)."""
+        return device, (self.name,)
+
     def __repr__(self) -> str:
         return f"Device('{self.name}')"
 

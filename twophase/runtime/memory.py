@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..config import check_byte_limit, int_value
-from ..errors import InvalidStateError, OutOfMemoryError, ParamError
+from ..errors import InvalidStateError, OutOfMemoryError, ParamError, refuse_pickle
 from ..layout import align
 from . import forking
 from .stream import Stream, check_stream
@@ -88,6 +88,9 @@ class Block:
     @property
     def address(self) -> int:
         return self.segment.address + self.offset
+
+    def __reduce__(self) -> Any:
+        refuse_pickle(self, "pickle a Tensor (its data travels) or make the block in the receiving process")
 
     def __repr__(self) -> str:
         state = "allocated" if self.allocated else "free"
@@ -218,6 +221,9 @@ class MemoryPool:
         self._n_segments = 0
         self._n_oom_retries = 0
         self._n_trims = 0
+
+    def __reduce__(self) -> Any:
+        refuse_pickle(self, "each process has the pools of its own devices")
 
     # ---- configuration
     def set_limit(self, nbytes: int | None) -> None:

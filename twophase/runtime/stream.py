@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 import numpy as np
 
 from .. import config
-from ..errors import InvalidStateError, KernelError, ParamError, TwoPhaseError
+from ..errors import InvalidStateError, KernelError, ParamError, TwoPhaseError, refuse_pickle
 from . import forking
 from .fanout import BUSY
 from .spin import count_and_wait, spin_until_reached
@@ -403,6 +403,9 @@ class Stream:
         self._finalizer = weakref.finalize(self, self._q.shutdown)
         return self
 
+    def __reduce__(self) -> Any:
+        refuse_pickle(self, "make a stream in the receiving process with dev.stream()")
+
     def __repr__(self) -> str:
         return f"Stream('{self.name}', pending={self._q.submitted - self._q.done})"
 
@@ -515,6 +518,9 @@ class Event:
         self.seq = 0
         self.time = None
         return self
+
+    def __reduce__(self) -> Any:
+        refuse_pickle(self, "make an Event in the receiving process with stream.record_event()")
 
     def __repr__(self) -> str:
         return f"Event(stream='{self.stream.name}', seq={self.seq}, done={self.query()})"
