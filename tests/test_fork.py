@@ -142,3 +142,22 @@ def test_locks_other_threads_held_at_the_fork_are_free_in_the_child(dev: twophas
         release.set()
         holder.join(30)
     assert not holder.is_alive()
+
+
+def test_a_task_that_forks_goes_on_serving_its_stream_in_the_child(dev: twophase.Device) -> None:
+    """A host callback that forks: in the child the forking thread is the stream's worker, in the middle of that
+    task; it is not lost and no second worker starts."""
+    s = dev.stream()
+    statuses: list[int] = []
+
+    def fork_here() -> None:
+        q = s._q
+        pid = os.fork()
+        if pid == 0:
+            workers = sum(th.name == f"twophase-{s.name}" for th in threading.enumerate())
+            os._exit(0 if q.error is None and q.thread is threading.current_thread() and workers == 1 else 1)
+        statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+    s.launch_callback(fork_here)
+    s.synchronize()
+    assert statuses == [0]
+    s.close()

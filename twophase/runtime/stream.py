@@ -162,7 +162,8 @@ class _Queue:
         """In a forked child, where of the parent's threads only the forking one runs: the locks anew and no
         waiter; the tasks that were running (on the worker, or inline on another thread) never end here, so the
         first of them fails, reported at the next sync, and the later ones are dropped, as after any failure;
-        the worker, if there was one, starts again for the tasks still queued."""
+        the worker, if there was one, starts again for the tasks still queued. (A task that forks runs on in the
+        child: its worker is the forking thread, which goes on serving the queue.)"""
         forking.reinit(self.lock)
         self.cond = threading.Condition(threading.Lock())
         self.waiting = []
@@ -170,6 +171,8 @@ class _Queue:
         self.wake = threading.Lock()
         self.wake.acquire()
         self.idle = self.spinning = False
+        if self.thread is not None and self.thread is threading.current_thread():
+            return
         queued = next((task[3] for task in self.tasks if task[0] is not None), self.submitted + 1)
         lost = queued - 1 - self.done
         if lost > 0:
