@@ -144,9 +144,12 @@ def test_locks_other_threads_held_at_the_fork_are_free_in_the_child(dev: twophas
     assert not holder.is_alive()
 
 
-def test_a_task_that_forks_goes_on_serving_its_stream_in_the_child(dev: twophase.Device) -> None:
-    """A host callback that forks: in the child the forking thread is the stream's worker, in the middle of that
-    task; it is not lost and no second worker starts."""
+@pytest.mark.parametrize("blocking", [False, True], ids=["on-the-worker", "launch-blocking"])
+def test_a_task_that_forks_goes_on_serving_its_stream_in_the_child(
+        dev: twophase.Device, blocking: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host callback that forks: in the child the forking thread is in the middle of that task (on the stream's
+    worker, or inline under launch blocking); the task is not lost and no second worker starts."""
+    monkeypatch.setattr(twophase.settings, "launch_blocking", blocking)
     s = dev.stream()
     statuses: list[int] = []
 
@@ -155,9 +158,10 @@ def test_a_task_that_forks_goes_on_serving_its_stream_in_the_child(dev: twophase
         pid = os.fork()
         if pid == 0:
             workers = sum(th.name == f"twophase-{s.name}" for th in threading.enumerate())
-            os._exit(0 if q.error is None and q.thread is threading.current_thread() and workers == 1 else 1)
+            mine = q.thread is threading.current_thread() if not blocking else q.thread is None
+            os._exit(0 if q.error is None and mine and workers == (0 if blocking else 1) else 1)
         statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
     s.launch_callback(fork_here)
     s.synchronize()
-    assert statuses == [0]
+    assert statuses == [0] and s.blocking == blocking
     s.close()

@@ -163,7 +163,7 @@ class _Queue:
         waiter; the tasks that were running (on the worker, or inline on another thread) never end here, so the
         first of them fails, reported at the next sync, and the later ones are dropped, as after any failure;
         the worker, if there was one, starts again for the tasks still queued. (A task that forks runs on in the
-        child: its worker is the forking thread, which goes on serving the queue.)"""
+        child, on the forking thread, which goes on serving the queue as before.)"""
         forking.reinit(self.lock)
         self.cond = threading.Condition(threading.Lock())
         self.waiting = []
@@ -171,8 +171,9 @@ class _Queue:
         self.wake = threading.Lock()
         self.wake.acquire()
         self.idle = self.spinning = False
-        if self.thread is not None and self.thread is threading.current_thread():
-            return
+        if getattr(self.inline_tls, "depth", 0) or (self.thread is not None
+                                                    and self.thread is threading.current_thread()):
+            return  # the forking thread is running one of this queue's tasks: it goes on with the queue
         queued = next((task[3] for task in self.tasks if task[0] is not None), self.submitted + 1)
         lost = queued - 1 - self.done
         if lost > 0:
