@@ -126,14 +126,6 @@ class _Helpers:
         self.gate = np.zeros(1, np.int64)  # posted count whose launching thread is entering its own part
         self.count = 0
         self.lock = threading.Lock()
-        forking.track(self)
-
-    def after_fork(self) -> None:
-        """In a forked child: no helper came along; the next launch that wants them starts them anew."""
-        forking.reinit(self.lock)
-        self.jobs = queue.SimpleQueue()
-        self.posted[0] = self.gate[0] = 0
-        self.count = 0
 
     def ensure(self, n: int) -> None:
         if self.count >= n:
@@ -183,8 +175,11 @@ _helpers = _Helpers()
 
 
 @forking.on_fork
-def _no_launch_on_helpers() -> None:
-    """In a forked child no launch runs parts on helpers (the threads that ran them did not come along)."""
+def _new_helpers() -> None:
+    """In a forked child no helper came along, nor any launch running parts on them: the next launch that wants
+    helpers starts them anew."""
+    global _helpers
+    _helpers = _Helpers()
     BUSY[0] = 0
 
 

@@ -135,19 +135,12 @@ class _Queue:
         self.tasks: collections.deque[tuple[Callable[[Any], Any], Any, Any, int]] = collections.deque()
         self.submitted = 0
         self.done = 0
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(threading.Lock())
-        self.waiting: list[int] = []  # the seqs host threads wait for (under cond)
-        self.wake_at = _NEVER  # min(waiting): a finished task notifies only from there on
-        self.idle = False
-        self.wake = threading.Lock()
-        self.wake.acquire()
+        self._new_signals()
         # while the worker spins for the next task (``spinning``), an enqueue counts into ``posted``; as it runs out of
         # tasks the worker publishes ``done`` into ``finished`` from compiled code, once it has let go of the GIL
         self.posted = np.zeros(1, np.int64)
         self.finished = np.zeros(1, np.int64)
         self.gate = np.zeros(1, np.int64)  # ``posted`` as a host thread began to spin without the GIL
-        self.spinning = False
         self.error: tuple[BaseException, Any, int] | None = None
         self.dropped = 0
         self.closed = False
@@ -158,19 +151,24 @@ class _Queue:
         self.enqueue = self.enqueue_inline if blocking else self.enqueue_async
         forking.track(self)
 
+    def _new_signals(self) -> None:
+        """The locks, the condition and the flags threads signal each other with, none held and nobody waiting."""
+        self.lock = threading.Lock()
+        self.cond = threading.Condition(threading.Lock())
+        self.waiting: list[int] = []  # the seqs host threads wait for (under cond)
+        self.wake_at = _NEVER  # min(waiting): a finished task notifies only from there on
+        self.idle = False
+        self.wake = threading.Lock()
+        self.wake.acquire()
+        self.spinning = False
+
     def after_fork(self) -> None:
         """In a forked child, where of the parent's threads only the forking one runs: the locks anew and no
         waiter; the tasks that were running (on the worker, or inline on another thread) never end here, so the
         first of them fails, reported at the next sync, and the later ones are dropped, as after any failure;
         the worker, if there was one, starts again for the tasks still queued. (A task that forks runs on in the
         child, on the forking thread, which goes on serving the queue as before.)"""
-        forking.reinit(self.lock)
-        self.cond = threading.Condition(threading.Lock())
-        self.waiting = []
-        self.wake_at = _NEVER
-        self.wake = threading.Lock()
-        self.wake.acquire()
-        self.idle = self.spinning = False
+        self._new_signals()
         if getattr(self.inline_tls, "depth", 0) or (self.thread is not None
                                                     and self.thread is threading.current_thread()):
             return  # the forking thread is running one of this queue's tasks: it goes on with the queue
@@ -186,8 +184,7 @@ class _Queue:
             self.dropped += lost
             self.done = queued - 1
         self.current = None
-        self.finished[0] = self.done
-        self.posted[0] = self.gate[0] = 0
+        self.finished[0] = self.done  # what the new worker has published (``serve``)
         if self.thread is not None:
             self.thread = None
             if self.tasks or not self.closed:
