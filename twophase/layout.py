@@ -102,6 +102,17 @@ def same_view(a: Any, b: Any) -> bool:
                 and a.dtype == b.dtype)
 
 
+def byte_range(address: int, span: tuple[int, int], itemsize: int) -> tuple[int, int]:
+    """The bytes ``[first, past-last)`` that a view touches: ``span`` (its lowest and one-past-highest element
+    index, ``TensorDesc.span``) from ``address``."""
+    return address + span[0] * itemsize, address + span[1] * itemsize
+
+
+def apart(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
+    """Whether two byte ranges (``byte_range``) are known not to meet; None (no operand) is not known apart."""
+    return a is not None and b is not None and (a[1] <= b[0] or b[1] <= a[0])
+
+
 def overlaps(a: Any, b: Any) -> bool:
     """Whether two arrays share memory: interleaved but disjoint views (even and odd columns) do not; a pair too
     hard to decide within a small work bound counts as overlapping."""
