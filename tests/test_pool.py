@@ -353,3 +353,47 @@ def test_a_dead_threads_default_stream_is_not_kept_alive_by_its_freed_blocks(dev
             break
         time.sleep(0.01)
     assert not any(th.name == names[0] for th in threading.enumerate())
+
+
+def _mapped(address: int) -> bool:
+    """Whether ``address`` lies in one of this process's memory mappings (Linux)."""
+    with open("/proc/self/maps") as f:
+        for line in f:
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= address < hi:
+                return True
+    return False
+
+
+@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not __import__("os").path.exists("/proc/self/maps"),
+                    reason="reads /proc/self/maps (Linux)")
+@pytest.mark.parametrize("how", ["one_shot", "plan", "two_parts", "copy_in"])
+def test_empty_cache_unmaps_the_segments_that_launches_ran_on(dev, stream, how):
+    """empty_cache gives memory back to the system, not only to the pool's counters, after ops ran on it: the
+    launches the ops memoise, the stream worker's last task and a helper thread's last job held views of it, and a
+    view keeps its segment mapped."""
+    threads = twophase.settings.num_threads
+    twophase.set_num_threads(2)  # exp of 40 MiB runs in two parts, one on a helper thread
+    dev.pool.empty_cache()  # no cached segment to put the tensors in: each gets one of its own
+    try:
+        x = dev.tensor(np.full((10240, 1024), -1.5, np.float32), stream=stream)
+        if how == "copy_in":
+            y = dev.tensor(np.full((10240, 1024), 2.5, np.float32), stream=stream)
+        elif how == "plan":
+            y = dev.empty((10240, 1024), stream=stream)
+            with twophase.plan("relu", x, out=y, stream=stream) as call:
+                call()
+        else:
+            y = twophase.relu(x, stream=stream) if how == "one_shot" else twophase.exp(x, stream=stream)
+        want = {"copy_in": 2.5, "two_parts": np.exp(np.float32(-1.5))}.get(how, 0.0)
+        np.testing.assert_allclose(y.numpy(), want, rtol=1e-6)
+        addresses = [x.block.segment.address, y.block.segment.address]
+        assert all(_mapped(a) for a in addresses)
+        x.free(stream)
+        y.free(stream)
+        stream.synchronize()
+        assert dev.pool.empty_cache() >= 2 * 40 * MiB
+        del x, y
+        assert not any(_mapped(a) for a in addresses)
+    finally:
+        twophase.set_num_threads(threads)

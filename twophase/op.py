@@ -19,7 +19,7 @@ from .errors import InternalError, InvalidStateError, ParamError, Status, Worksp
 from .executor import ExecState, Executor
 from .layout import apart, byte_range, overlaps, same_view, self_overlapping
 from .runtime.device import NO_WORKSPACE
-from .runtime.memory import Block
+from .runtime.memory import RELEASE_LISTENERS, Block
 from .runtime.stream import Stream, check_stream
 from .stats import OpCounters
 from .tensor import DType, Format, Tensor, TensorDesc
@@ -457,6 +457,16 @@ LAUNCH_MEMO = 256
 
 registry: dict[str, Op] = {}
 _registry_version = [0]
+
+
+def _forget_launches() -> None:
+    """Drop every op's memoised launches (a pool released memory): their views would keep it mapped."""
+    for op in list(registry.values()):
+        with op._launch_lock:
+            op._launches.clear()
+
+
+RELEASE_LISTENERS.append(_forget_launches)
 
 
 def register(spec: OpDef) -> Op:

@@ -169,6 +169,7 @@ class _Helpers:
             ran = job.work()
             # a job made before this helper started has no slot for it: its caller falls back on ``left``
             finished = job.finished if slot < job.finished.size else nothing
+            del job  # its parts' views would pin their memory while this helper waits for the next job
 
 
 _helpers = _Helpers()

@@ -179,6 +179,9 @@ _EXPORT_LOCK = forking.rlock()  # reentrant: a finalizer may run in a collection
 
 # Called as fn(pool) after every allocation and free, by any pool (the profiler's counter track).
 POOL_LISTENERS: list[Callable[[MemoryPool], None]] = []
+# Called as fn() after a pool gave segments back to the backend (``empty_cache``), inside the pool's lock: holders
+# of views (the ops' launch memos) drop them, since a view keeps its segment's memory mapped.
+RELEASE_LISTENERS: list[Callable[[], None]] = []
 
 
 class _Observer:
@@ -477,6 +480,9 @@ class MemoryPool:
             else:
                 keep.append(seg)
         self._segments = keep
+        if released:
+            for fn in RELEASE_LISTENERS:
+                fn()
         return released
 
     # ---- introspection

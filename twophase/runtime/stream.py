@@ -301,6 +301,7 @@ class _Queue:
             if self.done < seq - 1:  # an inline task (launch blocking was on) is still running: it goes first
                 self.wait_for(seq - 1, raise_errors=False)
             self.run_one(fn, arg, owner, seq)
+            del fn, arg, owner  # not kept alive until the next task: a launch's views would pin their memory
             self.done = seq
             if seq >= self.wake_at:
                 with self.cond:
