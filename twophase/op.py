@@ -460,10 +460,13 @@ _registry_version = [0]
 
 
 def _forget_launches() -> None:
-    """Drop every op's memoised launches (a pool released memory): their views would keep it mapped."""
+    """Drop every op's memoised launches (a pool released memory): their views would keep it mapped. They die
+    outside the op's lock: a view dropped may run a finalizer (a DLPack export's) that frees into a pool."""
     for op in list(registry.values()):
         with op._launch_lock:
+            dropped = list(op._launches.values())
             op._launches.clear()
+        del dropped
 
 
 RELEASE_LISTENERS.append(_forget_launches)

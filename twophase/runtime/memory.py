@@ -179,8 +179,8 @@ _EXPORT_LOCK = forking.rlock()  # reentrant: a finalizer may run in a collection
 
 # Called as fn(pool) after every allocation and free, by any pool (the profiler's counter track).
 POOL_LISTENERS: list[Callable[[MemoryPool], None]] = []
-# Called as fn() after a pool gave segments back to the backend (``empty_cache``), inside the pool's lock: holders
-# of views (the ops' launch memos) drop them, since a view keeps its segment's memory mapped.
+# Called as fn() after ``empty_cache`` gave segments back to the backend, outside the pool's lock: holders of views
+# (the ops' launch memos) drop them, since a view keeps its segment's memory mapped.
 RELEASE_LISTENERS: list[Callable[[], None]] = []
 
 
@@ -444,7 +444,11 @@ class MemoryPool:
     def empty_cache(self) -> int:
         """Release every segment that is wholly free and ready; returns the bytes released."""
         with self._lock:
-            return self._empty_cache_locked()
+            released = self._empty_cache_locked()
+        if released:
+            for fn in RELEASE_LISTENERS:
+                fn()
+        return released
 
     def _coalesce_ready(self) -> None:
         """Merge free neighbours whose stream-ordered frees have completed since they were freed
@@ -480,9 +484,6 @@ class MemoryPool:
             else:
                 keep.append(seg)
         self._segments = keep
-        if released:
-            for fn in RELEASE_LISTENERS:
-                fn()
         return released
 
     # ---- introspection
