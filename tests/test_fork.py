@@ -118,13 +118,14 @@ def test_a_task_running_at_the_fork_fails_in_the_child_and_the_stream_recovers(
 
 
 def test_locks_other_threads_held_at_the_fork_are_free_in_the_child(dev: twophase.Device) -> None:
-    """The memory pool's lock (a stream worker takes it to free blocks) and the device registry's lock, held by
-    another thread of the parent across the fork."""
+    """The memory pool's lock (a stream worker takes it to free blocks), the device registry's lock and an op's
+    launch-memo lock (taken when a launch is built), held by another thread of the parent across the fork."""
     device_module = sys.modules["twophase.runtime.device"]  # the package exports a function of that name
+    relu = sys.modules["twophase.op"].registry["relu"]
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with dev.pool._lock, device_module._lock:
+        with dev.pool._lock, device_module._lock, relu._launch_lock:
             held.set()
             release.wait(CHILD_LIMIT_S)
     holder = threading.Thread(target=hold, daemon=True)
@@ -136,8 +137,9 @@ def test_locks_other_threads_held_at_the_fork_are_free_in_the_child(dev: twophas
             block.free()
             device_module._DEVICES.pop("null", None)  # (the child's own registry) made again: under the lock
             assert twophase.device("null").name == "null"
-            return dev.tensor(np.arange(3, dtype=np.float32)).numpy().tolist()
-        assert in_child(child) == [0.0, 1.0, 2.0]
+            x = dev.tensor(np.arange(-1, 2, dtype=np.float32))
+            return twophase.relu(x).numpy().tolist()  # a launch on new memory: built, memoised under the lock
+        assert in_child(child) == [0.0, 0.0, 1.0]
     finally:
         release.set()
         holder.join(30)

@@ -18,6 +18,7 @@ from .config import check_byte_limit, settings
 from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError
 from .executor import ExecState, Executor
 from .layout import apart, byte_range, overlaps, same_view, self_overlapping
+from .runtime import forking
 from .runtime.device import NO_WORKSPACE
 from .runtime.memory import RELEASE_LISTENERS, Block
 from .runtime.stream import Stream, check_stream
@@ -143,6 +144,7 @@ class Op:
         self.counters = OpCounters()
         self._launches: OrderedDict[Any, tuple[Plan, Callable[[Any], None]]] = OrderedDict()
         self._launch_lock = Lock()
+        forking.locks_of(self, "_launch_lock")
         self.__doc__ = spec.doc
 
     def __repr__(self) -> str:
