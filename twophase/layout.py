@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from .tensor import TensorDesc
 
 __all__ = ["merge_dims", "rows_split", "as_rows", "as_matrix", "broadcast_shape", "align", "spread_stride"]
 
@@ -102,14 +105,15 @@ def same_view(a: Any, b: Any) -> bool:
                 and a.dtype == b.dtype)
 
 
-def byte_range(address: int, span: tuple[int, int], itemsize: int) -> tuple[int, int]:
-    """The bytes ``[first, past-last)`` that a view touches: ``span`` (its lowest and one-past-highest element
-    index, ``TensorDesc.span``) from ``address``."""
-    return address + span[0] * itemsize, address + span[1] * itemsize
+def byte_range(address: int, desc: TensorDesc) -> tuple[int, int]:
+    """The bytes ``[first, past-last)`` that ``desc`` touches in a buffer at ``address``."""
+    lo, hi = desc.byte_span()
+    return address + lo, address + hi
 
 
 def apart(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
-    """Whether two byte ranges (``byte_range``) are known not to meet; None (no operand) is not known apart."""
+    """Whether two byte ranges (``byte_range``, ``TensorDesc.byte_span``) are known not to meet; None (no
+    operand) is not known apart."""
     return a is not None and b is not None and (a[1] <= b[0] or b[1] <= a[0])
 
 

@@ -366,7 +366,7 @@ class Op:
         thread (one-shot calls: ~20 us a test while kernels run)."""
         names = [self.input_name(i, n) for i in range(n)] + [f"out {j}" for j in range(len(views) - n)]
         in_place = self.spec.aliases if isinstance(self.spec.aliases, tuple) else ()
-        ranges = [None if op is None else byte_range(op[0], op[1].span(), op[1].dtype.itemsize) for op in operands]
+        ranges = [None if op is None else byte_range(*op) for op in operands]
         for j in range(n, len(views)):
             o = views[j]
             if o is None:

@@ -210,6 +210,11 @@ class TensorDesc:
                 hi += (n - 1) * s
         return lo, hi + 1
 
+    def byte_span(self) -> tuple[int, int]:
+        """``span`` in bytes: the first and one-past-last byte the desc touches (relative to the buffer start)."""
+        lo, hi = self.span()
+        return lo * self.dtype.itemsize, hi * self.dtype.itemsize
+
     def with_(self, **changes: Any) -> TensorDesc:
         """A copy with some fields replaced (strides reset to contiguous when only the shape changes)."""
         fields: dict[str, Any] = {"shape": self.shape, "dtype": self.dtype, "strides": self.strides,

@@ -14,6 +14,7 @@ from typing import Any
 from ..config import int_value
 from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError, refuse_pickle
 from ..executor import Executor
+from ..layout import apart
 from ..runtime.device import NO_WORKSPACE
 from ..runtime.memory import Block
 from ..runtime.stream import CONTROL, TASK_LISTENERS, Event, Stream, check_stream, describe_owner
@@ -56,19 +57,13 @@ class _Binding:
         self.straddled = False  # an operand reads across the named view's edge: it cannot be rebound
 
 
-def _byte_span(d: TensorDesc) -> tuple[int, int]:
-    lo, hi = d.span()
-    return lo * d.dtype.itemsize, hi * d.dtype.itemsize
-
-
 def _overlap(a: TensorDesc, b: TensorDesc) -> bool:
     """Whether two views of one block may touch the same bytes (their spans intersect)."""
-    (alo, ahi), (blo, bhi) = _byte_span(a), _byte_span(b)
-    return alo < bhi and blo < ahi
+    return not apart(a.byte_span(), b.byte_span())
 
 
 def _within(a: TensorDesc, b: TensorDesc) -> bool:
-    (alo, ahi), (blo, bhi) = _byte_span(a), _byte_span(b)
+    (alo, ahi), (blo, bhi) = a.byte_span(), b.byte_span()
     return blo <= alo and ahi <= bhi
 
 
