@@ -41,6 +41,7 @@ bench: $(BENCH_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check twophase tests bench
+	$(VENV)/bin/ruff format --check twophase tests bench
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy

@@ -6,8 +6,14 @@ from pathlib import Path
 
 from bench.report import RESULTS, run_suite
 
-MODULES = ("bench.bench_core", "bench.bench_ops1", "bench.bench_ops2", "bench.bench_graph", "bench.bench_minilm",
-           "bench.bench_sanitizer")
+MODULES = (
+    "bench.bench_core",
+    "bench.bench_ops1",
+    "bench.bench_ops2",
+    "bench.bench_graph",
+    "bench.bench_minilm",
+    "bench.bench_sanitizer",
+)
 
 USAGE = "usage: python -m bench [RESULTS_DIR [bench_ops1 kernel names...]]  (default folder: bench/results)"
 

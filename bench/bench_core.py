@@ -37,6 +37,7 @@ def contract_costs() -> list[str]:
         def run() -> None:
             _, e = tp.ops.softmax.get_workspace_size(x, dim=-1, out=y)
             e.destroy()
+
         def timed() -> float:
             config.set_cache_enabled(cache)
             try:
@@ -46,6 +47,7 @@ def contract_costs() -> list[str]:
                 return (time.perf_counter() - t0) / 500
             finally:
                 config.set_cache_enabled(True)
+
         return timed  # type: ignore[return-value]
 
     def phase2() -> float:
@@ -121,9 +123,13 @@ def cache_costs() -> list[str]:
             extra = _extra_case(name, dev, rng)
             if extra is not None:
                 cases[f"{name} {extra[0]}"] = extra[1]
-    lines = ["## Executor cache: phase 1 on a hit vs a miss (cache off)",
-             "| op | miss | hit | ratio hit / miss (< 1: the hit faster) |", "|---|---|---|---|"]
+    lines = [
+        "## Executor cache: phase 1 on a hit vs a miss (cache off)",
+        "| op | miss | hit | ratio hit / miss (< 1: the hit faster) |",
+        "|---|---|---|---|",
+    ]
     for name, fn in cases.items():
+
         def run(fn: Callable[[], Any] = fn) -> None:
             fn()[1].destroy()
 
@@ -136,6 +142,7 @@ def cache_costs() -> list[str]:
                 return (time.perf_counter() - t0) / 300
             finally:
                 config.set_cache_enabled(True)
+
         run()
         ratio, t_hit, t_miss = median_ratio(lambda: timed(True), lambda: timed(False))
         lines.append(f"| {name} | {t_miss * 1e6:.1f} us | {t_hit * 1e6:.1f} us | {ratio:.2f} |")
@@ -180,9 +187,11 @@ def one_shot_vs_torch() -> list[str]:
         for _ in range(ONE_SHOT_CALLS):
             tp.add(a, b, stream=s)
         s.synchronize()
+
     fns: dict[str, Callable[[], object]] = {"twophase.add (one-shot, then a sync per 100 calls)": one_shot}
     try:
         import torch
+
         ta, tb = torch.ones(16), torch.ones(16)
         tout = torch.empty(16)
 
@@ -193,6 +202,7 @@ def one_shot_vs_torch() -> list[str]:
         def out() -> None:
             for _ in range(ONE_SHOT_CALLS):
                 torch.add(ta, tb, out=tout)
+
         fns["torch.add (eager)"] = eager
         fns["torch.add(out=)"] = out
         got = tp.add(a, b, stream=s).numpy()
@@ -202,8 +212,11 @@ def one_shot_vs_torch() -> list[str]:
         torch = None  # type: ignore[assignment]
     times = interleaved_times(fns, 20, 7)
     s.synchronize()
-    lines = ["## One-shot call cost (16-element float32 add; blocks of 100 calls, twophase's ending in a sync)",
-             "| call | time | ratio this row / torch eager (< 1: this row faster) |", "|---|---|---|"]
+    lines = [
+        "## One-shot call cost (16-element float32 add; blocks of 100 calls, twophase's ending in a sync)",
+        "| call | time | ratio this row / torch eager (< 1: this row faster) |",
+        "|---|---|---|",
+    ]
     base = "torch.add (eager)"
     for k, v in times.items():
         t = statistics.median(v) / ONE_SHOT_CALLS
@@ -218,6 +231,7 @@ def _counter_row(name: str) -> str:
     """Phase 2 of a repeatable add, N calls then a sync (the worker's kernel and its launch count included),
     with the launch counting as shipped vs. swapped for a no-op."""
     import twophase.runtime.stream as stream_mod
+
     counting = stream_mod._count
     op = tp.ops.add
     dev = tp.device(name)
@@ -236,6 +250,7 @@ def _counter_row(name: str) -> str:
             return (time.perf_counter() - t0) / 5000
         finally:
             stream_mod._count = counting
+
     ratio, with_, without = median_ratio(lambda: run(counting), lambda: run(lambda _: None), rounds=15)
     ex.destroy()
     return f"| {name} | {without * 1e9:.0f} ns | {with_ * 1e9:.0f} ns | {ratio:.3f} | <= 1.05 |"
@@ -245,10 +260,12 @@ def counter_cost() -> list[str]:
     """Phase 2 itself counts nothing; an executor's launch count goes up on the stream worker once its task ran.
     Measured end to end (enqueue, kernel, count) because the worker shares the GIL with the caller. (The NULL
     device counts inline at enqueue, where no worker runs; it is not measured here.)"""
-    return ["## Counters on the hot path (5000 phase-2 calls of a repeatable add + sync, median of 15 rounds)",
-            "| device | without counting | with counting | ratio with / without (< 1: counting faster) | target |",
-            "|---|---|---|---|---|",
-            _counter_row("cpu")]
+    return [
+        "## Counters on the hot path (5000 phase-2 calls of a repeatable add + sync, median of 15 rounds)",
+        "| device | without counting | with counting | ratio with / without (< 1: counting faster) | target |",
+        "|---|---|---|---|---|",
+        _counter_row("cpu"),
+    ]
 
 
 def _gate_row(name: str, launch: Callable[[], None], s: tp.Stream, n: int) -> str:
@@ -266,6 +283,7 @@ def _gate_row(name: str, launch: Callable[[], None], s: tp.Stream, n: int) -> st
             return (time.perf_counter() - t0) / n
         finally:
             spin.GATE_US = shipped
+
     launch()
     s.synchronize()
     ratio, t_on, t_off = median_ratio(lambda: timed(shipped), lambda: timed(spin.SETTLE_US), rounds=9)
@@ -297,11 +315,16 @@ def gate_costs() -> list[str]:
         tp.ops.matmul(ws_m, n_m, ex_m, s)
         s.synchronize()
         split = int(fanout.BUSY[1]) > before
-        rows = [_gate_row("gelu 4x16, launch + sync (stream gate)",
-                          lambda: tp.ops.gelu(ws_g, n_g, ex_g, s), s, 2000)]
+        rows = [_gate_row("gelu 4x16, launch + sync (stream gate)", lambda: tp.ops.gelu(ws_g, n_g, ex_g, s), s, 2000)]
         if split:
-            rows.append(_gate_row("matmul 64x384 @ 384x192 in 2 parts, launch + sync (both gates)",
-                                  lambda: tp.ops.matmul(ws_m, n_m, ex_m, s), s, 500))
+            rows.append(
+                _gate_row(
+                    "matmul 64x384 @ 384x192 in 2 parts, launch + sync (both gates)",
+                    lambda: tp.ops.matmul(ws_m, n_m, ex_m, s),
+                    s,
+                    500,
+                )
+            )
         else:
             rows.append("| matmul 64x384 @ 384x192: not cut into parts on this machine (1 core?) | | | |")
         for ex, ws in ((ex_g, ws_g), (ex_m, ws_m)):
@@ -310,9 +333,13 @@ def gate_costs() -> list[str]:
                 ws.free(s)
     finally:
         config.set_num_threads(old)
-    return [f"## Wake-up gates: launch + sync with the gates (GATE_US = {spin.GATE_US:g} us) vs shut "
-            f"(SETTLE_US = {spin.SETTLE_US:g} us), median of 9 rounds",
-            "| case | gates shut | gates | ratio gates / shut (< 1: the gates faster) |", "|---|---|---|---|", *rows]
+    return [
+        f"## Wake-up gates: launch + sync with the gates (GATE_US = {spin.GATE_US:g} us) vs shut "
+        f"(SETTLE_US = {spin.SETTLE_US:g} us), median of 9 rounds",
+        "| case | gates shut | gates | ratio gates / shut (< 1: the gates faster) |",
+        "|---|---|---|---|",
+        *rows,
+    ]
 
 
 def main() -> None:

@@ -93,8 +93,11 @@ def per_op_costs() -> list[str]:
             _one_shot(x, ws, s, free=True).free(s)
         s.synchronize()
 
-    fns: dict[str, Callable[[], object]] = {"graph replay": replay, "explicit executors (phase 2 only)": explicit,
-                                            "one-shot API": one_shot}
+    fns: dict[str, Callable[[], object]] = {
+        "graph replay": replay,
+        "explicit executors (phase 2 only)": explicit,
+        "one-shot API": one_shot,
+    }
     torch = _torch()
     if torch is not None:
         tx = torch.from_numpy(x.numpy())
@@ -117,16 +120,20 @@ def per_op_costs() -> list[str]:
             raise AssertionError("torch eager's result differs from twophase's (the chain is compared bit for bit)")
     times = interleaved_times(fns, 5, rounds=9)
     per = {k: statistics.median(v) / (REPS * N_OPS) for k, v in times.items()}
-    lines = [f"## Per-op cost: {N_OPS} tiny ops ({SIZE}-element float32 add/mul/sub/relu/neg), {REPS} sequences "
-             "per synchronize", "| way | per op | ratio this way / torch eager (< 1: this way faster) | target |",
-             "|---|---|---|---|"]
+    lines = [
+        f"## Per-op cost: {N_OPS} tiny ops ({SIZE}-element float32 add/mul/sub/relu/neg), {REPS} sequences "
+        "per synchronize",
+        "| way | per op | ratio this way / torch eager (< 1: this way faster) | target |",
+        "|---|---|---|---|",
+    ]
     for k, v in per.items():
         ratio = f"{round_ratio(times, k, 'torch eager'):.2f}" if "torch eager" in times else "n/a"
         target = "<= 1.0 (moonshot 0.5)" if k == "graph replay" else ""
         lines.append(f"| {k} | {v * 1e9:.0f} ns | {ratio} | {target} |")
     r_explicit = round_ratio(times, "graph replay", "explicit executors (phase 2 only)")
-    lines.append(f"(graph replay / explicit executors, median of the rounds' ratios: {r_explicit:.2f}; < 1: replay "
-                 "faster)")
+    lines.append(
+        f"(graph replay / explicit executors, median of the rounds' ratios: {r_explicit:.2f}; < 1: replay faster)"
+    )
     if torch is None:
         lines.append("(torch not installed: `pip install torch==2.13.0` for the comparison)")
     else:
@@ -173,11 +180,14 @@ def host_cost() -> list[str]:
     for _, ex in calls:
         ex.destroy()
     per = {k: statistics.median(v) / (REPS * N_OPS) for k, v in times.items()}
-    return ["## Host cost per op on the NULL device (no kernel runs)",
-            "| way | per op | ratio this way / explicit executors (< 1: this way faster) |", "|---|---|---|",
-            f"| explicit executors | {per['explicit executors'] * 1e9:.0f} ns | 1.00 |",
-            f"| graph replay | {per['graph replay'] * 1e9:.0f} ns | "
-            f"{round_ratio(times, 'graph replay', 'explicit executors'):.3f} |"]
+    return [
+        "## Host cost per op on the NULL device (no kernel runs)",
+        "| way | per op | ratio this way / explicit executors (< 1: this way faster) |",
+        "|---|---|---|",
+        f"| explicit executors | {per['explicit executors'] * 1e9:.0f} ns | 1.00 |",
+        f"| graph replay | {per['graph replay'] * 1e9:.0f} ns | "
+        f"{round_ratio(times, 'graph replay', 'explicit executors'):.3f} |",
+    ]
 
 
 def _encoder(dev: tp.Device, s: tp.Stream, b: int = 4, t: int = 64, d: int = 128, h: int = 4) -> Any:
@@ -197,8 +207,10 @@ def _encoder(dev: tp.Device, s: tp.Stream, b: int = 4, t: int = 64, d: int = 128
             return tp.layer_norm(x, gam[i], bet[i], normalized_shape=(d,), stream=s)[0]  # type: ignore[no-any-return]
         mu = tp.reduce_mean(x, dims=(-1,), keep_dims=True, stream=s)
         xc = tp.sub(x, mu, stream=s)
-        r = tp.rsqrt(tp.add(tp.reduce_mean(tp.mul(xc, xc, stream=s), dims=(-1,), keep_dims=True, stream=s), eps,
-                            stream=s), stream=s)
+        r = tp.rsqrt(
+            tp.add(tp.reduce_mean(tp.mul(xc, xc, stream=s), dims=(-1,), keep_dims=True, stream=s), eps, stream=s),
+            stream=s,
+        )
         return tp.add(tp.mul(tp.mul(xc, r, stream=s), gam[i], stream=s), bet[i], stream=s)  # type: ignore[no-any-return]
 
     def heads(y: tp.Tensor) -> tp.Tensor:
@@ -232,12 +244,14 @@ def arena_ratio() -> list[str]:
     g.destroy()
     s.close()
     ln = "layer_norm op" if "layer_norm" in tp.registry else "composite layer norm"
-    return [f"## Arena vs one-by-one allocations: transformer encoder block (4x64x128, 4 heads, {ln})",
-            "| nodes | intermediates | workspaces | one by one | peak live | arena | arena / one by one | target |",
-            "|---|---|---|---|---|---|---|---|",
-            f"| {len(g)} | {m.intermediates} | {m.workspaces} | {m.naive_bytes / 1024:.0f} KiB | "
-            f"{m.peak_bytes / 1024:.0f} KiB | {m.arena_bytes / 1024:.0f} KiB | {m.ratio:.3f} | <= 0.5 |",
-            f"(planner strategy: {m.strategy}; replay equals eager bit for bit: {same})"]
+    return [
+        f"## Arena vs one-by-one allocations: transformer encoder block (4x64x128, 4 heads, {ln})",
+        "| nodes | intermediates | workspaces | one by one | peak live | arena | arena / one by one | target |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {len(g)} | {m.intermediates} | {m.workspaces} | {m.naive_bytes / 1024:.0f} KiB | "
+        f"{m.peak_bytes / 1024:.0f} KiB | {m.arena_bytes / 1024:.0f} KiB | {m.ratio:.3f} | <= 0.5 |",
+        f"(planner strategy: {m.strategy}; replay equals eager bit for bit: {same})",
+    ]
 
 
 def _torch() -> Any:

@@ -42,35 +42,85 @@ TorchCall = tuple[Callable[[Any], Any], Callable[[Any, Any], Any] | None]
 ALLOCATING = "allocates"
 CASES: dict[str, tuple[Callable[..., Any], dict[str, Any], Callable[..., Any], TorchCall]] = {
     # name: (op, attrs, naive numpy, torch)
-    "softmax": (ops.softmax, {"dim": -1}, lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(
-        x - x.max(-1, keepdims=True)).sum(-1, keepdims=True),
-        (lambda t: torch.softmax(t, -1), lambda t, o: torch._softmax(t, -1, False, out=o))),
-    "log_softmax": (ops.log_softmax, {"dim": -1}, lambda x: (x - x.max(-1, keepdims=True)) - np.log(np.exp(
-        x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)),
-        (lambda t: torch.log_softmax(t, -1), lambda t, o: torch._log_softmax(t, -1, False, out=o))),
-    "layer_norm": (ops.layer_norm, {}, lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(
-        x.var(-1, keepdims=True) + 1e-5), (lambda t: torch.nn.functional.layer_norm(t, t.shape[-1:]), None)),
-    "rms_norm": (ops.rms_norm, {}, lambda x: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6),
-                 (lambda t: torch.nn.functional.rms_norm(t, t.shape[-1:]), None)),
-    "gelu": (ops.gelu, {}, lambda x: 0.5 * x * (1 + _verf(x / np.float32(np.sqrt(2)))),
-             (lambda t: torch.nn.functional.gelu(t), lambda t, o: torch._C._nn.gelu(t, out=o))),  # type: ignore[call-arg]
-    "silu": (ops.silu, {}, lambda x: x / (1 + np.exp(-x)),
-             (lambda t: torch.nn.functional.silu(t), lambda t, o: torch._C._nn.silu(t, out=o))),  # type: ignore[call-arg]
+    "softmax": (
+        ops.softmax,
+        {"dim": -1},
+        lambda x: np.exp(x - x.max(-1, keepdims=True)) / np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True),
+        (lambda t: torch.softmax(t, -1), lambda t, o: torch._softmax(t, -1, False, out=o)),
+    ),
+    "log_softmax": (
+        ops.log_softmax,
+        {"dim": -1},
+        lambda x: (x - x.max(-1, keepdims=True)) - np.log(np.exp(x - x.max(-1, keepdims=True)).sum(-1, keepdims=True)),
+        (lambda t: torch.log_softmax(t, -1), lambda t, o: torch._log_softmax(t, -1, False, out=o)),
+    ),
+    "layer_norm": (
+        ops.layer_norm,
+        {},
+        lambda x: (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5),
+        (lambda t: torch.nn.functional.layer_norm(t, t.shape[-1:]), None),
+    ),
+    "rms_norm": (
+        ops.rms_norm,
+        {},
+        lambda x: x / np.sqrt((x * x).mean(-1, keepdims=True) + 1e-6),
+        (lambda t: torch.nn.functional.rms_norm(t, t.shape[-1:]), None),
+    ),
+    "gelu": (
+        ops.gelu,
+        {},
+        lambda x: 0.5 * x * (1 + _verf(x / np.float32(np.sqrt(2)))),
+        (lambda t: torch.nn.functional.gelu(t), lambda t, o: torch._C._nn.gelu(t, out=o)),  # type: ignore[call-arg]
+    ),
+    "silu": (
+        ops.silu,
+        {},
+        lambda x: x / (1 + np.exp(-x)),
+        (lambda t: torch.nn.functional.silu(t), lambda t, o: torch._C._nn.silu(t, out=o)),  # type: ignore[call-arg]
+    ),
     "add": (ops.add, {}, lambda x: x + x, (lambda t: torch.add(t, t), lambda t, o: torch.add(t, t, out=o))),
-    "reduce_sum": (ops.reduce_sum, {"dims": (-1,)}, lambda x: x.sum(-1),
-                   (lambda t: t.sum(-1), lambda t, o: torch.sum(t, -1, out=o))),
-    "reduce_max": (ops.reduce_max, {"dims": (-1,)}, lambda x: x.max(-1),
-                   (lambda t: t.amax(-1), lambda t, o: torch.amax(t, -1, out=o))),
-    "reduce_min": (ops.reduce_min, {"dims": (-1,)}, lambda x: x.min(-1),
-                   (lambda t: t.amin(-1), lambda t, o: torch.amin(t, -1, out=o))),
-    "reduce_sum0": (ops.reduce_sum, {"dims": (0,)}, lambda x: x.sum(0),
-                    (lambda t: t.sum(0), lambda t, o: torch.sum(t, 0, out=o))),
-    "reduce_max0": (ops.reduce_max, {"dims": (0,)}, lambda x: x.max(0),
-                    (lambda t: t.amax(0), lambda t, o: torch.amax(t, 0, out=o))),
-    "argmax": (ops.argmax, {"dim": -1}, lambda x: x.argmax(-1),
-               (lambda t: t.argmax(-1), lambda t, o: torch.argmax(t, -1, out=o))),
-    "var": (ops.var, {"dims": (-1,)}, lambda x: x.var(-1, ddof=1),
-            (lambda t: t.var(-1), lambda t, o: torch.var(t, -1, out=o))),
+    "reduce_sum": (
+        ops.reduce_sum,
+        {"dims": (-1,)},
+        lambda x: x.sum(-1),
+        (lambda t: t.sum(-1), lambda t, o: torch.sum(t, -1, out=o)),
+    ),
+    "reduce_max": (
+        ops.reduce_max,
+        {"dims": (-1,)},
+        lambda x: x.max(-1),
+        (lambda t: t.amax(-1), lambda t, o: torch.amax(t, -1, out=o)),
+    ),
+    "reduce_min": (
+        ops.reduce_min,
+        {"dims": (-1,)},
+        lambda x: x.min(-1),
+        (lambda t: t.amin(-1), lambda t, o: torch.amin(t, -1, out=o)),
+    ),
+    "reduce_sum0": (
+        ops.reduce_sum,
+        {"dims": (0,)},
+        lambda x: x.sum(0),
+        (lambda t: t.sum(0), lambda t, o: torch.sum(t, 0, out=o)),
+    ),
+    "reduce_max0": (
+        ops.reduce_max,
+        {"dims": (0,)},
+        lambda x: x.max(0),
+        (lambda t: t.amax(0), lambda t, o: torch.amax(t, 0, out=o)),
+    ),
+    "argmax": (
+        ops.argmax,
+        {"dim": -1},
+        lambda x: x.argmax(-1),
+        (lambda t: t.argmax(-1), lambda t, o: torch.argmax(t, -1, out=o)),
+    ),
+    "var": (
+        ops.var,
+        {"dims": (-1,)},
+        lambda x: x.var(-1, ddof=1),
+        (lambda t: t.var(-1), lambda t, o: torch.var(t, -1, out=o)),
+    ),
 }
 
 
@@ -112,20 +162,26 @@ def _check(name: str, shape: tuple[int, ...], got: Any, naive: Any, torch_out: A
 
 def table() -> None:
     """The ratio table in this process's environment."""
-    print(f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}  "
-          f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}  cpus={os.cpu_count()}  "
-          f"torch={torch.__version__ if torch else 'not installed'}")
-    print(f"ratios t(baseline) / t(ours) ({HIGHER_FASTER}), medians over interleaved rounds of the two times "
-          "taken in the same round: copyto = t(np.copyto of the output "
-          "bytes; for reductions: of the input, which also writes) / t(ours); read = t(one SIMD pass that only "
-          "reads the input: np.max of its int32 view) / t(ours), reductions only; naive = t(numpy) / t(ours); "
-          "torch = t(torch) / t(ours). Ours writes into outputs allocated once (phase 1); so does torch (its out= "
-          "variants: 'torch call' out=), except where 'torch call' reads 'allocates': layer_norm and rms_norm have "
-          "no out= variant that writes in place, so torch's time there includes allocating and page-faulting "
-          "fresh 64 MiB buffers every call (layer_norm: its output; rms_norm: its output and one temporary, by "
-          "their page faults). Each row is checked before timing: ours, naive and torch agree.")
-    print(f"{'kernel':<11} {'shape':<12} {'ours ms':>8} {'copyto':>7} {'read':>7} {'naive':>7} {'torch':>7}  "
-          "torch call  (ratios > 1: twophase faster)")
+    print(
+        f"OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}  "
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '(unset)')}  cpus={os.cpu_count()}  "
+        f"torch={torch.__version__ if torch else 'not installed'}"
+    )
+    print(
+        f"ratios t(baseline) / t(ours) ({HIGHER_FASTER}), medians over interleaved rounds of the two times "
+        "taken in the same round: copyto = t(np.copyto of the output "
+        "bytes; for reductions: of the input, which also writes) / t(ours); read = t(one SIMD pass that only "
+        "reads the input: np.max of its int32 view) / t(ours), reductions only; naive = t(numpy) / t(ours); "
+        "torch = t(torch) / t(ours). Ours writes into outputs allocated once (phase 1); so does torch (its out= "
+        "variants: 'torch call' out=), except where 'torch call' reads 'allocates': layer_norm and rms_norm have "
+        "no out= variant that writes in place, so torch's time there includes allocating and page-faulting "
+        "fresh 64 MiB buffers every call (layer_norm: its output; rms_norm: its output and one temporary, by "
+        "their page faults). Each row is checked before timing: ours, naive and torch agree."
+    )
+    print(
+        f"{'kernel':<11} {'shape':<12} {'ours ms':>8} {'copyto':>7} {'read':>7} {'naive':>7} {'torch':>7}  "
+        "torch call  (ratios > 1: twophase faster)"
+    )
     dev = device("cpu")
     rng = np.random.default_rng(0)
     for shape in SHAPES:
@@ -140,6 +196,7 @@ def table() -> None:
             if name in ("layer_norm", "rms_norm"):
                 attrs = {"normalized_shape": (shape[-1],)}
             run, release, outs = ours(op, [xt, xt] if name == "add" else [xt], **attrs)
+
             def copy(dst: Any = dst, x: Any = x) -> None:
                 for _ in range(CALLS):
                     np.copyto(dst, x)
@@ -147,6 +204,7 @@ def table() -> None:
             def read(xi: Any = xi) -> None:
                 for _ in range(CALLS):
                     np.max(xi)
+
             fns: dict[str, Callable[[], Any]] = {"ours": run, "copyto": copy}
             if name in REDUCTIONS:
                 fns["read"] = read
@@ -183,9 +241,11 @@ def table() -> None:
             release()
             r["naive"] *= scale * CALLS  # one naive call stands for CALLS calls, like the others
             nan = float("nan")
-            print(f"{name:<11} {'x'.join(map(str, shape)):<12} {t['ours'] / CALLS * 1e3:8.2f} "
-                  f"{r['copyto']:7.2f} {r.get('read', nan):7.2f} {r['naive']:7.2f} {r.get('torch', nan):7.2f}  "
-                  f"{call}")
+            print(
+                f"{name:<11} {'x'.join(map(str, shape)):<12} {t['ours'] / CALLS * 1e3:8.2f} "
+                f"{r['copyto']:7.2f} {r.get('read', nan):7.2f} {r['naive']:7.2f} {r.get('torch', nan):7.2f}  "
+                f"{call}"
+            )
 
 
 def _wider(shape: tuple[int, ...], pad: int, seed: int) -> tuple[Any, Any]:
@@ -193,7 +253,7 @@ def _wider(shape: tuple[int, ...], pad: int, seed: int) -> tuple[Any, Any]:
     last-dim row of a ``pad`` elements wider array (dense rows, the whole not one stride)."""
     dev = device("cpu")
     wide = np.random.default_rng(seed).standard_normal((*shape[:-1], shape[-1] + pad)).astype(np.float32)
-    dense_t = dev.tensor(np.ascontiguousarray(wide[..., :shape[-1]]))
+    dense_t = dev.tensor(np.ascontiguousarray(wide[..., : shape[-1]]))
     view_t = dev.tensor(wide).strided(shape, tuple(st // wide.itemsize for st in wide.strides), 0)
     dense_t.synchronize()
     view_t.synchronize()
@@ -223,9 +283,11 @@ def padded_table() -> None:
     """Each row kernel on the rows of a wider array (every row dense, the matrix not) against the same rows
     dense, side by side: the kernels take such rows typed dense, so the ratio should stay near 1 (it was 4-16
     when they ran typed strided)."""
-    print(f"\nrows of a wider array: {PADDED[0]}x{PADDED[1]} float32 viewed in a {PADDED[0]}x{PADDED[1] + PAD} "
-          "one, against the same rows dense; t(padded) / t(dense), median of interleaved rounds (< 1: padded faster; "
-          "1 = no cost)")
+    print(
+        f"\nrows of a wider array: {PADDED[0]}x{PADDED[1]} float32 viewed in a {PADDED[0]}x{PADDED[1] + PAD} "
+        "one, against the same rows dense; t(padded) / t(dense), median of interleaved rounds (< 1: padded faster; "
+        "1 = no cost)"
+    )
     print(f"{'kernel':<12} {'dense ms':>9} {'padded/dense':>13}  (< 1: padded faster)")
     dense_t, padded_t = _wider(PADDED, PAD, 1)
     for name, (op, attrs, _naive, _tfn) in CASES.items():
@@ -256,8 +318,10 @@ def crop_table() -> None:
     the same images dense: the kernels walk such planes row by row in place; the ops that still pack the
     input first (reductions over dims that do not merge) show the cost of that copy."""
     n, c, h, w = CROP
-    print(f"\ncrops of wider images: {n}x{c}x{h}x{w} float32 viewed in {n}x{c}x{h}x{w + CROP_PAD}, against the same "
-          "images dense; t(crop) / t(dense), median of interleaved rounds (< 1: crop faster; 1 = no cost)")
+    print(
+        f"\ncrops of wider images: {n}x{c}x{h}x{w} float32 viewed in {n}x{c}x{h}x{w + CROP_PAD}, against the same "
+        "images dense; t(crop) / t(dense), median of interleaved rounds (< 1: crop faster; 1 = no cost)"
+    )
     print(f"{'op':<12} {'impl (crop)':<16} {'ws (crop)':>10} {'dense ms':>9} {'crop/dense':>11}  (< 1: crop faster)")
     dense_t, crop_t = _wider(CROP, CROP_PAD, 2)
     dev = device("cpu")
@@ -284,9 +348,15 @@ def main() -> None:
     if os.environ.get("TWOPHASE_BENCH_VARIANTS", "1") == "0" or "OMP_WAIT_POLICY" in os.environ:
         return
     import subprocess
+
     print("\nthe same with OMP_WAIT_POLICY=PASSIVE (torch's OpenMP threads sleep when idle):")
-    out = subprocess.run([sys.executable, "-m", "bench.bench_ops1", *sys.argv[1:]], capture_output=True, text=True,
-                         env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}, check=False)
+    out = subprocess.run(
+        [sys.executable, "-m", "bench.bench_ops1", *sys.argv[1:]],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE"},
+        check=False,
+    )
     print(out.stdout.rstrip() if out.returncode == 0 else f"variant failed:\n{out.stderr[-2000:]}")
 
 

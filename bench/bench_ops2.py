@@ -60,6 +60,7 @@ def _loop(fn: Callable[[], Any]) -> Loop:
     def run(n: int) -> None:
         for _ in range(n):
             fn()
+
     return run
 
 
@@ -92,6 +93,7 @@ def twophase_call(op: Any, arrays: list[Any], limit: int | None = None, **attrs:
         for _ in range(n):
             op(ws, size, ex, stream)
         stream.synchronize()
+
     return Ours(run, ex, outs[0].numpy, releaser(stream, ws, tensors + outs))
 
 
@@ -125,8 +127,10 @@ def row(name: str, side: Ours, ref_call: Callable[[], Any] | None, ref_name: str
         ratios.append(tr / to)
     ex.destroy()
     side.release()
-    return (f"| {name} | {ex.implementation} | {ex.workspace_size} | {statistics.median(t_ours) * 1e3:.3f} | "
-            f"{ref_name} {statistics.median(t_ref) * 1e3:.3f} | {statistics.median(ratios):.2f} |")
+    return (
+        f"| {name} | {ex.implementation} | {ex.workspace_size} | {statistics.median(t_ours) * 1e3:.3f} | "
+        f"{ref_name} {statistics.median(t_ref) * 1e3:.3f} | {statistics.median(ratios):.2f} |"
+    )
 
 
 class _Control:
@@ -146,10 +150,17 @@ def bench_matmul(rng: Any) -> list[str]:
         a = rng.standard_normal((m, k)).astype(np.float32)
         b = rng.standard_normal((k, n)).astype(np.float32)
         o1, o2 = np.empty((m, n), np.float32), np.empty((m, n), np.float32)
-        control = Ours(_loop(functools.partial(np.matmul, a, b, out=o1)), _Control(), functools.partial(np.asarray, o1),
-                       _nothing)
-        out.append(row(f"matmul {m}x{k}x{n} numpy against numpy", control,
-                       functools.partial(np.matmul, a, b, out=o2), "numpy.matmul"))
+        control = Ours(
+            _loop(functools.partial(np.matmul, a, b, out=o1)), _Control(), functools.partial(np.asarray, o1), _nothing
+        )
+        out.append(
+            row(
+                f"matmul {m}x{k}x{n} numpy against numpy",
+                control,
+                functools.partial(np.matmul, a, b, out=o2),
+                "numpy.matmul",
+            )
+        )
         for label, limit in (("", None), (" a reversed", None)):
             if label:
                 a_in = np.ascontiguousarray(a[::-1])
@@ -159,8 +170,14 @@ def bench_matmul(rng: Any) -> list[str]:
                 out.append(row(f"matmul {m}x{k}x{n}{label}", _reversed_matmul(a_in, b), ref, "numpy.matmul"))
                 continue
             o = np.empty((m, n), np.float32)
-            out.append(row(f"matmul {m}x{k}x{n}", twophase_call(ops.matmul, [a, b], limit),
-                           functools.partial(np.matmul, a, b, out=o), "numpy.matmul"))
+            out.append(
+                row(
+                    f"matmul {m}x{k}x{n}",
+                    twophase_call(ops.matmul, [a, b], limit),
+                    functools.partial(np.matmul, a, b, out=o),
+                    "numpy.matmul",
+                )
+            )
     return out
 
 
@@ -188,12 +205,21 @@ def _reversed_matmul(a_rev_storage: Any, b: Any) -> Ours:
         for _ in range(n):
             ops.matmul(ws, size, ex, stream)
         stream.synchronize()
+
     return Ours(run, ex, o.numpy, releaser(stream, ws, [ta, tb, o]))
 
 
-RESNET18 = ((64, 56, 64, 3, 1, 1), (64, 56, 128, 3, 2, 1), (128, 28, 128, 3, 1, 1), (128, 28, 256, 3, 2, 1),
-            (256, 14, 256, 3, 1, 1), (256, 14, 512, 3, 2, 1), (512, 7, 512, 3, 1, 1), (64, 56, 128, 1, 2, 0),
-            (3, 224, 64, 7, 2, 3))
+RESNET18 = (
+    (64, 56, 64, 3, 1, 1),
+    (64, 56, 128, 3, 2, 1),
+    (128, 28, 128, 3, 1, 1),
+    (128, 28, 256, 3, 2, 1),
+    (256, 14, 256, 3, 1, 1),
+    (256, 14, 512, 3, 2, 1),
+    (512, 7, 512, 3, 1, 1),
+    (64, 56, 128, 1, 2, 0),
+    (3, 224, 64, 7, 2, 3),
+)
 
 
 def bench_conv(rng: Any, batches: tuple[int, ...]) -> list[str]:
@@ -208,8 +234,9 @@ def bench_conv(rng: Any, batches: tuple[int, ...]) -> list[str]:
                 ref = lambda xt=xt, wt=wt, s=s, p=p: F.conv2d(xt, wt, None, s, p)  # noqa: E731
             name = f"conv2d n{nb} {c}->{oc} {hw}x{hw} k{k} s{s}"
             for label, limit in (("", None), (" tight", 1 << 18)):
-                out.append(row(name + label, twophase_call(ops.conv2d, [x, w, None], limit, stride=s, padding=p),
-                               ref, "torch"))
+                out.append(
+                    row(name + label, twophase_call(ops.conv2d, [x, w, None], limit, stride=s, padding=p), ref, "torch")
+                )
     return out
 
 
@@ -261,23 +288,32 @@ def main() -> None:
     threads = torch.get_num_threads() if torch is not None else "n/a"
     blas = os.environ.get("OPENBLAS_NUM_THREADS", "unset")
     print(header("bench_ops2: matmul, conv2d, SDPA and pools vs numpy / torch (bench/bench_ops2.py)"))
-    print(f"OPENBLAS_CORETYPE={core} OPENBLAS_NUM_THREADS={blas}; numpy {np.__version__}; torch {tv} "
-          f"(threads {threads}); cpus {os.cpu_count()}; float32; ms per call (median of {ROUNDS} interleaved rounds, "
-          f"{SHORT_ROUNDS} for calls under {SHORT_S * 1e3:g} ms), "
-          "ratio = median of the rounds' ratios; tight = workspace_limit 256 KiB (conv2d) / 64 KiB (sdpa)")
-    print("What is timed: twophase's phase 2 only, into outputs and a workspace planned and allocated once (phase 1, "
-          "untimed); torch eager allocates its outputs on every call (F.conv2d, the pools and SDPA have no out=), "
-          "so its time includes that allocation and the first touch of the fresh pages (by page faults per call: "
-          "~49 MB for conv2d n8 3->64 224x224 k7, 6-8 MB for the n8 pools and 64->64 convs); numpy.matmul "
-          "writes into a preallocated out= like twophase. Each row first checks that both "
-          "sides compute the same result (float32: max error <= 1e-4 x the largest output).")
+    print(
+        f"OPENBLAS_CORETYPE={core} OPENBLAS_NUM_THREADS={blas}; numpy {np.__version__}; torch {tv} "
+        f"(threads {threads}); cpus {os.cpu_count()}; float32; ms per call (median of {ROUNDS} interleaved rounds, "
+        f"{SHORT_ROUNDS} for calls under {SHORT_S * 1e3:g} ms), "
+        "ratio = median of the rounds' ratios; tight = workspace_limit 256 KiB (conv2d) / 64 KiB (sdpa)"
+    )
+    print(
+        "What is timed: twophase's phase 2 only, into outputs and a workspace planned and allocated once (phase 1, "
+        "untimed); torch eager allocates its outputs on every call (F.conv2d, the pools and SDPA have no out=), "
+        "so its time includes that allocation and the first touch of the fresh pages (by page faults per call: "
+        "~49 MB for conv2d n8 3->64 224x224 k7, 6-8 MB for the n8 pools and 64->64 convs); numpy.matmul "
+        "writes into a preallocated out= like twophase. Each row first checks that both "
+        "sides compute the same result (float32: max error <= 1e-4 x the largest output)."
+    )
     print(f"# uptime: {_uptime()}")
-    print(f"| case | implementation | workspace (B) | twophase ms | reference ms | ratio reference / twophase "
-          f"({HIGHER_FASTER}) |")
+    print(
+        f"| case | implementation | workspace (B) | twophase ms | reference ms | ratio reference / twophase "
+        f"({HIGHER_FASTER}) |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     sections: list[Callable[[], list[str]]] = [
-        functools.partial(bench_matmul, rng), functools.partial(bench_conv, rng, (1, 8)),
-        functools.partial(bench_sdpa, rng), functools.partial(bench_pool_depthwise, rng)]
+        functools.partial(bench_matmul, rng),
+        functools.partial(bench_conv, rng, (1, 8)),
+        functools.partial(bench_sdpa, rng),
+        functools.partial(bench_pool_depthwise, rng),
+    ]
     for section in sections:
         for line in section():
             print(line, flush=True)

@@ -58,8 +58,10 @@ def main() -> None:
     print(f"  sanitizer off (after on/off):  {t_off * 1e9:8.0f} ns/call")
     print(f"  ratio off / plain:             {ratio:8.3f}  (< 1: off faster; 1 = no cost; target <= 1.03)")
     r_hook, t_hook, _ = median_ratio(noop_hook, build_plain, rounds=5)
-    print(f"  a no-op phase-2 hook installed:{t_hook * 1e9:8.0f} ns/call (ratio hook / plain {r_hook:.3f}, "
-          "< 1: hooked faster; above 1 is why off swaps it out)")
+    print(
+        f"  a no-op phase-2 hook installed:{t_hook * 1e9:8.0f} ns/call (ratio hook / plain {r_hook:.3f}, "
+        "< 1: hooked faster; above 1 is why off swaps it out)"
+    )
     time.sleep(SETTLE_S)  # paused like the timings above
     with sanitizer.sanitize():
         t_on = parked(s, lambda: op(None, size, ex, s), 2000)

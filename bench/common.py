@@ -49,22 +49,34 @@ def isa() -> str:
 def git_state() -> str:
     """The commit measured, and whether the tree differs from it (bench/results/ not counted)."""
     try:
-        rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True,
-                             text=True, timeout=10, check=True).stdout.strip()
-        changed = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--", ".",
-                                  ":(exclude)bench/results"], capture_output=True, text=True, timeout=10,
-                                 check=True).stdout.splitlines()
+        rev = subprocess.run(
+            ["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "-C", str(ROOT), "status", "--porcelain", "--", ".", ":(exclude)bench/results"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.splitlines()
     except (OSError, subprocess.SubprocessError):
         return "commit: n/a (not a git checkout)"
     if not changed:
         return f"commit {rev} (clean tree)"
-    return (f"commit {rev} + uncommitted changes ({len(changed)} paths differ from it, bench/results/ not counted: "
-            "the figures describe the working tree, not the commit alone)")
+    return (
+        f"commit {rev} + uncommitted changes ({len(changed)} paths differ from it, bench/results/ not counted: "
+        "the figures describe the working tree, not the commit alone)"
+    )
 
 
 def _blas_call(names: tuple[str, ...], restype: Any) -> Any:
     """The first of ``names`` found in numpy's OpenBLAS, called with no arguments; None when none is there."""
     from twophase.kernels.cpu import blas
+
     for name in names:
         found = blas._functions(name)
         if found is not None:
@@ -78,27 +90,39 @@ def openblas_state() -> str:
     """numpy's OpenBLAS as it runs in this process after ``twophase.device("cpu")``, which sets its thread
     timeout (``blas.quiet_threads``) without touching the environment: numpy's baselines run with this too."""
     import twophase as tp
+
     tp.device("cpu")
     timeout = _blas_call(("openblas_thread_timeout",), ctypes.c_int)
-    threads = _blas_call(("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_",
-                          "openblas_get_num_threads"), ctypes.c_int)
-    core = _blas_call(("scipy_openblas_get_corename64_", "openblas_get_corename64_", "openblas_get_corename"),
-                      ctypes.c_char_p)
+    threads = _blas_call(
+        ("scipy_openblas_get_num_threads64_", "openblas_get_num_threads64_", "openblas_get_num_threads"), ctypes.c_int
+    )
+    core = _blas_call(
+        ("scipy_openblas_get_corename64_", "openblas_get_corename64_", "openblas_get_corename"), ctypes.c_char_p
+    )
     if timeout is None and threads is None and core is None:
         return "numpy's OpenBLAS: state not readable (not numpy's bundled OpenBLAS)"
     by_user = [v for v in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT") if v in os.environ]
-    who = (f"as {by_user[0]} sets it" if by_user else
-           "set in-process by twophase.device('cpu'); OpenBLAS's default is 28" if timeout == 4 else
-           "0 = OpenBLAS's default, 28" if timeout == 0 else "")
-    return (f"numpy's OpenBLAS in force (after twophase.device('cpu'); numpy's baselines run with it): core "
-            f"{core.decode() if core else 'n/a'}, {threads if threads is not None else 'n/a'} threads, thread "
-            f"timeout {timeout if timeout is not None else 'n/a'} (idle workers spin 2^timeout cycles; {who})")
+    who = (
+        f"as {by_user[0]} sets it"
+        if by_user
+        else "set in-process by twophase.device('cpu'); OpenBLAS's default is 28"
+        if timeout == 4
+        else "0 = OpenBLAS's default, 28"
+        if timeout == 0
+        else ""
+    )
+    return (
+        f"numpy's OpenBLAS in force (after twophase.device('cpu'); numpy's baselines run with it): core "
+        f"{core.decode() if core else 'n/a'}, {threads if threads is not None else 'n/a'} threads, thread "
+        f"timeout {timeout if timeout is not None else 'n/a'} (idle workers spin 2^timeout cycles; {who})"
+    )
 
 
 def header(title: str) -> str:
     """Machine, ISA, versions, the OPENBLAS_* variables and the OpenBLAS state in force (twophase sets numpy's
     OpenBLAS thread timeout in-process), and the commit measured."""
     import numba
+
     lines = [
         f"# {title}",
         f"machine: {platform.machine()} {cpu_model()}, {isa()}, {os.cpu_count()} cpus; python "
@@ -156,8 +180,9 @@ def interleaved(fns: dict[str, Callable[[], object]], n: int, rounds: int = 7) -
     return {k: statistics.median(v) for k, v in interleaved_times(fns, n, rounds).items()}
 
 
-def interleaved_ratios(fns: dict[str, Callable[[], object]], ref: str, n: int,
-                       rounds: int = 7) -> tuple[dict[str, float], dict[str, float]]:
+def interleaved_ratios(
+    fns: dict[str, Callable[[], object]], ref: str, n: int, rounds: int = 7
+) -> tuple[dict[str, float], dict[str, float]]:
     """(median seconds per call, median over rounds of t(fn) / t(ref) within the same round) of each function,
     measured round-robin: a ratio pairs times taken moments apart, so drift between rounds cancels."""
     times = interleaved_times(fns, n, rounds)
@@ -171,7 +196,7 @@ def median_ratio(a: Callable[[], float], b: Callable[[], float], rounds: int = 7
     ra, rb, rr = [], [], []
     for r in range(rounds):
         got: dict[int, float] = {}
-        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+        for i in (0, 1) if r % 2 == 0 else (1, 0):
             time.sleep(SETTLE_S)
             got[i] = (a, b)[i]()
         ra.append(got[0])
@@ -217,6 +242,7 @@ def assert_same(what: str, got: Any, want: Any, rel: float = 1e-4) -> None:
 def releaser(stream: Any, ws: Any, tensors: list[Any], ex: Any = None) -> Callable[[], None]:
     """What frees a row's twophase side: destroys ``ex``, frees ``ws`` and ``tensors`` in ``stream``'s order and
     closes the stream, so a row's pool memory is not held through the rest of the suite."""
+
     def release() -> None:
         stream.synchronize()
         if ex is not None:
@@ -225,4 +251,5 @@ def releaser(stream: Any, ws: Any, tensors: list[Any], ex: Any = None) -> Callab
         for t in tensors:
             t.free(stream)
         stream.close()
+
     return release

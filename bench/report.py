@@ -52,8 +52,11 @@ def machine_header() -> list[str]:
     """Machine and ISA, versions, the commit measured, thread and BLAS settings (the environment's and the
     OpenBLAS state twophase leaves in force), and the load average when the suite started."""
     shown = [f"{k}={os.environ.get(k, '(unset)')}" for k in ALWAYS_SHOWN]
-    others = [f"{k}={v}" for k, v in sorted(os.environ.items())
-              if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "NUMBA_")) and k not in ALWAYS_SHOWN]
+    others = [
+        f"{k}={v}"
+        for k, v in sorted(os.environ.items())
+        if k.startswith(("OPENBLAS_", "OMP_", "MKL_", "NUMBA_")) and k not in ALWAYS_SHOWN
+    ]
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     return [
         f"- date: {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M UTC}",
@@ -81,6 +84,7 @@ def _as_markdown(text: str) -> list[str]:
         if any(b.strip() for b in block):
             out.extend(["```", *block, "```"])
         block.clear()
+
     for line in text.splitlines():
         if line.startswith("|") or line.startswith("- ") or (line.startswith("#") and not _NOT_HEADING.match(line)):
             flush()
@@ -143,8 +147,10 @@ def plot_ratios(title: str, table: list[list[str]], path: Path) -> bool:
     """One horizontal bar chart per ratio column of ``table`` (log scale, a line at 1.0, colours by the header's
     direction); False when nothing to plot."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     head, rows = table[0], table[1:]
     cols = ratio_columns(head)
     series = []
@@ -195,21 +201,29 @@ def run_suite(modules: Sequence[str], out_dir: Path = RESULTS) -> Path:
         sections.append((name, tee.buf.getvalue(), result))
     try:
         import matplotlib  # noqa: F401
+
         can_plot = True
     except ImportError:
         can_plot = False
-    lines = ["# twophase benchmark report", "", "Written by `make bench` (`python -m bench`); every ratio is measured "
-             "side by side in one process, runs interleaved, the order rotating between rounds. Timings that compare "
-             "libraries (or ways of calling one) start after a pause in which the other libraries' spinning worker "
-             "threads go idle and one untimed call (`bench.common.settle`); the twophase-only microbenchmarks timed "
-             "by `bench.common.median_ratio` (bench_core's phase-1/phase-2, cache and counter rows, bench_sanitizer) "
-             "start after the pause alone, each timing being hundreds of calls; bench_minilm's \"after idle\" line "
-             "has a longer pause and no untimed call, on purpose.", "",
-             "Ratios do not all read the same way: each ratio header states its direction, e.g. "
-             "`twophase / torch (< 1: twophase faster)` or `reference / twophase (> 1: twophase faster)`. In the "
-             "plots a bar is green where the row is faster than the header's reference by that direction (for a "
-             "twophase row: twophase faster), red where slower, grey at 1 or where no direction is stated.", "",
-             *head, ""]
+    lines = [
+        "# twophase benchmark report",
+        "",
+        "Written by `make bench` (`python -m bench`); every ratio is measured "
+        "side by side in one process, runs interleaved, the order rotating between rounds. Timings that compare "
+        "libraries (or ways of calling one) start after a pause in which the other libraries' spinning worker "
+        "threads go idle and one untimed call (`bench.common.settle`); the twophase-only microbenchmarks timed "
+        "by `bench.common.median_ratio` (bench_core's phase-1/phase-2, cache and counter rows, bench_sanitizer) "
+        'start after the pause alone, each timing being hundreds of calls; bench_minilm\'s "after idle" line '
+        "has a longer pause and no untimed call, on purpose.",
+        "",
+        "Ratios do not all read the same way: each ratio header states its direction, e.g. "
+        "`twophase / torch (< 1: twophase faster)` or `reference / twophase (> 1: twophase faster)`. In the "
+        "plots a bar is green where the row is faster than the header's reference by that direction (for a "
+        "twophase row: twophase faster), red where slower, grey at 1 or where no direction is stated.",
+        "",
+        *head,
+        "",
+    ]
     if not can_plot:
         lines += ["(matplotlib not installed: no plots; `pip install -e '.[bench]'`)", ""]
     for name, text, _result in sections:

@@ -17,8 +17,9 @@ jit.CHECK_LAYOUT = True
 
 _TESTS = Path(__file__).parent
 # test kernels inline vmath: their numba cache goes stale with the kernels' sources, as the package's own does
-numba_cache.drop_if_stale(numba_cache.cache_dir(_TESTS / "conftest.py"),
-                          numba_cache.source_digest(Path(numba_cache.__file__).parent, _TESTS))
+numba_cache.drop_if_stale(
+    numba_cache.cache_dir(_TESTS / "conftest.py"), numba_cache.source_digest(Path(numba_cache.__file__).parent, _TESTS)
+)
 
 
 @pytest.fixture

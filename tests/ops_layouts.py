@@ -29,7 +29,7 @@ def on_device(a: np.ndarray[Any, Any], layout: str = "dense") -> Tensor:
         view = base.T
     elif layout == "padded":  # the leading part of each row of a wider array: dense rows, the whole not
         base = np.zeros(a.shape[:-1] + (a.shape[-1] + 3,), a.dtype)
-        view = base[..., 1:a.shape[-1] + 1]
+        view = base[..., 1 : a.shape[-1] + 1]
     else:
         base = np.zeros(a.shape, a.dtype)
         view = base[::-1]
@@ -46,8 +46,9 @@ def shapes(min_dims: int = 0, max_dims: int = 4, max_side: int = 7) -> st.Search
     return st.lists(st.integers(0, max_side), min_size=min_dims, max_size=max_dims).map(tuple)
 
 
-def random(shape: tuple[int, ...], dtype: Any, rng: np.random.Generator,
-           positive: bool = False) -> np.ndarray[Any, Any]:
+def random(
+    shape: tuple[int, ...], dtype: Any, rng: np.random.Generator, positive: bool = False
+) -> np.ndarray[Any, Any]:
     dt = np.dtype(dtype)
     if dt.kind == "b":
         return rng.random(shape) < 0.5
@@ -66,5 +67,5 @@ def dense_at(base: np.ndarray[Any, Any], shape: tuple[int, ...], offset: int) ->
     (any element alignment: the pool's blocks start 512-byte aligned)."""
     whole = device("cpu").tensor(base)
     whole.synchronize()
-    strides = tuple(int(np.prod(shape[i + 1:])) for i in range(len(shape)))
+    strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
     return whole, whole.strided(shape, strides, offset)

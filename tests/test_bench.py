@@ -17,9 +17,15 @@ report = pytest.importorskip("bench.report")
 def test_bar_colours_follow_the_direction_each_header_states() -> None:
     vals = [3.0, 0.33, 1.0]
     assert report.bar_colours("ratio reference / twophase (> 1: twophase faster)", vals) == [
-        "tab:green", "tab:red", "tab:gray"]
+        "tab:green",
+        "tab:red",
+        "tab:gray",
+    ]
     assert report.bar_colours("ratio twophase / torch (< 1: twophase faster)", vals) == [
-        "tab:red", "tab:green", "tab:gray"]
+        "tab:red",
+        "tab:green",
+        "tab:gray",
+    ]
     assert report.bar_colours("ratio / ref", vals) == ["tab:gray"] * 3  # no direction stated: no verdict drawn
 
 
@@ -36,8 +42,10 @@ def test_uptime_lines_stay_out_of_the_headings() -> None:
 
 def test_the_report_names_the_code_the_machine_and_a_skipped_module(tmp_path: Path, monkeypatch: Any) -> None:
     mod = type(sys)("fake_bench_ops")
-    mod.main = lambda: print("| case | ratio reference / twophase (> 1: twophase faster) |\n| --- | --- |\n"  # type: ignore
-                             "| a | 2.00 |")
+    mod.main = lambda: print(
+        "| case | ratio reference / twophase (> 1: twophase faster) |\n| --- | --- |\n"  # type: ignore
+        "| a | 2.00 |"
+    )
     monkeypatch.setitem(sys.modules, "fake_bench_ops", mod)
     text = report.run_suite(["fake_bench_ops", "no_such_bench_module"], tmp_path).read_text()
     assert "- code: commit " in text or "- code: commit: n/a" in text
@@ -100,6 +108,7 @@ def test_minilm_gemm_floor_counts_every_linear_weight_and_both_attention_product
     from types import SimpleNamespace
 
     from bench.bench_minilm import best_gemm_rate, gemm_flops
+
     cfg = SimpleNamespace(hidden=384, intermediate=1536, layers=6, heads=12, head_dim=32)
     weights = [(3 * 384, 384), (384, 384), (1536, 384), (384, 1536)] * 6
     linears, attention = gemm_flops(cfg, 8, 128)

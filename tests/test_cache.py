@@ -35,6 +35,7 @@ def _plan(op, *args, **kw):
 
 # ---- what the key holds
 
+
 def test_same_metadata_hits_and_binds_the_new_buffers(fresh_cache, dev, rng):
     shape = (4, 7)
     a1, b1, a2, b2 = (rng.standard_normal(shape) for _ in range(4))
@@ -50,8 +51,9 @@ def test_hit_rebinds_buffers_for_all_three_ops(fresh_cache, dev, rng):
     a1, a2 = rng.standard_normal((5, 9)), rng.standard_normal((5, 9))
     for a in (a1, a2):
         x = dev.tensor(a)
-        np.testing.assert_allclose(twophase.softmax(x, dim=1).numpy(),
-                                   np.exp(a) / np.exp(a).sum(1, keepdims=True), rtol=1e-10, atol=1e-10)
+        np.testing.assert_allclose(
+            twophase.softmax(x, dim=1).numpy(), np.exp(a) / np.exp(a).sum(1, keepdims=True), rtol=1e-10, atol=1e-10
+        )
         np.testing.assert_allclose(twophase.reduce_sum(x, dims=(0,)).numpy(), a.sum(0), rtol=1e-10, atol=1e-10)
     assert _counts(ops.softmax) == (1, 1)
     assert _counts(ops.reduce_sum) == (1, 1)
@@ -61,8 +63,7 @@ _DTYPES = ("float32", "float64", "int32", "int64")
 
 
 @settings(max_examples=25, deadline=None)
-@given(shape=st.tuples(st.integers(1, 5), st.integers(1, 5)), d1=st.sampled_from(_DTYPES),
-       d2=st.sampled_from(_DTYPES))
+@given(shape=st.tuples(st.integers(1, 5), st.integers(1, 5)), d1=st.sampled_from(_DTYPES), d2=st.sampled_from(_DTYPES))
 def test_different_dtypes_are_different_entries(shape, d1, d2):
     twophase.clear_cache()
     a, b = TensorDesc(shape, d1), TensorDesc(shape, d2)
@@ -172,6 +173,7 @@ def test_tensors_and_descs_share_entries(fresh_cache, dev, rng):
 
 
 # ---- LRU and limits
+
 
 def test_lru_evicts_the_least_recently_used_entry_at_the_limit(fresh_cache):
     twophase.set_cache_limit(3)
@@ -331,8 +333,9 @@ print(json.dumps({"limit": twophase.settings.cache_limit, "enabled": twophase.se
 def _probe(**env):
     full = {k: v for k, v in os.environ.items() if not k.startswith("TWOPHASE_")}
     full.update(env)
-    out = subprocess.run([sys.executable, "-c", _PROBE], env=full, capture_output=True, text=True, timeout=60,
-                         check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], env=full, capture_output=True, text=True, timeout=60, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

@@ -14,26 +14,38 @@ from twophase.models import minilm
 needs_model = pytest.mark.skipif(minilm.model_dir() is None, reason="model package not installed")
 
 
-@pytest.mark.parametrize("argv, words", [(["relu", "--seed", "-1"], "--seed"),
-                                         (["relu", "--dtypes", "float32,"], "an empty one"),
-                                         (["relu", "--dtypes", ""], "an empty one")])
-def test_check_refuses_a_negative_seed_and_empty_dtype_names(capsys: pytest.CaptureFixture[str], argv: list[str],
-                                                             words: str) -> None:
+@pytest.mark.parametrize(
+    "argv, words",
+    [
+        (["relu", "--seed", "-1"], "--seed"),
+        (["relu", "--dtypes", "float32,"], "an empty one"),
+        (["relu", "--dtypes", ""], "an empty one"),
+    ],
+)
+def test_check_refuses_a_negative_seed_and_empty_dtype_names(
+    capsys: pytest.CaptureFixture[str], argv: list[str], words: str
+) -> None:
     assert main(["check", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("twophase check: ") and words in err
 
 
 def test_python_dash_m_twophase_runs_the_command_line() -> None:
-    r = subprocess.run([sys.executable, "-m", "twophase", "check", "--seed", "-1"], capture_output=True, text=True,
-                       timeout=120, check=False)
+    r = subprocess.run(
+        [sys.executable, "-m", "twophase", "check", "--seed", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 2 and "twophase check: " in r.stderr and "Traceback" not in r.stderr
 
 
 @needs_model
 @pytest.mark.parametrize("trace", ["dir", "missing/t.json"])
-def test_embed_refuses_a_trace_path_it_cannot_write_before_running(tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                                                   trace: str) -> None:
+def test_embed_refuses_a_trace_path_it_cannot_write_before_running(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], trace: str
+) -> None:
     path = tmp_path if trace == "dir" else tmp_path / trace
     assert main(["embed", "hello", "--trace", str(path)]) == 2
     captured = capsys.readouterr()

@@ -20,10 +20,14 @@ import twophase
 from twophase import ParamError, config
 
 _SETTERS: dict[str, Callable[[Any], None]] = {
-    "launch_blocking": twophase.set_launch_blocking, "cache_limit": twophase.set_cache_limit,
-    "cache_enabled": twophase.set_cache_enabled, "deterministic": twophase.set_deterministic,
-    "workspace_limit": twophase.set_workspace_limit, "num_threads": twophase.set_num_threads,
-    "helper_spin_us": twophase.set_helper_spin, "log_level": twophase.set_log_level,
+    "launch_blocking": twophase.set_launch_blocking,
+    "cache_limit": twophase.set_cache_limit,
+    "cache_enabled": twophase.set_cache_enabled,
+    "deterministic": twophase.set_deterministic,
+    "workspace_limit": twophase.set_workspace_limit,
+    "num_threads": twophase.set_num_threads,
+    "helper_spin_us": twophase.set_helper_spin,
+    "log_level": twophase.set_log_level,
     "sanitize": twophase.set_sanitize,
 }
 
@@ -44,16 +48,35 @@ def restore_settings() -> Iterator[None]:
 
 # ---- setters
 
-@pytest.mark.parametrize(("setter", "arg", "bad"), [
-    ("set_cache_limit", "entries", -1), ("set_cache_limit", "entries", "abc"), ("set_cache_limit", "entries", 2.0),
-    ("set_cache_limit", "entries", None), ("set_num_threads", "n", "abc"), ("set_num_threads", "n", 2.7),
-    ("set_num_threads", "n", True), ("set_num_threads", "n", -1), ("set_helper_spin", "us", None),
-    ("set_helper_spin", "us", -1), ("set_helper_spin", "us", 1.5), ("set_workspace_limit", "nbytes", -1),
-    ("set_workspace_limit", "nbytes", 1e6), ("set_workspace_limit", "nbytes", "1000"),
-    ("set_log_level", "level", "bogus"), ("set_log_level", "level", -1), ("set_log_level", "level", None),
-    ("set_log_level", "level", True), ("set_cache_enabled", "enabled", "no"), ("set_cache_enabled", "enabled", 0),
-    ("set_launch_blocking", "enabled", "yes"), ("set_deterministic", "enabled", 1), ("set_sanitize", "enabled", None),
-])
+
+@pytest.mark.parametrize(
+    ("setter", "arg", "bad"),
+    [
+        ("set_cache_limit", "entries", -1),
+        ("set_cache_limit", "entries", "abc"),
+        ("set_cache_limit", "entries", 2.0),
+        ("set_cache_limit", "entries", None),
+        ("set_num_threads", "n", "abc"),
+        ("set_num_threads", "n", 2.7),
+        ("set_num_threads", "n", True),
+        ("set_num_threads", "n", -1),
+        ("set_helper_spin", "us", None),
+        ("set_helper_spin", "us", -1),
+        ("set_helper_spin", "us", 1.5),
+        ("set_workspace_limit", "nbytes", -1),
+        ("set_workspace_limit", "nbytes", 1e6),
+        ("set_workspace_limit", "nbytes", "1000"),
+        ("set_log_level", "level", "bogus"),
+        ("set_log_level", "level", -1),
+        ("set_log_level", "level", None),
+        ("set_log_level", "level", True),
+        ("set_cache_enabled", "enabled", "no"),
+        ("set_cache_enabled", "enabled", 0),
+        ("set_launch_blocking", "enabled", "yes"),
+        ("set_deterministic", "enabled", 1),
+        ("set_sanitize", "enabled", None),
+    ],
+)
 def test_a_bad_value_raises_a_param_error_and_changes_nothing(setter: str, arg: str, bad: object) -> None:
     before = dataclasses.asdict(config.settings)
     level = logging.getLogger("twophase").level
@@ -65,9 +88,16 @@ def test_a_bad_value_raises_a_param_error_and_changes_nothing(setter: str, arg: 
     assert logging.getLogger("twophase").level == level
 
 
-@pytest.mark.parametrize(("level", "stored"), [
-    (5, 5), (logging.DEBUG, "DEBUG"), (np.int64(20), "INFO"), ("error", "ERROR"), ("Warning", "WARNING"),
-])
+@pytest.mark.parametrize(
+    ("level", "stored"),
+    [
+        (5, 5),
+        (logging.DEBUG, "DEBUG"),
+        (np.int64(20), "INFO"),
+        ("error", "ERROR"),
+        ("Warning", "WARNING"),
+    ],
+)
 def test_log_level_takes_ints_and_names_in_any_case(level: object, stored: str | int) -> None:
     twophase.set_log_level(level)  # type: ignore[arg-type]
     assert config.settings.log_level == stored
@@ -75,12 +105,19 @@ def test_log_level_takes_ints_and_names_in_any_case(level: object, stored: str |
     twophase.set_log_level(config.settings.log_level)  # what it stored is accepted back
 
 
-@pytest.mark.parametrize(("setter", "name", "value"), [
-    ("set_cache_limit", "cache_limit", 0), ("set_cache_limit", "cache_limit", np.int64(7)),
-    ("set_num_threads", "num_threads", 3), ("set_helper_spin", "helper_spin_us", 0),
-    ("set_workspace_limit", "workspace_limit", 0), ("set_workspace_limit", "workspace_limit", None),
-    ("set_cache_enabled", "cache_enabled", False), ("set_deterministic", "deterministic", True),
-])
+@pytest.mark.parametrize(
+    ("setter", "name", "value"),
+    [
+        ("set_cache_limit", "cache_limit", 0),
+        ("set_cache_limit", "cache_limit", np.int64(7)),
+        ("set_num_threads", "num_threads", 3),
+        ("set_helper_spin", "helper_spin_us", 0),
+        ("set_workspace_limit", "workspace_limit", 0),
+        ("set_workspace_limit", "workspace_limit", None),
+        ("set_cache_enabled", "cache_enabled", False),
+        ("set_deterministic", "deterministic", True),
+    ],
+)
 def test_good_values_are_stored_as_plain_python_values(setter: str, name: str, value: object) -> None:
     getattr(twophase, setter)(value)
     got = getattr(config.settings, name)
@@ -95,13 +132,27 @@ def test_a_refused_workspace_limit_leaves_ops_working(dev) -> None:
 
 # ---- environment, in process: Settings() reads the variables as import does
 
-@pytest.mark.parametrize(("var", "raw"), [
-    ("TWOPHASE_NUM_THREADS", "abc"), ("TWOPHASE_NUM_THREADS", "1.5"), ("TWOPHASE_NUM_THREADS", "-2"),
-    ("TWOPHASE_WORKSPACE_LIMIT", "1e6"), ("TWOPHASE_WORKSPACE_LIMIT", "-1"), ("TWOPHASE_CACHE_LIMIT", "-5"),
-    ("TWOPHASE_HELPER_SPIN_US", "-1"), ("TWOPHASE_LOG_LEVEL", "bogus"), ("TWOPHASE_LOG_LEVEL", "-3"),
-    ("TWOPHASE_DETERMINISTIC", "maybe"), ("TWOPHASE_DISABLE_CACHE", "2"), ("TWOPHASE_LAUNCH_BLOCKING", "y"),
-    ("TWOPHASE_SANITIZE", "enabled"), ("TWOPHASE_CACHE_LIMIT", "1_000"), ("TWOPHASE_NUM_THREADS", "+3"),
-])
+
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [
+        ("TWOPHASE_NUM_THREADS", "abc"),
+        ("TWOPHASE_NUM_THREADS", "1.5"),
+        ("TWOPHASE_NUM_THREADS", "-2"),
+        ("TWOPHASE_WORKSPACE_LIMIT", "1e6"),
+        ("TWOPHASE_WORKSPACE_LIMIT", "-1"),
+        ("TWOPHASE_CACHE_LIMIT", "-5"),
+        ("TWOPHASE_HELPER_SPIN_US", "-1"),
+        ("TWOPHASE_LOG_LEVEL", "bogus"),
+        ("TWOPHASE_LOG_LEVEL", "-3"),
+        ("TWOPHASE_DETERMINISTIC", "maybe"),
+        ("TWOPHASE_DISABLE_CACHE", "2"),
+        ("TWOPHASE_LAUNCH_BLOCKING", "y"),
+        ("TWOPHASE_SANITIZE", "enabled"),
+        ("TWOPHASE_CACHE_LIMIT", "1_000"),
+        ("TWOPHASE_NUM_THREADS", "+3"),
+    ],
+)
 def test_a_bad_variable_raises_a_param_error_naming_it(monkeypatch: pytest.MonkeyPatch, var: str, raw: str) -> None:
     monkeypatch.setenv(var, raw)
     with pytest.raises(ParamError) as info:
@@ -109,22 +160,34 @@ def test_a_bad_variable_raises_a_param_error_naming_it(monkeypatch: pytest.Monke
     assert info.value.arg == var and repr(raw) in str(info.value) and info.value.expected
 
 
-@pytest.mark.parametrize(("var", "raw", "name", "value"), [
-    ("TWOPHASE_DETERMINISTIC", "YES", "deterministic", True), ("TWOPHASE_DETERMINISTIC", "Off", "deterministic", False),
-    ("TWOPHASE_SANITIZE", "true", "sanitize", True), ("TWOPHASE_LAUNCH_BLOCKING", "0", "launch_blocking", False),
-    ("TWOPHASE_DISABLE_CACHE", "on", "cache_enabled", False), ("TWOPHASE_DISABLE_CACHE", "no", "cache_enabled", True),
-    ("TWOPHASE_NUM_THREADS", " 3 ", "num_threads", 3), ("TWOPHASE_WORKSPACE_LIMIT", "0", "workspace_limit", 0),
-    ("TWOPHASE_WORKSPACE_LIMIT", "", "workspace_limit", None), ("TWOPHASE_CACHE_LIMIT", "0", "cache_limit", 0),
-    ("TWOPHASE_HELPER_SPIN_US", "0", "helper_spin_us", 0), ("TWOPHASE_LOG_LEVEL", "debug", "log_level", "DEBUG"),
-    ("TWOPHASE_LOG_LEVEL", "20", "log_level", "INFO"), ("TWOPHASE_LOG_LEVEL", "5", "log_level", 5),
-])
-def test_good_variables_read_as_their_setters_take_them(monkeypatch: pytest.MonkeyPatch, var: str, raw: str,
-                                                        name: str, value: object) -> None:
+@pytest.mark.parametrize(
+    ("var", "raw", "name", "value"),
+    [
+        ("TWOPHASE_DETERMINISTIC", "YES", "deterministic", True),
+        ("TWOPHASE_DETERMINISTIC", "Off", "deterministic", False),
+        ("TWOPHASE_SANITIZE", "true", "sanitize", True),
+        ("TWOPHASE_LAUNCH_BLOCKING", "0", "launch_blocking", False),
+        ("TWOPHASE_DISABLE_CACHE", "on", "cache_enabled", False),
+        ("TWOPHASE_DISABLE_CACHE", "no", "cache_enabled", True),
+        ("TWOPHASE_NUM_THREADS", " 3 ", "num_threads", 3),
+        ("TWOPHASE_WORKSPACE_LIMIT", "0", "workspace_limit", 0),
+        ("TWOPHASE_WORKSPACE_LIMIT", "", "workspace_limit", None),
+        ("TWOPHASE_CACHE_LIMIT", "0", "cache_limit", 0),
+        ("TWOPHASE_HELPER_SPIN_US", "0", "helper_spin_us", 0),
+        ("TWOPHASE_LOG_LEVEL", "debug", "log_level", "DEBUG"),
+        ("TWOPHASE_LOG_LEVEL", "20", "log_level", "INFO"),
+        ("TWOPHASE_LOG_LEVEL", "5", "log_level", 5),
+    ],
+)
+def test_good_variables_read_as_their_setters_take_them(
+    monkeypatch: pytest.MonkeyPatch, var: str, raw: str, name: str, value: object
+) -> None:
     monkeypatch.setenv(var, raw)
     assert getattr(config.Settings(), name) == value
 
 
 # ---- environment, at import
+
 
 def _import(**env: str) -> subprocess.CompletedProcess[str]:
     full = {k: v for k, v in os.environ.items() if not k.startswith("TWOPHASE_")}
@@ -133,10 +196,15 @@ def _import(**env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], env=full, capture_output=True, text=True, timeout=60)
 
 
-@pytest.mark.parametrize(("var", "raw"), [
-    ("TWOPHASE_NUM_THREADS", "abc"), ("TWOPHASE_WORKSPACE_LIMIT", "1e6"), ("TWOPHASE_LOG_LEVEL", "bogus"),
-    ("TWOPHASE_DETERMINISTIC", "maybe"),
-])
+@pytest.mark.parametrize(
+    ("var", "raw"),
+    [
+        ("TWOPHASE_NUM_THREADS", "abc"),
+        ("TWOPHASE_WORKSPACE_LIMIT", "1e6"),
+        ("TWOPHASE_LOG_LEVEL", "bogus"),
+        ("TWOPHASE_DETERMINISTIC", "maybe"),
+    ],
+)
 def test_import_fails_on_a_bad_variable_with_a_param_error_naming_it(var: str, raw: str) -> None:
     r = _import(**{var: raw})
     assert r.returncode != 0
@@ -146,8 +214,14 @@ def test_import_fails_on_a_bad_variable_with_a_param_error_naming_it(var: str, r
 
 
 def test_import_reads_good_variables() -> None:
-    r = _import(TWOPHASE_NUM_THREADS="2", TWOPHASE_LOG_LEVEL="info", TWOPHASE_DETERMINISTIC="On",
-                TWOPHASE_WORKSPACE_LIMIT="4096", TWOPHASE_HELPER_SPIN_US="0", TWOPHASE_CACHE_LIMIT="0")
+    r = _import(
+        TWOPHASE_NUM_THREADS="2",
+        TWOPHASE_LOG_LEVEL="info",
+        TWOPHASE_DETERMINISTIC="On",
+        TWOPHASE_WORKSPACE_LIMIT="4096",
+        TWOPHASE_HELPER_SPIN_US="0",
+        TWOPHASE_CACHE_LIMIT="0",
+    )
     assert r.returncode == 0, r.stderr
     s = json.loads(r.stdout.strip().splitlines()[-1])
     assert (s["num_threads"], s["log_level"], s["deterministic"]) == (2, "INFO", True)

@@ -25,7 +25,7 @@ def test_copy_run_copies_exactly_the_run(rng: np.random.Generator, dtype: Any, d
     dst = np.full(d0 + n + 9, 7, dtype)
     _copy(dst, d0, src, s0, n)
     expected = np.full_like(dst, 7)
-    expected[d0:d0 + n] = src[s0:s0 + n]
+    expected[d0 : d0 + n] = src[s0 : s0 + n]
     np.testing.assert_array_equal(dst, expected)  # the run, bit for bit, and nothing before or after it
 
 

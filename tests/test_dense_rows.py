@@ -41,8 +41,7 @@ def test_row_ops_on_padded_rows(name: str, shape: tuple[int, ...], where: str) -
     out = on_device(np.zeros(shape, np.float32), "padded") if where != "input" else None
     r = run_checked(op, xin, out=out, **attrs)
     assert r.unwritten == (0,) and r.inputs_changed == ()
-    np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), **attrs), rtol=2e-5,
-                               atol=2e-6)
+    np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), **attrs), rtol=2e-5, atol=2e-6)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -52,8 +51,10 @@ def test_norms_on_padded_rows(shape: tuple[int, ...], rms: bool) -> None:
     n = shape[-1]
     rng = np.random.default_rng(3)
     w, b = rng.standard_normal(n).astype(np.float32), rng.standard_normal(n).astype(np.float32)
-    outs = (on_device(np.zeros(shape, np.float32), "padded"),
-            *(on_device(np.zeros(shape[:-1] + (1,), np.float32)) for _ in range(2)))  # out, mean, rstd
+    outs = (
+        on_device(np.zeros(shape, np.float32), "padded"),
+        *(on_device(np.zeros(shape[:-1] + (1,), np.float32)) for _ in range(2)),
+    )  # out, mean, rstd
     if rms:
         r = run_checked(ops.rms_norm, on_device(x, "padded"), w, out=outs, normalized_shape=(n,))
         want = ops.rms_norm.spec.reference(x.astype(np.float64), w, normalized_shape=(n,))
@@ -85,8 +86,7 @@ def test_column_reductions_of_padded_rows(name: str, shape: tuple[int, ...], dim
     x = _x(shape)
     r = run_checked(op, on_device(x, "padded"), dims=dims)
     assert r.unwritten == (0,) and r.inputs_changed == ()
-    np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), dims=dims), rtol=1e-5,
-                               atol=1e-4)
+    np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), dims=dims), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.parametrize("shape", [(2, 5, 7, 9), (3, 4, 21), (2, 3, 1, 17)])
@@ -103,8 +103,9 @@ def test_batch_norm_on_image_crops(shape: tuple[int, ...], where: str) -> None:
     r = run_checked(ops.batch_norm, xin, mean, var, w, b, out=out)
     assert r.implementation == "channels" and r.workspace_size == 0
     assert r.unwritten == (0,) and r.inputs_changed == ()
-    np.testing.assert_allclose(r.outputs[0], ops.batch_norm.spec.reference(
-        x.astype(np.float64), mean, var, w, b), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        r.outputs[0], ops.batch_norm.spec.reference(x.astype(np.float64), mean, var, w, b), rtol=2e-5, atol=2e-5
+    )
 
 
 def test_rows_split() -> None:
@@ -136,11 +137,14 @@ def test_direct_conv_on_image_crops(groups: int, stride: int, where: str) -> Non
     np.testing.assert_allclose(r.outputs[0], want, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("shape, groups, where", [
-    *(((2, 6, 7, 9), 3, where) for where in ("input", "output", "both")),
-    ((2, 6, 5), 2, "both"),
-    ((2, 4, 300, 120), 2, "input"),  # one layout only: each compiles the parallel kernel anew (~5 s)
-])
+@pytest.mark.parametrize(
+    "shape, groups, where",
+    [
+        *(((2, 6, 7, 9), 3, where) for where in ("input", "output", "both")),
+        ((2, 6, 5), 2, "both"),
+        ((2, 4, 300, 120), 2, "input"),  # one layout only: each compiles the parallel kernel anew (~5 s)
+    ],
+)
 def test_group_norm_on_image_crops(shape: tuple[int, ...], groups: int, where: str) -> None:
     """A crop of a wider image is normalized row by row in place (not packed); a huge group (L = 72000) in
     blocks of whole rows whose Welford partials merge."""
@@ -154,15 +158,19 @@ def test_group_norm_on_image_crops(shape: tuple[int, ...], groups: int, where: s
     huge = c // groups * math.prod(shape[2:]) > 65536
     assert r.implementation == ("split_groups" if huge else "groups")
     assert r.unwritten == (0,) and r.inputs_changed == ()
-    np.testing.assert_allclose(r.outputs[0], ops.group_norm.spec.reference(
-        x.astype(np.float64), w, b, num_groups=groups), rtol=2e-5, atol=2e-5)
+    np.testing.assert_allclose(
+        r.outputs[0], ops.group_norm.spec.reference(x.astype(np.float64), w, b, num_groups=groups), rtol=2e-5, atol=2e-5
+    )
 
 
-@pytest.mark.parametrize("name, attrs", [
-    ("max_pool2d", {"kernel_size": 3, "stride": 2, "padding": 1}),
-    ("avg_pool2d", {"kernel_size": 3, "stride": 1, "padding": 1}),
-    ("avg_pool2d", {"kernel_size": 2, "stride": 2, "count_include_pad": False}),
-])
+@pytest.mark.parametrize(
+    "name, attrs",
+    [
+        ("max_pool2d", {"kernel_size": 3, "stride": 2, "padding": 1}),
+        ("avg_pool2d", {"kernel_size": 3, "stride": 1, "padding": 1}),
+        ("avg_pool2d", {"kernel_size": 2, "stride": 2, "count_include_pad": False}),
+    ],
+)
 @pytest.mark.parametrize("where", ["input", "output", "both"])
 def test_pools_on_image_crops(name: str, attrs: dict[str, Any], where: str) -> None:
     op = getattr(ops, name)

@@ -44,17 +44,29 @@ def test_message_names_status_op_argument_expected_and_got():
     assert (e.op, e.arg, e.got) == ("softmax", "dim", 5)
 
 
-@pytest.mark.parametrize("call, op, arg, expected", [
-    (lambda: ops.add.get_workspace_size(TensorDesc((2, 3)), TensorDesc((4,))), "add", "other", "broadcast"),
-    (lambda: ops.add.get_workspace_size(TensorDesc((2,)), TensorDesc((2,), "bool")), "add", "other", "dtype"),
-    (lambda: ops.softmax.get_workspace_size(TensorDesc((2, 3), "int32")), "softmax", "x", "dtype"),
-    (lambda: ops.softmax.get_workspace_size(TensorDesc((2, 3)), dim=2), "softmax", "dim", "[-2, 2)"),
-    (lambda: ops.reduce_sum.get_workspace_size(TensorDesc((2, 3)), dims=(0, 0)), "reduce_sum", "dims", "distinct"),
-    (lambda: ops.reduce_sum.get_workspace_size(TensorDesc((2, 3)), dims=(0,), out=TensorDesc((2,))),
-     "reduce_sum", "out", "shape (3,)"),
-    (lambda: ops.softmax.get_workspace_size(TensorDesc((2, 3)), axis=1), "softmax", "axis", "one of the attributes"),
-    (lambda: ops.softmax.get_workspace_size(TensorDesc((2, 3)), dim="x"), "softmax", "dim", "an int"),
-])
+@pytest.mark.parametrize(
+    "call, op, arg, expected",
+    [
+        (lambda: ops.add.get_workspace_size(TensorDesc((2, 3)), TensorDesc((4,))), "add", "other", "broadcast"),
+        (lambda: ops.add.get_workspace_size(TensorDesc((2,)), TensorDesc((2,), "bool")), "add", "other", "dtype"),
+        (lambda: ops.softmax.get_workspace_size(TensorDesc((2, 3), "int32")), "softmax", "x", "dtype"),
+        (lambda: ops.softmax.get_workspace_size(TensorDesc((2, 3)), dim=2), "softmax", "dim", "[-2, 2)"),
+        (lambda: ops.reduce_sum.get_workspace_size(TensorDesc((2, 3)), dims=(0, 0)), "reduce_sum", "dims", "distinct"),
+        (
+            lambda: ops.reduce_sum.get_workspace_size(TensorDesc((2, 3)), dims=(0,), out=TensorDesc((2,))),
+            "reduce_sum",
+            "out",
+            "shape (3,)",
+        ),
+        (
+            lambda: ops.softmax.get_workspace_size(TensorDesc((2, 3)), axis=1),
+            "softmax",
+            "axis",
+            "one of the attributes",
+        ),
+        (lambda: ops.softmax.get_workspace_size(TensorDesc((2, 3)), dim="x"), "softmax", "dim", "an int"),
+    ],
+)
 def test_parameter_error_message_names_op_argument_and_expectation(call, op, arg, expected):
     with pytest.raises(twophase.ParamError) as info:
         call()
@@ -72,8 +84,13 @@ def test_missing_required_input_reports_nullptr_status():
 
 
 def test_negative_workspace_from_select_is_a_tiling_error():
-    spec = OpDef(name="bad_tiling", inputs=("x",), infer=lambda ins, a: (ins[0],),
-                 select=lambda ins, outs, a, lim: Plan("broken", None, -1), kernels={})
+    spec = OpDef(
+        name="bad_tiling",
+        inputs=("x",),
+        infer=lambda ins, a: (ins[0],),
+        select=lambda ins, outs, a, lim: Plan("broken", None, -1),
+        kernels={},
+    )
     with pytest.raises(twophase.InternalError) as info:
         Op(spec).get_workspace_size(TensorDesc((2,)))
     assert info.value.status is Status.ERR_INNER_TILING
@@ -81,8 +98,13 @@ def test_negative_workspace_from_select_is_a_tiling_error():
 
 
 def test_missing_kernel_for_device_is_kernel_not_found(dev):
-    spec = OpDef(name="no_cpu_kernel", inputs=("x",), infer=lambda ins, a: (ins[0],),
-                 select=lambda ins, outs, a, lim: Plan("only_cuda", None, 0), kernels={"cuda": lambda *a: None})
+    spec = OpDef(
+        name="no_cpu_kernel",
+        inputs=("x",),
+        infer=lambda ins, a: (ins[0],),
+        select=lambda ins, outs, a, lim: Plan("only_cuda", None, 0),
+        kernels={"cuda": lambda *a: None},
+    )
     x = dev.empty((3,))
     with pytest.raises(twophase.InternalError) as info:
         Op(spec).get_workspace_size(x, out=dev.empty((3,)))

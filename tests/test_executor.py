@@ -153,8 +153,12 @@ def test_phase2_with_executor_of_another_op_is_a_param_error(dev, stream, rng):
 def test_executor_used_from_another_thread_raises_invalid_state(dev, stream, rng, action):
     _, _, _, size, ex = _add_call(dev, stream, rng)
     x = ex.inputs[0]
-    calls = {"phase2": lambda: ops.add(None, size, ex, stream), "destroy": ex.destroy,
-             "set_input": lambda: ex.set_input(0, x), "set_repeatable": ex.set_repeatable}
+    calls = {
+        "phase2": lambda: ops.add(None, size, ex, stream),
+        "destroy": ex.destroy,
+        "set_input": lambda: ex.set_input(0, x),
+        "set_repeatable": ex.set_repeatable,
+    }
     caught = []
 
     def other():
@@ -207,6 +211,7 @@ def test_phase2_never_replans(dev, stream, rng, monkeypatch):
 
     def boom(*_args):
         raise AssertionError("phase 2 re-planned")
+
     op = ops.softmax
     monkeypatch.setattr(op, "spec", dataclasses.replace(op.spec, infer=boom, select=boom))
     # methods shadowed in the instance's __dict__ (setitem: undone by deleting them; pytest < 9's setattr left
@@ -333,13 +338,24 @@ def test_a_refused_rebinding_keeps_the_previous_binding(dev, stream):
         t.free(stream)
 
 
-@pytest.mark.parametrize("shape, strides, overlapping", [
-    ((3, 4), (16, 4), False), ((3, 4), (4, 12), False), ((3, 4), (-16, 4), False), ((3, 4), (0, 4), True),
-    ((3, 3), (8, 4), True), ((2, 2, 2), (4, 8, 16), False), ((4, 1), (4, 0), False), ((5,), (0,), True)])
+@pytest.mark.parametrize(
+    "shape, strides, overlapping",
+    [
+        ((3, 4), (16, 4), False),
+        ((3, 4), (4, 12), False),
+        ((3, 4), (-16, 4), False),
+        ((3, 4), (0, 4), True),
+        ((3, 3), (8, 4), True),
+        ((2, 2, 2), (4, 8, 16), False),
+        ((4, 1), (4, 0), False),
+        ((5,), (0,), True),
+    ],
+)
 def test_self_overlapping_views(shape, strides, overlapping):
     from numpy.lib.stride_tricks import as_strided
 
     from twophase.layout import self_overlapping
+
     base = np.zeros(64, np.float32)
     start = base[32:] if min(strides) < 0 else base
     assert self_overlapping(as_strided(start, shape, strides)) is overlapping

@@ -43,8 +43,11 @@ def reduce_workspace(shape, strides, red, itemsize, f16=False) -> int:
     while n > 4096:
         n = -(-n // 4096)
         ws += align64(k * n * 8)
-    packed = f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept]) \
+    packed = (
+        f16
+        or not merges([shape[i] for i in kept], [strides[i] for i in kept])
         or not merges([shape[i] for i in red], [strides[i] for i in red])
+    )
     if packed and k * r:
         ws += align64(k * r * (4 if f16 else itemsize))
     if f16 and k * r:
@@ -59,8 +62,11 @@ def softmax_workspace(shape, strides, dim, itemsize, f16=False, out_strides=None
     k = math.prod(shape[i] for i in kept)
     ws = align64(k * -(-n // 8192) * 16) if n > 32768 else 0
     out_strides = out_strides or strides
-    packed = f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept]) \
+    packed = (
+        f16
+        or not merges([shape[i] for i in kept], [strides[i] for i in kept])
         or not merges([shape[i] for i in kept], [out_strides[i] for i in kept])
+    )
     if packed and k * n:
         ws += align64(k * n * (4 if f16 else itemsize))
     return ws
@@ -111,16 +117,26 @@ def broadcast_pair(draw):
 
     def operand():
         nd = draw(st.integers(0, len(out)))
-        return tuple(1 if draw(st.booleans()) else n for n in out[len(out) - nd:])
+        return tuple(1 if draw(st.booleans()) else n for n in out[len(out) - nd :])
+
     return operand(), operand()
 
 
 @settings(max_examples=60, **FIXTURES)
-@given(shapes=broadcast_pair(),
-       dtypes=st.sampled_from([("float32", "float32"), ("float64", "float32"), ("int32", "int64"),
-                               ("int32", "float32"), ("float64", "float64")]),
-       layouts=st.tuples(st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS)),
-       alpha=st.sampled_from([1, 2, -3]))
+@given(
+    shapes=broadcast_pair(),
+    dtypes=st.sampled_from(
+        [
+            ("float32", "float32"),
+            ("float64", "float32"),
+            ("int32", "int64"),
+            ("int32", "float32"),
+            ("float64", "float64"),
+        ]
+    ),
+    layouts=st.tuples(st.sampled_from(LAYOUTS), st.sampled_from(LAYOUTS)),
+    alpha=st.sampled_from([1, 2, -3]),
+)
 def test_add_matches_numpy_with_broadcasting_promotion_and_layouts(dev, stream, shapes, dtypes, layouts, alpha):
     rng = np.random.default_rng(len(shapes[0]) * 7 + len(shapes[1]))
     a, b = (random_array(rng, s, d) for s, d in zip(shapes, dtypes))
@@ -158,8 +174,12 @@ def reduce_case(draw):
 
 
 @settings(max_examples=60, **FIXTURES)
-@given(case=reduce_case(), keep=st.booleans(), layout=st.sampled_from(LAYOUTS),
-       dtype=st.sampled_from(["float32", "float64", "int32", "bool"]))
+@given(
+    case=reduce_case(),
+    keep=st.booleans(),
+    layout=st.sampled_from(LAYOUTS),
+    dtype=st.sampled_from(["float32", "float64", "int32", "bool"]),
+)
 def test_reduce_sum_matches_numpy_on_random_shapes_dims_and_layouts(dev, stream, case, keep, layout, dtype):
     shape, dims = case
     rng = np.random.default_rng(sum(shape) + 10 * len(dims))
@@ -176,17 +196,19 @@ def test_reduce_sum_matches_numpy_on_random_shapes_dims_and_layouts(dev, stream,
 def test_reduce_sum_float16_matches_numpy(dev, stream, rng):
     a = rng.standard_normal((4, 6)).astype(np.float16)
     run = run_checked(ops.reduce_sum, a, stream=stream, dims=(1,))
-    check(run, a.astype(np.float64).sum(1), "float16",
-          ws_expected=reduce_workspace((4, 6), (6, 1), (1,), 2, f16=True))
+    check(run, a.astype(np.float64).sum(1), "float16", ws_expected=reduce_workspace((4, 6), (6, 1), (1,), 2, f16=True))
 
 
-@pytest.mark.parametrize("shape, dims, layout", [
-    ((3, 5000), (1,), "contiguous"),        # one level of partials
-    ((2, 20000), (-1,), "strided"),         # one level, strided rows
-    ((5, 4097), (1,), "transposed"),        # packed + one level
-    ((256, 5000), (1,), "contiguous"),      # parallel tree
-    ((9000,), (), "contiguous"),
-])
+@pytest.mark.parametrize(
+    "shape, dims, layout",
+    [
+        ((3, 5000), (1,), "contiguous"),  # one level of partials
+        ((2, 20000), (-1,), "strided"),  # one level, strided rows
+        ((5, 4097), (1,), "transposed"),  # packed + one level
+        ((256, 5000), (1,), "contiguous"),  # parallel tree
+        ((9000,), (), "contiguous"),
+    ],
+)
 def test_reduce_sum_long_rows_use_the_documented_workspace(dev, stream, rng, shape, dims, layout):
     a = rng.standard_normal(shape).astype(np.float32)
     x = on_device(dev, stream, a, layout)
@@ -199,7 +221,7 @@ def test_reduce_sum_long_rows_use_the_documented_workspace(dev, stream, rng, sha
 
 def test_reduce_sum_workspace_grows_with_the_reduced_length():
     sizes = []
-    for r in (4096, 4097, 4096 * 4096, 4096 * 4096 + 1, 10 ** 8):
+    for r in (4096, 4097, 4096 * 4096, 4096 * 4096 + 1, 10**8):
         size, ex = ops.reduce_sum.get_workspace_size(TensorDesc((3, r)), dims=(1,))
         assert size == reduce_workspace((3, r), (r, 1), (1,), 4)
         sizes.append(size)
@@ -252,33 +274,43 @@ def test_softmax_matches_numpy_on_random_shapes_dims_and_layouts(dev, stream, ca
     a = random_array(rng, shape, dtype)
     x = on_device(dev, stream, a, layout)
     run = run_checked(ops.softmax, x, stream=stream, dim=dim)
-    ws = softmax_workspace(shape, x.desc.strides, dim % len(shape), a.dtype.itemsize, f16=dtype == "float16",
-                           out_strides=TensorDesc(shape).strides)
+    ws = softmax_workspace(
+        shape,
+        x.desc.strides,
+        dim % len(shape),
+        a.dtype.itemsize,
+        f16=dtype == "float16",
+        out_strides=TensorDesc(shape).strides,
+    )
     assert run.outputs[0].dtype == np.dtype(dtype)
     check(run, softmax_ref(a, dim), dtype, ws_expected=ws)
 
 
-@pytest.mark.parametrize("shape, dim, layout, dtype", [
-    ((3, 40000), -1, "contiguous", "float32"),   # split rows: partials in the workspace
-    ((2, 70001), 1, "strided", "float64"),       # split, strided rows
-    ((40000, 2), 0, "contiguous", "float32"),    # long dim not last: strided rows
-    ((2, 33000), -1, "transposed", "float32"),   # packed + split
-    ((600, 500), -1, "contiguous", "float32"),   # parallel rows
-    ((4, 32768), -1, "contiguous", "float16"),   # longest unsplit row, packed for float16
-])
+@pytest.mark.parametrize(
+    "shape, dim, layout, dtype",
+    [
+        ((3, 40000), -1, "contiguous", "float32"),  # split rows: partials in the workspace
+        ((2, 70001), 1, "strided", "float64"),  # split, strided rows
+        ((40000, 2), 0, "contiguous", "float32"),  # long dim not last: strided rows
+        ((2, 33000), -1, "transposed", "float32"),  # packed + split
+        ((600, 500), -1, "contiguous", "float32"),  # parallel rows
+        ((4, 32768), -1, "contiguous", "float16"),  # longest unsplit row, packed for float16
+    ],
+)
 def test_softmax_long_rows_use_the_documented_workspace(dev, stream, rng, shape, dim, layout, dtype):
     a = random_array(rng, shape, dtype)
     x = on_device(dev, stream, a, layout)
     run = run_checked(ops.softmax, x, stream=stream, dim=dim)
-    ws = softmax_workspace(shape, x.desc.strides, dim % 2, a.dtype.itemsize, f16=dtype == "float16",
-                           out_strides=TensorDesc(shape).strides)
+    ws = softmax_workspace(
+        shape, x.desc.strides, dim % 2, a.dtype.itemsize, f16=dtype == "float16", out_strides=TensorDesc(shape).strides
+    )
     check(run, softmax_ref(a, dim), dtype, ws_expected=ws)
     assert run.implementation == ("split_rows" if shape[dim] > 32768 else run.implementation)
 
 
 def test_softmax_workspace_grows_with_the_row_length():
     sizes = []
-    for n in (32768, 32769, 65536, 10 ** 6):
+    for n in (32768, 32769, 65536, 10**6):
         size, ex = ops.softmax.get_workspace_size(TensorDesc((5, n)))
         assert size == align64(5 * -(-n // 8192) * 16) * (n > 32768)
         sizes.append(size)

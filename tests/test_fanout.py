@@ -56,6 +56,7 @@ def test_parts_run_once_each_and_at_the_same_time(monkeypatch: pytest.MonkeyPatc
     """Three parts on three threads (``num_threads``), each waiting for the others at a barrier: they only finish
     if they run concurrently."""
     from twophase import config
+
     monkeypatch.setattr(config.settings, "num_threads", 3)
     barrier = threading.Barrier(3, timeout=10)
     seen: list[int] = []
@@ -65,6 +66,7 @@ def test_parts_run_once_each_and_at_the_same_time(monkeypatch: pytest.MonkeyPatc
         barrier.wait()
         with lock:
             seen.append(i)
+
     run_parts([lambda i=i: part(i) for i in range(3)])  # type: ignore[misc]
     assert sorted(seen) == [0, 1, 2]
 
@@ -82,6 +84,7 @@ def test_a_failing_part_raises_after_every_part_has_finished() -> None:
 
     def bad() -> None:
         raise ValueError("part failed")
+
     with pytest.raises(ValueError, match="part failed"):
         run_parts([bad, lambda: slow(1), lambda: slow(2)])
     assert sorted(done) == [1, 2]  # nothing still writing when the error reaches the caller
@@ -89,6 +92,7 @@ def test_a_failing_part_raises_after_every_part_has_finished() -> None:
 
 def test_spin_sees_the_slots_reach_their_total_and_gives_up_on_one_they_do_not() -> None:
     from twophase.runtime.spin import count_and_wait, spin_until_total
+
     slots = np.zeros(3, np.int64)
     assert spin_until_total(slots, 0)
     assert not spin_until_total(slots, 1)  # bounded: returns False instead of hanging
@@ -97,6 +101,7 @@ def test_spin_sees_the_slots_reach_their_total_and_gives_up_on_one_they_do_not()
     def count_in(slot: int, parts: int) -> None:
         time.sleep(0.001 * slot)
         count_and_wait(slots, slot, parts, posted, 0, 0)  # us = 0: count only, no wait
+
     threads = [threading.Thread(target=count_in, args=(i, i + 1)) for i in (1, 2)]
     for th in threads:
         th.start()
@@ -110,6 +115,7 @@ def test_spin_sees_the_slots_reach_their_total_and_gives_up_on_one_they_do_not()
 
 def test_count_and_wait_counts_then_sees_a_change_and_gives_up_on_none() -> None:
     from twophase.runtime.spin import count_and_wait
+
     slots, counter = np.zeros(2, np.int64), np.zeros(1, np.int64)
     assert count_and_wait(slots, 1, 4, counter, 1, 1000)  # already different
     assert not count_and_wait(slots, 1, 1, counter, 0, 2000)  # bounded: returns False instead of hanging
@@ -118,6 +124,7 @@ def test_count_and_wait_counts_then_sees_a_change_and_gives_up_on_none() -> None
     def bump() -> None:
         time.sleep(0.002)
         counter[0] = 7
+
     th = threading.Thread(target=bump)
     th.start()
     seen = any(count_and_wait(slots, 0, 0, counter, 0, 1000) for _ in range(10_000))  # the thread needs ~2 ms
@@ -128,6 +135,7 @@ def test_count_and_wait_counts_then_sees_a_change_and_gives_up_on_none() -> None
 def test_count_and_wait_with_a_gate_sees_the_change_whether_the_gate_opened_or_not() -> None:
     """The gate only shortens the wait after a change: open or shut, the change is seen and the count made."""
     from twophase.runtime.spin import count_and_wait
+
     slots, counter = np.zeros(1, np.int64), np.array([5], np.int64)
     opened, shut = np.array([5], np.int64), np.array([4], np.int64)
     assert count_and_wait(slots, 0, 2, counter, 0, 1000, opened)
@@ -163,6 +171,7 @@ def test_run_parts_opens_the_gate_to_the_count_of_jobs_posted(monkeypatch: pytes
     def part() -> None:
         if threading.get_ident() == me:
             seen.append((int(helpers.gate[0]), int(helpers.posted[0])))
+
     for _ in range(50):  # the caller runs a part in nearly every launch; one is enough
         fanout_module.run_parts([part, part])
         if seen:
@@ -171,7 +180,8 @@ def test_run_parts_opens_the_gate_to_the_count_of_jobs_posted(monkeypatch: pytes
 
 
 def test_parts_of_helpers_without_a_slot_in_the_job_are_waited_for_all_the_same(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A helper started after a job was made has no slot in it (its count goes nowhere): the caller's spin on
     the slots then never sees the total, and it waits on the parts' own count instead, returning only once every
     part has run."""
@@ -179,12 +189,14 @@ def test_parts_of_helpers_without_a_slot_in_the_job_are_waited_for_all_the_same(
 
     def slotless(parts: Any, threads: int) -> Any:
         return made(parts, 1)  # the caller's slot only
+
     monkeypatch.setattr(fanout_module, "_Job", slotless)
     ran: list[int] = []
 
     def part(i: int) -> None:
         time.sleep(0.02)
         ran.append(i)
+
     monkeypatch.setattr(twophase.settings, "num_threads", 2)
     for _ in range(3):
         ran.clear()
@@ -205,6 +217,7 @@ def test_helpers_take_parts_whether_they_block_or_spin_between_launches(spin_us:
             def part(names: list[str] = names) -> None:
                 names.append(threading.current_thread().name)
                 time.sleep(0.05)  # the other part is claimed meanwhile
+
             posted = int(fanout_module._helpers.posted[0])
             run_parts([part, part])
             assert len(names) == 2 and any(n.startswith("twophase-fanout-") for n in names)
@@ -228,6 +241,7 @@ def test_a_part_finishing_while_the_caller_spins_is_seen_and_its_error_raised() 
         time.sleep(0.02)
         done.append(1)
         raise KeyError("late part")
+
     for _ in range(3):
         done.clear()
         with pytest.raises(KeyError, match="late part"):
@@ -247,6 +261,7 @@ def test_launches_from_several_threads_share_the_helpers() -> None:
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
         results[t] = out
+
     threads = [threading.Thread(target=launch, args=(t,)) for t in range(4)]
     for th in threads:
         th.start()
@@ -283,13 +298,21 @@ print((r1.ru_utime + r1.ru_stime - r0.ru_utime - r0.ru_stime) * 1e3)
 
 def _cpu_ms_while_asleep(setup: str) -> float:
     env = {k: v for k, v in os.environ.items() if k not in blas.TIMEOUT_VARS}  # OpenBLAS's own default
-    out = subprocess.run([sys.executable, "-c", _BURN.format(setup=setup)], capture_output=True, text=True,
-                         env=env, timeout=120, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _BURN.format(setup=setup)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
     return float(out.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2 or "OPENBLAS_NUM_THREADS" in os.environ,
-                    reason="OpenBLAS runs no worker threads here")
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2 or "OPENBLAS_NUM_THREADS" in os.environ,
+    reason="OpenBLAS runs no worker threads here",
+)
 def test_the_cpu_device_keeps_openblas_workers_from_spinning() -> None:
     """After a threaded GEMM, a 100 ms sleep: with OpenBLAS's default timeout its worker spins through it; once
     the CPU device exists it sleeps too."""
@@ -301,10 +324,18 @@ def test_the_cpu_device_keeps_openblas_workers_from_spinning() -> None:
 
 
 def test_a_timeout_the_user_set_is_left_alone() -> None:
-    code = ("import os, twophase; from twophase.kernels.cpu.blas import quiet_threads; twophase.device('cpu'); "
-            "print(quiet_threads(), os.environ['OPENBLAS_THREAD_TIMEOUT'])")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True,
-                         env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "28"})
+    code = (
+        "import os, twophase; from twophase.kernels.cpu.blas import quiet_threads; twophase.device('cpu'); "
+        "print(quiet_threads(), os.environ['OPENBLAS_THREAD_TIMEOUT'])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        env={**os.environ, "OPENBLAS_THREAD_TIMEOUT": "28"},
+    )
     assert out.stdout.split() == ["False", "28"]
 
 
@@ -322,6 +353,7 @@ def test_serial_calls_runs_blas_on_one_thread_and_restores_the_count() -> None:
             gate.wait()  # both launches inside at once
             seen.append(get())
             gate.wait()
+
     with blas.serial_calls():
         th = threading.Thread(target=nested)
         th.start()
@@ -352,6 +384,7 @@ def _spy_on_parts(monkeypatch: pytest.MonkeyPatch, *modules: Any) -> list[int]:
     def spy(parts: Any) -> None:
         launched.append(len(parts))
         run_parts(parts)
+
     for module in modules:
         monkeypatch.setattr(module, "run_parts", spy)
     return launched
@@ -362,12 +395,15 @@ def _close(r: Any, ref: Any, rtol: float) -> None:
     np.testing.assert_allclose(r.outputs[0].astype(np.float64), ref, rtol=rtol, atol=rtol)
 
 
-@pytest.mark.parametrize("shape, layout, dtype", [
-    ((1031, 517), "dense", np.float32),      # flat: column ranges of one row
-    ((3, 200003), "strided", np.float32),    # rows >= parts
-    ((2, 150001), "strided", np.float64),    # fewer rows than parts: column ranges of every row
-    ((700, 401), "transposed", np.float16),  # packed
-])
+@pytest.mark.parametrize(
+    "shape, layout, dtype",
+    [
+        ((1031, 517), "dense", np.float32),  # flat: column ranges of one row
+        ((3, 200003), "strided", np.float32),  # rows >= parts
+        ((2, 150001), "strided", np.float64),  # fewer rows than parts: column ranges of every row
+        ((700, 401), "transposed", np.float16),  # packed
+    ],
+)
 @pytest.mark.parametrize("name", ["gelu", "silu", "exp"])
 def test_unary_in_parts(three_parts: None, shape: Any, layout: str, dtype: Any, name: str) -> None:
     rng = np.random.default_rng(len(name) + shape[0])
@@ -378,14 +414,18 @@ def test_unary_in_parts(three_parts: None, shape: Any, layout: str, dtype: Any, 
     _close(r, op.spec.reference(a.astype(np.float64)), tol)
 
 
-@pytest.mark.parametrize("name, rows, parts", [
-    ("gelu", 128, 3),  # MiniLM's FFN activation, 128 x 1536: ~120 us on one thread, so cut
-    ("exp", 128, 1),  # the same elements of the cheapest function (~60 us): one part
-    ("tanh", 64, 3),  # 98 k elements of a function costing 5x exp_f32
-    ("gelu", 64, 1),
-])
-def test_unary_parts_follow_the_functions_cost(three_parts: None, monkeypatch: pytest.MonkeyPatch, name: str,
-                                                rows: int, parts: int) -> None:
+@pytest.mark.parametrize(
+    "name, rows, parts",
+    [
+        ("gelu", 128, 3),  # MiniLM's FFN activation, 128 x 1536: ~120 us on one thread, so cut
+        ("exp", 128, 1),  # the same elements of the cheapest function (~60 us): one part
+        ("tanh", 64, 3),  # 98 k elements of a function costing 5x exp_f32
+        ("gelu", 64, 1),
+    ],
+)
+def test_unary_parts_follow_the_functions_cost(
+    three_parts: None, monkeypatch: pytest.MonkeyPatch, name: str, rows: int, parts: int
+) -> None:
     """A unary launch is cut into parts from ``fanout_elements`` of its function: fewer elements for a costly
     function than for a cheap one; the parts' result is still the reference."""
     built: list[int] = []
@@ -393,6 +433,7 @@ def test_unary_parts_follow_the_functions_cost(three_parts: None, monkeypatch: p
     def spy(calls: Any) -> Any:
         built.append(len(calls))
         return fanout_module.launcher(calls)
+
     monkeypatch.setattr(elementwise_kernels, "launcher", spy)
     assert elementwise_kernels.fanout_elements("exp_f32") > 2 * elementwise_kernels.fanout_elements("gelu_erf_f32")
     a = np.random.default_rng(rows).standard_normal((rows, 1536)).astype(np.float32)
@@ -403,12 +444,15 @@ def test_unary_parts_follow_the_functions_cost(three_parts: None, monkeypatch: p
     _close(r, op.spec.reference(a.astype(np.float64)), 1e-6)
 
 
-@pytest.mark.parametrize("x_shape, y_shape", [
-    ((777, 513), (777, 513)),
-    ((777, 513), (513,)),       # y broadcast along the cut axis
-    ((1, 600, 700), (600, 1)),  # cut along axis 1; y broadcast along axis 2
-    ((3, 1, 90001), (3, 4, 1)),
-])
+@pytest.mark.parametrize(
+    "x_shape, y_shape",
+    [
+        ((777, 513), (777, 513)),
+        ((777, 513), (513,)),  # y broadcast along the cut axis
+        ((1, 600, 700), (600, 1)),  # cut along axis 1; y broadcast along axis 2
+        ((3, 1, 90001), (3, 4, 1)),
+    ],
+)
 @pytest.mark.parametrize("alpha", [1, 2.5])
 def test_binary_in_parts(three_parts: None, x_shape: Any, y_shape: Any, alpha: float) -> None:
     rng = np.random.default_rng(sum(x_shape))
@@ -429,12 +473,15 @@ def test_binary_in_place_in_parts(three_parts: None) -> None:
     np.testing.assert_allclose(x.numpy(), a.astype(np.float64) * b, rtol=1e-6)
 
 
-@pytest.mark.parametrize("shape, dim, layout", [
-    ((2100, 513), -1, "dense"),        # whole rows, row ranges
-    ((3, 7, 50001), -1, "dense"),     # split rows, 21 rows: row ranges
-    ((2, 600001), -1, "strided"),     # split rows, fewer than the parts: block ranges
-    ((1100, 1001), 0, "dense"),       # over dim 0: strided rows
-])
+@pytest.mark.parametrize(
+    "shape, dim, layout",
+    [
+        ((2100, 513), -1, "dense"),  # whole rows, row ranges
+        ((3, 7, 50001), -1, "dense"),  # split rows, 21 rows: row ranges
+        ((2, 600001), -1, "strided"),  # split rows, fewer than the parts: block ranges
+        ((1100, 1001), 0, "dense"),  # over dim 0: strided rows
+    ],
+)
 @pytest.mark.parametrize("log", [False, True])
 def test_softmax_in_parts(three_parts: None, shape: Any, dim: int, layout: str, log: bool) -> None:
     rng = np.random.default_rng(shape[-1])
@@ -455,19 +502,22 @@ def test_layer_norm_in_parts(three_parts: None, rms: bool) -> None:
         r = run_checked(ops.rms_norm, a, w, normalized_shape=(384,))
     else:
         r = run_checked(ops.layer_norm, a, w, b, normalized_shape=(384,), eps=1e-5)
-    y, mu, rstd = ops.layer_norm.spec.reference(a, w, None if rms else b, normalized_shape=(384,),
-                                                eps=1e-6 if rms else 1e-5, rms=rms)
+    y, mu, rstd = ops.layer_norm.spec.reference(
+        a, w, None if rms else b, normalized_shape=(384,), eps=1e-6 if rms else 1e-5, rms=rms
+    )
     assert r.unwritten == (0, 0, 0)
     for got, want in zip(r.outputs, (y, mu, rstd)):
         np.testing.assert_allclose(got.reshape(want.shape), want, rtol=1e-4, atol=1e-4)
 
 
 # cut along batch, heads (C-contiguous parts; parts of several batch entries, which are not), query rows
-@pytest.mark.parametrize("b, h, lq, lk", [(4, 2, 100, 90), (1, 5, 120, 130), (2, 5, 85, 90), (1, 1, 300, 257),
-                                          (2, 1, 200, 190)])
+@pytest.mark.parametrize(
+    "b, h, lq, lk", [(4, 2, 100, 90), (1, 5, 120, 130), (2, 5, 85, 90), (1, 1, 300, 257), (2, 1, 200, 190)]
+)
 @pytest.mark.parametrize("mask", ["none", "causal", "bool", "additive"])
-def test_sdpa_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, b: int, h: int, lq: int, lk: int,
-                       mask: str) -> None:
+def test_sdpa_in_parts(
+    three_parts: None, monkeypatch: pytest.MonkeyPatch, b: int, h: int, lq: int, lk: int, mask: str
+) -> None:
     # parts whose products call BLAS run through blas.run_blas_parts, those all by the kernel straight away
     launched = _spy_on_parts(monkeypatch, blas, attention_kernels)
     rng = np.random.default_rng(lq + lk)
@@ -487,17 +537,21 @@ def test_sdpa_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, b: in
     np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape, dims", [
-    ((1500, 1000), (1,)),      # rows: one block per row, ranges of rows
-    ((2, 700001), (1,)),       # two rows of 171 blocks (two levels): ranges of (row, block) tasks
-    ((300001, 5), (0,)),       # cols: 74 blocks of rows, one chunk of kept columns
-    ((8500, 200), (0,)),       # cols: 3 blocks of rows
-    ((3000, 1000), (0,)),      # cols: one block of rows, cut into 3 chunks of kept columns (384, 384, 232)
-    ((3, 400, 1000), ()),      # everything: one row of blocks
-])
+@pytest.mark.parametrize(
+    "shape, dims",
+    [
+        ((1500, 1000), (1,)),  # rows: one block per row, ranges of rows
+        ((2, 700001), (1,)),  # two rows of 171 blocks (two levels): ranges of (row, block) tasks
+        ((300001, 5), (0,)),  # cols: 74 blocks of rows, one chunk of kept columns
+        ((8500, 200), (0,)),  # cols: 3 blocks of rows
+        ((3000, 1000), (0,)),  # cols: one block of rows, cut into 3 chunks of kept columns (384, 384, 232)
+        ((3, 400, 1000), ()),  # everything: one row of blocks
+    ],
+)
 @pytest.mark.parametrize("name", ["reduce_sum", "reduce_mean", "reduce_max", "reduce_min", "argmax", "var"])
-def test_reductions_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, shape: Any, dims: Any,
-                             name: str) -> None:
+def test_reductions_in_parts(
+    three_parts: None, monkeypatch: pytest.MonkeyPatch, shape: Any, dims: Any, name: str
+) -> None:
     launched = _spy_on_parts(monkeypatch, reduce_kernels)
     if name == "argmax" and len(dims) != 1:  # argmax takes one dim
         dims = (len(shape) - 1,)
@@ -532,16 +586,24 @@ def test_conv2d_im2col_rows_in_parts(three_parts: None, monkeypatch: pytest.Monk
     ref = conv_reference(x, w, b, stride=1, padding=1)
     assert r.unwritten == (0,)
     got = r.outputs[0]
-    np.testing.assert_allclose(got.transpose(0, 3, 1, 2) if got.shape != ref.shape else got, ref, rtol=1e-4,
-                               atol=1e-4)
+    np.testing.assert_allclose(got.transpose(0, 3, 1, 2) if got.shape != ref.shape else got, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("x_shape, oc, limit, rounds", [
-    ((3, 48, 47, 48), 40, None, 1),  # 3 images in one round
-    ((3, 48, 47, 48), 40, 5 << 20, 2),  # rounds of 2 images, then 1
-])
-def test_conv2d_winograd4_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, ...],
-                                   oc: int, limit: int | None, rounds: int) -> None:
+@pytest.mark.parametrize(
+    "x_shape, oc, limit, rounds",
+    [
+        ((3, 48, 47, 48), 40, None, 1),  # 3 images in one round
+        ((3, 48, 47, 48), 40, 5 << 20, 2),  # rounds of 2 images, then 1
+    ],
+)
+def test_conv2d_winograd4_in_parts(
+    three_parts: None,
+    monkeypatch: pytest.MonkeyPatch,
+    x_shape: tuple[int, ...],
+    oc: int,
+    limit: int | None,
+    rounds: int,
+) -> None:
     """Every round of whole images in three hand-offs of three parts: the input transform (with U in the first)
     in channel ranges, the 36 GEMMs in batch ranges, the output transform in channel ranges."""
     launched = _spy_on_parts(monkeypatch, conv_kernels)  # the rounds run through conv.winograd_launch
@@ -565,13 +627,22 @@ def _winograd_in_parts(impl: str, x_shape: tuple[int, ...], oc: int, limit: int 
     return r
 
 
-@pytest.mark.parametrize("x_shape, oc, limit, rounds", [
-    ((4, 48, 47, 48), 40, None, 1),  # 2304 tiles in one round
-    ((4, 48, 47, 48), 40, 4 << 20, 4),  # rounds of a few hundred tiles, the last one short
-    ((1, 176, 21, 22), 176, None, 1),  # 121 tiles, many channels
-])
-def test_conv2d_winograd_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, x_shape: tuple[int, ...],
-                                  oc: int, limit: int | None, rounds: int) -> None:
+@pytest.mark.parametrize(
+    "x_shape, oc, limit, rounds",
+    [
+        ((4, 48, 47, 48), 40, None, 1),  # 2304 tiles in one round
+        ((4, 48, 47, 48), 40, 4 << 20, 4),  # rounds of a few hundred tiles, the last one short
+        ((1, 176, 21, 22), 176, None, 1),  # 121 tiles, many channels
+    ],
+)
+def test_conv2d_winograd_in_parts(
+    three_parts: None,
+    monkeypatch: pytest.MonkeyPatch,
+    x_shape: tuple[int, ...],
+    oc: int,
+    limit: int | None,
+    rounds: int,
+) -> None:
     """Every round in three hand-offs of three parts: the input transform (with U in the first) in channel
     ranges, the GEMMs in batch ranges, the output transform in channel ranges."""
     launched = _spy_on_parts(monkeypatch, conv_kernels)
@@ -585,8 +656,9 @@ def test_conv2d_winograd_in_parts(three_parts: None, monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize("groups, stride, nhwc", [(24, 1, False), (24, 2, True), (3, 1, False)])
-def test_conv2d_direct_planes_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, groups: int, stride: int,
-                                       nhwc: bool) -> None:
+def test_conv2d_direct_planes_in_parts(
+    three_parts: None, monkeypatch: pytest.MonkeyPatch, groups: int, stride: int, nhwc: bool
+) -> None:
     """Depthwise (and grouped) direct convolution in three ranges of (image, output channel) planes; odd sizes and
     padding put the row copies' first and last columns at the edges."""
     launched = _spy_on_parts(monkeypatch, fanout_module)  # the launch is fanout.launcher's
@@ -607,18 +679,24 @@ def test_conv2d_direct_planes_in_parts(three_parts: None, monkeypatch: pytest.Mo
     ref = conv_reference(x, w, b, stride=stride, padding=1, groups=groups)
     got = r.outputs[0]
     assert r.unwritten == (0,)
-    np.testing.assert_allclose(got.transpose(0, 3, 1, 2) if got.shape != ref.shape else got, ref, rtol=1e-4,
-                               atol=1e-4)
+    np.testing.assert_allclose(got.transpose(0, 3, 1, 2) if got.shape != ref.shape else got, ref, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("name, attrs", [
-    ("max_pool2d", {"kernel_size": 3, "stride": 2, "padding": 1}),
-    ("max_pool2d", {"kernel_size": (3, 2), "stride": (1, 2), "padding": (1, 1), "dilation": (2, 1), "ceil_mode": True}),
-    ("avg_pool2d", {"kernel_size": 3, "stride": 2, "padding": 1, "count_include_pad": False}),
-    ("adaptive_avg_pool2d", {"output_size": (7, 5)}),
-])
-def test_pooling_planes_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, name: str,
-                                 attrs: dict[str, Any]) -> None:
+@pytest.mark.parametrize(
+    "name, attrs",
+    [
+        ("max_pool2d", {"kernel_size": 3, "stride": 2, "padding": 1}),
+        (
+            "max_pool2d",
+            {"kernel_size": (3, 2), "stride": (1, 2), "padding": (1, 1), "dilation": (2, 1), "ceil_mode": True},
+        ),
+        ("avg_pool2d", {"kernel_size": 3, "stride": 2, "padding": 1, "count_include_pad": False}),
+        ("adaptive_avg_pool2d", {"output_size": (7, 5)}),
+    ],
+)
+def test_pooling_planes_in_parts(
+    three_parts: None, monkeypatch: pytest.MonkeyPatch, name: str, attrs: dict[str, Any]
+) -> None:
     launched = _spy_on_parts(monkeypatch, fanout_module)
     rng = np.random.default_rng(12)
     x = rng.standard_normal((2, 40, 113, 111)).astype(np.float32)
@@ -630,16 +708,20 @@ def test_pooling_planes_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPa
     np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("shape, layout, dtype, impl", [
-    ((5000, 130), "dense", np.float32, "channels"),         # (N, C): ranges of rows
-    ((3, 40, 70, 80), "dense", np.float32, "channels"),     # ranges of (n, c) planes
-    ((2, 30, 90, 101), "padded", np.float64, "channels"),   # planes as rows of a wider image
-    ((2, 30, 90, 101), "strided", np.float32, "channels"),  # rows whose elements are not adjacent
-    ((4, 30, 75, 80), "dense", np.float16, "channels_packed"),
-    ((3, 20, 40, 30, 20), "transposed", np.float32, "channels_packed"),  # 3 spatial dims in no rows
-])
-def test_batch_norm_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, shape: Any, layout: str, dtype: Any,
-                             impl: str) -> None:
+@pytest.mark.parametrize(
+    "shape, layout, dtype, impl",
+    [
+        ((5000, 130), "dense", np.float32, "channels"),  # (N, C): ranges of rows
+        ((3, 40, 70, 80), "dense", np.float32, "channels"),  # ranges of (n, c) planes
+        ((2, 30, 90, 101), "padded", np.float64, "channels"),  # planes as rows of a wider image
+        ((2, 30, 90, 101), "strided", np.float32, "channels"),  # rows whose elements are not adjacent
+        ((4, 30, 75, 80), "dense", np.float16, "channels_packed"),
+        ((3, 20, 40, 30, 20), "transposed", np.float32, "channels_packed"),  # 3 spatial dims in no rows
+    ],
+)
+def test_batch_norm_in_parts(
+    three_parts: None, monkeypatch: pytest.MonkeyPatch, shape: Any, layout: str, dtype: Any, impl: str
+) -> None:
     launched = _spy_on_parts(monkeypatch, fanout_module, norm_kernels)  # fanout.launcher's launch, or the packed one
     rng = np.random.default_rng(shape[-1])
     c = shape[1]
@@ -651,15 +733,26 @@ def test_batch_norm_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch,
     _close(r, ops.batch_norm.spec.reference(a, mean, var, w, b), 2e-3 if dtype == np.float16 else 1e-5)
 
 
-@pytest.mark.parametrize("shape, groups, layout, dtype, impl, launches", [
-    ((6, 32, 60, 60), 8, "dense", np.float32, "groups", [3]),                # 48 groups: ranges of groups
-    ((2, 24, 110, 101), 6, "padded", np.float64, "groups", [3]),              # groups as rows of a wider image
-    ((2, 8, 200, 200), 2, "dense", np.float32, "split_groups", [3, 3]),      # blocks' partials, merge, blocks' writes
-    ((2, 8, 200, 203), 2, "strided", np.float32, "split_groups", [3, 3]),
-    ((3, 16, 110, 110), 4, "dense", np.float16, "groups_packed", [3]),
-])
-def test_group_norm_in_parts(three_parts: None, monkeypatch: pytest.MonkeyPatch, shape: Any, groups: int,
-                             layout: str, dtype: Any, impl: str, launches: list[int]) -> None:
+@pytest.mark.parametrize(
+    "shape, groups, layout, dtype, impl, launches",
+    [
+        ((6, 32, 60, 60), 8, "dense", np.float32, "groups", [3]),  # 48 groups: ranges of groups
+        ((2, 24, 110, 101), 6, "padded", np.float64, "groups", [3]),  # groups as rows of a wider image
+        ((2, 8, 200, 200), 2, "dense", np.float32, "split_groups", [3, 3]),  # blocks' partials, merge, blocks' writes
+        ((2, 8, 200, 203), 2, "strided", np.float32, "split_groups", [3, 3]),
+        ((3, 16, 110, 110), 4, "dense", np.float16, "groups_packed", [3]),
+    ],
+)
+def test_group_norm_in_parts(
+    three_parts: None,
+    monkeypatch: pytest.MonkeyPatch,
+    shape: Any,
+    groups: int,
+    layout: str,
+    dtype: Any,
+    impl: str,
+    launches: list[int],
+) -> None:
     launched = _spy_on_parts(monkeypatch, fanout_module, groupnorm_kernels)  # fanout.launcher's launch, or the others
     rng = np.random.default_rng(shape[-1] + groups)
     c = shape[1]
@@ -679,6 +772,7 @@ def test_workspace_launcher_binds_once_per_workspace() -> None:
         bound.append(ws.ctypes.data)
         view = ws[:8].view(np.float64)
         return lambda: ran.append(int(view[0]))
+
     launch = workspace_launcher(bind)
     a, b = np.full(4, 7.0), np.full(4, 9.0)
     for ws in (a, a, a, b, b, a):
@@ -692,13 +786,16 @@ def test_workspace_launcher_binds_once_per_workspace() -> None:
 def test_parts_outnumbering_the_threads_all_run_on_the_threads_there_are() -> None:
     from twophase import config
     from twophase.runtime.fanout import run_parts
+
     ran: list[tuple[str, int]] = []
     saved = config.settings.num_threads
     try:
         config.set_num_threads(1)
+
         def part(i: int) -> None:
             time.sleep(0.01)  # long enough for an idle helper to claim a part, were one posted
             ran.append((threading.current_thread().name, i))
+
         run_parts([lambda i=i: part(i) for i in range(5)])
     finally:
         config.set_num_threads(saved)
@@ -712,6 +809,7 @@ def test_deterministic_results_do_not_depend_on_the_thread_count() -> None:
     import hashlib
 
     from twophase import config
+
     dev = twophase.device("cpu")
     rng = np.random.default_rng(0)
     x = dev.tensor(rng.standard_normal((2, 16, 32, 32)).astype(np.float32))
@@ -723,8 +821,10 @@ def test_deterministic_results_do_not_depend_on_the_thread_count() -> None:
         config.set_deterministic(True)
         for threads in (1, 2, 3):
             config.set_num_threads(threads)
-            for name, t in (("conv2d", twophase.conv2d(x, w, padding=(1, 1))),
-                            ("sdpa", twophase.scaled_dot_product_attention(q, k, v))):
+            for name, t in (
+                ("conv2d", twophase.conv2d(x, w, padding=(1, 1))),
+                ("sdpa", twophase.scaled_dot_product_attention(q, k, v)),
+            ):
                 seen[name].add(hashlib.sha1(t.numpy().tobytes()).hexdigest())
                 t.free()
     finally:
@@ -739,6 +839,7 @@ def test_busy_counts_launches_on_helpers_and_is_zero_again_after_a_failing_part(
     running goes back to 0 when a part raises."""
     import twophase
     from twophase.runtime.fanout import BUSY
+
     old = twophase.settings.num_threads
     try:
         twophase.set_num_threads(1)
@@ -752,6 +853,7 @@ def test_busy_counts_launches_on_helpers_and_is_zero_again_after_a_failing_part(
         def bad() -> None:
             seen.append(int(BUSY[0]))
             raise ValueError("part failed")
+
         with pytest.raises(ValueError, match="part failed"):
             run_parts([bad, lambda: seen.append(int(BUSY[0]))])
         assert seen == [1, 1] and BUSY.tolist() == [0, before + 1]
@@ -761,6 +863,7 @@ def test_busy_counts_launches_on_helpers_and_is_zero_again_after_a_failing_part(
 
 def test_spin_until_reached_sees_the_count_gives_up_when_told_and_is_bounded() -> None:
     from twophase.runtime.spin import spin_until_reached
+
     counter, unless = np.zeros(1, np.int64), np.zeros(1, np.int64)
     assert spin_until_reached(counter, 0, 0, unless)
     assert not spin_until_reached(counter, 1, 2000, unless)  # bounded: returns False instead of hanging
@@ -768,6 +871,7 @@ def test_spin_until_reached_sees_the_count_gives_up_when_told_and_is_bounded() -
     def bump() -> None:
         time.sleep(0.002)
         counter[0] = 3
+
     th = threading.Thread(target=bump)
     th.start()
     seen = any(spin_until_reached(counter, 2, 1000, unless) for _ in range(10_000))  # the thread needs ~2 ms

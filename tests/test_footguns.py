@@ -93,8 +93,9 @@ def test_executor_shared_with_another_thread_is_refused(dev, stream):
     x = dev.tensor(np.ones(3, np.float32), stream=stream)
     size, ex = ops.add.get_workspace_size(x, x, out=dev.empty((3,)))
     errors = []
-    t = threading.Thread(target=lambda: errors.append(pytest.raises(twophase.InvalidStateError,
-                                                                    ops.add, None, size, ex, stream)))
+    t = threading.Thread(
+        target=lambda: errors.append(pytest.raises(twophase.InvalidStateError, ops.add, None, size, ex, stream))
+    )
     t.start()
     t.join()
     assert len(errors) == 1 and ex.state is ExecState.READY

@@ -63,7 +63,8 @@ def in_child(body: Callable[[], Any]) -> Any:
 
 
 def test_a_child_runs_ops_on_the_parents_streams_helpers_and_tensors(
-        dev: twophase.Device, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch) -> None:
+    dev: twophase.Device, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(twophase.settings, "num_threads", 2)
     s = dev.stream()
     xs = rng.standard_normal(1000).astype(np.float32)
@@ -84,6 +85,7 @@ def test_a_child_runs_ops_on_the_parents_streams_helpers_and_tensors(
         fresh.close()
         helpers = sum(th.name.startswith("twophase-fanout") for th in threading.enumerate())
         return on_parent, product, int(fanout.BUSY[1]) - busy, helpers, on_fresh
+
     on_parent, product, fanned, helpers, on_fresh = in_child(child)
     np.testing.assert_array_equal(on_parent, np.maximum(xs, 0))
     want = a_np.astype(np.float64) @ b_np.astype(np.float64)
@@ -95,7 +97,8 @@ def test_a_child_runs_ops_on_the_parents_streams_helpers_and_tensors(
 
 
 def test_a_task_running_at_the_fork_fails_in_the_child_and_the_stream_recovers(
-        dev: twophase.Device, rng: np.random.Generator, gate: Callable[[twophase.Stream], threading.Event]) -> None:
+    dev: twophase.Device, rng: np.random.Generator, gate: Callable[[twophase.Stream], threading.Event]
+) -> None:
     s = dev.stream()
     xs = rng.standard_normal(64).astype(np.float32)
     x = dev.tensor(xs, stream=s)
@@ -109,6 +112,7 @@ def test_a_task_running_at_the_fork_fails_in_the_child_and_the_stream_recovers(
             s.synchronize()  # without the fork handling: never returns
         again = twophase.relu(x, stream=s).numpy()
         return str(err.value), "\n".join(getattr(err.value, "__notes__", [])), again
+
     message, notes, again = in_child(child)
     assert "forked while 1 task(s)" in message and "1 later task(s) were dropped" in message + notes
     np.testing.assert_array_equal(again, np.maximum(xs, 0))
@@ -128,10 +132,12 @@ def test_locks_other_threads_held_at_the_fork_are_free_in_the_child(dev: twophas
         with dev.pool._lock, device_module._lock, relu._launch_lock:
             held.set()
             release.wait(CHILD_LIMIT_S)
+
     holder = threading.Thread(target=hold, daemon=True)
     holder.start()
     assert held.wait(30)
     try:
+
         def child() -> list[float]:
             block = dev.malloc(4096)  # the pool's lock
             block.free()
@@ -139,6 +145,7 @@ def test_locks_other_threads_held_at_the_fork_are_free_in_the_child(dev: twophas
             assert twophase.device("null").name == "null"
             x = dev.tensor(np.arange(-1, 2, dtype=np.float32))
             return twophase.relu(x).numpy().tolist()  # a launch on new memory: built, memoised under the lock
+
         assert in_child(child) == [0.0, 0.0, 1.0]
     finally:
         release.set()
@@ -148,7 +155,8 @@ def test_locks_other_threads_held_at_the_fork_are_free_in_the_child(dev: twophas
 
 @pytest.mark.parametrize("blocking", [False, True], ids=["on-the-worker", "launch-blocking"])
 def test_a_task_that_forks_goes_on_serving_its_stream_in_the_child(
-        dev: twophase.Device, blocking: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    dev: twophase.Device, blocking: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A host callback that forks: in the child the forking thread is in the middle of that task (on the stream's
     worker, or inline under launch blocking); the task is not lost and no second worker starts."""
     monkeypatch.setattr(twophase.settings, "launch_blocking", blocking)
@@ -163,6 +171,7 @@ def test_a_task_that_forks_goes_on_serving_its_stream_in_the_child(
             mine = q.thread is threading.current_thread() if not blocking else q.thread is None
             os._exit(0 if q.error is None and mine and workers == (0 if blocking else 1) else 1)
         statuses.append(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]))
+
     s.launch_callback(fork_here)
     s.synchronize()
     assert statuses == [0] and s.blocking == blocking

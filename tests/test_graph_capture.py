@@ -69,8 +69,17 @@ class Encoder:
     landed, else reduce_mean / sub / mul / rsqrt / add), q / k / v projections, heads as strided views +
     permute, scaled_dot_product_attention, output projection, residual, layer norm, MLP, residual."""
 
-    def __init__(self, dev: tp.Device, s: tp.Stream, rng: np.random.Generator, b: int = 2, t: int = 16,
-                 d: int = 32, h: int = 4, fused_ln: bool | None = None) -> None:
+    def __init__(
+        self,
+        dev: tp.Device,
+        s: tp.Stream,
+        rng: np.random.Generator,
+        b: int = 2,
+        t: int = 16,
+        d: int = 32,
+        h: int = 4,
+        fused_ln: bool | None = None,
+    ) -> None:
         self.s, self.shape, self.h = s, (b, t, d), h
         self.w = {k: dev.tensor(_f32(rng, d, d), stream=s) for k in "qkvo"}
         self.bias = {k: dev.tensor(_f32(rng, d), stream=s) for k in "qkvo"}
@@ -120,10 +129,14 @@ def _fused_encoder(dev: tp.Device, s: tp.Stream, rng: np.random.Generator) -> En
     return Encoder(dev, s, rng, fused_ln=True)
 
 
-@pytest.mark.parametrize("make", [MLP, lambda *a: Encoder(*a, fused_ln=False), _fused_encoder],
-                         ids=["mlp", "encoder-composite-ln", "encoder-layer-norm-op"])
-def test_replay_equals_eager_bit_for_bit_under_the_sanitizer(make: Any, dev: tp.Device, stream: tp.Stream,
-                                                             rng: np.random.Generator) -> None:
+@pytest.mark.parametrize(
+    "make",
+    [MLP, lambda *a: Encoder(*a, fused_ln=False), _fused_encoder],
+    ids=["mlp", "encoder-composite-ln", "encoder-layer-norm-op"],
+)
+def test_replay_equals_eager_bit_for_bit_under_the_sanitizer(
+    make: Any, dev: tp.Device, stream: tp.Stream, rng: np.random.Generator
+) -> None:
     with _sanitized():
         block = make(dev, stream, rng)
         x = dev.tensor(_f32(rng, 2, 16, 32, scale=1.0), stream=stream)
@@ -143,8 +156,9 @@ def test_replay_equals_eager_bit_for_bit_under_the_sanitizer(make: Any, dev: tp.
             assert not [lk for lk in sanitizer.report(warn=False) if arena in lk.what]  # destroy freed the arena
 
 
-def test_transformer_block_arena_is_at_most_half_the_one_by_one_sum(dev: tp.Device, stream: tp.Stream,
-                                                                     rng: np.random.Generator) -> None:
+def test_transformer_block_arena_is_at_most_half_the_one_by_one_sum(
+    dev: tp.Device, stream: tp.Stream, rng: np.random.Generator
+) -> None:
     block = Encoder(dev, stream, rng)
     x = dev.tensor(_f32(rng, 2, 16, 32), stream=stream)
     stream.synchronize()
@@ -154,8 +168,9 @@ def test_transformer_block_arena_is_at_most_half_the_one_by_one_sum(dev: tp.Devi
         assert m.peak_bytes <= m.arena_bytes <= 0.5 * m.naive_bytes
 
 
-def test_explicit_executors_and_plan_calls_are_captured(dev: tp.Device, stream: tp.Stream,
-                                                       rng: np.random.Generator) -> None:
+def test_explicit_executors_and_plan_calls_are_captured(
+    dev: tp.Device, stream: tp.Stream, rng: np.random.Generator
+) -> None:
     s = stream
     x = dev.tensor(_f32(rng, 64, 700), stream=s)
     y = dev.empty((64, 700))
@@ -172,9 +187,9 @@ def test_explicit_executors_and_plan_calls_are_captured(dev: tp.Device, stream: 
         y.view()[...] = 0
         z.view()[...] = 0
         with tp.capture(s) as g:
-            tp.ops.softmax(ws, size, ex, s)        # explicit phase 2
-            call()                                 # a plan call
-            w = tp.mul(z, z, stream=s)             # a one-shot call on the captured output
+            tp.ops.softmax(ws, size, ex, s)  # explicit phase 2
+            call()  # a plan call
+            w = tp.mul(z, z, stream=s)  # a one-shot call on the captured output
             g.output("w", w)
         assert g.ops == ["softmax", "reduce_sum", "mul"]
         assert y.view().sum() == 0 and z.view().sum() == 0  # recorded, not run
@@ -190,8 +205,9 @@ def test_explicit_executors_and_plan_calls_are_captured(dev: tp.Device, stream: 
     ex.destroy()
 
 
-def test_a_workspace_op_gets_its_workspace_from_the_arena(dev: tp.Device, stream: tp.Stream,
-                                                         rng: np.random.Generator) -> None:
+def test_a_workspace_op_gets_its_workspace_from_the_arena(
+    dev: tp.Device, stream: tp.Stream, rng: np.random.Generator
+) -> None:
     x = dev.tensor(_f32(rng, 4, 40000), stream=stream)  # long rows: softmax splits them, partials in workspace
     stream.synchronize()
     eager = tp.softmax(tp.add(x, x, stream=stream), dim=-1, stream=stream).numpy()
@@ -202,15 +218,16 @@ def test_a_workspace_op_gets_its_workspace_from_the_arena(dev: tp.Device, stream
     assert np.array_equal(g.replay(stream)["y"].numpy(), eager)
 
 
-def test_tensors_still_referenced_stay_valid_and_dropped_ones_share_memory(dev: tp.Device, stream: tp.Stream,
-                                                                          rng: np.random.Generator) -> None:
+def test_tensors_still_referenced_stay_valid_and_dropped_ones_share_memory(
+    dev: tp.Device, stream: tp.Stream, rng: np.random.Generator
+) -> None:
     x = dev.tensor(_f32(rng, 256), stream=stream)
     stream.synchronize()
     with tp.capture(stream) as g:
-        kept = tp.add(x, x, stream=stream)            # referenced after the capture: readable after replays
+        kept = tp.add(x, x, stream=stream)  # referenced after the capture: readable after replays
         h = kept
         for _ in range(6):
-            h = tp.mul(h, x, stream=stream)           # the chain's intermediates are dropped at once
+            h = tp.mul(h, x, stream=stream)  # the chain's intermediates are dropped at once
         last = h
         del h
     g.instantiate()
@@ -425,8 +442,7 @@ def test_failing_node_is_named_at_the_next_sync(dev: tp.Device, stream: tp.Strea
 
 
 # ---------------------------------------------------------------- counters, trace, streams, lifecycle
-def test_counters_count_node_launches_and_trace_nests_nodes_in_the_replay(dev: tp.Device,
-                                                                          stream: tp.Stream) -> None:
+def test_counters_count_node_launches_and_trace_nests_nodes_in_the_replay(dev: tp.Device, stream: tp.Stream) -> None:
     x = dev.tensor(np.ones(16, np.float32), stream=stream)
     stream.synchronize()
     with tp.capture(stream) as g:
@@ -447,8 +463,9 @@ def test_counters_count_node_launches_and_trace_nests_nodes_in_the_replay(dev: t
         assert all(e["tid"] == r["tid"] for e in inside)
 
 
-def test_replay_on_another_stream_waits_for_the_previous_replay(dev: tp.Device, stream: tp.Stream,
-                                                                gate: Callable[[tp.Stream], threading.Event]) -> None:
+def test_replay_on_another_stream_waits_for_the_previous_replay(
+    dev: tp.Device, stream: tp.Stream, gate: Callable[[tp.Stream], threading.Event]
+) -> None:
     other = dev.stream()
     x = dev.tensor(np.ones(8, np.float32), stream=stream)
     stream.synchronize()
@@ -527,8 +544,9 @@ def test_graphs_are_made_by_capture() -> None:
         tp.capture("not a stream").__enter__()  # type: ignore[arg-type]
 
 
-def test_launch_blocking_switched_by_another_thread_mid_capture_applies_when_it_ends(dev: tp.Device,
-                                                                                   stream: tp.Stream) -> None:
+def test_launch_blocking_switched_by_another_thread_mid_capture_applies_when_it_ends(
+    dev: tp.Device, stream: tp.Stream
+) -> None:
     """The capture goes on recording; once it ends the stream runs its tasks inline, as the setting says."""
     x = dev.tensor(np.ones((8, 8), np.float32), stream=stream)
     stream.synchronize()
@@ -566,8 +584,7 @@ def test_launch_blocking_switched_by_another_thread_mid_capture_applies_when_it_
     assert not stream.blocking
 
 
-def test_launch_blocking_switched_by_the_capturing_thread_keeps_the_capture(dev: tp.Device,
-                                                                            stream: tp.Stream) -> None:
+def test_launch_blocking_switched_by_the_capturing_thread_keeps_the_capture(dev: tp.Device, stream: tp.Stream) -> None:
     x = dev.tensor(np.ones((8, 8), np.float32), stream=stream)
     try:
         with tp.capture(stream) as g:

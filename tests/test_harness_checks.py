@@ -20,18 +20,34 @@ from twophase.testing import run_checked, run_matrix
 
 
 @contextlib.contextmanager
-def _registered(name: str, kernel: Callable[[Any, Any], None], n_inputs: int = 1, n_outputs: int = 1,
-                reference: Any = None, aliases: tuple[int, ...] = ()) -> Iterator[Op]:
+def _registered(
+    name: str,
+    kernel: Callable[[Any, Any], None],
+    n_inputs: int = 1,
+    n_outputs: int = 1,
+    reference: Any = None,
+    aliases: tuple[int, ...] = (),
+) -> Iterator[Op]:
     """A planted float32 op ``kernel(input_views, output_views)`` in the registry for the block (each test uses
     its own name: one-shot functions are cached per op)."""
+
     def infer(ins: Any, attrs: Any) -> tuple[tp.TensorDesc, ...]:
         return (tp.TensorDesc(ins[0].shape, ins[0].dtype),) * n_outputs
-    op = tp.register(OpDef(
-        name=name, inputs=tuple(f"x{i}" for i in range(n_inputs)), outputs=tuple(f"out{i}" for i in range(n_outputs)),
-        dtypes=(tp.DType.float32,), infer=infer,
-        select=lambda ins, outs, attrs, limit: Plan("planted", None, 0), implementations=("planted",),
-        kernels={"cpu": lambda plan, attrs, ins, outs: lambda _: kernel(ins, outs)}, reference=reference,
-        aliases=aliases))
+
+    op = tp.register(
+        OpDef(
+            name=name,
+            inputs=tuple(f"x{i}" for i in range(n_inputs)),
+            outputs=tuple(f"out{i}" for i in range(n_outputs)),
+            dtypes=(tp.DType.float32,),
+            infer=infer,
+            select=lambda ins, outs, attrs, limit: Plan("planted", None, 0),
+            implementations=("planted",),
+            kernels={"cpu": lambda plan, attrs, ins, outs: lambda _: kernel(ins, outs)},
+            reference=reference,
+            aliases=aliases,
+        )
+    )
     try:
         yield op
     finally:
@@ -55,6 +71,7 @@ def _allocated() -> int:
 
 
 # ---- D5: run_checked frees everything it allocates
+
 
 def test_run_checked_leaves_nothing_allocated_after_success_and_failures() -> None:
     """Input copies, outputs and workspace go back to the pool, also when phase 1 refuses, phase 2 refuses (a
@@ -82,6 +99,7 @@ def test_run_checked_leaves_nothing_allocated_after_success_and_failures() -> No
 
     def fail(ins: Any, outs: Any) -> None:
         raise RuntimeError("planted kernel failure")
+
     with _registered("harness_failing_kernel", fail) as bad, pytest.raises(TwoPhaseError):
         run_checked(bad, x)  # phase 2 fails in the kernel
     assert _allocated() == before
@@ -99,10 +117,12 @@ def test_run_checked_reports_no_leak_to_the_sanitizer() -> None:
 
 # ---- D9: an op must leave its inputs as they were, unless an output is bound to them in place
 
+
 def test_run_checked_flags_an_input_the_kernel_writes() -> None:
     def copy_and_clobber(ins: Any, outs: Any) -> None:
         np.copyto(outs[0], ins[0])
         _clobber_first(ins[0])
+
     x = _random(4, 5, seed=2)
     with _registered("harness_writes_input", copy_and_clobber) as op:
         r = run_checked(op, x)
@@ -128,6 +148,7 @@ def test_run_checked_skips_only_the_input_an_output_is_bound_to_in_place() -> No
     def add_into_first_and_clobber_second(ins: Any, outs: Any) -> None:
         np.add(ins[0], ins[1], out=outs[0])
         _clobber_first(ins[1])
+
     def write_first(ins: Any, outs: Any) -> None:
         np.add(ins[0], ins[1], out=outs[0])
         _clobber_first(ins[0])
@@ -135,6 +156,7 @@ def test_run_checked_skips_only_the_input_an_output_is_bound_to_in_place() -> No
     def write_second(ins: Any, outs: Any) -> None:
         np.add(ins[0], ins[1], out=outs[0])
         _clobber_first(ins[1])
+
     y = _random(6, 7, seed=5)
     with _registered("harness_in_place_add", write_second, n_inputs=2, aliases=(0,)) as op:
         a, b = dev.tensor(x), dev.tensor(y)
@@ -152,6 +174,7 @@ def test_run_matrix_fails_the_cases_of_an_op_that_writes_its_input() -> None:
     def copy_and_clobber(ins: Any, outs: Any) -> None:
         np.copyto(outs[0], ins[0])
         _clobber_first(ins[0])
+
     name = "harness_matrix_writes_input"
     with _registered(name, copy_and_clobber, reference=lambda x: np.array(x, np.float64)):
         r = run_matrix(name, long_n=257)
@@ -162,10 +185,12 @@ def test_run_matrix_fails_the_cases_of_an_op_that_writes_its_input() -> None:
 
 # ---- D8: a reference with the wrong number of outputs fails its cases, and the run goes on
 
+
 def test_a_reference_with_too_few_outputs_fails_the_cases_and_check_goes_on(capsys: pytest.CaptureFixture[str]) -> None:
     def two_copies(ins: Any, outs: Any) -> None:
         np.copyto(outs[0], ins[0])
         np.copyto(outs[1], ins[0])
+
     name = "harness_two_outputs_one_reference"
     with _registered(name, two_copies, n_outputs=2, reference=lambda x: np.array(x, np.float64)):
         r = run_matrix(name, long_n=257)
@@ -179,6 +204,7 @@ def test_a_reference_with_too_few_outputs_fails_the_cases_and_check_goes_on(caps
 def test_a_reference_that_raises_fails_the_cases() -> None:
     def bad_reference(x: Any) -> Any:
         raise ValueError("planted reference bug")
+
     name = "harness_reference_raises"
     with _registered(name, lambda ins, outs: np.copyto(outs[0], ins[0]), reference=bad_reference):
         r = run_matrix(name, long_n=257)

@@ -23,12 +23,14 @@ def _counting_builder(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
     def counting(*args: Any) -> Any:
         built[0] += 1
         return plain(*args)
+
     monkeypatch.setitem(kernels, "cpu", counting)
     return built
 
 
-def test_a_forward_of_more_launches_of_one_op_than_the_memo_used_to_hold_builds_each_once(dev, stream, rng,
-                                                                                          monkeypatch):
+def test_a_forward_of_more_launches_of_one_op_than_the_memo_used_to_hold_builds_each_once(
+    dev, stream, rng, monkeypatch
+):
     """A model calls one op with many operand sets in turn (MiniLM: 24 linears a forward); a memo shorter than
     that cycle, LRU, misses on every call of every forward (it held 16: the one-shot forward rebuilt all 24)."""
     built = _counting_builder(monkeypatch, "linear")
@@ -47,8 +49,9 @@ def test_a_forward_of_more_launches_of_one_op_than_the_memo_used_to_hold_builds_
         stream.synchronize()
         assert first == len(ws) and built[0] == first, "the second forward rebuilt launches the memo should hold"
         for w, o in zip(ws, outs):
-            np.testing.assert_allclose(o.numpy(), x.numpy().astype(np.float64) @ w.T.astype(np.float64),
-                                       rtol=1e-5, atol=1e-5)
+            np.testing.assert_allclose(
+                o.numpy(), x.numpy().astype(np.float64) @ w.T.astype(np.float64), rtol=1e-5, atol=1e-5
+            )
     finally:
         stream.synchronize()
         for t in [x, *weights, *outs]:
@@ -64,6 +67,7 @@ def test_operands_whose_byte_ranges_are_apart_skip_numpy_overlap_test(dev, strea
     def recording(a: Any, b: Any) -> bool:
         called.append((a.shape, b.shape))
         return plain(a, b)
+
     monkeypatch.setattr(op_module, "overlaps", recording)
     a = dev.tensor(rng.standard_normal((5, 7), dtype=np.float32), stream=stream)
     w = dev.tensor(rng.standard_normal((3, 7), dtype=np.float32), stream=stream)
@@ -105,8 +109,12 @@ def test_byte_range_is_the_bytes_the_view_touches(dev, stream, rng, case):
         t = twophase.from_dlpack(a[::-2, ::-3], dev)
     else:
         base = dev.tensor(a, stream=stream)
-        t = {"dense": base, "transposed": base.transpose(), "offset_strided": base.strided((3, 4), (20, 2), 5),
-             "empty": base.strided((0, 4), (10, 1), 3)}[case]
+        t = {
+            "dense": base,
+            "transposed": base.transpose(),
+            "offset_strided": base.strided((3, 4), (20, 2), 5),
+            "empty": base.strided((0, 4), (10, 1), 3),
+        }[case]
     lo, hi = byte_range(t.block.segment.address + t.block.offset, t.desc)
     v = t.view()
     if v.size == 0:

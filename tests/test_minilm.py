@@ -42,12 +42,14 @@ def _readers() -> None:
 # ---- the independent reference: float64 numpy, straight from the safetensors file, one sentence at a time
 def _raw_weights() -> dict[str, np.ndarray[Any, Any]]:
     from safetensors.numpy import load_file
+
     assert MODEL_DIR is not None
     return {k: v.astype(np.float64) for k, v in load_file(str(MODEL_DIR / "model.safetensors")).items()}
 
 
 def _raw_ids(sentence: str) -> list[int]:
     from tokenizers import Tokenizer
+
     assert MODEL_DIR is not None
     tok = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json"))
     tok.no_padding()
@@ -69,8 +71,11 @@ def reference_embedding(w: dict[str, np.ndarray[Any, Any]], ids: list[int]) -> n
     cfg = json.loads((Path(str(MODEL_DIR)) / "config.json").read_text())
     nh, eps = cfg["num_attention_heads"], cfg["layer_norm_eps"]
     n = len(ids)
-    x = w["embeddings.word_embeddings.weight"][ids] + w["embeddings.position_embeddings.weight"][:n] \
+    x = (
+        w["embeddings.word_embeddings.weight"][ids]
+        + w["embeddings.position_embeddings.weight"][:n]
         + w["embeddings.token_type_embeddings.weight"][0]
+    )
     x = _ln(x, w["embeddings.LayerNorm.weight"], w["embeddings.LayerNorm.bias"], eps)
     h = x.shape[1]
     dh = h // nh
@@ -79,14 +84,20 @@ def reference_embedding(w: dict[str, np.ndarray[Any, Any]], ids: list[int]) -> n
 
         def lin(t: Any, name: str, p: str = p) -> Any:
             return t @ w[p + name + ".weight"].T + w[p + name + ".bias"]
-        q, k, v = (lin(x, "attention.self." + m).reshape(n, nh, dh).transpose(1, 0, 2)
-                   for m in ("query", "key", "value"))
+
+        q, k, v = (
+            lin(x, "attention.self." + m).reshape(n, nh, dh).transpose(1, 0, 2) for m in ("query", "key", "value")
+        )
         s = q @ k.transpose(0, 2, 1) / math.sqrt(dh)
         s = np.exp(s - s.max(-1, keepdims=True))
         s /= s.sum(-1, keepdims=True)
         ctx = (s @ v).transpose(1, 0, 2).reshape(n, h)
-        x = _ln(x + lin(ctx, "attention.output.dense"), w[p + "attention.output.LayerNorm.weight"],
-                w[p + "attention.output.LayerNorm.bias"], eps)
+        x = _ln(
+            x + lin(ctx, "attention.output.dense"),
+            w[p + "attention.output.LayerNorm.weight"],
+            w[p + "attention.output.LayerNorm.bias"],
+            eps,
+        )
         f = lin(x, "intermediate.dense")
         f = 0.5 * f * (1.0 + _erf(f / math.sqrt(2.0)))
         x = _ln(x + lin(f, "output.dense"), w[p + "output.LayerNorm.weight"], w[p + "output.LayerNorm.bias"], eps)
@@ -141,9 +152,9 @@ def test_tokenizer_pads_and_masks() -> None:
     lengths = [len(_raw_ids(s)) for s in SENTENCES]
     assert b.ids.shape == b.mask.shape == (len(SENTENCES), max(lengths)) and b.ids.dtype == np.int64
     for i, s in enumerate(SENTENCES):
-        assert b.ids[i, :lengths[i]].tolist() == _raw_ids(s)
+        assert b.ids[i, : lengths[i]].tolist() == _raw_ids(s)
         assert b.mask[i].tolist() == [1] * lengths[i] + [0] * (max(lengths) - lengths[i])
-        assert (b.ids[i, lengths[i]:] == 0).all()
+        assert (b.ids[i, lengths[i] :] == 0).all()
     assert (b.type_ids == 0).all()
     assert tok.encode(SENTENCES[:2], pad_to=32).shape == (2, 32)
     assert tok.encode(SENTENCES[:2], multiple_of=16).shape == (2, 16)
@@ -252,6 +263,7 @@ def test_graph_replay_per_shape(model: Any, reference: np.ndarray[Any, Any]) -> 
 @needs_ops
 def test_cli_embed_prints_similarities_trace_and_stats(tmp_path: Path, capsys: Any) -> None:
     from twophase.cli import main
+
     trace = tmp_path / "t.json"
     assert main(["embed", SENTENCES[0], SENTENCES[1], "--mode", "planned", "--trace", str(trace), "--stats"]) == 0
     out = capsys.readouterr().out
@@ -264,6 +276,7 @@ def test_cli_embed_prints_similarities_trace_and_stats(tmp_path: Path, capsys: A
 
 def test_similarity_table_shows_each_sentence_on_one_short_line() -> None:
     from twophase.cli import SHOWN_CHARS, similarity_table
+
     long = "word " * 600
     emb = np.eye(3, 4, dtype=np.float32)
     lines = similarity_table(["a  b\nc", long, "short"], emb).splitlines()
@@ -277,10 +290,17 @@ def test_similarity_table_shows_each_sentence_on_one_short_line() -> None:
 @needs_ops
 def test_demo_runs_and_reports(tmp_path: Path, capsys: Any) -> None:
     from twophase.models import minilm_demo
+
     assert minilm_demo.main(trace=str(tmp_path / "demo.json"), runs=1) == 0
     out = capsys.readouterr().out
-    for want in ("cosine similarity", "per-op counters", "phase-1 / phase-2 ratio", "pool: peak allocated",
-                 "graph arena", "MiniLM demo: ok"):
+    for want in (
+        "cosine similarity",
+        "per-op counters",
+        "phase-1 / phase-2 ratio",
+        "pool: peak allocated",
+        "graph arena",
+        "MiniLM demo: ok",
+    ):
         assert want in out
     assert (tmp_path / "demo.json").stat().st_size > 1000
 
@@ -288,8 +308,10 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: Any) -> None:
 def test_bench_report_tables_and_plots(tmp_path: Path, monkeypatch: Any) -> None:
     report = pytest.importorskip("bench.report")
     mod = type(sys)("fake_bench_mod")
-    mod.main = lambda: print("# fake\nfree text\n\n| case | ms | ratio / ref |\n| --- | --- | --- |\n"  # type: ignore
-                             "| a | 1.0 | 0.50 |\n| b | 2.0 | 2.00 |")
+    mod.main = lambda: print(
+        "# fake\nfree text\n\n| case | ms | ratio / ref |\n| --- | --- | --- |\n"  # type: ignore
+        "| a | 1.0 | 0.50 |\n| b | 2.0 | 2.00 |"
+    )
     monkeypatch.setitem(sys.modules, "fake_bench_mod", mod)
     path = report.run_suite(["fake_bench_mod", "no_such_bench_module"], tmp_path)
     text = path.read_text()
@@ -307,8 +329,15 @@ def test_bench_report_tables_and_plots(tmp_path: Path, monkeypatch: Any) -> None
 def _exit_of(*lines: str) -> tuple[str, list[str]]:
     """Run a script that makes a MiniLM (``m``) and then ``lines``, never closing it; its stdout and the leak
     lines of its stderr, once it has exited (within 120 s) with status 0."""
-    script = "\n".join(("import threading", "import numpy as np, twophase as tp",
-                         "from twophase.models.minilm import MiniLM", "m = MiniLM()", *lines))
+    script = "\n".join(
+        (
+            "import threading",
+            "import numpy as np, twophase as tp",
+            "from twophase.models.minilm import MiniLM",
+            "m = MiniLM()",
+            *lines,
+        )
+    )
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     return r.stdout + r.stderr, [ln for ln in r.stderr.splitlines() if "leaked" in ln]
@@ -319,9 +348,12 @@ def _exit_of(*lines: str) -> tuple[str, list[str]]:
 def test_a_model_left_open_is_closed_at_exit_and_a_users_own_leak_is_still_reported() -> None:
     """A script that encodes and never closes its MiniLM: its ~70 cached executors are released at exit, not
     listed as leaks; an executor the script itself planned and never closed still is."""
-    out, leaks = _exit_of("print(m.encode(['a sentence', 'another one']).shape)",
-                          "x = tp.device('cpu').tensor(np.ones(4, np.float32))", "mine = tp.plan('add', x, x)",
-                          "mine()")
+    out, leaks = _exit_of(
+        "print(m.encode(['a sentence', 'another one']).shape)",
+        "x = tp.device('cpu').tensor(np.ones(4, np.float32))",
+        "mine = tp.plan('add', x, x)",
+        "mine()",
+    )
     assert "(2, 384)" in out
     assert len(leaks) == 1 and "leaked op 'add'" in leaks[0], out
 
@@ -364,9 +396,12 @@ def test_a_model_refuses_calls_from_another_thread_and_stays_usable(model: Any) 
     errors: list[BaseException] = []
 
     def other() -> None:
-        for call in (lambda: model.encode(["a new shape from another thread"], mode="planned"),
-                     lambda: model.encode(["x"], mode="graph"), lambda: model.encode(["x"], mode="oneshot"),
-                     model.close):
+        for call in (
+            lambda: model.encode(["a new shape from another thread"], mode="planned"),
+            lambda: model.encode(["x"], mode="graph"),
+            lambda: model.encode(["x"], mode="oneshot"),
+            model.close,
+        ):
             try:
                 call()
             except BaseException as e:  # noqa: BLE001  (collected, asserted below)
@@ -538,6 +573,7 @@ def test_a_forward_that_fails_midway_leaves_nothing_behind(model: Any, mode: str
 
     def fail() -> None:
         raise RuntimeError("an earlier kernel failed")
+
     model.stream.launch_callback(fail)  # pending until the next sync
     tp.set_workspace_limit(1)
     try:

@@ -42,8 +42,11 @@ def test_a_closed_stream_is_refused_before_anything_is_allocated(dev):
     before = _allocated(dev)
     s = dev.stream("closed one")
     s.close()
-    for call in (lambda: dev.tensor([1.0], stream=s), lambda: tp.relu([1.0, -1.0], stream=s),
-                 lambda: tp.plan("relu", x, stream=s)):
+    for call in (
+        lambda: dev.tensor([1.0], stream=s),
+        lambda: tp.relu([1.0, -1.0], stream=s),
+        lambda: tp.plan("relu", x, stream=s),
+    ):
         with pytest.raises(tp.InvalidStateError, match="closed"):
             call()
     assert _allocated(dev) == before
@@ -104,9 +107,14 @@ def test_transpose_refuses_bad_dims(dev, dims):
 def test_bad_streams_and_ops_on_the_calling_paths_are_param_errors(dev):
     x = dev.tensor(np.ones((4, 8), np.float32))
     before = _allocated(dev)
-    calls = [lambda: tp.plan("softmax", x, stream="s"), lambda: tp.relu(x, stream=3),
-             lambda: tp.PlanCache().acquire("softmax", x, stream="s"), lambda: tp.plan(None),
-             lambda: tp.PlanCache().acquire(3, x), lambda: tp.one_shot(None)]
+    calls = [
+        lambda: tp.plan("softmax", x, stream="s"),
+        lambda: tp.relu(x, stream=3),
+        lambda: tp.PlanCache().acquire("softmax", x, stream="s"),
+        lambda: tp.plan(None),
+        lambda: tp.PlanCache().acquire(3, x),
+        lambda: tp.one_shot(None),
+    ]
     for call in calls:
         with pytest.raises(tp.ParamError):
             call()
@@ -145,16 +153,18 @@ def test_destroying_a_graph_from_another_thread_is_refused_before_anything_chang
     x.free(s)
 
 
-@pytest.mark.parametrize("setter, value", [(tp.set_num_threads, 2**70), (tp.set_helper_spin, 2**70),
-                                           (tp.set_num_threads, 1025)])
+@pytest.mark.parametrize(
+    "setter, value", [(tp.set_num_threads, 2**70), (tp.set_helper_spin, 2**70), (tp.set_num_threads, 1025)]
+)
 def test_settings_refuse_values_that_broke_the_kernels(setter, value):
     with pytest.raises(tp.ParamError, match="at most|in \\[0,"):
         setter(value)
     np.testing.assert_allclose(tp.softmax(np.ones((64, 4096), np.float32)).numpy(), 1 / 4096, rtol=1e-6)
 
 
-@pytest.mark.parametrize("args", [("12",), ((2.5,),), ((2,), "float32", (1.0,)), ((2,), "float32", None, True),
-                                  ((2,), "float32", None, 1.7)])
+@pytest.mark.parametrize(
+    "args", [("12",), ((2.5,),), ((2,), "float32", (1.0,)), ((2,), "float32", None, True), ((2,), "float32", None, 1.7)]
+)
 def test_tensor_desc_takes_ints_only(args):
     """int() took 2.5 as 2, True as 1 and the string "12" as the shape (1, 2)."""
     with pytest.raises(tp.ParamError):
@@ -208,6 +218,7 @@ def test_dtype_stats_and_sanitizer_report_arguments():
 @pytest.mark.parametrize("kwargs", [{"max_version": "x"}, {"copy": "x"}, {"foo": 1}])
 def test_dlpack_keywords_numpy_refuses_are_param_errors_and_release_the_export(dev, kwargs):
     import gc
+
     before = _allocated(dev)
     t = dev.tensor(np.ones(4, np.float32))
     with pytest.raises(tp.ParamError, match="Tensor.__dlpack__"):

@@ -58,12 +58,15 @@ def test_a_cache_under_numba_cache_dir_is_dropped_when_stale_too(tmp_path: Path)
     """With ``NUMBA_CACHE_DIR`` set, numba caches the kernels there (a folder per source folder): the stamp and
     the drop follow it."""
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path)}
-    show = ("from pathlib import Path; from twophase.kernels.cpu import numba_cache as c; "
-            "print(c.cache_dir(Path(c.__file__).parent / 'jit.py'))")
+    show = (
+        "from pathlib import Path; from twophase.kernels.cpu import numba_cache as c; "
+        "print(c.cache_dir(Path(c.__file__).parent / 'jit.py'))"
+    )
 
     def folder() -> Path:
         run = subprocess.run([sys.executable, "-c", show], env=env, capture_output=True, text=True, check=True)
         return Path(run.stdout.strip())
+
     d = folder()
     here = Path(numba_cache.__file__).parent
     assert d.parent == tmp_path and d.name.startswith("cpu_")
@@ -79,11 +82,17 @@ def _kernels() -> list[Any]:
     """Every numba kernel of the package cached on disk (not the functions numba wraps an overload's
     implementation in: those are compiled into their caller)."""
     import twophase.kernels.cpu as kernels
+
     for m in pkgutil.iter_modules(kernels.__path__):
         importlib.import_module(f"{kernels.__name__}.{m.name}")
     # type(), not isinstance(): the heap holds weak proxies, and isinstance() on a dead one raises ReferenceError
-    return [o for o in gc.get_objects() if issubclass(type(o), Dispatcher)
-            and o.py_func.__module__.startswith("twophase.") and isinstance(getattr(o, "_cache", None), FunctionCache)]
+    return [
+        o
+        for o in gc.get_objects()
+        if issubclass(type(o), Dispatcher)
+        and o.py_func.__module__.startswith("twophase.")
+        and isinstance(getattr(o, "_cache", None), FunctionCache)
+    ]
 
 
 def test_kernels_close_over_plain_constants_only() -> None:
@@ -91,18 +100,26 @@ def test_kernels_close_over_plain_constants_only() -> None:
     closing over another kernel would be compiled again in every process (``jit.variant_call`` is the way)."""
     made = _kernels()
     assert len(made) > 100
-    bad = {(k.py_func.__qualname__, type(c.cell_contents).__name__) for k in made for c in k.py_func.__closure__ or ()
-           if not isinstance(c.cell_contents, int | float | str | bool | None)}
+    bad = {
+        (k.py_func.__qualname__, type(c.cell_contents).__name__)
+        for k in made
+        for c in k.py_func.__closure__ or ()
+        if not isinstance(c.cell_contents, int | float | str | bool | None)
+    }
     assert not bad
 
 
 def test_a_unary_kernel_compiled_in_one_process_loads_in_the_next(tmp_path: Path) -> None:
     """End to end, with an empty cache folder: the second process finds the kernel (and its span loop) there and
     saves nothing."""
-    script = ("import numpy as np; from twophase.kernels.cpu.elementwise import _rows_call; "
-              "x = np.ones((3, 40), np.float32); _rows_call('gelu_erf_f32', x, np.empty_like(x))()")
+    script = (
+        "import numpy as np; from twophase.kernels.cpu.elementwise import _rows_call; "
+        "x = np.ones((3, 40), np.float32); _rows_call('gelu_erf_f32', x, np.empty_like(x))()"
+    )
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path), "NUMBA_DEBUG_CACHE": "1"}
-    runs = [subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
-            for _ in range(2)]
+    runs = [
+        subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, check=True)
+        for _ in range(2)
+    ]
     assert "data saved" in runs[0].stdout
     assert "data loaded" in runs[1].stdout and "data saved" not in runs[1].stdout, runs[1].stdout

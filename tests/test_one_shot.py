@@ -24,8 +24,9 @@ def _softmax_ref(a, dim):
 
 
 @settings(max_examples=30, deadline=None)
-@given(shape=_shapes, dtype=_float, use_out=st.booleans(), alpha=st.sampled_from([1, 2, -0.5]),
-       seed=st.integers(0, 2**31))
+@given(
+    shape=_shapes, dtype=_float, use_out=st.booleans(), alpha=st.sampled_from([1, 2, -0.5]), seed=st.integers(0, 2**31)
+)
 def test_add_matches_numpy(shape, dtype, use_out, alpha, seed):
     dev = twophase.device("cpu")
     rng = np.random.default_rng(seed)
@@ -54,8 +55,13 @@ def test_softmax_matches_numpy(shape, dtype, use_out, data):
 
 
 @settings(max_examples=30, deadline=None)
-@given(shape=_shapes, dtype=st.sampled_from(["float32", "float64", "int32", "int64"]), use_out=st.booleans(),
-       keep=st.booleans(), data=st.data())
+@given(
+    shape=_shapes,
+    dtype=st.sampled_from(["float32", "float64", "int32", "int64"]),
+    use_out=st.booleans(),
+    keep=st.booleans(),
+    data=st.data(),
+)
 def test_reduce_sum_matches_numpy(shape, dtype, use_out, keep, data):
     dev = twophase.device("cpu")
     dims = tuple(sorted(data.draw(st.sets(st.integers(0, len(shape) - 1), max_size=len(shape)))))
@@ -153,8 +159,10 @@ def test_host_inputs_copied_in_are_freed_after_the_call(dev, rng):
         t.free()
 
 
-@pytest.mark.parametrize("bad, words", [(np.array([1], np.int16), "dtype in"), ([1, None], "numeric array-like"),
-                                        ([[1], [1, 2]], "array-like")])
+@pytest.mark.parametrize(
+    "bad, words",
+    [(np.array([1], np.int16), "dtype in"), ([1, None], "numeric array-like"), ([[1], [1, 2]], "array-like")],
+)
 def test_host_inputs_the_device_cannot_hold_are_named(bad, words):
     with pytest.raises(twophase.ParamError, match=words) as e:
         twophase.exp(bad)
@@ -167,8 +175,11 @@ def test_python_scalars_take_the_dtype_of_the_other_operand(dev, rng, dtype, sca
     """Weak scalars, as numpy 2 and torch: a Python number beside a tensor does not widen it (numpy scalars do)."""
     a = (rng.standard_normal(16) * 10).astype(dtype)
     x = dev.tensor(a)
-    for got, want in ((twophase.add(x, scalar), a + scalar), (twophase.mul(scalar, x), scalar * a),
-                      (twophase.maximum(x, scalar), np.maximum(a, scalar))):
+    for got, want in (
+        (twophase.add(x, scalar), a + scalar),
+        (twophase.mul(scalar, x), scalar * a),
+        (twophase.maximum(x, scalar), np.maximum(a, scalar)),
+    ):
         assert got.dtype.value == want.dtype.name  # numpy 2's result: float16 + 2.5 is float16, int32 + 2.5 float64
         np.testing.assert_array_equal(got.numpy(), want)
     cond = rng.standard_normal(16) > 0

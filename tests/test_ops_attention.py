@@ -49,8 +49,9 @@ def _pads_keys(mask: Any, lq: int) -> bool:
 
 
 def _qkv(rng: np.random.Generator, b: int, h: int, lq: int, lk: int, d: int, dv: int) -> tuple[np.ndarray, ...]:
-    return tuple((rng.standard_normal(s) + 0.1).astype(np.float32) for s in ((b, h, lq, d), (b, h, lk, d),
-                                                                              (b, h, lk, dv)))
+    return tuple(
+        (rng.standard_normal(s) + 0.1).astype(np.float32) for s in ((b, h, lq, d), (b, h, lk, d), (b, h, lk, dv))
+    )
 
 
 def _run_modes(q: Any, k: Any, v: Any, mask: Any, **attrs: Any) -> list[Any]:
@@ -66,11 +67,20 @@ def _run_modes(q: Any, k: Any, v: Any, mask: Any, **attrs: Any) -> list[Any]:
 
 
 @settings(max_examples=20, deadline=None)
-@given(b=st.integers(1, 2), h=st.integers(1, 3), lq=st.integers(1, 9), lk=st.integers(1, 11), d=st.integers(1, 6),
-       dv=st.integers(1, 5), mask=st.sampled_from(["none", "causal", "bool", "additive", "bool_rows"]),
-       scale=st.sampled_from([None, 0.3]), seed=st.integers(0, 2**31))
-def test_sdpa_matches_reference_for_every_implementation(b: int, h: int, lq: int, lk: int, d: int, dv: int,
-                                                         mask: str, scale: Any, seed: int) -> None:
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    lq=st.integers(1, 9),
+    lk=st.integers(1, 11),
+    d=st.integers(1, 6),
+    dv=st.integers(1, 5),
+    mask=st.sampled_from(["none", "causal", "bool", "additive", "bool_rows"]),
+    scale=st.sampled_from([None, 0.3]),
+    seed=st.integers(0, 2**31),
+)
+def test_sdpa_matches_reference_for_every_implementation(
+    b: int, h: int, lq: int, lk: int, d: int, dv: int, mask: str, scale: Any, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     q, k, v = _qkv(rng, b, h, lq, lk, d, dv)
     m, causal = None, mask == "causal"
@@ -136,10 +146,14 @@ def test_sdpa_tiles_are_the_largest_that_fit_and_causal_tiles_skip_later_keys(rn
     q, k, v = _qkv(rng, 2, 3, 10, 12, 4, 5)
     p = Dims(2, 3, 10, 12, 4, 5, 4)
     ref = reference(q, k, v)
-    cases = ((rows_layout(p, 2, 3, 10).workspace, (2, 3, 10)), (rows_layout(p, 1, 3, 10).workspace, (1, 3, 10)),
-             (rows_layout(p, 1, 2, 10).workspace + 63, (1, 2, 10)), (rows_layout(p, 1, 1, 8).workspace, (1, 1, 8)),
-             (rows_layout(p, 1, 1, 8).workspace - 1, (1, 1, 6)),  # 7 rows of scores align to 8 rows' 384 bytes
-             (rows_layout(p, 1, 1, 1).workspace, (1, 1, 1)))
+    cases = (
+        (rows_layout(p, 2, 3, 10).workspace, (2, 3, 10)),
+        (rows_layout(p, 1, 3, 10).workspace, (1, 3, 10)),
+        (rows_layout(p, 1, 2, 10).workspace + 63, (1, 2, 10)),
+        (rows_layout(p, 1, 1, 8).workspace, (1, 1, 8)),
+        (rows_layout(p, 1, 1, 8).workspace - 1, (1, 1, 6)),  # 7 rows of scores align to 8 rows' 384 bytes
+        (rows_layout(p, 1, 1, 1).workspace, (1, 1, 1)),
+    )
     for limit, tile in cases:
         with forced("tiled"):
             r = run_checked(sdpa, q, k, v, None, workspace_limit=limit)
@@ -197,8 +211,16 @@ def test_sdpa_packs_operands_blas_cannot_take(rng: np.random.Generator, causal: 
     out = device("cpu").tensor(np.zeros((2, 3, 7, 8), np.float32)).strided((2, 3, 7, 4), (3 * 7 * 8, 7 * 8, 8, 2))
     for impl, limit in (("materialized", None), ("tiled", 1200), ("online", 448)):  # 1200: a few rows per tile
         with forced(impl):
-            r = run_checked(sdpa, _every_other(q), _every_other(k), _every_other(v), None, out=out,
-                            is_causal=causal, workspace_limit=limit)
+            r = run_checked(
+                sdpa,
+                _every_other(q),
+                _every_other(k),
+                _every_other(v),
+                None,
+                out=out,
+                is_causal=causal,
+                workspace_limit=limit,
+            )
         if impl != "online":
             assert min(r.tiling.offsets) >= 0  # q, v and out packed too
         _check(r, ref)
@@ -218,12 +240,19 @@ def test_sdpa_picks_tiles_that_fit_the_limit_and_reports_the_smallest(rng: np.ra
 
 def _dev(*arrays: np.ndarray) -> list[Any]:
     from twophase import device
+
     return [device("cpu").tensor(a) for a in arrays]
 
 
-@pytest.mark.parametrize("change,arg", [
-    ({"k": (1, 2, 5, 3)}, "k"), ({"v": (1, 2, 6, 4)}, "v"), ({"q": (2, 5, 4)}, "q"), ({"mask": (3, 5)}, "attn_mask"),
-])
+@pytest.mark.parametrize(
+    "change,arg",
+    [
+        ({"k": (1, 2, 5, 3)}, "k"),
+        ({"v": (1, 2, 6, 4)}, "v"),
+        ({"q": (2, 5, 4)}, "q"),
+        ({"mask": (3, 5)}, "attn_mask"),
+    ],
+)
 def test_sdpa_rejects_mismatched_operands(change: dict[str, Any], arg: str) -> None:
     shapes = {"q": (1, 2, 4, 4), "k": (1, 2, 5, 4), "v": (1, 2, 5, 4), "mask": (4, 5)}
     shapes.update(change)
@@ -284,6 +313,7 @@ def test_causal_query_blocks_in_parts(layout: str, heads: int, impl: str, limit:
     query, in two parts on helper threads (heads, or query rows whose part starts mid-head), in the whole problem
     or in tiles of queries from a later one, Lk > Lq."""
     from twophase.kernels.cpu.attention import FANOUT_MIN, causal_block
+
     rng = np.random.default_rng(heads)
     q, k, v = _qkv(rng, 1, heads, 300, 330, 16, 8)
     rows = causal_block(q.dtype)
@@ -306,6 +336,7 @@ def test_row_pass_without_mask_runs_rows_in_pairs_bit_for_bit(rows: int, dtype: 
     bit for bit as the one-row loop gives it, which the causal path from query ``Lk`` on runs (every row keeps
     every key), with NaN, inf, -inf and fully underflowing rows among them."""
     from twophase.kernels.cpu import attention as kern
+
     rng = np.random.default_rng(rows)
     s0 = (rng.standard_normal((2, 3, rows, 37)) * 30).astype(dtype)
     s0[0, 0, 0, 5] = np.nan
@@ -324,6 +355,7 @@ def test_row_softmax_keeps_the_exp_range_reduction_exact() -> None:
     """The materialized row pass on scaled scores spread over [-80, 0]: within 4 float32 ulp of float64 (its exp
     must not be compiled with reassociation, which undoes the exact range reduction: 6.2 ulp measured so)."""
     from twophase.kernels.cpu import attention as kern
+
     sc = 1 / np.sqrt(32)
     s0 = (np.random.default_rng(1).uniform(-80, 0, (1, 2, 64, 256)) / sc).astype(np.float32)
     s0[..., 0] = 0.0
@@ -377,20 +409,24 @@ def test_sdpa_masks_of_every_layout(rng: np.random.Generator, kind: str, layout:
 
 def test_row_pass_refuses_score_blocks_that_are_not_dense() -> None:
     from twophase.kernels.cpu import attention as kern
+
     s = np.zeros((1, 2, 8, 16), np.float32)[..., ::2]  # rows of 8 scores, 2 apart
     fi = np.finfo(np.float32)
     with pytest.raises(ValueError, match="not dense"):
-        kern.softmax_rows(s, np.ones((1, 1, 1, 1), np.float32), kern.NONE, False, 0, 1.0, float(-fi.max),
-                          float(fi.tiny))
+        kern.softmax_rows(
+            s, np.ones((1, 1, 1, 1), np.float32), kern.NONE, False, 0, 1.0, float(-fi.max), float(fi.tiny)
+        )
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "bool"])
 @pytest.mark.parametrize("layout", ["dense", "strided"])
-@pytest.mark.parametrize("kernel, dv", [("16-lane", 32), ("16-lane", 47), ("16-lane", 64), ("8-lane", 8),
-                                        ("8-lane", 13), ("8-lane", 32), ("8-lane", 47)])
-def test_sdpa_head_products_by_the_register_blocked_kernels(request: pytest.FixtureRequest,
-                                                             monkeypatch: pytest.MonkeyPatch, mask: str, layout: str,
-                                                             kernel: str, dv: int) -> None:
+@pytest.mark.parametrize(
+    "kernel, dv",
+    [("16-lane", 32), ("16-lane", 47), ("16-lane", 64), ("8-lane", 8), ("8-lane", 13), ("8-lane", 32), ("8-lane", 47)],
+)
+def test_sdpa_head_products_by_the_register_blocked_kernels(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, mask: str, layout: str, kernel: str, dv: int
+) -> None:
     """float32 heads whose key count and value width suit a register-blocked kernel: S = q @ k^T (k^T packed)
     and out = P @ v run through it, in every form. The 16-lane kernel (AVX-512; forced with AVX2 by the
     ``microkernel`` fixture): causal blocks of 32 / 64 keys too, 70 by np.matmul. The 8-lane one (AVX2 without
@@ -403,6 +439,7 @@ def test_sdpa_head_products_by_the_register_blocked_kernels(request: pytest.Fixt
     def spy(kernel: Any, *args: Any) -> Any:
         used.append(kernel)
         return real(kernel, *args)
+
     monkeypatch.setattr(attention_kernels, "entry", spy)
     rng = np.random.default_rng(dv)
     q, k, v = _qkv(rng, 2, 3, 70, 90, 40, dv)
@@ -410,8 +447,15 @@ def test_sdpa_head_products_by_the_register_blocked_kernels(request: pytest.Fixt
     ref = reference(q, k, v, m, is_causal=mask == "causal")
     for impl, limit in (("materialized", None), ("tiled", None), ("tiled", 40_000)):
         with forced(impl):
-            r = run_checked(sdpa, on_device(q, layout), k, on_device(v, layout), m, is_causal=mask == "causal",
-                            workspace_limit=limit)
+            r = run_checked(
+                sdpa,
+                on_device(q, layout),
+                k,
+                on_device(v, layout),
+                m,
+                is_causal=mask == "causal",
+                workspace_limit=limit,
+            )
         _check(r, ref)
     want, other = gemm.gemm_f32_heads, gemm.gemm_f32_heads_ymm
     if kernel == "8-lane":
@@ -421,15 +465,17 @@ def test_sdpa_head_products_by_the_register_blocked_kernels(request: pytest.Fixt
 
 @pytest.mark.usefixtures("ymm_heads")
 @pytest.mark.parametrize("dv, blas", [(32, False), (5, True)])
-def test_sdpa_parts_set_blas_to_one_thread_only_when_they_call_blas(monkeypatch: pytest.MonkeyPatch, dv: int,
-                                                                    blas: bool) -> None:
+def test_sdpa_parts_set_blas_to_one_thread_only_when_they_call_blas(
+    monkeypatch: pytest.MonkeyPatch, dv: int, blas: bool
+) -> None:
     """Parts whose GEMMs all run by the kernel go straight to the helpers; parts with a BLAS product (5 value
     columns: too narrow for the kernel) run with OpenBLAS on one thread each (``run_blas_parts``)."""
     launched: list[str] = []
     for name in ("run_parts", "run_blas_parts"):
         real = getattr(attention_kernels, name)
-        monkeypatch.setattr(attention_kernels, name,
-                            lambda calls, real=real, name=name: (launched.append(name), real(calls))[1])
+        monkeypatch.setattr(
+            attention_kernels, name, lambda calls, real=real, name=name: (launched.append(name), real(calls))[1]
+        )
     q, k, v = _qkv(np.random.default_rng(dv), 1, 4, 128, 128, 32, dv)
     old = twophase.settings.num_threads
     twophase.set_num_threads(2)
@@ -451,11 +497,20 @@ def _padding_mask(lengths: np.ndarray, lk: int, kind: str, rng: np.random.Genera
 
 
 @settings(max_examples=25, deadline=None)
-@given(b=st.integers(1, 3), h=st.integers(1, 3), lq=st.integers(1, 9), lk=st.integers(1, 70), d=st.integers(1, 6),
-       dv=st.integers(1, 5), kind=st.sampled_from(["bool", "additive"]), per_head=st.booleans(),
-       seed=st.integers(0, 2**31))
-def test_sdpa_runs_only_the_keys_a_padding_mask_keeps(b: int, h: int, lq: int, lk: int, d: int, dv: int, kind: str,
-                                                      per_head: bool, seed: int) -> None:
+@given(
+    b=st.integers(1, 3),
+    h=st.integers(1, 3),
+    lq=st.integers(1, 9),
+    lk=st.integers(1, 70),
+    d=st.integers(1, 6),
+    dv=st.integers(1, 5),
+    kind=st.sampled_from(["bool", "additive"]),
+    per_head=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_sdpa_runs_only_the_keys_a_padding_mask_keeps(
+    b: int, h: int, lq: int, lk: int, d: int, dv: int, kind: str, per_head: bool, seed: int
+) -> None:
     """Key-padding masks (per batch entry or per head; rows of any length, none included): every implementation
     matches the reference, and NaN in the k and v rows past every row's kept keys (rounded up to the grain)
     never reaches the output, because those keys are not read."""
@@ -530,11 +585,21 @@ def test_sdpa_padded_keys_follow_the_mask_at_every_launch(rng: np.random.Generat
 
 
 @settings(max_examples=25, deadline=None)
-@given(b=st.integers(1, 3), h=st.integers(1, 5), lq=st.integers(1, 40), lk=st.integers(1, 40), d=st.integers(1, 6),
-       dv=st.integers(1, 5), mask=st.sampled_from(["none", "causal", "bool", "additive", "padding"]),
-       heads_per_chunk=st.integers(1, 3), threads=st.integers(1, 3), seed=st.integers(0, 2**31))
-def test_sdpa_parts_run_their_heads_in_chunks(b: int, h: int, lq: int, lk: int, d: int, dv: int, mask: str,
-                                             heads_per_chunk: int, threads: int, seed: int) -> None:
+@given(
+    b=st.integers(1, 3),
+    h=st.integers(1, 5),
+    lq=st.integers(1, 40),
+    lk=st.integers(1, 40),
+    d=st.integers(1, 6),
+    dv=st.integers(1, 5),
+    mask=st.sampled_from(["none", "causal", "bool", "additive", "padding"]),
+    heads_per_chunk=st.integers(1, 3),
+    threads=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_sdpa_parts_run_their_heads_in_chunks(
+    b: int, h: int, lq: int, lk: int, d: int, dv: int, mask: str, heads_per_chunk: int, threads: int, seed: int
+) -> None:
     """A part whose scores pass ``HEAD_CHUNK_BYTES`` makes, normalizes and multiplies them by v a chunk of heads at
     a time: with chunks of 1-3 heads' scores, and tiles cut into parts from any size, every (batch entry, head)
     matches the reference, in every mask kind, and the workspace is still what the kernel touches."""
@@ -568,6 +633,7 @@ def test_sdpa_parts_run_their_heads_in_chunks(b: int, h: int, lq: int, lk: int, 
 @pytest.mark.parametrize("rows", [32, 64])
 def test_causal_blocks_cover_the_rows_each_against_the_keys_it_sees(rows: int) -> None:
     from twophase.kernels.cpu.attention import _blocks
+
     for nq, q0, kend in ((300, 0, 330), (150, 150, 330), (rows, 0, rows), (rows + 1, 7, 400), (5, 0, 5)):
         blocks = _blocks(nq, q0, kend, True, rows)
         assert blocks[0][0] == 0 and blocks[-1][1] == nq
@@ -580,6 +646,7 @@ def test_causal_blocks_cover_the_rows_each_against_the_keys_it_sees(rows: int) -
 def test_causal_block_is_wider_where_heads_run_on_the_avx512_kernel() -> None:
     from twophase.kernels.cpu import gemm
     from twophase.kernels.cpu.attention import CAUSAL_BLOCK, CAUSAL_BLOCK_WIDE, causal_block
+
     assert causal_block(np.float32) == (CAUSAL_BLOCK_WIDE if gemm.available() else CAUSAL_BLOCK)
     assert causal_block(np.float64) == CAUSAL_BLOCK
     assert CAUSAL_BLOCK_WIDE > CAUSAL_BLOCK

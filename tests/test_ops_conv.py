@@ -50,9 +50,21 @@ def _run(impl: str, x: Any, w: Any, b: Any, limit: int | None = None, **attrs: A
         return run_checked(conv2d, x, w, b, workspace_limit=limit, **attrs)
 
 
-def _case(seed: int, n: int, cg: int, ocg: int, groups: int, h: int, w: int, k: tuple[int, int],
-          stride: tuple[int, int], pad: tuple[int, int], dil: tuple[int, int], bias: bool,
-          nhwc: bool) -> tuple[Any, Any, Any, dict[str, Any], np.ndarray] | None:
+def _case(
+    seed: int,
+    n: int,
+    cg: int,
+    ocg: int,
+    groups: int,
+    h: int,
+    w: int,
+    k: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int],
+    dil: tuple[int, int],
+    bias: bool,
+    nhwc: bool,
+) -> tuple[Any, Any, Any, dict[str, Any], np.ndarray] | None:
     """A random convolution (input, weight, bias, attributes) and its reference output; None when the window
     does not fit the padded input."""
     rng = np.random.default_rng(seed)
@@ -67,15 +79,36 @@ def _case(seed: int, n: int, cg: int, ocg: int, groups: int, h: int, w: int, k: 
 
 
 @settings(max_examples=20, deadline=None)
-@given(n=st.integers(1, 2), cg=st.integers(1, 3), ocg=st.integers(1, 3), groups=st.integers(1, 2),
-       h=st.integers(3, 9), w=st.integers(3, 9), k=st.tuples(st.integers(1, 3), st.integers(1, 3)),
-       stride=st.tuples(st.integers(1, 3), st.integers(1, 2)), pad=st.tuples(st.integers(0, 2), st.integers(0, 1)),
-       dil=st.tuples(st.integers(1, 2), st.integers(1, 2)), bias=st.booleans(), nhwc=st.booleans(),
-       seed=st.integers(0, 2**31))
-def test_conv2d_matches_reference_for_every_implementation(n: int, cg: int, ocg: int, groups: int, h: int, w: int,
-                                                           k: tuple[int, int], stride: tuple[int, int],
-                                                           pad: tuple[int, int], dil: tuple[int, int], bias: bool,
-                                                           nhwc: bool, seed: int) -> None:
+@given(
+    n=st.integers(1, 2),
+    cg=st.integers(1, 3),
+    ocg=st.integers(1, 3),
+    groups=st.integers(1, 2),
+    h=st.integers(3, 9),
+    w=st.integers(3, 9),
+    k=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    stride=st.tuples(st.integers(1, 3), st.integers(1, 2)),
+    pad=st.tuples(st.integers(0, 2), st.integers(0, 1)),
+    dil=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    bias=st.booleans(),
+    nhwc=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_conv2d_matches_reference_for_every_implementation(
+    n: int,
+    cg: int,
+    ocg: int,
+    groups: int,
+    h: int,
+    w: int,
+    k: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int],
+    dil: tuple[int, int],
+    bias: bool,
+    nhwc: bool,
+    seed: int,
+) -> None:
     case = _case(seed, n, cg, ocg, groups, h, w, k, stride, pad, dil, bias, nhwc)
     if case is None:
         return
@@ -111,25 +144,29 @@ def test_conv2d_depthwise_picks_the_direct_kernel(rng: np.random.Generator) -> N
     _check(r, reference(x, w, groups=4, padding=1))
 
 
-@pytest.mark.parametrize("hw, stride, pad", [
-    ((7, 7), (1, 1), (1, 1)),  # "same" 3x3: each plane as one masked flat loop
-    ((3, 40), (1, 1), (1, 1)),  # one inner row, longer than a vector step
-    ((3, 3), (1, 1), (1, 1)),  # the smallest plane of the flat loop: one inner window
-    ((33, 4), (1, 1), (1, 1)),  # rows narrower than a vector: its lanes span several rows' edges
-    ((2, 9), (1, 1), (1, 1)),  # two rows: the row loop, both window rows at the ends in the padding
-    ((21, 19), (2, 2), (1, 1)),  # stride 2, odd sizes: the last row's window reads a padding row
-    ((20, 18), (2, 2), (1, 1)),  # stride 2: windows read as element pairs
-    ((7, 41), (2, 2), (2, 2)),  # the first inner window at column 0: it alone from the float rows
-    ((6, 40), (2, 2), (0, 0)),
-    ((11, 37), (3, 3), (2, 2)),  # any other step, padding wider than one column
-    ((9, 21), (2, 1), (0, 1)),  # row and column steps differ
-    ((12, 5), (1, 2), (1, 0)),
-    ((2, 2), (1, 1), (1, 1)),  # smaller than the window: every column an edge
-    ((5, 19), (1, 1), (0, 0)),  # no padding: no edge column
-])
+@pytest.mark.parametrize(
+    "hw, stride, pad",
+    [
+        ((7, 7), (1, 1), (1, 1)),  # "same" 3x3: each plane as one masked flat loop
+        ((3, 40), (1, 1), (1, 1)),  # one inner row, longer than a vector step
+        ((3, 3), (1, 1), (1, 1)),  # the smallest plane of the flat loop: one inner window
+        ((33, 4), (1, 1), (1, 1)),  # rows narrower than a vector: its lanes span several rows' edges
+        ((2, 9), (1, 1), (1, 1)),  # two rows: the row loop, both window rows at the ends in the padding
+        ((21, 19), (2, 2), (1, 1)),  # stride 2, odd sizes: the last row's window reads a padding row
+        ((20, 18), (2, 2), (1, 1)),  # stride 2: windows read as element pairs
+        ((7, 41), (2, 2), (2, 2)),  # the first inner window at column 0: it alone from the float rows
+        ((6, 40), (2, 2), (0, 0)),
+        ((11, 37), (3, 3), (2, 2)),  # any other step, padding wider than one column
+        ((9, 21), (2, 1), (0, 1)),  # row and column steps differ
+        ((12, 5), (1, 2), (1, 0)),
+        ((2, 2), (1, 1), (1, 1)),  # smaller than the window: every column an edge
+        ((5, 19), (1, 1), (0, 0)),  # no padding: no edge column
+    ],
+)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_conv2d_depthwise_3x3_kernel(hw: tuple[int, int], stride: tuple[int, int], pad: tuple[int, int],
-                                     dtype: Any) -> None:
+def test_conv2d_depthwise_3x3_kernel(
+    hw: tuple[int, int], stride: tuple[int, int], pad: tuple[int, int], dtype: Any
+) -> None:
     """The 3x3 depthwise kernel (nine taps per output written once, vector tails overlapping, edge columns on
     their own, "same" padding as one flat loop) against the reference, with bias and a depth multiplier of 2;
     NHWC input takes its strided-rows variant."""
@@ -153,6 +190,7 @@ def test_conv2d_depthwise_binding_allocates_nothing_the_size_of_a_large_plane() 
     import tracemalloc
 
     from twophase.kernels.cpu.conv import SAME3_MAX_PLANE
+
     side = 300
     assert side * side > SAME3_MAX_PLANE
     dev = device("cpu")
@@ -194,19 +232,28 @@ def test_conv2d_depthwise_same_keeps_inf_and_nan_in_their_windows() -> None:
     np.testing.assert_allclose(r.outputs[0][finite], ref[finite], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("shape, k, stride, pad, dil", [
-    ((7, 9), (3, 3), (1, 1), (1, 1), (1, 1)),  # "same": a plane's inner rows as one flat copy
-    ((6, 8), (3, 5), (1, 1), (2, 2), (1, 1)),  # flat, two wrapped columns a side
-    ((5, 6), (3, 3), (1, 1), (2, 2), (1, 2)),  # flat with dilation
-    ((9, 20), (3, 3), (2, 2), (1, 1), (1, 1)),  # step 2: rows read as element pairs
-    ((8, 19), (3, 3), (2, 2), (0, 0), (1, 1)),  # step 2 from column 0 (read apart from the pairs), odd width
-    ((7, 23), (1, 1), (2, 2), (0, 0), (1, 1)),  # 1x1 stride 2
-    ((7, 40), (2, 7), (1, 3), (1, 3), (1, 1)),  # another step; rows of 8 or more outputs
-    ((3, 1), (2, 3), (1, 1), (2, 2), (1, 2)),  # padding wider than the window: whole tiles and columns in it
-])
+@pytest.mark.parametrize(
+    "shape, k, stride, pad, dil",
+    [
+        ((7, 9), (3, 3), (1, 1), (1, 1), (1, 1)),  # "same": a plane's inner rows as one flat copy
+        ((6, 8), (3, 5), (1, 1), (2, 2), (1, 1)),  # flat, two wrapped columns a side
+        ((5, 6), (3, 3), (1, 1), (2, 2), (1, 2)),  # flat with dilation
+        ((9, 20), (3, 3), (2, 2), (1, 1), (1, 1)),  # step 2: rows read as element pairs
+        ((8, 19), (3, 3), (2, 2), (0, 0), (1, 1)),  # step 2 from column 0 (read apart from the pairs), odd width
+        ((7, 23), (1, 1), (2, 2), (0, 0), (1, 1)),  # 1x1 stride 2
+        ((7, 40), (2, 7), (1, 3), (1, 3), (1, 1)),  # another step; rows of 8 or more outputs
+        ((3, 1), (2, 3), (1, 1), (2, 2), (1, 2)),  # padding wider than the window: whole tiles and columns in it
+    ],
+)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_conv2d_im2col_unfold_paths(shape: tuple[int, int], k: tuple[int, int], stride: tuple[int, int],
-                                    pad: tuple[int, int], dil: tuple[int, int], dtype: Any) -> None:
+def test_conv2d_im2col_unfold_paths(
+    shape: tuple[int, int],
+    k: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int],
+    dil: tuple[int, int],
+    dtype: Any,
+) -> None:
     """Each path of the unfold (flat planes, element pairs, strided or short rows, rows or columns wholly in the
     padding) against the reference: NCHW (dense rows) and NHWC (strided), whole images and tiles of one row; and
     the direct kernel on the same cases."""
@@ -267,16 +314,20 @@ def test_conv2d_im2col_unfolds_whole_images_per_tile(rng: np.random.Generator, n
 
 
 @pytest.mark.parametrize("side, nhwc, tn", [(22, False, 2), (23, False, 1), (23, True, 2)])
-def test_conv2d_im2col_takes_wide_nchw_images_one_at_a_time(rng: np.random.Generator, side: int, nhwc: bool,
-                                                            tn: int) -> None:
+def test_conv2d_im2col_takes_wide_nchw_images_one_at_a_time(
+    rng: np.random.Generator, side: int, nhwc: bool, tn: int
+) -> None:
     """An NCHW image of 512 output pixels or more (23 x 23 = 529; 22 x 22 = 484 is fewer) is one GEMM straight into
     out: no staged result to copy. Pixel-major images still merge into one GEMM, which stages nothing."""
     x = _x(rng, (2, 3, side, side), nhwc)
     wt, b = rng.standard_normal((4, 3, 3, 3)).astype(np.float32), rng.standard_normal(4).astype(np.float32)
     with forced("im2col", "direct"):
         r = run_checked(conv2d, _input(x, nhwc), wt, b, padding=1)
-    assert (r.implementation, r.tiling.tile_n, r.tiling.out_offset) == ("im2col", tn, 0 if nhwc or tn == 1 else
-                                                                         align(3 * 9 * side * side * 4 * tn))
+    assert (r.implementation, r.tiling.tile_n, r.tiling.out_offset) == (
+        "im2col",
+        tn,
+        0 if nhwc or tn == 1 else align(3 * 9 * side * side * 4 * tn),
+    )
     _check(r, reference(x, wt, b, padding=1, nhwc=nhwc))
 
 
@@ -291,9 +342,11 @@ def test_conv2d_winograd_chunks_fit_workspace_limit(rng: np.random.Generator, dt
 
     def size(chunk: int) -> int:  # transformed weights, transformed input tiles, GEMM result (16 matrices each,
         # spread_stride apart), one part's scratch rows (a small problem: one part)
-        return (16 * (spread_stride(oc * c * item) + spread_stride(c * chunk * item)
-                      + spread_stride(oc * chunk * item))
-                + align(8 * (3 + 1) * item) + align(8 * 3 * item))  # 3 tiles per row (OW 6)
+        return (
+            16 * (spread_stride(oc * c * item) + spread_stride(c * chunk * item) + spread_stride(oc * chunk * item))
+            + align(8 * (3 + 1) * item)
+            + align(8 * 3 * item)
+        )  # 3 tiles per row (OW 6)
 
     def most(limit: int) -> int:  # the most tiles per round that fit (strides grow in 64-byte steps)
         return max(k for k in range(1, tiles + 1) if size(k) <= limit)
@@ -309,23 +362,27 @@ def test_conv2d_winograd_chunks_fit_workspace_limit(rng: np.random.Generator, dt
         _run("winograd", x, wt, b, limit=size(1) - 1, padding=1)
 
 
-@pytest.mark.parametrize(("n", "c", "oc", "h", "w", "pad", "nhwc", "flat"), [
-    (1, 3, 5, 9, 11, (1, 1), False, False),  # clipped last tile row and column
-    (3, 7, 4, 13, 30, (2, 1), False, False),  # bands of tile rows, 3 images, asymmetric padding
-    (2, 5, 6, 33, 17, (1, 2), True, False),   # NHWC: strided rows
-    (1, 8, 8, 70, 71, (1, 1), False, False),  # several bands (19 tiles a row: 14 rows a band)
-    (2, 3, 2, 3, 4, (0, 5), False, False),    # padding wider than a tile: whole tiles of zeros
-    (1, 2, 3, 1, 1, (1, 1), False, False),
-    (2, 3, 4, 17, 28, (1, 1), False, True),   # whole planes split into phases: ResNet's padding
-    (1, 5, 3, 12, 8, (2, 2), False, True),
-    (1, 4, 4, 9, 8, (0, 0), False, True),
-    (2, 4, 5, 20, 20, (4, 3), False, True),   # the most padding the split planes take
-    (1, 4, 5, 20, 20, (1, 5), False, False),
-    (1, 8, 8, 70, 72, (1, 1), False, True),   # several bands
-    (2, 3, 4, 16, 28, (1, 1), True, False),   # NHWC: rows not dense
-])
-def test_conv2d_winograd4_matches_reference(rng: np.random.Generator, n: int, c: int, oc: int, h: int, w: int,
-                                            pad: tuple[int, int], nhwc: bool, flat: bool) -> None:
+@pytest.mark.parametrize(
+    ("n", "c", "oc", "h", "w", "pad", "nhwc", "flat"),
+    [
+        (1, 3, 5, 9, 11, (1, 1), False, False),  # clipped last tile row and column
+        (3, 7, 4, 13, 30, (2, 1), False, False),  # bands of tile rows, 3 images, asymmetric padding
+        (2, 5, 6, 33, 17, (1, 2), True, False),  # NHWC: strided rows
+        (1, 8, 8, 70, 71, (1, 1), False, False),  # several bands (19 tiles a row: 14 rows a band)
+        (2, 3, 2, 3, 4, (0, 5), False, False),  # padding wider than a tile: whole tiles of zeros
+        (1, 2, 3, 1, 1, (1, 1), False, False),
+        (2, 3, 4, 17, 28, (1, 1), False, True),  # whole planes split into phases: ResNet's padding
+        (1, 5, 3, 12, 8, (2, 2), False, True),
+        (1, 4, 4, 9, 8, (0, 0), False, True),
+        (2, 4, 5, 20, 20, (4, 3), False, True),  # the most padding the split planes take
+        (1, 4, 5, 20, 20, (1, 5), False, False),
+        (1, 8, 8, 70, 72, (1, 1), False, True),  # several bands
+        (2, 3, 4, 16, 28, (1, 1), True, False),  # NHWC: rows not dense
+    ],
+)
+def test_conv2d_winograd4_matches_reference(
+    rng: np.random.Generator, n: int, c: int, oc: int, h: int, w: int, pad: tuple[int, int], nhwc: bool, flat: bool
+) -> None:
     x = _x(rng, (n, c, h, w), nhwc)
     wt, b = rng.standard_normal((oc, c, 3, 3)).astype(np.float32), rng.standard_normal(oc).astype(np.float32)
     r = _run("winograd4", _input(x, nhwc), wt, b, padding=pad)
@@ -343,9 +400,13 @@ def test_conv2d_winograd4_rounds_of_whole_images_fit_workspace_limit(rng: np.ran
     def size(images: int, planes: bool = False, tr: int = tr) -> int:  # U, V, M (36 matrices each,
         # spread_stride apart), one part's scratch rows (and the split planes: 16 rows of TH + 2 tile rows)
         nt = images * th * tr
-        return (36 * sum(spread_stride(e * 4, 36) for e in (oc * c, c * nt, oc * nt))
-                + align(24 * (th * tr + 1) * 4) + align(28 * th * tr * 4) + align(27 * c * 4)
-                + (align(16 * (th + 2) * tr * 4) if planes else 0))
+        return (
+            36 * sum(spread_stride(e * 4, 36) for e in (oc * c, c * nt, oc * nt))
+            + align(24 * (th * tr + 1) * 4)
+            + align(28 * th * tr * 4)
+            + align(27 * c * 4)
+            + (align(16 * (th + 2) * tr * 4) if planes else 0)
+        )
 
     assert winograd4.geometry(h, w) == (th, tr - 1, th)
     for limit, images in ((None, 3), (size(3), 3), (size(3) - 1, 2), (size(2) - 1, 1), (size(1), 1)):
@@ -370,12 +431,15 @@ def test_conv2d_winograd4_is_float32_only(rng: np.random.Generator) -> None:
     assert _run("winograd", x, wt, None, padding=1).implementation == "winograd"
 
 
-@pytest.mark.parametrize(("shape", "first"), [
-    ((1, 4, 28, 28), True),    # 7 tile columns (4x4 output tiles), 49 tiles
-    ((6, 4, 28, 24), False),   # 6 tile columns
-    ((1, 4, 16, 28), False),   # 4 x 7 = 28 tiles
-    ((1, 4, 20, 28), True),    # 5 x 7 = 35 tiles
-])
+@pytest.mark.parametrize(
+    ("shape", "first"),
+    [
+        ((1, 4, 28, 28), True),  # 7 tile columns (4x4 output tiles), 49 tiles
+        ((6, 4, 28, 24), False),  # 6 tile columns
+        ((1, 4, 16, 28), False),  # 4 x 7 = 28 tiles
+        ((1, 4, 20, 28), True),  # 5 x 7 = 35 tiles
+    ],
+)
 def test_conv2d_winograd4_ranks_first_from_7_tile_columns_and_32_tiles(shape: tuple[int, ...], first: bool) -> None:
     dev = device("cpu")
     x, w = dev.tensor(np.ones(shape, np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
@@ -402,20 +466,24 @@ def test_conv2d_float64_nhwc_output_keeps_the_format(rng: np.random.Generator) -
     np.testing.assert_allclose(r.outputs[0], reference(x, w, stride=2, nhwc=True), rtol=1e-12)
 
 
-@pytest.mark.parametrize("w_shape,attrs,arg", [
-    ((4, 3, 3, 3), {"groups": 2}, "groups"),
-    ((4, 2, 3, 3), {}, "weight"),
-    ((4, 3, 9, 3), {}, "x"),
-    ((4, 3, 3, 3), {"stride": 0}, "stride"),
-    ((4, 3, 3, 3), {"padding": (1, 2, 3)}, "padding"),
-    ((4, 3, 0, 3), {}, "weight"),
-    ((4, 3, 3, 0), {"padding": 1}, "weight"),
-])
+@pytest.mark.parametrize(
+    "w_shape,attrs,arg",
+    [
+        ((4, 3, 3, 3), {"groups": 2}, "groups"),
+        ((4, 2, 3, 3), {}, "weight"),
+        ((4, 3, 9, 3), {}, "x"),
+        ((4, 3, 3, 3), {"stride": 0}, "stride"),
+        ((4, 3, 3, 3), {"padding": (1, 2, 3)}, "padding"),
+        ((4, 3, 0, 3), {}, "weight"),
+        ((4, 3, 3, 0), {"padding": 1}, "weight"),
+    ],
+)
 def test_conv2d_rejects_bad_arguments(w_shape: tuple[int, ...], attrs: dict[str, Any], arg: str) -> None:
     dev = device("cpu")
     with pytest.raises(ParamError) as e:
-        conv2d.get_workspace_size(dev.tensor(np.ones((1, 3, 5, 5), np.float32)),
-                                  dev.tensor(np.ones(w_shape, np.float32)), **attrs)
+        conv2d.get_workspace_size(
+            dev.tensor(np.ones((1, 3, 5, 5), np.float32)), dev.tensor(np.ones(w_shape, np.float32)), **attrs
+        )
     assert e.value.op == "conv2d" and e.value.arg == arg
 
 
@@ -431,8 +499,16 @@ def test_conv2d_refuses_an_nhwc_tagged_weight() -> None:
         ex.destroy()
 
 
-@pytest.mark.parametrize(("shape", "first"), [((1, 4, 10, 10), False), ((1, 4, 2, 62), False),
-                                              ((1, 4, 2, 63), True), ((2, 4, 7, 7), True), ((1, 4, 11, 11), True)])
+@pytest.mark.parametrize(
+    ("shape", "first"),
+    [
+        ((1, 4, 10, 10), False),
+        ((1, 4, 2, 62), False),
+        ((1, 4, 2, 63), True),
+        ((2, 4, 7, 7), True),
+        ((1, 4, 11, 11), True),
+    ],
+)
 def test_conv2d_winograd_ranks_first_from_32_tiles(shape: tuple[int, ...], first: bool) -> None:
     dev = device("cpu")  # 2x2 output tiles: 25, 31, 32, 2 * 16, 36
     x, w = dev.tensor(np.ones(shape, np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
@@ -442,14 +518,18 @@ def test_conv2d_winograd_ranks_first_from_32_tiles(shape: tuple[int, ...], first
     ex.destroy()
 
 
-@pytest.mark.parametrize(("shape", "order"), [
-    ((1, 4, 13, 13), ("im2col_tiles", "winograd", "im2col")),  # 49 2x2 tiles: after the tiles
-    ((2, 4, 13, 13), ("winograd", "im2col_tiles", "im2col")),  # 98
-    ((1, 4, 7, 7), ("im2col", "im2col_tiles", "winograd")),    # 16 tiles: after im2col and the tiles
-    ((2, 4, 7, 7), ("winograd", "im2col", "im2col_tiles")),    # 32 tiles; 49 pixels fill 0.77 of the panels
-])
-def test_conv2d_winograd_ranks_just_ahead_of_im2col_below_64_tiles(shape: tuple[int, ...],
-                                                                    order: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("shape", "order"),
+    [
+        ((1, 4, 13, 13), ("im2col_tiles", "winograd", "im2col")),  # 49 2x2 tiles: after the tiles
+        ((2, 4, 13, 13), ("winograd", "im2col_tiles", "im2col")),  # 98
+        ((1, 4, 7, 7), ("im2col", "im2col_tiles", "winograd")),  # 16 tiles: after im2col and the tiles
+        ((2, 4, 7, 7), ("winograd", "im2col", "im2col_tiles")),  # 32 tiles; 49 pixels fill 0.77 of the panels
+    ],
+)
+def test_conv2d_winograd_ranks_just_ahead_of_im2col_below_64_tiles(
+    shape: tuple[int, ...], order: tuple[str, ...]
+) -> None:
     if not tiles_available(np.float32):
         pytest.skip("im2col_tiles needs the register-blocked GEMM (AVX-512)")
     dev = device("cpu")
@@ -479,20 +559,31 @@ def test_spread_stride_moves_power_of_two_blocks_apart() -> None:
 needs_tiles = pytest.mark.usefixtures("microkernel")  # im2col_tiles runs on the register-blocked GEMM
 
 
-
 @needs_tiles
-@pytest.mark.parametrize("n, c, oc, hw, k, stride, pad, dil, threads", [
-    (1, 64, 40, (15, 15), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # 8x8 outputs: 576 unfolded rows in 3 k blocks
-    (1, 5, 50, (9, 9), (3, 3), (1, 1), (1, 1), (1, 1), 2),  # 81 pixels: too few for 2 parts, channels split
-    (3, 7, 20, (11, 13), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # parts' output rows cross images; 7-pixel rows
-    (2, 3, 33, (30, 31), (7, 7), (2, 2), (3, 3), (1, 1), 3),  # stem-like: 16-pixel rows, 3 parts
-    (1, 30, 17, (10, 10), (3, 3), (1, 1), (2, 2), (2, 2), 1),  # dilation, one part, 270 rows in 2 k blocks
-    (2, 6, 9, (12, 12), (1, 1), (2, 2), (0, 0), (1, 1), 5),  # 1x1 stride 2, 5 parts
-    (1, 4, 70, (8, 40), (2, 5), (3, 3), (0, 2), (1, 1), 2),  # another column step
-])
-def test_conv2d_im2col_tiles(n: int, c: int, oc: int, hw: tuple[int, int], k: tuple[int, int],
-                             stride: tuple[int, int], pad: tuple[int, int], dil: tuple[int, int], threads: int,
-                             rng: np.random.Generator) -> None:
+@pytest.mark.parametrize(
+    "n, c, oc, hw, k, stride, pad, dil, threads",
+    [
+        (1, 64, 40, (15, 15), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # 8x8 outputs: 576 unfolded rows in 3 k blocks
+        (1, 5, 50, (9, 9), (3, 3), (1, 1), (1, 1), (1, 1), 2),  # 81 pixels: too few for 2 parts, channels split
+        (3, 7, 20, (11, 13), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # parts' output rows cross images; 7-pixel rows
+        (2, 3, 33, (30, 31), (7, 7), (2, 2), (3, 3), (1, 1), 3),  # stem-like: 16-pixel rows, 3 parts
+        (1, 30, 17, (10, 10), (3, 3), (1, 1), (2, 2), (2, 2), 1),  # dilation, one part, 270 rows in 2 k blocks
+        (2, 6, 9, (12, 12), (1, 1), (2, 2), (0, 0), (1, 1), 5),  # 1x1 stride 2, 5 parts
+        (1, 4, 70, (8, 40), (2, 5), (3, 3), (0, 2), (1, 1), 2),  # another column step
+    ],
+)
+def test_conv2d_im2col_tiles(
+    n: int,
+    c: int,
+    oc: int,
+    hw: tuple[int, int],
+    k: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int],
+    dil: tuple[int, int],
+    threads: int,
+    rng: np.random.Generator,
+) -> None:
     """Tiles with masked 16-column tails, several k blocks, parts over output rows (across images) or output
     channels: every output written once with the bias, the workspace exactly the parts' tiles (their padding
     columns zeroed, so all of it is touched), nothing past it."""
@@ -532,14 +623,17 @@ def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) 
 
 
 @needs_tiles
-@pytest.mark.parametrize("shape, k, stride, first", [
-    ((1, 64, 56, 56), 3, 2, True),  # 28x28 outputs: 4-row tiles of 112 pixels fill 7 panels
-    ((1, 128, 28, 28), 3, 2, True),  # 14x14 outputs: 196 pixels of 208 columns' work (a last panel of 16)
-    ((1, 256, 14, 14), 3, 2, True),  # 7x7 outputs: 49 pixels of 64 columns' work, but one image of 58 M
-    ((2, 256, 14, 14), 3, 2, False),  # (a masked 32-wide last panel): two images rank im2col first
-    ((1, 8, 5, 5), 3, 2, False),  # 3x3 outputs: 9 of 16 columns, 10 K multiply-adds: im2col + BLAS ranks first
-    ((1, 64, 56, 56), 1, 2, True),
-])
+@pytest.mark.parametrize(
+    "shape, k, stride, first",
+    [
+        ((1, 64, 56, 56), 3, 2, True),  # 28x28 outputs: 4-row tiles of 112 pixels fill 7 panels
+        ((1, 128, 28, 28), 3, 2, True),  # 14x14 outputs: 196 pixels of 208 columns' work (a last panel of 16)
+        ((1, 256, 14, 14), 3, 2, True),  # 7x7 outputs: 49 pixels of 64 columns' work, but one image of 58 M
+        ((2, 256, 14, 14), 3, 2, False),  # (a masked 32-wide last panel): two images rank im2col first
+        ((1, 8, 5, 5), 3, 2, False),  # 3x3 outputs: 9 of 16 columns, 10 K multiply-adds: im2col + BLAS ranks first
+        ((1, 64, 56, 56), 1, 2, True),
+    ],
+)
 def test_conv2d_im2col_tiles_rank(shape: tuple[int, ...], k: int, stride: int, first: bool) -> None:
     oc = 2 * shape[1]
     x = device("cpu").empty(shape, np.float32)
@@ -576,14 +670,40 @@ def _parts_on_small_maps() -> Iterator[None]:
 
 
 @settings(max_examples=25, deadline=None)
-@given(n=st.integers(1, 3), cg=st.integers(1, 3), ocg=st.integers(1, 4), groups=st.integers(1, 2),
-       h=st.integers(3, 12), w=st.integers(3, 12), k=st.tuples(st.integers(1, 3), st.integers(1, 3)),
-       stride=st.tuples(st.integers(1, 3), st.integers(1, 2)), pad=st.tuples(st.integers(0, 2), st.integers(0, 1)),
-       dil=st.tuples(st.integers(1, 2), st.integers(1, 2)), bias=st.booleans(), nhwc=st.booleans(),
-       threads=st.integers(2, 5), one_row=st.booleans(), seed=st.integers(0, 2**31))
-def test_conv2d_im2col_parts(n: int, cg: int, ocg: int, groups: int, h: int, w: int, k: tuple[int, int],
-                             stride: tuple[int, int], pad: tuple[int, int], dil: tuple[int, int], bias: bool,
-                             nhwc: bool, threads: int, one_row: bool, seed: int) -> None:
+@given(
+    n=st.integers(1, 3),
+    cg=st.integers(1, 3),
+    ocg=st.integers(1, 4),
+    groups=st.integers(1, 2),
+    h=st.integers(3, 12),
+    w=st.integers(3, 12),
+    k=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    stride=st.tuples(st.integers(1, 3), st.integers(1, 2)),
+    pad=st.tuples(st.integers(0, 2), st.integers(0, 1)),
+    dil=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    bias=st.booleans(),
+    nhwc=st.booleans(),
+    threads=st.integers(2, 5),
+    one_row=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_conv2d_im2col_parts(
+    n: int,
+    cg: int,
+    ocg: int,
+    groups: int,
+    h: int,
+    w: int,
+    k: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int],
+    dil: tuple[int, int],
+    bias: bool,
+    nhwc: bool,
+    threads: int,
+    one_row: bool,
+    seed: int,
+) -> None:
     """Parts over the stacked output rows of all (image, group) planes, runs cut at plane boundaries, each part
     its own unfold area and one-thread GEMM: every output written once (with the bias), NCHW and NHWC, and the
     workspace exactly the parts' areas, each sized for its longest run (so the last byte is used); a limit of
@@ -592,7 +712,7 @@ def test_conv2d_im2col_parts(n: int, cg: int, ocg: int, groups: int, h: int, w: 
     if case is None:
         return
     x, wt, b, attrs, ref = case
-    oh, ow = (ref.shape[1:3] if nhwc else ref.shape[2:])
+    oh, ow = ref.shape[1:3] if nhwc else ref.shape[2:]
     parts = min(threads, n * groups * oh)
     if parts < 2:  # one output row in all: nothing to share
         with _parts_on_small_maps(), num_threads(threads), pytest.raises(ParamError, match="implementation"):
@@ -612,18 +732,22 @@ def test_conv2d_im2col_parts(n: int, cg: int, ocg: int, groups: int, h: int, w: 
     _check(r, ref)
 
 
-@pytest.mark.parametrize("n, groups, oh, rows, parts", [
-    (1, 1, 112, 18, 2),  # the stem: 56 rows a part, in runs of 14 (not 18, 18, 18, 2)
-    (3, 2, 7, 3, 4),  # 42 stacked rows: ranges cross planes, each piece cut on its own
-    (8, 1, 28, 28, 2),  # whole images: 4 a part
-    (1, 1, 5, 5, 5),  # a row a part
-])
+@pytest.mark.parametrize(
+    "n, groups, oh, rows, parts",
+    [
+        (1, 1, 112, 18, 2),  # the stem: 56 rows a part, in runs of 14 (not 18, 18, 18, 2)
+        (3, 2, 7, 3, 4),  # 42 stacked rows: ranges cross planes, each piece cut on its own
+        (8, 1, 28, 28, 2),  # whole images: 4 a part
+        (1, 1, 5, 5, 5),  # a row a part
+    ],
+)
 def test_parts_units_cover_every_output_row_once(n: int, groups: int, oh: int, rows: int, parts: int) -> None:
     """im2col_parts' units: each (image, group, row) exactly once, a part's units contiguous in stacked order,
     the parts' row counts at most one apart, no run longer than tile_rows or crossing a plane, and the runs of a
     plane's piece at most one row apart."""
-    t = conv_op.ConvTiling(n, 1, oh, 4, groups, oh, 4, 1, 1, 1, 1, 0, 0, 1, 1, groups, 1, 1, 1, 1, "cm", rows,
-                           False, parts=parts)
+    t = conv_op.ConvTiling(
+        n, 1, oh, 4, groups, oh, 4, 1, 1, 1, 1, 0, 0, 1, 1, groups, 1, 1, 1, 1, "cm", rows, False, parts=parts
+    )
     units = parts_units(t)
     assert len(units) == parts
     stacked = [((u[0] * groups + u[1]) * oh + u[2], u[3]) for part in units for u in part]
@@ -639,16 +763,20 @@ def test_parts_units_cover_every_output_row_once(n: int, groups: int, oh: int, r
     assert parts_areas(t, units, 4)[-1] == sum(align(max(u[3] for u in part) * 4 * 4) for part in units)
 
 
-@pytest.mark.parametrize("shape, w_shape, attrs, threads, limit, impl", [
-    ((8, 64, 56, 56), (128, 64, 3, 3), dict(stride=2, padding=1), 2, None, "im2col_parts"),
-    ((1, 3, 224, 224), (64, 3, 7, 7), dict(stride=2, padding=3), 2, None, "im2col_parts"),  # the stem
-    ((8, 64, 56, 56), (128, 64, 3, 3), dict(stride=2, padding=1), 1, None, "im2col"),  # no helper thread
-    ((1, 64, 56, 56), (128, 64, 1, 1), dict(stride=2), 2, None, "im2col"),  # 6.4 M multiply-adds in all
-    ((8, 256, 28, 28), (512, 256, 3, 3), dict(stride=2, padding=1), 2, None, "im2col"),  # 14x14 maps
-    ((1, 3, 224, 224), (64, 3, 7, 7), dict(stride=2, padding=3), 2, 1 << 18, "im2col"),  # 1 M a one-row run
-])
-def test_conv2d_im2col_parts_rank(shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any],
-                                  threads: int, limit: int | None, impl: str) -> None:
+@pytest.mark.parametrize(
+    "shape, w_shape, attrs, threads, limit, impl",
+    [
+        ((8, 64, 56, 56), (128, 64, 3, 3), dict(stride=2, padding=1), 2, None, "im2col_parts"),
+        ((1, 3, 224, 224), (64, 3, 7, 7), dict(stride=2, padding=3), 2, None, "im2col_parts"),  # the stem
+        ((8, 64, 56, 56), (128, 64, 3, 3), dict(stride=2, padding=1), 1, None, "im2col"),  # no helper thread
+        ((1, 64, 56, 56), (128, 64, 1, 1), dict(stride=2), 2, None, "im2col"),  # 6.4 M multiply-adds in all
+        ((8, 256, 28, 28), (512, 256, 3, 3), dict(stride=2, padding=1), 2, None, "im2col"),  # 14x14 maps
+        ((1, 3, 224, 224), (64, 3, 7, 7), dict(stride=2, padding=3), 2, 1 << 18, "im2col"),  # 1 M a one-row run
+    ],
+)
+def test_conv2d_im2col_parts_rank(
+    shape: tuple[int, ...], w_shape: tuple[int, ...], attrs: dict[str, Any], threads: int, limit: int | None, impl: str
+) -> None:
     """im2col_parts ranks ahead of im2col with helper threads, maps of 512 pixels or more and enough work in all
     and per run; else im2col."""
     dev = device("cpu")
@@ -663,6 +791,7 @@ def test_conv2d_im2col_parts_rank(shape: tuple[int, ...], w_shape: tuple[int, ..
 def test_conv2d_without_input_channels_gives_the_bias(impl: str | None) -> None:
     """C = 0: an empty sum, so the bias alone, through the one-shot API (a zero-size workspace is no workspace)."""
     import twophase
+
     dev = device("cpu")
     x, w = dev.tensor(np.ones((2, 0, 5, 5), np.float32)), dev.tensor(np.ones((6, 0, 3, 3), np.float32))
     bias = dev.tensor(np.arange(1, 7, dtype=np.float32))
@@ -674,4 +803,5 @@ def test_conv2d_without_input_channels_gives_the_bias(impl: str | None) -> None:
 
 def _nothing() -> Any:
     import contextlib
+
     return contextlib.nullcontext()

@@ -38,11 +38,17 @@ def check_close(got: np.ndarray[Any, Any], ref: np.ndarray[Any, Any], dtype: Any
 
 
 @settings(max_examples=40, deadline=None)
-@given(name=st.sampled_from(sorted(BINARY)), shape=shapes(1, 3), bcast=st.integers(0, 2),
-       layout=st.sampled_from(LAYOUTS), dtype=st.sampled_from([np.float32, np.float64, np.int32]),
-       seed=st.integers(0, 2**31))
-def test_binary_matches_numpy_reference_with_broadcasting(name: str, shape: tuple[int, ...], bcast: int, layout: str,
-                                                         dtype: Any, seed: int) -> None:
+@given(
+    name=st.sampled_from(sorted(BINARY)),
+    shape=shapes(1, 3),
+    bcast=st.integers(0, 2),
+    layout=st.sampled_from(LAYOUTS),
+    dtype=st.sampled_from([np.float32, np.float64, np.int32]),
+    seed=st.integers(0, 2**31),
+)
+def test_binary_matches_numpy_reference_with_broadcasting(
+    name: str, shape: tuple[int, ...], bcast: int, layout: str, dtype: Any, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     other_shape = shape[bcast:] if bcast < len(shape) else ()
     other_shape = tuple(1 if i % 2 else n for i, n in enumerate(other_shape))
@@ -87,11 +93,17 @@ DOMAIN_POSITIVE = {"log", "sqrt", "rsqrt"}
 
 
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(sorted(UNARY)), shape=shapes(0, 3, 9), layout=st.sampled_from(LAYOUTS),
-       dtype=st.sampled_from([np.float32, np.float64, np.float16]), approx=st.sampled_from(["none", "tanh"]),
-       seed=st.integers(0, 2**31))
-def test_unary_matches_float64_reference_in_any_layout(name: str, shape: tuple[int, ...], layout: str, dtype: Any,
-                                                      approx: str, seed: int) -> None:
+@given(
+    name=st.sampled_from(sorted(UNARY)),
+    shape=shapes(0, 3, 9),
+    layout=st.sampled_from(LAYOUTS),
+    dtype=st.sampled_from([np.float32, np.float64, np.float16]),
+    approx=st.sampled_from(["none", "tanh"]),
+    seed=st.integers(0, 2**31),
+)
+def test_unary_matches_float64_reference_in_any_layout(
+    name: str, shape: tuple[int, ...], layout: str, dtype: Any, approx: str, seed: int
+) -> None:
     x = random(shape, dtype, np.random.default_rng(seed), positive=name in DOMAIN_POSITIVE)
     attrs: dict[str, Any] = {"approximate": approx} if name == "gelu" else {}
     op = getattr(ops, name)
@@ -143,18 +155,27 @@ def test_integer_unaries_and_cast() -> None:
     assert run_checked(ops.cast, f, dtype=np.float16).outputs[0].dtype == np.float16
 
 
-@pytest.mark.parametrize("call,arg", [
-    (lambda: ops.exp.get_workspace_size(on_device(np.ones(3, np.int32))), "x"),
-    (lambda: ops.add.get_workspace_size(on_device(np.ones(3)), on_device(np.ones(4))), "other"),
-    (lambda: ops.add.get_workspace_size(on_device(np.ones(3, np.int32)), on_device(np.ones(3, np.int32)), alpha=0.5),
-     "alpha"),
-    (lambda: ops.mul.get_workspace_size(on_device(np.ones(3, bool)), on_device(np.ones(3))), "x"),
-    (lambda: ops.where.get_workspace_size(on_device(np.ones(3)), on_device(np.ones(3)), on_device(np.ones(3))),
-     "cond"),
-    (lambda: ops.gelu.get_workspace_size(on_device(np.ones(3)), approximate="fast"), "approximate"),
-    (lambda: ops.cast.get_workspace_size(on_device(np.ones(3)), dtype="complex64"), "dtype"),
-    (lambda: ops.sub.get_workspace_size(None, on_device(np.ones(3))), "x"),
-])
+@pytest.mark.parametrize(
+    "call,arg",
+    [
+        (lambda: ops.exp.get_workspace_size(on_device(np.ones(3, np.int32))), "x"),
+        (lambda: ops.add.get_workspace_size(on_device(np.ones(3)), on_device(np.ones(4))), "other"),
+        (
+            lambda: ops.add.get_workspace_size(
+                on_device(np.ones(3, np.int32)), on_device(np.ones(3, np.int32)), alpha=0.5
+            ),
+            "alpha",
+        ),
+        (lambda: ops.mul.get_workspace_size(on_device(np.ones(3, bool)), on_device(np.ones(3))), "x"),
+        (
+            lambda: ops.where.get_workspace_size(on_device(np.ones(3)), on_device(np.ones(3)), on_device(np.ones(3))),
+            "cond",
+        ),
+        (lambda: ops.gelu.get_workspace_size(on_device(np.ones(3)), approximate="fast"), "approximate"),
+        (lambda: ops.cast.get_workspace_size(on_device(np.ones(3)), dtype="complex64"), "dtype"),
+        (lambda: ops.sub.get_workspace_size(None, on_device(np.ones(3))), "x"),
+    ],
+)
 def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -> None:
     with pytest.raises(ParamError) as e:
         call()
@@ -169,8 +190,9 @@ def test_unsupported_dtype_message_names_supported_dtypes() -> None:
 PACKED_FMA = re.compile(r"vfmadd\w+p[sd]\s+%[yz]mm")
 
 
-@pytest.mark.parametrize("name,dtype", [("silu_f32", np.float32), ("gelu_erf_f32", np.float32), ("exp_f32", np.float32),
-                                              ("exp", np.float64)])
+@pytest.mark.parametrize(
+    "name,dtype", [("silu_f32", np.float32), ("gelu_erf_f32", np.float32), ("exp_f32", np.float32), ("exp", np.float64)]
+)
 def test_unary_kernel_inner_loop_is_vectorized(name: str, dtype: Any) -> None:
     """The specialised dense-rows kernel, recompiled uncached (cached code has no assembly), uses packed FMAs, on
     matrices typed contiguous or not (its rows are bare contiguous views either way)."""
@@ -196,8 +218,9 @@ def test_in_place_unary_kernel_is_vectorized(name: str, dtype: Any) -> None:
     assert len(_rows_call(name, m, m.copy()).args) == 2
 
 
-@pytest.mark.parametrize("name,dtype", [("gelu", np.float32), ("gelu", np.float16), ("silu", np.float32),
-                                        ("exp", np.float64)])
+@pytest.mark.parametrize(
+    "name,dtype", [("gelu", np.float32), ("gelu", np.float16), ("silu", np.float32), ("exp", np.float64)]
+)
 def test_unary_in_place_matches_the_reference(name: str, dtype: Any) -> None:
     """out = x (one tensor) on the in-place kernel, directly (float32 / float64, in three parts) or through the
     float32 workspace copy (float16)."""
@@ -228,7 +251,7 @@ def test_float32_unary_within_a_few_ulp_of_float64_reference(name: str) -> None:
         got = run_checked(op, x, **attrs).outputs[0].astype(np.float64)
         ref = op.spec.reference(x.astype(np.float64), **attrs)
         ok = np.abs(ref) > 1e-30
-        assert np.max(np.abs(got[ok] - ref[ok]) / np.abs(ref[ok])) < 8 * 2.0 ** -24
+        assert np.max(np.abs(got[ok] - ref[ok]) / np.abs(ref[ok])) < 8 * 2.0**-24
 
 
 def test_unary_special_values() -> None:
@@ -242,14 +265,23 @@ def test_unary_special_values() -> None:
 
 
 @pytest.mark.parametrize("name", ["add", "sub"])
-@pytest.mark.parametrize("dtype,bad,edge", [
-    (np.int32, 2**40, -2**31), (np.int32, -2**31 - 1, 2**31 - 1), (np.int64, 2**63, 2**63 - 1),
-    (np.int64, -2**63 - 1, -2**63), pytest.param(np.float32, 2**1100, 2**100, id="float32-2**1100-2**100")])
-def test_alpha_the_promoted_dtype_cannot_hold_is_a_param_error_in_phase_1(name: str, dtype: Any, bad: int,
-                                                                          edge: int) -> None:
+@pytest.mark.parametrize(
+    "dtype,bad,edge",
+    [
+        (np.int32, 2**40, -(2**31)),
+        (np.int32, -(2**31) - 1, 2**31 - 1),
+        (np.int64, 2**63, 2**63 - 1),
+        (np.int64, -(2**63) - 1, -(2**63)),
+        pytest.param(np.float32, 2**1100, 2**100, id="float32-2**1100-2**100"),
+    ],
+)
+def test_alpha_the_promoted_dtype_cannot_hold_is_a_param_error_in_phase_1(
+    name: str, dtype: Any, bad: int, edge: int
+) -> None:
     """numpy raised an out-of-range int alpha (or one past float64's range) only in the kernel, a KernelError at
     sync; the range's own ends still run."""
     from twophase import DType, TensorDesc
+
     desc = TensorDesc((2,), DType.of(dtype))
     with pytest.raises(ParamError) as e:
         getattr(ops, name).get_workspace_size(desc, desc, alpha=bad)
@@ -270,8 +302,9 @@ def test_where_in_place_into_x_or_y(dev: Any) -> None:
         np.testing.assert_array_equal(out.numpy(), np.where(cond, xs, ys))
 
 
-@pytest.mark.parametrize("case", ["unary_transposed", "unary_shifted", "softmax_transposed", "where_cond",
-                                  "cast_shifted"])
+@pytest.mark.parametrize(
+    "case", ["unary_transposed", "unary_shifted", "softmax_transposed", "where_cond", "cast_shifted"]
+)
 def test_an_output_overlapping_an_input_other_than_in_place_is_refused(dev: Any, case: str) -> None:
     """The kernel would read what it already wrote: refused when the tensors are bound, naming out and the input."""
     a = dev.tensor(np.arange(16, dtype=np.float32).reshape(4, 4))
@@ -314,8 +347,14 @@ def test_elementwise_results_keep_the_format_tag_their_operands_agree_on(dev: An
     a = dev.tensor(np.ones((1, 2, 3, 4), np.float32), format=fm.NHWC)
     b = dev.tensor(np.ones((1, 2, 3, 4), np.float32), format=fm.NHWC)
     plain = dev.tensor(np.ones((1, 2, 3, 4), np.float32))
-    for r in (twophase.relu(a), twophase.exp(a), twophase.cast(a, dtype="float64"), twophase.add(a, b),
-              twophase.lt(a, b), twophase.where(twophase.lt(a, b), a, b)):
+    for r in (
+        twophase.relu(a),
+        twophase.exp(a),
+        twophase.cast(a, dtype="float64"),
+        twophase.add(a, b),
+        twophase.lt(a, b),
+        twophase.where(twophase.lt(a, b), a, b),
+    ):
         assert r.desc.format is fm.NHWC, r.desc
     assert twophase.add(a, plain).desc.format is fm.ND  # operands disagree: no layout to claim
     assert twophase.where(twophase.lt(plain, plain), a, b).desc.format is fm.ND
@@ -327,8 +366,9 @@ def test_nhwc_conv_relu_pool_pools_the_spatial_dims(dev: Any) -> None:
     xn = rng.standard_normal((2, 6, 8, 8)).astype(np.float32)
     x = dev.tensor(np.ascontiguousarray(xn.transpose(0, 2, 3, 1)), format=twophase.Format.NHWC)
     w = dev.tensor(rng.standard_normal((4, 6, 3, 3)).astype(np.float32))
-    ref = twophase.max_pool2d(twophase.relu(twophase.conv2d(dev.tensor(xn), w, None, padding=(1, 1))),
-                              kernel_size=(2, 2)).numpy()  # NCHW (2, 4, 4, 4)
+    ref = twophase.max_pool2d(
+        twophase.relu(twophase.conv2d(dev.tensor(xn), w, None, padding=(1, 1))), kernel_size=(2, 2)
+    ).numpy()  # NCHW (2, 4, 4, 4)
     p = twophase.max_pool2d(twophase.relu(twophase.conv2d(x, w, None, padding=(1, 1))), kernel_size=(2, 2))
     assert p.desc.format is twophase.Format.NHWC and p.shape == (2, 4, 4, 4)
     np.testing.assert_allclose(p.numpy(), ref.transpose(0, 2, 3, 1), rtol=1e-5, atol=1e-5)
@@ -341,9 +381,11 @@ def test_an_out_whose_format_tag_contradicts_the_result_is_refused(dev: Any) -> 
     nchw = dev.tensor(xn, format=fm.NCHW)
     nhwc = dev.tensor(np.ascontiguousarray(xn.transpose(0, 2, 3, 1)), format=fm.NHWC)
     w = dev.tensor(rng.standard_normal((4, 6, 3, 3)).astype(np.float32))
-    cases = [lambda: twophase.conv2d(nchw, w, None, padding=(1, 1), out=dev.empty((2, 4, 8, 8), format=fm.NHWC)),
-             lambda: twophase.max_pool2d(nhwc, kernel_size=(2, 2), out=dev.empty((2, 4, 4, 6), format=fm.NCHW)),
-             lambda: twophase.relu(nhwc, out=dev.empty((2, 8, 8, 6), format=fm.NCHW))]
+    cases = [
+        lambda: twophase.conv2d(nchw, w, None, padding=(1, 1), out=dev.empty((2, 4, 8, 8), format=fm.NHWC)),
+        lambda: twophase.max_pool2d(nhwc, kernel_size=(2, 2), out=dev.empty((2, 4, 4, 6), format=fm.NCHW)),
+        lambda: twophase.relu(nhwc, out=dev.empty((2, 8, 8, 6), format=fm.NCHW)),
+    ]
     for call in cases:
         with pytest.raises(ParamError, match="format") as e:
             call()
@@ -359,13 +401,17 @@ STREAMING = sorted(streaming.CODES)
 
 @pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
 @settings(max_examples=60, deadline=None)
-@given(name=st.sampled_from(STREAMING), dtype=st.sampled_from([np.float32, np.float64]),
-       shape=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
-       offsets=st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)), parts=st.integers(1, 3),
-       seed=st.integers(0, 2**31))
-def test_streaming_binary_is_bitwise_numpy_at_any_alignment(name: str, dtype: Any, shape: tuple[int, ...],
-                                                            offsets: tuple[int, int, int], parts: int,
-                                                            seed: int) -> None:
+@given(
+    name=st.sampled_from(STREAMING),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    shape=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
+    offsets=st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)),
+    parts=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_streaming_binary_is_bitwise_numpy_at_any_alignment(
+    name: str, dtype: Any, shape: tuple[int, ...], offsets: tuple[int, int, int], parts: int, seed: int
+) -> None:
     """Operands and output start at any element offset (the kernel's scalar head runs up to the output's first
     32-byte boundary), cut into one to three parts; every element is written, nothing around the output is, and
     the result is numpy's bit for bit (NaN where numpy has NaN), inf, -0 and subnormals included."""
@@ -373,12 +419,14 @@ def test_streaming_binary_is_bitwise_numpy_at_any_alignment(name: str, dtype: An
     rng = np.random.default_rng(seed)
     n = int(np.prod(shape))
     special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, np.finfo(dtype).smallest_subnormal], dtype)
-    x, y = (np.where(rng.random(n) < 0.1, rng.choice(special, n), rng.standard_normal(n) * 3).astype(dtype)
-            for _ in range(2))
+    x, y = (
+        np.where(rng.random(n) < 0.1, rng.choice(special, n), rng.standard_normal(n) * 3).astype(dtype)
+        for _ in range(2)
+    )
     bx, by = np.zeros(n + 9, dtype), np.zeros(n + 9, dtype)
-    bx[offsets[0]:offsets[0] + n], by[offsets[1]:offsets[1] + n] = x, y
+    bx[offsets[0] : offsets[0] + n], by[offsets[1] : offsets[1] + n] = x, y
     bout = np.full(n + 9, 7.0, dtype)
-    bout[offsets[2]:offsets[2] + n] = np.full(n, POISON_BITS[dtype]).view(dtype)
+    bout[offsets[2] : offsets[2] + n] = np.full(n, POISON_BITS[dtype]).view(dtype)
     (_, tx), (_, ty), (whole, tout) = (dense_at(b, shape, o) for b, o in zip((bx, by, bout), offsets))
     op = getattr(ops, name)
     with forced("streaming"), num_threads(parts), mock.patch.object(elementwise_ops, "FANOUT_MIN", 8):
@@ -388,7 +436,7 @@ def test_streaming_binary_is_bitwise_numpy_at_any_alignment(name: str, dtype: An
     out = whole.numpy()  # waits for the launch
     with np.errstate(all="ignore"):
         want = BINARY[name][0](x, y)
-    written = out[offsets[2]:offsets[2] + n]
+    written = out[offsets[2] : offsets[2] + n]
     assert not (written.view(POISON_BITS[dtype].dtype) == POISON_BITS[dtype]).any()
     np.testing.assert_array_equal(written, want)
     assert (np.delete(out, np.arange(offsets[2], offsets[2] + n)) == 7.0).all()
@@ -412,15 +460,19 @@ def test_streaming_is_ranked_first_only_for_outputs_as_large_as_the_last_level_c
         _, ex = getattr(ops, name).get_workspace_size(*descs, **attrs)
         ex.destroy()
         return ex.implementation
+
     want = "streaming" if streaming.AVAILABLE else "ufunc"
     assert [impl(big, big, name=n) for n in STREAMING] == [want] * 4
     assert impl(TensorDesc((llc // 8,), DType.float64), TensorDesc((llc // 8,), DType.float64)) == want
     assert impl(small, small) == "ufunc"
-    cases = {"alpha": (big, big), "broadcast": (big, TensorDesc((1,), DType.float32)),
-             "float16": (TensorDesc((llc // 2,), DType.float16),) * 2,
-             "int32": (TensorDesc((llc // 4,), DType.int32),) * 2,
-             "promoted": (big, TensorDesc((llc // 4,), DType.float64)),
-             "strided": (TensorDesc((llc // 4,), DType.float32, strides=(2,)), big)}
+    cases = {
+        "alpha": (big, big),
+        "broadcast": (big, TensorDesc((1,), DType.float32)),
+        "float16": (TensorDesc((llc // 2,), DType.float16),) * 2,
+        "int32": (TensorDesc((llc // 4,), DType.int32),) * 2,
+        "promoted": (big, TensorDesc((llc // 4,), DType.float64)),
+        "strided": (TensorDesc((llc // 4,), DType.float32, strides=(2,)), big),
+    }
     for case, descs in cases.items():
         attrs = {"alpha": 2.0} if case == "alpha" else {}
         assert impl(*descs, **attrs) == "ufunc", case

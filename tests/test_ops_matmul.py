@@ -56,15 +56,24 @@ batch_dims = st.lists(st.integers(1, 3), min_size=0, max_size=2)
 
 
 @settings(max_examples=25, deadline=None)
-@given(ba=batch_dims, bb=batch_dims, m=st.integers(1, 9), k=st.integers(1, 9), n=st.integers(1, 9),
-       a1=st.booleans(), b1=st.booleans(), seed=st.integers(0, 2**31))
-def test_matmul_matches_numpy_for_every_implementation(ba: list[int], bb: list[int], m: int, k: int, n: int,
-                                                       a1: bool, b1: bool, seed: int) -> None:
+@given(
+    ba=batch_dims,
+    bb=batch_dims,
+    m=st.integers(1, 9),
+    k=st.integers(1, 9),
+    n=st.integers(1, 9),
+    a1=st.booleans(),
+    b1=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_matmul_matches_numpy_for_every_implementation(
+    ba: list[int], bb: list[int], m: int, k: int, n: int, a1: bool, b1: bool, seed: int
+) -> None:
     rng = np.random.default_rng(seed)
     bb = [1 if i < len(ba) and rng.random() < 0.5 else x for i, x in enumerate(bb)]  # broadcast some batch dims
     ba_ = [x if i >= len(ba) - len(bb) or rng.random() < 0.5 else 1 for i, x in enumerate(ba)]
     a = _rand(rng, (k,) if a1 else tuple(ba_) + (m, k))
-    b = _rand(rng, (k,) if b1 else tuple(bb[-len(ba_):] if len(bb) > len(ba_) else bb) + (k, n))
+    b = _rand(rng, (k,) if b1 else tuple(bb[-len(ba_) :] if len(bb) > len(ba_) else bb) + (k, n))
     try:
         ref = np.matmul(a.astype(np.float64), b.astype(np.float64))
     except ValueError:
@@ -95,13 +104,14 @@ def _strided(dev: Any, base: np.ndarray, shape: tuple[int, ...], strides: tuple[
 
 
 @pytest.mark.parametrize("layout", ["reversed_rows", "step2_cols", "transposed"])
-def test_matmul_packs_operands_blas_cannot_take_into_the_workspace(dev: Any, rng: np.random.Generator,
-                                                                    layout: str) -> None:
+def test_matmul_packs_operands_blas_cannot_take_into_the_workspace(
+    dev: Any, rng: np.random.Generator, layout: str
+) -> None:
     m, k, n = 5, 6, 7
     base = _rand(rng, (m * k * 2,))
     if layout == "reversed_rows":
         ta = _strided(dev, base, (m, k), (-k, 1), (m - 1) * k)
-        av = np.lib.stride_tricks.as_strided(base[(m - 1) * k:], (m, k), (-k * 4, 4))
+        av = np.lib.stride_tricks.as_strided(base[(m - 1) * k :], (m, k), (-k * 4, 4))
     elif layout == "step2_cols":
         ta = _strided(dev, base, (m, k), (2 * k, 2), 0)
         av = np.lib.stride_tricks.as_strided(base, (m, k), (2 * k * 4, 8))
@@ -128,8 +138,9 @@ def test_matmul_writes_through_a_strided_output_via_the_workspace(dev: Any, rng:
     np.testing.assert_allclose(out.numpy(), a.astype(np.float64) @ b, rtol=1e-5)
 
 
-def test_matmul_tight_limit_on_unpackable_operands_names_the_smallest_workspace(dev: Any,
-                                                                                rng: np.random.Generator) -> None:
+def test_matmul_tight_limit_on_unpackable_operands_names_the_smallest_workspace(
+    dev: Any, rng: np.random.Generator
+) -> None:
     ta = _strided(dev, _rand(rng, (40,)), (4, 5), (-5, 1), 15)
     with pytest.raises(ParamError) as e:
         matmul.get_workspace_size(ta, dev.tensor(_rand(rng, (5, 2))), workspace_limit=10)
@@ -149,6 +160,7 @@ def test_matmul_of_empty_packed_operands_through_the_one_shot_api(dev: Any, impl
     import contextlib
 
     import twophase
+
     a = dev.tensor(np.ones((4, 6), np.float32)).strided((0, 3), (6, 2), 0)  # (0, 3), no unit stride
     b = dev.tensor(np.ones((3, 5), np.float32))
     with forced(impl) if impl else contextlib.nullcontext():
@@ -178,14 +190,18 @@ def test_baddbmm_scales_product_and_addend(rng: np.random.Generator, alpha: floa
     _check(run_checked(baddbmm, c, a, b, alpha=alpha, beta=beta), ref)
 
 
-@pytest.mark.parametrize("a_shape,b_shape,b_dtype,arg", [
-    ((3, 4), (5, 2), np.float32, "b"),
-    ((2, 3, 4), (3, 4, 2), np.float32, "b"),
-    ((3, 4), (4, 2), np.float64, "b"),
-    ((), (4,), np.float32, "a"),
-])
-def test_matmul_rejects_bad_operands_with_param_error(dev: Any, a_shape: tuple[int, ...], b_shape: tuple[int, ...],
-                                                      b_dtype: Any, arg: str) -> None:
+@pytest.mark.parametrize(
+    "a_shape,b_shape,b_dtype,arg",
+    [
+        ((3, 4), (5, 2), np.float32, "b"),
+        ((2, 3, 4), (3, 4, 2), np.float32, "b"),
+        ((3, 4), (4, 2), np.float64, "b"),
+        ((), (4,), np.float32, "a"),
+    ],
+)
+def test_matmul_rejects_bad_operands_with_param_error(
+    dev: Any, a_shape: tuple[int, ...], b_shape: tuple[int, ...], b_dtype: Any, arg: str
+) -> None:
     a, b = dev.tensor(np.ones(a_shape, np.float32)), dev.tensor(np.ones(b_shape, b_dtype))
     with pytest.raises(ParamError) as e:
         matmul.get_workspace_size(a, b)
@@ -193,16 +209,17 @@ def test_matmul_rejects_bad_operands_with_param_error(dev: Any, a_shape: tuple[i
 
 
 @pytest.mark.parametrize("activation", ["relu", "gelu", "gelu_tanh", "silu"])
-def test_linear_activation_matches_the_reference_on_every_implementation(rng: np.random.Generator,
-                                                                         activation: str) -> None:
+def test_linear_activation_matches_the_reference_on_every_implementation(
+    rng: np.random.Generator, activation: str
+) -> None:
     """act(x @ w.T + b): on small operands every implementation, each applying it after its GEMM; on the
     microkernel's shapes (weight stored (in, out)) in three parts, each on its own block (without AVX-512, on
     BLAS); with a bias the kernel
     cannot take (strided), after the epilogue. Inputs are centred so the activations' negative side is hit."""
     from twophase.ops.linalg import _ref_linear
+
     x, w, b = rng.standard_normal((6, 9)).astype(np.float32), _rand(rng, (5, 9)), _rand(rng, (5,))
-    assert {"blas", "packed"} <= _run_all(linear, x, w, b, activation=activation,
-                                                ref=_ref_linear(x, w, b, activation))
+    assert {"blas", "packed"} <= _run_all(linear, x, w, b, activation=activation, ref=_ref_linear(x, w, b, activation))
     x = rng.standard_normal((2, 64, 96)).astype(np.float32)
     w_in_out = rng.standard_normal((96, 512)).astype(np.float32) / 8
     w = device("cpu").tensor(w_in_out).transpose()  # (out, in), stored (in, out) as MiniLM's weights
@@ -222,6 +239,7 @@ def test_linear_activation_matches_the_reference_on_every_implementation(rng: np
 def test_linear_activation_on_an_output_whose_leading_dims_do_not_merge(dev: Any, rng: np.random.Generator) -> None:
     """An ``out`` of rows 0-3 of a (2, 6, 5) tensor: the activation goes slab by slab after the GEMM."""
     from twophase.ops.linalg import _ref_linear
+
     x, w, b = rng.standard_normal((2, 4, 9)).astype(np.float32), _rand(rng, (5, 9)), _rand(rng, (5,))
     base = dev.tensor(np.full((2, 6, 5), np.nan, np.float32))
     out = base.strided((2, 4, 5), (30, 5, 1), 0)
@@ -232,15 +250,19 @@ def test_linear_activation_on_an_output_whose_leading_dims_do_not_merge(dev: Any
 
 def test_linear_rejects_an_unknown_activation(dev: Any) -> None:
     with pytest.raises(ParamError) as e:
-        linear.get_workspace_size(dev.tensor(np.ones((2, 3), np.float32)), dev.tensor(np.ones((4, 3), np.float32)),
-                                  None, activation="tanh")
+        linear.get_workspace_size(
+            dev.tensor(np.ones((2, 3), np.float32)), dev.tensor(np.ones((4, 3), np.float32)), None, activation="tanh"
+        )
     assert e.value.arg == "activation" and "gelu" in str(e.value)
 
 
 def test_linear_rejects_bias_of_wrong_size(dev: Any) -> None:
     with pytest.raises(ParamError) as e:
-        linear.get_workspace_size(dev.tensor(np.ones((2, 3), np.float32)), dev.tensor(np.ones((4, 3), np.float32)),
-                                  dev.tensor(np.ones(3, np.float32)))
+        linear.get_workspace_size(
+            dev.tensor(np.ones((2, 3), np.float32)),
+            dev.tensor(np.ones((4, 3), np.float32)),
+            dev.tensor(np.ones(3, np.float32)),
+        )
     assert e.value.arg == "bias"
 
 
@@ -248,6 +270,7 @@ def test_linear_rejects_bias_of_wrong_size(dev: Any) -> None:
 def test_numpy_blas_binding_is_found_and_agrees() -> None:
     """The ILP64 cblas_?gemm of numpy's wheel OpenBLAS (checked against numpy when it is bound)."""
     from twophase.kernels.cpu.blas import gemm_for
+
     if gemm_for(np.float32) is None:
         pytest.skip("numpy's BLAS is not the bundled OpenBLAS: linear keeps matmul + a separate bias pass")
     assert gemm_for(np.float64) is not None
@@ -256,9 +279,11 @@ def test_numpy_blas_binding_is_found_and_agrees() -> None:
 
 @pytest.mark.parametrize("layout", ["dense", "x transposed", "weight transposed", "out strided"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_linear_bias_fused_into_the_gemm_matches_every_layout(dev: Any, rng: np.random.Generator, layout: str,
-                                                             dtype: Any) -> None:
+def test_linear_bias_fused_into_the_gemm_matches_every_layout(
+    dev: Any, rng: np.random.Generator, layout: str, dtype: Any
+) -> None:
     from twophase.kernels.cpu.blas import fused_gemm, gemm_for
+
     x, w, bias = _rand(rng, (6, 9), dtype), _rand(rng, (5, 9), dtype), _rand(rng, (5,), dtype)
     if layout == "x transposed":
         x = np.ascontiguousarray(x.T).T
@@ -303,8 +328,9 @@ MICRO_COLS = [n for n in range(32, 200) if n >= 0.9 * (-(-n // 16) * 16)]
 @pytest.mark.parametrize("has_bias", [False, True])
 @pytest.mark.parametrize("packed", [False, True])
 @pytest.mark.parametrize("k", [37, 300])
-def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(rng: np.random.Generator, has_bias: bool,
-                                                                    packed: bool, k: int) -> None:
+def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(
+    rng: np.random.Generator, has_bias: bool, packed: bool, k: int
+) -> None:
     """The kernel itself on blocks of a larger poisoned matrix: 32- and 16-wide panels, the last overlapping
     16-wide panel (every remainder 1-15), blocks narrower than 16 (scalar loop), row blocks off the 6-row
     kernel, with and without a bias row, b's panels read in place or packed (a NaN-poisoned scratch), one k
@@ -312,8 +338,15 @@ def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(rng: np.rand
     a, b = _rand(rng, (30, k)), _rand(rng, (k, 90))
     bias = _rand(rng, (90,))
     pack = np.full(gemm.panel_bytes(k) // 4 if packed else 0, np.nan, np.float32)
-    for i0, i1, j0, j1 in [(0, 30, 0, 90), (3, 20, 5, 21), (1, 2, 0, 17), (7, 30, 40, 55), (0, 13, 60, 63),
-                           (5, 11, 0, 48), (0, 30, 33, 90)]:
+    for i0, i1, j0, j1 in [
+        (0, 30, 0, 90),
+        (3, 20, 5, 21),
+        (1, 2, 0, 17),
+        (7, 30, 40, 55),
+        (0, 13, 60, 63),
+        (5, 11, 0, 48),
+        (0, 30, 33, 90),
+    ]:
         c = np.full((30, 90), np.nan, np.float32)
         gemm.gemm_f32(a, b, c, bias, has_bias, i0, i1, j0, j1, pack)
         ref = a[i0:i1].astype(np.float64) @ b[:, j0:j1].astype(np.float64) + (bias[j0:j1] if has_bias else 0.0)
@@ -336,10 +369,10 @@ def test_8_lane_gemm_writes_exactly_its_block_for_every_column_count(rng: np.ran
             b_mem[:, :n] = _rand(rng, (k, n))
             b = b_mem[:, :n]
             c = np.full((m + 2, n + 19), -7.0, np.float32)
-            gemm.gemm_f32_ymm(a, b, c[1:m + 1, 3:3 + n])
+            gemm.gemm_f32_ymm(a, b, c[1 : m + 1, 3 : 3 + n])
             ref = a.astype(np.float64) @ b.astype(np.float64)
-            np.testing.assert_allclose(c[1:m + 1, 3:3 + n], ref, rtol=2e-5, atol=1e-4)
-            c[1:m + 1, 3:3 + n] = -7.0
+            np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
+            c[1 : m + 1, 3 : 3 + n] = -7.0
             assert (c == -7.0).all(), f"wrote outside the block at {n} columns"
     a, b = _rand(rng, (2, 3, 11, k)), _rand(rng, (2, 3, k, 29))
     c = np.full((2, 3, 11, 29), np.nan, np.float32)
@@ -353,8 +386,21 @@ def test_8_lane_gemm_writes_exactly_its_block_for_every_column_count(rng: np.ran
 
 @numba.njit(nogil=True)
 def _tile_gemm(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int) -> None:
-    gemm.gemm_tile(a.ctypes.data, a.strides[0] // 4, a.strides[1] // 4, b.ctypes.data, b.strides[0] // 4,
-                   c.ctypes.data, c.strides[0] // 4, kl, m, n, accumulate, 0, 0)
+    gemm.gemm_tile(
+        a.ctypes.data,
+        a.strides[0] // 4,
+        a.strides[1] // 4,
+        b.ctypes.data,
+        b.strides[0] // 4,
+        c.ctypes.data,
+        c.strides[0] // 4,
+        kl,
+        m,
+        n,
+        accumulate,
+        0,
+        0,
+    )
 
 
 @needs_micro
@@ -373,24 +419,30 @@ def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Gener
             old = _rand(rng, (m, n))
             c = np.full((m + 2, n + 19), np.nan, np.float32)
             if accumulate:
-                c[1:m + 1, 3:3 + n] = old
-            _tile_gemm(a, b, c[1:m + 1, 3:3 + n], k, m, n, accumulate)
+                c[1 : m + 1, 3 : 3 + n] = old
+            _tile_gemm(a, b, c[1 : m + 1, 3 : 3 + n], k, m, n, accumulate)
             ref = a.astype(np.float64) @ b[:, :n].astype(np.float64) + (old if accumulate else 0.0)
-            np.testing.assert_allclose(c[1:m + 1, 3:3 + n], ref, rtol=2e-5, atol=1e-4)
-            c[1:m + 1, 3:3 + n] = np.nan
+            np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
+            c[1 : m + 1, 3 : 3 + n] = np.nan
             assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
     assert [gemm.columns_computed(n) for n in (49, 57, 48, 40, 33, 32, 8)] == [64, 64, 48, 48, 48, 32, 16]
 
 
-
 @needs_micro
 @settings(max_examples=30, deadline=None)
-@given(batch=st.lists(st.integers(1, 3), min_size=0, max_size=2), m=st.integers(3, 20), k=st.integers(1, 40),
-       n=st.sampled_from(MICRO_COLS), a_t=st.booleans(), b_pad=st.integers(0, 5), threads=st.sampled_from([1, 2, 3, 5]),
-       seed=st.integers(0, 2**31))
-def test_microkernel_matches_numpy_over_tails_strides_and_parts(batch: list[int], m: int, k: int, n: int,
-                                                                a_t: Any, b_pad: int, threads: int,
-                                                                seed: int) -> None:
+@given(
+    batch=st.lists(st.integers(1, 3), min_size=0, max_size=2),
+    m=st.integers(3, 20),
+    k=st.integers(1, 40),
+    n=st.sampled_from(MICRO_COLS),
+    a_t=st.booleans(),
+    b_pad=st.integers(0, 5),
+    threads=st.sampled_from([1, 2, 3, 5]),
+    seed=st.integers(0, 2**31),
+)
+def test_microkernel_matches_numpy_over_tails_strides_and_parts(
+    batch: list[int], m: int, k: int, n: int, a_t: Any, b_pad: int, threads: int, seed: int
+) -> None:
     """Row counts off the 6-row block, columns off the 32- and 16-column panels (the last 16-column panel
     overlapping), a read through a transposed view, b's rows padded, 1-5 parts (columns or rows): every element
     of out written, none past."""
@@ -413,8 +465,9 @@ def test_microkernel_matches_numpy_over_tails_strides_and_parts(batch: list[int]
 @needs_micro
 @pytest.mark.parametrize("m,k,n", [(250, 300, 47), (7, 513, 110), (241, 257, 64), (128, 384, 1152)])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(rng: np.random.Generator, m: int, k: int, n: int,
-                                                          threads: int) -> None:
+def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(
+    rng: np.random.Generator, m: int, k: int, n: int, threads: int
+) -> None:
     """k past one 256-deep block (later blocks add to what the first stored, the bias only once), rows past
     one 240-row block, linear's bias added by the kernel, a strided output."""
     x, w, bias = _rand(rng, (m, k)), _rand(rng, (k, n)), _rand(rng, (n,))
@@ -447,7 +500,8 @@ def _panels_workspace(parts: tuple[tuple[int, int, int, int], ...], k: int, row_
 @pytest.mark.parametrize("m,k,n", [(31, 40, 64), (32, 40, 64), (64, 300, 200), (128, 384, 1152), (100, 600, 47)])
 @pytest.mark.parametrize("threads", [1, 2])
 def test_microkernel_packs_b_panels_from_enough_rows_and_without_room_reads_b_in_place(
-        rng: np.random.Generator, m: int, k: int, n: int, threads: int) -> None:
+    rng: np.random.Generator, m: int, k: int, n: int, threads: int
+) -> None:
     """From PACK_MIN_ROWS rows per part, when b's rows are not 64-byte aligned, the microkernel asks for one packed
     panel of b per part (its documented workspace, touched to the last aligned byte); under a limit below that, or
     with aligned rows, it reads b in place with no workspace. Both sum in the same order: bit for bit the same
@@ -482,13 +536,14 @@ def test_microkernel_packs_b_panels_only_when_b_rows_are_not_64_byte_aligned(rng
             r = run_checked(linear, x, wt, bias)
             assert r.implementation == "microkernel" and r.tiling.panels == packs, offset
             assert r.workspace_size == _panels_workspace(r.tiling.parts, k, n + 16, offset)
-            ref = x.astype(np.float64) @ w[:, offset:offset + n].astype(np.float64) + bias
+            ref = x.astype(np.float64) @ w[:, offset : offset + n].astype(np.float64) + bias
             _check(r, ref, rtol=1e-5)
 
 
 @needs_micro
 def test_microkernel_parts_split_columns_at_panels_else_rows() -> None:
     from twophase.ops.linalg import _micro_parts
+
     with num_threads(2):
         assert _micro_parts(128, 384, 1152, 1) == ((0, 128, 0, 576), (0, 128, 576, 1152))
         assert _micro_parts(128, 384, 110, 1) == ((0, 128, 0, 32), (0, 128, 32, 110))
@@ -522,14 +577,18 @@ def test_microkernel_propagates_inf_and_nan_and_is_not_used_for_float64(rng: np.
     assert run_checked(matmul, a.astype(np.float64), b.astype(np.float64)).implementation != "microkernel"
 
 
-@pytest.mark.parametrize("a_shape, b_shape", [((3, 5), (5, 4)), ((2, 3, 5), (2, 5, 4)), ((3, 5), (2, 5, 4)),
-                                              ((5,), (2, 5, 4)), ((2, 3, 5), (5,))])
+@pytest.mark.parametrize(
+    "a_shape, b_shape",
+    [((3, 5), (5, 4)), ((2, 3, 5), (2, 5, 4)), ((3, 5), (2, 5, 4)), ((5,), (2, 5, 4)), ((2, 3, 5), (5,))],
+)
 @pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (-0.5, 2.0)])
-def test_baddbmm_in_place_into_c(dev: Any, rng: np.random.Generator, a_shape: tuple[int, ...],
-                                 b_shape: tuple[int, ...], alpha: float, beta: float) -> None:
+def test_baddbmm_in_place_into_c(
+    dev: Any, rng: np.random.Generator, a_shape: tuple[int, ...], b_shape: tuple[int, ...], alpha: float, beta: float
+) -> None:
     """out = c (torch's baddbmm_): one BLAS call with beta per matrix, so no product overwrites c before it is
     read."""
     import twophase
+
     a, b = _rand(rng, a_shape), _rand(rng, b_shape)
     ref0 = a.astype(np.float64) @ b
     c0 = _rand(rng, ref0.shape)
@@ -540,6 +599,7 @@ def test_baddbmm_in_place_into_c(dev: Any, rng: np.random.Generator, a_shape: tu
 
 def test_baddbmm_in_place_where_blas_cannot_is_refused(dev: Any) -> None:
     import twophase
+
     c = dev.tensor(np.ones((3, 4), np.float32))
     with pytest.raises(ParamError, match="c itself") as e:
         twophase.baddbmm(c, np.ones((3, 2), np.float32), np.ones((2, 4), np.float32), out=c, alpha=0.0)

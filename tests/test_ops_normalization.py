@@ -100,17 +100,21 @@ def test_softmax_and_log_softmax_match_reference(case: Any, layout: str, dtype: 
     check(r, op.spec.reference(a, dim), dtype, softmax_ws(shape, x.desc.strides, dim % len(shape), dtype, log))
 
 
-@pytest.mark.parametrize("shape, dim, layout, dtype", [
-    ((2, 40000), -1, "dense", np.float32),      # split rows, one row per task
-    ((1, 70001), 1, "strided", np.float64),     # split, strided row (inner stride 2)
-    ((40000, 3), 0, "dense", np.float64),       # long dim not last: strided rows
-    ((2, 33000), -1, "transposed", np.float32),  # packed + split
-    ((3, 32769), -1, "dense", np.float16),      # packed float16 + split
-    ((160000, 7), -1, "reversed", np.float32),  # many short rows, parallel, negative row stride
-])
+@pytest.mark.parametrize(
+    "shape, dim, layout, dtype",
+    [
+        ((2, 40000), -1, "dense", np.float32),  # split rows, one row per task
+        ((1, 70001), 1, "strided", np.float64),  # split, strided row (inner stride 2)
+        ((40000, 3), 0, "dense", np.float64),  # long dim not last: strided rows
+        ((2, 33000), -1, "transposed", np.float32),  # packed + split
+        ((3, 32769), -1, "dense", np.float16),  # packed float16 + split
+        ((160000, 7), -1, "reversed", np.float32),  # many short rows, parallel, negative row stride
+    ],
+)
 @pytest.mark.parametrize("log", [False, True])
-def test_long_and_many_rows_use_the_documented_workspace(shape: Any, dim: int, layout: str, dtype: Any,
-                                                         log: bool) -> None:
+def test_long_and_many_rows_use_the_documented_workspace(
+    shape: Any, dim: int, layout: str, dtype: Any, log: bool
+) -> None:
     a = random(shape, dtype, np.random.default_rng(shape[0]))
     x = on_device(a, layout)
     op = ops.log_softmax if log else ops.softmax
@@ -136,8 +140,21 @@ def test_split_kernels_merge_block_partials(by_rows: bool, mode: int, parts: int
     block = 16
     split = -(-53 // block)
     scratch = parts * block * 8 if mode == LOG_SOFTMAX else 0  # one float64 block row per part, first
-    t = SoftmaxTiling(4, 53, split, block, False, 0, True, scratch + 4 * split * 16, by_rows, parts, 0,
-                      block if mode == LOG_SOFTMAX else 0, scratch)
+    t = SoftmaxTiling(
+        4,
+        53,
+        split,
+        block,
+        False,
+        0,
+        True,
+        scratch + 4 * split * 16,
+        by_rows,
+        parts,
+        0,
+        block if mode == LOG_SOFTMAX else 0,
+        scratch,
+    )
     out = np.full((4, 53), np.nan)
     ws = np.full(t.workspace, 0xCD, np.uint8)
     build_softmax(x, out, t, mode)(ws)
@@ -171,7 +188,7 @@ def test_in_place_into_its_own_input(dev: Any, stream: Any, op: Any, shape: tupl
 
 
 def test_softmax_workspace_grows_with_the_row_length() -> None:
-    for n in (32768, 32769, 10 ** 6):
+    for n in (32768, 32769, 10**6):
         for op in (ops.softmax, ops.log_softmax):
             size, ex = op.get_workspace_size(TensorDesc((5, n)))
             assert size == softmax_ws((5, n), (n, 1), 1, np.float32, op is ops.log_softmax)
@@ -181,10 +198,17 @@ def test_softmax_workspace_grows_with_the_row_length() -> None:
 
 # ---------------------------------------------------------------- layer_norm / rms_norm
 @settings(max_examples=30, deadline=None)
-@given(rows=st.lists(st.integers(1, 5), min_size=0, max_size=2), n=st.integers(1, 70), layout=st.sampled_from(LAYOUTS),
-       dtype=st.sampled_from(DTYPES), rms=st.booleans(), affine=st.booleans())
-def test_layer_and_rms_norm_match_reference(rows: list[int], n: int, layout: str, dtype: Any, rms: bool,
-                                            affine: bool) -> None:
+@given(
+    rows=st.lists(st.integers(1, 5), min_size=0, max_size=2),
+    n=st.integers(1, 70),
+    layout=st.sampled_from(LAYOUTS),
+    dtype=st.sampled_from(DTYPES),
+    rms=st.booleans(),
+    affine=st.booleans(),
+)
+def test_layer_and_rms_norm_match_reference(
+    rows: list[int], n: int, layout: str, dtype: Any, rms: bool, affine: bool
+) -> None:
     rng = np.random.default_rng(n)
     x = random(tuple(rows) + (n,), dtype, rng) + 1.5
     w, b = random((n,), dtype, rng), random((n,), dtype, rng)
@@ -198,8 +222,16 @@ def test_layer_and_rms_norm_match_reference(rows: list[int], n: int, layout: str
 
 
 @pytest.mark.parametrize("mean", [1e6, 1e7])
-@pytest.mark.parametrize("shape, layout", [((3, 100), "dense"), ((1, 4096), "dense"), ((2, 300_000), "dense"),
-                                           ((5, 77), "padded"), ((6, 5, 7), "transposed")])
+@pytest.mark.parametrize(
+    "shape, layout",
+    [
+        ((3, 100), "dense"),
+        ((1, 4096), "dense"),
+        ((2, 300_000), "dense"),
+        ((5, 77), "padded"),
+        ((6, 5, 7), "transposed"),
+    ],
+)
 def test_layer_norm_of_large_mean_rows_does_not_cancel(shape: Any, layout: str, mean: float) -> None:
     """float32 rows of unit spread on a mean of 1e7: the one-pass sums of x and x^2 cancelled (rstd off by up to
     5x on long rows); shifted by the row's first element they do not. Dense, strided-row and packed layouts."""
@@ -223,8 +255,12 @@ def test_float64_norms_of_rows_of_one_large_value_are_zero(value: float, n: int,
     r = run_checked(ops.layer_norm, on_device(x, layout), normalized_shape=(n,), eps=1e-12)
     np.testing.assert_array_equal(r.outputs[0], 0.0)
     np.testing.assert_array_equal(r.outputs[1].ravel(), x[:, 0])
-    g = run_checked(ops.group_norm, on_device(x.reshape(2, 4, n // 4) if n % 4 == 0 else x.reshape(2, 1, n),
-                                                 "dense"), num_groups=1, eps=1e-12)
+    g = run_checked(
+        ops.group_norm,
+        on_device(x.reshape(2, 4, n // 4) if n % 4 == 0 else x.reshape(2, 1, n), "dense"),
+        num_groups=1,
+        eps=1e-12,
+    )
     np.testing.assert_array_equal(g.outputs[0], 0.0)
 
 
@@ -256,8 +292,12 @@ def test_norms_of_empty_rows_follow_the_reference(op: Any, dtype: Any) -> None:
 
 # ---------------------------------------------------------------- batch_norm / group_norm
 def channel_case(min_dims: int = 2) -> Any:
-    return st.tuples(st.integers(0, 3), st.integers(1, 3), st.integers(1, 3),
-                     st.lists(st.integers(0, 5), min_size=min_dims - 2, max_size=2))
+    return st.tuples(
+        st.integers(0, 3),
+        st.integers(1, 3),
+        st.integers(1, 3),
+        st.lists(st.integers(0, 5), min_size=min_dims - 2, max_size=2),
+    )
 
 
 def row_split(shape: Any, strides: Any) -> int | None:
@@ -317,15 +357,22 @@ def test_group_norm_matches_reference(case: Any, layout: str, dtype: Any, affine
     params = [random((shape[1],), dtype, rng), random((shape[1],), dtype, rng)] if affine else []
     x = on_device(a, layout)
     r = run_checked(ops.group_norm, x, *params, num_groups=groups)
-    check(r, ops.group_norm.spec.reference(a, *params, num_groups=groups), dtype,
-          gn_ws(shape, x.desc.strides, dtype, groups))
+    check(
+        r,
+        ops.group_norm.spec.reference(a, *params, num_groups=groups),
+        dtype,
+        gn_ws(shape, x.desc.strides, dtype, groups),
+    )
 
 
-@pytest.mark.parametrize("shape, groups, layout, dtype", [
-    ((2, 4, 300, 300), 2, "dense", np.float32),      # L = 180000: split, Welford partials
-    ((1, 2, 70001), 1, "transposed", np.float32),    # split + packed
-    ((3, 70000, 1), 1, "dense", np.float16),         # split + packed float16
-])
+@pytest.mark.parametrize(
+    "shape, groups, layout, dtype",
+    [
+        ((2, 4, 300, 300), 2, "dense", np.float32),  # L = 180000: split, Welford partials
+        ((1, 2, 70001), 1, "transposed", np.float32),  # split + packed
+        ((3, 70000, 1), 1, "dense", np.float16),  # split + packed float16
+    ],
+)
 def test_group_norm_huge_groups_merge_welford_partials(shape: Any, groups: int, layout: str, dtype: Any) -> None:
     rng = np.random.default_rng(5)
     a = (random(shape, dtype, rng) + 40).astype(dtype)  # an offset mean: the merge must not cancel
@@ -333,8 +380,9 @@ def test_group_norm_huge_groups_merge_welford_partials(shape: Any, groups: int, 
     x = on_device(a, layout)
     r = run_checked(ops.group_norm, x, w, b, num_groups=groups)
     assert r.implementation.startswith("split_groups")
-    check(r, ops.group_norm.spec.reference(a, w, b, num_groups=groups), dtype, gn_ws(shape, x.desc.strides, dtype,
-                                                                                      groups))
+    check(
+        r, ops.group_norm.spec.reference(a, w, b, num_groups=groups), dtype, gn_ws(shape, x.desc.strides, dtype, groups)
+    )
 
 
 def test_group_norm_welford_merge_keeps_float64_variance() -> None:
@@ -366,27 +414,34 @@ def d(shape: Any, dtype: str = "float32") -> TensorDesc:
     return TensorDesc(shape, dtype)
 
 
-@pytest.mark.parametrize("call, arg, expected", [
-    (lambda: ops.log_softmax.get_workspace_size(d((2, 3), "int32")), "x", "float32"),
-    (lambda: ops.softmax.get_workspace_size(d((2, 3)), dim=2), "dim", "[-2, 2)"),
-    (lambda: ops.log_softmax.get_workspace_size(d((2, 3)), dim=1.5), "dim", "int"),
-    (lambda: ops.batch_norm.get_workspace_size(d((2, 3, 4)), d((4,)), d((3,))), "running_mean", "(3,)"),
-    (lambda: ops.batch_norm.get_workspace_size(d((2, 3)), d((3,)), d((3,), "float64")), "running_var", "float32"),
-    (lambda: ops.batch_norm.get_workspace_size(d((3,)), d((3,)), d((3,))), "x", "2 dims"),
-    (lambda: ops.batch_norm.get_workspace_size(d((2, 3)), d((3,))), "inputs", "5 inputs"),
-    (lambda: ops.group_norm.get_workspace_size(d((2, 6, 4)), num_groups=4), "num_groups", "divisor"),
-    (lambda: ops.group_norm.get_workspace_size(d((2, 6, 4)), num_groups=0), "num_groups", "divisor"),
-    (lambda: ops.group_norm.get_workspace_size(d((2, 6)), d((6,), "float16"), num_groups=2), "weight", "float32"),
-    (lambda: ops.group_norm.get_workspace_size(d((2, 6), "int64"), num_groups=2), "x", "float16"),
-    (lambda: ops.group_norm.get_workspace_size(d((2, 6))), "num_groups", "required"),
-    (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), normalized_shape=(4,)), "normalized_shape", "trailing"),
-    (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), d((2,)), normalized_shape=(3,)), "weight", "(3,)"),
-    (lambda: ops.rms_norm.get_workspace_size(d((2, 3), "int32"), normalized_shape=(3,)), "x", "float64"),
-    (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), normalized_shape=(3,), eps=float("nan")), "eps", "finite"),
-    (lambda: ops.rms_norm.get_workspace_size(d((2, 3)), normalized_shape=(3,), eps=float("inf")), "eps", "finite"),
-    (lambda: ops.group_norm.get_workspace_size(d((2, 6)), num_groups=2, eps=float("nan")), "eps", "finite"),
-    (lambda: ops.batch_norm.get_workspace_size(d((2, 3)), d((3,)), d((3,)), eps=float("-inf")), "eps", "finite"),
-])
+@pytest.mark.parametrize(
+    "call, arg, expected",
+    [
+        (lambda: ops.log_softmax.get_workspace_size(d((2, 3), "int32")), "x", "float32"),
+        (lambda: ops.softmax.get_workspace_size(d((2, 3)), dim=2), "dim", "[-2, 2)"),
+        (lambda: ops.log_softmax.get_workspace_size(d((2, 3)), dim=1.5), "dim", "int"),
+        (lambda: ops.batch_norm.get_workspace_size(d((2, 3, 4)), d((4,)), d((3,))), "running_mean", "(3,)"),
+        (lambda: ops.batch_norm.get_workspace_size(d((2, 3)), d((3,)), d((3,), "float64")), "running_var", "float32"),
+        (lambda: ops.batch_norm.get_workspace_size(d((3,)), d((3,)), d((3,))), "x", "2 dims"),
+        (lambda: ops.batch_norm.get_workspace_size(d((2, 3)), d((3,))), "inputs", "5 inputs"),
+        (lambda: ops.group_norm.get_workspace_size(d((2, 6, 4)), num_groups=4), "num_groups", "divisor"),
+        (lambda: ops.group_norm.get_workspace_size(d((2, 6, 4)), num_groups=0), "num_groups", "divisor"),
+        (lambda: ops.group_norm.get_workspace_size(d((2, 6)), d((6,), "float16"), num_groups=2), "weight", "float32"),
+        (lambda: ops.group_norm.get_workspace_size(d((2, 6), "int64"), num_groups=2), "x", "float16"),
+        (lambda: ops.group_norm.get_workspace_size(d((2, 6))), "num_groups", "required"),
+        (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), normalized_shape=(4,)), "normalized_shape", "trailing"),
+        (lambda: ops.layer_norm.get_workspace_size(d((2, 3)), d((2,)), normalized_shape=(3,)), "weight", "(3,)"),
+        (lambda: ops.rms_norm.get_workspace_size(d((2, 3), "int32"), normalized_shape=(3,)), "x", "float64"),
+        (
+            lambda: ops.layer_norm.get_workspace_size(d((2, 3)), normalized_shape=(3,), eps=float("nan")),
+            "eps",
+            "finite",
+        ),
+        (lambda: ops.rms_norm.get_workspace_size(d((2, 3)), normalized_shape=(3,), eps=float("inf")), "eps", "finite"),
+        (lambda: ops.group_norm.get_workspace_size(d((2, 6)), num_groups=2, eps=float("nan")), "eps", "finite"),
+        (lambda: ops.batch_norm.get_workspace_size(d((2, 3)), d((3,)), d((3,)), eps=float("-inf")), "eps", "finite"),
+    ],
+)
 def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str, expected: str) -> None:
     with pytest.raises(ParamError) as e:
         call()
@@ -400,6 +455,7 @@ def test_norm_statistics_outputs_whose_dims_do_not_merge_are_refused_in_phase_1(
     """mean / rstd are written as (K,) vectors: a transposed (2, 3, 1) view was a raw TypeError while binding
     (found by a views audit, /tmp/audit15); refused as reduce_mean refuses the same view."""
     from twophase import device
+
     dev = device("cpu")
     x = dev.tensor(np.ones((2, 3, 4), np.float32))
     outs: list[Any] = [dev.empty((2, 3, 4)), dev.empty((2, 3, 1)), dev.empty((2, 3, 1))]
@@ -407,19 +463,25 @@ def test_norm_statistics_outputs_whose_dims_do_not_merge_are_refused_in_phase_1(
     outs[which] = odd.strided((2, 3, 1), (1, 2, 1), 0)
     with pytest.raises(ParamError, match=f"argument '{('mean', 'rstd')[which - 1]}'.*merge into one strided"):
         op.get_workspace_size(x, out=tuple(outs), normalized_shape=(4,))
-    for t in (x, odd, *outs[:which], *outs[which + 1:]):
+    for t in (x, odd, *outs[:which], *outs[which + 1 :]):
         t.free()
 
 
 # ---------------------------------------------------------------- layer_norm / rms_norm with streaming stores
 @pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
 @settings(max_examples=40, deadline=None)
-@given(rows=st.integers(1, 9), n=st.integers(1, 70), offsets=st.tuples(st.integers(0, 9), st.integers(0, 9)),
-       dtype=st.sampled_from([np.float32, np.float64]), rms=st.booleans(), affine=st.booleans(),
-       parts=st.integers(1, 3))
-def test_streaming_norm_rows_match_the_reference_at_any_alignment(rows: int, n: int, offsets: tuple[int, int],
-                                                                 dtype: Any, rms: bool, affine: bool,
-                                                                 parts: int) -> None:
+@given(
+    rows=st.integers(1, 9),
+    n=st.integers(1, 70),
+    offsets=st.tuples(st.integers(0, 9), st.integers(0, 9)),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    rms=st.booleans(),
+    affine=st.booleans(),
+    parts=st.integers(1, 3),
+)
+def test_streaming_norm_rows_match_the_reference_at_any_alignment(
+    rows: int, n: int, offsets: tuple[int, int], dtype: Any, rms: bool, affine: bool, parts: int
+) -> None:
     """Rows of any length starting at any element offset (each row's scalar head runs up to its first 32-byte
     boundary): every output element is written (a signalling-NaN poison is gone), nothing around the output is, the
     values match the float64 reference, and within a few ulp the 'rows' kernel's."""
@@ -430,10 +492,10 @@ def test_streaming_norm_rows_match_the_reference_at_any_alignment(rows: int, n: 
     op = ops.rms_norm if rms else ops.layer_norm
     params = ([w] if rms else [w, b]) if affine else []
     bx = np.zeros(rows * n + 9, dtype)
-    bx[offsets[0]:offsets[0] + rows * n] = x.reshape(-1)
+    bx[offsets[0] : offsets[0] + rows * n] = x.reshape(-1)
     poison = np.full(rows * n, POISON_BITS[dtype]).view(dtype)
     bout = np.full(rows * n + 9, 7.0, dtype)
-    bout[offsets[1]:offsets[1] + rows * n] = poison
+    bout[offsets[1] : offsets[1] + rows * n] = poison
     (_, tx), (whole, tout) = (dense_at(a, (rows, n), o) for a, o in zip((bx, bout), offsets))
     tp = [dev.tensor(p) for p in params]
     with forced("rows_streaming"), num_threads(parts), mock.patch.object(norm_kernels, "FANOUT_MIN", 1):
@@ -444,15 +506,16 @@ def test_streaming_norm_rows_match_the_reference_at_any_alignment(rows: int, n: 
     assert ex.implementation == "rows_streaming" and size == 0
     op(None, 0, ex, dev.default_stream)
     out = whole.numpy()
-    written = out[offsets[1]:offsets[1] + rows * n]
+    written = out[offsets[1] : offsets[1] + rows * n]
     assert not (written.view(POISON_BITS[dtype].dtype) == POISON_BITS[dtype]).any()
     assert (np.delete(out, np.arange(offsets[1], offsets[1] + rows * n)) == 7.0).all()
     want = op.spec.reference(x, *params, normalized_shape=(n,))[0]
     np.testing.assert_allclose(written.reshape(rows, n).astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
     with forced("rows"):
         plain = getattr(twophase, op.name)(dev.tensor(x), *(dev.tensor(p) for p in params), normalized_shape=(n,))[0]
-    np.testing.assert_allclose(written.reshape(rows, n), plain.numpy(), rtol=4 * np.finfo(dtype).eps,
-                               atol=4 * np.finfo(dtype).eps)
+    np.testing.assert_allclose(
+        written.reshape(rows, n), plain.numpy(), rtol=4 * np.finfo(dtype).eps, atol=4 * np.finfo(dtype).eps
+    )
 
 
 def test_streaming_norms_are_ranked_first_only_for_outputs_as_large_as_the_last_level_cache() -> None:
@@ -467,11 +530,14 @@ def test_streaming_norms_are_ranked_first_only_for_outputs_as_large_as_the_last_
         _, ex = op.get_workspace_size(*descs, normalized_shape=(n,))
         ex.destroy()
         return ex.implementation
+
     want = "rows_streaming" if streaming.AVAILABLE else "rows"
     assert impl(big, w, w) == impl(big, w, op=ops.rms_norm) == impl(big) == want
     assert impl(small, w, w) == "rows"
-    cases = {"strided weight": (big, TensorDesc((n,), DType.float32, strides=(2,))),
-             "strided rows": (TensorDesc((llc // 4 // n, n), DType.float32, strides=(2 * n, 1)),)}
+    cases = {
+        "strided weight": (big, TensorDesc((n,), DType.float32, strides=(2,))),
+        "strided rows": (TensorDesc((llc // 4 // n, n), DType.float32, strides=(2 * n, 1)),),
+    }
     for case, descs in cases.items():
         assert impl(*descs) == "rows", case
         with forced("rows_streaming"), pytest.raises(ParamError) as err:

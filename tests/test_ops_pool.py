@@ -22,14 +22,21 @@ def _check(r: Any, ref: np.ndarray) -> None:
     np.testing.assert_allclose(r.outputs[0], ref, rtol=1e-5, atol=1e-6)
 
 
-window = dict(k=st.tuples(st.integers(1, 4), st.integers(1, 3)), s=st.tuples(st.integers(1, 3), st.integers(1, 3)),
-              ceil=st.booleans(), h=st.integers(4, 10), w=st.integers(4, 9), seed=st.integers(0, 2**31))
+window = dict(
+    k=st.tuples(st.integers(1, 4), st.integers(1, 3)),
+    s=st.tuples(st.integers(1, 3), st.integers(1, 3)),
+    ceil=st.booleans(),
+    h=st.integers(4, 10),
+    w=st.integers(4, 9),
+    seed=st.integers(0, 2**31),
+)
 
 
 @settings(max_examples=20, deadline=None)
 @given(**window, dil=st.tuples(st.integers(1, 2), st.integers(1, 2)), data=st.data())
-def test_max_pool2d_matches_reference(k: Any, s: Any, ceil: bool, h: int, w: int, seed: int, dil: Any,
-                                      data: Any) -> None:
+def test_max_pool2d_matches_reference(
+    k: Any, s: Any, ceil: bool, h: int, w: int, seed: int, dil: Any, data: Any
+) -> None:
     rng = np.random.default_rng(seed)
     pad = (data.draw(st.integers(0, k[0] // 2)), data.draw(st.integers(0, k[1] // 2)))
     x = rng.standard_normal((2, 3, h, w)).astype(np.float32)
@@ -41,8 +48,9 @@ def test_max_pool2d_matches_reference(k: Any, s: Any, ceil: bool, h: int, w: int
 
 @settings(max_examples=20, deadline=None)
 @given(**window, include_pad=st.booleans(), data=st.data())
-def test_avg_pool2d_matches_reference(k: Any, s: Any, ceil: bool, h: int, w: int, seed: int, include_pad: bool,
-                                      data: Any) -> None:
+def test_avg_pool2d_matches_reference(
+    k: Any, s: Any, ceil: bool, h: int, w: int, seed: int, include_pad: bool, data: Any
+) -> None:
     rng = np.random.default_rng(seed)
     pad = (data.draw(st.integers(0, k[0] // 2)), data.draw(st.integers(0, k[1] // 2)))
     x = rng.standard_normal((2, 3, h, w)).astype(np.float32)
@@ -73,12 +81,15 @@ def test_pooling_nhwc_matches_nchw(rng: np.random.Generator) -> None:
     np.testing.assert_allclose(r.outputs[0], _ref_max(x, 2).transpose(0, 2, 3, 1))
 
 
-@pytest.mark.parametrize("op,attrs,arg", [
-    (max_pool2d, {"kernel_size": 2, "padding": 2}, "padding"),
-    (max_pool2d, {"kernel_size": 0}, "kernel_size"),
-    (avg_pool2d, {"kernel_size": 9}, "x"),
-    (adaptive_avg_pool2d, {"output_size": 0}, "output_size"),
-])
+@pytest.mark.parametrize(
+    "op,attrs,arg",
+    [
+        (max_pool2d, {"kernel_size": 2, "padding": 2}, "padding"),
+        (max_pool2d, {"kernel_size": 0}, "kernel_size"),
+        (avg_pool2d, {"kernel_size": 9}, "x"),
+        (adaptive_avg_pool2d, {"output_size": 0}, "output_size"),
+    ],
+)
 def test_pooling_rejects_bad_arguments(op: Any, attrs: dict[str, Any], arg: str) -> None:
     with pytest.raises(ParamError) as e:
         op.get_workspace_size(device("cpu").tensor(np.ones((1, 2, 5, 5), np.float32)), **attrs)

@@ -19,10 +19,17 @@ NAMES = ["reduce_sum", "reduce_mean", "reduce_max", "reduce_min"]
 
 
 @settings(max_examples=40, deadline=None)
-@given(name=st.sampled_from(NAMES), shape=shapes(1, 4, 6), layout=st.sampled_from(LAYOUTS), keep=st.booleans(),
-       dtype=st.sampled_from([np.float32, np.float64, np.int32, np.float16]), data=st.data())
-def test_reduction_matches_float64_reference(name: str, shape: tuple[int, ...], layout: str, keep: bool, dtype: Any,
-                                             data: Any) -> None:
+@given(
+    name=st.sampled_from(NAMES),
+    shape=shapes(1, 4, 6),
+    layout=st.sampled_from(LAYOUTS),
+    keep=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64, np.int32, np.float16]),
+    data=st.data(),
+)
+def test_reduction_matches_float64_reference(
+    name: str, shape: tuple[int, ...], layout: str, keep: bool, dtype: Any, data: Any
+) -> None:
     if name == "reduce_mean" and dtype == np.int32:
         dtype = np.float64
     dims = tuple(data.draw(st.sets(st.integers(-len(shape), len(shape) - 1), max_size=len(shape))))
@@ -40,13 +47,15 @@ def test_reduction_matches_float64_reference(name: str, shape: tuple[int, ...], 
     np.testing.assert_allclose(r.outputs[0].astype(np.float64), ref, rtol=tol, atol=tol)
 
 
-@pytest.mark.parametrize("name,n", [("reduce_sum", 17_000_000), ("reduce_mean", 300_000), ("reduce_max", 17_000_000),
-                                    ("reduce_min", 300_000)])
+@pytest.mark.parametrize(
+    "name,n",
+    [("reduce_sum", 17_000_000), ("reduce_mean", 300_000), ("reduce_max", 17_000_000), ("reduce_min", 300_000)],
+)
 def test_long_extent_uses_multi_level_tree_with_partials_in_workspace(name: str, n: int) -> None:
     x = np.random.default_rng(5).standard_normal((2, n // 2)).astype(np.float32).reshape(1, -1)
     r = run_checked(getattr(ops, name), x, dims=(1,))
     levels = tree_levels(n, 4096)
-    assert len(levels) == (2 if n > 4096 ** 2 else 1) and r.tiling.levels == levels
+    assert len(levels) == (2 if n > 4096**2 else 1) and r.tiling.levels == levels
     assert r.implementation == ("tree_parallel" if n >= 1 << 20 else "tree")
     assert r.workspace_size > 0 and r.touched > 0 and r.guards_intact
     np.testing.assert_allclose(r.outputs[0], getattr(ops, name).spec.reference(x, dims=(1,)), rtol=1e-5)
@@ -60,12 +69,15 @@ def test_max_min_propagate_nan() -> None:
         assert not np.isnan(got[0]) and np.isnan(got[1])
 
 
-@pytest.mark.parametrize("call,arg", [
-    (lambda: ops.reduce_max.get_workspace_size(on_device(np.ones((2, 0))), dims=(1,)), "dims"),
-    (lambda: ops.reduce_mean.get_workspace_size(on_device(np.ones(3, np.int32))), "x"),
-    (lambda: ops.reduce_min.get_workspace_size(on_device(np.ones((2, 3))), dims=(0, -2)), "dims"),
-    (lambda: ops.reduce_max.get_workspace_size(on_device(np.ones((2, 3))), dims=(2,)), "dims"),
-])
+@pytest.mark.parametrize(
+    "call,arg",
+    [
+        (lambda: ops.reduce_max.get_workspace_size(on_device(np.ones((2, 0))), dims=(1,)), "dims"),
+        (lambda: ops.reduce_mean.get_workspace_size(on_device(np.ones(3, np.int32))), "x"),
+        (lambda: ops.reduce_min.get_workspace_size(on_device(np.ones((2, 3))), dims=(0, -2)), "dims"),
+        (lambda: ops.reduce_max.get_workspace_size(on_device(np.ones((2, 3))), dims=(2,)), "dims"),
+    ],
+)
 def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -> None:
     with pytest.raises(ParamError) as e:
         call()
@@ -103,8 +115,11 @@ def documented_workspace(name: str, x: Any, red: tuple[int, ...], block: int = 4
     packed = f16 or not _merges(shape, strides, kept) or not _merges(shape, strides, red)
     ws = 0
     for n in _levels(r, block):
-        ws += _align64(k_rows * n * v) + _align64(k_rows * n * 8) if name == "argmax" else \
-            _align64(k_rows * n * (8 if name == "reduce_mean" else 24))
+        ws += (
+            _align64(k_rows * n * v) + _align64(k_rows * n * 8)
+            if name == "argmax"
+            else _align64(k_rows * n * (8 if name == "reduce_mean" else 24))
+        )
     if name == "var" and _levels(r, block):  # a one-block row goes straight to out
         ws += _align64(k_rows * 24)
     if packed:
@@ -120,11 +135,17 @@ def check_workspace(r: Any, expected: int) -> None:
 
 
 @settings(max_examples=50, deadline=None)
-@given(shape=shapes(1, 4, 6), layout=st.sampled_from(LAYOUTS), keep=st.booleans(),
-       dtype=st.sampled_from([np.float32, np.float64, np.int32, np.int64, np.float16]), nans=st.booleans(),
-       data=st.data())
-def test_argmax_matches_numpy_first_index_nan_wins(shape: tuple[int, ...], layout: str, keep: bool, dtype: Any,
-                                                   nans: bool, data: Any) -> None:
+@given(
+    shape=shapes(1, 4, 6),
+    layout=st.sampled_from(LAYOUTS),
+    keep=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64, np.int32, np.int64, np.float16]),
+    nans=st.booleans(),
+    data=st.data(),
+)
+def test_argmax_matches_numpy_first_index_nan_wins(
+    shape: tuple[int, ...], layout: str, keep: bool, dtype: Any, nans: bool, data: Any
+) -> None:
     dim = data.draw(st.integers(-len(shape), len(shape) - 1))
     shape = tuple(max(n, 1) if i == dim % len(shape) else n for i, n in enumerate(shape))
     rng = np.random.default_rng(sum(shape) + len(shape))
@@ -142,13 +163,22 @@ def test_argmax_matches_numpy_first_index_nan_wins(shape: tuple[int, ...], layou
 
 
 @settings(max_examples=50, deadline=None)
-@given(shape=shapes(1, 4, 6), layout=st.sampled_from(LAYOUTS), keep=st.booleans(),
-       dtype=st.sampled_from([np.float32, np.float64, np.float16]), correction=st.sampled_from([0, 1, 2, 0.5]),
-       data=st.data())
-def test_var_matches_float64_numpy(shape: tuple[int, ...], layout: str, keep: bool, dtype: Any, correction: float,
-                                   data: Any) -> None:
-    dims = tuple(data.draw(st.lists(st.integers(-len(shape), len(shape) - 1), max_size=len(shape),
-                                    unique_by=lambda d: d % len(shape))))
+@given(
+    shape=shapes(1, 4, 6),
+    layout=st.sampled_from(LAYOUTS),
+    keep=st.booleans(),
+    dtype=st.sampled_from([np.float32, np.float64, np.float16]),
+    correction=st.sampled_from([0, 1, 2, 0.5]),
+    data=st.data(),
+)
+def test_var_matches_float64_numpy(
+    shape: tuple[int, ...], layout: str, keep: bool, dtype: Any, correction: float, data: Any
+) -> None:
+    dims = tuple(
+        data.draw(
+            st.lists(st.integers(-len(shape), len(shape) - 1), max_size=len(shape), unique_by=lambda d: d % len(shape))
+        )
+    )
     x = random(shape, dtype, np.random.default_rng(len(shape))) + np.asarray(100, dtype)  # an offset: no cancellation
     t = on_device(x, layout)
     r = run_checked(ops.var, t, dims=dims, correction=correction, keep_dims=keep)
@@ -156,8 +186,12 @@ def test_var_matches_float64_numpy(shape: tuple[int, ...], layout: str, keep: bo
         ref = np.var(x.astype(np.float64), axis=tuple(dims) if dims else None, ddof=correction, keepdims=keep)
     assert r.outputs[0].dtype == dtype and r.unwritten == (int(np.isnan(ref).sum()),)
     tol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
-    np.testing.assert_allclose(r.outputs[0].astype(np.float64), ref.astype(dtype).astype(np.float64) if
-                               dtype == np.float16 else ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(
+        r.outputs[0].astype(np.float64),
+        ref.astype(dtype).astype(np.float64) if dtype == np.float16 else ref,
+        rtol=tol,
+        atol=tol,
+    )
     red = tuple(sorted(d % len(shape) for d in dims)) if dims else tuple(range(len(shape)))
     check_workspace(r, documented_workspace("var", t, red))
 
@@ -167,14 +201,16 @@ def small_blocks(monkeypatch: Any) -> Any:
     """Blocks of 4 elements: small inputs make trees of several levels (the plan cache is cleared around it)."""
     import twophase.ops.reduce as reduce_mod
     from twophase.cache import clear_cache
+
     clear_cache()
     monkeypatch.setattr(reduce_mod, "BLOCK", 4)
     yield 4
     clear_cache()
 
 
-@pytest.mark.parametrize("shape,layout", [((3, 1000), "dense"), ((3, 1000), "reversed"), ((2, 301), "transposed"),
-                                          ((2, 77), "strided")])
+@pytest.mark.parametrize(
+    "shape,layout", [((3, 1000), "dense"), ((3, 1000), "reversed"), ((2, 301), "transposed"), ((2, 77), "strided")]
+)
 def test_multi_level_argmax_and_var_with_small_blocks(small_blocks: int, shape: tuple[int, ...], layout: str) -> None:
     rng = np.random.default_rng(7)
     x = np.round(rng.standard_normal(shape) * 4).astype(np.float32)
@@ -263,7 +299,7 @@ def test_float32_sum_at_least_as_accurate_as_numpy() -> None:
     x = (np.random.default_rng(10).random(3_000_000) * 1000 + 1e4).astype(np.float32)
     exact = float(np.sum(x.astype(np.float64)))
     ours = float(run_checked(ops.reduce_sum, x).outputs[0])
-    assert abs(ours - exact) <= abs(float(np.sum(x)) - exact) + abs(exact) * 2 ** -24
+    assert abs(ours - exact) <= abs(float(np.sum(x)) - exact) + abs(exact) * 2**-24
 
 
 def test_var_degenerate_counts_follow_numpy_ddof() -> None:
@@ -274,17 +310,20 @@ def test_var_degenerate_counts_follow_numpy_ddof() -> None:
     assert run_checked(ops.argmax, np.float64(3.0), dim=0).outputs[0] == 0
 
 
-@pytest.mark.parametrize("call,arg", [
-    (lambda: ops.argmax.get_workspace_size(on_device(np.ones((2, 0))), dim=1), "dim"),
-    (lambda: ops.argmax.get_workspace_size(on_device(np.ones((2, 3))), dim=2), "dim"),
-    (lambda: ops.argmax.get_workspace_size(on_device(np.ones((2, 3)))), "dim"),
-    (lambda: ops.argmax.get_workspace_size(on_device(np.ones(3, bool)), dim=0), "x"),
-    (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), correction=-1), "correction"),
-    (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), correction=float("nan")), "correction"),
-    (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), correction="1"), "correction"),
-    (lambda: ops.var.get_workspace_size(on_device(np.ones(3, np.int32))), "x"),
-    (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), dims=(1, -1)), "dims"),
-])
+@pytest.mark.parametrize(
+    "call,arg",
+    [
+        (lambda: ops.argmax.get_workspace_size(on_device(np.ones((2, 0))), dim=1), "dim"),
+        (lambda: ops.argmax.get_workspace_size(on_device(np.ones((2, 3))), dim=2), "dim"),
+        (lambda: ops.argmax.get_workspace_size(on_device(np.ones((2, 3)))), "dim"),
+        (lambda: ops.argmax.get_workspace_size(on_device(np.ones(3, bool)), dim=0), "x"),
+        (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), correction=-1), "correction"),
+        (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), correction=float("nan")), "correction"),
+        (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), correction="1"), "correction"),
+        (lambda: ops.var.get_workspace_size(on_device(np.ones(3, np.int32))), "x"),
+        (lambda: ops.var.get_workspace_size(on_device(np.ones((2, 3))), dims=(1, -1)), "dims"),
+    ],
+)
 def test_argmax_var_bad_inputs_raise_param_error(call: Any, arg: str) -> None:
     with pytest.raises(ParamError) as e:
         call()
@@ -292,14 +331,21 @@ def test_argmax_var_bad_inputs_raise_param_error(call: Any, arg: str) -> None:
 
 
 # ---------------------------------------------------------------- large means, float16 / float32 means, 0-d inputs
-LARGE_MEAN_CASES = [((4096,), (), "dense"), ((3, 1000), (1,), "padded"), ((2, 300_000), (1,), "dense"),
-                    ((5000, 3), (0,), "dense"), ((7, 11, 13), (0, 2), "transposed"), ((9, 5000), (1,), "reversed")]
+LARGE_MEAN_CASES = [
+    ((4096,), (), "dense"),
+    ((3, 1000), (1,), "padded"),
+    ((2, 300_000), (1,), "dense"),
+    ((5000, 3), (0,), "dense"),
+    ((7, 11, 13), (0, 2), "transposed"),
+    ((9, 5000), (1,), "reversed"),
+]
 
 
 @pytest.mark.parametrize("mean", [1e6, 1e7])
 @pytest.mark.parametrize("shape,dims,layout", LARGE_MEAN_CASES)
-def test_float32_var_of_large_mean_data_does_not_cancel(shape: tuple[int, ...], dims: tuple[int, ...], layout: str,
-                                                        mean: float) -> None:
+def test_float32_var_of_large_mean_data_does_not_cancel(
+    shape: tuple[int, ...], dims: tuple[int, ...], layout: str, mean: float
+) -> None:
     """Unit spread on a mean of 1e7: sums of x and x^2 cancel (var was off by 30%); shifted by a sample they do
     not. Rows of one block, split rows merged over levels, strided and packed inputs."""
     x = (mean + np.random.default_rng(len(shape)).standard_normal(shape)).astype(np.float32)
@@ -329,12 +375,21 @@ def test_float64_var_of_rows_of_one_large_value(n: int) -> None:
         np.testing.assert_array_equal(r.outputs[0], 0.0)
 
 
-@pytest.mark.parametrize("shape,dims,layout", [((100,), (), "dense"), ((3, 5000, 7), (1,), "dense"),
-                                               ((3, 5000, 7), (0, 2), "strided"), ((9000, 4), (0,), "dense"),
-                                               ((4, 9000), (1,), "transposed"), ((2, 300_000), (), "dense")])
+@pytest.mark.parametrize(
+    "shape,dims,layout",
+    [
+        ((100,), (), "dense"),
+        ((3, 5000, 7), (1,), "dense"),
+        ((3, 5000, 7), (0, 2), "strided"),
+        ((9000, 4), (0,), "dense"),
+        ((4, 9000), (1,), "transposed"),
+        ((2, 300_000), (), "dense"),
+    ],
+)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32])
-def test_mean_near_the_dtype_max_does_not_overflow(shape: tuple[int, ...], dims: tuple[int, ...], layout: str,
-                                                   dtype: Any) -> None:
+def test_mean_near_the_dtype_max_does_not_overflow(
+    shape: tuple[int, ...], dims: tuple[int, ...], layout: str, dtype: Any
+) -> None:
     """The float64 sum is scaled by 1/R before the cast: a mean overflows only where the mean itself does (the sum
     was cast first: 100 x 1000.0 in float16 gave inf, as did 2 x 3e38 in float32)."""
     big = float(np.finfo(dtype).max)

@@ -21,10 +21,15 @@ def all_written(r: Any) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=shapes(1, 4), layout=st.sampled_from(LAYOUTS), data=st.data(),
-       dtype=st.sampled_from([np.float32, np.int64, np.float16]))
-def test_contiguous_permute_transpose_slice_match_numpy(shape: tuple[int, ...], layout: str, data: Any,
-                                                         dtype: Any) -> None:
+@given(
+    shape=shapes(1, 4),
+    layout=st.sampled_from(LAYOUTS),
+    data=st.data(),
+    dtype=st.sampled_from([np.float32, np.int64, np.float16]),
+)
+def test_contiguous_permute_transpose_slice_match_numpy(
+    shape: tuple[int, ...], layout: str, data: Any, dtype: Any
+) -> None:
     x = random(shape, dtype, np.random.default_rng(0))
     t = on_device(x, layout)
     r = run_checked(ops.contiguous, t)
@@ -47,8 +52,9 @@ def test_contiguous_permute_transpose_slice_match_numpy(shape: tuple[int, ...], 
 def test_concat_then_split_roundtrip(shape: tuple[int, ...], n: int, layout: str, data: Any) -> None:
     dim = data.draw(st.integers(0, len(shape) - 1))
     rng = np.random.default_rng(n)
-    parts = [random(shape[:dim] + (data.draw(st.integers(0, 3)),) + shape[dim + 1:], np.float32, rng)
-             for _ in range(n)]
+    parts = [
+        random(shape[:dim] + (data.draw(st.integers(0, 3)),) + shape[dim + 1 :], np.float32, rng) for _ in range(n)
+    ]
     r = run_checked(ops.concat, *[on_device(p, layout) for p in parts], dim=dim)
     all_written(r)
     joined = np.concatenate(parts, axis=dim)
@@ -70,6 +76,7 @@ def test_split_refuses_more_parts_than_it_can_list_before_listing_them() -> None
     from the count (a fuzzed 2^40-long dim in chunks of 2 once hung phase 1 building the list)."""
     from twophase import DType, TensorDesc
     from twophase.ops.shape import MAX_SPLIT_PARTS
+
     with pytest.raises(ParamError) as e:
         ops.split.get_workspace_size(TensorDesc((1 << 40, 2), DType.int8), sizes=2)
     assert e.value.arg == "sizes" and str(MAX_SPLIT_PARTS) in str(e.value)
@@ -87,8 +94,9 @@ def test_transpose_of_a_0d_tensor_is_the_tensor() -> None:
 @settings(max_examples=30, deadline=None)
 @given(shape=shapes(1, 3, 5), layout=st.sampled_from(LAYOUTS), data=st.data())
 def test_pad_constant_matches_numpy_and_writes_every_element(shape: tuple[int, ...], layout: str, data: Any) -> None:
-    pads = tuple(data.draw(st.lists(st.integers(0, 3), min_size=0, max_size=2 * len(shape)).filter(
-        lambda p: len(p) % 2 == 0)))
+    pads = tuple(
+        data.draw(st.lists(st.integers(0, 3), min_size=0, max_size=2 * len(shape)).filter(lambda p: len(p) % 2 == 0))
+    )
     x = random(shape, np.float64, np.random.default_rng(1))
     r = run_checked(ops.pad, on_device(x, layout), pads=pads, value=2.5)
     all_written(r)
@@ -128,19 +136,24 @@ def test_embedding_out_of_range_index_raises_param_error_at_sync_and_stream_reco
     ws.free(s)
 
 
-@pytest.mark.parametrize("call,arg", [
-    (lambda: ops.permute.get_workspace_size(on_device(np.ones((2, 3))), dims=(0, 0)), "dims"),
-    (lambda: ops.concat.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones((3, 3))), dim=1), "xs[1]"),
-    (lambda: ops.concat.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones((2, 3), np.float32))),
-     "xs[1]"),
-    (lambda: ops.split.get_workspace_size(on_device(np.ones(5)), sizes=(2, 2)), "sizes"),
-    (lambda: ops.slice.get_workspace_size(on_device(np.ones(5)), step=0), "step"),
-    (lambda: ops.slice.get_workspace_size(on_device(np.ones(5)), dim=1), "dim"),
-    (lambda: ops.pad.get_workspace_size(on_device(np.ones(5)), pads=(1,)), "pads"),
-    (lambda: ops.pad.get_workspace_size(on_device(np.ones(5)), pads=(1, -1)), "pads"),
-    (lambda: ops.embedding.get_workspace_size(on_device(np.ones((3, 2))), on_device(np.ones(2))), "indices"),
-    (lambda: ops.embedding.get_workspace_size(on_device(np.ones(3)), on_device(np.ones(2, np.int32))), "weight"),
-])
+@pytest.mark.parametrize(
+    "call,arg",
+    [
+        (lambda: ops.permute.get_workspace_size(on_device(np.ones((2, 3))), dims=(0, 0)), "dims"),
+        (lambda: ops.concat.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones((3, 3))), dim=1), "xs[1]"),
+        (
+            lambda: ops.concat.get_workspace_size(on_device(np.ones((2, 3))), on_device(np.ones((2, 3), np.float32))),
+            "xs[1]",
+        ),
+        (lambda: ops.split.get_workspace_size(on_device(np.ones(5)), sizes=(2, 2)), "sizes"),
+        (lambda: ops.slice.get_workspace_size(on_device(np.ones(5)), step=0), "step"),
+        (lambda: ops.slice.get_workspace_size(on_device(np.ones(5)), dim=1), "dim"),
+        (lambda: ops.pad.get_workspace_size(on_device(np.ones(5)), pads=(1,)), "pads"),
+        (lambda: ops.pad.get_workspace_size(on_device(np.ones(5)), pads=(1, -1)), "pads"),
+        (lambda: ops.embedding.get_workspace_size(on_device(np.ones((3, 2))), on_device(np.ones(2))), "indices"),
+        (lambda: ops.embedding.get_workspace_size(on_device(np.ones(3)), on_device(np.ones(2, np.int32))), "weight"),
+    ],
+)
 def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -> None:
     with pytest.raises(ParamError) as e:
         call()
@@ -175,8 +188,17 @@ def test_pad_of_a_0d_tensor_without_pads_is_a_copy() -> None:
 def test_pad_value_is_written_as_numpy_writes_it() -> None:
     """Ints exactly (a float went through float64: 2**62 + 1 became 2**62), a float truncated toward 0 into an int
     dtype, a bool into bool, and a float16 overflow to inf: each as np.pad."""
-    cases = [(np.int64, 2**62 + 1), (np.int64, -2**63), (np.int64, 2**63 - 1), (np.uint8, 255), (np.int32, -2.5),
-             (np.bool_, True), (np.bool_, 0.0), (np.float16, 1e6), (np.float64, 2**62 + 1)]
+    cases = [
+        (np.int64, 2**62 + 1),
+        (np.int64, -(2**63)),
+        (np.int64, 2**63 - 1),
+        (np.uint8, 255),
+        (np.int32, -2.5),
+        (np.bool_, True),
+        (np.bool_, 0.0),
+        (np.float16, 1e6),
+        (np.float64, 2**62 + 1),
+    ]
     for dtype, value in cases:
         x = np.ones(2, dtype)
         with np.errstate(over="ignore"):
@@ -185,11 +207,23 @@ def test_pad_value_is_written_as_numpy_writes_it() -> None:
         assert got.dtype == want.dtype and got.tolist() == want.tolist(), (dtype, value)
 
 
-@pytest.mark.parametrize("dtype,value", [
-    (DType.int32, float("nan")), (DType.int32, float("inf")), (DType.int32, 1e20), (DType.int32, 2**31),
-    (DType.int64, 2**63), (DType.int64, -2**63 - 1), (DType.uint8, -1), (DType.int8, 128),
-    (DType.bool, 2), (DType.bool, float("nan")), (DType.bool, 0.5),
-    pytest.param(DType.float32, 2**1100, id="float32-2**1100")])
+@pytest.mark.parametrize(
+    "dtype,value",
+    [
+        (DType.int32, float("nan")),
+        (DType.int32, float("inf")),
+        (DType.int32, 1e20),
+        (DType.int32, 2**31),
+        (DType.int64, 2**63),
+        (DType.int64, -(2**63) - 1),
+        (DType.uint8, -1),
+        (DType.int8, 128),
+        (DType.bool, 2),
+        (DType.bool, float("nan")),
+        (DType.bool, 0.5),
+        pytest.param(DType.float32, 2**1100, id="float32-2**1100"),
+    ],
+)
 def test_pad_value_the_dtype_cannot_hold_is_a_param_error_in_phase_1(dtype: DType, value: Any) -> None:
     """numpy raised these only in the kernel (a KernelError at sync) or wrapped them; bool takes 0 or 1."""
     with pytest.raises(ParamError) as e:

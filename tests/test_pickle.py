@@ -20,9 +20,11 @@ from twophase.tensor import Format
 
 
 @settings(max_examples=40, deadline=None)
-@given(shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
-       dtype=st.sampled_from([np.float32, np.float64, np.float16, np.int32, np.int64, np.bool_]),
-       seed=st.integers(0, 2**31 - 1))
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
+    dtype=st.sampled_from([np.float32, np.float64, np.float16, np.int32, np.int64, np.bool_]),
+    seed=st.integers(0, 2**31 - 1),
+)
 def test_a_tensor_pickles_as_its_data_on_its_device(shape: list[int], dtype: Any, seed: int) -> None:
     dev = tp.device("cpu")
     data = (np.random.default_rng(seed).standard_normal(shape) * 100).astype(dtype)
@@ -46,8 +48,8 @@ def test_a_view_arrives_dense_and_a_format_is_kept(dev: tp.Device, rng: np.rando
 
 
 def test_pickling_waits_for_the_work_that_writes_the_tensor(
-        dev: tp.Device, stream: tp.Stream, rng: np.random.Generator,
-        gate: Callable[[tp.Stream], threading.Event]) -> None:
+    dev: tp.Device, stream: tp.Stream, rng: np.random.Generator, gate: Callable[[tp.Stream], threading.Event]
+) -> None:
     xs = rng.standard_normal(1000).astype(np.float32)
     x = dev.tensor(xs, stream=stream)
     opened = gate(stream)
@@ -70,9 +72,14 @@ def test_what_lives_in_its_process_refuses_pickling_with_the_way_out(dev: tp.Dev
     with tp.capture(stream) as graph:
         graph.input("x", x)
         graph.output("y", tp.relu(x, stream=stream))
-    things = {"stream": (stream, "dev.stream()"), "event": (stream.record_event(), "record_event()"),
-              "executor": (ex, "get_workspace_size"), "graph": (graph, "capture the graph again"),
-              "block": (block, "pickle a Tensor"), "memorypool": (dev.pool, "pools of its own devices")}
+    things = {
+        "stream": (stream, "dev.stream()"),
+        "event": (stream.record_event(), "record_event()"),
+        "executor": (ex, "get_workspace_size"),
+        "graph": (graph, "capture the graph again"),
+        "block": (block, "pickle a Tensor"),
+        "memorypool": (dev.pool, "pools of its own devices"),
+    }
     try:
         for arg, (obj, way_out) in things.items():
             for attempt in (pickle.dumps, copy.copy):

@@ -202,8 +202,9 @@ def test_plan_cache_belongs_to_its_thread(dev, stream, rng):
     x.free(stream)
 
 
-@pytest.mark.parametrize("kwargs", [{"max_entries": 0}, {"max_entries": 2.5}, {"max_entries": True},
-                                    {"max_bytes": -1}, {"max_bytes": 1.5}])
+@pytest.mark.parametrize(
+    "kwargs", [{"max_entries": 0}, {"max_entries": 2.5}, {"max_entries": True}, {"max_bytes": -1}, {"max_bytes": 1.5}]
+)
 def test_bad_caps_are_refused(kwargs):
     with pytest.raises(twophase.ParamError):
         PlanCache(**kwargs)

@@ -309,6 +309,7 @@ def test_a_miss_trims_a_cache_that_holds_more_than_is_allocated(pool):
     next, so without a trim every miss reserved a new segment (reserved reached 7x allocated); a miss while the
     cache holds more than what is allocated (plus TRIM_SLACK) releases wholly free segments first."""
     from twophase.runtime.memory import TRIM_SLACK
+
     live: list = []
     worst = 0.0
     for i in range(300):
@@ -365,8 +366,10 @@ def _mapped(address: int) -> bool:
     return False
 
 
-@pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE") or not __import__("os").path.exists("/proc/self/maps"),
-                    reason="reads /proc/self/maps (Linux)")
+@pytest.mark.skipif(
+    not hasattr(mmap, "MADV_HUGEPAGE") or not __import__("os").path.exists("/proc/self/maps"),
+    reason="reads /proc/self/maps (Linux)",
+)
 @pytest.mark.parametrize("how", ["one_shot", "plan", "two_parts", "copy_in"])
 def test_empty_cache_unmaps_the_segments_that_launches_ran_on(dev, stream, how):
     """empty_cache gives memory back to the system, not only to the pool's counters, after ops ran on it: the

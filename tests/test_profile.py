@@ -111,6 +111,7 @@ def test_profile_restores_the_plain_entry_points_even_on_error(dev, stream):
 
 def test_a_kernel_error_inside_the_block_is_raised_by_the_callers_sync(stream):
     """The profiler waits for the streams on exit without consuming their errors."""
+
     def boom() -> None:
         raise ValueError("kernel failed")
 
@@ -148,11 +149,18 @@ def test_the_flow_of_a_failed_launch_does_not_end_on_a_later_stream_of_the_same_
     def build(plan, attrs, ins, outs):
         def launch(ws):
             raise ZeroDivisionError("planted")
+
         return launch
 
-    raiser = Op(twophase.OpDef(name="raiser", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
-                               select=lambda ins, outs, attrs, limit: twophase.Plan("raise", None, 0),
-                               kernels={"cpu": build}))
+    raiser = Op(
+        twophase.OpDef(
+            name="raiser",
+            inputs=("x",),
+            infer=lambda ins, attrs: (ins[0],),
+            select=lambda ins, outs, attrs, limit: twophase.Plan("raise", None, 0),
+            kernels={"cpu": build},
+        )
+    )
     with twophase.profile() as prof:
         old = dev.stream("reused")
         x = dev.tensor(np.ones(4, np.float32), stream=old)
@@ -205,8 +213,9 @@ def test_streams_sharing_a_name_get_a_track_each(dev, rng):
         for s in twins:
             s.synchronize()
     tracks = {e["tid"] for e in prof.events if e.get("cat") == "kernel" and e["name"] == "neg"}
-    names = [m["args"]["name"] for m in prof.trace()["traceEvents"] if m.get("name") == "thread_name"
-             and m["tid"] in tracks]
+    names = [
+        m["args"]["name"] for m in prof.trace()["traceEvents"] if m.get("name") == "thread_name" and m["tid"] in tracks
+    ]
     assert len(tracks) == 2 and sorted(names) == ["stream twin track", "stream twin track #2"]
     for s, y in zip(twins, ys):
         y.free(s)

@@ -48,7 +48,7 @@ def test_linear_map_matches_numpy_and_writes_exactly_n(n: int, addend: float, se
     ins = rng.standard_normal((6, n + 3)).astype(np.float32)
     outs = np.full((4, n + 17), np.nan, np.float32)
     _run_map(outs, ins, n, addend)
-    shifted = np.stack([ins[i, s:s + n] for i, s in enumerate(_SHIFTS)]).astype(np.float64)
+    shifted = np.stack([ins[i, s : s + n] for i, s in enumerate(_SHIFTS)]).astype(np.float64)
     want = np.asarray(_M, np.float64) @ shifted + addend
     np.testing.assert_allclose(outs[:, :n], want, rtol=1e-6, atol=1e-5)
     assert np.isnan(outs[:, n:]).all()
@@ -58,7 +58,7 @@ def test_linear_map_in_place() -> None:
     """Outputs may be the inputs' rows (winograd4's B^T down in place): each step reads before it writes."""
     rng = np.random.default_rng(1)
     rows = rng.standard_normal((6, 40)).astype(np.float32)
-    want = np.asarray(_M, np.float64)[:, :6] @ np.stack([rows[i, s:s + 37] for i, s in enumerate(_SHIFTS)])
+    want = np.asarray(_M, np.float64)[:, :6] @ np.stack([rows[i, s : s + 37] for i, s in enumerate(_SHIFTS)])
     _run_map(rows[:4], rows.copy(), 37, 0.0)  # distinct input copy, then check against the same map
     np.testing.assert_allclose(rows[:4, :37], want, rtol=1e-6, atol=1e-5)
 
@@ -74,8 +74,10 @@ def test_deinterleave4_rows(n: int, rows: int, gap: int, seed: int) -> None:
     written = np.zeros(p.shape, bool)
     for i in range(rows):
         for r in range(4):
-            np.testing.assert_array_equal(p[r, i * d_step:i * d_step + n], src[i * s_step + r:i * s_step + 4 * n:4])
-            written[r, i * d_step:i * d_step + n] = True
+            np.testing.assert_array_equal(
+                p[r, i * d_step : i * d_step + n], src[i * s_step + r : i * s_step + 4 * n : 4]
+            )
+            written[r, i * d_step : i * d_step + n] = True
     assert np.isnan(p[~written]).all()
 
 
@@ -89,7 +91,7 @@ def test_interleave4_rows(n: int, rows: int, gap: int, seed: int) -> None:
     _run_inter(_addresses(q, dst), n, rows, s_step, d_step)
     written = np.zeros(dst.shape, bool)
     for i in range(rows):
-        got = dst[i * d_step:i * d_step + 4 * n].reshape(n, 4)
-        np.testing.assert_array_equal(got, q[:, i * s_step:i * s_step + n].T)
-        written[i * d_step:i * d_step + 4 * n] = True
+        got = dst[i * d_step : i * d_step + 4 * n].reshape(n, 4)
+        np.testing.assert_array_equal(got, q[:, i * s_step : i * s_step + n].T)
+        written[i * d_step : i * d_step + 4 * n] = True
     assert np.isnan(dst[~written]).all()

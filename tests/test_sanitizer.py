@@ -61,10 +61,12 @@ def _scribbler(ws_bytes: int, past_end: int = 0, before: int = 0) -> Op:
                 ctypes.memset(addr + ws_bytes, 0x11, past_end)
             if before:
                 ctypes.memset(addr - before, 0x22, before)
+
         return launch
 
-    return Op(OpDef(name="scribble", inputs=("x",), infer=infer, select=select, kernels={"cpu": build},
-                    reference=lambda x: x))
+    return Op(
+        OpDef(name="scribble", inputs=("x",), infer=infer, select=select, kernels={"cpu": build}, reference=lambda x: x)
+    )
 
 
 def _run(op: Op, x: tp.Tensor, s: tp.Stream) -> tp.Tensor:
@@ -130,8 +132,15 @@ def test_kernel_that_reads_its_output_before_writing_it_gives_nan(s):
         x, out = ins[0], outs[0]
         return lambda ws: np.add(out, x, out=out)  # bug: accumulates into uninitialised memory
 
-    op = Op(OpDef(name="accumulate", inputs=("x",), infer=lambda ins, a: (ins[0],),
-                  select=lambda *a: Plan("acc", None, 0), kernels={"cpu": build}))
+    op = Op(
+        OpDef(
+            name="accumulate",
+            inputs=("x",),
+            infer=lambda ins, a: (ins[0],),
+            select=lambda *a: Plan("acc", None, 0),
+            kernels={"cpu": build},
+        )
+    )
     dev = tp.device("cpu")
     x = dev.tensor(np.ones(6, np.float32), stream=s)
     y = _run(op, x, s)
@@ -228,6 +237,7 @@ def test_the_wait_log_keeps_only_pending_waits(san, gate):
     growing by one per wait with each wait scanning it all; waits whose task has completed are dropped, and a
     free ordered by a pending wait is still not reported."""
     from twophase.sanitizer import tracking
+
     dev = tp.device("cpu")
     a, b = dev.stream("ping"), dev.stream("pong")
     for i in range(1000):
@@ -380,6 +390,7 @@ def test_report_lists_leaked_executors_and_blocks_with_their_creation_stack(san)
 
     def dropped() -> None:
         tp.ops.neg.get_workspace_size(TensorDesc((5,)))  # dropped without destroy: memory creep in C
+
     dropped()
     gc.collect()
     with warnings.catch_warnings(record=True) as w:
@@ -425,6 +436,7 @@ def test_off_means_the_plain_functions_are_back():
     from twophase import hooks
     from twophase.runtime.memory import MemoryPool
     from twophase.sanitizer import guards
+
     with sanitizer.sanitize():
         assert tp.Op.__call__ is not hooks._plain_phase2
         others = guards.live_blocks()  # guarded blocks other test files left allocated keep free swapped
@@ -475,10 +487,18 @@ def _raiser() -> Op:
     def build(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
         def launch(ws: Any) -> None:
             raise ZeroDivisionError("planted")
+
         return launch
 
-    return Op(OpDef(name="raiser", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
-                    select=lambda ins, outs, attrs, limit: Plan("raise", None, 0), kernels={"cpu": build}))
+    return Op(
+        OpDef(
+            name="raiser",
+            inputs=("x",),
+            infer=lambda ins, attrs: (ins[0],),
+            select=lambda ins, outs, attrs, limit: Plan("raise", None, 0),
+            kernels={"cpu": build},
+        )
+    )
 
 
 def test_a_new_stream_with_an_old_name_is_not_blamed_for_a_launch_that_failed_there(san):
@@ -529,6 +549,7 @@ def test_two_streams_of_one_name_each_check_their_own_launches(san, gate):
 def _poker(target: str, nbytes: int) -> Op:
     """A buggy op (``poke_past_input`` / ``poke_past_output``): copies x to out, then writes ``nbytes`` past the end
     of its input or its output through the raw address, as a C kernel would."""
+
     def build(plan: Plan, attrs: Any, ins: Any, outs: Any) -> Any:
         x, out = ins[0], outs[0]
         victim = x if target == "input" else out
@@ -536,10 +557,18 @@ def _poker(target: str, nbytes: int) -> Op:
         def launch(ws: Any) -> None:
             out[...] = x
             ctypes.memset(victim.ctypes.data + victim.nbytes, 0x11, nbytes)
+
         return launch
 
-    return Op(OpDef(name=f"poke_past_{target}", inputs=("x",), infer=lambda ins, attrs: (ins[0],),
-                    select=lambda ins, outs, attrs, limit: Plan("poke", None, 0), kernels={"cpu": build}))
+    return Op(
+        OpDef(
+            name=f"poke_past_{target}",
+            inputs=("x",),
+            infer=lambda ins, attrs: (ins[0],),
+            select=lambda ins, outs, attrs, limit: Plan("poke", None, 0),
+            kernels={"cpu": build},
+        )
+    )
 
 
 def test_a_graph_replay_verifies_the_guard_zones_of_its_nodes_operands(s):

@@ -73,16 +73,22 @@ def _long_rows(dtype: type = np.float32) -> np.ndarray:
 
 
 # ops whose workspace is fixed by the shape (one way to run): they plan within the limit or name what they need
-FIXED = [("reduce_sum", (_long_rows(),), {"dims": (1,)}), ("reduce_mean", (_long_rows(),), {"dims": (1,)}),
-         ("reduce_max", (_long_rows(),), {"dims": (1,)}), ("argmax", (_long_rows(),), {"dim": 1}),
-         ("var", (_long_rows(),), {"dims": (1,)}), ("exp", (_long_rows(np.float16),), {}),
-         ("layer_norm", (_long_rows(np.float16),), {"normalized_shape": (40009,)})]
+FIXED = [
+    ("reduce_sum", (_long_rows(),), {"dims": (1,)}),
+    ("reduce_mean", (_long_rows(),), {"dims": (1,)}),
+    ("reduce_max", (_long_rows(),), {"dims": (1,)}),
+    ("argmax", (_long_rows(),), {"dim": 1}),
+    ("var", (_long_rows(),), {"dims": (1,)}),
+    ("exp", (_long_rows(np.float16),), {}),
+    ("layer_norm", (_long_rows(np.float16),), {"normalized_shape": (40009,)}),
+]
 
 
 @pytest.mark.parametrize("name, args, attrs", FIXED, ids=[f[0] for f in FIXED])
 def test_every_op_keeps_to_the_workspace_limit_or_names_what_it_needs(name: str, args: tuple, attrs: dict) -> None:
     import twophase
     from twophase.testing import run_checked
+
     op = twophase.get_op(name)
     full, ex = op.get_workspace_size(*map(twophase.device("cpu").tensor, args), **attrs)
     ex.destroy()
@@ -109,6 +115,7 @@ def test_softmax_keeps_long_rows_whole_under_a_tight_limit(name: str) -> None:
     """Split rows need partials in the workspace; whole rows need none, so a limit of 0 still plans (slower)."""
     from twophase import get_op
     from twophase.testing import run_checked
+
     op, x = get_op(name), _long_rows()
     ref = op.spec.reference(x.astype(np.float64), -1)
     r = run_checked(op, x, dim=-1)

@@ -43,13 +43,17 @@ def _data(rng: np.random.Generator, size: int, dtype: Any) -> np.ndarray:
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 300), lo=st.integers(0, 17), dtype=st.sampled_from([np.float32, np.float64]),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    n=st.integers(0, 300),
+    lo=st.integers(0, 17),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_bulk_sum_covers_whole_steps(n: int, lo: int, dtype: Any, seed: int) -> None:
     v = _data(np.random.default_rng(seed), lo + n + 40, dtype)  # elements past the span: must not be summed
     got, done = _sum(v, lo, n)
     assert done == n - n % BULK
-    want = math.fsum(v[lo:lo + done].astype(np.float64))
+    want = math.fsum(v[lo : lo + done].astype(np.float64))
     assert got == pytest.approx(want, rel=1e-13, abs=1e-9)
 
 
@@ -61,16 +65,17 @@ def test_bulk_sum_long_span_with_offsets(dtype: Any) -> None:
     for lo, n in ((0, 65536), (1, 65535), (7, 40000), (3, 4096 + 31)):
         got, done = _sum(v, lo, n, 1000.0)  # added to the sum so far
         assert done == n - n % BULK
-        assert got == pytest.approx(1000.0 + math.fsum(v[lo:lo + done].astype(np.float64)), rel=1e-13)
+        assert got == pytest.approx(1000.0 + math.fsum(v[lo : lo + done].astype(np.float64)), rel=1e-13)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-@pytest.mark.parametrize("special, want", [([np.nan], "nan"), ([np.inf], "inf"), ([np.inf, -np.inf], "nan"),
-                                           ([-np.inf], "-inf")])
+@pytest.mark.parametrize(
+    "special, want", [([np.nan], "nan"), ([np.inf], "inf"), ([np.inf, -np.inf], "nan"), ([-np.inf], "-inf")]
+)
 def test_bulk_sum_propagates_nan_and_inf(dtype: Any, special: list[float], want: str) -> None:
     for where in (0, 13, 55):  # in the first step, inside a vector, in the last step (the -inf 40 on)
         v = _data(np.random.default_rng(1), 96, dtype)
-        v[where:where + len(special) * 40:40] = special
+        v[where : where + len(special) * 40 : 40] = special
         got, done = _sum(v, 0, 96)
         assert done == 96
         assert str(got) == want, (where, got)
@@ -86,18 +91,23 @@ def test_bulk_sum_leaves_other_spans_to_the_caller() -> None:
     @numba.njit
     def narrow(v: Any) -> tuple[Any, int]:
         return bulk_sum(v, 0, v.shape[0], np.float32(0))  # type: ignore[no-any-return]
+
     assert narrow(np.ones(64, np.float32)) == (0.0, 0)
 
 
 @settings(max_examples=40, deadline=None)
-@given(n=st.integers(0, 300), lo=st.integers(0, 9), dtype=st.sampled_from([np.float32, np.float64]),
-       seed=st.integers(0, 2**32 - 1))
+@given(
+    n=st.integers(0, 300),
+    lo=st.integers(0, 9),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_bulk_moments_sums_shifted_values_and_squares(n: int, lo: int, dtype: Any, seed: int) -> None:
     v = _data(np.random.default_rng(seed), lo + n + 40, dtype)
     shift = float(v[lo])
     s, q, done = _moments(v, lo, n, shift)
     assert done == n - n % BULK
-    y = v[lo:lo + done].astype(np.float64) - shift
+    y = v[lo : lo + done].astype(np.float64) - shift
     assert s == pytest.approx(math.fsum(y), rel=1e-12, abs=1e-8)
     assert q == pytest.approx(math.fsum(y * y), rel=1e-12, abs=1e-8)
     assert _moments(v[::2], 0, min(n, v[::2].shape[0]), shift) == (0.0, 0.0, 0)
@@ -109,17 +119,22 @@ def _extremum(v: Any, lo: int, n: int, sign: int, m: Any) -> tuple[Any, int]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 300), lo=st.integers(0, 17), dtype=st.sampled_from([np.float32, np.float64]),
-       sign=st.sampled_from([1, -1]), seed=st.integers(0, 2**32 - 1))
+@given(
+    n=st.integers(0, 300),
+    lo=st.integers(0, 17),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    sign=st.sampled_from([1, -1]),
+    seed=st.integers(0, 2**32 - 1),
+)
 def test_bulk_extremum_covers_whole_steps(n: int, lo: int, dtype: Any, sign: int, seed: int) -> None:
     rng = np.random.default_rng(seed)
     v = _data(rng, lo + n + 40, dtype)
-    v[lo + n:] = 1e6 * sign  # past the span: would win if read
+    v[lo + n :] = 1e6 * sign  # past the span: would win if read
     m0 = dtype(rng.standard_normal() * 100)
     got, done = _extremum(v, lo, n, sign, m0)
     assert done == n - n % BULK
     pick = np.max if sign > 0 else np.min
-    assert got == pick(np.append(v[lo:lo + done], m0))
+    assert got == pick(np.append(v[lo : lo + done], m0))
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
@@ -151,10 +166,17 @@ def _first(v: Any, lo: int, n: int, m: Any) -> tuple[int, int]:
 
 
 @settings(max_examples=60, deadline=None)
-@given(n=st.integers(0, 300), lo=st.integers(0, 17), dtype=st.sampled_from([np.float32, np.float64]),
-       hits=st.lists(st.integers(0, 299), max_size=3), nan=st.booleans(), seed=st.integers(0, 2**32 - 1))
-def test_bulk_first_finds_the_first_match_in_whole_steps(n: int, lo: int, dtype: Any, hits: list[int], nan: bool,
-                                                         seed: int) -> None:
+@given(
+    n=st.integers(0, 300),
+    lo=st.integers(0, 17),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    hits=st.lists(st.integers(0, 299), max_size=3),
+    nan=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_bulk_first_finds_the_first_match_in_whole_steps(
+    n: int, lo: int, dtype: Any, hits: list[int], nan: bool, seed: int
+) -> None:
     v = _data(np.random.default_rng(seed), lo + 340, dtype)
     target = dtype(np.nan) if nan else dtype(1e9)
     for h in hits:
@@ -165,7 +187,7 @@ def test_bulk_first_finds_the_first_match_in_whole_steps(n: int, lo: int, dtype:
     assert found == (min(inside) if inside else done)
     if not nan and n > 0:  # an ordinary value of the span is found at its first position
         k = n // 2
-        want = int(np.flatnonzero(v[lo:lo + done] == v[lo + k])[0]) if k < done else done
+        want = int(np.flatnonzero(v[lo : lo + done] == v[lo + k])[0]) if k < done else done
         assert _first(v, lo, n, v[lo + k]) == (want, done)
 
 
@@ -201,7 +223,7 @@ def test_bulk_column_sums_adds_each_columns_sum(dtype: Any, vectors: int) -> Non
         acc = rng.standard_normal(width)
         start = acc.copy()
         assert _columns(v, lo, rows, width, acc)
-        block = v[lo:lo + rows * width].reshape(rows, width).astype(np.float64)
+        block = v[lo : lo + rows * width].reshape(rows, width).astype(np.float64)
         np.testing.assert_allclose(acc, start + block.sum(axis=0), rtol=1e-13, atol=1e-9)
 
 
@@ -229,8 +251,8 @@ def test_bulk_column_extrema_per_column_with_nans(dtype: Any, vectors: int, sign
     pick = np.max if sign > 0 else np.min
     for rows, lo in ((0, 0), (1, 3), (9, 0), (700, 5)):
         v = _data(rng, lo + (rows + 300) * width, dtype)
-        v[lo + rows * width:] = 1e6 * sign  # rows past the block: would win if read
-        block = v[lo:lo + rows * width].reshape(rows, width)
+        v[lo + rows * width :] = 1e6 * sign  # rows past the block: would win if read
+        block = v[lo : lo + rows * width].reshape(rows, width)
         if rows:
             block[rows // 2, 3] = np.nan  # column 3 becomes NaN
         acc = _data(rng, width, dtype)

@@ -129,6 +129,7 @@ def test_a_dropped_graph_replay_counts_no_launch(fresh_cache, dev, stream, rng):
 
     def fail() -> None:
         raise ZeroDivisionError("planted")
+
     stream.launch_callback(fail)
     g.replay(stream)
     with pytest.raises(twophase.KernelError, match="planted"):

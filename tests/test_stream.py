@@ -166,6 +166,7 @@ def _failing_add(dev, stream):
 
     def launch(_):
         raise FloatingPointError("kernel blew up")
+
     ex._launch = launch
     return ex
 
@@ -234,9 +235,11 @@ def test_launch_blocking_runs_tasks_inline_on_the_caller_thread(dev):
 
 
 def test_launch_blocking_environment_variable_is_read_at_import():
-    code = ("import threading, twophase as tp; s = tp.device('cpu').stream(); w = [];"
-            "s.launch_callback(lambda: w.append(threading.get_ident()));"
-            "print(s.blocking, w == [threading.get_ident()])")
+    code = (
+        "import threading, twophase as tp; s = tp.device('cpu').stream(); w = [];"
+        "s.launch_callback(lambda: w.append(threading.get_ident()));"
+        "print(s.blocking, w == [threading.get_ident()])"
+    )
     env = dict(os.environ, TWOPHASE_LAUNCH_BLOCKING="1")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["True", "True"]
@@ -325,6 +328,7 @@ def test_launches_give_ieee_results_without_numpy_warnings(dev, mode):
     import warnings
 
     from threads import num_threads
+
     n = 700_001 if mode == "helpers" else 7  # the binary kernel cuts 2^18 elements and more into parts
     a = np.tile(np.array([1.0, -1.0, 0.0, 3e38, np.inf, 2.0, 5.0], np.float32), -(-n // 7))[:n]
     b = np.tile(np.array([0.0, 0.0, 0.0, 10.0, 0.0, np.nan, 1.0], np.float32), -(-n // 7))[:n]
@@ -499,6 +503,7 @@ def test_a_worker_does_not_spin_after_a_launch_on_helper_threads(dev, monkeypatc
     spins for the configured time."""
     from twophase.runtime import fanout
     from twophase.runtime import stream as stream_mod
+
     spins: dict[int, float] = {}  # tasks done when the worker ran out of tasks: how long it spun
     real = stream_mod.count_and_wait
     s = dev.stream()
@@ -511,6 +516,7 @@ def test_a_worker_does_not_spin_after_a_launch_on_helper_threads(dev, monkeypatc
             spins[q.done] = us
             gates.extend(gate)
         return real(slots, slot, count, counter, value, us, *gate)
+
     monkeypatch.setattr(stream_mod, "count_and_wait", record)
     first = q.submitted + 1
     try:
@@ -541,6 +547,7 @@ def test_a_synchronizing_host_thread_opens_the_workers_gate_at_the_tasks_posted(
         while not q.waiting and time.monotonic() < deadline:
             time.sleep(0.0005)
         opened.set()
+
     threading.Thread(target=open_once_blocked, daemon=True).start()
     stream.synchronize()
     assert q.gate[0] == q.posted[0] >= 0

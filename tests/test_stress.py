@@ -91,10 +91,18 @@ def test_a_kernel_failing_mid_sequence_surfaces_at_sync_and_the_stream_recovers(
             if calls[0] == 3:
                 raise FloatingPointError("injected fault")
             np.negative(x, out=out)
+
         return launch
 
-    op = Op(OpDef(name="flaky_stress", inputs=("x",), infer=lambda i, a: (tp.TensorDesc(i[0].shape, i[0].dtype),),
-                  select=lambda *a: Plan("flaky", None, 256), kernels={"cpu": build}))
+    op = Op(
+        OpDef(
+            name="flaky_stress",
+            inputs=("x",),
+            infer=lambda i, a: (tp.TensorDesc(i[0].shape, i[0].dtype),),
+            select=lambda *a: Plan("flaky", None, 256),
+            kernels={"cpu": build},
+        )
+    )
     dev = tp.device("cpu")
     s = dev.stream()
     with tp.sanitizer.sanitize():

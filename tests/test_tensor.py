@@ -25,8 +25,13 @@ def test_equal_descs_are_equal_and_hash_alike(shape, dtype):
 
 def test_descs_differing_in_any_field_are_unequal():
     base = TensorDesc((2, 3), "float32")
-    others = [TensorDesc((3, 2)), TensorDesc((2, 3), "float64"), TensorDesc((2, 3), strides=(1, 2)),
-              TensorDesc((2, 3), offset=1), base.with_(format=Format.ND, offset=2)]
+    others = [
+        TensorDesc((3, 2)),
+        TensorDesc((2, 3), "float64"),
+        TensorDesc((2, 3), strides=(1, 2)),
+        TensorDesc((2, 3), offset=1),
+        base.with_(format=Format.ND, offset=2),
+    ]
     for o in others:
         assert o != base
 

@@ -18,9 +18,20 @@ _k = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contract
 
 # one kernel per function, which its span loop picks by the literal code (elementwise.span_loops, as the library's
 # unary kernels do): an if-chain over all of them made numba type every body, ~10-14 s per dtype
-_FUNCTIONS = (vm.exp, vm.log, vm.tanh, vm.erf, vm.erfc, vm.sigmoid,  # 0-5
-              vm.exp_f32, vm.sigmoid_f32, vm.silu_f32, vm.gelu_erf_f32, vm.exp_nonpos_f32,  # 6-11: float32 only
-              vm.exp_nonpos_zeroing_f32)
+_FUNCTIONS = (
+    vm.exp,
+    vm.log,
+    vm.tanh,
+    vm.erf,
+    vm.erfc,
+    vm.sigmoid,  # 0-5
+    vm.exp_f32,
+    vm.sigmoid_f32,
+    vm.silu_f32,
+    vm.gelu_erf_f32,
+    vm.exp_nonpos_f32,  # 6-11: float32 only
+    vm.exp_nonpos_zeroing_f32,
+)
 _span = span_loops(_FUNCTIONS)[0]
 
 
@@ -28,6 +39,7 @@ def _kernel(code: int) -> Any:
     @_k
     def apply(x: Any, out: Any) -> None:
         _span(code, x, out)
+
     return apply
 
 
@@ -42,16 +54,45 @@ def _apply(code: int, x: Any, out: Any) -> None:
 _erf = np.vectorize(math.erf, otypes=[np.float64])
 _erfc = np.vectorize(math.erfc, otypes=[np.float64])
 FUNCS: dict[str, tuple[int, Any]] = {
-    "exp": (0, np.exp), "log": (1, np.log), "tanh": (2, np.tanh), "erf": (3, _erf), "erfc": (4, _erfc),
-    "sigmoid": (5, lambda x: 1.0 / (1.0 + np.exp(-x)))}
+    "exp": (0, np.exp),
+    "log": (1, np.log),
+    "tanh": (2, np.tanh),
+    "erf": (3, _erf),
+    "erfc": (4, _erfc),
+    "sigmoid": (5, lambda x: 1.0 / (1.0 + np.exp(-x))),
+}
 F32_TINY = float(np.finfo(np.float32).tiny)
 
 
 def all_float32(step: int) -> np.ndarray[Any, Any]:
     """Every ``step``-th float32 bit pattern (both signs, denormals, inf, NaN) plus edge values."""
     bits = np.arange(0, 1 << 32, step, dtype=np.uint64).astype(np.uint32)
-    edges = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, 1.0, -1.0, F32_TINY, 1e-45, -1e-45, 88.72, 88.73,
-                      -87.33, -103.97, -104.0, 0.3, -0.3, 6.0, 9.0, 10.5, 3.4e38], np.float32)
+    edges = np.array(
+        [
+            0.0,
+            -0.0,
+            np.inf,
+            -np.inf,
+            np.nan,
+            1.0,
+            -1.0,
+            F32_TINY,
+            1e-45,
+            -1e-45,
+            88.72,
+            88.73,
+            -87.33,
+            -103.97,
+            -104.0,
+            0.3,
+            -0.3,
+            6.0,
+            9.0,
+            10.5,
+            3.4e38,
+        ],
+        np.float32,
+    )
     return np.concatenate([bits.view(np.float32), edges])
 
 
@@ -92,9 +133,13 @@ def _gelu64(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 
 # code, float64 reference, bound in float32 ulp (2^-24 relative), |x| below which intermediates are normal floats
 F32_FUNCS: dict[str, tuple[int, Any, float, float]] = {
-    "exp_f32": (6, np.exp, 2.0, np.inf), "sigmoid_f32": (7, FUNCS["sigmoid"][1], 8.0, 87.0),
-    "silu_f32": (8, lambda x: x / (1.0 + np.exp(-x)), 8.0, 87.0), "gelu_erf_f32": (9, _gelu64, 8.0, 13.0),
-    "exp_nonpos_f32": (10, np.exp, 2.0, np.inf), "exp_nonpos_zeroing_f32": (11, np.exp, 2.0, np.inf)}  # x <= 0 only
+    "exp_f32": (6, np.exp, 2.0, np.inf),
+    "sigmoid_f32": (7, FUNCS["sigmoid"][1], 8.0, 87.0),
+    "silu_f32": (8, lambda x: x / (1.0 + np.exp(-x)), 8.0, 87.0),
+    "gelu_erf_f32": (9, _gelu64, 8.0, 13.0),
+    "exp_nonpos_f32": (10, np.exp, 2.0, np.inf),
+    "exp_nonpos_zeroing_f32": (11, np.exp, 2.0, np.inf),
+}  # x <= 0 only
 
 
 @pytest.mark.parametrize("name", list(F32_FUNCS))
@@ -116,8 +161,9 @@ def test_float32_arithmetic_functions_within_their_ulp_bound_over_whole_domain(n
     tail = ~exact & np.isfinite(ref)
     assert np.all(np.abs(out[tail] - ref[tail]) < F32_TINY), f"{name}: beyond |x| = {exact_below}"
     with np.errstate(all="ignore"):
-        assert np.array_equal(out[~exact & ~np.isfinite(ref)], ref[~exact & ~np.isfinite(ref)].astype(np.float32),
-                              equal_nan=True)
+        assert np.array_equal(
+            out[~exact & ~np.isfinite(ref)], ref[~exact & ~np.isfinite(ref)].astype(np.float32), equal_nan=True
+        )
 
 
 @pytest.mark.parametrize("name", ["exp_nonpos_f32", "exp_nonpos_zeroing_f32"])
@@ -141,9 +187,16 @@ def test_erf_erfc_float32_max_relative_error_within_2e7(name: str) -> None:
     assert err <= 2e-7, f"{name}: {err}"
 
 
-@pytest.mark.parametrize("name,lo,hi,tol", [("exp", -708.0, 709.0, 1e-15), ("log", -700.0, 700.0, 1e-15),
-                                            ("tanh", -20.0, 20.0, 1e-15), ("erf", -6.0, 6.0, 1e-15),
-                                            ("erfc", -6.0, 26.0, 1e-13)])
+@pytest.mark.parametrize(
+    "name,lo,hi,tol",
+    [
+        ("exp", -708.0, 709.0, 1e-15),
+        ("log", -700.0, 700.0, 1e-15),
+        ("tanh", -20.0, 20.0, 1e-15),
+        ("erf", -6.0, 6.0, 1e-15),
+        ("erfc", -6.0, 26.0, 1e-13),
+    ],
+)
 def test_float64_relative_error_near_double_precision(name: str, lo: float, hi: float, tol: float) -> None:
     x = np.linspace(lo, hi, 200_003)
     if name == "log":
@@ -170,6 +223,7 @@ def test_special_values_follow_ieee_limits() -> None:
 
 def _max_min_kernels() -> tuple[Any, Any]:
     """Fresh (uncached) kernels: the lowering of vm.maximum / vm.minimum is chosen when they compile."""
+
     @numba.njit(nogil=True, fastmath={"contract", "arcp", "nsz"})
     def pairwise(a: Any, b: Any, hi: Any, lo: Any) -> None:
         for i in range(a.shape[0]):
@@ -183,13 +237,15 @@ def _max_min_kernels() -> tuple[Any, Any]:
             hi = vm.maximum(hi, a[i])
             lo = vm.minimum(lo, a[i])
         return hi, lo
+
     return pairwise, extremes
 
 
 @pytest.mark.parametrize("intrinsics", [True, False], ids=["llvm.maximum", "maxnum-and-select"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_nan_propagating_max_and_min_in_both_lowerings(monkeypatch: pytest.MonkeyPatch, intrinsics: bool,
-                                                       dtype: Any) -> None:
+def test_nan_propagating_max_and_min_in_both_lowerings(
+    monkeypatch: pytest.MonkeyPatch, intrinsics: bool, dtype: Any
+) -> None:
     """vm.maximum / vm.minimum propagate NaN like np.maximum / np.minimum, through ``llvm.maximum`` where the back
     end selects it and through ``maxnum`` plus a select where it does not (LLVM 15: ``NAN_MAX_INTRINSICS``)."""
     if intrinsics and not vm.NAN_MAX_INTRINSICS:
@@ -197,8 +253,21 @@ def test_nan_propagating_max_and_min_in_both_lowerings(monkeypatch: pytest.Monke
     monkeypatch.setattr(vm, "NAN_MAX_INTRINSICS", intrinsics)
     pairwise, extremes = _max_min_kernels()
     rng = np.random.default_rng(7)
-    special = np.array([np.nan, np.inf, -np.inf, 0.0, -0.0, 1.0, -1.0, np.finfo(dtype).max, np.finfo(dtype).tiny,
-                        np.finfo(dtype).smallest_subnormal], dtype)
+    special = np.array(
+        [
+            np.nan,
+            np.inf,
+            -np.inf,
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            np.finfo(dtype).max,
+            np.finfo(dtype).tiny,
+            np.finfo(dtype).smallest_subnormal,
+        ],
+        dtype,
+    )
     a = np.concatenate([np.repeat(special, special.size), rng.standard_normal(1000).astype(dtype)])
     b = np.concatenate([np.tile(special, special.size), rng.standard_normal(1000).astype(dtype)])
     hi, lo = np.full_like(a, 42.0), np.full_like(a, 42.0)
@@ -218,6 +287,7 @@ def test_nan_propagating_max_and_min_in_both_lowerings(monkeypatch: pytest.Monke
 def _rsqrt_op(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     from twophase import ops
     from twophase.testing import run_checked
+
     got: np.ndarray[Any, Any] = run_checked(ops.rsqrt, x).outputs[0]
     return got
 
@@ -229,8 +299,22 @@ def test_rsqrt_limits_and_denormals_match_numpy(dtype: Any) -> None:
     an ulp of numpy."""
     fi = np.finfo(dtype)
     special = np.array([0.0, -0.0, np.inf, -np.inf, np.nan, -1.0, -fi.smallest_subnormal], dtype)
-    finite = np.array([fi.smallest_subnormal, fi.smallest_subnormal * 3, fi.tiny / 2, fi.tiny, 1e-40, 1e-310,
-                       0.25, 4.0, 2.0, 3.0, fi.max], np.float64).astype(dtype)
+    finite = np.array(
+        [
+            fi.smallest_subnormal,
+            fi.smallest_subnormal * 3,
+            fi.tiny / 2,
+            fi.tiny,
+            1e-40,
+            1e-310,
+            0.25,
+            4.0,
+            2.0,
+            3.0,
+            fi.max,
+        ],
+        np.float64,
+    ).astype(dtype)
     finite = finite[finite != 0]  # 1e-40 and 1e-310 where the dtype holds them
     x = np.concatenate([special, finite, (np.random.default_rng(3).random(997) * 100).astype(dtype)])
     got = _rsqrt_op(x)
@@ -264,6 +348,7 @@ def test_rsqrt_kernel_is_vectorized_without_the_rsqrt_estimate(dtype: Any) -> No
     and has no rsqrtps / vrsqrt14ps estimate."""
     from twophase.kernels.cpu.elementwise import KERNELS
     from twophase.kernels.cpu.jit import FAST
+
     fresh = numba.njit(nogil=True, fastmath=FAST, error_model="numpy")(KERNELS["rsqrt"][True].py_func)
     arr = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 2, "C")
     fresh.compile((arr, arr))

@@ -32,15 +32,18 @@ SHOWN_CHARS = 72
 def shown(sentence: str) -> str:
     """A sentence as one table line: whitespace runs made one space, cut to ``SHOWN_CHARS`` with an ellipsis."""
     flat = " ".join(sentence.split())
-    return flat if len(flat) <= SHOWN_CHARS else flat[:SHOWN_CHARS - 1] + "\u2026"
+    return flat if len(flat) <= SHOWN_CHARS else flat[: SHOWN_CHARS - 1] + "\u2026"
 
 
 def similarity_table(sentences: Sequence[str], emb: Any) -> str:
     """Each embedding's norm and the cosine similarity matrix, sentences numbered."""
     from .models.minilm import cosine_matrix
+
     sim = cosine_matrix(emb)
-    lines = [f"[{i}] norm {float((e.astype('float64') ** 2).sum()) ** 0.5:.6f}  {shown(s)}"
-             for i, (s, e) in enumerate(zip(sentences, emb))]
+    lines = [
+        f"[{i}] norm {float((e.astype('float64') ** 2).sum()) ** 0.5:.6f}  {shown(s)}"
+        for i, (s, e) in enumerate(zip(sentences, emb))
+    ]
     lines.append("cosine similarity:")
     lines.append("     " + "".join(f"{f'[{j}]':>8}" for j in range(len(sentences))))
     for i, row in enumerate(sim):
@@ -53,6 +56,7 @@ def embed(sentences: Sequence[str], mode: str, trace: str | None, stats: bool) -
     from . import stats as stats_mod
     from .models.minilm import MiniLM
     from .profile import check_trace_path, profile
+
     if trace is not None:
         check_trace_path(trace)  # a path that cannot be written fails now, not after the run
     with MiniLM() as model:
@@ -72,11 +76,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("ops", help="list every registered op")
     from .testing import check_cli
+
     check_cli.add_parser(sub)
     emb = sub.add_parser("embed", help="sentence embeddings (all-MiniLM-L6-v2) and their cosine similarities")
     emb.add_argument("sentences", nargs="+", help="the sentences, one argument each")
-    emb.add_argument("--mode", choices=("graph", "planned", "oneshot"), default="graph",
-                     help="captured graph replay (default), repeatable executors, or the one-shot API")
+    emb.add_argument(
+        "--mode",
+        choices=("graph", "planned", "oneshot"),
+        default="graph",
+        help="captured graph replay (default), repeatable executors, or the one-shot API",
+    )
     emb.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the run to FILE")
     emb.add_argument("--stats", action="store_true", help="print the per-op counters table")
     args = parser.parse_args(argv)

@@ -12,9 +12,19 @@ from typing import TypeVar
 
 from .errors import ParamError
 
-__all__ = ["settings", "on_change", "set_launch_blocking", "set_cache_limit", "set_cache_enabled",
-           "set_deterministic", "set_workspace_limit", "set_log_level", "set_sanitize", "set_num_threads",
-           "set_helper_spin"]
+__all__ = [
+    "settings",
+    "on_change",
+    "set_launch_blocking",
+    "set_cache_limit",
+    "set_cache_enabled",
+    "set_deterministic",
+    "set_workspace_limit",
+    "set_log_level",
+    "set_sanitize",
+    "set_num_threads",
+    "set_helper_spin",
+]
 
 
 _ENV = "environment"  # the ``op`` of errors about a TWOPHASE_* variable; validators then parse text
@@ -69,8 +79,9 @@ def _num_threads(value: object, op: str, arg: str) -> int:
 
 
 def _helper_spin(value: object, op: str, arg: str) -> int:
-    return _count(value, op, arg, f"an int in [0, {MAX_SPIN_US}] (helper spin in microseconds; 0 blocks at once)",
-                  MAX_SPIN_US)
+    return _count(
+        value, op, arg, f"an int in [0, {MAX_SPIN_US}] (helper spin in microseconds; 0 blocks at once)", MAX_SPIN_US
+    )
 
 
 def check_byte_limit(value: object, op: str, arg: str) -> int | None:
@@ -114,7 +125,8 @@ class Settings:
     cache_enabled: bool = field(default_factory=lambda: not _env("TWOPHASE_DISABLE_CACHE", _flag, False))
     deterministic: bool = field(default_factory=lambda: _env("TWOPHASE_DETERMINISTIC", _flag, False))
     workspace_limit: int | None = field(
-        default_factory=lambda: _env("TWOPHASE_WORKSPACE_LIMIT", check_byte_limit, None))
+        default_factory=lambda: _env("TWOPHASE_WORKSPACE_LIMIT", check_byte_limit, None)
+    )
     num_threads: int = field(default_factory=lambda: _env("TWOPHASE_NUM_THREADS", _num_threads, 0))  # 0: automatic
     helper_spin_us: int = field(default_factory=lambda: _env("TWOPHASE_HELPER_SPIN_US", _helper_spin, HELPER_SPIN_US))
     log_level: str | int = field(default_factory=lambda: _env("TWOPHASE_LOG_LEVEL", _log_level, LOG_LEVEL))

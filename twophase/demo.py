@@ -66,6 +66,7 @@ def softmax_section(rows: int = 256, cols: int = 4096, runs: int = 200) -> int:
 def main() -> int:
     """The MiniLM demo (when the model package is installed), then the softmax section."""
     from .models import minilm_demo
+
     rc = minilm_demo.main()
     print()
     print("== softmax: plan once, phase 2 many times")

@@ -118,8 +118,12 @@ class InvalidStateError(TwoPhaseError, RuntimeError):
 def refuse_pickle(obj: object, instead: str) -> NoReturn:
     """``__reduce__`` of what lives only in the process that made it (threads, device memory, plans)."""
     name = type(obj).__name__
-    raise InvalidStateError(f"this {name} belongs to the process that made it (its threads, memory or plans): it "
-                            f"cannot be pickled or copied; {instead}", op="pickle", arg=name.lower())
+    raise InvalidStateError(
+        f"this {name} belongs to the process that made it (its threads, memory or plans): it "
+        f"cannot be pickled or copied; {instead}",
+        op="pickle",
+        arg=name.lower(),
+    )
 
 
 class CaptureError(InvalidStateError):

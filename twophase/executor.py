@@ -56,9 +56,26 @@ class Executor:
     Belongs to the thread that made it.
     """
 
-    __slots__ = ("op", "plan", "attrs", "input_descs", "output_descs", "workspace_size", "id",
-                 "_tensors", "_launch", "_gate", "_state", "_repeatable", "_owner", "_blocks", "launches",
-                 "device", "origin", "__weakref__")
+    __slots__ = (
+        "op",
+        "plan",
+        "attrs",
+        "input_descs",
+        "output_descs",
+        "workspace_size",
+        "id",
+        "_tensors",
+        "_launch",
+        "_gate",
+        "_state",
+        "_repeatable",
+        "_owner",
+        "_blocks",
+        "launches",
+        "device",
+        "origin",
+        "__weakref__",
+    )
 
     op: Op
     plan: Plan
@@ -82,8 +99,14 @@ class Executor:
         raise TypeError("Executors are made by phase 1: use twophase.ops.NAME.get_workspace_size(...)")
 
     @classmethod
-    def _make(cls, op: Op, plan: Plan, attrs: dict[str, Any], input_descs: tuple[TensorDesc | None, ...],
-              output_descs: tuple[TensorDesc, ...]) -> Executor:
+    def _make(
+        cls,
+        op: Op,
+        plan: Plan,
+        attrs: dict[str, Any],
+        input_descs: tuple[TensorDesc | None, ...],
+        output_descs: tuple[TensorDesc, ...],
+    ) -> Executor:
         self = object.__new__(cls)
         self.op = op
         self.plan = plan
@@ -133,7 +156,7 @@ class Executor:
 
     @property
     def outputs(self) -> tuple[Tensor | None, ...]:
-        return tuple(self._tensors[len(self.input_descs):])
+        return tuple(self._tensors[len(self.input_descs) :])
 
     def describe(self) -> str:
         return f"op '{self.op.name}' (executor #{self.id}, implementation '{self.plan.implementation}')"
@@ -142,30 +165,43 @@ class Executor:
         refuse_pickle(self, "run phase 1 (get_workspace_size) in the receiving process")
 
     def __repr__(self) -> str:
-        return (f"Executor(#{self.id}, op={self.op.name}, impl={self.plan.implementation}, "
-                f"workspace={self.workspace_size}, state={self._state.value})")
+        return (
+            f"Executor(#{self.id}, op={self.op.name}, impl={self.plan.implementation}, "
+            f"workspace={self.workspace_size}, state={self._state.value})"
+        )
 
     # ---- lifecycle
     def _check_owner(self, what: str) -> None:
         if self._owner != threading.get_ident():
-            raise InvalidStateError(f"{self.describe()} belongs to another thread", op=self.op.name,
-                                    arg="executor", expected="use from the thread that planned it",
-                                    got=f"{what} from thread {threading.current_thread().name}")
+            raise InvalidStateError(
+                f"{self.describe()} belongs to another thread",
+                op=self.op.name,
+                arg="executor",
+                expected="use from the thread that planned it",
+                got=f"{what} from thread {threading.current_thread().name}",
+            )
 
     def _check_ready(self, what: str) -> None:
         self._check_owner(what)
         if self._state is not ExecState.READY:
-            hint = "; call set_repeatable() before the first phase 2 to reuse it" \
-                if self._state is ExecState.CONSUMED else ""
-            raise InvalidStateError(f"{self.describe()} is {self._state.value}{hint}", op=self.op.name,
-                                    arg="executor", expected="a ready executor", got=f"{what} on it")
+            hint = (
+                "; call set_repeatable() before the first phase 2 to reuse it"
+                if self._state is ExecState.CONSUMED
+                else ""
+            )
+            raise InvalidStateError(
+                f"{self.describe()} is {self._state.value}{hint}",
+                op=self.op.name,
+                arg="executor",
+                expected="a ready executor",
+                got=f"{what} on it",
+            )
 
     def set_repeatable(self) -> Executor:
         """Allow any number of phase 2 calls until :meth:`destroy` (must precede the first phase 2)."""
         self._check_ready("set_repeatable")
         if self.launches:
-            raise InvalidStateError("set_repeatable() must precede the first phase 2", op=self.op.name,
-                                    arg="executor")
+            raise InvalidStateError("set_repeatable() must precede the first phase 2", op=self.op.name, arg="executor")
         self._repeatable = True
         self.origin = _caller_outside_package()
         _repeatables.add(self)
@@ -175,8 +211,11 @@ class Executor:
         """Release the executor. A consumed single-use executor is already released: destroying it raises."""
         self._check_owner("destroy")
         if self._state is not ExecState.READY:
-            raise InvalidStateError(f"{self.describe()} is {self._state.value}: nothing to destroy "
-                                    "(a double free in C)", op=self.op.name, arg="executor")
+            raise InvalidStateError(
+                f"{self.describe()} is {self._state.value}: nothing to destroy (a double free in C)",
+                op=self.op.name,
+                arg="executor",
+            )
         self._release(ExecState.DESTROYED)
 
     def _release(self, state: ExecState) -> None:
@@ -203,16 +242,20 @@ class Executor:
         """Rebind output ``index`` to another tensor with the same desc (no re-planning)."""
         self._bind(index, tensor, self.output_descs, len(self.input_descs), "output")
 
-    def _bind(self, index: int, tensor: Tensor, descs: tuple[TensorDesc | None, ...], base: int,
-              kind: str) -> None:
+    def _bind(self, index: int, tensor: Tensor, descs: tuple[TensorDesc | None, ...], base: int, kind: str) -> None:
         self._check_ready(f"set_{kind}")
         if int_value(index) is None or not 0 <= index < len(descs):
             raise ParamError(op=self.op.name, arg=f"{kind} index", expected=f"0..{len(descs) - 1}", got=index)
         if not isinstance(tensor, Tensor):
             raise ParamError(op=self.op.name, arg=f"{kind} {index}", expected="a Tensor", got=type(tensor).__name__)
         if tensor.desc != descs[index]:
-            raise ParamError("rebinding needs a tensor of the planned desc (plan again for a new shape)",
-                             op=self.op.name, arg=f"{kind} {index}", expected=descs[index], got=tensor.desc)
+            raise ParamError(
+                "rebinding needs a tensor of the planned desc (plan again for a new shape)",
+                op=self.op.name,
+                arg=f"{kind} {index}",
+                expected=descs[index],
+                got=tensor.desc,
+            )
         self._bind_many({base + index: tensor})
 
     def _bind_new_outputs(self, dev: Any, stream: Any) -> list[Tensor]:
@@ -238,8 +281,9 @@ class Executor:
         dev = self.device
         for i, t in tensors.items():
             if dev is not None and t.device is not dev:
-                raise ParamError(op=self.op.name, arg=f"operand {i}", expected=f"a tensor on {dev.name}",
-                                 got=t.device.name)
+                raise ParamError(
+                    op=self.op.name, arg=f"operand {i}", expected=f"a tensor on {dev.name}", got=t.device.name
+                )
             dev = t.device
         saved = (self.device, list(self._tensors), self._launch, self._gate)
         for i, t in tensors.items():

@@ -71,14 +71,16 @@ def one_shot(op: Op) -> Callable[..., Any]:
         return tuple(outs) if multi else outs[0]
 
     call.__name__ = call.__qualname__ = op.name
-    call.__doc__ = f"One-shot ``{op.name}``: phase 1 (cached), workspace from the pool, phase 2 on ``stream``.\n\n" \
-        + (op.spec.doc or "")
+    call.__doc__ = f"One-shot ``{op.name}``: phase 1 (cached), workspace from the pool, phase 2 on ``stream``.\n\n" + (
+        op.spec.doc or ""
+    )
     _made[op] = call
     return call
 
 
-def _inputs_to_device(op: Op, dev: Any, inputs: tuple[Any, ...], stream: Stream,
-                      copies: list[Tensor]) -> tuple[Any, ...]:
+def _inputs_to_device(
+    op: Op, dev: Any, inputs: tuple[Any, ...], stream: Stream, copies: list[Tensor]
+) -> tuple[Any, ...]:
     """``inputs`` with every host input copied to ``dev``; a Python scalar among the op's promoted inputs takes
     their dtype (numpy 2's and torch's weak scalars: ``add(float16 x, 2.0)`` is float16)."""
     promotes = op.spec.promotes
@@ -110,8 +112,15 @@ def _weak_dtype(op: Op, i: int, inputs: tuple[Any, ...]) -> np.dtype[Any] | None
     return np.result_type(*strong, inputs[i]) if strong else None
 
 
-def _to_device(op: Op, dev: Any, x: Any, stream: Stream, copies: list[Tensor],
-               dtype: np.dtype[Any] | None = None, arg: str = "input") -> Tensor:
+def _to_device(
+    op: Op,
+    dev: Any,
+    x: Any,
+    stream: Stream,
+    copies: list[Tensor],
+    dtype: np.dtype[Any] | None = None,
+    arg: str = "input",
+) -> Tensor:
     """``x`` (an array-like or a scalar) copied to ``dev`` on ``stream``, recorded in ``copies``."""
     try:
         with np.errstate(over="ignore"):  # a weak float past the dtype's range is inf, as in numpy's arithmetic
@@ -121,16 +130,24 @@ def _to_device(op: Op, dev: Any, x: Any, stream: Stream, copies: list[Tensor],
     except (TypeError, ValueError):
         raise ParamError(op=op.name, arg=arg, expected="a Tensor or an array-like", got=type(x).__name__) from None
     if arr.dtype == object:
-        raise ParamError(op=op.name, arg=arg, expected="a Tensor or a numeric array-like",
-                         got=f"{type(x).__name__} of Python objects" if arr.ndim else type(x).__name__)
+        raise ParamError(
+            op=op.name,
+            arg=arg,
+            expected="a Tensor or a numeric array-like",
+            got=f"{type(x).__name__} of Python objects" if arr.ndim else type(x).__name__,
+        )
     try:
         t: Tensor = dev.tensor(arr, stream=stream)
     except ParamError as e:  # the device's own words: which dtypes it holds
         raise ParamError(op=op.name, arg=arg, expected=e.expected, got=e.got) from None
     except CaptureError:  # its copy-in would be captured into memory that exists only once the graph does
-        raise CaptureError("a host input cannot be copied in during a capture", op=op.name, arg=arg,
-                           expected="a device tensor made before the capture (Device.tensor)",
-                           got=f"{type(x).__name__} {arr.dtype}{list(arr.shape)}") from None
+        raise CaptureError(
+            "a host input cannot be copied in during a capture",
+            op=op.name,
+            arg=arg,
+            expected="a device tensor made before the capture (Device.tensor)",
+            got=f"{type(x).__name__} {arr.dtype}{list(arr.shape)}",
+        ) from None
     copies.append(t)
     return t
 

@@ -15,8 +15,17 @@ from .graph.replay import REPLAY_CHECKS
 from .op import Op
 from .runtime.stream import TASK_LISTENERS
 
-__all__ = ["Phase2Hook", "Phase1Hook", "add_phase1_hook", "add_phase2_hook", "remove_hook", "add_task_listener",
-           "remove_task_listener", "add_replay_check", "remove_replay_check"]
+__all__ = [
+    "Phase2Hook",
+    "Phase1Hook",
+    "add_phase1_hook",
+    "add_phase2_hook",
+    "remove_hook",
+    "add_task_listener",
+    "remove_task_listener",
+    "add_replay_check",
+    "remove_replay_check",
+]
 
 # before(op, workspace, workspace_size, executor, stream) may raise to refuse the launch;
 # after(op, workspace, workspace_size, executor, stream, t0, t1) runs once it is enqueued.

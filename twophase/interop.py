@@ -38,27 +38,38 @@ def from_dlpack(obj: Any, dev: Device | None = None) -> Tensor:
     Read-only memory is refused: ops write their outputs in place, and DLPack cannot say "read-only".
     """
     if dev is not None and not isinstance(dev, Device):
-        raise ParamError(op="from_dlpack", arg="dev", expected="None or a twophase Device (twophase.device())",
-                         got=type(dev).__name__)
+        raise ParamError(
+            op="from_dlpack",
+            arg="dev",
+            expected="None or a twophase Device (twophase.device())",
+            got=type(dev).__name__,
+        )
     if isinstance(obj, Tensor):
         return _same_block(obj, dev)
     try:
         arr = obj if isinstance(obj, np.ndarray) else np.from_dlpack(obj)
     except (TypeError, ValueError, AttributeError, BufferError, RuntimeError) as exc:  # no __dlpack__: AttributeError
-        raise ParamError(op="from_dlpack", arg="obj", expected="a host array exporting DLPack",
-                         got=f"{type(obj).__name__} ({exc})") from None
+        raise ParamError(
+            op="from_dlpack", arg="obj", expected="a host array exporting DLPack", got=f"{type(obj).__name__} ({exc})"
+        ) from None
     if not arr.flags.writeable:
-        raise ParamError(op="from_dlpack", arg="obj", expected="writable memory (ops write into their tensors)",
-                         got=f"a read-only {type(obj).__name__}")
+        raise ParamError(
+            op="from_dlpack",
+            arg="obj",
+            expected="writable memory (ops write into their tensors)",
+            got=f"a read-only {type(obj).__name__}",
+        )
     try:
         dtype = DType.of(arr.dtype)
     except ParamError:
-        raise ParamError(op="from_dlpack", arg="obj", expected=f"dtype in {[d.value for d in DType]}",
-                         got=str(arr.dtype)) from None
+        raise ParamError(
+            op="from_dlpack", arg="obj", expected=f"dtype in {[d.value for d in DType]}", got=str(arr.dtype)
+        ) from None
     item = arr.itemsize
     if any(s % item for s in arr.strides):
-        raise ParamError(op="from_dlpack", arg="obj", expected="strides that are multiples of the item size",
-                         got=arr.strides)
+        raise ParamError(
+            op="from_dlpack", arg="obj", expected="strides that are multiples of the item size", got=arr.strides
+        )
     strides = tuple(s // item for s in arr.strides)
     base = arr.ctypes.data
     lo = hi = 0
@@ -80,12 +91,10 @@ def from_dlpack(obj: Any, dev: Device | None = None) -> Tensor:
     return Tensor._make(desc, blk, dev or device())
 
 
-
 def _same_block(t: Tensor, dev: Device | None) -> Tensor:
     """``t``'s desc on ``t``'s block: the pending-work tracking is the block's, so stream order holds."""
     if dev is not None and dev is not t.device:
-        raise ParamError(op="from_dlpack", arg="dev", expected=f"None or the tensor's device {t.device.name}",
-                         got=dev)
+        raise ParamError(op="from_dlpack", arg="dev", expected=f"None or the tensor's device {t.device.name}", got=dev)
     if t.block.freed:
         raise InvalidStateError("tensor's block was freed", op="from_dlpack", arg="obj", got=t.desc)
     return Tensor._make(t.desc, t.block, t.device)

@@ -85,8 +85,9 @@ class PlannedCall:
         if out is not None:
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             if len(outs) != len(ex.output_descs):
-                raise ParamError(op=self.op.name, arg="out", expected=f"{len(ex.output_descs)} output tensor(s)",
-                                 got=f"{len(outs)}")
+                raise ParamError(
+                    op=self.op.name, arg="out", expected=f"{len(ex.output_descs)} output tensor(s)", got=f"{len(outs)}"
+                )
             for i, t in enumerate(outs):
                 if t is not ex._tensors[len(ex.input_descs) + i]:
                     ex.set_output(i, t)

@@ -37,8 +37,9 @@ def rows_split(shape: Sequence[int], *strides: Sequence[int]) -> int | None:
     merge into one (a crop of a wider image, a slice of a fused projection) so need not be packed: kernels go
     row by row, each row dense when its last stride is the itemsize."""
     for k in range(len(shape) + 1):
-        if all(merge_dims(shape[k:], st[k:]) is not None and merge_dims(shape[:k], st[:k]) is not None
-               for st in strides):
+        if all(
+            merge_dims(shape[k:], st[k:]) is not None and merge_dims(shape[:k], st[:k]) is not None for st in strides
+        ):
             return k
     return None
 
@@ -101,8 +102,7 @@ def spread_stride(nbytes: int, count: int = 16) -> int:
 
 def same_view(a: Any, b: Any) -> bool:
     """Whether two arrays are the same view: same address, shape, strides and dtype (an op runs in place)."""
-    return bool(a.ctypes.data == b.ctypes.data and a.shape == b.shape and a.strides == b.strides
-                and a.dtype == b.dtype)
+    return bool(a.ctypes.data == b.ctypes.data and a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype)
 
 
 def byte_range(address: int, desc: TensorDesc) -> tuple[int, int]:

@@ -112,8 +112,13 @@ def planning_flags(limit: int | None) -> tuple[Any, ...]:
 
 def over_limit(op: str, workspace: int, implementation: str, limit: int | None) -> ParamError:
     """The error of a phase 1 whose smallest workspace (``implementation``'s) exceeds ``limit``."""
-    return ParamError("no implementation fits the workspace limit", op=op, arg="workspace_limit",
-                      expected=f"at least {workspace} bytes ({implementation})", got=limit)
+    return ParamError(
+        "no implementation fits the workspace limit",
+        op=op,
+        arg="workspace_limit",
+        expected=f"at least {workspace} bytes ({implementation})",
+        got=limit,
+    )
 
 
 def _noop(_: Any) -> None:
@@ -151,8 +156,9 @@ class Op:
         return f"<op {self.name}>"
 
     # ---- phase 1
-    def get_workspace_size(self, *inputs: Any, out: Any = None, workspace_limit: int | None = None,
-                           **attrs: Any) -> tuple[int, Executor]:
+    def get_workspace_size(
+        self, *inputs: Any, out: Any = None, workspace_limit: int | None = None, **attrs: Any
+    ) -> tuple[int, Executor]:
         """Phase 1: validate, infer outputs, select an implementation and tiling; metadata only.
 
         Returns ``(workspace_size, executor)``. Inputs and ``out`` may be Tensors or TensorDescs.
@@ -189,33 +195,67 @@ class Op:
         if bound:
             ex._bind_many(bound)
         if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("phase1 %s %s: inputs %s outputs %s implementation %s tiling %s workspace %d bytes",
-                       self.name, "cache hit" if hit else "cache miss", in_descs, out_descs,
-                       plan.implementation, plan.tiling, plan.workspace_size)
+            _log.debug(
+                "phase1 %s %s: inputs %s outputs %s implementation %s tiling %s workspace %d bytes",
+                self.name,
+                "cache hit" if hit else "cache miss",
+                in_descs,
+                out_descs,
+                plan.implementation,
+                plan.tiling,
+                plan.workspace_size,
+            )
         return plan.workspace_size, ex
 
-    def _key(self, in_descs: tuple[TensorDesc | None, ...], outs: tuple[Any, ...] | None, limit: int | None,
-             attrs: dict[str, Any], bound: dict[int, Tensor]) -> Any:
+    def _key(
+        self,
+        in_descs: tuple[TensorDesc | None, ...],
+        outs: tuple[Any, ...] | None,
+        limit: int | None,
+        attrs: dict[str, Any],
+        bound: dict[int, Tensor],
+    ) -> Any:
         """The executor-cache key: op and versions, device, flags, every desc and the typed attributes."""
         out_key = None if outs is None else tuple(g.desc if isinstance(g, Tensor) else g for g in outs)
         dev = next(iter(bound.values())).device.name if bound else None
         try:
             flags = planning_flags(limit)
-            key = (self, self.spec.version, _registry_version[0], dev, flags, in_descs, out_key,
-                   tuple((k, _typed(v)) for k, v in attrs.items()))
+            key = (
+                self,
+                self.spec.version,
+                _registry_version[0],
+                dev,
+                flags,
+                in_descs,
+                out_key,
+                tuple((k, _typed(v)) for k, v in attrs.items()),
+            )
             hash(key)
         except TypeError:  # an unhashable attribute value (a list of dims): key on the normalised form
             try:
                 norm = self._attrs(attrs)
-                key = (self, self.spec.version, _registry_version[0], dev, flags, in_descs, out_key,
-                       tuple((k, _typed(v)) for k, v in norm.items()))
+                key = (
+                    self,
+                    self.spec.version,
+                    _registry_version[0],
+                    dev,
+                    flags,
+                    in_descs,
+                    out_key,
+                    tuple((k, _typed(v)) for k, v in norm.items()),
+                )
                 hash(key)
             except TypeError:
                 return None
         return key
 
-    def _plan(self, in_descs: tuple[TensorDesc | None, ...], outs: tuple[Any, ...] | None, limit: int | None,
-              attrs: dict[str, Any]) -> tuple[Plan, dict[str, Any], tuple[TensorDesc, ...]]:
+    def _plan(
+        self,
+        in_descs: tuple[TensorDesc | None, ...],
+        outs: tuple[Any, ...] | None,
+        limit: int | None,
+        attrs: dict[str, Any],
+    ) -> tuple[Plan, dict[str, Any], tuple[TensorDesc, ...]]:
         """check, infer, select: the part of phase 1 that the cache skips."""
         norm = self._attrs(attrs)
         out_descs = self.spec.infer(in_descs, norm)
@@ -231,8 +271,11 @@ class Op:
     def _input_descs(self, inputs: Sequence[Any]) -> tuple[tuple[TensorDesc | None, ...], dict[int, Tensor]]:
         names = self._input_names(len(inputs))
         if names is None:
-            want = f"at least {self._n_inputs} inputs {self.spec.inputs}" if self._variadic \
+            want = (
+                f"at least {self._n_inputs} inputs {self.spec.inputs}"
+                if self._variadic
                 else f"{self._n_inputs} inputs {self.spec.inputs}"
+            )
             raise ParamError(op=self.name, arg="inputs", expected=want, got=f"{len(inputs)}")
         descs: list[TensorDesc | None] = []
         bound: dict[int, Tensor] = {}
@@ -246,11 +289,17 @@ class Op:
             elif x is None and name.endswith("?"):
                 descs.append(None)
             elif x is None:
-                raise ParamError(op=self.name, arg=name.rstrip("*"), expected="a Tensor or TensorDesc", got="None",
-                                 status=Status.ERR_PARAM_NULLPTR)
+                raise ParamError(
+                    op=self.name,
+                    arg=name.rstrip("*"),
+                    expected="a Tensor or TensorDesc",
+                    got="None",
+                    status=Status.ERR_PARAM_NULLPTR,
+                )
             else:
-                raise ParamError(op=self.name, arg=name.rstrip("?*"), expected="a Tensor or TensorDesc",
-                                 got=type(x).__name__)
+                raise ParamError(
+                    op=self.name, arg=name.rstrip("?*"), expected="a Tensor or TensorDesc", got=type(x).__name__
+                )
         return tuple(descs), bound
 
     def _input_names(self, given: int) -> list[str] | None:
@@ -277,8 +326,12 @@ class Op:
     def _attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
         unknown = set(attrs) - self._attr_names
         if unknown:
-            raise ParamError(op=self.name, arg=sorted(unknown)[0],
-                             expected=f"one of the attributes {sorted(self._attr_names)}", got="unknown attribute")
+            raise ParamError(
+                op=self.name,
+                arg=sorted(unknown)[0],
+                expected=f"one of the attributes {sorted(self._attr_names)}",
+                got="unknown attribute",
+            )
         norm: dict[str, Any] = {}
         for a in self.spec.attrs:
             if a.name in attrs:
@@ -292,8 +345,9 @@ class Op:
             except ParamError as e:
                 raise ParamError(op=self.name, arg=a.name, expected=e.expected, got=v) from None
             except (TypeError, ValueError, OverflowError):
-                raise ParamError(op=self.name, arg=a.name, expected=getattr(a.convert, "expects", "valid value"),
-                                 got=v) from None
+                raise ParamError(
+                    op=self.name, arg=a.name, expected=getattr(a.convert, "expects", "valid value"), got=v
+                ) from None
         return norm
 
     def _out_descs(self, given: tuple[Any, ...], inferred: tuple[TensorDesc, ...]) -> tuple[TensorDesc, ...]:
@@ -308,11 +362,19 @@ class Op:
                 raise ParamError(op=self.name, arg="out", expected="a Tensor or TensorDesc", got=type(g).__name__)
             arg = f"out[{i}]" if len(given) > 1 else "out"
             if d.shape != want.shape or d.dtype is not want.dtype:
-                raise ParamError(op=self.name, arg=arg, expected=f"shape {want.shape} dtype {want.dtype.value}",
-                                 got=f"shape {d.shape} dtype {d.dtype.value}")
+                raise ParamError(
+                    op=self.name,
+                    arg=arg,
+                    expected=f"shape {want.shape} dtype {want.dtype.value}",
+                    got=f"shape {d.shape} dtype {d.dtype.value}",
+                )
             if d.format is not want.format and d.format is not Format.ND and want.format is not Format.ND:
-                raise ParamError(op=self.name, arg=arg, expected=f"format {want.format.value} (or ND)",
-                                 got=f"format {d.format.value}")
+                raise ParamError(
+                    op=self.name,
+                    arg=arg,
+                    expected=f"format {want.format.value} (or ND)",
+                    got=f"format {d.format.value}",
+                )
             descs.append(d)
         return tuple(descs)
 
@@ -322,8 +384,13 @@ class Op:
             return _noop
         builder = self.spec.kernels.get(dev.kind)
         if builder is None:
-            raise InternalError(op=self.name, arg="device", expected=f"a kernel for one of {sorted(self.spec.kernels)}",
-                                got=dev.kind, status=Status.ERR_INNER_KERNEL_NOT_FOUND)
+            raise InternalError(
+                op=self.name,
+                arg="device",
+                expected=f"a kernel for one of {sorted(self.spec.kernels)}",
+                got=dev.kind,
+                status=Status.ERR_INNER_KERNEL_NOT_FOUND,
+            )
         # The same plan over the same memory (address and desc of every operand) yields the same launch:
         # a launch's views keep their memory mapped, so an address cannot be reused for other memory.
         operands: list[tuple[int, TensorDesc] | None] = []
@@ -347,9 +414,12 @@ class Op:
         views = [t.view() if t is not None else None for t in ex._tensors]
         for j, o in enumerate(views[n:]):
             if o is not None and self_overlapping(o):
-                raise ParamError(op=self.name, arg="out" if len(views) - n == 1 else f"out {j}",
-                                 expected="an output whose elements are each their own memory",
-                                 got=f"a view with strides {o.strides} (elements share memory)")
+                raise ParamError(
+                    op=self.name,
+                    arg="out" if len(views) - n == 1 else f"out {j}",
+                    expected="an output whose elements are each their own memory",
+                    got=f"a view with strides {o.strides} (elements share memory)",
+                )
         if self.spec.aliases != "any":
             self._check_overlap(views, n, operands)
         launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
@@ -372,14 +442,25 @@ class Op:
             if o is None:
                 continue
             for i, v in enumerate(views[:j]):
-                if v is None or apart(ranges[i], ranges[j]) or (i < n and i in in_place and same_view(o, v)) \
-                        or not overlaps(o, v):
+                if (
+                    v is None
+                    or apart(ranges[i], ranges[j])
+                    or (i < n and i in in_place and same_view(o, v))
+                    or not overlaps(o, v)
+                ):
                     continue
                 allowed = [self.spec.inputs[k].rstrip("?*") for k in in_place if k < len(self.spec.inputs)]
-                expected = (f"memory apart from every input, or exactly the {' or '.join(allowed)} view "
-                            "(in place)") if allowed else "memory apart from every input and output"
-                raise ParamError(op=self.name, arg=names[j] if len(views) - n > 1 else "out", expected=expected,
-                                 got=f"memory overlapping {names[i]}")
+                expected = (
+                    (f"memory apart from every input, or exactly the {' or '.join(allowed)} view (in place)")
+                    if allowed
+                    else "memory apart from every input and output"
+                )
+                raise ParamError(
+                    op=self.name,
+                    arg=names[j] if len(views) - n > 1 else "out",
+                    expected=expected,
+                    got=f"memory overlapping {names[i]}",
+                )
 
     def _on_release(self, ex: Executor) -> None:
         self.counters.on_release(ex)
@@ -396,10 +477,19 @@ class Op:
         except AttributeError:
             self._refuse(ex)
         try:
-            if workspace_size != ex.workspace_size or stream.device is not ex.device or (
-                    workspace_size and workspace is None) or (workspace is not None and (
-                        workspace.size < workspace_size or not workspace.allocated
-                        or (workspace.data is None and ex.device.runs_kernels))):
+            if (
+                workspace_size != ex.workspace_size
+                or stream.device is not ex.device
+                or (workspace_size and workspace is None)
+                or (
+                    workspace is not None
+                    and (
+                        workspace.size < workspace_size
+                        or not workspace.allocated
+                        or (workspace.data is None and ex.device.runs_kernels)
+                    )
+                )
+            ):
                 self._refuse_workspace(workspace, workspace_size, ex, stream)
         except AttributeError:  # not a Stream / Block: diagnosed off the hot path
             self._refuse_types(workspace, stream)
@@ -420,35 +510,66 @@ class Op:
         if not isinstance(ex, Executor):
             raise ParamError(op=self.name, arg="executor", expected="an Executor from phase 1", got=type(ex).__name__)
         if ex.op is not self:
-            raise ParamError(op=self.name, arg="executor", expected=f"an executor of '{self.name}'",
-                             got=ex.describe())
+            raise ParamError(op=self.name, arg="executor", expected=f"an executor of '{self.name}'", got=ex.describe())
         ex._check_ready("phase 2")
-        missing = [i for i, t in enumerate(ex._tensors) if t is None
-                   and (ex.input_descs + ex.output_descs)[i] is not None]
-        raise InvalidStateError("operands are not bound; bind them with set_input / set_output", op=self.name,
-                                arg="executor", expected="every operand bound", got=f"unbound operand(s) {missing}")
+        missing = [
+            i for i, t in enumerate(ex._tensors) if t is None and (ex.input_descs + ex.output_descs)[i] is not None
+        ]
+        raise InvalidStateError(
+            "operands are not bound; bind them with set_input / set_output",
+            op=self.name,
+            arg="executor",
+            expected="every operand bound",
+            got=f"unbound operand(s) {missing}",
+        )
 
     def _refuse_types(self, workspace: object, stream: object) -> None:
         check_stream(stream, self.name)
         if workspace is not None and not isinstance(workspace, Block):
-            raise ParamError(op=self.name, arg="workspace", expected="None or a twophase Block (dev.malloc)",
-                             got=type(workspace).__name__)
+            raise ParamError(
+                op=self.name,
+                arg="workspace",
+                expected="None or a twophase Block (dev.malloc)",
+                got=type(workspace).__name__,
+            )
 
     def _refuse_workspace(self, workspace: Block | None, size: int, ex: Executor, stream: Stream) -> None:
         if stream.device is not ex.device:
-            raise ParamError(op=self.name, arg="stream", got=f"a stream of {stream.device.name}",
-                             expected=f"a stream of {ex.device.name}, the executor's device")
+            raise ParamError(
+                op=self.name,
+                arg="stream",
+                got=f"a stream of {stream.device.name}",
+                expected=f"a stream of {ex.device.name}, the executor's device",
+            )
         if size != ex.workspace_size:
-            raise WorkspaceTooSmallError("workspace_size differs from phase 1's", op=self.name,
-                                         arg="workspace_size", expected=ex.workspace_size, got=size)
+            raise WorkspaceTooSmallError(
+                "workspace_size differs from phase 1's",
+                op=self.name,
+                arg="workspace_size",
+                expected=ex.workspace_size,
+                got=size,
+            )
         if workspace is not None and not workspace.allocated:
-            raise InvalidStateError("the workspace block was freed", op=self.name, arg="workspace",
-                                    expected="an allocated block", got=f"a freed block of {workspace.size} bytes")
+            raise InvalidStateError(
+                "the workspace block was freed",
+                op=self.name,
+                arg="workspace",
+                expected="an allocated block",
+                got=f"a freed block of {workspace.size} bytes",
+            )
         if workspace is not None and workspace.data is None and ex.device.runs_kernels and workspace.size >= size:
-            raise ParamError(op=self.name, arg="workspace", expected=f"a block of {ex.device.name}'s memory",
-                             got="a block without memory (from another device's pool)")
-        raise WorkspaceTooSmallError(op=self.name, arg="workspace", expected=f"a block of at least {size} bytes",
-                                     got="None" if workspace is None else f"{workspace.size} bytes")
+            raise ParamError(
+                op=self.name,
+                arg="workspace",
+                expected=f"a block of {ex.device.name}'s memory",
+                got="a block without memory (from another device's pool)",
+            )
+        raise WorkspaceTooSmallError(
+            op=self.name,
+            arg="workspace",
+            expected=f"a block of at least {size} bytes",
+            got="None" if workspace is None else f"{workspace.size} bytes",
+        )
 
 
 # launches remembered per op (LRU), keyed by plan and operand memory: at least the distinct launches of one op in a

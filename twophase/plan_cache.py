@@ -56,11 +56,11 @@ class PlanCache:
 
     def _check_owner(self) -> None:
         if threading.get_ident() != self._owner:
-            raise InvalidStateError("a PlanCache belongs to the thread that made it", op="PlanCache",
-                                    arg="thread")
+            raise InvalidStateError("a PlanCache belongs to the thread that made it", op="PlanCache", arg="thread")
 
-    def acquire(self, op: Op | str, *inputs: Any, out: Any = None, stream: Stream | None = None,
-                **attrs: Any) -> PlannedCall:
+    def acquire(
+        self, op: Op | str, *inputs: Any, out: Any = None, stream: Stream | None = None, **attrs: Any
+    ) -> PlannedCall:
         """A leased planned call for these operands' metadata, bound to these tensors."""
         self._check_owner()
         o = as_op(op, "PlanCache.acquire")
@@ -102,8 +102,9 @@ class PlanCache:
         """End the lease of ``call`` (an uncached call is closed in stream order)."""
         self._check_owner()
         if not isinstance(call, PlannedCall):
-            raise ParamError(op="PlanCache.release", arg="call", expected="a PlannedCall from acquire()",
-                             got=type(call).__name__)
+            raise ParamError(
+                op="PlanCache.release", arg="call", expected="a PlannedCall from acquire()", got=type(call).__name__
+            )
         entry = self._entries.get(id(call))
         if entry is None or entry.call is not call:
             call.close(sync=False)
@@ -125,8 +126,7 @@ class PlanCache:
         return entry.leases == 0 and not entry.call.pending()
 
     def _over(self) -> bool:
-        return len(self._entries) > self.max_entries or (
-            self.max_bytes is not None and self.bytes > self.max_bytes)
+        return len(self._entries) > self.max_entries or (self.max_bytes is not None and self.bytes > self.max_bytes)
 
     def _evict(self) -> None:
         if not self._over():
@@ -156,15 +156,24 @@ class PlanCache:
                 self._drop(token, entry)
 
     def info(self) -> dict[str, int | None]:
-        return {"size": len(self._entries), "bytes": self.bytes, "hits": self.hits, "misses": self.misses,
-                "evictions": self.evictions, "max_entries": self.max_entries, "max_bytes": self.max_bytes,
-                "leased": sum(1 for e in self._entries.values() if e.leases)}
+        return {
+            "size": len(self._entries),
+            "bytes": self.bytes,
+            "hits": self.hits,
+            "misses": self.misses,
+            "evictions": self.evictions,
+            "max_entries": self.max_entries,
+            "max_bytes": self.max_bytes,
+            "leased": sum(1 for e in self._entries.values() if e.leases),
+        }
 
     def show_info(self) -> str:
         """Print (and return) size, bytes, hits and misses."""
         i = self.info()
-        text = (f"PlanCache: {i['size']}/{i['max_entries']} plans, {i['bytes']} bytes held"
-                f" (cap {i['max_bytes']}), hits {i['hits']}, misses {i['misses']}, evictions {i['evictions']},"
-                f" leased {i['leased']}")
+        text = (
+            f"PlanCache: {i['size']}/{i['max_entries']} plans, {i['bytes']} bytes held"
+            f" (cap {i['max_bytes']}), hits {i['hits']}, misses {i['misses']}, evictions {i['evictions']},"
+            f" leased {i['leased']}"
+        )
         print(text)
         return text

@@ -51,8 +51,18 @@ class Profiler:
     def host_span(self, name: str, cat: str, t0: float, t1: float, args: dict[str, Any]) -> None:
         tid = threading.get_ident()
         self._threads.setdefault(tid, threading.current_thread().name)
-        self._emit({"name": name, "cat": cat, "ph": "X", "ts": self.us(t0), "dur": self.us(t1) - self.us(t0),
-                    "pid": 1, "tid": tid, "args": args})
+        self._emit(
+            {
+                "name": name,
+                "cat": cat,
+                "ph": "X",
+                "ts": self.us(t0),
+                "dur": self.us(t1) - self.us(t0),
+                "pid": 1,
+                "tid": tid,
+                "args": args,
+            }
+        )
 
     def enqueue(self, stream: Stream, seq: int) -> dict[str, Any]:
         """The start of the arrow to task ``seq``'s kernel, registered now (the kernel may run before phase 2
@@ -76,8 +86,10 @@ class Profiler:
             track = self._streams.get(q)
             if track is None:  # one track per stream, even where two streams share a name
                 same = sum(1 for _, name in self._streams.values() if name.split(" #")[0] == stream_name)
-                track = self._streams[q] = (1_000_000 + len(self._streams),
-                                            f"{stream_name} #{same + 1}" if same else stream_name)
+                track = self._streams[q] = (
+                    1_000_000 + len(self._streams),
+                    f"{stream_name} #{same + 1}" if same else stream_name,
+                )
         return track[0]
 
     def kernel(self, stream_name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
@@ -85,12 +97,30 @@ class Profiler:
         op = getattr(owner, "op", None)
         name = op.name if op is not None else ("marker" if owner is CONTROL else str(owner))
         args = {"executor": owner.id, "implementation": owner.plan.implementation} if op is not None else {}
-        self._emit({"name": name, "cat": "kernel", "ph": "X", "ts": self.us(t0), "dur": self.us(t1) - self.us(t0),
-                    "pid": 1, "tid": tid, "args": args})
+        self._emit(
+            {
+                "name": name,
+                "cat": "kernel",
+                "ph": "X",
+                "ts": self.us(t0),
+                "dur": self.us(t1) - self.us(t0),
+                "pid": 1,
+                "tid": tid,
+                "args": args,
+            }
+        )
         fid = self._pending_flows.pop(running_queue(), seq)
         if fid is not None:
-            end = {"name": "launch", "cat": "flow", "ph": "f", "bp": "e", "id": fid, "ts": self.us(t0), "pid": 1,
-                   "tid": tid}
+            end = {
+                "name": "launch",
+                "cat": "flow",
+                "ph": "f",
+                "bp": "e",
+                "id": fid,
+                "ts": self.us(t0),
+                "pid": 1,
+                "tid": tid,
+            }
             with self._lock:
                 if fid in self._started:
                     self._started.discard(fid)
@@ -100,8 +130,15 @@ class Profiler:
 
     def pool(self, pool: MemoryPool) -> None:
         st = pool.stats()
-        self._emit({"name": pool.name, "ph": "C", "ts": self.us(time.perf_counter()), "pid": 1,
-                    "args": {"allocated": st["allocated_bytes"], "reserved": st["reserved_bytes"]}})
+        self._emit(
+            {
+                "name": pool.name,
+                "ph": "C",
+                "ts": self.us(time.perf_counter()),
+                "pid": 1,
+                "args": {"allocated": st["allocated_bytes"], "reserved": st["reserved_bytes"]},
+            }
+        )
 
     def trace(self) -> dict[str, Any]:
         meta: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 1, "args": {"name": "twophase"}}]
@@ -121,8 +158,9 @@ def _phase1_done(op: Op, inputs: Any, kwargs: Any, result: Any, t0: float, t1: f
     op.counters.phase1_time += t1 - t0
     op.counters.phase1_timed += 1
     for p in _active:
-        p.host_span(f"phase1 {op.name}", "phase1", t0, t1,
-                    {"workspace": result[0], "implementation": result[1].implementation})
+        p.host_span(
+            f"phase1 {op.name}", "phase1", t0, t1, {"workspace": result[0], "implementation": result[1].implementation}
+        )
 
 
 _flow_starts = threading.local()
@@ -190,8 +228,12 @@ def check_trace_path(path: object) -> None:
         with open(path, "w"):
             pass
     except OSError as e:
-        raise ParamError(op="profile", arg="path", expected="a file that can be written",
-                         got=f"{os.fspath(path)!r} ({e.strerror or e})") from None
+        raise ParamError(
+            op="profile",
+            arg="path",
+            expected="a file that can be written",
+            got=f"{os.fspath(path)!r} ({e.strerror or e})",
+        ) from None
 
 
 @contextlib.contextmanager

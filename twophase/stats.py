@@ -24,9 +24,24 @@ def bucket(n: int) -> int:
 class OpCounters:
     """Counters of one op. ``live`` holds the executors not yet released (weakly)."""
 
-    __slots__ = ("phase1", "hits", "misses", "created", "destroyed", "retired_launches", "reuse", "workspace",
-                 "max_workspace", "live", "phase1_time", "phase2_time", "kernel_time", "kernel_count", "phase2_timed",
-                 "phase1_timed")
+    __slots__ = (
+        "phase1",
+        "hits",
+        "misses",
+        "created",
+        "destroyed",
+        "retired_launches",
+        "reuse",
+        "workspace",
+        "max_workspace",
+        "live",
+        "phase1_time",
+        "phase2_time",
+        "kernel_time",
+        "kernel_count",
+        "phase2_timed",
+        "phase1_timed",
+    )
 
     def __init__(self) -> None:
         self.live: weakref.WeakSet[Executor] = weakref.WeakSet()
@@ -93,8 +108,12 @@ def snapshot() -> dict[str, Any]:
     """Every counter as plain JSON-serialisable data: ``{"ops": {name: {...}}, "devices": {name: pool stats}}``."""
     from .op import registry
     from .runtime.device import _DEVICES
-    ops = {name: op.counters.as_dict() for name, op in sorted(registry.items())
-           if op.counters.phase1 or op.counters.live or op.counters.created or op.counters.destroyed}
+
+    ops = {
+        name: op.counters.as_dict()
+        for name, op in sorted(registry.items())
+        if op.counters.phase1 or op.counters.live or op.counters.created or op.counters.destroyed
+    }
     devices = {name: dev.pool.stats() for name, dev in sorted(_DEVICES.items())}
     data = {"ops": ops, "devices": devices}
     json.dumps(data)  # guarantee: plain data only
@@ -105,6 +124,7 @@ def reset() -> None:
     """Zero every op counter and the pools' peak watermarks (a launch still pending is counted after it)."""
     from .op import registry
     from .runtime.device import _DEVICES
+
     for op in registry.values():
         op.counters.reset()
     for dev in _DEVICES.values():
@@ -136,21 +156,28 @@ def _fmt_bytes(n: float) -> str:
 def report(file: Any = None) -> str:
     """Print (and return) a table of the per-op counters and the pool watermarks (to ``file``, default stdout)."""
     if file is not None and not callable(getattr(file, "write", None)):
-        raise ParamError(op="stats.report", arg="file", expected="None or a text file (with write())",
-                         got=type(file).__name__)
+        raise ParamError(
+            op="stats.report", arg="file", expected="None or a text file (with write())", got=type(file).__name__
+        )
     snap = snapshot()
-    head = (f"{'op':<28}{'phase1':>8}{'hits':>8}{'miss':>6}{'phase2':>9}{'live':>6}"
-            f"{'p1 us':>9}{'p2 us':>8}{'kern us':>9}  max workspace")
+    head = (
+        f"{'op':<28}{'phase1':>8}{'hits':>8}{'miss':>6}{'phase2':>9}{'live':>6}"
+        f"{'p1 us':>9}{'p2 us':>8}{'kern us':>9}  max workspace"
+    )
     lines = [head, "-" * len(head)]
     for name, c in snap["ops"].items():
         p1, p2, k, ws = means(c)
-        lines.append(f"{name:<28}{c['phase1_calls']:>8}{c['cache_hits']:>8}{c['cache_misses']:>6}"
-                     f"{c['phase2_calls']:>9}{c['executors_live']:>6}{us(p1, 9)}{us(p2, 8, 2)}{us(k, 9)}  "
-                     f"{_fmt_bytes(ws)}")
+        lines.append(
+            f"{name:<28}{c['phase1_calls']:>8}{c['cache_hits']:>8}{c['cache_misses']:>6}"
+            f"{c['phase2_calls']:>9}{c['executors_live']:>6}{us(p1, 9)}{us(p2, 8, 2)}{us(k, 9)}  "
+            f"{_fmt_bytes(ws)}"
+        )
     for name, p in snap["devices"].items():
-        lines.append(f"device {name}: allocated {_fmt_bytes(p['allocated_bytes'])}, reserved "
-                     f"{_fmt_bytes(p['reserved_bytes'])}, peak allocated {_fmt_bytes(p['peak_allocated_bytes'])}, "
-                     f"peak reserved {_fmt_bytes(p['peak_reserved_bytes'])}")
+        lines.append(
+            f"device {name}: allocated {_fmt_bytes(p['allocated_bytes'])}, reserved "
+            f"{_fmt_bytes(p['reserved_bytes'])}, peak allocated {_fmt_bytes(p['peak_allocated_bytes'])}, "
+            f"peak reserved {_fmt_bytes(p['peak_reserved_bytes'])}"
+        )
     text = "\n".join(lines)
     print(text, file=file)
     return text

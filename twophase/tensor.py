@@ -217,8 +217,13 @@ class TensorDesc:
 
     def with_(self, **changes: Any) -> TensorDesc:
         """A copy with some fields replaced (strides reset to contiguous when only the shape changes)."""
-        fields: dict[str, Any] = {"shape": self.shape, "dtype": self.dtype, "strides": self.strides,
-                                  "offset": self.offset, "format": self.format}
+        fields: dict[str, Any] = {
+            "shape": self.shape,
+            "dtype": self.dtype,
+            "strides": self.strides,
+            "offset": self.offset,
+            "format": self.format,
+        }
         if "shape" in changes and "strides" not in changes:
             fields["strides"] = None
         fields.update(changes)
@@ -310,18 +315,25 @@ class Tensor:
         from .runtime.stream import Stream  # the runtime imports this module
 
         if stream is not None and not (isinstance(stream, Stream) and stream.device is self.device):
-            raise ParamError(op="Tensor.__dlpack__", arg="stream",
-                             expected=f"None or a twophase Stream of device {self.device.name} (a CPU consumer "
-                                      "has no DLPack stream)", got=stream)
+            raise ParamError(
+                op="Tensor.__dlpack__",
+                arg="stream",
+                expected=f"None or a twophase Stream of device {self.device.name} (a CPU consumer "
+                "has no DLPack stream)",
+                got=stream,
+            )
         self.block.wait()
         held = self.view().view()  # a fresh array per export: the consumer holds it until its deleter runs
         self.block.export(held)  # released when ``held`` is collected, also if numpy refuses the arguments
         try:
             return held.__dlpack__(**kwargs)
         except (TypeError, ValueError) as e:  # max_version / copy / an unknown keyword (BufferError: the spec's)
-            raise ParamError(op="Tensor.__dlpack__", arg=", ".join(kwargs) or "arguments",
-                             expected="the DLPack keywords max_version=(major, minor), dl_device, copy=bool",
-                             got=f"{kwargs} ({e})") from None
+            raise ParamError(
+                op="Tensor.__dlpack__",
+                arg=", ".join(kwargs) or "arguments",
+                expected="the DLPack keywords max_version=(major, minor), dl_device, copy=bool",
+                got=f"{kwargs} ({e})",
+            ) from None
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # kDLCPU
@@ -336,8 +348,9 @@ class Tensor:
         n = self.desc.ndim
         for name, d in (("a", a), ("b", b)):
             if int_value(d) is None or not -n <= d < n:
-                raise ParamError(op="Tensor.transpose", arg=name, expected=f"a dim in [{-n}, {n}) of a {n}-d tensor",
-                                 got=d)
+                raise ParamError(
+                    op="Tensor.transpose", arg=name, expected=f"a dim in [{-n}, {n}) of a {n}-d tensor", got=d
+                )
         shape, strides = list(self.desc.shape), list(self.desc.strides)
         shape[a], shape[b] = shape[b], shape[a]
         strides[a], strides[b] = strides[b], strides[a]

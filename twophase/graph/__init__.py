@@ -15,5 +15,15 @@ from .planner import ArenaPlan, Buffer, liveness, peak_bytes, plan_arena
 from .replay import Graph, GraphMemory
 from .virtual import VirtualBlock
 
-__all__ = ["capture", "capturing", "Graph", "GraphMemory", "ArenaPlan", "Buffer", "liveness", "peak_bytes",
-           "plan_arena", "VirtualBlock"]
+__all__ = [
+    "capture",
+    "capturing",
+    "Graph",
+    "GraphMemory",
+    "ArenaPlan",
+    "Buffer",
+    "liveness",
+    "peak_bytes",
+    "plan_arena",
+    "VirtualBlock",
+]

@@ -57,11 +57,17 @@ def capture(stream: Stream, name: str | None = None) -> Iterator[Graph]:
     tid = threading.get_ident()
     with _lock:
         if tid in _active:
-            raise CaptureError("captures do not nest", op="capture", arg="stream",
-                               expected="no capture active on this thread", got=f"capturing {_active[tid]}")
+            raise CaptureError(
+                "captures do not nest",
+                op="capture",
+                arg="stream",
+                expected="no capture active on this thread",
+                got=f"capturing {_active[tid]}",
+            )
         if any(g.stream is stream for g in _active.values()):
-            raise CaptureError("stream is already being captured by another thread", op="capture", arg="stream",
-                               got=stream.name)
+            raise CaptureError(
+                "stream is already being captured by another thread", op="capture", arg="stream", got=stream.name
+            )
         graph = Graph._new(stream, name, tid)
         restore = _begin(graph)
         _active[tid] = graph
@@ -89,6 +95,7 @@ def _swap(obj: Any, attr: str, new: Any) -> Callable[[], None]:
             setattr(obj, attr, old)
         else:
             delattr(obj, attr)
+
     return restore
 
 
@@ -112,8 +119,12 @@ class _CaptureQueue:
 
     def wait_for(self, seq: int, raise_errors: bool = True) -> None:
         if threading.get_ident() == self._graph._thread:
-            raise CaptureError(f"stream '{self.name}' is being captured: no synchronization or host read of its "
-                               "work until the capture ends", op="capture", arg="stream")
+            raise CaptureError(
+                f"stream '{self.name}' is being captured: no synchronization or host read of its "
+                "work until the capture ends",
+                op="capture",
+                arg="stream",
+            )
         self._real.wait_for(seq, raise_errors)
 
     def __getattr__(self, name: str) -> Any:
@@ -132,6 +143,7 @@ def _begin(graph: Graph) -> list[Callable[[], None]]:
         with SWITCH_LOCK:
             restore_q()
             stream._enqueue = stream._q.enqueue  # not the one saved: launch blocking may have switched meanwhile
+
     restore = [end]
     restore.append(_tap_device(graph.device))
     restore.append(_share())
@@ -157,8 +169,13 @@ def _tap_device(dev: Any) -> Callable[[], None]:
 
         def array_view(block: Block, desc: Any) -> Any:
             if type(block) is VirtualBlock and block.virtual:
-                raise CaptureError(f"a tensor allocated inside the capture of {block.graph} has no memory until "
-                                   "the graph is instantiated", op="Tensor.view", arg="tensor", got=desc)
+                raise CaptureError(
+                    f"a tensor allocated inside the capture of {block.graph} has no memory until "
+                    "the graph is instantiated",
+                    op="Tensor.view",
+                    arg="tensor",
+                    got=desc,
+                )
             return orig_view(block, desc)
 
         tap = _taps[key] = [0, [_swap(pool, "malloc", malloc), _swap(dev, "_array_view", array_view)]]
@@ -170,6 +187,7 @@ def _tap_device(dev: Any) -> Callable[[], None]:
             for fn in reversed(tap[1]):
                 fn()
             del _taps[key]
+
     return release
 
 
@@ -194,18 +212,28 @@ def _share() -> Callable[[], None]:
         if _shared["n"] == 0:
             Op._build_launch = _shared.pop("plain")  # type: ignore[method-assign]
             hooks.remove_hook(_shared.pop("hook"))
+
     return release
 
 
 def _deferred(_: Any) -> None:
-    raise CaptureError("this executor is bound to tensors of a captured graph: its launch exists only in the "
-                       "instantiated graph (replay the graph, or bind real tensors)", op="phase 2", arg="executor")
+    raise CaptureError(
+        "this executor is bound to tensors of a captured graph: its launch exists only in the "
+        "instantiated graph (replay the graph, or bind real tensors)",
+        op="phase 2",
+        arg="executor",
+    )
 
 
 def _check_stream(op: Op, workspace: Any, size: int, executor: Any, stream: Any) -> None:
     g = _active.get(threading.get_ident())
     if g is not None and stream is not g.stream:
         name = getattr(stream, "name", stream)
-        raise CaptureError(f"launch on stream '{name}' while this thread captures stream '{g.stream.name}' "
-                           "(pass stream= the captured stream)", op=op.name, arg="stream",
-                           expected=g.stream.name, got=name)
+        raise CaptureError(
+            f"launch on stream '{name}' while this thread captures stream '{g.stream.name}' "
+            "(pass stream= the captured stream)",
+            op=op.name,
+            arg="stream",
+            expected=g.stream.name,
+            got=name,
+        )

@@ -74,7 +74,7 @@ def peak_bytes(buffers: Sequence[Buffer], alignment: int = DEFAULT_ALIGNMENT) ->
     """The largest sum of aligned sizes live at one node (a sweep over first / last uses)."""
     events: list[tuple[int, int, int]] = []
     for b, s in zip(buffers, _sizes(buffers, alignment)):
-        events.append((b.first, 0, s))     # starts sort before ends at the same node: both are live there
+        events.append((b.first, 0, s))  # starts sort before ends at the same node: both are live there
         events.append((b.last, 1, -s))
     events.sort()
     live = peak = 0

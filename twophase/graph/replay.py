@@ -25,7 +25,6 @@ from .virtual import VirtualBlock
 __all__ = ["Graph", "GraphMemory"]
 
 
-
 class _Node:
     """One recorded launch: what phase 1 decided, and the operands bound at the time of the launch."""
 
@@ -92,8 +91,8 @@ class _ArenaGuards:
     def before(self, i: int) -> None:
         g, raw = self.bytes, self.raw
         for _, off, size in self.per_node[i]:
-            raw[off - g:off] = self.fill
-            raw[off + size:off + size + g] = self.fill
+            raw[off - g : off] = self.fill
+            raw[off + size : off + size + g] = self.fill
 
     def after(self, i: int) -> None:
         if self.per_node[i]:
@@ -216,8 +215,9 @@ class Graph:
         """The planner's report (after ``instantiate``)."""
         p = self._plan
         if p is None:
-            raise InvalidStateError(f"{self} is {self._state}: the arena is planned by instantiate()",
-                                    op="Graph.memory", arg="graph")
+            raise InvalidStateError(
+                f"{self} is {self._state}: the arena is planned by instantiate()", op="Graph.memory", arg="graph"
+            )
         n_ws = sum(1 for n in self._nodes if n.workspace_size)
         return GraphMemory(p.size, p.naive, p.peak, len(p.offsets) - n_ws, n_ws, p.strategy)
 
@@ -236,13 +236,21 @@ class Graph:
     # ---- capture side (called through the swapped entry points)
     def _record(self, fn: Any, arg: Any, owner: Any) -> int:
         if threading.get_ident() != self._thread:
-            raise CaptureError(f"stream '{self.stream.name}' is being captured by another thread",
-                               op="capture", arg="stream", got=describe_owner(owner))
+            raise CaptureError(
+                f"stream '{self.stream.name}' is being captured by another thread",
+                op="capture",
+                arg="stream",
+                got=describe_owner(owner),
+            )
         if not isinstance(owner, Executor):
             what = "an event record / wait" if owner is CONTROL else describe_owner(owner)
-            raise CaptureError(f"{what} cannot be captured into {self}: a graph records op "
-                               "launches only (create input tensors before the capture; no events, callbacks or "
-                               "graph replays inside it)", op="capture", arg="stream")
+            raise CaptureError(
+                f"{what} cannot be captured into {self}: a graph records op "
+                "launches only (create input tensors before the capture; no events, callbacks or "
+                "graph replays inside it)",
+                op="capture",
+                arg="stream",
+            )
         operands: list[Any] = []
         for t in owner._tensors:
             if t is None:
@@ -251,8 +259,11 @@ class Graph:
             b = t.block
             if type(b) is VirtualBlock and b.virtual:
                 if b.graph is not self:
-                    raise CaptureError(f"{owner.describe()} uses a tensor of another capture ({b.graph})",
-                                       op=owner.op.name, arg="operand")
+                    raise CaptureError(
+                        f"{owner.describe()} uses a tensor of another capture ({b.graph})",
+                        op=owner.op.name,
+                        arg="operand",
+                    )
                 operands.append((t.desc, b.vid))
             else:
                 if id(b) not in self._marks:
@@ -292,29 +303,47 @@ class Graph:
 
     def _declare(self, name: str, tensor: Tensor, kind: str) -> None:
         if self._state not in ("capturing", "captured"):
-            raise InvalidStateError(f"{self} is {self._state}: declare inputs and outputs before instantiate()",
-                                    op=f"Graph.{kind}", arg="name", got=name)
+            raise InvalidStateError(
+                f"{self} is {self._state}: declare inputs and outputs before instantiate()",
+                op=f"Graph.{kind}",
+                arg="name",
+                got=name,
+            )
         if not isinstance(name, str) or not name.isidentifier():
             raise ParamError(op=f"Graph.{kind}", arg="name", expected="an identifier (a keyword of replay)", got=name)
         if name in self._bindings:
-            raise ParamError(op=f"Graph.{kind}", arg="name", expected="a new name",
-                             got=f"'{name}' (already the {self._bindings[name].kind} {self._bindings[name].desc})")
+            raise ParamError(
+                op=f"Graph.{kind}",
+                arg="name",
+                expected="a new name",
+                got=f"'{name}' (already the {self._bindings[name].kind} {self._bindings[name].desc})",
+            )
         if not isinstance(tensor, Tensor):
             raise ParamError(op=f"Graph.{kind}", arg=name, expected="a Tensor", got=type(tensor).__name__)
         if tensor.device is not self.device:
-            raise ParamError(op=f"Graph.{kind}", arg=name, expected=f"a tensor on {self.device.name}",
-                             got=tensor.device.name)
+            raise ParamError(
+                op=f"Graph.{kind}", arg=name, expected=f"a tensor on {self.device.name}", got=tensor.device.name
+            )
         b = tensor.block
         vb = b if isinstance(b, VirtualBlock) and b.virtual else None
         if vb is not None and (kind == "input" or vb.graph is not self):
-            raise CaptureError("an input must be a tensor made before the capture" if kind == "input" else
-                               f"the tensor belongs to another capture ({vb.graph})", op=f"Graph.{kind}", arg=name)
+            raise CaptureError(
+                "an input must be a tensor made before the capture"
+                if kind == "input"
+                else f"the tensor belongs to another capture ({vb.graph})",
+                op=f"Graph.{kind}",
+                arg=name,
+            )
         key: Any = b if vb is None else vb.vid
         for other in self._bindings.values():
             # vids compare by value, blocks by identity; views of one block may be named apart if they are disjoint
             if other.key == key and (vb is not None or _overlap(other.desc, tensor.desc)):
-                raise ParamError(op=f"Graph.{kind}", arg=name, expected="memory not named yet",
-                                 got=f"the memory of {other.kind} '{other.name}'")
+                raise ParamError(
+                    op=f"Graph.{kind}",
+                    arg=name,
+                    expected="memory not named yet",
+                    got=f"the memory of {other.kind} '{other.name}'",
+                )
         self._bindings[name] = _Binding(name, kind, tensor, key)
 
     # ---- instantiation
@@ -323,8 +352,11 @@ class Graph:
         an output."""
         if kind == "w":
             return [k]
-        return [i for i, n in enumerate(self._nodes)
-                if any(op is not None and op[1] == k for op in n.operands[len(n.input_descs):])]
+        return [
+            i
+            for i, n in enumerate(self._nodes)
+            if any(op is not None and op[1] == k for op in n.operands[len(n.input_descs) :])
+        ]
 
     def _buffer_label(self, kind: str, k: int) -> str:
         """An arena buffer as error messages name it."""
@@ -338,13 +370,17 @@ class Graph:
         Inputs, external outputs and weights stay where they are. Returns the graph.
         """
         if self._state != "captured":
-            raise InvalidStateError(f"{self} is {self._state}", op="Graph.instantiate", arg="graph",
-                                    expected="a finished capture (instantiate once)", got=self._state)
+            raise InvalidStateError(
+                f"{self} is {self._state}",
+                op="Graph.instantiate",
+                arg="graph",
+                expected="a finished capture (instantiate once)",
+                got=self._state,
+            )
         if threading.get_ident() != self._thread:
             raise InvalidStateError(f"{self} belongs to another thread", op="Graph.instantiate", arg="graph")
         if int_value(alignment) is None or alignment < 1 or alignment & (alignment - 1):
-            raise ParamError(op="Graph.instantiate", arg="alignment", expected="a power of two (bytes)",
-                             got=alignment)
+            raise ParamError(op="Graph.instantiate", arg="alignment", expected="a power of two (bytes)", got=alignment)
         nodes = self._nodes
         uses = [[op[1] for op in n.operands if op is not None and type(op[1]) is int] for n in nodes]
         keep = {b.key for b in self._bindings.values() if type(b.key) is int}
@@ -381,7 +417,7 @@ class Graph:
                     vb._materialize(arena, off)
                     blocks[k] = vb
                 else:
-                    ws[k] = None if arena.data is None else arena.data[off:off + nodes[k].workspace_size]
+                    ws[k] = None if arena.data is None else arena.data[off : off + nodes[k].workspace_size]
             for n in nodes:
                 execs.append(self._clone(n, blocks))
         except BaseException:
@@ -396,11 +432,17 @@ class Graph:
         self._steps = [(ex._launch, ws.get(i, NO_WORKSPACE), i) for i, ex in enumerate(execs)]
         for b in self._bindings.values():
             # a vid (int), or the Block itself and the operands within the named view (not the block's other views)
-            b.uses = [(i, s, op[0]) for i, n in enumerate(nodes) for s, op in enumerate(n.operands)
-                      if op is not None and op[1] == b.key and (type(b.key) is int or _overlap(op[0], b.desc))]
+            b.uses = [
+                (i, s, op[0])
+                for i, n in enumerate(nodes)
+                for s, op in enumerate(n.operands)
+                if op is not None and op[1] == b.key and (type(b.key) is int or _overlap(op[0], b.desc))
+            ]
             b.straddled = type(b.key) is not int and any(
                 op is not None and op[1] == b.key and _overlap(op[0], b.desc) and not _within(op[0], b.desc)
-                for n in nodes for op in n.operands)
+                for n in nodes
+                for op in n.operands
+            )
             if b.kind == "output":
                 self._outputs[b.name] = b.current
         self._refresh_marks()
@@ -414,8 +456,11 @@ class Graph:
         ex = Executor._make(op, node.plan, node.attrs, node.input_descs, node.output_descs)
         op.counters.on_create(ex)
         ex.set_repeatable()
-        bind = {s: Tensor._make(o[0], blocks[o[1]] if type(o[1]) is int else o[1], dev)
-                for s, o in enumerate(node.operands) if o is not None}
+        bind = {
+            s: Tensor._make(o[0], blocks[o[1]] if type(o[1]) is int else o[1], dev)
+            for s, o in enumerate(node.operands)
+            if o is not None
+        }
         ex._bind_many(bind)
         return ex
 
@@ -458,10 +503,19 @@ class Graph:
     def _refuse_replay(self) -> None:
         if self._state != "instantiated":
             hint = "; call instantiate() first" if self._state == "captured" else ""
-            raise InvalidStateError(f"{self} is {self._state}{hint}", op="Graph.replay", arg="graph",
-                                    expected="an instantiated graph", got=self._state)
-        raise InvalidStateError(f"{self} belongs to the thread that instantiated it", op="Graph.replay",
-                                arg="graph", got=f"replay from thread {threading.current_thread().name}")
+            raise InvalidStateError(
+                f"{self} is {self._state}{hint}",
+                op="Graph.replay",
+                arg="graph",
+                expected="an instantiated graph",
+                got=self._state,
+            )
+        raise InvalidStateError(
+            f"{self} belongs to the thread that instantiated it",
+            op="Graph.replay",
+            arg="graph",
+            got=f"replay from thread {threading.current_thread().name}",
+        )
 
     def _order_after_last(self, stream: Stream) -> None:
         """Order a new stream after the previous replay (they share the arena)."""
@@ -477,26 +531,44 @@ class Graph:
         for name, t in tensors.items():
             b = self._bindings.get(name)
             if b is None:
-                raise ParamError(op="Graph.replay", arg=name, expected=f"one of the names {sorted(self._bindings)}",
-                                 got="an unknown name")
+                raise ParamError(
+                    op="Graph.replay",
+                    arg=name,
+                    expected=f"one of the names {sorted(self._bindings)}",
+                    got="an unknown name",
+                )
             if not isinstance(t, Tensor):
                 raise ParamError(op="Graph.replay", arg=name, expected="a Tensor", got=type(t).__name__)
             if t.desc != b.desc:
-                raise PlanMismatchError(f"{b.kind} '{name}' needs a tensor of the captured desc (capture again for "
-                                        "another shape)", op="Graph.replay", arg=name, expected=b.desc, got=t.desc)
+                raise PlanMismatchError(
+                    f"{b.kind} '{name}' needs a tensor of the captured desc (capture again for another shape)",
+                    op="Graph.replay",
+                    arg=name,
+                    expected=b.desc,
+                    got=t.desc,
+                )
             if t.device is not self.device:
-                raise ParamError(op="Graph.replay", arg=name, expected=f"a tensor on {self.device.name}",
-                                 got=t.device.name)
+                raise ParamError(
+                    op="Graph.replay", arg=name, expected=f"a tensor on {self.device.name}", got=t.device.name
+                )
             if t.block is b.current.block:
                 continue
             if (type(t.block) is VirtualBlock and t.block.graph is self) or t.block is self._arena:
-                raise ParamError(op="Graph.replay", arg=name, got="a tensor in this graph's own arena",
-                                 expected="a tensor outside this graph's arena (copy an output of the graph before "
-                                 "feeding it back: the replay overwrites it while reading)")
+                raise ParamError(
+                    op="Graph.replay",
+                    arg=name,
+                    got="a tensor in this graph's own arena",
+                    expected="a tensor outside this graph's arena (copy an output of the graph before "
+                    "feeding it back: the replay overwrites it while reading)",
+                )
             if b.straddled:
-                raise ParamError(op="Graph.replay", arg=name, got="a rebinding",
-                                 expected=f"{b.kind} '{name}' as captured: an operand reads across its edge "
-                                 "(name the whole tensor instead)")
+                raise ParamError(
+                    op="Graph.replay",
+                    arg=name,
+                    got="a rebinding",
+                    expected=f"{b.kind} '{name}' as captured: an operand reads across its edge "
+                    "(name the whole tensor instead)",
+                )
         current: dict[str, Tensor] = {}
         for name, b in self._bindings.items():
             t = current[name] = tensors.get(name, b.default)
@@ -536,8 +608,12 @@ class Graph:
             raise CaptureError(f"{self} is still capturing", op="Graph.destroy", arg="graph")
         owner = self._owner if self._state == "instantiated" else self._thread
         if threading.get_ident() != owner:  # refused before anything changes: its executors are that thread's
-            raise InvalidStateError(f"{self} belongs to another thread", op="Graph.destroy", arg="graph",
-                                    got=f"destroy from thread {threading.current_thread().name}")
+            raise InvalidStateError(
+                f"{self} belongs to another thread",
+                op="Graph.destroy",
+                arg="graph",
+                got=f"destroy from thread {threading.current_thread().name}",
+            )
         try:
             if self._last_stream is not None:
                 self._last_stream.synchronize()

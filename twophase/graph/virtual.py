@@ -49,13 +49,17 @@ class VirtualBlock(Block):
     def _materialize(self, arena: Block, offset: int) -> None:
         self.segment = arena.segment
         self.offset = arena.offset + offset
-        self.data = None if arena.data is None else arena.data[offset:offset + self.size]
+        self.data = None if arena.data is None else arena.data[offset : offset + self.size]
         self.virtual = False
 
     def wait(self) -> None:
         if self.virtual:
-            raise CaptureError(f"a tensor allocated inside the capture of {self.graph} has no memory yet: "
-                               "read it after graph.instantiate() and a replay", op="capture", arg="tensor")
+            raise CaptureError(
+                f"a tensor allocated inside the capture of {self.graph} has no memory yet: "
+                "read it after graph.instantiate() and a replay",
+                op="capture",
+                arg="tensor",
+            )
         super().wait()
 
     def free(self, stream: Any = None) -> None:

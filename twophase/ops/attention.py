@@ -77,9 +77,13 @@ def rows_layout(p: Dims, tb: int, th: int, tq: int, pack_k: bool = True) -> Atte
     for k^T when ``pack_k``, then align64(rows*D*item) for q, align64(tb*th*Lk*Dv*item) for v and
     align64(rows*Dv*item) for out when those are packed (rows = tb*th*tq); 0 when Lk == 0."""
     heads, rows = tb * th, tb * th * tq
-    sizes = [align(heads * tile_scores(p, tq) * p.item), align(heads * p.d * p.lk * p.item) if pack_k else -1,
-             align(rows * p.d * p.item) if p.pack_q else -1, align(heads * p.lk * p.dv * p.item) if p.pack_v else -1,
-             align(rows * p.dv * p.item) if p.pack_o else -1]
+    sizes = [
+        align(heads * tile_scores(p, tq) * p.item),
+        align(heads * p.d * p.lk * p.item) if pack_k else -1,
+        align(rows * p.d * p.item) if p.pack_q else -1,
+        align(heads * p.lk * p.dv * p.item) if p.pack_v else -1,
+        align(rows * p.dv * p.item) if p.pack_o else -1,
+    ]
     offsets, off = [], 0
     for size in sizes:
         offsets.append(off if size >= 0 else -1)
@@ -168,8 +172,12 @@ def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[T
         if d.dtype is not q.dtype:
             raise ParamError(op=OP, arg=name, expected=f"dtype {q.dtype.value} (as q)", got=d.dtype.value)
     if k.shape[:2] != q.shape[:2] or v.shape[:2] != q.shape[:2]:
-        raise ParamError(op=OP, arg="k" if k.shape[:2] != q.shape[:2] else "v",
-                         expected=f"batch and heads {q.shape[:2]} (as q)", got=(k.shape, v.shape))
+        raise ParamError(
+            op=OP,
+            arg="k" if k.shape[:2] != q.shape[:2] else "v",
+            expected=f"batch and heads {q.shape[:2]} (as q)",
+            got=(k.shape, v.shape),
+        )
     if k.shape[3] != q.shape[3]:
         raise ParamError(op=OP, arg="k", expected=f"head dim {q.shape[3]} (as q)", got=k.shape)
     if v.shape[2] != k.shape[2]:
@@ -180,8 +188,7 @@ def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[T
         if mask.ndim > 4 or broadcast_shape(mask.shape, scores) != scores:
             raise ParamError(op=OP, arg="attn_mask", expected=f"a shape that broadcasts to {scores}", got=mask.shape)
         if attrs["is_causal"]:
-            raise ParamError(op=OP, arg="is_causal", expected="False when attn_mask is given (as PyTorch)",
-                             got=True)
+            raise ParamError(op=OP, arg="is_causal", expected="False when attn_mask is given (as PyTorch)", got=True)
     return (TensorDesc(q.shape[:3] + (v.shape[3],), q.dtype),)
 
 
@@ -189,9 +196,20 @@ def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Pl
     q, k, v, out = ins[0], ins[1], ins[2], outs[0]
     b, h, lq, d = q.shape
     lk = min(k.shape[2], lq) if attrs["is_causal"] else k.shape[2]  # causal: no query sees a later key
-    p = Dims(b, h, lq, lk, d, v.shape[3], q.dtype.itemsize, not matrix_ok(q.shape, q.strides),
-             not matrix_ok(v.shape, v.strides), not matrix_ok(out.shape, out.strides, out=True),
-             matrix_ok(k.shape, k.strides), attrs["is_causal"])
+    p = Dims(
+        b,
+        h,
+        lq,
+        lk,
+        d,
+        v.shape[3],
+        q.dtype.itemsize,
+        not matrix_ok(q.shape, q.strides),
+        not matrix_ok(v.shape, v.strides),
+        not matrix_ok(out.shape, out.strides, out=True),
+        matrix_ok(k.shape, k.strides),
+        attrs["is_causal"],
+    )
     return plan_attention(p, limit, k.shape[2])
 
 
@@ -229,44 +247,52 @@ def reference(q: Any, k: Any, v: Any, attn_mask: Any = None, is_causal: bool = F
     return (e @ v) / np.where(tot == 0, 1.0, tot)
 
 
-scaled_dot_product_attention = register(OpDef(
-    name=OP,
-    inputs=("q", "k", "v", "attn_mask?"),
-    attrs=(Attr("is_causal", as_bool, False, "mask keys after the query (top-left aligned)"),
-           Attr("scale", optional(as_finite), None, "score scale; None means 1/sqrt(D)")),
-    dtypes=DTYPES,
-    infer=_infer,
-    select=_select,
-    kernels={"cpu": _build},
-    implementations=("materialized", "tiled", "online"),
-    workspace_formula=("materialized: the tiled formula with one tile (tb, th, tq) = (B, H, Lq); tiled (tb x th x tq "
-                       "rows): align64(tb*th*S*item), S = tq*Lk (causal: Lk = min(Lk, Lq), and for tiles of tq < Lq "
-                       "rows of one head S = max(tq*min(Lk, F), (Lq - F)*Lk), F = Lq - Lq % tq: the scores of the "
-                       "largest tile) [+ align64(tb*th*D*Lk*item) for k^T, unless no tile with "
-                       "it fits the limit] [+ align64(tb*th*tq*D*item) if q is packed] [+ align64(tb*th*Lk*Dv*item) "
-                       "if v is packed] [+ align64(tb*th*tq*Dv*item) if out is packed] (q, v, out are packed when "
-                       "BLAS cannot take their matrices); "
-                       "online (bq x bk tile): align64(bq*bk*item) + 5*align64(bq*item) [+ align64(bq*Dv*item) if "
-                       "bk < Lk]; 0 if Lk == 0"),
-    doc=("softmax(scale * q @ k^T + mask) @ v for (B, H, L, D) operands, float32 / float64; attn_mask is boolean "
-         "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. materialized:"
-         " the whole score matrix in the workspace, with k^T packed (and q, v, out when BLAS cannot take them): "
-         "one batched GEMM for the scores, one fused pass over the rows (scale, mask, max, exp, sum, "
-         "normalize), one batched GEMM into out; from 2^16 scores a tile is cut into parts (batch entries, heads "
-         "or query rows), each with its own GEMMs and row pass, on helper threads; causal rows are multiplied in "
-         "blocks of 64 queries (float32 with the AVX-512 kernel) or 32, each against the keys up to its last "
-         "query only. tiled: the same per tile of "
-         "whole key rows (queries of one head, "
-         "whole heads, or whole batch entries; causal tiles skip the keys they cannot see), the largest tile that "
-         "fits workspace_limit (see workspace_formula). online: query tiles of bq rows against key tiles of bk "
-         "keys with an online softmax, align64(bq*bk*item) + 5*align64(bq*item), + align64(bq*Dv*item) when the "
-         "keys take more than one tile, for limits below one row of scores. A key-padding mask (one mask row for "
-         "every query, e.g. (B, 1, 1, Lk)) is read at each launch: every implementation runs only the keys up to "
-         "the last one a tile (online: a head) keeps, rounded up to 16 (a bool mask whose rows in the tile all keep "
-         "the same keys: exactly those, without the mask), and never reads k / v past them (a "
-         "padded tile touches less of the workspace; NaN in a skipped key's k / v does not reach the output, "
-         "unlike PyTorch). Ranked: materialized first while its "
-         "scores take <= 32 MiB (else after tiled, whose tiles then take at most 4 MiB), then online tiles from "
-         "(128, 1024) down to (1, 1); the first that fits workspace_limit wins."),
-    reference=reference,
-))
+scaled_dot_product_attention = register(
+    OpDef(
+        name=OP,
+        inputs=("q", "k", "v", "attn_mask?"),
+        attrs=(
+            Attr("is_causal", as_bool, False, "mask keys after the query (top-left aligned)"),
+            Attr("scale", optional(as_finite), None, "score scale; None means 1/sqrt(D)"),
+        ),
+        dtypes=DTYPES,
+        infer=_infer,
+        select=_select,
+        kernels={"cpu": _build},
+        implementations=("materialized", "tiled", "online"),
+        workspace_formula=(
+            "materialized: the tiled formula with one tile (tb, th, tq) = (B, H, Lq); tiled (tb x th x tq "
+            "rows): align64(tb*th*S*item), S = tq*Lk (causal: Lk = min(Lk, Lq), and for tiles of tq < Lq "
+            "rows of one head S = max(tq*min(Lk, F), (Lq - F)*Lk), F = Lq - Lq % tq: the scores of the "
+            "largest tile) [+ align64(tb*th*D*Lk*item) for k^T, unless no tile with "
+            "it fits the limit] [+ align64(tb*th*tq*D*item) if q is packed] [+ align64(tb*th*Lk*Dv*item) "
+            "if v is packed] [+ align64(tb*th*tq*Dv*item) if out is packed] (q, v, out are packed when "
+            "BLAS cannot take their matrices); "
+            "online (bq x bk tile): align64(bq*bk*item) + 5*align64(bq*item) [+ align64(bq*Dv*item) if "
+            "bk < Lk]; 0 if Lk == 0"
+        ),
+        doc=(
+            "softmax(scale * q @ k^T + mask) @ v for (B, H, L, D) operands, float32 / float64; attn_mask is boolean "
+            "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. materialized:"
+            " the whole score matrix in the workspace, with k^T packed (and q, v, out when BLAS cannot take them): "
+            "one batched GEMM for the scores, one fused pass over the rows (scale, mask, max, exp, sum, "
+            "normalize), one batched GEMM into out; from 2^16 scores a tile is cut into parts (batch entries, heads "
+            "or query rows), each with its own GEMMs and row pass, on helper threads; causal rows are multiplied in "
+            "blocks of 64 queries (float32 with the AVX-512 kernel) or 32, each against the keys up to its last "
+            "query only. tiled: the same per tile of "
+            "whole key rows (queries of one head, "
+            "whole heads, or whole batch entries; causal tiles skip the keys they cannot see), the largest tile that "
+            "fits workspace_limit (see workspace_formula). online: query tiles of bq rows against key tiles of bk "
+            "keys with an online softmax, align64(bq*bk*item) + 5*align64(bq*item), + align64(bq*Dv*item) when the "
+            "keys take more than one tile, for limits below one row of scores. A key-padding mask (one mask row for "
+            "every query, e.g. (B, 1, 1, Lk)) is read at each launch: every implementation runs only the keys up to "
+            "the last one a tile (online: a head) keeps, rounded up to 16 (a bool mask whose rows in the tile all keep "
+            "the same keys: exactly those, without the mask), and never reads k / v past them (a "
+            "padded tile touches less of the workspace; NaN in a skipped key's k / v does not reach the output, "
+            "unlike PyTorch). Ranked: materialized first while its "
+            "scores take <= 32 MiB (else after tiled, whose tiles then take at most 4 MiB), then online tiles from "
+            "(128, 1024) down to (1, 1); the first that fits workspace_limit wins."
+        ),
+        reference=reference,
+    )
+)

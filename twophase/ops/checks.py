@@ -21,6 +21,7 @@ def _expects(text: str) -> Callable[[Callable[[Any], Any]], Callable[[Any], Any]
     def deco(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
         fn.expects = text  # type: ignore[attr-defined]
         return fn
+
     return deco
 
 
@@ -77,18 +78,22 @@ def as_dims(v: Any) -> tuple[int, ...]:
 
 def optional(convert: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """A converter that also accepts None."""
+
     def conv(v: Any) -> Any:
         return None if v is None else convert(v)
+
     conv.expects = f"None or {getattr(convert, 'expects', 'a value')}"  # type: ignore[attr-defined]
     return conv
 
 
 def choice(*options: Any) -> Callable[[Any], Any]:
     """A converter that accepts exactly one of ``options``."""
+
     def conv(v: Any) -> Any:
         if v not in options:
             raise ValueError(v)
         return v
+
     conv.expects = f"one of {options}"  # type: ignore[attr-defined]
     return conv
 
@@ -111,8 +116,9 @@ def norm_dims(op: str, arg: str, dims: tuple[int, ...], ndim: int) -> tuple[int,
     """Sorted unique non-negative dims of a reduction; repeated dims are an error, and so is any dim of a 0-d
     tensor (numpy's AxisError: it has no dim to reduce; ``()`` reduces all dims)."""
     if ndim == 0 and dims:
-        raise ParamError(op=op, arg=arg, expected="no dims: any dim is out of range for a 0-d tensor (() reduces "
-                         "all dims)", got=dims)
+        raise ParamError(
+            op=op, arg=arg, expected="no dims: any dim is out of range for a 0-d tensor (() reduces all dims)", got=dims
+        )
     out = tuple(sorted(norm_dim(op, arg, d, ndim) for d in dims))
     if len(set(out)) != len(out):
         raise ParamError(op=op, arg=arg, expected="distinct dims", got=dims)
@@ -123,6 +129,7 @@ def need(op: str, arg: str, desc: TensorDesc | None) -> TensorDesc:
     """The desc of a required operand (``ParamError`` with the nullptr status if it is missing)."""
     if desc is None:
         from ..errors import Status
+
         raise ParamError(op=op, arg=arg, expected="a tensor", got="None", status=Status.ERR_PARAM_NULLPTR)
     return desc
 

@@ -127,8 +127,12 @@ def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[T
     if w.ndim != 4:
         raise ParamError(op=OP, arg="weight", expected="4 dims (OC, C/groups, KH, KW)", got=w.shape)
     if w.format not in (Format.ND, Format.NCHW):  # an NHWC tag would mean (OC, KH, KW, C/groups): not read that way
-        raise ParamError(op=OP, arg="weight", expected="(OC, C/groups, KH, KW), untagged (ND) or NCHW",
-                         got=f"{w.format.value} {w.shape}")
+        raise ParamError(
+            op=OP,
+            arg="weight",
+            expected="(OC, C/groups, KH, KW), untagged (ND) or NCHW",
+            got=f"{w.format.value} {w.shape}",
+        )
     (n, c, h, wd), _ = nchw(x)
     oc, cg, kh, kw = w.shape
     if kh < 1 or kw < 1:
@@ -150,8 +154,9 @@ def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[T
     (sh, sw), (ph, pw), (dh, dw) = attrs["stride"], attrs["padding"], attrs["dilation"]
     oh, ow = out_size(h, kh, sh, ph, dh), out_size(wd, kw, sw, pw, dw)
     if oh < 1 or ow < 1:
-        raise ParamError(op=OP, arg="x", expected=f"an input at least as large as the dilated kernel {(kh, kw)}",
-                         got=x.shape)
+        raise ParamError(
+            op=OP, arg="x", expected=f"an input at least as large as the dilated kernel {(kh, kw)}", got=x.shape
+        )
     shape = (n, oh, ow, oc) if x.format is Format.NHWC else (n, oc, oh, ow)
     return (TensorDesc(shape, x.dtype, format=Format.NHWC if x.format is Format.NHWC else Format.NCHW),)
 
@@ -182,20 +187,46 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
     wm = merge_dims(w.shape[1:], w.strides[1:])
     if wm is not None and wm[0] <= 1:
         wm = (wm[0], 1)  # a single column: any stride walks it, give BLAS the unit one
-    t = ConvTiling(n, c, h, wd, oc, oh, ow, kh, kw, sh, sw, ph, pw, dh, dw, g, cg, oc // g, kc,
-                   wm[1] if wm else 0, "", oh, x.format is Format.NHWC)
+    t = ConvTiling(
+        n,
+        c,
+        h,
+        wd,
+        oc,
+        oh,
+        ow,
+        kh,
+        kw,
+        sh,
+        sw,
+        ph,
+        pw,
+        dh,
+        dw,
+        g,
+        cg,
+        oc // g,
+        kc,
+        wm[1] if wm else 0,
+        "",
+        oh,
+        x.format is Format.NHWC,
+    )
     orient = _orientation(xs, os_, t)
-    w_ok = wm is not None and (matrix_ok((oc // g, kc), (w.strides[0], wm[1])) if orient == "cm"
-                               else matrix_ok((kc, oc // g), (wm[1], w.strides[0])))
+    w_ok = wm is not None and (
+        matrix_ok((oc // g, kc), (w.strides[0], wm[1]))
+        if orient == "cm"
+        else matrix_ok((kc, oc // g), (wm[1], w.strides[0]))
+    )
     item = x.dtype.itemsize
     direct = Candidate("direct", t, 0)
     cands: list[Candidate] = []
     if orient and w_ok:
         t = replace(t, orient=orient)
-        x_pix = merge_dims((n, h, wd), (xs[0], xs[2], xs[3])) if orient == "pm" else \
-            merge_dims((h, wd), (xs[2], xs[3]))
-        x_ok = x_pix is not None and (matrix_ok((n * h * wd, cg), (xs[3], xs[1])) if orient == "pm"
-                                      else matrix_ok((cg, h * wd), (xs[1], xs[3])))
+        x_pix = merge_dims((n, h, wd), (xs[0], xs[2], xs[3])) if orient == "pm" else merge_dims((h, wd), (xs[2], xs[3]))
+        x_ok = x_pix is not None and (
+            matrix_ok((n * h * wd, cg), (xs[3], xs[1])) if orient == "pm" else matrix_ok((cg, h * wd), (xs[1], xs[3]))
+        )
         if kh == kw == 1 and (sh, sw, ph, pw) == (1, 1, 0, 0) and x_ok:
             cands.append(Candidate("gemm_1x1", t, 0))
         whole = _im2col_candidate(t, os_, item, limit)
@@ -254,8 +285,7 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
         while tn < most and ws(tn + 1)[0] <= budget:
             tn += 1
         size, off = ws(tn)
-        return Candidate("im2col", replace(t, tile_n=tn, staged=stages(tn), out_offset=off),
-                         size)
+        return Candidate("im2col", replace(t, tile_n=tn, staged=stages(tn), out_offset=off), size)
     per_row = t.kc * t.ow * item
     rows = max(1, min(t.oh, (limit // 64 * 64) // max(per_row, 1)))
     return Candidate("im2col", replace(t, tile_rows=rows), align(per_row * rows))
@@ -350,8 +380,11 @@ def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     """Whether im2col_tiles ranks ahead of im2col: when a limit makes im2col unfold only some output rows of an
     image per GEMM, when the tiles' pixels fill the GEMM's panels well enough (``TILES_MIN_USE``), or for one
     image of ``TILES_ONE_IMAGE_MACS`` or more."""
-    return (im2col.tile_rows < im2col.oh or tiles_use(tiles.oh, tiles.ow, tiles.chunk) >= TILES_MIN_USE
-            or (tiles.n == 1 and tiles.ocg * tiles.kc * tiles.oh * tiles.ow >= TILES_ONE_IMAGE_MACS))
+    return (
+        im2col.tile_rows < im2col.oh
+        or tiles_use(tiles.oh, tiles.ow, tiles.chunk) >= TILES_MIN_USE
+        or (tiles.n == 1 and tiles.ocg * tiles.kc * tiles.oh * tiles.ow >= TILES_ONE_IMAGE_MACS)
+    )
 
 
 def _tiles_candidate(t: ConvTiling, x: TensorDesc, limit: int | None) -> Candidate | None:
@@ -393,8 +426,9 @@ def winograd_workspace(oc: int, c: int, chunk: int, item: int, ow: int, parts: i
     TW = ceil(OW/2), P = parts (helper threads: 1 below 2^20 elements moved, else the fan-out count capped by C
     and OC)."""
     tw = (ow + 1) // 2
-    return (16 * (spread_stride(oc * c * item) + spread_stride(c * chunk * item) + spread_stride(oc * chunk * item))
-            + parts * (align(8 * (tw + 1) * item) + align(8 * tw * item)))
+    return 16 * (
+        spread_stride(oc * c * item) + spread_stride(c * chunk * item) + spread_stride(oc * chunk * item)
+    ) + parts * (align(8 * (tw + 1) * item) + align(8 * tw * item))
 
 
 def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate | None:
@@ -405,6 +439,7 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
 
     def size(chunk: int) -> int:
         return winograd_workspace(t.oc, t.c, chunk, item, t.ow, parts)
+
     chunk = tiles
     budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
     if size(chunk) > budget:
@@ -450,6 +485,7 @@ def _winograd4_candidate(t: ConvTiling, dense: bool, limit: int | None) -> Candi
 
     def size(images: int) -> int:
         return winograd4.workspace(t.oc, t.c, t.oh, t.ow, images, parts, flat)
+
     budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
     images = t.n
     while images > 1 and size(images) > budget:
@@ -472,14 +508,27 @@ def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[
     xv, ov = logical(x, t.nhwc), logical(outs[0], t.nhwc)
     if plan.implementation == "im2col_tiles":
         return build_im2col_tiles(t, xv, w, bias, ov)
-    build = {"gemm_1x1": build_gemm_1x1, "im2col": build_im2col, "im2col_parts": build_im2col_parts,
-             "direct": build_direct, "winograd": build_winograd,
-             "winograd4": winograd4.build_winograd4}[plan.implementation]
+    build = {
+        "gemm_1x1": build_gemm_1x1,
+        "im2col": build_im2col,
+        "im2col_parts": build_im2col_parts,
+        "direct": build_direct,
+        "winograd": build_winograd,
+        "winograd4": winograd4.build_winograd4,
+    }[plan.implementation]
     return build(t, xv, w, bias, ov)
 
 
-def reference(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: Any = 0, dilation: Any = 1,
-              groups: int = 1, nhwc: bool = False) -> Any:
+def reference(
+    x: Any,
+    weight: Any,
+    bias: Any = None,
+    stride: Any = 1,
+    padding: Any = 0,
+    dilation: Any = 1,
+    groups: int = 1,
+    nhwc: bool = False,
+) -> Any:
     """float64 convolution by summing shifted slices (NCHW; ``nhwc=True`` for NHWC arrays)."""
     x = np.asarray(x, np.float64)
     x = x.transpose(0, 3, 1, 2) if nhwc else x
@@ -489,91 +538,107 @@ def reference(x: Any, weight: Any, bias: Any = None, stride: Any = 1, padding: A
     oc, cg, kh, kw = w.shape
     oh, ow = out_size(h, kh, sh, ph, dh), out_size(wd, kw, sw, pw, dw)
     xp = np.zeros((n, c, h + 2 * ph, wd + 2 * pw))
-    xp[:, :, ph:ph + h, pw:pw + wd] = x
+    xp[:, :, ph : ph + h, pw : pw + wd] = x
     out = np.zeros((n, oc, oh, ow))
     ocg = oc // groups
     for g in range(groups):
         for i in range(kh):
             for j in range(kw):
-                patch = xp[:, g * cg:(g + 1) * cg, i * dh:i * dh + sh * (oh - 1) + 1:sh,
-                           j * dw:j * dw + sw * (ow - 1) + 1:sw]
-                out[:, g * ocg:(g + 1) * ocg] += np.einsum("nchw,oc->nohw", patch, w[g * ocg:(g + 1) * ocg, :, i, j])
+                patch = xp[
+                    :,
+                    g * cg : (g + 1) * cg,
+                    i * dh : i * dh + sh * (oh - 1) + 1 : sh,
+                    j * dw : j * dw + sw * (ow - 1) + 1 : sw,
+                ]
+                out[:, g * ocg : (g + 1) * ocg] += np.einsum(
+                    "nchw,oc->nohw", patch, w[g * ocg : (g + 1) * ocg, :, i, j]
+                )
     if bias is not None:
         out += np.asarray(bias, np.float64)[None, :, None, None]
     return out.transpose(0, 2, 3, 1) if nhwc else out
 
 
-conv2d = register(OpDef(
-    name=OP,
-    inputs=("x", "weight", "bias?"),
-    attrs=(Attr("stride", as_pair, (1, 1)), Attr("padding", as_pair, (0, 0)), Attr("dilation", as_pair, (1, 1)),
-           Attr("groups", as_int, 1)),
-    dtypes=DTYPES,
-    infer=_infer,
-    select=_select,
-    kernels={"cpu": _build},
-    implementations=("gemm_1x1", "winograd4", "winograd", "im2col_tiles", "im2col_parts", "im2col", "direct"),
-    workspace_formula=("gemm_1x1: 0; winograd4: 36*(spread36(OC*C*4) + spread36(C*NT*4) + spread36(OC*NT*4)) + "
-                       "P*(align64(24*(B*(TW4+1)+1)*4) + align64(28*B*(TW4+1)*4) + align64(27*C*4) [+ "
-                       "align64(16*(TH4+2)*(TW4+1)*4) when x's rows are dense, W % 4 == 0, padding <= 4 and "
-                       "ceil((W+pw)/4) <= TW4 + 1]), spread36(b) = "
-                       "the smallest multiple of 64 >= b at which 36 blocks start on distinct cache lines mod 4 KiB, "
-                       "NT = chunk*TH4*(TW4+1) tiles per round of chunk images, TH4 = ceil(OH/4), TW4 = "
-                       "ceil(OW/4), B = min(TH4, ceil(256/(TW4+1))) tile rows per band, P as winograd's with 36 "
-                       "matrices; winograd: 16*(spread(OC*C*itemsize) + spread(C*chunk*itemsize) + "
-                       "spread(OC*chunk*itemsize)) + P*(align64(8*(TW+1)*itemsize) + align64(8*TW*itemsize)), "
-                       "spread(b) = the smallest multiple of 64 >= b at which 16 blocks start on distinct cache "
-                       "lines mod 4 KiB, chunk = 2x2 output tiles per round, TW = ceil(OW/2), P = helper-thread "
-                       "parts (1 below 2^20 elements moved, else the fan-out count capped by C and OC); "
-                       "im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
-                       "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
-                       "pixel-major with mergeable (N, H, W)]; im2col_parts: the sum over parts of "
-                       "align64(C/groups*KH*KW * R*OW * itemsize), R = the part's longest run of output rows "
-                       "(at most tile_rows), parts = the fan-out count, at most N*groups*OH; "
-                       "im2col_tiles: P * KB * ceil16(R*OW) * itemsize, "
-                       "P = parts (the fan-out count, fewer when N*OH is smaller), "
-                       "KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per k block, "
-                       "R = output rows per tile (up to 256 pixels, those filling the GEMM's panels best); "
-                       "direct: 0"),
-    doc=("2-D convolution (cross-correlation, as PyTorch), float32 / float64, NCHW or NHWC (Format.NHWC, shape "
-         "(N, H, W, C)), weight (OC, C/groups, KH, KW), optional bias (OC,). gemm_1x1 (1x1, stride 1, padding 0): "
-         "GEMM per group on the operands, workspace 0. im2col: per tile and group, the unfolded input "
-         "(C/groups*KH*KW, tile_n*tile_rows*OW) in the workspace and one GEMM (for several NCHW images into a "
-         "second workspace area, then one copy into out that adds the bias); tiles of whole images (as many as "
-         "fit workspace_limit, else 32 MiB; one at a time for NCHW outputs of 512 pixels or more) or, when one "
-         "image does not fit, of tile_rows output rows; see "
-         "workspace_formula. "
-         "im2col_parts (output maps of 512 pixels or more, with helper threads): the output rows of all (image, "
-         "group) planes in P nearly equal ranges, one per helper thread, each unfolding runs of at most tile_rows "
-         "rows (up to 2048 pixels, fewer to fit workspace_limit) into its own workspace area and multiplying "
-         "them straight into out with a one-thread GEMM; ranked ahead of im2col from 2^24 multiply-adds in all "
-         "and 2^21 per run. "
-         "im2col_tiles (float32, groups 1, NCHW output, on CPUs with AVX-512): parts over output rows (or output "
-         "channels when there are few pixels), each unfolding tiles of KB unfolded rows x R output rows into its "
-         "own workspace slice and multiplying the weight's k block by them with the register-blocked GEMM into "
-         "out (bias added per tile); ranked ahead of im2col when R*OW fills at least 0.85 of the GEMM columns "
-         "computed (16-wide panels, the last one 8 wide when at most 8 columns are left), for one image of 2^21 "
-         "multiply-adds or more, or when a limit makes im2col tile output rows. "
-         "winograd4 F(4x4, 3x3) (float32, 3x3, stride 1, dilation 1, groups 1): weights, input tiles (6x6, 4 "
-         "apart; each row of tiles one dummy tile longer, so the transforms run flat over bands of tile rows) and "
-         "36 GEMMs of (OC, C) x (C, NT) in the workspace, rounds of whole images (as many as fit workspace_limit, "
-         "else 32 MiB); 0.56x winograd's multiply-adds; ranked first from ceil(OW/4) >= 7 tile columns and "
-         "N*ceil(OH/4)*ceil(OW/4) >= 32 tiles, else right after winograd. "
-         "winograd F(2x2, 3x3) (3x3, stride 1, dilation 1, groups 1): weights, input tiles and 16 GEMMs of (OC, C) "
-         "x (C, chunk) in the workspace (chunk: all tiles that fit workspace_limit, else 32 MiB), output transform "
-         "adds the bias; transforms in channel ranges and the GEMMs in batch ranges (one BLAS thread each) on "
-         "helper threads; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 64, just ahead "
-         "of im2col_parts and im2col from 32, else after im2col. "
-         "direct: shifted row updates per kernel tap (3x3 undilated windows of one input channel: each output row "
-         "written once with its nine taps; with stride 1 and padding 1 the inner rows of a dense plane as one "
-         "flat loop, with column stride 2 dense rows read as element pairs), ranges of (N, OC) planes on helper "
-         "threads, workspace 0, ranked first when depthwise (C/groups == 1). "
-         "Non-finite values: winograd's and winograd4's transforms add and subtract the inputs of a tile (and the "
-         "taps of a weight), so an inf input gives NaN rather than inf in the outputs of its tile, and inputs or "
-         "weights beyond ~1e37 (float32; ~1e36 for winograd4, whose transforms scale by up to 8 and 25) can "
-         "overflow to inf or NaN where the convolution itself is finite (as any "
-         "Winograd convolution, cuDNN's included); direct skips the taps that fall on padding rather than "
-         "multiplying them by 0, so an inf weight gives inf, not NaN, at the borders. im2col, im2col_tiles and "
-         "gemm_1x1 follow the reference's inf / NaN."),
-    reference=reference,
-))
+conv2d = register(
+    OpDef(
+        name=OP,
+        inputs=("x", "weight", "bias?"),
+        attrs=(
+            Attr("stride", as_pair, (1, 1)),
+            Attr("padding", as_pair, (0, 0)),
+            Attr("dilation", as_pair, (1, 1)),
+            Attr("groups", as_int, 1),
+        ),
+        dtypes=DTYPES,
+        infer=_infer,
+        select=_select,
+        kernels={"cpu": _build},
+        implementations=("gemm_1x1", "winograd4", "winograd", "im2col_tiles", "im2col_parts", "im2col", "direct"),
+        workspace_formula=(
+            "gemm_1x1: 0; winograd4: 36*(spread36(OC*C*4) + spread36(C*NT*4) + spread36(OC*NT*4)) + "
+            "P*(align64(24*(B*(TW4+1)+1)*4) + align64(28*B*(TW4+1)*4) + align64(27*C*4) [+ "
+            "align64(16*(TH4+2)*(TW4+1)*4) when x's rows are dense, W % 4 == 0, padding <= 4 and "
+            "ceil((W+pw)/4) <= TW4 + 1]), spread36(b) = "
+            "the smallest multiple of 64 >= b at which 36 blocks start on distinct cache lines mod 4 KiB, "
+            "NT = chunk*TH4*(TW4+1) tiles per round of chunk images, TH4 = ceil(OH/4), TW4 = "
+            "ceil(OW/4), B = min(TH4, ceil(256/(TW4+1))) tile rows per band, P as winograd's with 36 "
+            "matrices; winograd: 16*(spread(OC*C*itemsize) + spread(C*chunk*itemsize) + "
+            "spread(OC*chunk*itemsize)) + P*(align64(8*(TW+1)*itemsize) + align64(8*TW*itemsize)), "
+            "spread(b) = the smallest multiple of 64 >= b at which 16 blocks start on distinct cache "
+            "lines mod 4 KiB, chunk = 2x2 output tiles per round, TW = ceil(OW/2), P = helper-thread "
+            "parts (1 below 2^20 elements moved, else the fan-out count capped by C and OC); "
+            "im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
+            "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
+            "pixel-major with mergeable (N, H, W)]; im2col_parts: the sum over parts of "
+            "align64(C/groups*KH*KW * R*OW * itemsize), R = the part's longest run of output rows "
+            "(at most tile_rows), parts = the fan-out count, at most N*groups*OH; "
+            "im2col_tiles: P * KB * ceil16(R*OW) * itemsize, "
+            "P = parts (the fan-out count, fewer when N*OH is smaller), "
+            "KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per k block, "
+            "R = output rows per tile (up to 256 pixels, those filling the GEMM's panels best); "
+            "direct: 0"
+        ),
+        doc=(
+            "2-D convolution (cross-correlation, as PyTorch), float32 / float64, NCHW or NHWC (Format.NHWC, shape "
+            "(N, H, W, C)), weight (OC, C/groups, KH, KW), optional bias (OC,). gemm_1x1 (1x1, stride 1, padding 0): "
+            "GEMM per group on the operands, workspace 0. im2col: per tile and group, the unfolded input "
+            "(C/groups*KH*KW, tile_n*tile_rows*OW) in the workspace and one GEMM (for several NCHW images into a "
+            "second workspace area, then one copy into out that adds the bias); tiles of whole images (as many as "
+            "fit workspace_limit, else 32 MiB; one at a time for NCHW outputs of 512 pixels or more) or, when one "
+            "image does not fit, of tile_rows output rows; see "
+            "workspace_formula. "
+            "im2col_parts (output maps of 512 pixels or more, with helper threads): the output rows of all (image, "
+            "group) planes in P nearly equal ranges, one per helper thread, each unfolding runs of at most tile_rows "
+            "rows (up to 2048 pixels, fewer to fit workspace_limit) into its own workspace area and multiplying "
+            "them straight into out with a one-thread GEMM; ranked ahead of im2col from 2^24 multiply-adds in all "
+            "and 2^21 per run. "
+            "im2col_tiles (float32, groups 1, NCHW output, on CPUs with AVX-512): parts over output rows (or output "
+            "channels when there are few pixels), each unfolding tiles of KB unfolded rows x R output rows into its "
+            "own workspace slice and multiplying the weight's k block by them with the register-blocked GEMM into "
+            "out (bias added per tile); ranked ahead of im2col when R*OW fills at least 0.85 of the GEMM columns "
+            "computed (16-wide panels, the last one 8 wide when at most 8 columns are left), for one image of 2^21 "
+            "multiply-adds or more, or when a limit makes im2col tile output rows. "
+            "winograd4 F(4x4, 3x3) (float32, 3x3, stride 1, dilation 1, groups 1): weights, input tiles (6x6, 4 "
+            "apart; each row of tiles one dummy tile longer, so the transforms run flat over bands of tile rows) and "
+            "36 GEMMs of (OC, C) x (C, NT) in the workspace, rounds of whole images (as many as fit workspace_limit, "
+            "else 32 MiB); 0.56x winograd's multiply-adds; ranked first from ceil(OW/4) >= 7 tile columns and "
+            "N*ceil(OH/4)*ceil(OW/4) >= 32 tiles, else right after winograd. "
+            "winograd F(2x2, 3x3) (3x3, stride 1, dilation 1, groups 1): weights, input tiles and 16 GEMMs of (OC, C) "
+            "x (C, chunk) in the workspace (chunk: all tiles that fit workspace_limit, else 32 MiB), output transform "
+            "adds the bias; transforms in channel ranges and the GEMMs in batch ranges (one BLAS thread each) on "
+            "helper threads; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 64, just ahead "
+            "of im2col_parts and im2col from 32, else after im2col. "
+            "direct: shifted row updates per kernel tap (3x3 undilated windows of one input channel: each output row "
+            "written once with its nine taps; with stride 1 and padding 1 the inner rows of a dense plane as one "
+            "flat loop, with column stride 2 dense rows read as element pairs), ranges of (N, OC) planes on helper "
+            "threads, workspace 0, ranked first when depthwise (C/groups == 1). "
+            "Non-finite values: winograd's and winograd4's transforms add and subtract the inputs of a tile (and the "
+            "taps of a weight), so an inf input gives NaN rather than inf in the outputs of its tile, and inputs or "
+            "weights beyond ~1e37 (float32; ~1e36 for winograd4, whose transforms scale by up to 8 and 25) can "
+            "overflow to inf or NaN where the convolution itself is finite (as any "
+            "Winograd convolution, cuDNN's included); direct skips the taps that fall on padding rather than "
+            "multiplying them by 0, so an inf weight gives inf, not NaN, at the borders. im2col, im2col_tiles and "
+            "gemm_1x1 follow the reference's inf / NaN."
+        ),
+        reference=reference,
+    )
+)

@@ -36,8 +36,12 @@ def _promote(op: str, descs: list[tuple[str, TensorDesc]], allowed: tuple[DType,
         check_dtype(op, arg, d, allowed)
     shape = broadcast_shape(*(d.shape for _, d in descs))
     if shape is None:
-        raise ParamError(op=op, arg=descs[-1][0], expected=f"a shape that broadcasts with {descs[0][1].shape}",
-                         got=descs[-1][1].shape)
+        raise ParamError(
+            op=op,
+            arg=descs[-1][0],
+            expected=f"a shape that broadcasts with {descs[0][1].shape}",
+            got=descs[-1][1].shape,
+        )
     return shape, DType.of(np.result_type(*(d.dtype.np for _, d in descs)))
 
 
@@ -70,6 +74,7 @@ def _binary_infer(name: str) -> Callable[[tuple[TensorDesc | None, ...], dict[st
                 raise ParamError(op=name, arg="alpha", expected="an int for integer operands", got=attrs["alpha"])
             cast_scalar(name, "alpha", attrs["alpha"], dtype)  # 2**40 for int32: numpy raises only at sync
         return (TensorDesc(shape, dtype, format=_common_format(x, other)),)
+
     return infer
 
 
@@ -77,13 +82,18 @@ def _streaming_select(name: str) -> Any:
     """Phase 1 of add / sub / mul / div: 'streaming' (non-temporal stores, ``kernels/cpu/streaming.py``) where the
     operands and the output are dense, of one float dtype and one shape (``alpha`` 1), ranked first from outputs of
     ``streaming.stream_threshold()`` bytes; numpy's 'ufunc' otherwise, and first below that size."""
+
     def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
         out = outs[0]
         ufunc = Candidate("ufunc", None, 0)
-        if not (attrs.get("alpha", 1) == 1 and streaming.offered(out, *ins)
-                and all(d.shape == out.shape and d.dtype is out.dtype for d in ins)):
+        if not (
+            attrs.get("alpha", 1) == 1
+            and streaming.offered(out, *ins)
+            and all(d.shape == out.shape and d.dtype is out.dtype for d in ins)
+        ):
             return choose(name, [ufunc], limit)
         return choose(name, streaming.ranked(Candidate("streaming", None, 0), ufunc, out.nbytes), limit)
+
     return select
 
 
@@ -92,18 +102,23 @@ def _build_streaming(name: str, x: Any, y: Any, out: Any) -> Callable[[Any], Non
     memory cannot take it: an output overlapping an input other than as the same view (numpy buffers such a call,
     and a stream of vector stores would read what it overwrote), or not aligned to its element size, or (which
     phase 1's contiguous descs rule out) not C-contiguous."""
-    if not streaming.element_aligned(out) or not all(a.flags.c_contiguous for a in (x, y, out)) or any(
-            np.may_share_memory(a, out) and not same_view(a, out) for a in (x, y)):
+    if (
+        not streaming.element_aligned(out)
+        or not all(a.flags.c_contiguous for a in (x, y, out))
+        or any(np.may_share_memory(a, out) and not same_view(a, out) for a in (x, y))
+    ):
         return None
     flat = [a.reshape(-1) for a in (x, y, out)]
     fn = entry(streaming.KERNELS[name], *flat)
     parts = fanout_parts() if out.size >= FANOUT_MIN else 1
-    return launcher([functools.partial(fn, *(a[lo:hi] for a in flat))
-                     for lo, hi in split_range(out.size, parts, FANOUT_MIN // 2)])
+    return launcher(
+        [functools.partial(fn, *(a[lo:hi] for a in flat)) for lo, hi in split_range(out.size, parts, FANOUT_MIN // 2)]
+    )
 
 
 def _binary_build(ufunc: Any, name: str = "") -> Builder:
     """The launch of a binary op: numpy's ``ufunc`` in parts, or op ``name``'s 'streaming' kernel where planned."""
+
     def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
         x, y = ins
         out = outs[0]
@@ -120,55 +135,91 @@ def _binary_build(ufunc: Any, name: str = "") -> Builder:
             def scaled_inplace(_: Any) -> None:
                 np.multiply(y, alpha, out=scratch, dtype=scratch.dtype)  # alpha * other in the promoted dtype
                 ufunc(x, scratch, out=out)
+
             return scaled_inplace
 
         def scaled(o: Any, a: Any, b: Any) -> None:
             np.multiply(b, alpha, out=o, dtype=o.dtype)  # in the promoted dtype, not other's
             ufunc(a, o, out=o)
+
         parts = fanout_parts() if out.size >= FANOUT_MIN else 1
         cut = pieces(out, (x, y), parts, FANOUT_MIN // 2)
         if alpha == 1:
             return launcher([functools.partial(ufunc, a, b, out=o) for o, a, b in cut])
         return launcher([functools.partial(scaled, o, a, b) for o, a, b in cut])
+
     return build
 
 
 def _register_binary() -> None:
     for name, (ufunc, ref) in BINARY.items():
         scaled = name in ("add", "sub")
-        register(OpDef(
-            name=name, inputs=("x", "other"),
-            attrs=(Attr("alpha", as_scalar, 1, "scale of other"),) if scaled else (),
-            dtypes=NUMERIC, infer=_binary_infer(name),
-            select=_streaming_select(name) if name in streaming.CODES else _zero_plan,
-            kernels={"cpu": _binary_build(ufunc, name)},
-            implementations=("ufunc", "streaming") if name in streaming.CODES else ("ufunc",), workspace_formula="0",
-            aliases="any", promotes=(0, 1),
-            doc=(f"out = {name}(x, {'alpha * ' if scaled else ''}other) with numpy broadcasting and type promotion "
-                 f"(dtypes {[d.value for d in NUMERIC]}). Workspace: 0 bytes."
-                 + (" Implementations: 'ufunc' (numpy's); 'streaming' (vector stores that bypass the cache) where "
-                    "operands and output are dense float32 / float64 of one shape (alpha 1), ranked first from "
-                    "outputs of the last-level cache's size (at most 64 MiB)." if name in streaming.CODES else "")),
-            reference=ref))
+        register(
+            OpDef(
+                name=name,
+                inputs=("x", "other"),
+                attrs=(Attr("alpha", as_scalar, 1, "scale of other"),) if scaled else (),
+                dtypes=NUMERIC,
+                infer=_binary_infer(name),
+                select=_streaming_select(name) if name in streaming.CODES else _zero_plan,
+                kernels={"cpu": _binary_build(ufunc, name)},
+                implementations=("ufunc", "streaming") if name in streaming.CODES else ("ufunc",),
+                workspace_formula="0",
+                aliases="any",
+                promotes=(0, 1),
+                doc=(
+                    f"out = {name}(x, {'alpha * ' if scaled else ''}other) with numpy broadcasting and type promotion "
+                    f"(dtypes {[d.value for d in NUMERIC]}). Workspace: 0 bytes."
+                    + (
+                        " Implementations: 'ufunc' (numpy's); 'streaming' (vector stores that bypass the cache) where "
+                        "operands and output are dense float32 / float64 of one shape (alpha 1), ranked first from "
+                        "outputs of the last-level cache's size (at most 64 MiB)."
+                        if name in streaming.CODES
+                        else ""
+                    )
+                ),
+                reference=ref,
+            )
+        )
 
 
 # ---- comparisons (bool out)
-COMPARE: dict[str, Any] = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
-                           "gt": np.greater, "ge": np.greater_equal}
+COMPARE: dict[str, Any] = {
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+}
 
 
 def _register_compare() -> None:
     for name, ufunc in COMPARE.items():
-        def infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any],
-                  name: str = name) -> tuple[TensorDesc, ...]:
+
+        def infer(
+            ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any], name: str = name
+        ) -> tuple[TensorDesc, ...]:
             x, other = need(name, "x", ins[0]), need(name, "other", ins[1])
             shape, _ = _promote(name, [("x", x), ("other", other)], WITH_BOOL)
             return (TensorDesc(shape, DType.bool, format=_common_format(x, other)),)
-        register(OpDef(
-            name=name, inputs=("x", "other"), dtypes=WITH_BOOL, infer=infer, select=_zero_plan,
-            kernels={"cpu": _binary_build(ufunc)}, implementations=("ufunc",), workspace_formula="0", aliases="any",
-            promotes=(0, 1), doc=f"Elementwise {name} with broadcasting; bool out. Workspace: 0 bytes.",
-            reference=lambda x, other, f=ufunc: f(x, other)))
+
+        register(
+            OpDef(
+                name=name,
+                inputs=("x", "other"),
+                dtypes=WITH_BOOL,
+                infer=infer,
+                select=_zero_plan,
+                kernels={"cpu": _binary_build(ufunc)},
+                implementations=("ufunc",),
+                workspace_formula="0",
+                aliases="any",
+                promotes=(0, 1),
+                doc=f"Elementwise {name} with broadcasting; bool out. Workspace: 0 bytes.",
+                reference=lambda x, other, f=ufunc: f(x, other),
+            )
+        )
 
 
 # ---- where
@@ -182,26 +233,41 @@ def _infer_where(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> t
     return (TensorDesc(full, dtype, format=_common_format(cond, x, y)),)
 
 
-def _build_where(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
-                 outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_where(
+    plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]
+) -> Callable[[Any], None]:
     cond, x, y = ins
     out = outs[0]
     if same_view(out, x):
+
         def keep_x(_: Any) -> None:  # out is x (in place): y only where cond is false
             np.copyto(out, y, casting="unsafe", where=np.logical_not(cond))
+
         return keep_x
 
     def launch(_: Any) -> None:
         np.copyto(out, y, casting="unsafe")  # a no-op where out is y (in place)
         np.copyto(out, x, casting="unsafe", where=cond)
+
     return launch
 
 
-register(OpDef(
-    name="where", inputs=("cond", "x", "y"), dtypes=WITH_BOOL, infer=_infer_where, select=_zero_plan,
-    kernels={"cpu": _build_where}, implementations=("ufunc",), workspace_formula="0", aliases=(1, 2), promotes=(1, 2),
-    doc="out = x where cond else y, broadcasting all three; out dtype promotes x and y. Workspace: 0 bytes.",
-    reference=lambda cond, x, y: np.where(cond, x, y)))
+register(
+    OpDef(
+        name="where",
+        inputs=("cond", "x", "y"),
+        dtypes=WITH_BOOL,
+        infer=_infer_where,
+        select=_zero_plan,
+        kernels={"cpu": _build_where},
+        implementations=("ufunc",),
+        workspace_formula="0",
+        aliases=(1, 2),
+        promotes=(1, 2),
+        doc="out = x where cond else y, broadcasting all three; out dtype promotes x and y. Workspace: 0 bytes.",
+        reference=lambda cond, x, y: np.where(cond, x, y),
+    )
+)
 
 
 # ---- unary
@@ -224,9 +290,10 @@ UNARY: dict[str, tuple[str, Any, tuple[DType, ...], Callable[..., Any] | None]] 
 def _gelu_reference(x: Any, approximate: str = "none") -> Any:
     """float64 gelu in forms without cancellation for negative x: x/2 erfc(-x/sqrt 2) and x sigmoid(2u)."""
     from math import erfc
+
     x = np.asarray(x, np.float64)
     if approximate == "tanh":
-        u = np.sqrt(2.0 / np.pi) * (x + 0.044715 * x ** 3)
+        u = np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)
         with np.errstate(over="ignore"):
             return x / (1.0 + np.exp(-2.0 * u))
     return 0.5 * x * np.vectorize(erfc, otypes=[np.float64])(-x / np.sqrt(2.0))
@@ -246,8 +313,10 @@ def unary_reference(name: str) -> Callable[[Any], Any]:
 
 def unary_needs_pack(x: TensorDesc, out: TensorDesc) -> bool:
     """float16 computes through a float32 workspace copy; so do layouts whose leading dims do not merge."""
+
     def ok(d: TensorDesc) -> bool:
         return d.ndim == 0 or merge_dims(d.shape[:-1], d.strides[:-1]) is not None
+
     return x.numel > 0 and (x.dtype is DType.float16 or not ok(x) or not ok(out))
 
 
@@ -256,6 +325,7 @@ def _unary_infer(name: str, dtypes: tuple[DType, ...]) -> Any:
         x = need(name, "x", ins[0])
         check_dtype(name, "x", x, dtypes)
         return (TensorDesc(x.shape, x.dtype, format=x.format),)
+
     return infer
 
 
@@ -271,6 +341,7 @@ def _vmath_build(kname: str | None) -> Builder:
         x = ins[0]
         compute = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
         return build_unary(name, x, outs[0], plan.tiling, compute)
+
     return build
 
 
@@ -278,6 +349,7 @@ def _ufunc_build(fn: Any) -> Builder:
     def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
         x, out = ins[0], outs[0]
         return lambda _: fn(x, out=out)
+
     return build
 
 
@@ -287,19 +359,32 @@ _PACK_DOC = "0, or align64(numel * max(4, itemsize)) when packed (float16, or le
 def _register_unary() -> None:
     for name, (kind, impl, dtypes, ref) in UNARY.items():
         vm = kind == "vmath"
-        register(OpDef(
-            name=name, inputs=("x",), dtypes=dtypes, infer=_unary_infer(name, dtypes),
-            attrs=(Attr("approximate", choice("none", "tanh"), "none", "'none' (erf) or 'tanh'"),)
-            if name == "gelu" else (),
-            select=_vmath_select if vm else _zero_plan,
-            kernels={"cpu": _vmath_build(impl) if vm else _ufunc_build(impl)},
-            implementations=("vector", "packed") if vm else ("ufunc",),
-            workspace_formula=_PACK_DOC if vm else "0", aliases=(0,),
-            doc=(f"Elementwise {name} (dtypes {[d.value for d in dtypes]}). Workspace: "
-                 + (_PACK_DOC + "; float16 is computed in float32." if vm else "0 bytes.")
-                 + (f" {name}(-inf) is NaN (-inf x 0), as in torch, not the limit -0."
-                    if name in ("gelu", "silu") else "")),
-            reference=ref if ref is not None else _gelu_reference))
+        register(
+            OpDef(
+                name=name,
+                inputs=("x",),
+                dtypes=dtypes,
+                infer=_unary_infer(name, dtypes),
+                attrs=(Attr("approximate", choice("none", "tanh"), "none", "'none' (erf) or 'tanh'"),)
+                if name == "gelu"
+                else (),
+                select=_vmath_select if vm else _zero_plan,
+                kernels={"cpu": _vmath_build(impl) if vm else _ufunc_build(impl)},
+                implementations=("vector", "packed") if vm else ("ufunc",),
+                workspace_formula=_PACK_DOC if vm else "0",
+                aliases=(0,),
+                doc=(
+                    f"Elementwise {name} (dtypes {[d.value for d in dtypes]}). Workspace: "
+                    + (_PACK_DOC + "; float16 is computed in float32." if vm else "0 bytes.")
+                    + (
+                        f" {name}(-inf) is NaN (-inf x 0), as in torch, not the limit -0."
+                        if name in ("gelu", "silu")
+                        else ""
+                    )
+                ),
+                reference=ref if ref is not None else _gelu_reference,
+            )
+        )
 
 
 # ---- cast
@@ -315,8 +400,9 @@ def _infer_cast(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tu
     return (TensorDesc(x.shape, attrs["dtype"], format=x.format),)
 
 
-def _build_cast(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
-                outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_cast(
+    plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]
+) -> Callable[[Any], None]:
     x, out = ins[0], outs[0]
     return lambda _: np.copyto(out, x, casting="unsafe")
 
@@ -324,9 +410,19 @@ def _build_cast(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
 _register_binary()
 _register_compare()
 _register_unary()
-cast: Op = register(OpDef(
-    name="cast", inputs=("x",), attrs=(Attr("dtype", _as_dtype, doc="target dtype"),),
-    dtypes=tuple(DType), infer=_infer_cast, select=_zero_plan, kernels={"cpu": _build_cast},
-    implementations=("ufunc",), workspace_formula="0", aliases=(0,),
-    doc="out = x converted to ``dtype`` (numpy's unsafe casting: floats truncate toward 0). Workspace: 0 bytes.",
-    reference=lambda x, dtype: np.asarray(x).astype(DType.of(dtype).np)))
+cast: Op = register(
+    OpDef(
+        name="cast",
+        inputs=("x",),
+        attrs=(Attr("dtype", _as_dtype, doc="target dtype"),),
+        dtypes=tuple(DType),
+        infer=_infer_cast,
+        select=_zero_plan,
+        kernels={"cpu": _build_cast},
+        implementations=("ufunc",),
+        workspace_formula="0",
+        aliases=(0,),
+        doc="out = x converted to ``dtype`` (numpy's unsafe casting: floats truncate toward 0). Workspace: 0 bytes.",
+        reference=lambda x, dtype: np.asarray(x).astype(DType.of(dtype).np),
+    )
+)

@@ -119,7 +119,7 @@ def _broadcast(shape: tuple[int, ...], strides: tuple[int, ...], batch: tuple[in
 def _fold(s: Spec, g: int) -> Spec | None:
     """``s`` with batch dims ``[g, nb)`` merged into its rows, or None when they do not merge."""
     nb = len(s.bshape) - 2
-    m = merge_dims(s.bshape[g:nb + 1], s.bstrides[g:nb + 1])
+    m = merge_dims(s.bshape[g : nb + 1], s.bstrides[g : nb + 1])
     if m is None:
         return None
     rows, stride = m
@@ -140,15 +140,23 @@ def _fold_point(a: Spec, b: Spec, out: Spec) -> tuple[int, Spec, Spec] | None:
             continue
         if fa.rows_stride is None or fo.rows_stride is None:
             return None
-        if matrix_ok((fa.folded_rows, a.shape[-1]), (fa.rows_stride, a.strides[-1])) and \
-                matrix_ok((fo.folded_rows, out.shape[-1]), (fo.rows_stride, out.strides[-1]), out=True):
+        if matrix_ok((fa.folded_rows, a.shape[-1]), (fa.rows_stride, a.strides[-1])) and matrix_ok(
+            (fo.folded_rows, out.shape[-1]), (fo.rows_stride, out.strides[-1]), out=True
+        ):
             return gg, fa, fo
         return None
     return None
 
 
-def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tuple[int, ...], tuple[int, ...]],
-                out: tuple[tuple[int, ...], tuple[int, ...]], itemsize: int, limit: Any, b_offset: int = 0) -> Plan:
+def plan_matmul(
+    op: str,
+    a: tuple[tuple[int, ...], tuple[int, ...]],
+    b: tuple[tuple[int, ...], tuple[int, ...]],
+    out: tuple[tuple[int, ...], tuple[int, ...]],
+    itemsize: int,
+    limit: Any,
+    b_offset: int = 0,
+) -> Plan:
     """Rank the implementations for promoted operand (shape, strides) pairs and pick under ``limit``; ``b_offset``:
     b's offset in elements (whether its rows are 64-byte aligned decides the microkernel's panel copies).
 
@@ -169,8 +177,13 @@ def plan_matmul(op: str, a: tuple[tuple[int, ...], tuple[int, ...]], b: tuple[tu
         elif 0 < g and folded > 1:
             cands.append(Candidate("batch_loop", MatmulTiling(fa, sb, fo, g, no_pack, (0, 0, 0), 0), 0))
     # the microkernel reads a with any strides (negative ones too): one 2-D product, or a batch folded into rows
-    ma, mo = (fold[1], fold[2]) if fold is not None and fold[0] == 0 else \
-        (_fold(sa, 0), _fold(so, 0)) if not batch and o_ok else (None, None)
+    ma, mo = (
+        (fold[1], fold[2])
+        if fold is not None and fold[0] == 0
+        else (_fold(sa, 0), _fold(so, 0))
+        if not batch and o_ok
+        else (None, None)
+    )
     if ma is not None and mo is not None and itemsize == 4:
         micro = _micro_parts(ma.folded_rows, sb.shape[-2], sb.shape[-1], sb.strides[-1])
         if micro:
@@ -200,8 +213,13 @@ def _micro_parts(m: int, k: int, n: int, b_col_stride: int) -> tuple[tuple[int, 
     panels. Not where the last, overlapping 16-column panel would make more than a tenth of the work, nor past
     ``MICRO_MAX_ROWS`` rows (``MICRO_MAX_ROWS_SMALL_B`` for a small b)."""
     most = MICRO_MAX_ROWS_SMALL_B if k * n * 4 <= MICRO_SMALL_B_BYTES else MICRO_MAX_ROWS
-    if not gemm.available() or b_col_stride != 1 or not MICRO_MIN_ROWS <= m <= most or not gemm.columns_fit(n) \
-            or k == 0:
+    if (
+        not gemm.available()
+        or b_col_stride != 1
+        or not MICRO_MIN_ROWS <= m <= most
+        or not gemm.columns_fit(n)
+        or k == 0
+    ):
         return ()
     parts = fanout_parts() if 2 * m * n * k >= MICRO_PART_FLOPS else 1
     panels = n // gemm.NR  # the last part takes the columns after the last full panel
@@ -222,8 +240,7 @@ def _mm_out(op: str, a: TensorDesc, b: TensorDesc, a_arg: str = "a", b_arg: str 
             raise ParamError(op=op, arg=name, expected="at least 1 dim", got=d.shape)
     (ash, _), (bsh, _) = promote(a, "a"), promote(b, "b")
     if ash[-1] != bsh[-2]:
-        raise ParamError(op=op, arg=b_arg, expected=f"{ash[-1]} rows (the columns of {a_arg} {a.shape})",
-                         got=b.shape)
+        raise ParamError(op=op, arg=b_arg, expected=f"{ash[-1]} rows (the columns of {a_arg} {a.shape})", got=b.shape)
     batch = broadcast_shape(ash[:-2], bsh[:-2])
     if batch is None:
         raise ParamError(op=op, arg=b_arg, expected=f"batch dims that broadcast with {a.shape[:-2]}", got=b.shape)
@@ -248,46 +265,62 @@ def _infer_matmul(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> 
 
 def _product_select(op: str, first: int) -> Callable[[Any, Any, dict[str, Any], int | None], Plan]:
     """Phase 1 of an op whose product's operands a, b are its inputs ``first`` and ``first + 1``."""
+
     def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
         a, b = ins[first], ins[first + 1]
-        return plan_matmul(op, promote(a, "a"), promote(b, "b"), out_spec(outs[0], a.ndim == 1, b.ndim == 1),
-                           a.dtype.itemsize, limit, b.offset)
+        return plan_matmul(
+            op,
+            promote(a, "a"),
+            promote(b, "b"),
+            out_spec(outs[0], a.ndim == 1, b.ndim == 1),
+            a.dtype.itemsize,
+            limit,
+            b.offset,
+        )
+
     return select
 
 
-def _build_matmul(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
-                  outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_matmul(
+    plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]
+) -> Callable[[Any], None]:
     return build_matmul(plan.tiling, plan.implementation, ins[0], ins[1], outs[0])
 
 
-WS_DOC = (f"microkernel: P * align64(min({gemm.KC}, K) * {gemm.NR} * 4) (P parts, each packing b's panels of "
-          f"{gemm.NR} columns, K rows of b) when every part has {gemm.PACK_MIN_ROWS} rows or more, b's rows are not "
-          "all 64-byte aligned (row stride or offset not a multiple of 16 floats) and the limit allows, else 0; "
-          "gemm_folded, batch_loop, blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
-          "align64(numel(b) * itemsize) if b is packed + align64(numel(out) * itemsize) if out is packed")
+WS_DOC = (
+    f"microkernel: P * align64(min({gemm.KC}, K) * {gemm.NR} * 4) (P parts, each packing b's panels of "
+    f"{gemm.NR} columns, K rows of b) when every part has {gemm.PACK_MIN_ROWS} rows or more, b's rows are not "
+    "all 64-byte aligned (row stride or offset not a multiple of 16 floats) and the limit allows, else 0; "
+    "gemm_folded, batch_loop, blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
+    "align64(numel(b) * itemsize) if b is packed + align64(numel(out) * itemsize) if out is packed"
+)
 
-matmul = register(OpDef(
-    name="matmul",
-    inputs=("a", "b"),
-    dtypes=MM_DTYPES,
-    infer=_infer_matmul,
-    select=_product_select("matmul", 0),
-    kernels={"cpu": _build_matmul},
-    implementations=IMPLEMENTATIONS,
-    workspace_formula=WS_DOC,
-    doc=("a @ b with numpy semantics (1-D promotion, broadcast batch dims), float32 / float64. Implementations, "
-         "fastest first: microkernel (float32, b one matrix with unit column stride, "
-         f"{MICRO_MIN_ROWS}-{MICRO_MAX_ROWS} folded rows ({MICRO_MAX_ROWS_SMALL_B} when b takes at most "
-         f"{MICRO_SMALL_B_BYTES >> 10} KiB), a with any strides, at least {gemm.MIN_COLS} columns: "
-         "a register-blocked GEMM reading a in place, and b in place or, from "
-         f"{gemm.PACK_MIN_ROWS} rows when its rows are not 64-byte aligned, its column panels copied contiguous; "
-         "bias fused, column panels split over the cores), gemm_folded (b shared "
-         "by the whole batch: one GEMM over batch*M rows, workspace 0), batch_loop (one folded GEMM per index of "
-         "the batch dims b varies over, workspace 0), blas (np.matmul on "
-         "the views, workspace 0, when every matrix has a unit stride), packed (operands BLAS cannot take copied "
-         "densely into the workspace: align64(numel * itemsize) per packed operand)."),
-    reference=lambda a, b: np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64)),
-))
+matmul = register(
+    OpDef(
+        name="matmul",
+        inputs=("a", "b"),
+        dtypes=MM_DTYPES,
+        infer=_infer_matmul,
+        select=_product_select("matmul", 0),
+        kernels={"cpu": _build_matmul},
+        implementations=IMPLEMENTATIONS,
+        workspace_formula=WS_DOC,
+        doc=(
+            "a @ b with numpy semantics (1-D promotion, broadcast batch dims), float32 / float64. Implementations, "
+            "fastest first: microkernel (float32, b one matrix with unit column stride, "
+            f"{MICRO_MIN_ROWS}-{MICRO_MAX_ROWS} folded rows ({MICRO_MAX_ROWS_SMALL_B} when b takes at most "
+            f"{MICRO_SMALL_B_BYTES >> 10} KiB), a with any strides, at least {gemm.MIN_COLS} columns: "
+            "a register-blocked GEMM reading a in place, and b in place or, from "
+            f"{gemm.PACK_MIN_ROWS} rows when its rows are not 64-byte aligned, its column panels copied contiguous; "
+            "bias fused, column panels split over the cores), gemm_folded (b shared "
+            "by the whole batch: one GEMM over batch*M rows, workspace 0), batch_loop (one folded GEMM per index of "
+            "the batch dims b varies over, workspace 0), blas (np.matmul on "
+            "the views, workspace 0, when every matrix has a unit stride), packed (operands BLAS cannot take copied "
+            "densely into the workspace: align64(numel * itemsize) per packed operand)."
+        ),
+        reference=lambda a, b: np.matmul(np.asarray(a, np.float64), np.asarray(b, np.float64)),
+    )
+)
 
 
 # ---- linear
@@ -306,15 +339,30 @@ def _infer_linear(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> 
 
 def _select_linear(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
     x, w = ins[0], ins[1]
-    return plan_matmul("linear", promote(x, "a"), _weight_t(w), out_spec(outs[0], x.ndim == 1, False),
-                       x.dtype.itemsize, limit, w.offset)
+    return plan_matmul(
+        "linear",
+        promote(x, "a"),
+        _weight_t(w),
+        out_spec(outs[0], x.ndim == 1, False),
+        x.dtype.itemsize,
+        limit,
+        w.offset,
+    )
 
 
-def _build_linear(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
-                  outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_linear(
+    plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]
+) -> Callable[[Any], None]:
     x, w, bias = ins
-    return build_matmul(plan.tiling, plan.implementation, x, w.T, outs[0], None if bias is None else (bias, 1.0, 1.0),
-                        attrs["activation"])
+    return build_matmul(
+        plan.tiling,
+        plan.implementation,
+        x,
+        w.T,
+        outs[0],
+        None if bias is None else (bias, 1.0, 1.0),
+        attrs["activation"],
+    )
 
 
 def _ref_linear(x: Any, weight: Any, bias: Any = None, activation: str = "none") -> Any:
@@ -323,24 +371,34 @@ def _ref_linear(x: Any, weight: Any, bias: Any = None, activation: str = "none")
     return y if activation == "none" else unary_reference(activation)(y)
 
 
-linear = register(OpDef(
-    name="linear",
-    inputs=("x", "weight", "bias?"),
-    dtypes=MM_DTYPES,
-    infer=_infer_linear,
-    select=_select_linear,
-    kernels={"cpu": _build_linear},
-    implementations=IMPLEMENTATIONS,
-    workspace_formula=WS_DOC,
-    attrs=(Attr("activation", choice(*ACTIVATIONS), "none",
-                "applied to the result: 'none', 'relu', 'gelu' (erf), 'gelu_tanh' or 'silu'"),),
-    doc=("act(x @ weight.T + bias) with weight stored (out_features, in_features) as in PyTorch; x's leading dims "
-         "fold into one GEMM (microkernel when weight is stored (in, out), i.e. weight.T has unit column stride, "
-         "else gemm_folded / blas). Same implementations and workspace as matmul (b = weight.T, a view). The "
-         "microkernel applies the activation to each part's block as soon as it is computed, while it is in "
-         "cache; the others in one pass after the GEMM."),
-    reference=_ref_linear,
-))
+linear = register(
+    OpDef(
+        name="linear",
+        inputs=("x", "weight", "bias?"),
+        dtypes=MM_DTYPES,
+        infer=_infer_linear,
+        select=_select_linear,
+        kernels={"cpu": _build_linear},
+        implementations=IMPLEMENTATIONS,
+        workspace_formula=WS_DOC,
+        attrs=(
+            Attr(
+                "activation",
+                choice(*ACTIVATIONS),
+                "none",
+                "applied to the result: 'none', 'relu', 'gelu' (erf), 'gelu_tanh' or 'silu'",
+            ),
+        ),
+        doc=(
+            "act(x @ weight.T + bias) with weight stored (out_features, in_features) as in PyTorch; x's leading dims "
+            "fold into one GEMM (microkernel when weight is stored (in, out), i.e. weight.T has unit column stride, "
+            "else gemm_folded / blas). Same implementations and workspace as matmul (b = weight.T, a view). The "
+            "microkernel applies the activation to each part's block as soon as it is computed, while it is in "
+            "cache; the others in one pass after the GEMM."
+        ),
+        reference=_ref_linear,
+    )
+)
 
 
 # ---- baddbmm
@@ -351,15 +409,21 @@ def _infer_baddbmm(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) ->
     return (out,)
 
 
-def _build_baddbmm(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
-                   outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_baddbmm(
+    plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]
+) -> Callable[[Any], None]:
     c, a, b = ins
     out, alpha, beta = outs[0], attrs["alpha"], attrs["beta"]
     if beta != 0 and same_view(out, c):  # in place: the product must not overwrite c before it is read
         launch = build_in_place_addend(a, b, out, alpha, beta)
         if launch is None:
-            raise ParamError(op="baddbmm", arg="out", expected="memory apart from c, or c itself with float32 / "
-                             "float64 operands BLAS can read as they are and alpha != 0", got="c itself")
+            raise ParamError(
+                op="baddbmm",
+                arg="out",
+                expected="memory apart from c, or c itself with float32 / "
+                "float64 operands BLAS can read as they are and alpha != 0",
+                got="c itself",
+            )
         return launch
     return build_matmul(plan.tiling, plan.implementation, a, b, out, (c, alpha, beta))
 
@@ -369,19 +433,25 @@ def _ref_baddbmm(c: Any, a: Any, b: Any, beta: float = 1.0, alpha: float = 1.0) 
     return p if beta == 0 else p + beta * np.asarray(c, np.float64)
 
 
-baddbmm = register(OpDef(
-    name="baddbmm",
-    inputs=("c", "a", "b"),
-    attrs=(Attr("beta", as_float, 1.0, "scale of c (0 ignores c, NaN included)"),
-           Attr("alpha", as_float, 1.0, "scale of a @ b")),
-    dtypes=MM_DTYPES,
-    infer=_infer_baddbmm,
-    select=_product_select("baddbmm", 1),
-    kernels={"cpu": _build_baddbmm},
-    implementations=IMPLEMENTATIONS,
-    workspace_formula=WS_DOC,
-    doc=("beta * c + alpha * (a @ b), a @ b with matmul's semantics and c broadcast to the result. The scaling "
-         "runs in place on the output. Same implementations and workspace as matmul."),
-    reference=_ref_baddbmm,
-    aliases=(0,),
-))
+baddbmm = register(
+    OpDef(
+        name="baddbmm",
+        inputs=("c", "a", "b"),
+        attrs=(
+            Attr("beta", as_float, 1.0, "scale of c (0 ignores c, NaN included)"),
+            Attr("alpha", as_float, 1.0, "scale of a @ b"),
+        ),
+        dtypes=MM_DTYPES,
+        infer=_infer_baddbmm,
+        select=_product_select("baddbmm", 1),
+        kernels={"cpu": _build_baddbmm},
+        implementations=IMPLEMENTATIONS,
+        workspace_formula=WS_DOC,
+        doc=(
+            "beta * c + alpha * (a @ b), a @ b with matmul's semantics and c broadcast to the result. The scaling "
+            "runs in place on the output. Same implementations and workspace as matmul."
+        ),
+        reference=_ref_baddbmm,
+        aliases=(0,),
+    )
+)

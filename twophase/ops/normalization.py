@@ -49,8 +49,9 @@ class SoftmaxTiling:
     part_offset: int = 0  # where the split rows' (max, sum) partials start
 
 
-def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None = None,
-                 log: bool = False, split_rows: bool = True) -> SoftmaxTiling:
+def plan_softmax(
+    x: TensorDesc, out: TensorDesc, dim: int, threads: int | None = None, log: bool = False, split_rows: bool = True
+) -> SoftmaxTiling:
     """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
     workspace, in this order: for packed log-softmax only, align64(T * L * c) of scratch, one row of L = N
@@ -69,8 +70,10 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None =
     item = 4 if x.dtype is DType.float16 else x.dtype.itemsize
     parallel = k * n >= PARALLEL_MIN
     threads = (threads or fanout_parts()) if parallel else 1
+
     def mergeable(d: TensorDesc) -> bool:
         return merge_dims([d.shape[i] for i in kept], [d.strides[i] for i in kept]) is not None
+
     pack = (x.dtype is DType.float16 or not mergeable(x) or not mergeable(out)) and k * n > 0
     # packed log-softmax runs in place in the pack: its exps need scratch rows (first in the workspace)
     scratch_len = (SPLIT_BLOCK if split > 1 else n) if log and pack else 0
@@ -82,8 +85,9 @@ def plan_softmax(x: TensorDesc, out: TensorDesc, dim: int, threads: int | None =
     if pack:
         ws += align(k * n * item)
     by_rows = k >= 4 * threads or k % threads == 0  # else row ranges would be uneven: share out blocks
-    return SoftmaxTiling(k, n, split, SPLIT_BLOCK, pack, pack_offset, parallel, ws, by_rows, threads, 0,
-                         scratch_len, part_offset)
+    return SoftmaxTiling(
+        k, n, split, SPLIT_BLOCK, pack, pack_offset, parallel, ws, by_rows, threads, 0, scratch_len, part_offset
+    )
 
 
 def _softmax_infer(name: str) -> Any:
@@ -92,6 +96,7 @@ def _softmax_infer(name: str) -> Any:
         check_dtype(name, "x", x, FLOATS)
         norm_dim(name, "dim", attrs["dim"], x.ndim)
         return (TensorDesc(x.shape, x.dtype),)
+
     return infer
 
 
@@ -109,6 +114,7 @@ def _softmax_select(log: bool) -> Any:
             if t.split == 1:
                 break
         return choose(name, cands, limit)
+
     return select
 
 
@@ -130,6 +136,7 @@ def _softmax_build(mode: int) -> Any:
         dim = attrs["dim"] % max(x.ndim, 1)
         t: SoftmaxTiling = plan.tiling
         return build_softmax(_views(x, dim, t.pack), _views(out, dim, t.pack), t, mode)
+
     return build
 
 
@@ -149,10 +156,12 @@ def _log_reference(x: Any, dim: int = -1) -> Any:
         return y - np.log(np.sum(np.exp(y), axis=dim, keepdims=True))
 
 
-SOFTMAX_FORMULA = ("align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*c) if packed "
-                   "(c = 4 for float16, else itemsize)")
-LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + ("; + align64(T*L*c) scratch if packed, L = N (8192 if split), "
-                                         "T = parts (helper threads) from 2^20 elements, else 1")
+SOFTMAX_FORMULA = (
+    "align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*c) if packed (c = 4 for float16, else itemsize)"
+)
+LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + (
+    "; + align64(T*L*c) scratch if packed, L = N (8192 if split), T = parts (helper threads) from 2^20 elements, else 1"
+)
 _SOFTMAX_DOC = (
     "{what} over ``dim`` (K rows of length N; dtypes float32, float64, float16 computed in float32). Rows of "
     "length N <= 32768 run whole, in cache (max; exp(x - max) stored and summed in float64; {last}) with "
@@ -160,42 +169,49 @@ _SOFTMAX_DOC = (
     "align64(K * ceil(N/8192) * 16) bytes of workspace and are merged per row (M = max m_b, "
     "S = sum s_b exp(m_b - M)). float16 operands, or operands whose other dims do not merge into one stride, "
     "are packed: + align64(K * N * c) bytes, c = 4 for float16 (computed in float32), else the dtype's itemsize. "
-    "Workspace: " + SOFTMAX_FORMULA + ".")
+    "Workspace: " + SOFTMAX_FORMULA + "."
+)
 
-softmax = register(OpDef(
-    name="softmax",
-    inputs=("x",),
-    attrs=(Attr("dim", as_int, -1, "the dim normalised over"),),
-    dtypes=FLOATS,
-    infer=_softmax_infer("softmax"),
-    select=_softmax_select(log=False),
-    kernels={"cpu": _softmax_build(SOFTMAX)},
-    implementations=("rows", "rows_parallel", "split_rows"),
-    aliases=(0,),
-    workspace_formula=SOFTMAX_FORMULA,
-    doc=_SOFTMAX_DOC.format(what="Softmax exp(x - max) / sum", last="scaled by 1/sum"),
-    reference=_reference,
-))
-log_softmax = register(OpDef(
-    name="log_softmax",
-    inputs=("x",),
-    attrs=(Attr("dim", as_int, -1, "the dim normalised over"),),
-    dtypes=FLOATS,
-    infer=_softmax_infer("log_softmax"),
-    select=_softmax_select(log=True),
-    kernels={"cpu": _softmax_build(LOG_SOFTMAX)},
-    implementations=("rows", "rows_parallel", "split_rows"),
-    aliases=(0,),
-    workspace_formula=LOG_SOFTMAX_FORMULA,
-    doc=_SOFTMAX_DOC.format(what="Log-softmax (x - max) - log(sum exp(x - max))",
-                            last="written as (x - max) - log(sum)").replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
-    + "Log-softmax sums its exponentials in out (rewritten afterwards); packed, where it runs in place in the "
-      "pack, it takes scratch before the rest of its workspace instead: one row of L = N elements (8192 when "
-      "split) per part run by a helper thread (T = the part count at planning from 2^20 elements, else 1). "
-      "Called in place (out is x) unpacked, it keeps such rows from binding time. Workspace: "
-    + LOG_SOFTMAX_FORMULA + ".",
-    reference=_log_reference,
-))
+softmax = register(
+    OpDef(
+        name="softmax",
+        inputs=("x",),
+        attrs=(Attr("dim", as_int, -1, "the dim normalised over"),),
+        dtypes=FLOATS,
+        infer=_softmax_infer("softmax"),
+        select=_softmax_select(log=False),
+        kernels={"cpu": _softmax_build(SOFTMAX)},
+        implementations=("rows", "rows_parallel", "split_rows"),
+        aliases=(0,),
+        workspace_formula=SOFTMAX_FORMULA,
+        doc=_SOFTMAX_DOC.format(what="Softmax exp(x - max) / sum", last="scaled by 1/sum"),
+        reference=_reference,
+    )
+)
+log_softmax = register(
+    OpDef(
+        name="log_softmax",
+        inputs=("x",),
+        attrs=(Attr("dim", as_int, -1, "the dim normalised over"),),
+        dtypes=FLOATS,
+        infer=_softmax_infer("log_softmax"),
+        select=_softmax_select(log=True),
+        kernels={"cpu": _softmax_build(LOG_SOFTMAX)},
+        implementations=("rows", "rows_parallel", "split_rows"),
+        aliases=(0,),
+        workspace_formula=LOG_SOFTMAX_FORMULA,
+        doc=_SOFTMAX_DOC.format(
+            what="Log-softmax (x - max) - log(sum exp(x - max))", last="written as (x - max) - log(sum)"
+        ).replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
+        + "Log-softmax sums its exponentials in out (rewritten afterwards); packed, where it runs in place in the "
+        "pack, it takes scratch before the rest of its workspace instead: one row of L = N elements (8192 when "
+        "split) per part run by a helper thread (T = the part count at planning from 2^20 elements, else 1). "
+        "Called in place (out is x) unpacked, it keeps such rows from binding time. Workspace: "
+        + LOG_SOFTMAX_FORMULA
+        + ".",
+        reference=_log_reference,
+    )
+)
 
 
 # ---- layer_norm / rms_norm
@@ -212,24 +228,40 @@ def _norm_infer(name: str) -> Any:
         x = need(name, "x", ins[0])
         check_dtype(name, "x", x, FLOATS)
         ns = attrs["normalized_shape"]
-        if not ns or x.shape[x.ndim - len(ns):] != ns or len(ns) > x.ndim:
+        if not ns or x.shape[x.ndim - len(ns) :] != ns or len(ns) > x.ndim:
             raise ParamError(op=name, arg="normalized_shape", expected=f"trailing dims of {x.shape}", got=ns)
         for arg, d in zip(("weight", "bias"), ins[1:]):
             if d is not None and (d.shape != ns or d.dtype is not x.dtype):
-                raise ParamError(op=name, arg=arg, expected=f"shape {ns} dtype {x.dtype.value}",
-                                 got=f"shape {d.shape} dtype {d.dtype.value}")
-        stat = TensorDesc(x.shape[:x.ndim - len(ns)] + (1,) * len(ns),
-                          DType.float32 if x.dtype is DType.float16 else x.dtype)
+                raise ParamError(
+                    op=name,
+                    arg=arg,
+                    expected=f"shape {ns} dtype {x.dtype.value}",
+                    got=f"shape {d.shape} dtype {d.dtype.value}",
+                )
+        stat = TensorDesc(
+            x.shape[: x.ndim - len(ns)] + (1,) * len(ns), DType.float32 if x.dtype is DType.float16 else x.dtype
+        )
         return (TensorDesc(x.shape, x.dtype), stat, stat)
+
     return infer
 
 
 def _norm_pack(x: TensorDesc, out: TensorDesc, ws: tuple[TensorDesc | None, ...], nd: int) -> bool:
     def rows_ok(d: TensorDesc) -> bool:
-        return all(merge_dims(list(s), list(t)) is not None for s, t in
-                   ((d.shape[:d.ndim - nd], d.strides[:d.ndim - nd]), (d.shape[d.ndim - nd:], d.strides[d.ndim - nd:])))
-    return x.dtype is DType.float16 or not rows_ok(x) or not rows_ok(out) or any(
-        w is not None and merge_dims(w.shape, w.strides) is None for w in ws)
+        return all(
+            merge_dims(list(s), list(t)) is not None
+            for s, t in (
+                (d.shape[: d.ndim - nd], d.strides[: d.ndim - nd]),
+                (d.shape[d.ndim - nd :], d.strides[d.ndim - nd :]),
+            )
+        )
+
+    return (
+        x.dtype is DType.float16
+        or not rows_ok(x)
+        or not rows_ok(out)
+        or any(w is not None and merge_dims(w.shape, w.strides) is None for w in ws)
+    )
 
 
 def _norm_select(name: str) -> Callable[[Any, Any, dict[str, Any], int | None], Plan]:
@@ -238,6 +270,7 @@ def _norm_select(name: str) -> Callable[[Any, Any, dict[str, Any], int | None], 
             if stat is not None:
                 check_vector_out(name, stat, arg)
         return _norm_plan(name, ins, outs, attrs, limit)
+
     return select
 
 
@@ -259,8 +292,9 @@ def _norm_plan(name: str, ins: Any, outs: Any, attrs: dict[str, Any], limit: int
     rows = Candidate("rows", (False, *areas, False), 0)
     if not streaming.offered(x, *ins[1:], outs[0]):
         return choose(name, [rows], limit)
-    return choose(name, streaming.ranked(Candidate("rows_streaming", (False, *areas, True), 0), rows, outs[0].nbytes),
-                  limit)
+    return choose(
+        name, streaming.ranked(Candidate("rows_streaming", (False, *areas, True), 0), rows, outs[0].nbytes), limit
+    )
 
 
 def _norm_build(rms: bool) -> Any:
@@ -278,32 +312,47 @@ def _norm_build(rms: bool) -> Any:
         if not pack:
             wv = ones if w is None else as_matrix(w, (), tuple(range(w.ndim)))[0]  # type: ignore[index]
             bv = zeros if b is None else as_matrix(b, (), tuple(range(b.ndim)))[0]  # type: ignore[index]
-            return build_norm(as_matrix(x, lead, trail), as_matrix(out, lead, trail), wv, bv, mean1, rstd1,
-                              attrs["eps"], rms, False, compute, stream)
+            return build_norm(
+                as_matrix(x, lead, trail),
+                as_matrix(out, lead, trail),
+                wv,
+                bv,
+                mean1,
+                rstd1,
+                attrs["eps"],
+                rms,
+                False,
+                compute,
+                stream,
+            )
         inner = build_norm(x, out, ones, zeros, mean1, rstd1, attrs["eps"], rms, True, compute)
         if w is None and b is None:
             return inner
         k = x.size // max(n, 1)
         rows = np.empty((1, 1), compute)
         from ..kernels.cpu.norm import LAYER_NORM_ROWS
+
         fn = entry(LAYER_NORM_ROWS[True], rows, ones, zeros, attrs["eps"], rms, rows, mean1, rstd1)
 
         def launch(ws: Any) -> None:
-            area = ws[:x.size * compute.itemsize].view(compute)
-            wv = ws[x_bytes:x_bytes + n * compute.itemsize].view(compute)
-            bv = ws[x_bytes + w_bytes:x_bytes + w_bytes + n * compute.itemsize].view(compute)
+            area = ws[: x.size * compute.itemsize].view(compute)
+            wv = ws[x_bytes : x_bytes + n * compute.itemsize].view(compute)
+            bv = ws[x_bytes + w_bytes : x_bytes + w_bytes + n * compute.itemsize].view(compute)
             np.copyto(wv, ones if w is None else w.reshape(-1))
             np.copyto(bv, zeros if b is None else b.reshape(-1))
             np.copyto(area.reshape(x.shape), x, casting="unsafe")
             m = area.reshape(k, n)
             fn(m, wv, bv, attrs["eps"], rms, m, mean1, rstd1)
             np.copyto(out, area.reshape(out.shape), casting="unsafe")
+
         return launch if x.size else inner
+
     return build
 
 
-def _ln_reference(x: Any, weight: Any = None, bias: Any = None, normalized_shape: Any = (), eps: float = 1e-5,
-                  rms: bool = False) -> tuple[Any, Any, Any]:
+def _ln_reference(
+    x: Any, weight: Any = None, bias: Any = None, normalized_shape: Any = (), eps: float = 1e-5, rms: bool = False
+) -> tuple[Any, Any, Any]:
     x = np.asarray(x, np.float64)
     axes = tuple(range(x.ndim - len(tuple(normalized_shape)), x.ndim))
     mu = np.zeros_like(x.sum(axis=axes, keepdims=True)) if rms else x.mean(axis=axes, keepdims=True)
@@ -313,32 +362,54 @@ def _ln_reference(x: Any, weight: Any = None, bias: Any = None, normalized_shape
 
 
 _LN_FORMULA = "0, or align64(numel*c) + 2*align64(N*c) when packed (c = 4 for float16, else itemsize)"
-_STREAMING_DOC = ("'rows_streaming' writes the rows with vector stores that bypass the cache, for dense float32 / "
-                  "float64 operands; ranked first from outputs of the last-level cache's size (at most 64 MiB).")
-register(OpDef(
-    name="layer_norm", inputs=("x", "weight?", "bias?"), outputs=("out", "mean", "rstd"),
-    attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-5)),
-    dtypes=FLOATS, infer=_norm_infer("layer_norm"), select=_norm_select("layer_norm"),
-    kernels={"cpu": _norm_build(False)},
-    implementations=("rows", "rows_streaming", "rows_packed"), workspace_formula=_LN_FORMULA,
-    doc=("Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (float32 rows: "
-         "sum and sum of squares of x - x[0] in one float64 pass (shifted by a sample: no cancellation from a "
-         "large mean), then the write; float64 rows: sum, then squared deviations "
-         "with their sum correcting the mean's rounding (a row of one value gives 0), write; each row in cache); "
-         "mean / rstd outputs have the reduced dims as 1 "
-         f"(float32 for float16). Workspace: {_LN_FORMULA} (float16, or dims that do not merge). "
-         + _STREAMING_DOC),
-    reference=_ln_reference))
-register(OpDef(
-    name="rms_norm", inputs=("x", "weight?"), outputs=("out", "mean", "rstd"),
-    attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-6)),
-    dtypes=FLOATS, infer=_norm_infer("rms_norm"), select=_norm_select("rms_norm"),
-    kernels={"cpu": _norm_build(True)},
-    implementations=("rows", "rows_streaming", "rows_packed"), workspace_formula=_LN_FORMULA,
-    doc=("RMS norm: out = x / sqrt(mean(x^2) + eps) * weight over the trailing ``normalized_shape`` dims; "
-         f"the mean output is 0, rstd is 1/rms. Workspace: {_LN_FORMULA}. " + _STREAMING_DOC),
-    reference=lambda x, weight=None, normalized_shape=(), eps=1e-6: _ln_reference(x, weight, None, normalized_shape,
-                                                                                   eps, rms=True)))
+_STREAMING_DOC = (
+    "'rows_streaming' writes the rows with vector stores that bypass the cache, for dense float32 / "
+    "float64 operands; ranked first from outputs of the last-level cache's size (at most 64 MiB)."
+)
+register(
+    OpDef(
+        name="layer_norm",
+        inputs=("x", "weight?", "bias?"),
+        outputs=("out", "mean", "rstd"),
+        attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-5)),
+        dtypes=FLOATS,
+        infer=_norm_infer("layer_norm"),
+        select=_norm_select("layer_norm"),
+        kernels={"cpu": _norm_build(False)},
+        implementations=("rows", "rows_streaming", "rows_packed"),
+        workspace_formula=_LN_FORMULA,
+        doc=(
+            "Layer norm over the trailing ``normalized_shape`` dims, row ranges on helper threads (float32 rows: "
+            "sum and sum of squares of x - x[0] in one float64 pass (shifted by a sample: no cancellation from a "
+            "large mean), then the write; float64 rows: sum, then squared deviations "
+            "with their sum correcting the mean's rounding (a row of one value gives 0), write; each row in cache); "
+            "mean / rstd outputs have the reduced dims as 1 "
+            f"(float32 for float16). Workspace: {_LN_FORMULA} (float16, or dims that do not merge). " + _STREAMING_DOC
+        ),
+        reference=_ln_reference,
+    )
+)
+register(
+    OpDef(
+        name="rms_norm",
+        inputs=("x", "weight?"),
+        outputs=("out", "mean", "rstd"),
+        attrs=(Attr("normalized_shape", _norm_shape), Attr("eps", as_finite, 1e-6)),
+        dtypes=FLOATS,
+        infer=_norm_infer("rms_norm"),
+        select=_norm_select("rms_norm"),
+        kernels={"cpu": _norm_build(True)},
+        implementations=("rows", "rows_streaming", "rows_packed"),
+        workspace_formula=_LN_FORMULA,
+        doc=(
+            "RMS norm: out = x / sqrt(mean(x^2) + eps) * weight over the trailing ``normalized_shape`` dims; "
+            f"the mean output is 0, rstd is 1/rms. Workspace: {_LN_FORMULA}. " + _STREAMING_DOC
+        ),
+        reference=lambda x, weight=None, normalized_shape=(), eps=1e-6: _ln_reference(
+            x, weight, None, normalized_shape, eps, rms=True
+        ),
+    )
+)
 
 
 # ---- batch_norm (inference) / group_norm over channel dim 1
@@ -353,13 +424,18 @@ def _channel_infer(name: str, params: tuple[str, ...]) -> Any:
             if arg in ("running_mean", "running_var"):
                 d = need(name, arg, d)
             if d is not None and (d.shape != (c,) or d.dtype is not x.dtype):
-                raise ParamError(op=name, arg=arg, expected=f"shape {(c,)} dtype {x.dtype.value}",
-                                 got=f"shape {d.shape} dtype {d.dtype.value}")
+                raise ParamError(
+                    op=name,
+                    arg=arg,
+                    expected=f"shape {(c,)} dtype {x.dtype.value}",
+                    got=f"shape {d.shape} dtype {d.dtype.value}",
+                )
         if name == "group_norm":
             g = attrs["num_groups"]
             if g < 1 or c % g:
                 raise ParamError(op=name, arg="num_groups", expected=f"a positive divisor of C = {c}", got=g)
         return (TensorDesc(x.shape, x.dtype),)
+
     return infer
 
 
@@ -378,42 +454,56 @@ def _bn_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) ->
 
 def _bn_build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
     from ..kernels.cpu.norm import build_batch_norm
+
     x, mean, var, w, b = (tuple(ins) + (None, None))[:5]
     pack, area, pvec, k = plan.tiling
     c = x.shape[1]
     w = np.ones(c, x.dtype) if w is None else w  # constants for absent weight / bias, made at bind
     b = np.zeros(c, x.dtype) if b is None else b
     if pack:
-        return build_batch_norm(x, outs[0], (mean, var, w, b), attrs["eps"], True, _compute(DType.of(x.dtype)),
-                                area, pvec)
-    return build_batch_norm(as_rows(x, 2, k), as_rows(outs[0], 2, k), (mean, var, w, b), attrs["eps"], False,
-                            x.dtype, 0, 0)
+        return build_batch_norm(
+            x, outs[0], (mean, var, w, b), attrs["eps"], True, _compute(DType.of(x.dtype)), area, pvec
+        )
+    return build_batch_norm(
+        as_rows(x, 2, k), as_rows(outs[0], 2, k), (mean, var, w, b), attrs["eps"], False, x.dtype, 0, 0
+    )
 
 
-def _bn_reference(x: Any, running_mean: Any, running_var: Any, weight: Any = None, bias: Any = None,
-                  eps: float = 1e-5) -> Any:
+def _bn_reference(
+    x: Any, running_mean: Any, running_var: Any, weight: Any = None, bias: Any = None, eps: float = 1e-5
+) -> Any:
     x = np.asarray(x, np.float64)
     shape = (1, -1) + (1,) * (x.ndim - 2)
 
     def p(v: Any, default: float) -> Any:
         return default if v is None else np.asarray(v, np.float64).reshape(shape)
+
     return (x - p(running_mean, 0.0)) / np.sqrt(p(running_var, 1.0) + eps) * p(weight, 1.0) + p(bias, 0.0)
 
 
 _BN_FORMULA = "0, or align64(numel*c) + 4*align64(C*c) when packed (c = 4 for float16, else itemsize)"
-register(OpDef(
-    name="batch_norm", inputs=("x", "running_mean", "running_var", "weight?", "bias?"),
-    attrs=(Attr("eps", as_finite, 1e-5),), dtypes=FLOATS, infer=_channel_infer(
-        "batch_norm", ("running_mean", "running_var", "weight", "bias")),
-    select=_bn_select, kernels={"cpu": _bn_build}, implementations=("channels", "channels_packed"),
-    workspace_formula=_BN_FORMULA,
-    doc=("Batch norm for inference over channel dim 1 of an (N, C, ...) tensor (NC, NCL, NCHW, ...): "
-         "out = (x - running_mean[c]) * weight[c] / sqrt(running_var[c] + eps) + bias[c] in one fused pass "
-         "(parallel over (n, c) planes, vectorized along the plane or, for a crop of a wider image, along its "
-         "rows; over rows of C channels when there is no spatial dim). dtypes float32, float64, float16 "
-         f"(computed in float32). Workspace: {_BN_FORMULA}; packed = float16, or spatial dims that do not split "
-         "into evenly spaced rows (x, the four parameters)."),
-    reference=_bn_reference))
+register(
+    OpDef(
+        name="batch_norm",
+        inputs=("x", "running_mean", "running_var", "weight?", "bias?"),
+        attrs=(Attr("eps", as_finite, 1e-5),),
+        dtypes=FLOATS,
+        infer=_channel_infer("batch_norm", ("running_mean", "running_var", "weight", "bias")),
+        select=_bn_select,
+        kernels={"cpu": _bn_build},
+        implementations=("channels", "channels_packed"),
+        workspace_formula=_BN_FORMULA,
+        doc=(
+            "Batch norm for inference over channel dim 1 of an (N, C, ...) tensor (NC, NCL, NCHW, ...): "
+            "out = (x - running_mean[c]) * weight[c] / sqrt(running_var[c] + eps) + bias[c] in one fused pass "
+            "(parallel over (n, c) planes, vectorized along the plane or, for a crop of a wider image, along its "
+            "rows; over rows of C channels when there is no spatial dim). dtypes float32, float64, float16 "
+            f"(computed in float32). Workspace: {_BN_FORMULA}; packed = float16, or spatial dims that do not split "
+            "into evenly spaced rows (x, the four parameters)."
+        ),
+        reference=_bn_reference,
+    )
+)
 
 
 LONG_GROUP = 65536  # groups longer than this (C/G * S elements) are split across blocks
@@ -474,6 +564,7 @@ def _gn_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) ->
 
 def _gn_build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
     from ..kernels.cpu.groupnorm import build_group_norm
+
     x, w, b = (tuple(ins) + (None, None))[:3]
     t: GroupNormTiling = plan.tiling
     c = x.shape[1]
@@ -503,25 +594,37 @@ def _gn_reference(x: Any, weight: Any = None, bias: Any = None, num_groups: int 
     y = ((g - mu) / np.sqrt(var + eps)).reshape(x.shape)
     shape = (1, c) + (1,) * (x.ndim - 2)
     return y * (1.0 if weight is None else np.asarray(weight, np.float64).reshape(shape)) + (
-        0.0 if bias is None else np.asarray(bias, np.float64).reshape(shape))
+        0.0 if bias is None else np.asarray(bias, np.float64).reshape(shape)
+    )
 
 
-_GN_FORMULA = ("align64(N*G*B*24) if L = C/G*S > 65536 else 0, B = ceil(L/16384) blocks (ceil(R / max(1, 16384 // "
-               "S')) blocks of whole rows when a group splits into R > 1 rows of S'); + align64(numel*c) + "
-               "2*align64(C*c) when packed (c = 4 for float16, else itemsize)")
-register(OpDef(
-    name="group_norm", inputs=("x", "weight?", "bias?"),
-    attrs=(Attr("num_groups", as_int), Attr("eps", as_finite, 1e-5)), dtypes=FLOATS,
-    infer=_channel_infer("group_norm", ("weight", "bias")), select=_gn_select, kernels={"cpu": _gn_build},
-    implementations=("groups", "split_groups", "groups_packed", "split_groups_packed"),
-    workspace_formula=_GN_FORMULA,
-    doc=("Group norm of an (N, C, ...) tensor: channels split into ``num_groups`` groups of L = C/G * S "
-         "elements; per (n, group) mean and variance in float64 (sum, then squared deviations and their sum, which "
-         "corrects the mean's rounding: two passes over the group in cache), "
-         "out = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]; a crop of a wider image "
-         "(group dims that split into R evenly spaced rows) row by row, not packed. Groups of L > 65536 "
-         "are split into blocks of 16384 elements (or of whole rows) whose Welford partials (count, mean, M2) "
-         "take 24 bytes each and merge "
-         "per group (Chan: n = na + nb, d = mb - ma, mean = ma + d*nb/n, M2 = M2a + M2b + d^2*na*nb/n; "
-         f"var = M2 / L). dtypes float32, float64, float16 (computed in float32). Workspace: {_GN_FORMULA}."),
-    reference=_gn_reference))
+_GN_FORMULA = (
+    "align64(N*G*B*24) if L = C/G*S > 65536 else 0, B = ceil(L/16384) blocks (ceil(R / max(1, 16384 // "
+    "S')) blocks of whole rows when a group splits into R > 1 rows of S'); + align64(numel*c) + "
+    "2*align64(C*c) when packed (c = 4 for float16, else itemsize)"
+)
+register(
+    OpDef(
+        name="group_norm",
+        inputs=("x", "weight?", "bias?"),
+        attrs=(Attr("num_groups", as_int), Attr("eps", as_finite, 1e-5)),
+        dtypes=FLOATS,
+        infer=_channel_infer("group_norm", ("weight", "bias")),
+        select=_gn_select,
+        kernels={"cpu": _gn_build},
+        implementations=("groups", "split_groups", "groups_packed", "split_groups_packed"),
+        workspace_formula=_GN_FORMULA,
+        doc=(
+            "Group norm of an (N, C, ...) tensor: channels split into ``num_groups`` groups of L = C/G * S "
+            "elements; per (n, group) mean and variance in float64 (sum, then squared deviations and their sum, which "
+            "corrects the mean's rounding: two passes over the group in cache), "
+            "out = (x - mean) / sqrt(var + eps) * weight[c] + bias[c]; a crop of a wider image "
+            "(group dims that split into R evenly spaced rows) row by row, not packed. Groups of L > 65536 "
+            "are split into blocks of 16384 elements (or of whole rows) whose Welford partials (count, mean, M2) "
+            "take 24 bytes each and merge "
+            "per group (Chan: n = na + nb, d = mb - ma, mean = ma + d*nb/n, M2 = M2a + M2b + d^2*na*nb/n; "
+            f"var = M2 / L). dtypes float32, float64, float16 (computed in float32). Workspace: {_GN_FORMULA}."
+        ),
+        reference=_gn_reference,
+    )
+)

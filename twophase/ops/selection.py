@@ -60,13 +60,23 @@ def choose(op: str, candidates: Sequence[Candidate], limit: Any = None) -> Plan:
     if only is not None:
         pool = [c for c in candidates if c.implementation in only]
         if not pool:
-            raise ParamError(op=op, arg="implementation", expected=f"one of {[c.implementation for c in candidates]}",
-                             got=f"forced {sorted(only)}")
+            raise ParamError(
+                op=op,
+                arg="implementation",
+                expected=f"one of {[c.implementation for c in candidates]}",
+                got=f"forced {sorted(only)}",
+            )
     for c in pool:
         if lim is None or c.workspace <= lim:
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s: implementation %s, workspace %d bytes (limit %s), tiling %r", op, c.implementation,
-                          c.workspace, lim, c.tiling)
+                log.debug(
+                    "%s: implementation %s, workspace %d bytes (limit %s), tiling %r",
+                    op,
+                    c.implementation,
+                    c.workspace,
+                    lim,
+                    c.tiling,
+                )
             return Plan(c.implementation, c.tiling, c.workspace)
     smallest = min(pool, key=lambda c: c.workspace)
     raise over_limit(op, smallest.workspace, smallest.implementation, lim)

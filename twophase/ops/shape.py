@@ -26,15 +26,37 @@ def _copy_build(view: Callable[[Any, dict[str, Any]], Any]) -> Any:
     def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
         src, out = view(ins[0], attrs), outs[0]
         return lambda _: np.copyto(out, src)
+
     return build
 
 
-def _reg(name: str, infer: Any, build: Any, doc: str, reference: Any, attrs: tuple[Attr, ...] = (),
-         inputs: tuple[str, ...] = ("x",), outputs: tuple[str, ...] = ("out",),
-         dtypes: tuple[DType, ...] = ALL) -> None:
-    register(OpDef(name=name, inputs=inputs, outputs=outputs, attrs=attrs, dtypes=dtypes, infer=infer, select=_zero,
-                   kernels={"cpu": build}, implementations=("copy",), workspace_formula="0",
-                   doc=doc + " Workspace: 0 bytes.", reference=reference))
+def _reg(
+    name: str,
+    infer: Any,
+    build: Any,
+    doc: str,
+    reference: Any,
+    attrs: tuple[Attr, ...] = (),
+    inputs: tuple[str, ...] = ("x",),
+    outputs: tuple[str, ...] = ("out",),
+    dtypes: tuple[DType, ...] = ALL,
+) -> None:
+    register(
+        OpDef(
+            name=name,
+            inputs=inputs,
+            outputs=outputs,
+            attrs=attrs,
+            dtypes=dtypes,
+            infer=infer,
+            select=_zero,
+            kernels={"cpu": build},
+            implementations=("copy",),
+            workspace_formula="0",
+            doc=doc + " Workspace: 0 bytes.",
+            reference=reference,
+        )
+    )
 
 
 # ---- contiguous / permute / transpose
@@ -72,15 +94,29 @@ def _infer_transpose(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     return (TensorDesc(tuple(x.shape[i] for i in _swap(x.ndim, a, b)), x.dtype),)
 
 
-_reg("contiguous", _infer_contiguous, _copy_build(lambda x, a: x),
-     "Dense row-major copy of a strided tensor.", lambda x: np.array(x, copy=True, order="C"))
-_reg("permute", _infer_permute, _copy_build(lambda x, a: x.transpose(tuple(d % x.ndim for d in a["dims"]))),
-     "Dense copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]].",
-     lambda x, dims: np.ascontiguousarray(np.transpose(x, dims)), attrs=(Attr("dims", as_dims),))
-_reg("transpose", _infer_transpose,
-     _copy_build(lambda x, a: x.transpose(_swap(x.ndim, a["dim0"], a["dim1"]))),
-     "Dense copy of x with dims dim0 and dim1 swapped.", lambda x, dim0=-2, dim1=-1: np.swapaxes(x, dim0, dim1),
-     attrs=(Attr("dim0", as_int, -2), Attr("dim1", as_int, -1)))
+_reg(
+    "contiguous",
+    _infer_contiguous,
+    _copy_build(lambda x, a: x),
+    "Dense row-major copy of a strided tensor.",
+    lambda x: np.array(x, copy=True, order="C"),
+)
+_reg(
+    "permute",
+    _infer_permute,
+    _copy_build(lambda x, a: x.transpose(tuple(d % x.ndim for d in a["dims"]))),
+    "Dense copy of x with its dims reordered: out.shape[i] = x.shape[dims[i]].",
+    lambda x, dims: np.ascontiguousarray(np.transpose(x, dims)),
+    attrs=(Attr("dims", as_dims),),
+)
+_reg(
+    "transpose",
+    _infer_transpose,
+    _copy_build(lambda x, a: x.transpose(_swap(x.ndim, a["dim0"], a["dim1"]))),
+    "Dense copy of x with dims dim0 and dim1 swapped.",
+    lambda x, dim0=-2, dim1=-1: np.swapaxes(x, dim0, dim1),
+    attrs=(Attr("dim0", as_int, -2), Attr("dim1", as_int, -1)),
+)
 
 
 # ---- concat / split
@@ -93,16 +129,18 @@ def _infer_concat(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     total = 0
     for i, d in enumerate(xs):
         if d.ndim != first.ndim or any(a != b for j, (a, b) in enumerate(zip(d.shape, first.shape)) if j != dim):
-            raise ParamError(op="concat", arg=f"xs[{i}]", expected=f"shape {first.shape} except at dim {dim}",
-                             got=d.shape)
+            raise ParamError(
+                op="concat", arg=f"xs[{i}]", expected=f"shape {first.shape} except at dim {dim}", got=d.shape
+            )
         if d.dtype is not first.dtype:
             raise ParamError(op="concat", arg=f"xs[{i}]", expected=f"dtype {first.dtype.value}", got=d.dtype.value)
         total += d.shape[dim]
-    return (TensorDesc(first.shape[:dim] + (total,) + first.shape[dim + 1:], first.dtype),)
+    return (TensorDesc(first.shape[:dim] + (total,) + first.shape[dim + 1 :], first.dtype),)
 
 
-def _build_concat(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
-                  outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_concat(
+    plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]
+) -> Callable[[Any], None]:
     out = outs[0]
     dim = attrs["dim"] % out.ndim
     pairs, lo = [], 0
@@ -115,11 +153,19 @@ def _build_concat(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
     def launch(_: Any) -> None:
         for dst, src in pairs:
             np.copyto(dst, src)
+
     return launch
 
 
-_reg("concat", _infer_concat, _build_concat, "Join any number (at least one) of tensors along dim.",
-     lambda *xs, dim=0: np.concatenate(xs, axis=dim), attrs=(Attr("dim", as_int, 0),), inputs=("xs*",))
+_reg(
+    "concat",
+    _infer_concat,
+    _build_concat,
+    "Join any number (at least one) of tensors along dim.",
+    lambda *xs, dim=0: np.concatenate(xs, axis=dim),
+    attrs=(Attr("dim", as_int, 0),),
+    inputs=("xs*",),
+)
 
 
 MAX_SPLIT_PARTS = 1 << 16  # outputs of one split (a fuzzed 2^40-long dim in chunks of 2 hung phase 1 for minutes)
@@ -135,8 +181,9 @@ def _split_sizes(x: TensorDesc, attrs: dict[str, Any]) -> tuple[int, list[int]]:
         if sizes <= 0:
             raise ParamError(op="split", arg="sizes", expected="a positive chunk size", got=sizes)
         if -(-n // sizes) > MAX_SPLIT_PARTS:  # one output each: refused before listing them
-            raise ParamError(op="split", arg="sizes", expected=f"at most {MAX_SPLIT_PARTS} parts of dim {dim} "
-                             f"(size {n})", got=sizes)
+            raise ParamError(
+                op="split", arg="sizes", expected=f"at most {MAX_SPLIT_PARTS} parts of dim {dim} (size {n})", got=sizes
+            )
         sizes = [min(sizes, n - i) for i in range(0, n, sizes)] or [0]
     if any(s < 0 for s in sizes) or sum(sizes) != n or not sizes:
         raise ParamError(op="split", arg="sizes", expected=f"sizes >= 0 summing to {n}", got=sizes)
@@ -154,11 +201,12 @@ _as_sizes.expects = "a chunk size or a sequence of sizes"  # type: ignore[attr-d
 def _infer_split(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     x = need("split", "x", ins[0])
     dim, sizes = _split_sizes(x, attrs)
-    return tuple(TensorDesc(x.shape[:dim] + (s,) + x.shape[dim + 1:], x.dtype) for s in sizes)
+    return tuple(TensorDesc(x.shape[:dim] + (s,) + x.shape[dim + 1 :], x.dtype) for s in sizes)
 
 
-def _build_split(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
-                 outs: tuple[Any, ...]) -> Callable[[Any], None]:
+def _build_split(
+    plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]
+) -> Callable[[Any], None]:
     x = ins[0]
     dim = attrs["dim"] % x.ndim
     pairs, lo = [], 0
@@ -169,6 +217,7 @@ def _build_split(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...],
     def launch(_: Any) -> None:
         for dst, src in pairs:
             np.copyto(dst, src)
+
     return launch
 
 
@@ -180,9 +229,15 @@ def _split_reference(x: Any, sizes: Any, dim: int = 0) -> tuple[Any, ...]:
     return tuple(np.split(x, np.cumsum(sizes)[:-1], axis=dim))
 
 
-_reg("split", _infer_split, _build_split,
-     "Split x along dim into parts of the given sizes (one int: equal chunks, the last smaller); one output each.",
-     _split_reference, attrs=(Attr("sizes", _as_sizes), Attr("dim", as_int, 0)), outputs=("outs*",))
+_reg(
+    "split",
+    _infer_split,
+    _build_split,
+    "Split x along dim into parts of the given sizes (one int: equal chunks, the last smaller); one output each.",
+    _split_reference,
+    attrs=(Attr("sizes", _as_sizes), Attr("dim", as_int, 0)),
+    outputs=("outs*",),
+)
 
 
 # ---- slice / pad
@@ -199,21 +254,29 @@ def _infer_slice(ins: Any, attrs: dict[str, Any]) -> tuple[TensorDesc, ...]:
     x = need("slice", "x", ins[0])
     dim, s = _slice_range(x, attrs)
     n = len(range(*s.indices(x.shape[dim])))
-    return (TensorDesc(x.shape[:dim] + (n,) + x.shape[dim + 1:], x.dtype),)
+    return (TensorDesc(x.shape[:dim] + (n,) + x.shape[dim + 1 :], x.dtype),)
 
 
-_reg("slice", _infer_slice,
-     _copy_build(lambda x, a: x[(slice(None),) * (a["dim"] % x.ndim) + (slice(a["start"], a["end"], a["step"]),)]),
-     "Dense copy of x[start:end:step] along dim (Python slice rules; a negative step walks backwards).",
-     lambda x, dim=0, start=None, end=None, step=1: x[(slice(None),) * (dim % np.ndim(x)) + (slice(start, end, step),)],
-     attrs=(Attr("dim", as_int, 0), Attr("start", optional(as_int), None), Attr("end", optional(as_int), None),
-            Attr("step", as_int, 1)))
+_reg(
+    "slice",
+    _infer_slice,
+    _copy_build(lambda x, a: x[(slice(None),) * (a["dim"] % x.ndim) + (slice(a["start"], a["end"], a["step"]),)]),
+    "Dense copy of x[start:end:step] along dim (Python slice rules; a negative step walks backwards).",
+    lambda x, dim=0, start=None, end=None, step=1: x[(slice(None),) * (dim % np.ndim(x)) + (slice(start, end, step),)],
+    attrs=(
+        Attr("dim", as_int, 0),
+        Attr("start", optional(as_int), None),
+        Attr("end", optional(as_int), None),
+        Attr("step", as_int, 1),
+    ),
+)
 
 
 def _pad_pairs(x: TensorDesc, pads: tuple[int, ...]) -> list[tuple[int, int]]:
     if len(pads) % 2 or len(pads) // 2 > x.ndim or any(p < 0 for p in pads):
-        raise ParamError(op="pad", arg="pads", expected=f"pairs of pads >= 0 for at most {x.ndim} trailing dims",
-                         got=pads)
+        raise ParamError(
+            op="pad", arg="pads", expected=f"pairs of pads >= 0 for at most {x.ndim} trailing dims", got=pads
+        )
     pairs = [(0, 0)] * x.ndim
     for i in range(len(pads) // 2):  # torch order: (last_lo, last_hi, prev_lo, prev_hi, ...)
         pairs[x.ndim - 1 - i] = (pads[2 * i], pads[2 * i + 1])
@@ -243,6 +306,7 @@ def _build_pad(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tu
         for v in borders:
             v.fill(value)
         np.copyto(inner, x)
+
     return launch
 
 
@@ -254,10 +318,15 @@ def _pad_reference(x: Any, pads: Any, value: float = 0.0) -> Any:
     return np.pad(x, pw, constant_values=value)
 
 
-_reg("pad", _infer_pad, _build_pad,
-     "Constant padding, pads in torch order (last dim's (lo, hi) first); every output element written once. value "
-     "must fit x's dtype (ints exact; an int dtype truncates a float toward 0, as numpy).",
-     _pad_reference, attrs=(Attr("pads", as_dims), Attr("value", as_scalar, 0.0)))
+_reg(
+    "pad",
+    _infer_pad,
+    _build_pad,
+    "Constant padding, pads in torch order (last dim's (lo, hi) first); every output element written once. value "
+    "must fit x's dtype (ints exact; an int dtype truncates a float toward 0, as numpy).",
+    _pad_reference,
+    attrs=(Attr("pads", as_dims), Attr("value", as_scalar, 0.0)),
+)
 
 
 # ---- embedding
@@ -288,12 +357,22 @@ def _build_emb(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tu
     return build_embedding(w, ins[1], out)
 
 
-register(OpDef(
-    name="embedding", inputs=("weight", "indices"), dtypes=_EMB_DTYPES, infer=_infer_embedding, select=_select_emb,
-    kernels={"cpu": _build_emb}, implementations=("gather", "packed_indices"),
-    workspace_formula="0, or align64(numel(indices) * itemsize) when the indices' dims do not merge",
-    doc=("out[..., :] = weight[indices[...], :] (indices int32 or int64); an index outside [0, num_embeddings) "
-         "raises ParamError from the kernel, reported at the next synchronization (rows after the bad one are not "
-         "written). Workspace: 0, or align64(numel(indices) * itemsize) when the indices' dims do not merge into one "
-         "stride."),
-    reference=lambda weight, indices: np.asarray(weight)[np.asarray(indices)]))
+register(
+    OpDef(
+        name="embedding",
+        inputs=("weight", "indices"),
+        dtypes=_EMB_DTYPES,
+        infer=_infer_embedding,
+        select=_select_emb,
+        kernels={"cpu": _build_emb},
+        implementations=("gather", "packed_indices"),
+        workspace_formula="0, or align64(numel(indices) * itemsize) when the indices' dims do not merge",
+        doc=(
+            "out[..., :] = weight[indices[...], :] (indices int32 or int64); an index outside [0, num_embeddings) "
+            "raises ParamError from the kernel, reported at the next synchronization (rows after the bad one are "
+            "not written). Workspace: 0, or align64(numel(indices) * itemsize) when the indices' dims do not merge "
+            "into one stride."
+        ),
+        reference=lambda weight, indices: np.asarray(weight)[np.asarray(indices)],
+    )
+)

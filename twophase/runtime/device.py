@@ -101,8 +101,9 @@ class Device:
         """A block from the caching pool (``nbytes == 0`` still gives a valid minimal block)."""
         return self.pool.malloc(nbytes, stream, policy)
 
-    def empty(self, shape: Any, dtype: Any = DType.float32, format: Format = Format.ND,
-              stream: Stream | None = None) -> Tensor:
+    def empty(
+        self, shape: Any, dtype: Any = DType.float32, format: Format = Format.ND, stream: Stream | None = None
+    ) -> Tensor:
         """An uninitialised dense tensor from the pool."""
         desc = TensorDesc(shape, dtype, None, 0, format)
         return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self, checked=False)
@@ -110,26 +111,30 @@ class Device:
     def empty_like(self, desc: TensorDesc, stream: Stream | None = None) -> Tensor:
         """An uninitialised tensor with ``desc``'s shape, dtype and format (dense)."""
         if not isinstance(desc, TensorDesc):
-            raise ParamError(op="Device.empty_like", arg="desc", expected="a TensorDesc (tensor.desc)",
-                             got=type(desc).__name__)
+            raise ParamError(
+                op="Device.empty_like", arg="desc", expected="a TensorDesc (tensor.desc)", got=type(desc).__name__
+            )
         if desc.offset or not desc.is_contiguous:
             return self.empty(desc.shape, desc.dtype, desc.format, stream)
         return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self, checked=False)
 
-    def tensor(self, array: Any, stream: Stream | None = None, format: Format = Format.ND,
-               dtype: Any = None) -> Tensor:
+    def tensor(self, array: Any, stream: Stream | None = None, format: Format = Format.ND, dtype: Any = None) -> Tensor:
         """Copy a host array in, in ``stream`` order (the default stream when omitted)."""
         stream = self.default_stream if stream is None else check_stream(stream, "Device.tensor", device=self)
         np_dtype = None if dtype is None else DType.of(dtype).np
         try:
             src = np.asarray(array, dtype=np_dtype)
         except (ValueError, TypeError, OverflowError) as e:
-            raise ParamError(op="Device.tensor", arg="array",
-                             expected="an array-like of numbers" + ("" if dtype is None else f" fitting {dtype}"),
-                             got=f"{type(array).__name__} ({e})") from None
+            raise ParamError(
+                op="Device.tensor",
+                arg="array",
+                expected="an array-like of numbers" + ("" if dtype is None else f" fitting {dtype}"),
+                got=f"{type(array).__name__} ({e})",
+            ) from None
         if src.dtype not in _SUPPORTED:
-            raise ParamError(op="Device.tensor", arg="array", expected=f"dtype in {sorted(_SUPPORTED_NAMES)}",
-                             got=str(src.dtype))
+            raise ParamError(
+                op="Device.tensor", arg="array", expected=f"dtype in {sorted(_SUPPORTED_NAMES)}", got=str(src.dtype)
+            )
         src = np.array(src, copy=True, order="C")  # the host may reuse its array before the copy runs
         t = self.empty(src.shape, src.dtype, format, stream)
         if self.runs_kernels and src.size:
@@ -138,9 +143,13 @@ class Device:
                 dst = self._array_view(t.block, t.desc)
             except CaptureError:
                 t.free(stream)
-                raise CaptureError("a host array cannot be copied in during a capture (the graph's memory does "
-                                   "not exist yet)", op="Device.tensor", arg="array",
-                                   expected="a tensor made before the capture", got=t.desc) from None
+                raise CaptureError(
+                    "a host array cannot be copied in during a capture (the graph's memory does not exist yet)",
+                    op="Device.tensor",
+                    arg="array",
+                    expected="a tensor made before the capture",
+                    got=t.desc,
+                ) from None
             seq = stream._enqueue(_copy_task, (self, dst, src), "copy-in")
             t.block.mark_use(stream, seq)
         return t

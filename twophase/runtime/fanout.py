@@ -136,8 +136,9 @@ class _Helpers:
         with self.lock:
             while self.count < n:
                 self.count += 1
-                threading.Thread(target=self._loop, args=(self.count,), name=f"twophase-fanout-{self.count - 1}",
-                                 daemon=True).start()
+                threading.Thread(
+                    target=self._loop, args=(self.count,), name=f"twophase-fanout-{self.count - 1}", daemon=True
+                ).start()
 
     def post(self, job: _Job, n: int) -> int:
         """Queue ``job`` for ``n`` helpers; the posted count, the caller's ticket for the gate."""
@@ -240,4 +241,5 @@ def workspace_launcher(bind: Callable[[Any], Callable[[], None]]) -> Callable[[A
         if held is None or held[0] != key:
             held = memo[0] = (key, bind(ws))
         held[1]()
+
     return launch

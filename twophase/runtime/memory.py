@@ -62,8 +62,25 @@ class Block:
     the memory (:meth:`export`): a free then waits for the last of them.
     """
 
-    __slots__ = ("pool", "segment", "offset", "size", "requested", "allocated", "freed", "data",
-                 "prev", "next", "_stream", "_seq", "free_queue", "free_seq", "tag", "exports", "__weakref__")
+    __slots__ = (
+        "pool",
+        "segment",
+        "offset",
+        "size",
+        "requested",
+        "allocated",
+        "freed",
+        "data",
+        "prev",
+        "next",
+        "_stream",
+        "_seq",
+        "free_queue",
+        "free_seq",
+        "tag",
+        "exports",
+        "__weakref__",
+    )
 
     def __init__(self, pool: MemoryPool, segment: Segment, offset: int, size: int) -> None:
         self.pool = pool
@@ -138,8 +155,9 @@ class Block:
             ex = self.exports
             if ex is not None:
                 if ex.freed:
-                    raise InvalidStateError("block is not allocated from this pool (double free?)",
-                                            op="free", arg="block", got=self)
+                    raise InvalidStateError(
+                        "block is not allocated from this pool (double free?)", op="free", arg="block", got=self
+                    )
                 ex.freed, ex.stream = True, stream
                 self.freed = True  # no new use (views, launches, exports) from here on
                 return
@@ -281,8 +299,9 @@ class MemoryPool:
             for fn in POOL_LISTENERS:
                 fn(self)
         if _log.isEnabledFor(logging.DEBUG):
-            _log.debug("malloc %s: requested %d bytes, granted %d bytes at 0x%x", self.name, nbytes, block.size,
-                       block.address)
+            _log.debug(
+                "malloc %s: requested %d bytes, granted %d bytes at 0x%x", self.name, nbytes, block.size, block.address
+            )
         return block
 
     def _take_cached(self, size: int, stream: Stream | None, policy: str) -> Block | None:
@@ -316,7 +335,9 @@ class MemoryPool:
             raise OutOfMemoryError(
                 f"cannot allocate {requested} bytes ({seg_size} to reserve); reserved {self._reserved}, "
                 f"allocated {self._allocated}, limit {self._limit}",
-                op="malloc", arg="nbytes")
+                op="malloc",
+                arg="nbytes",
+            )
         self._segments.append(seg)
         self._reserved += seg.size
         self._huge_reserved += seg.size if seg.huge else 0
@@ -372,8 +393,9 @@ class MemoryPool:
             hook(blk, stream)
         with self._lock:
             if blk.pool is not self or not blk.allocated:
-                raise InvalidStateError("block is not allocated from this pool (double free?)",
-                                        op="free", arg="block", got=blk)
+                raise InvalidStateError(
+                    "block is not allocated from this pool (double free?)", op="free", arg="block", got=blk
+                )
             blk.allocated = False
             blk.freed = True
             self._allocated -= blk.size

@@ -21,6 +21,7 @@ class CpuDevice(Device):
 
     def __init__(self, name: str) -> None:
         from ..kernels.cpu.blas import quiet_threads
+
         quiet_threads()  # before this device's first stream exists: no BLAS call of ours can be running
         super().__init__(name)
 
@@ -39,20 +40,26 @@ class CpuDevice(Device):
                 mm.madvise(mmap.MADV_HUGEPAGE, start, nbytes)
             except OSError:
                 huge = False
-        return Segment(base + start, nbytes, huge, policy, raw[start:start + nbytes])
+        return Segment(base + start, nbytes, huge, policy, raw[start : start + nbytes])
 
     def _release(self, segment: Segment) -> None:
         segment.memory = None  # the mmap is unmapped when the last view of it is gone
 
     def _segment_view(self, segment: Segment, offset: int, size: int) -> Any:
-        return segment.memory[offset:offset + size]
+        return segment.memory[offset : offset + size]
 
     def _array_view(self, block: Block, desc: TensorDesc) -> np.ndarray[Any, Any]:
         item = desc.dtype.itemsize
-        return np.ndarray(desc.shape, desc.dtype.np, buffer=block.data, offset=desc.offset * item,
-                          strides=tuple(s * item for s in desc.strides))
+        return np.ndarray(
+            desc.shape,
+            desc.dtype.np,
+            buffer=block.data,
+            offset=desc.offset * item,
+            strides=tuple(s * item for s in desc.strides),
+        )
 
     def _copyin(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         np.copyto(dst, src)
+
 
 register_backend("cpu", CpuDevice)

@@ -51,6 +51,7 @@ def _load_acquire_typing(typingctx: Any, addr: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
         return builder.load_atomic(ptr, "acquire", 8)
+
     return sig, codegen
 
 
@@ -62,9 +63,11 @@ def _pause_typing(typingctx: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         if _X86:
             fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause")
+                builder.module, ir.FunctionType(ir.VoidType(), []), "llvm.x86.sse2.pause"
+            )
             builder.call(fn, [])
         return context.get_dummy_value()
+
     return sig, codegen
 
 
@@ -78,6 +81,7 @@ def _add_release_typing(typingctx: Any, addr: Any, value: Any) -> Any:
         old = builder.load_atomic(ptr, "monotonic", 8)
         builder.store_atomic(builder.add(old, args[1]), ptr, "release", 8)
         return context.get_dummy_value()
+
     return sig, codegen
 
 
@@ -89,6 +93,7 @@ def _store_seq_typing(typingctx: Any, addr: Any, value: Any) -> Any:
         ptr = builder.inttoptr(args[0], ir.IntType(64).as_pointer())
         builder.store_atomic(args[1], ptr, "seq_cst", 8)
         return context.get_dummy_value()
+
     return sig, codegen
 
 
@@ -105,8 +110,10 @@ def _yield_typing(typingctx: Any) -> Any:
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-            builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield")
+            builder.module, ir.FunctionType(ir.IntType(32), []), "sched_yield"
+        )
         return builder.call(fn, [])
+
     return sig, codegen
 
 
@@ -139,8 +146,18 @@ def _spin(counter: Any, value: int, limit: int, every: int) -> bool:
 
 
 @numba.njit(nogil=True, cache=True)
-def _count_and_wait(slots: Any, slot: int, count: int, counter: Any, value: int, limit: int, every: int,
-                    settle: int, gate: Any, after: int) -> bool:
+def _count_and_wait(
+    slots: Any,
+    slot: int,
+    count: int,
+    counter: Any,
+    value: int,
+    limit: int,
+    every: int,
+    settle: int,
+    gate: Any,
+    after: int,
+) -> bool:
     """``slots[slot] += count`` (release), then ``_spin`` while ``counter[0] == value``; once it changed, pause
     until ``gate[0]`` reaches ``counter[0]``, then ``after`` more, ``settle`` pauses in all at most. True when it
     changed."""
@@ -204,16 +221,35 @@ _SHUT = np.zeros(1, np.int64)  # a gate that never opens: the whole SETTLE_US
 _SCRATCH = np.zeros(1, np.int64)  # a gate nobody waits on
 
 
-def count_and_wait(slots: np.ndarray[Any, Any], slot: int, count: int, counter: np.ndarray[Any, Any], value: int,
-                   us: float, gate: np.ndarray[Any, Any] = _SHUT) -> bool:
+def count_and_wait(
+    slots: np.ndarray[Any, Any],
+    slot: int,
+    count: int,
+    counter: np.ndarray[Any, Any],
+    value: int,
+    us: float,
+    gate: np.ndarray[Any, Any] = _SHUT,
+) -> bool:
     """Add ``count`` to ``slots[slot]`` (int64; this thread its only writer) from compiled code, so a thread
     spinning on the slots (:func:`spin_until_total`) sees it only once this one no longer holds the GIL; then
     spin while ``counter[0] == value`` for at most ``us`` microseconds (0: count only), yielding the core every
     ``YIELD_US``; once it changed, ``GATE_US`` more after ``gate[0]`` reaches ``counter[0]``, ``SETTLE_US`` in all at
     most (the default gate never opens: the whole ``SETTLE_US``). True when it changed."""
     per_us = _iterations() / SPIN_US
-    return bool(_count_and_wait(slots, slot, count, counter, value, int(per_us * us), max(1, int(per_us * YIELD_US)),
-                                int(per_us * SETTLE_US), gate, int(per_us * GATE_US)))
+    return bool(
+        _count_and_wait(
+            slots,
+            slot,
+            count,
+            counter,
+            value,
+            int(per_us * us),
+            max(1, int(per_us * YIELD_US)),
+            int(per_us * SETTLE_US),
+            gate,
+            int(per_us * GATE_US),
+        )
+    )
 
 
 def spin_until_total(slots: np.ndarray[Any, Any], total: int) -> bool:
@@ -222,12 +258,27 @@ def spin_until_total(slots: np.ndarray[Any, Any], total: int) -> bool:
     return bool(_spin_total(slots, total, _iterations()))
 
 
-def spin_until_reached(counter: np.ndarray[Any, Any], target: int, us: float, unless: np.ndarray[Any, Any],
-                       gate: np.ndarray[Any, Any] | None = None, opened: int = 0) -> bool:
+def spin_until_reached(
+    counter: np.ndarray[Any, Any],
+    target: int,
+    us: float,
+    unless: np.ndarray[Any, Any],
+    gate: np.ndarray[Any, Any] | None = None,
+    opened: int = 0,
+) -> bool:
     """Spin while the int64 ``counter[0]`` (counted by :func:`count_and_wait`) is below ``target`` and the int64
     ``unless[0]`` is 0, for at most ``us`` microseconds, yielding the core every ``YIELD_US``; True when it
     reached ``target``. ``gate[0]`` is set to ``opened`` first, from compiled code, once this thread has let go of
     the GIL (the gate of a :func:`count_and_wait`)."""
     per_us = _iterations() / SPIN_US
-    return bool(_spin_reach(counter, target, unless, int(per_us * us), max(1, int(per_us * YIELD_US)),
-                            _SCRATCH if gate is None else gate, opened))
+    return bool(
+        _spin_reach(
+            counter,
+            target,
+            unless,
+            int(per_us * us),
+            max(1, int(per_us * YIELD_US)),
+            _SCRATCH if gate is None else gate,
+            opened,
+        )
+    )

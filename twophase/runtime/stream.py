@@ -52,6 +52,7 @@ def _spin_us() -> float:
     """Microseconds the worker and a synchronizing host thread spin (``SYNC_SPIN_US``, capped by the setting)."""
     return min(float(config.settings.helper_spin_us), SYNC_SPIN_US)
 
+
 # Called on the worker after each task as cb(stream_name, owner, t0, t1, seq). Shared by every stream
 # (profiler, sanitizer); run_one checks it for emptiness only, so an empty list costs nothing.
 TASK_LISTENERS: list[Callable[[str, Any, float, float, int], None]] = []
@@ -169,8 +170,9 @@ class _Queue:
         the worker, if there was one, starts again for the tasks still queued. (A task that forks runs on in the
         child, on the forking thread, which goes on serving the queue as before.)"""
         self._new_signals()
-        if getattr(self.inline_tls, "depth", 0) or (self.thread is not None
-                                                    and self.thread is threading.current_thread()):
+        if getattr(self.inline_tls, "depth", 0) or (
+            self.thread is not None and self.thread is threading.current_thread()
+        ):
             return  # the forking thread is running one of this queue's tasks: it goes on with the queue
         queued = next((task[3] for task in self.tasks if task[0] is not None), self.submitted + 1)
         lost = queued - 1 - self.done
@@ -178,7 +180,10 @@ class _Queue:
             if self.error is None:
                 exc = InvalidStateError(
                     f"the process forked while {lost} task(s) of stream '{self.name}' were running: in this child "
-                    "they never finish and their outputs hold whatever the fork caught", op="stream", arg="stream")
+                    "they never finish and their outputs hold whatever the fork caught",
+                    op="stream",
+                    arg="stream",
+                )
                 self.error = (exc, self.current if self.current is not None else "a task", self.done + 1)
                 lost -= 1
             self.dropped += lost
@@ -325,8 +330,11 @@ class _Queue:
 
     def _spun_for(self, seq: int) -> bool:
         """Whether a spin (not on the worker itself, which publishes the count) saw task ``seq`` done."""
-        return (self.thread is not None and threading.current_thread() is not self.thread
-                and spin_until_reached(self.finished, seq, _spin_us(), BUSY, self.gate, int(self.posted[0])))
+        return (
+            self.thread is not None
+            and threading.current_thread() is not self.thread
+            and spin_until_reached(self.finished, seq, _spin_us(), BUSY, self.gate, int(self.posted[0]))
+        )
 
     def drain(self) -> None:
         """Wait for every task enqueued so far without raising: a failure stays pending for the next sync."""
@@ -546,16 +554,21 @@ class Event:
         return (end.time - self.time) * 1e3
 
 
-def check_stream(stream: object, op: str, arg: str = "stream", device: Device | None = None,
-                 open_: bool = True) -> Stream:
+def check_stream(
+    stream: object, op: str, arg: str = "stream", device: Device | None = None, open_: bool = True
+) -> Stream:
     """``stream`` if it is a twophase Stream (of ``device``, when given; open, unless ``open_`` is False), else
     the ParamError / InvalidStateError naming ``op`` and ``arg``: checked before anything is allocated or
     changed, so a bad stream leaves no state behind."""
     if not isinstance(stream, Stream):
         raise ParamError(op=op, arg=arg, expected="a twophase Stream", got=type(stream).__name__)
     if device is not None and stream.device is not device:
-        raise ParamError(op=op, arg=arg, expected=f"a stream of device {device.name}",
-                         got=f"'{stream.name}' of device {stream.device.name}")
+        raise ParamError(
+            op=op,
+            arg=arg,
+            expected=f"a stream of device {device.name}",
+            got=f"'{stream.name}' of device {stream.device.name}",
+        )
     if open_ and stream.closed:
         raise InvalidStateError(f"stream '{stream.name}' is closed: it takes no more work", op=op, arg=arg)
     return stream

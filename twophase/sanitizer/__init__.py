@@ -41,9 +41,26 @@ from .report import (
     WorkspaceContractError,
 )
 
-__all__ = ["enable", "disable", "is_enabled", "sanitize", "report", "mark", "reset", "Leak", "SanitizerError",
-           "GuardError", "WorkspaceContractError", "UseAfterFreeError", "ReadBeforeReadyError",
-           "ExecutorMisuseError", "StaleExecutorError", "SanitizerWarning", "LeakWarning", "GUARD"]
+__all__ = [
+    "enable",
+    "disable",
+    "is_enabled",
+    "sanitize",
+    "report",
+    "mark",
+    "reset",
+    "Leak",
+    "SanitizerError",
+    "GuardError",
+    "WorkspaceContractError",
+    "UseAfterFreeError",
+    "ReadBeforeReadyError",
+    "ExecutorMisuseError",
+    "StaleExecutorError",
+    "SanitizerWarning",
+    "LeakWarning",
+    "GUARD",
+]
 
 GUARD = guards.GUARD
 _log = logging.getLogger("twophase")
@@ -111,8 +128,11 @@ def report(since: int = 0, warn: bool = True, raise_on_leak: bool = False) -> li
         if not isinstance(flag, bool):
             raise ParamError(op="sanitizer.report", arg=name, expected="a bool", got=flag)
     leaks = tracking.leaked_executors(since)
-    leaks += [Leak("block", f"of {b.size} bytes at 0x{b.address:x}", b.created, b.generation)
-              for b in guards.live_blocks() if b.generation >= since]
+    leaks += [
+        Leak("block", f"of {b.size} bytes at 0x{b.address:x}", b.created, b.generation)
+        for b in guards.live_blocks()
+        if b.generation >= since
+    ]
     if warn:
         for lk in leaks:
             warnings.warn(str(lk), LeakWarning, stacklevel=2)

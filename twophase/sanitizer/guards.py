@@ -55,14 +55,14 @@ class GuardedBlock(Block):
         self.allocated = True
         self.requested = nbytes
         if outer.data is not None:
-            self.data = outer.data[GUARD:GUARD + nbytes]
+            self.data = outer.data[GUARD : GUARD + nbytes]
 
 
 def _fill_raw(arg: tuple[Any, int]) -> None:
     raw, n = arg
     raw[:GUARD] = CANARY
-    raw[GUARD:GUARD + n] = FRESH
-    raw[GUARD + n:GUARD + n + GUARD] = CANARY
+    raw[GUARD : GUARD + n] = FRESH
+    raw[GUARD + n : GUARD + n + GUARD] = CANARY
 
 
 def _ordered(blk: GuardedBlock, stream: Stream | None, fn: Any, arg: Any) -> None:
@@ -94,9 +94,9 @@ def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> 
         _plain_free(pool, blk, stream)
         return
     if blk.pool is not pool or not blk.allocated or blk.outer is None:  # outer stays set for later guard checks
-        raise InvalidStateError("block is not allocated from this pool (double free?)", op="free", arg="block",
-                                got=blk)
+        raise InvalidStateError("block is not allocated from this pool (double free?)", op="free", arg="block", got=blk)
     from .tracking import check_free
+
     for q, (seq, label, _) in list(blk.uses.items()):
         if label == FILL_LABEL and q.done < seq and (stream is None or stream._q is not q):
             q.wait_for(seq, raise_errors=False)  # our own fill must not land in memory handed out again
@@ -122,14 +122,17 @@ def verify(blk: GuardedBlock, role: str, launch: Any) -> None:
     damage = _overrun(outer.data, GUARD, n)
     if damage:
         who = "a kernel" if launch is None else launch
-        raise GuardError(f"{who} wrote {damage} of its {role} ({n} bytes at 0x{blk.address:x})",
-                         arg=role, op=getattr(launch, "op_name", None))
+        raise GuardError(
+            f"{who} wrote {damage} of its {role} ({n} bytes at 0x{blk.address:x})",
+            arg=role,
+            op=getattr(launch, "op_name", None),
+        )
 
 
 def _overrun(raw: Any, off: int, size: int) -> str:
     """What was written over the ``GUARD`` canary bytes on each side of ``raw[off:off + size]`` ("" when nothing),
     the canaries restored for later checks."""
-    head, tail = raw[off - GUARD:off], raw[off + size:off + size + GUARD]
+    head, tail = raw[off - GUARD : off], raw[off + size : off + size + GUARD]
     if (head == CANARY).all() and (tail == CANARY).all():
         return ""
     bad_tail, bad_head = np.flatnonzero(tail != CANARY), np.flatnonzero(head != CANARY)
@@ -148,8 +151,9 @@ def _poison_nan(arg: tuple[Any, Any]) -> None:
     data.view(dt)[...] = np.nan
 
 
-def guarded_empty(dev: Device, shape: Any, dtype: Any = None, format: Any = None, stream: Stream | None = None,
-                  **kw: Any) -> Any:
+def guarded_empty(
+    dev: Device, shape: Any, dtype: Any = None, format: Any = None, stream: Stream | None = None, **kw: Any
+) -> Any:
     args = {k: v for k, v in (("dtype", dtype), ("format", format)) if v is not None}
     t = _plain_empty(dev, shape, stream=stream, **args, **kw)
     _poison_tensor(t, stream)

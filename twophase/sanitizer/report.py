@@ -9,9 +9,20 @@ from dataclasses import dataclass
 
 from ..errors import InvalidStateError, ParamError, SanitizerError, Status, WorkspaceTooSmallError
 
-__all__ = ["SanitizerError", "GuardError", "UseAfterFreeError", "ReadBeforeReadyError", "ExecutorMisuseError",
-           "WorkspaceContractError", "StaleExecutorError", "SanitizerWarning", "LeakWarning", "Leak", "where",
-           "stack_text"]
+__all__ = [
+    "SanitizerError",
+    "GuardError",
+    "UseAfterFreeError",
+    "ReadBeforeReadyError",
+    "ExecutorMisuseError",
+    "WorkspaceContractError",
+    "StaleExecutorError",
+    "SanitizerWarning",
+    "LeakWarning",
+    "Leak",
+    "where",
+    "stack_text",
+]
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TESTING_DIR = os.path.join(_PACKAGE_DIR, "testing")
@@ -21,8 +32,11 @@ STACK_DEPTH = 8
 def where() -> traceback.StackSummary:
     """The caller's stack outside the twophase package (innermost last), at most ``STACK_DEPTH`` frames."""
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR) \
-            and not f.f_code.co_filename.startswith(_TESTING_DIR):
+    while (
+        f is not None
+        and f.f_code.co_filename.startswith(_PACKAGE_DIR)
+        and not f.f_code.co_filename.startswith(_TESTING_DIR)
+    ):
         f = f.f_back  # type: ignore[assignment]
     if f is None:
         return traceback.StackSummary.from_list([])

@@ -73,9 +73,14 @@ _lock = forking.lock()
 _tl = threading.local()
 
 _plain: dict[str, Any] = {
-    "release": Executor._release, "destroy": Executor.destroy, "bind": Executor._bind,
-    "bind_many": Executor._bind_many, "view": Tensor.view, "wait_event": Stream.wait_event,
-    "mark_use": Block.mark_use, "close": Stream.close,
+    "release": Executor._release,
+    "destroy": Executor.destroy,
+    "bind": Executor._bind,
+    "bind_many": Executor._bind_many,
+    "view": Tensor.view,
+    "wait_event": Stream.wait_event,
+    "mark_use": Block.mark_use,
+    "close": Stream.close,
 }
 _INTERNAL_VIEW_CALLERS = {Op._build_launch.__code__, _copy_task.__code__}
 _handles: list[Any] = []
@@ -96,8 +101,9 @@ def _on_collect(key: int, _ref: Any) -> None:
     with _lock:
         rec = _records.pop(key, None)
     if rec is not None and rec.state is ExecState.READY and _handles:  # off: its release was not seen
-        _collected.append(Leak("executor", f"{rec.describe} (garbage-collected without destroy)", rec.created,
-                               rec.generation))
+        _collected.append(
+            Leak("executor", f"{rec.describe} (garbage-collected without destroy)", rec.created, rec.generation)
+        )
 
 
 # ---- phase 1: where each executor came from
@@ -114,10 +120,13 @@ def _replay_before(graph: Any, stream: Stream) -> None:
     """A replay reads and writes every tensor it was captured (or is now rebound) with: none may be freed."""
     for blk in graph._mark_blocks:
         if blk.freed or (type(blk) is GuardedBlock and not blk.allocated):
-            raise UseAfterFreeError(f"{graph.name} replayed on stream '{stream.name}' with a captured tensor in a "
-                                    f"block of {blk.size} bytes at 0x{blk.address:x} that was already freed "
-                                    "(rebind it with replay(name=tensor) or capture again)", op=graph.name,
-                                    arg="tensor")
+            raise UseAfterFreeError(
+                f"{graph.name} replayed on stream '{stream.name}' with a captured tensor in a "
+                f"block of {blk.size} bytes at 0x{blk.address:x} that was already freed "
+                "(rebind it with replay(name=tensor) or capture again)",
+                op=graph.name,
+                arg="tensor",
+            )
 
 
 # ---- phase 2: the checks, then the uses it makes
@@ -126,20 +135,36 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
         return  # the plain phase 2 reports these
     rec = record_of(ex)
     if ex._owner != threading.get_ident():
-        raise ExecutorMisuseError(f"{ex.describe()} belongs to another thread: used from thread "
-                                  f"'{threading.current_thread().name}', {_origin(ex)}", op=op.name, arg="executor")
+        raise ExecutorMisuseError(
+            f"{ex.describe()} belongs to another thread: used from thread "
+            f"'{threading.current_thread().name}', {_origin(ex)}",
+            op=op.name,
+            arg="executor",
+        )
     if ex._state is not ExecState.READY:
-        how = "phase 2 on a consumed single-use executor (call set_repeatable() before the first phase 2 to reuse it)"\
-            if ex._state is ExecState.CONSUMED else "phase 2 on a destroyed executor"
+        how = (
+            "phase 2 on a consumed single-use executor (call set_repeatable() before the first phase 2 to reuse it)"
+            if ex._state is ExecState.CONSUMED
+            else "phase 2 on a destroyed executor"
+        )
         when = stack_text(rec.released_at) if rec is not None else "    <unknown>"
-        raise ExecutorMisuseError(f"{how}: {ex.describe()}, {_origin(ex)}\n  {ex._state.value} at\n{when}",
-                                  op=op.name, arg="executor")
+        raise ExecutorMisuseError(
+            f"{how}: {ex.describe()}, {_origin(ex)}\n  {ex._state.value} at\n{when}", op=op.name, arg="executor"
+        )
     if size != ex.workspace_size or (size and (ws is None or getattr(ws, "size", 0) < size)):
-        got = f"workspace_size {size}" if size != ex.workspace_size else \
-            ("no workspace" if ws is None else f"a workspace block of {ws.size} bytes")
-        raise WorkspaceContractError(f"phase 1 returned workspace size {ex.workspace_size} for {ex.describe()}, "
-                                     f"phase 2 got {got}; the executor was {_origin(ex)}", op=op.name,
-                                     arg="workspace", expected=ex.workspace_size, got=got)
+        got = (
+            f"workspace_size {size}"
+            if size != ex.workspace_size
+            else ("no workspace" if ws is None else f"a workspace block of {ws.size} bytes")
+        )
+        raise WorkspaceContractError(
+            f"phase 1 returned workspace size {ex.workspace_size} for {ex.describe()}, "
+            f"phase 2 got {got}; the executor was {_origin(ex)}",
+            op=op.name,
+            arg="workspace",
+            expected=ex.workspace_size,
+            got=got,
+        )
     if ex._gate is not op:
         return  # unbound operands: the plain phase 2 reports it
     n_in = len(ex.input_descs)
@@ -153,19 +178,30 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
             continue
         role = _role(i, n_in)
         if t.desc != descs[i]:
-            raise StaleExecutorError(f"{role} of {ex.describe()} is bound to a tensor of another desc",
-                                     op=op.name, arg=role, expected=descs[i], got=t.desc)
+            raise StaleExecutorError(
+                f"{role} of {ex.describe()} is bound to a tensor of another desc",
+                op=op.name,
+                arg=role,
+                expected=descs[i],
+                got=t.desc,
+            )
         blk = t.block
         if blk.freed or (type(blk) is GuardedBlock and not blk.allocated):
-            raise UseAfterFreeError(f"{ex.describe()} launched on stream '{stream.name}' with its {role} in a "
-                                    "block that was already freed", op=op.name, arg=role)
+            raise UseAfterFreeError(
+                f"{ex.describe()} launched on stream '{stream.name}' with its {role} in a block that was already freed",
+                op=op.name,
+                arg=role,
+            )
         if type(blk) is GuardedBlock:
             uses.append((blk, i >= n_in))
             blocks.append((blk, role))
     if type(ws) is GuardedBlock:
         if not ws.allocated:
-            raise UseAfterFreeError(f"{ex.describe()} launched on stream '{stream.name}' with a workspace that was "
-                                    "already freed", op=op.name, arg="workspace")
+            raise UseAfterFreeError(
+                f"{ex.describe()} launched on stream '{stream.name}' with a workspace that was already freed",
+                op=op.name,
+                arg="workspace",
+            )
         uses.append((ws, True))
         blocks.append((ws, "workspace"))
     stale = getattr(_tl, "tentative", None)
@@ -218,8 +254,7 @@ def _replayed(owner: Any) -> Launch | None:
     used: list[tuple[Any, str]]
     if isinstance(owner, Executor):
         n_in = len(owner.input_descs)
-        used = [(t.block, _role(i, n_in))
-                for i, t in enumerate(owner._tensors) if t is not None]
+        used = [(t.block, _role(i, n_in)) for i, t in enumerate(owner._tensors) if t is not None]
         what, name = f"{owner.describe()} (a node of a graph replay)", owner.op.name
     else:
         used, what, name = [(getattr(owner, "_arena", None), "graph arena")], f"a replay of {owner}", str(owner)
@@ -239,30 +274,51 @@ def _release(self: Executor, state: ExecState) -> None:
 def _destroy(self: Executor) -> None:
     rec = record_of(self)
     if self._owner != threading.get_ident():
-        raise ExecutorMisuseError(f"{self.describe()} belongs to another thread: destroy from thread "
-                                  f"'{threading.current_thread().name}', {_origin(self)}", op=self.op.name,
-                                  arg="executor")
+        raise ExecutorMisuseError(
+            f"{self.describe()} belongs to another thread: destroy from thread "
+            f"'{threading.current_thread().name}', {_origin(self)}",
+            op=self.op.name,
+            arg="executor",
+        )
     if self._state is not ExecState.READY:
-        what = "a consumed single-use executor (phase 2 already released it)" \
-            if self._state is ExecState.CONSUMED else "an executor destroyed before (double destroy)"
+        what = (
+            "a consumed single-use executor (phase 2 already released it)"
+            if self._state is ExecState.CONSUMED
+            else "an executor destroyed before (double destroy)"
+        )
         when = stack_text(rec.released_at) if rec is not None else "    <unknown>"
-        raise ExecutorMisuseError(f"destroy of {what}: {self.describe()}, {_origin(self)}\n  {self._state.value} at"
-                                  f"\n{when}", op=self.op.name, arg="executor")
+        raise ExecutorMisuseError(
+            f"destroy of {what}: {self.describe()}, {_origin(self)}\n  {self._state.value} at\n{when}",
+            op=self.op.name,
+            arg="executor",
+        )
     if rec is not None and rec.last is not None and rec.last[0].done < rec.last[1]:
         q, seq = rec.last
-        raise ExecutorMisuseError(f"destroy of {self.describe()} while its last launch (task {seq} on stream "
-                                  f"'{q.name}', {q.done} done) is pending; synchronize the stream first",
-                                  op=self.op.name, arg="executor")
+        raise ExecutorMisuseError(
+            f"destroy of {self.describe()} while its last launch (task {seq} on stream "
+            f"'{q.name}', {q.done} done) is pending; synchronize the stream first",
+            op=self.op.name,
+            arg="executor",
+        )
     _plain["destroy"](self)
 
 
 def _bind(self: Executor, index: int, tensor: Tensor, descs: Any, base: int, kind: str) -> None:
-    if isinstance(tensor, Tensor) and 0 <= index < len(descs) and self._state is ExecState.READY \
-            and tensor.desc != descs[index]:
-        raise StaleExecutorError(f"stale executor: {self.describe()} was planned for {kind} {index} = "
-                                 f"{descs[index]!r}, rebinding gave {tensor.desc!r} (another shape or stride: plan "
-                                 f"again); the executor was {_origin(self)}", op=self.op.name,
-                                 arg=f"{kind} {index}", expected=descs[index], got=tensor.desc)
+    if (
+        isinstance(tensor, Tensor)
+        and 0 <= index < len(descs)
+        and self._state is ExecState.READY
+        and tensor.desc != descs[index]
+    ):
+        raise StaleExecutorError(
+            f"stale executor: {self.describe()} was planned for {kind} {index} = "
+            f"{descs[index]!r}, rebinding gave {tensor.desc!r} (another shape or stride: plan "
+            f"again); the executor was {_origin(self)}",
+            op=self.op.name,
+            arg=f"{kind} {index}",
+            expected=descs[index],
+            got=tensor.desc,
+        )
     _plain["bind"](self, index, tensor, descs, base, kind)
 
 
@@ -270,9 +326,14 @@ def _bind_many(self: Executor, tensors: dict[int, Tensor]) -> None:
     descs = self.input_descs + self.output_descs
     for i, t in tensors.items():
         if isinstance(t, Tensor) and 0 <= i < len(descs) and t.desc != descs[i]:
-            raise StaleExecutorError(f"stale executor: {self.describe()} was planned for operand {i} = "
-                                     f"{descs[i]!r}, binding gave {t.desc!r}", op=self.op.name, arg=f"operand {i}",
-                                     expected=descs[i], got=t.desc)
+            raise StaleExecutorError(
+                f"stale executor: {self.describe()} was planned for operand {i} = "
+                f"{descs[i]!r}, binding gave {t.desc!r}",
+                op=self.op.name,
+                arg=f"operand {i}",
+                expected=descs[i],
+                got=t.desc,
+            )
     _plain["bind_many"](self, tensors)
 
 
@@ -291,19 +352,28 @@ def check_free(blk: GuardedBlock, stream: Stream | None) -> None:
             f"block of {blk.size} bytes at 0x{blk.address:x} freed on {side} while task {seq} on stream "
             f"'{q.name}' ({q.done} done), {label}, still uses it; record an event on '{q.name}' and make the "
             f"freeing stream wait for it (or synchronize) before freeing; the block was allocated at\n"
-            f"{stack_text(blk.created)}", op=label.split("'")[1] if "'" in label else None, arg="block")
+            f"{stack_text(blk.created)}",
+            op=label.split("'")[1] if "'" in label else None,
+            arg="block",
+        )
 
 
 def _view(self: Tensor) -> Any:
     blk = self.block
-    if type(blk) is GuardedBlock and blk.uses and not threading.current_thread().name.startswith("twophase-") \
-            and not _internal(sys._getframe(1)):
+    if (
+        type(blk) is GuardedBlock
+        and blk.uses
+        and not threading.current_thread().name.startswith("twophase-")
+        and not _internal(sys._getframe(1))
+    ):
         for q, (seq, label) in list(blk.writes.items()):
             if q.done < seq:
                 raise ReadBeforeReadyError(
                     f"host access to {self.desc!r} while task {seq} on stream '{q.name}' ({q.done} done), {label}, "
                     "still writes it; synchronize the stream (or use numpy(), which waits) first",
-                    op=label.split("'")[1] if "'" in label else None, arg="tensor")
+                    op=label.split("'")[1] if "'" in label else None,
+                    arg="tensor",
+                )
     return _plain["view"](self)
 
 
@@ -354,9 +424,16 @@ def _waited(waiter: Any, q: Any) -> int:
     return next((seq for _, on, seq in reversed(_wait_log.get(waiter, ())) if on is q), 0)
 
 
-_PATCHES = ((Executor, "_release", _release), (Executor, "destroy", _destroy), (Executor, "_bind", _bind),
-            (Executor, "_bind_many", _bind_many), (Tensor, "view", _view), (Stream, "wait_event", _wait_event),
-            (Block, "mark_use", _mark_use), (Stream, "close", _close))
+_PATCHES = (
+    (Executor, "_release", _release),
+    (Executor, "destroy", _destroy),
+    (Executor, "_bind", _bind),
+    (Executor, "_bind_many", _bind_many),
+    (Tensor, "view", _view),
+    (Stream, "wait_event", _wait_event),
+    (Block, "mark_use", _mark_use),
+    (Stream, "close", _close),
+)
 _PLAIN_NAMES = ("release", "destroy", "bind", "bind_many", "view", "wait_event", "mark_use", "close")
 
 

@@ -3,5 +3,12 @@
 from .checked import CheckedRun, guarded_workspace, run_checked
 from .matrix import MatrixResult, format_table, run_matrix, shape_matrix
 
-__all__ = ["CheckedRun", "guarded_workspace", "run_checked", "shape_matrix", "run_matrix", "MatrixResult",
-           "format_table"]
+__all__ = [
+    "CheckedRun",
+    "guarded_workspace",
+    "run_checked",
+    "shape_matrix",
+    "run_matrix",
+    "MatrixResult",
+    "format_table",
+]

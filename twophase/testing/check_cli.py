@@ -29,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     error or when nothing was checked."""
     from .fuzz import fuzz_phase1
     from .matrix import LONG_N, format_table, progress_bar, run_matrix, shape_matrix
+
     unknown = [n for n in args.ops if n not in registry]
     if unknown:
         return _usage(f"unknown op(s): {', '.join(unknown)}")
@@ -48,8 +49,11 @@ def run(args: argparse.Namespace) -> int:
     for seed in range(args.seed, args.seed + args.seeds):
         plan = {}
         for n in names:
-            dtypes = [d.value for d in registry[n].spec.dtypes] if args.dtypes == "all" else \
-                (args.dtypes.split(",") if args.dtypes else None)
+            dtypes = (
+                [d.value for d in registry[n].spec.dtypes]
+                if args.dtypes == "all"
+                else (args.dtypes.split(",") if args.dtypes else None)
+            )
             cases = shape_matrix(n, dtypes, seed, long_n)
             plan[n] = (dtypes, len(cases) if cases else 0)
         bar = progress_bar(sum(c for _, c in plan.values()))
@@ -66,8 +70,10 @@ def run(args: argparse.Namespace) -> int:
     if args.fuzz:
         tick = progress_bar(args.fuzz)("phase-1 fuzz")
         fz = fuzz_phase1(args.fuzz, args.seed, progress=tick)
-        print(f"phase-1 fuzz: {fz.calls} calls, {fz.accepted} accepted, {fz.rejected} rejected with project errors, "
-              f"{len(fz.bad)} bad, slowest {fz.slowest * 1e3:.1f} ms")
+        print(
+            f"phase-1 fuzz: {fz.calls} calls, {fz.accepted} accepted, {fz.rejected} rejected with project errors, "
+            f"{len(fz.bad)} bad, slowest {fz.slowest * 1e3:.1f} ms"
+        )
         for b in fz.bad[: None if args.verbose else 10]:
             print(f"FUZZ {b}")
         failed += len(fz.bad)

@@ -41,7 +41,7 @@ def guarded_workspace(dev: Device, size: int, stream: Stream) -> tuple[Block, Bl
     outer.data[:] = PATTERN
     inner = Block(outer.pool, outer.segment, outer.offset + GUARD, size)
     inner.allocated = True
-    inner.data = outer.data[GUARD:GUARD + size]
+    inner.data = outer.data[GUARD : GUARD + size]
     return outer, inner
 
 
@@ -62,22 +62,31 @@ def _unwritten(t: Tensor) -> int:
     return 0  # integer / bool outputs cannot be told apart from a legitimately equal value
 
 
-def in_place_inputs(op: Op, inputs: Sequence[np.ndarray[Any, Any] | None],
-                    outputs: Sequence[np.ndarray[Any, Any] | None]) -> frozenset[int]:
+def in_place_inputs(
+    op: Op, inputs: Sequence[np.ndarray[Any, Any] | None], outputs: Sequence[np.ndarray[Any, Any] | None]
+) -> frozenset[int]:
     """The inputs (by position) that the op may write: those its ``aliases`` allow and that share memory with an
     output (the call runs in place). Every other input must keep its values."""
     allowed = op.spec.aliases
-    return frozenset(i for i, x in enumerate(inputs)
-                     if x is not None and (allowed == "any" or (isinstance(allowed, tuple) and i in allowed))
-                     and any(o is not None and overlaps(x, o) for o in outputs))
+    return frozenset(
+        i
+        for i, x in enumerate(inputs)
+        if x is not None
+        and (allowed == "any" or (isinstance(allowed, tuple) and i in allowed))
+        and any(o is not None and overlaps(x, o) for o in outputs)
+    )
 
 
-def changed_inputs(before: Sequence[bytes | None], inputs: Sequence[np.ndarray[Any, Any] | None],
-                   skip: frozenset[int] = frozenset()) -> tuple[int, ...]:
+def changed_inputs(
+    before: Sequence[bytes | None], inputs: Sequence[np.ndarray[Any, Any] | None], skip: frozenset[int] = frozenset()
+) -> tuple[int, ...]:
     """The positions of inputs whose bytes differ from ``before`` (their C-order bytes: bitwise, so a NaN left a
     NaN is unchanged and -0.0 for 0.0 is a change), ``skip`` aside."""
-    return tuple(i for i, (b, x) in enumerate(zip(before, inputs))
-                 if b is not None and x is not None and i not in skip and x.tobytes(order="C") != b)
+    return tuple(
+        i
+        for i, (b, x) in enumerate(zip(before, inputs))
+        if b is not None and x is not None and i not in skip and x.tobytes(order="C") != b
+    )
 
 
 def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = None, **attrs: Any) -> CheckedRun:
@@ -119,12 +128,20 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
         op(inner, size, ex, stream)
         stream.synchronize()
         raw = outer.data
-        guards = bool((raw[:GUARD] == PATTERN).all() and (raw[GUARD + size:GUARD + size + GUARD] == PATTERN).all())
-        changed = np.nonzero(raw[GUARD:GUARD + size] != PATTERN)[0]
+        guards = bool((raw[:GUARD] == PATTERN).all() and (raw[GUARD + size : GUARD + size + GUARD] == PATTERN).all())
+        changed = np.nonzero(raw[GUARD : GUARD + size] != PATTERN)[0]
         touched = int(changed[-1]) + 1 if changed.size else 0
         result = tuple(np.array(t.view(), copy=True) for t in outs)
-        return CheckedRun(result, size, ex.implementation, ex.tiling, touched, guards,
-                          tuple(_unwritten(t) for t in outs), changed_inputs(before, in_views, in_place))
+        return CheckedRun(
+            result,
+            size,
+            ex.implementation,
+            ex.tiling,
+            touched,
+            guards,
+            tuple(_unwritten(t) for t in outs),
+            changed_inputs(before, in_views, in_place),
+        )
     finally:
         if ex is not None and ex.state is ExecState.READY:  # phase 2 refused it, or never reached
             ex.destroy()

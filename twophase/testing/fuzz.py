@@ -63,9 +63,38 @@ def random_desc(rng: np.random.Generator, like: TensorDesc | None = None) -> Any
 
 def random_attr(rng: np.random.Generator, default: Any) -> Any:
     """An attribute value: the default, a nearby value, or something of the wrong kind entirely."""
-    pool: list[Any] = [default, -1, 0, 1, 2, 3, -7, 1 << 40, 2.5, -0.0, float("nan"), float("inf"), True, None, "",
-                       "none", "tanh", (), (0,), (1, 1), (-1, 0), (0, 0, 0, 0), (1 << 40,), [1, 2], (1, "a"),
-                       ((1,),), DType.float32, "float16", {"a": 1}, object()]
+    pool: list[Any] = [
+        default,
+        -1,
+        0,
+        1,
+        2,
+        3,
+        -7,
+        1 << 40,
+        2.5,
+        -0.0,
+        float("nan"),
+        float("inf"),
+        True,
+        None,
+        "",
+        "none",
+        "tanh",
+        (),
+        (0,),
+        (1, 1),
+        (-1, 0),
+        (0, 0, 0, 0),
+        (1 << 40,),
+        [1, 2],
+        (1, "a"),
+        ((1,),),
+        DType.float32,
+        "float16",
+        {"a": 1},
+        object(),
+    ]
     return pool[int(rng.integers(len(pool)))]
 
 
@@ -90,8 +119,9 @@ def _call(op: Op, rng: np.random.Generator) -> tuple[Any, dict[str, Any]]:
     return inputs, attrs
 
 
-def fuzz_phase1(n: int, seed: int = 0, ops: Iterable[str] | None = None,
-                progress: Callable[[], None] | None = None) -> FuzzResult:
+def fuzz_phase1(
+    n: int, seed: int = 0, ops: Iterable[str] | None = None, progress: Callable[[], None] | None = None
+) -> FuzzResult:
     """``n`` random phase-1 calls spread over ``ops`` (every registered op by default)."""
     names = sorted(ops) if ops is not None else sorted(registry)
     rng = np.random.default_rng(seed)

@@ -28,16 +28,20 @@ TOLERANCE = {DType.float16: (2e-2, 2e-3), DType.float32: (2e-4, 1e-6), DType.flo
 LONG_N = 2_000_003  # "N up to a few million" (a prime); CI passes a smaller one
 
 
-def shape_matrix(op: Op | str, dtypes: Iterable[Any] | None = None, seed: int = 0,
-                 long_n: int = LONG_N) -> list[tuple[DType, Case]] | None:
+def shape_matrix(
+    op: Op | str, dtypes: Iterable[Any] | None = None, seed: int = 0, long_n: int = LONG_N
+) -> list[tuple[DType, Case]] | None:
     """The cases of ``op`` for each dtype (default: float32 if the op takes it, else its first dtype).
 
     ``None`` when the harness cannot drive the op (required attributes and no case generator).
     """
     op = get_op(op) if isinstance(op, str) else op
     spec = op.spec
-    dts = [DType.of(d) for d in dtypes] if dtypes is not None else \
-        [DType.float32 if DType.float32 in spec.dtypes or not spec.dtypes else spec.dtypes[0]]
+    dts = (
+        [DType.of(d) for d in dtypes]
+        if dtypes is not None
+        else [DType.float32 if DType.float32 in spec.dtypes or not spec.dtypes else spec.dtypes[0]]
+    )
     dts = [d for d in dts if not spec.dtypes or d in spec.dtypes]
     gen = GENERATORS.get(op.name)
     if gen is None and any(a.default is REQUIRED for a in spec.attrs):
@@ -45,8 +49,11 @@ def shape_matrix(op: Op | str, dtypes: Iterable[Any] | None = None, seed: int = 
     rng = np.random.default_rng(seed)
     out = []
     for d in dts:
-        cases = gen(rng, d, long_n) if gen is not None else \
-            generic_cases(op.name, sum(not n.endswith("?") for n in spec.inputs), rng, d, long_n)
+        cases = (
+            gen(rng, d, long_n)
+            if gen is not None
+            else generic_cases(op.name, sum(not n.endswith("?") for n in spec.inputs), rng, d, long_n)
+        )
         out += [(d, c) for c in cases]
     return out
 
@@ -118,8 +125,9 @@ def _host(x: Any, dtype_in: bool = True) -> Any:
     return a.astype(np.float64) if a.dtype.kind == "f" else a
 
 
-def _execute(op: Op, case: Case, dev: Device, streams: list[Stream],
-             rng: np.random.Generator | None) -> tuple[list[Any], list[str]]:
+def _execute(
+    op: Op, case: Case, dev: Device, streams: list[Stream], rng: np.random.Generator | None
+) -> tuple[list[Any], list[str]]:
     """Run the case's calls; with ``rng``, on random streams with random synchronization points. Returns the
     outputs of each call and the inputs the op changed (``"input 'x' of call 0"``: only an input bound in place
     to an output may change)."""
@@ -150,12 +158,17 @@ def _execute(op: Op, case: Case, dev: Device, streams: list[Stream],
         changed = []
         for k, ((hosts, ins), ys) in enumerate(zip(given, results)):
             views = [t.view() if isinstance(t, Tensor) else None for t in ins]
-            before = [None if x is None or v is None else  # as copied in (a Python scalar took the tensors' dtype)
-                      np.asarray(x.array if isinstance(x, Layout) else x, dtype=v.dtype).tobytes(order="C")
-                      for x, v in zip(hosts, views)]
+            before = [
+                None
+                if x is None or v is None
+                # as copied in (a Python scalar took the tensors' dtype)
+                else np.asarray(x.array if isinstance(x, Layout) else x, dtype=v.dtype).tobytes(order="C")
+                for x, v in zip(hosts, views)
+            ]
             skip = in_place_inputs(op, views, [t.view() for t in ys if isinstance(t, Tensor)])
-            changed += [f"input '{op.input_name(i, len(ins))}' of call {k}"
-                        for i in changed_inputs(before, views, skip)]
+            changed += [
+                f"input '{op.input_name(i, len(ins))}' of call {k}" for i in changed_inputs(before, views, skip)
+            ]
         return outs, changed
     finally:
         for s in streams:
@@ -224,12 +237,21 @@ def run_case(op: Op, dtype: DType, case: Case, seed: int = 0, n_streams: int = 3
             try:
                 refs = ref_fn(*(_host(x) for x in call.inputs), **op._attrs(call.attrs))
             except Exception as exc:  # noqa: BLE001 - a bug of the reference: this case fails, the run goes on
-                return CaseResult(label, False, math.inf, message=f"the reference of op '{op.name}' raised "
-                                  f"{type(exc).__name__}: {exc}")
+                return CaseResult(
+                    label,
+                    False,
+                    math.inf,
+                    message=f"the reference of op '{op.name}' raised {type(exc).__name__}: {exc}",
+                )
             refs = tuple(refs) if isinstance(refs, (tuple, list)) else (refs,)
             if len(refs) != len(ra):
-                return CaseResult(label, False, math.inf, message=f"the reference of op '{op.name}' returned "
-                                  f"{len(refs)} output(s), expected {len(ra)} (one per output of the op)")
+                return CaseResult(
+                    label,
+                    False,
+                    math.inf,
+                    message=f"the reference of op '{op.name}' returned "
+                    f"{len(refs)} output(s), expected {len(ra)} (one per output of the op)",
+                )
         for i, (oa, ob) in enumerate(zip(ra, rb)):
             for name, o, r in (("async run", oa, None if refs is None else refs[i]), ("launch-blocking run", ob, oa)):
                 if r is None:
@@ -237,8 +259,11 @@ def run_case(op: Op, dtype: DType, case: Case, seed: int = 0, n_streams: int = 3
                 e, good = _error(o, r)
                 worst = max(worst, e)
                 if not good and ok:
-                    ok, msg = False, f"{name} output {i} differs (error {e:.3g}) " + \
-                        ("from the reference" if name == "async run" else "from the async run")
+                    ok, msg = (
+                        False,
+                        f"{name} output {i} differs (error {e:.3g}) "
+                        + ("from the reference" if name == "async run" else "from the async run"),
+                    )
             if refs is not None:
                 worst = max(worst, _error(ob, refs[i])[0])
     changed = list(dict.fromkeys(changed_a + changed_b))
@@ -248,8 +273,13 @@ def run_case(op: Op, dtype: DType, case: Case, seed: int = 0, n_streams: int = 3
     return CaseResult(label, ok, worst, message=msg)
 
 
-def run_matrix(op: Op | str, dtypes: Iterable[Any] | None = None, seed: int = 0, long_n: int = LONG_N,
-               progress: Callable[[], None] | None = None) -> MatrixResult:
+def run_matrix(
+    op: Op | str,
+    dtypes: Iterable[Any] | None = None,
+    seed: int = 0,
+    long_n: int = LONG_N,
+    progress: Callable[[], None] | None = None,
+) -> MatrixResult:
     """Every case of ``op``; the sanitizer must report nothing, including no leak at the end."""
     op = get_op(op) if isinstance(op, str) else op
     res = MatrixResult(op.name)
@@ -295,8 +325,10 @@ def format_table(results: list[MatrixResult]) -> str:
         if r.skipped:
             lines.append(f"{r.op:<30}{r.cases:>6}{'-':>8}{'-':>8}{'-':>9}{'-':>15}  {r.skipped}")
             continue
-        lines.append(f"{r.op:<30}{r.cases:>6}{r.passed:>8}{r.failed:>8}{r.rejected:>9}{r.largest_error:>15.3g}  "
-                     f"{r.worst_case}{'  (' + r.note + ')' if r.note else ''}")
+        lines.append(
+            f"{r.op:<30}{r.cases:>6}{r.passed:>8}{r.failed:>8}{r.rejected:>9}{r.largest_error:>15.3g}  "
+            f"{r.worst_case}{'  (' + r.note + ')' if r.note else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -320,5 +352,7 @@ def progress_bar(total: int, file: Any = None) -> Callable[[str], Callable[[], N
                 if done[0] >= total:
                     file.write("\r" + " " * (width + 45) + "\r")
                 file.flush()
+
         return tick
+
     return for_label

@@ -32,8 +32,11 @@ class MatrixCase:
 
 
 def pytest_configure(config: Any) -> None:
-    config.addinivalue_line("markers", "shape_matrix(ops=None, dtypes=None, seed=0, long_n=2000003): parametrise "
-                            "'matrix_case' over the shape matrix of the ops (all registered ops by default)")
+    config.addinivalue_line(
+        "markers",
+        "shape_matrix(ops=None, dtypes=None, seed=0, long_n=2000003): parametrise "
+        "'matrix_case' over the shape matrix of the ops (all registered ops by default)",
+    )
 
 
 def pytest_generate_tests(metafunc: Any) -> None:
@@ -47,8 +50,11 @@ def pytest_generate_tests(metafunc: Any) -> None:
     for name in ops:
         cases = shape_matrix(name, kw.get("dtypes"), seed, kw.get("long_n", 2_000_003))
         if cases is None:
-            params.append(pytest.param(None, id=f"{name}-skipped",
-                                       marks=pytest.mark.skip(reason=f"{name}: skipped (no case generator)")))
+            params.append(
+                pytest.param(
+                    None, id=f"{name}-skipped", marks=pytest.mark.skip(reason=f"{name}: skipped (no case generator)")
+                )
+            )
             continue
         for i, (dt, case) in enumerate(cases):
             params.append(pytest.param(MatrixCase(name, dt, case, seed + i), id=f"{name}-{dt.value}-{case.label}"))

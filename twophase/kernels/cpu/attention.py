@@ -126,8 +126,7 @@ def _blocks(nq: int, q0: int, kend: int, causal: bool, rows: int) -> tuple[tuple
 
 
 @jit
-def softmax_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float,
-                 tiny: float) -> None:
+def softmax_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float, tiny: float) -> None:
     """Rows of ``s`` (nb, nh, nq, nk; query rows from ``q0``, keys from 0) become softmax(scale * s + mask), 0
     where masked or (``causal``) after the query. Each (b, h) block of ``s`` must be a dense matrix (the
     workspace's always are, however a tile is cut into parts); ``mask`` is (nb, nh, nq, nk)-indexable, any
@@ -152,8 +151,9 @@ def _scale_add_max(row: Any, mrow: Any, kend: int, sc: Any, m: Any) -> Any:
 
 
 @jit_inline
-def _head_rows(s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float, tiny: float,
-               b: int, h: int) -> None:
+def _head_rows(
+    s: Any, mask: Any, kind: int, causal: bool, q0: int, scale: float, lowest: float, tiny: float, b: int, h: int
+) -> None:
     """The rows of one (batch, head) block in s's precision: scale and mask fused with the max, the exps in a
     second pass, their float64 sum (``vmath.fsum``: reassociated there, never in the exp's range reduction) in a
     third, normalize in a fourth; keys past a causal row's end become 0."""
@@ -283,6 +283,7 @@ def _products(dtype: Any) -> Callable[[Any, Any, Any], Product]:
     def pick(a: Any, b: Any, out: Any) -> Product:
         by_kernel = b.strides[-1] == 4 and out.strides[-1] == 4 and fits(out.shape[-1]) and a.shape[-1] > 0
         return heads if by_kernel else _blas_product
+
     return pick
 
 
@@ -325,7 +326,7 @@ def _head_chunks(shape: tuple[int, ...], item: int, axis: int) -> list[tuple[int
 
 def _heads(a: Any, cut: tuple[int, int, int, int]) -> Any:
     """``a[b0:b1, h0:h1]`` of a 4-D view, ``cut`` = (b0, b1, h0, h1)."""
-    return a[cut[0]:cut[1], cut[2]:cut[3]]
+    return a[cut[0] : cut[1], cut[2] : cut[3]]
 
 
 def _part(axis: int, lo: int, hi: int, views: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -333,12 +334,15 @@ def _part(axis: int, lo: int, hi: int, views: tuple[Any, ...]) -> tuple[Any, ...
     None stays None, and a query-row part (axis 2) shares the keys and values whole."""
     q, kt, v, *rest = views
     shared = axis == 2
-    return (_cut(q, axis, lo, hi), kt if shared else _cut(kt, axis, lo, hi), v if shared else _cut(v, axis, lo, hi),
-            *(_cut(a, axis, lo, hi) for a in rest))
+    return (
+        _cut(q, axis, lo, hi),
+        kt if shared else _cut(kt, axis, lo, hi),
+        v if shared else _cut(v, axis, lo, hi),
+        *(_cut(a, axis, lo, hi) for a in rest),
+    )
 
 
-def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float,
-               t: Any) -> Launch:
+def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float, t: Any) -> Launch:
     """Tiles of ``t.block_b`` batch entries x ``t.block_h`` heads x ``t.block_q`` queries, every key (only the
     keys a causal tile can see, or a padded tile's kept ones): k^T (and v when packed) copied into the workspace,
     then per part of the tile (its batch entries, heads or query rows cut for helper threads from ``FANOUT_MIN``
@@ -383,28 +387,50 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
                     pm = _cut(mv, axis, lo, hi) if mkind != NONE else marr
                     pq0, pnq = (q0 + lo, hi - lo) if axis == 2 else (q0, sq)
                     typed = any_layout(pm.dtype, 4) if padding else pm
-                    plans.append((lo, hi, pm, entry(softmax_rows, strided, typed, 0, False, 0, 0.0, 0.0, 0.0), pq0,
-                                  _blocks(pnq, pq0, kend, causal, block_rows)))
+                    plans.append(
+                        (
+                            lo,
+                            hi,
+                            pm,
+                            entry(softmax_rows, strided, typed, 0, False, 0, 0.0, 0.0, 0.0),
+                            pq0,
+                            _blocks(pnq, pq0, kend, causal, block_rows),
+                        )
+                    )
                 # the group's k^T / v copies: made by the parts when they own whole heads, else before them
                 pack_kv = 0 if q0 else (2 if axis != 2 and len(plans) > 1 else 1)
-                steps.append(_Tile(shape, (sb, sh, d, kk), q[qi], kt[(*idx, slice(None), slice(0, kk))],
-                                   v[(*idx, slice(0, kk))], out[qi], pack_kv, axis, plans,
-                                   _padding_rows(mv[:, :, 0]) if padding and pack_kv else None))
+                steps.append(
+                    _Tile(
+                        shape,
+                        (sb, sh, d, kk),
+                        q[qi],
+                        kt[(*idx, slice(None), slice(0, kk))],
+                        v[(*idx, slice(0, kk))],
+                        out[qi],
+                        pack_kv,
+                        axis,
+                        plans,
+                        _padding_rows(mv[:, :, 0]) if padding and pack_kv else None,
+                    )
+                )
 
     def area(ws: Any, off: int, shape: tuple[int, ...]) -> Any:
         n = shape[0] * shape[1] * shape[2] * shape[3]
-        return ws[off:off + n * item].view(dt).reshape(shape)
+        return ws[off : off + n * item].view(dt).reshape(shape)
 
-    def products(qv: Any, ktp: Any, vt: Any, s: Any, dst: Any, chunk: int,
-                 blocks: tuple[tuple[int, int, int], ...]) -> tuple[list[tuple[Any, Any, Any]], ...]:
+    def products(
+        qv: Any, ktp: Any, vt: Any, s: Any, dst: Any, chunk: int, blocks: tuple[tuple[int, int, int], ...]
+    ) -> tuple[list[tuple[Any, Any, Any]], ...]:
         """A part's GEMMs as (a, b, out) views: S = q @ k^T in key chunks, per query block; out = P @ v (each
         given its function by ``pick`` when bound)."""
         whole = len(blocks) == 1
         first, second = [], []
         for a, b, kb in blocks:
             qa, sa = (qv, s) if whole else (qv[..., a:b, :], s[..., a:b, :])
-            first += [(qa, ktp[..., j0:min(kb, j0 + chunk)], sa[..., j0:min(kb, j0 + chunk)])
-                      for j0 in range(0, kb, chunk)]
+            first += [
+                (qa, ktp[..., j0 : min(kb, j0 + chunk)], sa[..., j0 : min(kb, j0 + chunk)])
+                for j0 in range(0, kb, chunk)
+            ]
             if not whole:
                 second.append((s[..., a:b, :kb], vt[..., :kb, :], dst[..., a:b, :]))
         return first, [(s, vt, dst)] if whole else second
@@ -439,8 +465,10 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
         if keys < kend:
             shape, kshape = (sb, sh, sq, keys), (sb, sh, d, keys)
             ktv, vv = ktv[..., :keys], vv[..., :keys, :]
-            plans = [(lo, hi, pm[..., :keys], rows, pq0, tuple((a, b, min(kb, keys)) for a, b, kb in blocks))
-                     for lo, hi, pm, rows, pq0, blocks in plans]
+            plans = [
+                (lo, hi, pm[..., :keys], rows, pq0, tuple((a, b, min(kb, keys)) for a, b, kb in blocks))
+                for lo, hi, pm, rows, pq0, blocks in plans
+            ]
             kend = keys
         ktp = area(ws, o_k, kshape) if o_k >= 0 else ktv
         vp = area(ws, o_v, (sb, sh, kshape[3], dv)) if o_v >= 0 else None
@@ -495,6 +523,7 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
 
     def bind(ws: Any) -> Callable[[], None]:
         return functools.partial(tiles, ws, [bind_tile(ws, step, step.shape[3], mkind) for step in steps], {})
+
     # bound again only when the workspace changes: binding costs ~60-90 us of Python
     return workspace_launcher(bind)
 
@@ -536,15 +565,14 @@ class _Masker:
     def __call__(self, s: Any, b: Any, h: Any, q0: int, nq: int, k0: int, nk: int) -> None:
         np.multiply(s, self.scale, out=s)
         if self.kind == "additive":
-            np.add(s, self.mask[b, h, q0:q0 + nq, k0:k0 + nk], out=s)
+            np.add(s, self.mask[b, h, q0 : q0 + nq, k0 : k0 + nk], out=s)
         elif self.kind == "bool":
-            self.k_bool(s, self.mask[b, h, q0:q0 + nq, k0:k0 + nk])
+            self.k_bool(s, self.mask[b, h, q0 : q0 + nq, k0 : k0 + nk])
         if self.causal and k0 + nk - 1 > q0:
             self.k_causal(s, q0, k0)
 
 
-def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float,
-                 t: Any) -> Launch:
+def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float, t: Any) -> Launch:
     """Per (batch, head, query tile): scores of one key tile at a time, running max / sum (online softmax),
     the output tile accumulating in place."""
     nb, nh, nq, _ = q.shape
@@ -560,7 +588,7 @@ def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal:
         return lambda _: out.fill(0)
 
     def vec(ws: Any, i: int, n: int) -> Any:
-        return ws[offs[i]:offs[i] + n * item].view(dt)
+        return ws[offs[i] : offs[i] + n * item].view(dt)
 
     mkind = _mask_arg(mask, kind, dt)[1]
     padding = _is_key_padding(mask, mkind, nq)  # as build_rows: the keys kept, per head (per batch entry when
@@ -575,15 +603,15 @@ def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal:
                 for q0 in range(0, nq, bq):
                     n_q = min(bq, nq - q0)
                     kend = min(keys, q0 + n_q) if causal else keys
-                    qt, ot = q[b, h, q0:q0 + n_q], out[b, h, q0:q0 + n_q]
+                    qt, ot = q[b, h, q0 : q0 + n_q], out[b, h, q0 : q0 + n_q]
                     m, msum = vec(ws, 2, n_q), vec(ws, 5, n_q)
                     m.fill(-np.inf)
                     msum.fill(0)
                     ot.fill(0)
                     for k0 in range(0, kend, bk):
                         n_k = min(bk, kend - k0)
-                        s = ws[:n_q * n_k * item].view(dt).reshape(1, 1, n_q, n_k)
-                        np.matmul(qt, k[b, h, k0:k0 + n_k].T, out=s[0, 0])
+                        s = ws[: n_q * n_k * item].view(dt).reshape(1, 1, n_q, n_k)
+                        np.matmul(qt, k[b, h, k0 : k0 + n_k].T, out=s[0, 0])
                         masker(s, slice(b, b + 1), slice(h, h + 1), q0, n_q, k0, n_k)
                         s2 = s[0, 0]
                         m_new, alpha, rs = vec(ws, 3, n_q), vec(ws, 4, n_q), vec(ws, 6, n_q)
@@ -593,7 +621,7 @@ def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal:
                             np.subtract(s2, m[:, None], out=s2)
                             np.exp(s2, out=s2)
                             np.sum(s2, axis=1, out=msum)
-                            np.matmul(s2, v[b, h, k0:k0 + n_k], out=ot)
+                            np.matmul(s2, v[b, h, k0 : k0 + n_k], out=ot)
                             continue
                         np.max(s2, axis=1, out=m_new)
                         np.maximum(m_new, m, out=m_new)
@@ -605,11 +633,12 @@ def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal:
                         np.sum(s2, axis=1, out=rs)
                         np.multiply(msum, alpha, out=msum)
                         np.add(msum, rs, out=msum)
-                        pv = ws[offs[1]:offs[1] + n_q * dv * item].view(dt).reshape(n_q, dv)
-                        np.matmul(s2, v[b, h, k0:k0 + n_k], out=pv)
+                        pv = ws[offs[1] : offs[1] + n_q * dv * item].view(dt).reshape(n_q, dv)
+                        np.matmul(s2, v[b, h, k0 : k0 + n_k], out=pv)
                         np.multiply(ot, alpha[:, None], out=ot)
                         np.add(ot, pv, out=ot)
                         np.copyto(m, m_new)
                     np.maximum(msum, tiny, out=msum)
                     np.divide(ot, msum[:, None], out=ot)
+
     return launch

@@ -25,8 +25,10 @@ from ...runtime.fanout import run_parts
 __all__ = ["gemm_for", "fused_gemm", "quiet_threads", "serial_calls", "run_blas_parts"]
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
-_SYMBOLS = {np.dtype(np.float32): ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
-            np.dtype(np.float64): ("scipy_cblas_dgemm64_", "cblas_dgemm64_")}
+_SYMBOLS = {
+    np.dtype(np.float32): ("scipy_cblas_sgemm64_", "cblas_sgemm64_"),
+    np.dtype(np.float64): ("scipy_cblas_dgemm64_", "cblas_dgemm64_"),
+}
 
 Gemm = Callable[..., None]
 
@@ -209,11 +211,26 @@ def fused_gemm(a: Any, b: Any, o: Any, out: Any, c: Any, alpha: float, beta: flo
         return None
     m, k = a.shape
     n = b.shape[1]
-    args = (ROW_MAJOR, ta[0], tb[0], m, n, k, alpha, a.ctypes.data, ta[1], b.ctypes.data, tb[1], beta,
-            o.ctypes.data, to[1])
+    args = (
+        ROW_MAJOR,
+        ta[0],
+        tb[0],
+        m,
+        n,
+        k,
+        alpha,
+        a.ctypes.data,
+        ta[1],
+        b.ctypes.data,
+        tb[1],
+        beta,
+        o.ctypes.data,
+        to[1],
+    )
 
     def launch(_: Any, _owners: tuple[Any, ...] = (a, b, o)) -> None:  # the views own the memory args points at
         if c is not out:
             np.copyto(out, c)
         fn(*args)
+
     return launch

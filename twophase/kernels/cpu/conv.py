@@ -130,8 +130,13 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
                 if flat and _plane_flat(plane):
                     # output (r, ow) reads plane element (ih0 + r)*W + off + ow: one run from the first row's
                     # column lo to the last row's column hi - 1
-                    copy_run(crow, base + r_lo * ow_n + lo, span_of(plane, 0, height * width),
-                             (ih0 + r_lo) * width + off + lo, (r_hi - r_lo - 1) * ow_n + hi - lo)
+                    copy_run(
+                        crow,
+                        base + r_lo * ow_n + lo,
+                        span_of(plane, 0, height * width),
+                        (ih0 + r_lo) * width + off + lo,
+                        (r_hi - r_lo - 1) * ow_n + hi - lo,
+                    )
                     for r in range(r_lo, r_hi):
                         d = base + r * ow_n
                         _zero(crow, d, d + lo)
@@ -169,6 +174,7 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
                 if kh == kh_n:
                     kh = 0
                     c += 1
+
     return im2col
 
 
@@ -193,8 +199,9 @@ def _tap(xp: Any, op: Any, wv: Any, lo: Any, s0: Any, cnt: Any, u_sw: Any, kh: i
 
 def _direct_kernel(dense: bool) -> Any:
     @jit
-    def conv_direct(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int,
-                    t1: int) -> None:
+    def conv_direct(
+        x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int, t1: int
+    ) -> None:
         """out[n, oc] = bias[oc] + sum over its group's channels and the kernel window (``geo`` as im2col's), for
         the (image, output channel) planes t0 <= t = n * OC + oc < t1 (a range per helper thread). Each kernel
         tap adds a shifted input row to an output row, indexed unsigned (no wrap-around select: the row loop
@@ -221,6 +228,7 @@ def _direct_kernel(dense: bool) -> Any:
                         lo, hi = ow_range(off, sw, width, ow_n)
                         s0, cnt = np.uint64(lo * sw + off), np.uint64(hi - lo)
                         _tap(xp, op, wv, np.uint64(lo), s0, cnt, u_sw, kh, geo, dense)
+
     return conv_direct
 
 
@@ -234,9 +242,18 @@ VEC = np.uint64(16)  # outputs per vector step of the 3x3 kernel's row loop (a f
 def _window3(r0: Any, r1: Any, r2: Any, k: Any, wt: Any, b0: Any) -> Any:
     """A 3x3 window whose rows are r0, r1, r2 from column k (unsigned), weights ``wt`` row-major, plus b0."""
     one, two = np.uint64(1), np.uint64(2)
-    return (b0 + wt[0] * r0[k] + wt[1] * r0[k + one] + wt[2] * r0[k + two]
-            + wt[3] * r1[k] + wt[4] * r1[k + one] + wt[5] * r1[k + two]
-            + wt[6] * r2[k] + wt[7] * r2[k + one] + wt[8] * r2[k + two])
+    return (
+        b0
+        + wt[0] * r0[k]
+        + wt[1] * r0[k + one]
+        + wt[2] * r0[k + two]
+        + wt[3] * r1[k]
+        + wt[4] * r1[k + one]
+        + wt[5] * r1[k + two]
+        + wt[6] * r2[k]
+        + wt[7] * r2[k + one]
+        + wt[8] * r2[k + two]
+    )
 
 
 @jit_inline
@@ -260,9 +277,18 @@ def _pairs3(q0: Any, q1: Any, q2: Any, m: Any, wt: Any, b0: Any) -> Any:
     does not.)"""
     one = np.uint64(1)
     a0, c0, a1, c1, a2, c2 = q0[m], q0[m + one], q1[m], q1[m + one], q2[m], q2[m + one]
-    return (b0 + wt[0] * a0.imag + wt[1] * c0.real + wt[2] * c0.imag
-            + wt[3] * a1.imag + wt[4] * c1.real + wt[5] * c1.imag
-            + wt[6] * a2.imag + wt[7] * c2.real + wt[8] * c2.imag)
+    return (
+        b0
+        + wt[0] * a0.imag
+        + wt[1] * c0.real
+        + wt[2] * c0.imag
+        + wt[3] * a1.imag
+        + wt[4] * c1.real
+        + wt[5] * c1.imag
+        + wt[6] * a2.imag
+        + wt[7] * c2.real
+        + wt[8] * c2.imag
+    )
 
 
 @jit_inline
@@ -285,8 +311,9 @@ def _left3(r0: Any, r1: Any, r2: Any, wt: Any, b0: Any) -> Any:
 @jit_inline
 def _right3(r0: Any, r1: Any, r2: Any, e: int, wt: Any, b0: Any) -> Any:
     """``_window3`` from column e - 1 of rows whose last column is e (the window's last column in the padding)."""
-    return (b0 + wt[0] * r0[e - 1] + wt[1] * r0[e] + wt[3] * r1[e - 1] + wt[4] * r1[e]
-            + wt[6] * r2[e - 1] + wt[7] * r2[e])
+    return (
+        b0 + wt[0] * r0[e - 1] + wt[1] * r0[e] + wt[3] * r1[e - 1] + wt[4] * r1[e] + wt[6] * r2[e - 1] + wt[7] * r2[e]
+    )
 
 
 @jit_inline
@@ -310,12 +337,26 @@ def _same3(xp: Any, op: Any, height: int, width: int, wt: Any, b0: Any, inner_l:
         op[q] = acc
     for qi in range(1, width - 1):
         q = np.uint64(qi)
-        op[q] = (b0 + w3 * xp[q - one] + w4 * xp[q] + w5 * xp[q + one]
-                 + w6 * xp[q + u_w - one] + w7 * xp[q + u_w] + w8 * xp[q + u_w + one])
+        op[q] = (
+            b0
+            + w3 * xp[q - one]
+            + w4 * xp[q]
+            + w5 * xp[q + one]
+            + w6 * xp[q + u_w - one]
+            + w7 * xp[q + u_w]
+            + w8 * xp[q + u_w + one]
+        )
     for qi in range(last + 1, last + width - 1):
         q = np.uint64(qi)
-        op[q] = (b0 + w0 * xp[q - u_w - one] + w1 * xp[q - u_w] + w2 * xp[q - u_w + one]
-                 + w3 * xp[q - one] + w4 * xp[q] + w5 * xp[q + one])
+        op[q] = (
+            b0
+            + w0 * xp[q - u_w - one]
+            + w1 * xp[q - u_w]
+            + w2 * xp[q - u_w + one]
+            + w3 * xp[q - one]
+            + w4 * xp[q]
+            + w5 * xp[q + one]
+        )
     e = width - 1
     op[0] = b0 + w4 * xp[0] + w5 * xp[1] + w7 * xp[width] + w8 * xp[width + 1]
     op[e] = b0 + w3 * xp[e - 1] + w4 * xp[e] + w6 * xp[e + width - 1] + w7 * xp[e + width]
@@ -323,11 +364,25 @@ def _same3(xp: Any, op: Any, height: int, width: int, wt: Any, b0: Any, inner_l:
     f = last + e
     op[f] = b0 + w0 * xp[f - width - 1] + w1 * xp[f - width] + w3 * xp[f - 1] + w4 * xp[f]
     q0 = width  # the second row's first window and the last but one row's last window
-    op[q0] = (b0 + w1 * xp[q0 - width] + w2 * xp[q0 - width + 1] + w4 * xp[q0] + w5 * xp[q0 + 1]
-              + w7 * xp[q0 + width] + w8 * xp[q0 + width + 1])
+    op[q0] = (
+        b0
+        + w1 * xp[q0 - width]
+        + w2 * xp[q0 - width + 1]
+        + w4 * xp[q0]
+        + w5 * xp[q0 + 1]
+        + w7 * xp[q0 + width]
+        + w8 * xp[q0 + width + 1]
+    )
     q1 = last - 1
-    op[q1] = (b0 + w0 * xp[q1 - width - 1] + w1 * xp[q1 - width] + w3 * xp[q1 - 1] + w4 * xp[q1]
-              + w6 * xp[q1 + width - 1] + w7 * xp[q1 + width])
+    op[q1] = (
+        b0
+        + w0 * xp[q1 - width - 1]
+        + w1 * xp[q1 - width]
+        + w3 * xp[q1 - 1]
+        + w4 * xp[q1]
+        + w6 * xp[q1 + width - 1]
+        + w7 * xp[q1 + width]
+    )
 
 
 def same3_masks(height: int, width: int) -> tuple[Any, Any]:
@@ -342,8 +397,19 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
     PAIRS = dense and fixed_step == 2  # noqa: N806
 
     @jit
-    def conv_dw3x3(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int,
-                   t1: int, inner_l: Any, inner_r: Any) -> None:
+    def conv_dw3x3(
+        x: Any,
+        w: Any,
+        bias: Any,
+        has_bias: bool,
+        out: Any,
+        geo: Any,
+        groups: int,
+        t0: int,
+        t1: int,
+        inner_l: Any,
+        inner_r: Any,
+    ) -> None:
         """``conv_direct`` for 3x3 windows of one input channel each (depthwise), dilation 1: each output row is
         written once with its nine taps (``conv_direct`` reads and writes it once per tap). The column step is
         a compile-time constant when ``fixed_step``, else ``geo``'s. With dense planes, "same" padding at step 1
@@ -360,8 +426,16 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
         hi = max(lo, ow_range(2 - pw, sw, width, ow_n)[1])
         u_lo, cnt, s0 = np.uint64(lo), np.uint64(hi - lo), np.uint64(lo * sw - pw)
         same = pw == 1 and width >= 2 and ow_n == width  # "same" columns: edges 0 and W - 1, one window each
-        flat = (FLAT and same and sh == 1 and ph == 1 and height >= 3 and width >= 3 and oh_n == height
-                and inner_l.shape[0] == height * width)
+        flat = (
+            FLAT
+            and same
+            and sh == 1
+            and ph == 1
+            and height >= 3
+            and width >= 3
+            and oh_n == height
+            and inner_l.shape[0] == height * width
+        )
         left1 = pw == 1 and width >= 2 and lo == 1  # column 0's window starts at -1 and reads columns 0 and 1
         # step 2, dense rows: the windows read as element pairs from the column before the first window's (a
         # window starting at column 0 is left to the float rows); pair u + 1's odd element is the last one
@@ -377,11 +451,28 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
             xp = x[n, oc // ocg]
             op = out[n, oc]
             b0 = bias[oc] if has_bias else op.dtype.type(0)
-            wt = (w[oc, 0, 0, 0], w[oc, 0, 0, 1], w[oc, 0, 0, 2], w[oc, 0, 1, 0], w[oc, 0, 1, 1], w[oc, 0, 1, 2],
-                  w[oc, 0, 2, 0], w[oc, 0, 2, 1], w[oc, 0, 2, 2])
+            wt = (
+                w[oc, 0, 0, 0],
+                w[oc, 0, 0, 1],
+                w[oc, 0, 0, 2],
+                w[oc, 0, 1, 0],
+                w[oc, 0, 1, 1],
+                w[oc, 0, 1, 2],
+                w[oc, 0, 2, 0],
+                w[oc, 0, 2, 1],
+                w[oc, 0, 2, 2],
+            )
             if flat and _plane_flat(xp) and _plane_flat(op):
-                _same3(span_of(xp, 0, height * width), span_of(op, 0, height * width), height, width, wt, b0,
-                       inner_l, inner_r)
+                _same3(
+                    span_of(xp, 0, height * width),
+                    span_of(op, 0, height * width),
+                    height,
+                    width,
+                    wt,
+                    b0,
+                    inner_l,
+                    inner_r,
+                )
                 continue
             for oh in range(oh_n):
                 i0 = oh * sh - ph
@@ -393,12 +484,19 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
                     if skip:
                         orow[lo] = _window3(r0, r1, r2, s0, wt, b0)
                     if pair_cnt:
-                        q0 = pairs_of(xp, i0, first, n_pairs) if 0 <= i0 < height else pairs_of(
-                            zeros, 0, first, n_pairs)
-                        q1 = pairs_of(xp, i0 + 1, first, n_pairs) if 0 <= i0 + 1 < height else pairs_of(
-                            zeros, 0, first, n_pairs)
-                        q2 = pairs_of(xp, i0 + 2, first, n_pairs) if 0 <= i0 + 2 < height else pairs_of(
-                            zeros, 0, first, n_pairs)
+                        q0 = (
+                            pairs_of(xp, i0, first, n_pairs) if 0 <= i0 < height else pairs_of(zeros, 0, first, n_pairs)
+                        )
+                        q1 = (
+                            pairs_of(xp, i0 + 1, first, n_pairs)
+                            if 0 <= i0 + 1 < height
+                            else pairs_of(zeros, 0, first, n_pairs)
+                        )
+                        q2 = (
+                            pairs_of(xp, i0 + 2, first, n_pairs)
+                            if 0 <= i0 + 2 < height
+                            else pairs_of(zeros, 0, first, n_pairs)
+                        )
                         o0 = np.uint64(lo + skip)
                         for u in range(pair_cnt):  # a plain loop: the vector-step tail of _span3 unrolls
                             orow[o0 + u] = _pairs3(q0, q1, q2, u, wt, b0)  # into scalar shuffles here
@@ -416,6 +514,7 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
                     orow[j] = _edge3(r0, r1, r2, j * sw - pw, width, wt, b0)
                 for j in range(hi, ow_n):
                     orow[j] = _edge3(r0, r1, r2, j * sw - pw, width, wt, b0)
+
     return conv_dw3x3
 
 
@@ -434,8 +533,11 @@ def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     dense = rows_dense(x, out)
     has = bias is not None
     if t.cg == 1 and (t.kh, t.kw, t.dh, t.dw) == (3, 3, 1, 1):
-        same = (t.sh, t.sw, t.ph, t.pw, t.oh, t.ow) == (1, 1, 1, 1, t.h, t.w) and min(t.h, t.w) >= 3 and \
-            t.h * t.w <= SAME3_MAX_PLANE
+        same = (
+            (t.sh, t.sw, t.ph, t.pw, t.oh, t.ow) == (1, 1, 1, 1, t.h, t.w)
+            and min(t.h, t.w) >= 3
+            and t.h * t.w <= SAME3_MAX_PLANE
+        )
         masks = same3_masks(t.h, t.w) if same and dense else (np.zeros(0, np.bool_),) * 2
         k = entry(CONV_DW3X3[dense, step_key(t.sw)], x, w, b, has, out, geo, t.groups, 0, 0, *masks)
         extra: tuple[Any, ...] = masks
@@ -457,7 +559,7 @@ def _mat(a: Any, shape: tuple[int, ...], strides: tuple[int, ...]) -> Any:
 
 def _wmat(t: Any, w: Any, g: int) -> Any:
     """Weight rows of group g as an (OCg, Cg*KH*KW) matrix (its dims merge: checked in phase 1)."""
-    wg = w[g * t.ocg:(g + 1) * t.ocg]
+    wg = w[g * t.ocg : (g + 1) * t.ocg]
     return _mat(wg, (t.ocg, t.kc), (w.strides[0] // w.itemsize, t.w_kstride))
 
 
@@ -470,15 +572,15 @@ def build_gemm_1x1(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     calls = []
     for g in range(t.groups):
         wm = _wmat(t, w, g)
-        xg, og = x[:, g * t.cg:], out[:, g * t.ocg:]
+        xg, og = x[:, g * t.cg :], out[:, g * t.ocg :]
         if t.orient == "cm":
             a, bm = wm, _mat(xg, (t.n, t.cg, hw), (sx[0], sx[1], sx[3]))
             o = _mat(og, (t.n, t.ocg, hw), (so[0], so[1], so[3]))
-            bv = None if bias is None else bias[g * t.ocg:(g + 1) * t.ocg, None]
+            bv = None if bias is None else bias[g * t.ocg : (g + 1) * t.ocg, None]
         else:
             a, bm = _mat(xg, (t.n * hw, t.cg), (sx[3], sx[1])), wm.T
             o = _mat(og, (t.n * hw, t.ocg), (so[3], so[1]))
-            bv = None if bias is None else bias[g * t.ocg:(g + 1) * t.ocg]
+            bv = None if bias is None else bias[g * t.ocg : (g + 1) * t.ocg]
         calls.append((a, bm, o, bv))
 
     def launch(_: Any) -> None:
@@ -486,6 +588,7 @@ def build_gemm_1x1(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             np.matmul(a, bm, out=o)
             if bv is not None:
                 np.add(o, bv, out=o)
+
     return launch
 
 
@@ -519,7 +622,7 @@ def _unfold_kernel(t: Any, x: Any) -> Any:
 
 def _out_matrix_area(ws: Any, off: int, ocg: int, p: int, dt: Any, cm: bool) -> Any:
     """The staged GEMM result in the workspace's second area: (OCg, pixels) or (pixels, OCg)."""
-    area = ws[off:off + ocg * p * dt.itemsize].view(dt)
+    area = ws[off : off + ocg * p * dt.itemsize].view(dt)
     return area.reshape(ocg, p) if cm else area.reshape(p, ocg)
 
 
@@ -528,7 +631,7 @@ def _group_bias(bias: Any, g: int, ocg: int, cm: bool) -> Any:
     without bias."""
     if bias is None:
         return None
-    bg = bias[g * ocg:(g + 1) * ocg]
+    bg = bias[g * ocg : (g + 1) * ocg]
     return bg[:, None] if cm else bg
 
 
@@ -548,11 +651,11 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         nn = min(tn, t.n - n0)
         for g in range(t.groups):
             wm = _wmat(t, w, g)
-            bias_g = None if bias is None else bias[g * t.ocg:(g + 1) * t.ocg]
+            bias_g = None if bias is None else bias[g * t.ocg : (g + 1) * t.ocg]
             bv = _group_bias(bias, g, t.ocg, cm)
             for oh0 in range(0, t.oh, t.tile_rows):
                 rows = min(t.tile_rows, t.oh - oh0)
-                blk = out[n0:n0 + nn, g * t.ocg:(g + 1) * t.ocg, oh0:oh0 + rows]
+                blk = out[n0 : n0 + nn, g * t.ocg : (g + 1) * t.ocg, oh0 : oh0 + rows]
                 p = nn * rows * ow
                 if staged:  # out's images are not one matrix: GEMM into the workspace, then copy (+ bias)
                     o = _mat(blk, (nn, t.ocg, rows * ow), (so[0], so[1], so[3])) if cm else blk.transpose(0, 2, 3, 1)
@@ -565,13 +668,14 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
 
     def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any) -> None:
         run_parts([functools.partial(k_im2col, x, n0, c0, oh0, geo, cols, lo, hi, 0) for lo, hi in ranges])
+
     geos = {nn: _geo(t, nn) for nn in {min(tn, t.n - n0) for n0 in range(0, t.n, tn)}}
     o_off = t.out_offset
     ocg = t.ocg
 
     def launch(ws: Any) -> None:
         for n0, nn, c0, oh0, p, wm, o, bv, stage in steps:
-            cols = _cols(ws[:kc * p * item].view(dt), kc, p, cm)
+            cols = _cols(ws[: kc * p * item].view(dt), kc, p, cm)
             unfold(n0, c0, oh0, geos[nn], cols)
             res = _out_matrix_area(ws, o_off, ocg, p, dt, cm) if stage else o
             _tile_gemm(wm, cols, res, cm)
@@ -583,6 +687,7 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                     np.add(src, bv, out=o)
             elif bv is not None:
                 np.add(o, bv, out=o)
+
     return launch
 
 
@@ -636,11 +741,12 @@ def build_im2col_parts(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             work = []
             for n0, g, oh0, rows in part:
                 p = rows * ow
-                cols = _cols(ws[at:at + kc * p * item].view(dt), kc, p, cm)
-                o = _out_matrix(out[n0:n0 + 1, g * ocg:(g + 1) * ocg, oh0:oh0 + rows], p, ocg, so, cm)
+                cols = _cols(ws[at : at + kc * p * item].view(dt), kc, p, cm)
+                o = _out_matrix(out[n0 : n0 + 1, g * ocg : (g + 1) * ocg, oh0 : oh0 + rows], p, ocg, so, cm)
                 work.append((n0, g * t.cg, oh0, cols, wms[g], o, bvs[g]))
             parts.append(functools.partial(_run_units, k_im2col, x, geo, work, cm))
         return functools.partial(run_blas_parts, parts)
+
     return workspace_launcher(bind)
 
 
@@ -798,8 +904,9 @@ def _wino_output(m: Any, bias: Any, has_bias: bool, out: Any, oc: int, t0: int, 
 
 
 @jit
-def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, nt: int, geo: Any, scratch: Any, oc0: int,
-                oc1: int) -> None:
+def wino_output(
+    m: Any, bias: Any, has_bias: bool, out: Any, t0: int, nt: int, geo: Any, scratch: Any, oc0: int, oc1: int
+) -> None:
     """out's 2x2 block of tile t = A^T m A + bias, m[4*i + j, oc*nt + t - t0], A^T = [[1, 1, 1, 0],
     [0, 1, -1, -1]], output channels ``oc0 <= oc < oc1``; ``scratch`` (8, tiles per row), this part's rows in the
     workspace."""
@@ -810,7 +917,7 @@ def wino_output(m: Any, bias: Any, has_bias: bool, out: Any, t0: int, nt: int, g
 def spread_rows(ws: Any, offset: int, stride: int, dt: np.dtype[Any], count: int = 16) -> Any:
     """The ``count`` rows, ``stride`` bytes apart (``spread_stride``), that hold a winograd's U, V or M: a
     C-contiguous (count, .)."""
-    return ws[offset:offset + count * stride].view(dt).reshape(count, stride // dt.itemsize)
+    return ws[offset : offset + count * stride].view(dt).reshape(count, stride // dt.itemsize)
 
 
 def matrices(rows: Any, r: int, c: int) -> Any:
@@ -841,6 +948,7 @@ def winograd_launch(rounds: Callable[[Any], list[Round]]) -> Launch:
     parts, the GEMM parts (one BLAS thread each) and the output transform parts, each set a hand-off to the
     helper threads. ``rounds(ws)`` binds them to the workspace's views, again only when the workspace changes
     (``workspace_launcher``), so a repeated launch builds no views or partials."""
+
     def bind(ws: Any) -> Part:
         steps = rounds(ws)
 
@@ -849,7 +957,9 @@ def winograd_launch(rounds: Callable[[Any], list[Round]]) -> Launch:
                 run_parts(transforms)
                 run_blas_parts(gemms)
                 run_parts(outputs)
+
         return run
+
     return workspace_launcher(bind)
 
 
@@ -886,15 +996,21 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     def rounds(ws: Any) -> list[Round]:
         u = spread_rows(ws, 0, su, dt)
         v, m = spread_rows(ws, o_v, sv, dt), spread_rows(ws, o_m, sm, dt)
-        s_in = [ws[o_si + i * si_b:o_si + i * si_b + 8 * (tw_n + 1) * item].view(dt).reshape(8, tw_n + 1)
-                for i in range(parts)]
-        s_out = [ws[o_so + i * so_b:o_so + i * so_b + 8 * tw_n * item].view(dt).reshape(8, tw_n)
-                 for i in range(parts)]
-        return [([functools.partial(transform_in, u, v, t0, nt, r == 0, s_in[i], i) for i in range(parts)],
-                 gemm_parts(matrices(u, oc, c), matrices(v, c, nt), matrices(m, oc, nt), k_ranges),
-                 [functools.partial(k_out, m, b, has, out, t0, nt, geo, s_out[i], *oc_ranges[i])
-                  for i in range(parts)])
-                for r, (t0, nt) in enumerate(rounds_at)]
+        s_in = [
+            ws[o_si + i * si_b : o_si + i * si_b + 8 * (tw_n + 1) * item].view(dt).reshape(8, tw_n + 1)
+            for i in range(parts)
+        ]
+        s_out = [
+            ws[o_so + i * so_b : o_so + i * so_b + 8 * tw_n * item].view(dt).reshape(8, tw_n) for i in range(parts)
+        ]
+        return [
+            (
+                [functools.partial(transform_in, u, v, t0, nt, r == 0, s_in[i], i) for i in range(parts)],
+                gemm_parts(matrices(u, oc, c), matrices(v, c, nt), matrices(m, oc, nt), k_ranges),
+                [functools.partial(k_out, m, b, has, out, t0, nt, geo, s_out[i], *oc_ranges[i]) for i in range(parts)],
+            )
+            for r, (t0, nt) in enumerate(rounds_at)
+        ]
 
     def transform_in(u: Any, v: Any, t0: int, nt: int, first: bool, scratch: Any, i: int) -> None:
         """Part i of the weight transform (first round only: its output channels) and of the input transform (its
@@ -902,4 +1018,5 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         if first:
             k_w(w, u, *oc_ranges[i])
         k_in(x, v, t0, nt, geo, scratch, *c_ranges[i])
+
     return winograd_launch(rounds)

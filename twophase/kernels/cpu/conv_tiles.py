@@ -28,8 +28,21 @@ _im2col = variant_call(tuple(IM2COL.values()))
 
 def _conv_kernel(variant: int) -> Any:
     @jit
-    def conv_tiles(x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, tile: Any, kc: int, rows: int,
-                   r0: int, r1: int, i0: int, i1: int) -> None:
+    def conv_tiles(
+        x: Any,
+        w: Any,
+        bias: Any,
+        has_bias: bool,
+        out: Any,
+        geo: Any,
+        tile: Any,
+        kc: int,
+        rows: int,
+        r0: int,
+        r1: int,
+        i0: int,
+        i1: int,
+    ) -> None:
         """out[n, i, oh*OW + ow] = sum_k w[i, k] * unfolded(n)[k, oh*OW + ow] (+ bias[i]) for the rows
         ``i0 <= i < i1`` and the output rows ``r0 <= r < r1`` of all images stacked (r = n*OH + oh): per tile of
         ``rows`` output rows of one image and k block of ``kc`` unfolded rows, ``conv.im2col`` into the tile,
@@ -56,8 +69,21 @@ def _conv_kernel(variant: int) -> Any:
                         trow = row_of(tile, kk, True)
                         for j in range(width, ldt):
                             trow[j] = 0.0
-                gemm.gemm_tile(w.ctypes.data + (i0 * lda + k0 * sak) * item, lda, sak, pt, ldt, pc, ldc, kl,
-                               i1 - i0, width, k0, 0, 0)
+                gemm.gemm_tile(
+                    w.ctypes.data + (i0 * lda + k0 * sak) * item,
+                    lda,
+                    sak,
+                    pt,
+                    ldt,
+                    pc,
+                    ldc,
+                    kl,
+                    i1 - i0,
+                    width,
+                    k0,
+                    0,
+                    0,
+                )
             if has_bias:
                 for i in range(i0, i1):
                     orow = out[n, i]
@@ -65,6 +91,7 @@ def _conv_kernel(variant: int) -> Any:
                     for j in range(oh0 * ow_n, oh0 * ow_n + width):
                         orow[j] += b0
             r += nr
+
     return conv_tiles
 
 
@@ -84,13 +111,21 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     geo = _geo(t)
     shape = (t.kblock, tile_width(t.chunk, t.ow))
     size = tile_stride(*shape, item)
-    k = entry(CONV_TILES[rows_dense(x), step_key(t.sw)], x, wmat, b, has, o3, geo, np.empty(shape, x.dtype),
-              0, 0, 0, 0, 0, 0)
+    k = entry(
+        CONV_TILES[rows_dense(x), step_key(t.sw)], x, wmat, b, has, o3, geo, np.empty(shape, x.dtype), 0, 0, 0, 0, 0, 0
+    )
     dt, grid, kb, rows = x.dtype, t.grid, t.kblock, t.chunk
 
     def launch(ws: Any) -> None:
-        run_parts([functools.partial(k, x, wmat, b, has, o3, geo, ws[i * size:(i + 1) * size].view(dt).reshape(shape),
-                                     kb, rows, *block) for i, block in enumerate(grid)])
+        run_parts(
+            [
+                functools.partial(
+                    k, x, wmat, b, has, o3, geo, ws[i * size : (i + 1) * size].view(dt).reshape(shape), kb, rows, *block
+                )
+                for i, block in enumerate(grid)
+            ]
+        )
+
     return launch
 
 

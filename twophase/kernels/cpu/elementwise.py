@@ -26,8 +26,20 @@ from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
 _LOOP_OPTIONS: Any = {"nogil": True, "fastmath": FAST, "error_model": "numpy"}  # also the span loops' (overloads)
 kern: Callable[[Callable[..., Any]], Any] = numba.njit(cache=True, **_LOOP_OPTIONS)
 
-FUNCS = ("exp", "log", "tanh", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
-         "sigmoid_f32", "silu_f32", "gelu_erf_f32", "exp_f32")
+FUNCS = (
+    "exp",
+    "log",
+    "tanh",
+    "sigmoid",
+    "silu",
+    "gelu_erf",
+    "gelu_tanh",
+    "rsqrt",
+    "sigmoid_f32",
+    "silu_f32",
+    "gelu_erf_f32",
+    "exp_f32",
+)
 CODES = {name: i for i, name in enumerate(FUNCS)}
 # functions with a float32-arithmetic variant: those whose exp argument is exact in float32 (gelu_tanh's 2u is not:
 # its rounding, amplified by exp, would cost ~|2u| ulp, so it stays in float64)
@@ -37,8 +49,20 @@ FANOUT_MIN = 1 << 18  # elements from which a launch is cut into parts for helpe
 # for the _f32 variants): a launch of the unary functions is cut into parts from FANOUT_NS of work, so a costly
 # function fans out from fewer elements (gelu_erf_f32 on MiniLM's 128 x 1536: 130 us on one thread, 91-96 in two
 # parts, /tmp/w/un3.py), a cheap one from more
-COST_NS = {"exp": 0.84, "log": 1.13, "tanh": 1.5, "sigmoid": 1.0, "silu": 1.05, "gelu_erf": 6.6, "gelu_tanh": 1.4,
-           "rsqrt": 0.9, "sigmoid_f32": 0.3, "silu_f32": 0.31, "gelu_erf_f32": 0.6, "exp_f32": 0.29}
+COST_NS = {
+    "exp": 0.84,
+    "log": 1.13,
+    "tanh": 1.5,
+    "sigmoid": 1.0,
+    "silu": 1.05,
+    "gelu_erf": 6.6,
+    "gelu_tanh": 1.4,
+    "rsqrt": 0.9,
+    "sigmoid_f32": 0.3,
+    "silu_f32": 0.31,
+    "gelu_erf_f32": 0.6,
+    "exp_f32": 0.29,
+}
 FANOUT_NS = 75_000  # exp_f32 over FANOUT_MIN elements
 
 
@@ -66,6 +90,7 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
     lines in flight while the arithmetic runs (Intel Xeon, 16 M float32 elements out of cache, one thread: gelu
     15.7 against 17.2 ms, silu 12.0 against 13.8; two threads, through the op, gelu / torch 0.84-1.02 against
     0.87-0.96, /tmp/w28/gq.py, opab.py). The same in cache; four streams were no better than two."""
+
     def span(code: int, x: Any, out: Any) -> None:
         for i in range(x.shape[0]):
             out[i] = functions[code](x[i])
@@ -94,6 +119,7 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
                 out[i + h] = f(x[i + h])
             if n % 2:
                 out[n - 1] = f(x[n - 1])
+
         return impl
 
     @overload(span_in_place, jit_options=_LOOP_OPTIONS)
@@ -111,6 +137,7 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
                 x[i + h] = f(x[i + h])
             if n % 2:
                 x[n - 1] = f(x[n - 1])
+
         return impl
 
     @overload(span_staged, jit_options=_LOOP_OPTIONS)
@@ -130,7 +157,9 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
                     buf[j] = f(buf[j])
                 for j in range(m):
                     out[j0 + j] = buf[j]
+
         return impl
+
     return span, span_in_place, span_staged
 
 
@@ -143,6 +172,7 @@ def _rows(code: int) -> dict[bool, Any]:
     through ``jit.row_of`` so the loop vectorizes. Only constants are closed over: numba keys a cached kernel on its
     closure's pickle, and a captured kernel pickles with a per-process id, so its caller would never load from the
     cache."""
+
     def make(dense: bool) -> Any:
         @kern
         def rows(x: Any, out: Any) -> None:
@@ -153,7 +183,9 @@ def _rows(code: int) -> dict[bool, Any]:
                 return
             for k in range(x.shape[0]):
                 _span(code, row_of(x, k, dense), row_of(out, k, dense))
+
         return rows
+
     return by_density(make)
 
 
@@ -162,6 +194,7 @@ KERNELS: dict[str, dict[bool, Any]] = {name: _rows(CODES[name]) for name in FUNC
 
 def _in_place(code: int) -> dict[bool, Any]:
     """In-place rows kernels (by density) of function ``code`` (``_span_in_place``)."""
+
     def make(dense: bool) -> Any:
         @kern
         def rows_in_place(x: Any) -> None:
@@ -172,7 +205,9 @@ def _in_place(code: int) -> dict[bool, Any]:
                 return
             for k in range(x.shape[0]):
                 _span_in_place(code, row_of(x, k, dense))
+
         return rows_in_place
+
     return by_density(make)
 
 
@@ -231,8 +266,9 @@ def pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[
     if parts < 2 or out.size < 2 * grain:
         return whole
     for a in operands:
-        if np.may_share_memory(a, out) and not (a.ctypes.data == out.ctypes.data and a.shape == out.shape
-                                                 and a.strides == out.strides):
+        if np.may_share_memory(a, out) and not (
+            a.ctypes.data == out.ctypes.data and a.shape == out.shape and a.strides == out.strides
+        ):
             return whole
     axis = next((i for i, n in enumerate(out.shape) if n >= parts), None)
     if axis is None:
@@ -245,6 +281,7 @@ def pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[
         if ax < 0 or a.shape[ax] == 1:
             return a
         return a[(slice(None),) * ax + (slice(lo, hi),)]
+
     return [(cut(out, lo, hi), *(cut(a, lo, hi) for a in operands)) for lo, hi in ranges]
 
 
@@ -274,6 +311,7 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any) -> Callab
         m = area.reshape(1, n)
         run_parts([functools.partial(fn, m[:, lo:hi]) for lo, hi in spans])
         np.copyto(out, area.reshape(out.shape), casting="unsafe")
+
     return launch
 
 

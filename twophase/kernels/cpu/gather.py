@@ -40,10 +40,15 @@ def build_embedding(w: Any, idx: Any, out: Any) -> Callable[[Any], None]:
     def launch(ws: Any) -> None:
         ix = flat
         if ix is None:
-            ix = ws[:n * idx.itemsize].view(idx.dtype).reshape(n, 1)
+            ix = ws[: n * idx.itemsize].view(idx.dtype).reshape(n, 1)
             np.copyto(ix.reshape(idx.shape), idx)
         bad = fn(w, ix, rows)
         if bad >= 0:
-            raise ParamError(op="embedding", arg="indices", expected=f"indices in [0, {n_emb})",
-                             got=f"{int(ix[bad, 0])} at flat position {bad}")
+            raise ParamError(
+                op="embedding",
+                arg="indices",
+                expected=f"indices in [0, {n_emb})",
+                got=f"{int(ix[bad, 0])} at flat position {bad}",
+            )
+
     return launch

@@ -30,9 +30,30 @@ from numba.extending import intrinsic
 from ...runtime.fanout import split_range
 from .jit import emit_lanes_below, emit_prefetch, emit_splat, masked_memory
 
-__all__ = ["available", "host_has", "columns_computed", "columns_fit", "gemm_f32", "gemm_f32_heads", "gemm_tile",
-           "MIN_COLS", "MR", "NR", "KC", "MC", "LANES", "HALF", "panel_bytes", "PACK_MIN_ROWS", "packs_panels",
-           "row_ranges", "ymm_available", "gemm_f32_ymm", "gemm_f32_heads_ymm", "YMM"]
+__all__ = [
+    "available",
+    "host_has",
+    "columns_computed",
+    "columns_fit",
+    "gemm_f32",
+    "gemm_f32_heads",
+    "gemm_tile",
+    "MIN_COLS",
+    "MR",
+    "NR",
+    "KC",
+    "MC",
+    "LANES",
+    "HALF",
+    "panel_bytes",
+    "PACK_MIN_ROWS",
+    "packs_panels",
+    "row_ranges",
+    "ymm_available",
+    "gemm_f32_ymm",
+    "gemm_f32_heads_ymm",
+    "YMM",
+]
 
 MR = 6  # rows of the microkernel: 6 x 2 accumulators + 2 b vectors + 1 broadcast: 15 of the 32 zmm registers
 LANES = 16
@@ -120,8 +141,25 @@ def columns_computed(n: int) -> int:
 
 _I64 = ir.IntType(64)
 _F32 = ir.FloatType()
-def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
-                k: Any, accumulate: Any, bias: Any, ncols: Any = None, width: int = LANES) -> None:
+
+
+def _emit_block(
+    builder: Any,
+    rows: int,
+    nv: int,
+    c: Any,
+    ldc: Any,
+    a: Any,
+    lda: Any,
+    sak: Any,
+    b: Any,
+    ldb: Any,
+    k: Any,
+    accumulate: Any,
+    bias: Any,
+    ncols: Any = None,
+    width: int = LANES,
+) -> None:
     """IR for the ``rows x width nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
     plus the bias row at address ``bias`` when it is not 0 (addresses in bytes, strides in elements). With
     ``ncols``, only the first ``ncols`` columns of the last vector of ``c`` and the bias are read and written
@@ -146,8 +184,10 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
             builder.store(x, p, align=4)
         else:
             builder.call(mstore, [x, p, ir.Constant(i32, 4), mask])
+
     fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{w}f32")
+        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{w}f32"
+    )
     zero = ir.Constant(vec, None)
 
     def const(v: int) -> Any:
@@ -173,13 +213,13 @@ def _emit_block(builder: Any, rows: int, nv: int, c: Any, ldc: Any, a: Any, lda:
         with cgutils.for_range(builder, k) as loop:
             kk = loop.index
             b_row = builder.gep(bp, [builder.mul(kk, ldb)])
-            bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(w * v)]), vptr), align=4)
-                  for v in range(nv)]
+            bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(w * v)]), vptr), align=4) for v in range(nv)]
             ak = kk if step is None else builder.mul(kk, step)
             for r in range(rows):
                 sv = emit_splat(builder, builder.load(builder.gep(a_rows[r], [ak]), align=4), vec)
                 for v in range(nv):
                     builder.store(builder.call(fma, [sv, bv[v], builder.load(acc[r][v])]), acc[r][v])
+
     if UNIT_STEP_LOOP and ncols is None:  # (the masked last panels keep one loop: less to compile)
         # a's elements 1 apart along k (every caller's usual case): the unrolled loop addresses a row's next
         # element by displacement instead of by 6 more offsets (6 x 32 block, two k per turn: 56 instructions
@@ -230,20 +270,46 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
             switch.add_case(ir.Constant(_I64, r), block)
             builder.position_at_end(block)
             c, ldc, a, lda, sak, b, ldb, k, accumulate, bias = argv[1:11]
-            _emit_block(builder, r, nv, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias,
-                        argv[11] if masked else None, width)
+            _emit_block(
+                builder, r, nv, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, argv[11] if masked else None, width
+            )
             builder.branch(done)
         builder.position_at_end(done)
         return context.get_dummy_value()
 
     sig = types.void(*([types.int64] * nargs))
 
-    def typing_masked(typingctx: Any, rows: Any, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
-                      k: Any, accumulate: Any, bias: Any, ncols: Any) -> Any:
+    def typing_masked(
+        typingctx: Any,
+        rows: Any,
+        c: Any,
+        ldc: Any,
+        a: Any,
+        lda: Any,
+        sak: Any,
+        b: Any,
+        ldb: Any,
+        k: Any,
+        accumulate: Any,
+        bias: Any,
+        ncols: Any,
+    ) -> Any:
         return sig, codegen
 
-    def typing_plain(typingctx: Any, rows: Any, c: Any, ldc: Any, a: Any, lda: Any, sak: Any, b: Any, ldb: Any,
-                     k: Any, accumulate: Any, bias: Any) -> Any:
+    def typing_plain(
+        typingctx: Any,
+        rows: Any,
+        c: Any,
+        ldc: Any,
+        a: Any,
+        lda: Any,
+        sak: Any,
+        b: Any,
+        ldb: Any,
+        k: Any,
+        accumulate: Any,
+        bias: Any,
+    ) -> Any:
         return sig, codegen
 
     typing: Any = typing_masked if masked else typing_plain  # numba types the intrinsic by its parameters
@@ -266,6 +332,7 @@ def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         emit_prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), write=False, locality=2)
         return context.get_dummy_value()
+
     return sig, codegen
 
 
@@ -292,6 +359,7 @@ def _copy_panel_typing(typingctx: Any, dst: Any, src: Any, ld: Any, rows: Any, n
                         x = builder.load(builder.bitcast(builder.gep(s_row, [at]), vptr), align=4)
                         builder.store(x, builder.bitcast(builder.gep(d_row, [at]), vptr), align=4)
         return context.get_dummy_value()
+
     return sig, codegen
 
 
@@ -302,8 +370,20 @@ _inline = numba.njit(nogil=True, cache=True, inline="always")
 
 
 @_inline
-def _panel(rows: int, w: int, c: int, ldc: int, a: int, lda: int, sak: int, b: int, ldb: int, k: int,
-           accumulate: int, bias: int) -> None:
+def _panel(
+    rows: int,
+    w: int,
+    c: int,
+    ldc: int,
+    a: int,
+    lda: int,
+    sak: int,
+    b: int,
+    ldb: int,
+    k: int,
+    accumulate: int,
+    bias: int,
+) -> None:
     """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..64) columns: 64, 32 or 16 whole, 49-63 as
     64 with the fourth vector masked, 17-31 as 32 with the second vector masked, 9-15 as a masked 16, 1-8 as a
     masked 8 (ymm); masked panels read ``b``'s rows that wide. (33-48 are not one panel: ``panel_width``.)"""
@@ -324,8 +404,21 @@ def _panel(rows: int, w: int, c: int, ldc: int, a: int, lda: int, sak: int, b: i
 
 
 @_inline
-def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int, kl: int, m: int, n: int,
-              accumulate: int, bias: int, pnext: int) -> None:
+def gemm_tile(
+    pa: int,
+    lda: int,
+    sak: int,
+    pb: int,
+    ldb: int,
+    pc: int,
+    ldc: int,
+    kl: int,
+    m: int,
+    n: int,
+    accumulate: int,
+    bias: int,
+    pnext: int,
+) -> None:
     """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` plus the old ``c`` when ``accumulate``, else plus the bias row at
     address ``bias`` when it is not 0, on float32 matrices given by address and element strides (``b``, ``c`` and
     the bias with unit column stride). Columns go in panels of ``panel_width``: 64 wide, then the last run of
@@ -355,8 +448,20 @@ def gemm_tile(pa: int, lda: int, sak: int, pb: int, ldb: int, pc: int, ldc: int,
                             _prefetch(row + 128)
                             _prefetch(row + 192)
                         _prefetch(row + tw * item - item)  # the row's last line when it is not 64-byte aligned
-                _panel(min(MR, ie - i), w, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
-                       pb + j * item, ldb, kl, accumulate, bias + j * item if bias else 0)
+                _panel(
+                    min(MR, ie - i),
+                    w,
+                    pc + (i * ldc + j) * item,
+                    ldc,
+                    pa + i * lda * item,
+                    lda,
+                    sak,
+                    pb + j * item,
+                    ldb,
+                    kl,
+                    accumulate,
+                    bias + j * item if bias else 0,
+                )
             j = nxt
 
 
@@ -372,8 +477,7 @@ def panel_width(left: int) -> int:
 
 
 @_jit
-def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int, j0: int, j1: int,
-             pack: Any) -> None:
+def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int, j0: int, j1: int, pack: Any) -> None:
     """``c[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1]`` (plus ``bias[j0:j1]`` on every row when ``has_bias``) for
     float32 matrices: ``b``, ``c`` and ``bias`` with unit column stride, ``a`` any strides. Writes exactly that
     block of ``c``. With ``pack`` not empty (float32, ``panel_bytes(k)`` at least), each k block's 16- and
@@ -395,15 +499,41 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int
         a_k, bias_k = pa + (i0 * lda + k0 * sak) * item, pz if has_bias and k0 == 0 else 0
         next_k = pb + ((k0 + KC) * ldb + j0) * item if k0 + KC < kdim else 0
         if not packed:
-            gemm_tile(a_k, lda, sak, pb + (k0 * ldb + j0) * item, ldb, pc + (i0 * ldc + j0) * item, ldc, kl,
-                      i1 - i0, vec_end - j0, k0, bias_k + j0 * item if bias_k else 0, next_k)
+            gemm_tile(
+                a_k,
+                lda,
+                sak,
+                pb + (k0 * ldb + j0) * item,
+                ldb,
+                pc + (i0 * ldc + j0) * item,
+                ldc,
+                kl,
+                i1 - i0,
+                vec_end - j0,
+                k0,
+                bias_k + j0 * item if bias_k else 0,
+                next_k,
+            )
             continue
         j = j0
         while j < vec_end:  # panel by panel: copied, then every row over the copy (a's k block stays in L2)
             w = NR if j + NR <= vec_end else LANES
             _copy_panel(pack.ctypes.data, pb + (k0 * ldb + j) * item, ldb, kl, w // LANES)
-            gemm_tile(a_k, lda, sak, pack.ctypes.data, w, pc + (i0 * ldc + j) * item, ldc, kl, i1 - i0, w, k0,
-                      bias_k + j * item if bias_k else 0, pb + (k0 * ldb + j + w) * item if j + w < vec_end else next_k)
+            gemm_tile(
+                a_k,
+                lda,
+                sak,
+                pack.ctypes.data,
+                w,
+                pc + (i0 * ldc + j) * item,
+                ldc,
+                kl,
+                i1 - i0,
+                w,
+                k0,
+                bias_k + j * item if bias_k else 0,
+                pb + (k0 * ldb + j + w) * item if j + w < vec_end else next_k,
+            )
             j += w
     if vec_end == j1:
         return
@@ -411,8 +541,20 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int
         j = j1 - LANES
         zb = pz + j * item if has_bias else 0
         for i in range(i0, i1, MR):
-            _panel(min(MR, i1 - i), LANES, pc + (i * ldc + j) * item, ldc, pa + i * lda * item, lda, sak,
-                   pb + j * item, ldb, kdim, 0, zb)
+            _panel(
+                min(MR, i1 - i),
+                LANES,
+                pc + (i * ldc + j) * item,
+                ldc,
+                pa + i * lda * item,
+                lda,
+                sak,
+                pb + j * item,
+                ldb,
+                kdim,
+                0,
+                zb,
+            )
         return
     for i in range(i0, i1):
         for j in range(j0, j1):

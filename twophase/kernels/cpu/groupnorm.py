@@ -32,8 +32,9 @@ SHORT_ROW = 512  # rows shorter than this are summed column-wise (see _block_sta
 
 
 @jit
-def _write(x: Any, out: Any, lo: int, hi: int, base: int, n_sp: int, c0: int, w: Any, b: Any, mu: float,
-           r: float) -> None:
+def _write(
+    x: Any, out: Any, lo: int, hi: int, base: int, n_sp: int, c0: int, w: Any, b: Any, mu: float, r: float
+) -> None:
     """Elements [lo, hi) of one row of a group, whose element 0 is the group's element ``base``: channel
     c0 + (base + i) // n_sp, a contiguous run per channel."""
     i = lo
@@ -82,8 +83,21 @@ def _block_stats(xg: Any, r0: int, r1: int, e0: int, e1: int, dense: bool) -> tu
 
 
 @jit_inline
-def _block_write(xg: Any, og: Any, r0: int, r1: int, e0: int, e1: int, n_sp: int, c0: int, w: Any, b: Any,
-                 mu: float, rs: float, dense: bool) -> None:
+def _block_write(
+    xg: Any,
+    og: Any,
+    r0: int,
+    r1: int,
+    e0: int,
+    e1: int,
+    n_sp: int,
+    c0: int,
+    w: Any,
+    b: Any,
+    mu: float,
+    rs: float,
+    dense: bool,
+) -> None:
     n = xg.shape[1]
     if e0 == 0 and e1 == n and n_sp % n == 0:  # whole rows, each in one channel: no channel-run search a row
         for r in range(r0, r1):
@@ -114,6 +128,7 @@ def _rows_kernel(dense: bool) -> Any:
     def group_norm_rows(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any, t0: int, t1: int) -> None:
         for t in range(t0, t1):
             _group(x, w, b, n_sp, eps, out, t, dense)
+
     return group_norm_rows
 
 
@@ -144,8 +159,9 @@ def _block_of(n_r: int, n_s: int, block: int, j: int) -> tuple[int, int, int, in
 
 
 @jit_inline
-def _split_pass(x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: Any, t: int, write: bool,
-                dense: bool) -> None:
+def _split_pass(
+    x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: Any, t: int, write: bool, dense: bool
+) -> None:
     """Block task t: its Welford partial (count, mean, M2), or (``write``) its output from the merged stats."""
     n, g, n_r, n_s = x.shape
     nb = part.shape[1]
@@ -154,8 +170,21 @@ def _split_pass(x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: A
     k, gi = row // g, row - (row // g) * g
     r0, r1, e0, e1 = _block_of(n_r, n_s, block, j)
     if write:
-        _block_write(x[k, gi], out[k, gi], r0, r1, e0, e1, n_sp, gi * (n_r * n_s // n_sp), w, b, part[row, j, 0],
-                     part[row, j, 1], dense)
+        _block_write(
+            x[k, gi],
+            out[k, gi],
+            r0,
+            r1,
+            e0,
+            e1,
+            n_sp,
+            gi * (n_r * n_s // n_sp),
+            w,
+            b,
+            part[row, j, 0],
+            part[row, j, 1],
+            dense,
+        )
     else:
         mu, q = _block_stats(x[k, gi], r0, r1, e0, e1, dense)
         part[row, j, 0] = (r1 - r0) * (e1 - e0)
@@ -176,10 +205,12 @@ def _split_kernel(dense: bool) -> Any:
     its output; ``dense`` as in ``_rows_kernel``."""
 
     @jit
-    def group_norm_blocks(x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: Any, t0: int, t1: int,
-                          write: bool) -> None:
+    def group_norm_blocks(
+        x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: Any, t0: int, t1: int, write: bool
+    ) -> None:
         for t in range(t0, t1):
             _split_pass(x, w, b, n_sp, block, part, out, t, write, dense)
+
     return group_norm_blocks
 
 
@@ -187,8 +218,9 @@ GROUP_ROWS = by_density(_rows_kernel)
 GROUP_SPLIT = by_density(_split_kernel)
 
 
-def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float,
-                     compute: Any) -> Callable[[Any], None]:
+def build_group_norm(
+    src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float, compute: Any
+) -> Callable[[Any], None]:
     """Launch over (N, G, R, S) views, or (``tiling.pack``) through dense ``compute`` copies of the N-d ``src``
     and of ``w`` / ``b`` in the workspace. ``tiling``: groups, n_sp, split, block, pack, pack_offset,
     param_offset."""
@@ -206,42 +238,59 @@ def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float
     rows = n * t.groups
     parts = fanout_parts() if src.size >= FANOUT_MIN else 1
     if t.split > 1:
-        fn = entry(GROUP_SPLIT[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, t.block, part_sample,
-                   sample if t.pack else dst, 0, 0, False)
+        fn = entry(
+            GROUP_SPLIT[dense],
+            sample,
+            p_sample,
+            p_sample if t.pack else b,
+            t.n_sp,
+            t.block,
+            part_sample,
+            sample if t.pack else dst,
+            0,
+            0,
+            False,
+        )
         merge = entry(merge_partials, part_sample, 0, eps)
         blocks = split_range(rows * t.split, parts)
         length = src.size // rows
 
         def kernel(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> Callable[[], None]:
-            part = ws[:rows * t.split * 24].view(np.float64).reshape(rows, t.split, 3)
-            stats, writes = ([functools.partial(fn, x, wv, bv, t.n_sp, t.block, part, out, lo, hi, write)
-                              for lo, hi in blocks] for write in (False, True))
+            part = ws[: rows * t.split * 24].view(np.float64).reshape(rows, t.split, 3)
+            stats, writes = (
+                [functools.partial(fn, x, wv, bv, t.n_sp, t.block, part, out, lo, hi, write) for lo, hi in blocks]
+                for write in (False, True)
+            )
 
             def two_passes() -> None:
                 run_parts(stats)
                 merge(part, length, eps)
                 run_parts(writes)
+
             return two_passes
     else:
-        fn = entry(GROUP_ROWS[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, eps,
-                   sample if t.pack else dst, 0, 0)
+        fn = entry(
+            GROUP_ROWS[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, eps, sample if t.pack else dst, 0, 0
+        )
         groups = split_range(rows, parts)
 
         def calls(x: Any, wv: Any, bv: Any, out: Any) -> list[Callable[[], None]]:
             return [functools.partial(fn, x, wv, bv, t.n_sp, eps, out, lo, hi) for lo, hi in groups]
+
         if not t.pack:  # the views are fixed and no workspace is used: the parts are made here
             return launcher(calls(src, w, b, dst))
 
         def kernel(x: Any, wv: Any, bv: Any, out: Any, ws: Any) -> Callable[[], None]:
             return bound(calls(x, wv, bv, out))
+
     if not t.pack:
         return workspace_launcher(lambda ws: kernel(src, w, b, dst, ws))
     nbytes, pbytes = src.size * compute.itemsize, w.size * compute.itemsize
 
     def bind(ws: Any) -> Callable[[], None]:
-        area = ws[t.pack_offset:t.pack_offset + nbytes].view(compute).reshape(src.shape)
-        wv = ws[t.param_offset:t.param_offset + pbytes].view(compute)
-        bv = ws[t.param_offset + t.param_stride:t.param_offset + t.param_stride + pbytes].view(compute)
+        area = ws[t.pack_offset : t.pack_offset + nbytes].view(compute).reshape(src.shape)
+        wv = ws[t.param_offset : t.param_offset + pbytes].view(compute)
+        bv = ws[t.param_offset + t.param_stride : t.param_offset + t.param_stride + pbytes].view(compute)
         a4 = area.reshape(shape4)
         run = kernel(a4, wv, bv, a4, ws)
 
@@ -251,5 +300,7 @@ def build_group_norm(src: Any, dst: Any, w: Any, b: Any, tiling: Any, eps: float
             np.copyto(bv, b, casting="unsafe")
             run()
             np.copyto(dst, area, casting="unsafe")
+
         return work
+
     return workspace_launcher(bind)

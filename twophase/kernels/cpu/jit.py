@@ -16,9 +16,29 @@ from numba.np.numpy_support import as_dtype, carray
 
 from ...errors import InternalError
 
-__all__ = ["entry", "any_layout", "CHECK_LAYOUT", "jit", "jit_inline", "jit_reduce", "FAST", "REDUCE", "row_of",
-           "rows_dense", "by_density", "span_of", "pairs_of", "variant_call", "wide_vectors", "copy_run",
-           "emit_prefetch", "emit_splat", "emit_lanes_below", "masked_memory", "TYPED_POINTERS"]
+__all__ = [
+    "entry",
+    "any_layout",
+    "CHECK_LAYOUT",
+    "jit",
+    "jit_inline",
+    "jit_reduce",
+    "FAST",
+    "REDUCE",
+    "row_of",
+    "rows_dense",
+    "by_density",
+    "span_of",
+    "pairs_of",
+    "variant_call",
+    "wide_vectors",
+    "copy_run",
+    "emit_prefetch",
+    "emit_splat",
+    "emit_lanes_below",
+    "masked_memory",
+    "TYPED_POINTERS",
+]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
 REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wider than the data)
@@ -37,18 +57,22 @@ def emit_prefetch(builder: Any, ptr: Any, write: bool, locality: int) -> None:
     """IR for ``llvm.prefetch`` of the line at pointer ``ptr`` (locality 3: L1, 2: L2)."""
     i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
     fn = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-        "llvm.prefetch.p0i8" if TYPED_POINTERS else "llvm.prefetch")
-    builder.call(fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality),
-                      ir.Constant(i32, 1)])
+        builder.module,
+        ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+        "llvm.prefetch.p0i8" if TYPED_POINTERS else "llvm.prefetch",
+    )
+    builder.call(
+        fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality), ir.Constant(i32, 1)]
+    )
 
 
 def emit_splat(builder: Any, value: Any, vec: Any) -> Any:
     """IR of ``value`` in every lane of a vector of type ``vec``."""
     i32 = ir.IntType(32)
     one = builder.insert_element(ir.Constant(vec, ir.Undefined), value, ir.Constant(i32, 0))
-    return builder.shuffle_vector(one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(i32, vec.count),
-                                                                                   [0] * vec.count))
+    return builder.shuffle_vector(
+        one, ir.Constant(vec, ir.Undefined), ir.Constant(ir.VectorType(i32, vec.count), [0] * vec.count)
+    )
 
 
 def emit_lanes_below(builder: Any, n: Any, lanes: int) -> Any:
@@ -66,15 +90,18 @@ def masked_memory(builder: Any, vec: Any) -> tuple[Any, Any]:
     vptr, i32 = vec.as_pointer(), ir.IntType(32)
     mask = ir.VectorType(ir.IntType(1), n)
     load = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(vec, [vptr, i32, mask, vec]), f"llvm.masked.load.{types_}")
+        builder.module, ir.FunctionType(vec, [vptr, i32, mask, vec]), f"llvm.masked.load.{types_}"
+    )
     store = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(ir.VoidType(), [vec, vptr, i32, mask]), f"llvm.masked.store.{types_}")
+        builder.module, ir.FunctionType(ir.VoidType(), [vec, vptr, i32, mask]), f"llvm.masked.store.{types_}"
+    )
     return load, store
 
 
 def _pointer_intrinsic(name: str, pointee: Callable[[Any], Any]) -> Any:
     """An intrinsic ``(a, k, col)`` -> the address of ``a[k, col]`` (no bounds check: callers index valid
     elements) as a pointer to ``pointee(a.dtype)`` (None: a dtype it does not take)."""
+
     def typing(typingctx: Any, a: Any, k: Any, col: Any) -> Any:
         target = pointee(a.dtype)
         if target is None:
@@ -89,17 +116,21 @@ def _pointer_intrinsic(name: str, pointee: Callable[[Any], Any]) -> Any:
             offset = builder.add(builder.mul(index, strides[0]), builder.mul(column, strides[1]))
             byte = builder.gep(builder.bitcast(arr.data, cgutils.voidptr_t), [offset])
             return builder.bitcast(byte, context.get_value_type(signature.return_type))
+
         return sig, codegen
+
     typing.__name__ = typing.__qualname__ = name  # numba names the intrinsic after its typing function
     return intrinsic(typing)
 
 
 def _wide_vectors_typing(typingctx: Any) -> Any:
     """Let LLVM vectorize the calling function's loops with 512-bit vectors where the CPU has them."""
+
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         # a string attribute, which llvmlite's attribute set refuses by name: added to the underlying set
         set.add(builder.function.attributes, '"prefer-vector-width"="512"')
         return context.get_dummy_value()
+
     return types.void(), codegen
 
 
@@ -117,8 +148,12 @@ def _copy_run_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: An
     """``dst[d0:d0 + n] = src[s0:s0 + n]`` for 1-D arrays of one dtype whose elements are adjacent (dense rows:
     the caller checks), by ``llvm.memcpy``: a short run (an unfolded row of a 7x7 map, ~49 floats) is copied in a
     few vector moves, where numba's loop, too short for its vector body, copied it one element at a time."""
-    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == src.ndim == 1
-            and dst.dtype == src.dtype):
+    if not (
+        isinstance(dst, types.Array)
+        and isinstance(src, types.Array)
+        and dst.ndim == src.ndim == 1
+        and dst.dtype == src.dtype
+    ):
         return None
     sig = types.void(dst, d0, src, s0, n)
 
@@ -128,11 +163,15 @@ def _copy_run_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: An
         def address(k: int) -> Any:
             arr = context.make_array(signature.args[k])(context, builder, args[k])
             index = context.cast(builder, args[k + 1], signature.args[k + 1], types.intp)
-            return builder.gep(builder.bitcast(arr.data, cgutils.voidptr_t),
-                               [builder.mul(index, context.get_constant(types.intp, item))])
+            return builder.gep(
+                builder.bitcast(arr.data, cgutils.voidptr_t),
+                [builder.mul(index, context.get_constant(types.intp, item))],
+            )
+
         count = context.cast(builder, args[4], signature.args[4], types.intp)
         cgutils.raw_memcpy(builder, address(0), address(2), count, item)  # type: ignore[no-untyped-call]
         return context.get_dummy_value()
+
     return sig, codegen
 
 
@@ -142,7 +181,8 @@ copy_run: Any = intrinsic(_copy_run_typing)
 _element_pointer: Any = _pointer_intrinsic("_element_pointer", lambda dt: dt)
 # float32 rows as complex64 (even, odd) pairs, float64 as complex128
 _pairs_pointer: Any = _pointer_intrinsic(
-    "_pairs_pointer", lambda dt: {types.float32: types.complex64, types.float64: types.complex128}.get(dt))
+    "_pairs_pointer", lambda dt: {types.float32: types.complex64, types.float64: types.complex128}.get(dt)
+)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
@@ -192,6 +232,7 @@ def variant_call(variants: tuple[Any, ...]) -> Callable[..., Any]:
     and cached on its own, as a direct call would be. A kernel that closed over the variant itself would miss
     numba's cache in every process: the cache key holds a pickle of the closure, and a kernel pickles with a
     per-process id."""
+
     def call(i: int, *args: Any) -> Any:
         return variants[i](*args)
 
@@ -203,7 +244,9 @@ def variant_call(variants: tuple[Any, ...]) -> Callable[..., Any]:
 
         def impl(i: Any, *args: Any) -> Any:  # the stub's signature, annotations included (numba checks)
             return kernel(*args)
+
         return impl
+
     return call
 
 
@@ -253,11 +296,16 @@ def any_layout(dtype: Any, ndim: int) -> Any:
 
 def _layout_checked(kernel: Any, fn: Callable[..., Any], dense: tuple[int, ...]) -> Callable[..., Any]:
     """``fn`` behind a check that the arguments compiled as 'C' arrays are C-contiguous at the call."""
+
     def checked(*args: Any) -> Any:
         for i in dense:
             if not args[i].flags.c_contiguous:
-                raise InternalError(f"kernel {kernel.__name__} was compiled for a C-contiguous argument {i} and "
-                                    f"called with strides {args[i].strides} for shape {args[i].shape}",
-                                    arg=f"argument {i}", expected="a C-contiguous array")
+                raise InternalError(
+                    f"kernel {kernel.__name__} was compiled for a C-contiguous argument {i} and "
+                    f"called with strides {args[i].strides} for shape {args[i].shape}",
+                    arg=f"argument {i}",
+                    expected="a C-contiguous array",
+                )
         return fn(*args)
+
     return checked

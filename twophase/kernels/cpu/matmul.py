@@ -45,8 +45,15 @@ def _fold_blocks(t: Any, a: Any, b: Any, out: Any) -> list[tuple[Any, Any, Any]]
     return blocks
 
 
-def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any, float, float] | None = None,
-                 activation: str = "none") -> Launch:
+def build_matmul(
+    t: Any,
+    impl: str,
+    a: Any,
+    b: Any,
+    out: Any,
+    addend: tuple[Any, float, float] | None = None,
+    activation: str = "none",
+) -> Launch:
     """Launch computing ``out = act(alpha * (a @ b) + beta * c)`` (``addend = (c, alpha, beta)``; None: ``a @ b``;
     ``activation``: one of ``elementwise.ACTIVATIONS``) for tiling ``t`` of implementation ``impl``.
 
@@ -80,12 +87,14 @@ def build_matmul(t: Any, impl: str, a: Any, b: Any, out: Any, addend: tuple[Any,
         def gemm(ws: Any) -> None:
             np.matmul(a2, b2, out=o2)
             post(ws)
+
         return gemm
 
     def gemms(ws: Any) -> None:
         for a2, b2, o2 in blocks:
             np.matmul(a2, b2, out=o2)
         post(ws)
+
     return gemms
 
 
@@ -93,16 +102,18 @@ def _unit_axis(x: Any, row: bool) -> Any:
     """``x`` with a length-1 axis inserted before its last (``row``) or after it, strided as BLAS reads a matrix
     (numpy gives a new axis stride 0, which BLAS's leading dimension cannot be)."""
     if row:
-        return as_strided(x, x.shape[:-1] + (1, x.shape[-1]),
-                          x.strides[:-1] + (x.strides[-1] * max(1, x.shape[-1]), x.strides[-1]))
+        return as_strided(
+            x, x.shape[:-1] + (1, x.shape[-1]), x.strides[:-1] + (x.strides[-1] * max(1, x.shape[-1]), x.strides[-1])
+        )
     return as_strided(x, x.shape + (1,), x.strides + (x.itemsize,))
 
 
 def _over_batch(x: Any, batch: tuple[int, ...]) -> Any:
     """The stack of matrices ``x`` broadcast over ``batch``, its matrices' strides kept (``np.broadcast_to`` zeroes
     a length-1 dim's stride, which BLAS cannot take as a leading dimension)."""
-    lead = (0,) * (len(batch) - (x.ndim - 2)) + tuple(0 if n == 1 else st for n, st in zip(x.shape[:-2],
-                                                                                           x.strides[:-2]))
+    lead = (0,) * (len(batch) - (x.ndim - 2)) + tuple(
+        0 if n == 1 else st for n, st in zip(x.shape[:-2], x.strides[:-2])
+    )
     return as_strided(x, batch + x.shape[-2:], lead + x.strides[-2:], writeable=False)
 
 
@@ -127,6 +138,7 @@ def build_in_place_addend(a: Any, b: Any, out: Any, alpha: float, beta: float) -
     def launch(ws: Any) -> None:
         for call in calls:
             call(ws)
+
     return launch
 
 
@@ -135,23 +147,30 @@ def _epilogue_or_nothing(out: Any, addend: tuple[Any, float, float] | None) -> L
     return epilogue or (lambda _: None)
 
 
-def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any, float, float] | None,
-                 activation: str = "none") -> Launch:
+def _build_micro(
+    t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any, float, float] | None, activation: str = "none"
+) -> Launch:
     """The register-blocked float32 GEMM (``gemm.gemm_f32``), one call per part of ``t.parts``; a bias row
     (``addend`` a 1-D ``c`` over the columns, alpha = beta = 1, as linear passes it) is added by the kernel,
     any other addend by the epilogue after it. An activation runs in each part on the block it just computed,
     unless there is an epilogue (then once over ``out``, after it). With ``t.panels``, part i packs b's panels
     into the workspace's i-th ``align64(panel_bytes(K))``."""
     c, alpha, beta = (None, 1.0, 0.0) if addend is None else addend
-    fused = c is not None and (alpha, beta) == (1.0, 1.0) and c.ndim == 1 and c.shape[0] == o2.shape[1] and \
-        c.strides[0] == c.itemsize and not np.shares_memory(c, out)
+    fused = (
+        c is not None
+        and (alpha, beta) == (1.0, 1.0)
+        and c.ndim == 1
+        and c.shape[0] == o2.shape[1]
+        and c.strides[0] == c.itemsize
+        and not np.shares_memory(c, out)
+    )
     bias = c if fused else np.zeros(1, np.float32)
     if not fused and addend is not None and activation != "none":
         return _then_activate(_build_micro(t, a2, b2, o2, out, addend), activation, out)
     post: Launch = (lambda _: None) if fused else _epilogue_or_nothing(out, addend)
     no_pack = np.zeros(0, np.float32)
     fn = entry(gemm.gemm_f32, a2, b2, o2, bias, fused, 0, 0, 0, 0, no_pack)
-    acts = [activation_in_place(activation, o2[p[0]:p[1], p[2]:p[3]]) for p in t.parts]
+    acts = [activation_in_place(activation, o2[p[0] : p[1], p[2] : p[3]]) for p in t.parts]
 
     def parts(packs: list[Any]) -> list[Callable[[], None]]:
         calls: list[Callable[[], None]] = []
@@ -159,12 +178,14 @@ def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any,
             gemm_part = functools.partial(fn, a2, b2, o2, bias, fused, *p, pack)
             calls.append(gemm_part if act is None else functools.partial(_in_turn, gemm_part, act))
         return calls
+
     if t.panels:
         used = gemm.panel_bytes(b2.shape[0])
         area = align(used)
 
         def bind(ws: Any) -> Callable[[], None]:
-            return bound(parts([ws[i * area:i * area + used].view(np.float32) for i in range(len(t.parts))]))
+            return bound(parts([ws[i * area : i * area + used].view(np.float32) for i in range(len(t.parts))]))
+
         run = workspace_launcher(bind)
     else:
         run = launcher(parts([no_pack] * len(t.parts)))
@@ -172,6 +193,7 @@ def _build_micro(t: Any, a2: Any, b2: Any, o2: Any, out: Any, addend: tuple[Any,
     def launch(ws: Any) -> None:
         run(ws)
         post(ws)
+
     return launch
 
 
@@ -193,6 +215,7 @@ def _then_activate(launch: Launch, name: str, out: Any) -> Launch:
             return
         for idx in np.ndindex(lead):
             kernel(out[idx])
+
     return then
 
 
@@ -210,7 +233,7 @@ def _build_packed(t: Any, av: Any, bv: Any, ov: Any, post: Launch) -> Launch:
     def launch(ws: Any) -> None:
         ops = []
         for (shape, off, nbytes, is_packed), view in zip(areas, (av, bv, ov)):
-            ops.append(ws[off:off + nbytes].view(dt)[:view.size].reshape(shape) if is_packed else view)
+            ops.append(ws[off : off + nbytes].view(dt)[: view.size].reshape(shape) if is_packed else view)
         if areas[0][3]:
             np.copyto(ops[0], av)
         if areas[1][3]:
@@ -219,6 +242,7 @@ def _build_packed(t: Any, av: Any, bv: Any, ov: Any, post: Launch) -> Launch:
         if areas[2][3]:
             np.copyto(ov, ops[2])
         post(ws)
+
     return launch
 
 
@@ -235,6 +259,7 @@ def build_epilogue(out: Any, c: Any, alpha: float, beta: float) -> Launch | None
         def scale_add(_: Any) -> None:
             np.multiply(out, alpha, out=out)
             np.add(out, c, out=out)
+
         return scale_add
     ratio = alpha / beta
 
@@ -242,4 +267,5 @@ def build_epilogue(out: Any, c: Any, alpha: float, beta: float) -> Launch | None
         np.multiply(out, ratio, out=out)
         np.add(out, c, out=out)
         np.multiply(out, beta, out=out)
+
     return general

@@ -45,6 +45,7 @@ def _layer_norm_kernel(dense: bool, stream: bool = False) -> Any:
             rstd[k] = r
         if stream:
             sfence()
+
     return layer_norm_rows
 
 
@@ -90,27 +91,47 @@ LAYER_NORM_ROWS = by_density(_layer_norm_kernel)
 LAYER_NORM_ROWS_STREAMING = _layer_norm_kernel(True, stream=True)
 
 
-def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: float, rms: bool,
-               pack: bool, compute: Any, stream: bool = False) -> Callable[[Any], None]:
+def build_norm(
+    src: Any,
+    dst: Any,
+    w: Any,
+    b: Any,
+    mean: Any,
+    rstd: Any,
+    eps: float,
+    rms: bool,
+    pack: bool,
+    compute: Any,
+    stream: bool = False,
+) -> Callable[[Any], None]:
     """Launch over (K, N) views, or through a dense ``compute`` copy of the rows in the workspace when ``pack``;
     ``stream``: rows written with non-temporal stores, where every row of ``src`` and ``dst`` is dense and ``w`` / ``b``
     have unit stride (else the plain kernel)."""
     k, n = (src.shape[0], src.shape[1]) if not pack else (mean.size, src.size // max(mean.size, 1))
     if k * n == 0:
+
         def empty(_: Any) -> None:
             mean.fill(0.0 if rms else np.nan)  # RMS norm's mean output is 0 by definition; a mean of nothing NaN
             rstd.fill(np.nan)
+
         return empty
     sample = np.empty((1, 1), compute) if pack else src
-    stream = stream and not pack and rows_dense(src, dst) and all(v.strides[0] == v.itemsize for v in (w, b)) and \
-        element_aligned(dst)
+    stream = (
+        stream
+        and not pack
+        and rows_dense(src, dst)
+        and all(v.strides[0] == v.itemsize for v in (w, b))
+        and element_aligned(dst)
+    )
     kernel = LAYER_NORM_ROWS_STREAMING if stream else LAYER_NORM_ROWS[pack or rows_dense(src, dst)]
     fn = entry(kernel, sample, w, b, eps, rms, sample if pack else dst, mean, rstd)
     ranges = split_range(k, fanout_parts() if k * n >= FANOUT_MIN else 1)
 
     def parts(x: Any, out: Any) -> list[Callable[[], None]]:
-        return [functools.partial(fn, x[lo:hi], w, b, eps, rms, out[lo:hi], mean[lo:hi], rstd[lo:hi])
-                for lo, hi in ranges]
+        return [
+            functools.partial(fn, x[lo:hi], w, b, eps, rms, out[lo:hi], mean[lo:hi], rstd[lo:hi]) for lo, hi in ranges
+        ]
+
     if not pack:
         return launcher(parts(src, dst))
     nbytes = k * n * compute.itemsize
@@ -121,6 +142,7 @@ def build_norm(src: Any, dst: Any, w: Any, b: Any, mean: Any, rstd: Any, eps: fl
         m = area.reshape(k, n)
         run_parts(parts(m, m))
         np.copyto(dst, area.reshape(dst.shape), casting="unsafe")
+
     return launch
 
 
@@ -144,14 +166,14 @@ def _batch_norm_planes_kernel(dense: bool) -> Any:
     closure constant: ``jit.by_density``)."""
 
     @jit
-    def batch_norm_planes(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any, k0: int,
-                          k1: int) -> None:
+    def batch_norm_planes(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any, k0: int, k1: int) -> None:
         n_ch = x.shape[1]
         for t in range(k0, k1):
             k = t // n_ch
             c = t - k * n_ch
             a = w[c] / math.sqrt(var[c] + eps)
             _affine_rows(x[k, c], out[k, c], float(mean[c]), a, float(b[c]), dense)
+
     return batch_norm_planes
 
 
@@ -160,8 +182,7 @@ def _batch_norm_rows_kernel(dense: bool) -> Any:
     channel's w / sqrt(var + eps) worked out once per call; rows typed dense when ``dense``."""
 
     @jit
-    def batch_norm_rows(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any, k0: int,
-                        k1: int) -> None:
+    def batch_norm_rows(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any, k0: int, k1: int) -> None:
         n_ch = x.shape[1]
         scale = np.empty(n_ch)
         for c in range(n_ch):
@@ -170,6 +191,7 @@ def _batch_norm_rows_kernel(dense: bool) -> Any:
             xr, orow = row_of(x, k, dense), row_of(out, k, dense)
             for c in range(n_ch):
                 orow[c] = (xr[c] - mean[c]) * scale[c] + b[c]
+
     return batch_norm_rows
 
 
@@ -177,8 +199,7 @@ BATCH_NORM_PLANES = by_density(_batch_norm_planes_kernel)
 BATCH_NORM_ROWS = by_density(_batch_norm_rows_kernel)
 
 
-def _batch_norm_parts(x: Any, out: Any, params: tuple[Any, ...], eps: float,
-                      parts: int) -> list[Callable[[], None]]:
+def _batch_norm_parts(x: Any, out: Any, params: tuple[Any, ...], eps: float, parts: int) -> list[Callable[[], None]]:
     """The parts of a batch norm of the (N, C, R, S) view ``x`` into ``out``: ranges of the N rows of C channels
     when R * S == 1, else of the N * C planes. Compiled here (phase 1) for these arrays' types."""
     n, c, r, s = x.shape
@@ -191,8 +212,9 @@ def _batch_norm_parts(x: Any, out: Any, params: tuple[Any, ...], eps: float,
     return [functools.partial(fn, x, *params, eps, out, lo, hi) for lo, hi in split_range(tasks, parts)]
 
 
-def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pack: bool, compute: Any,
-                     p_offset: int, p_stride: int) -> Callable[[Any], None]:
+def build_batch_norm(
+    src: Any, dst: Any, params: tuple[Any, ...], eps: float, pack: bool, compute: Any, p_offset: int, p_stride: int
+) -> Callable[[Any], None]:
     """Launch over (N, C, R, S) views ``src`` / ``dst``; when ``pack`` (float16, or spatial dims that do not
     split into evenly spaced rows) they are the N-d operands, copied through a dense ``compute`` area at the
     start of the workspace, and the four (C,) parameters (mean, var, weight, bias) through ``compute`` vectors
@@ -211,8 +233,9 @@ def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pa
 
     def bind(ws: Any) -> Callable[[], None]:
         area = ws[:nbytes].view(compute)
-        vectors = tuple(ws[p_offset + i * p_stride:p_offset + i * p_stride + pbytes].view(compute)
-                        for i in range(len(params)))
+        vectors = tuple(
+            ws[p_offset + i * p_stride : p_offset + i * p_stride + pbytes].view(compute) for i in range(len(params))
+        )
         a4 = area.reshape(shape4)
         calls = _batch_norm_parts(a4, a4, vectors, eps, parts)
 
@@ -222,5 +245,7 @@ def build_batch_norm(src: Any, dst: Any, params: tuple[Any, ...], eps: float, pa
                 np.copyto(v, p, casting="unsafe")
             run_parts(calls)
             np.copyto(dst, area.reshape(src.shape), casting="unsafe")
+
         return work
+
     return workspace_launcher(bind)

@@ -55,6 +55,7 @@ def _max_pool_kernel(dense: bool) -> Any:
             n = t // c_n
             c = t - n * c_n
             _max_plane(x[n, c], out[n, c], geo, dense)
+
     return max_pool
 
 
@@ -99,6 +100,7 @@ def _avg_pool_kernel(dense: bool) -> Any:
             n = t // c_n
             c = t - n * c_n
             _avg_plane(x[n, c], out[n, c], geo, include_pad, dense)
+
     return avg_pool
 
 

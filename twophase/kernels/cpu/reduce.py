@@ -163,6 +163,7 @@ def _level_kernel(kind: str, dense: bool) -> Any:
             else:
                 out[k, j] = _max_row(x, k, lo, hi, scalar, dense)
             k, j = _next(k, j, nb)
+
     return level
 
 
@@ -209,6 +210,7 @@ def _sum_cols_kernel(dense: bool) -> Any:
         t0 <= t = j * nk + chunk < t1 (nk chunks of ``kc`` kept columns); rows typed dense when ``dense``."""
         for t in range(t0, t1):
             _sum_cols_task(x, block, zero, out, kc, t, dense)
+
     return sum_cols
 
 
@@ -219,7 +221,7 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int, den
     j = t // nk
     c0 = (t - j * nk) * kc
     w = min(kk, c0 + kc) - c0
-    acc = x[j * block, c0:c0 + w].copy()
+    acc = x[j * block, c0 : c0 + w].copy()
     u0 = np.uint64(c0)
     last = min(n, (j + 1) * block) - 1
     if dense and _whole_rows_packed(x, w):  # narrow rows back to back: accumulators in registers
@@ -246,6 +248,7 @@ def _max_cols_kernel(dense: bool) -> Any:
     def max_cols(x: Any, block: int, sign: Any, out: Any, kc: int, t0: int, t1: int) -> None:
         for t in range(t0, t1):
             _max_cols_task(x, block, sign, out, kc, t, dense)
+
     return max_cols
 
 
@@ -287,8 +290,16 @@ def run_level(fn: Any, parts: int, tasks: int, *args: Any) -> None:
     run_parts([functools.partial(fn, *args, lo, hi) for lo, hi in split_range(tasks, parts)])
 
 
-def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
-               kind: str = "sum", scalar: Any = None, scale: float | None = None) -> Callable[[Any], None]:
+def build_tree(
+    src: Any,
+    out2d: Any,
+    tiling: Any,
+    pack_dtype: Any,
+    acc: Any,
+    kind: str = "sum",
+    scalar: Any = None,
+    scale: float | None = None,
+) -> Callable[[Any], None]:
     """A launch that runs the levels of block reductions from the input to ``out2d`` (K, 1).
 
     ``src`` is the (K, R) matrix view of the input, or, when ``tiling.pack``, the input with its axes
@@ -333,16 +344,16 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
     def launch(ws: Any) -> None:
         x = first
         if pack:
-            area = ws[pack_offset:pack_offset + pack_bytes].view(pack_dtype)
+            area = ws[pack_offset : pack_offset + pack_bytes].view(pack_dtype)
             np.copyto(area.reshape(src.shape), src, casting="unsafe")
             x = area.reshape(k_rows, r)
         for n, off, step, parts in zip(levels, offsets, steps, fans):
-            dst = ws[off:off + k_rows * n * acc.itemsize].view(acc).reshape(shaped(n))
+            dst = ws[off : off + k_rows * n * acc.itemsize].view(acc).reshape(shaped(n))
             run_level(step, parts, level_tasks(dst, cols, *extra), x, block, zero, dst, *extra)
             x = dst
         last = fans[-1], level_tasks(final_out, cols, *extra)
         if stage >= 0:
-            wide = ws[stage:stage + k_rows * acc.itemsize].view(acc).reshape(shaped(1))
+            wide = ws[stage : stage + k_rows * acc.itemsize].view(acc).reshape(shaped(1))
             run_level(final, *last, x, block, zero, wide, *extra)
             if scale is None:
                 np.copyto(dst_out, wide, casting="unsafe")
@@ -352,6 +363,7 @@ def build_tree(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, acc: Any,
             run_level(final, *last, x, block, zero, dst_out, *extra)
             if scale is not None:
                 np.multiply(dst_out, scale, out=dst_out)
+
     return launch
 
 
@@ -380,6 +392,7 @@ def _argmax_level_kernel(dense: bool) -> Any:
         for _ in range(t0, t1):
             _argmax_block(x, idx, block, out_v, out_i, k, j, dense)
             k, j = _next(k, j, nb)
+
     return argmax_level
 
 
@@ -409,15 +422,16 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
     def launch(ws: Any) -> None:
         x, idx = src, no_idx
         if pack:
-            area = ws[pack_offset:pack_offset + pack_bytes].view(value_dtype)
+            area = ws[pack_offset : pack_offset + pack_bytes].view(value_dtype)
             np.copyto(area.reshape(src.shape), src, casting="unsafe")
             x = area.reshape(k_rows, r)
         for n, (ov, oi), step, p in zip(tiling.levels, parts, steps, fans):
-            dv = ws[ov:ov + k_rows * n * value_dtype.itemsize].view(value_dtype).reshape(k_rows, n)
-            di = ws[oi:oi + k_rows * n * 8].view(np.int64).reshape(k_rows, n)
+            dv = ws[ov : ov + k_rows * n * value_dtype.itemsize].view(value_dtype).reshape(k_rows, n)
+            di = ws[oi : oi + k_rows * n * 8].view(np.int64).reshape(k_rows, n)
             run_level(step, p, level_tasks(dv, False), x, idx, block, dv, di)
             x, idx = dv, di
         run_level(final, fans[-1], k_rows, x, idx, block, final_v, out2d)
+
     return launch
 
 
@@ -432,6 +446,7 @@ def _moments_level_kernel(dense: bool) -> Any:
             lo, hi = j * block, min(x.shape[1], (j + 1) * block)
             out[k, j, 0], out[k, j, 1], out[k, j, 2] = _moments_row(x, k, lo, hi, dense)
             k, j = _next(k, j, nb)
+
     return moments_level
 
 
@@ -470,6 +485,7 @@ def _var_rows_kernel(dense: bool) -> Any:
         for k in range(t0, t1):
             n, _, m2 = _moments_row(x, k, 0, x.shape[1], dense)
             out[k, 0] = _var_of(n, m2, correction)
+
     return var_rows
 
 
@@ -496,13 +512,13 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
     def source(ws: Any) -> Any:
         if not pack:
             return src
-        area = ws[pack_offset:pack_offset + pack_bytes].view(pack_dtype)
+        area = ws[pack_offset : pack_offset + pack_bytes].view(pack_dtype)
         np.copyto(area.reshape(src.shape), src, casting="unsafe")
         return area.reshape(k_rows, r)
 
     def finish(ws: Any, write: Callable[[Any], None]) -> None:
         if stage >= 0:
-            wide = ws[stage:stage + k_rows * 8].view(np.float64).reshape(k_rows, 1)
+            wide = ws[stage : stage + k_rows * 8].view(np.float64).reshape(k_rows, 1)
             write(wide)
             np.copyto(out2d, wide, casting="unsafe")
         else:
@@ -514,19 +530,22 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
         def launch_rows(ws: Any) -> None:
             x = source(ws)
             finish(ws, lambda dst: run_level(direct, fans[0], k_rows, x, corr, dst))
+
         return launch_rows
     counts = tiling.levels + (1,)
     p_t = np.empty((1, 1, 3))
     steps = [entry(MOMENTS_LEVEL[rows_dense(x_t)], x_t, block, p_t, 0, 0)] + [
-        entry(merge_level, p_t, block, p_t, 0, 0)] * len(tiling.levels)
+        entry(merge_level, p_t, block, p_t, 0, 0)
+    ] * len(tiling.levels)
     fin = entry(var_final, p_t, corr, wide_t)
     offs = tiling.offsets + (tiling.final_offset,)
 
     def launch(ws: Any) -> None:
         x = source(ws)
         for n, off, step, parts in zip(counts, offs, steps, fans):
-            dst = ws[off:off + k_rows * n * 24].view(np.float64).reshape(k_rows, n, 3)
+            dst = ws[off : off + k_rows * n * 24].view(np.float64).reshape(k_rows, n, 3)
             run_level(step, parts, k_rows * n, x, block, dst)
             x = dst
         finish(ws, lambda dst: fin(x, corr, dst))
+
     return launch

@@ -34,8 +34,10 @@ _VEC = ir.VectorType(_F32, LANES)
 def _pointers(context: Any, builder: Any, sig_arg: Any, arg: Any, count: int) -> list[Any]:
     """The first ``count`` addresses of an int64 array argument, as float pointers."""
     arr = context.make_array(sig_arg)(context, builder, arg)
-    return [builder.inttoptr(builder.load(builder.gep(arr.data, [ir.Constant(_I64, i)])), _F32.as_pointer())
-            for i in range(count)]
+    return [
+        builder.inttoptr(builder.load(builder.gep(arr.data, [ir.Constant(_I64, i)])), _F32.as_pointer())
+        for i in range(count)
+    ]
 
 
 def _vec_at(builder: Any, p: Any, k: Any) -> Any:
@@ -45,7 +47,8 @@ def _vec_at(builder: Any, p: Any, k: Any) -> Any:
 def _combine(builder: Any, row: Sequence[float], xs: list[Any], addend: Any) -> Any:
     """IR of addend + sum_i row[i] * xs[i]: 1 and -1 as adds and subtracts, other constants as FMAs."""
     fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), "llvm.fma.v16f32")
+        builder.module, ir.FunctionType(_VEC, [_VEC, _VEC, _VEC]), "llvm.fma.v16f32"
+    )
     acc = addend
     for c, x in zip(row, xs):
         if c == 0:
@@ -91,6 +94,7 @@ def linear_map(matrix: Sequence[Sequence[float]], shifts: Sequence[int] | None =
                 xs = [builder.load(_vec_at(builder, p, at), align=4) for p in in_p]
                 for j in range(outs):
                     builder.store(_combine(builder, matrix[j], xs, add), _vec_at(builder, out_p[j], at), align=4)
+
             _loop(builder, steps, step)
             at = builder.mul(steps, ir.Constant(_I64, LANES))
             rest = builder.sub(count, at)
@@ -100,9 +104,17 @@ def linear_map(matrix: Sequence[Sequence[float]], shifts: Sequence[int] | None =
                 zero = ir.Constant(_VEC, [0.0] * LANES)
                 xs = [builder.call(load, [_vec_at(builder, p, at), ir.Constant(_I32, 4), mask, zero]) for p in in_p]
                 for j in range(outs):
-                    builder.call(store, [_combine(builder, matrix[j], xs, add), _vec_at(builder, out_p[j], at),
-                                         ir.Constant(_I32, 4), mask])
+                    builder.call(
+                        store,
+                        [
+                            _combine(builder, matrix[j], xs, add),
+                            _vec_at(builder, out_p[j], at),
+                            ir.Constant(_I32, 4),
+                            mask,
+                        ],
+                    )
             return context.get_dummy_value()
+
         return types.void(rows, n, addend), codegen
 
     typing.__name__ = typing.__qualname__ = f"linear_map_{outs}x{ins}"
@@ -153,8 +165,9 @@ def _regroup(split: bool) -> Any:
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
             first = _pointers(context, builder, signature.args[0], args[0], 5)
-            n_, count_, s_step, d_step = (context.cast(builder, a, t, types.int64)
-                                          for a, t in zip(args[1:], signature.args[1:]))
+            n_, count_, s_step, d_step = (
+                context.cast(builder, a, t, types.int64) for a, t in zip(args[1:], signature.args[1:])
+            )
             four_step, one_step = (d_step, s_step) if split else (s_step, d_step)
             load, store = masked_memory(builder, _VEC)
             zero = ir.Constant(_VEC, [0.0] * LANES)
@@ -167,25 +180,44 @@ def _regroup(split: bool) -> Any:
                     wide = builder.gep(one, [builder.mul(at, ir.Constant(_I64, 4))])  # 4 floats a group
                     # (load pointer, store pointer, mask) per vector: 4 vectors of groups in element order on
                     # the ``one`` side, one vector of 16 groups per phase on the other
-                    ins = ([_vec_at(builder, wide, ir.Constant(_I64, LANES * v)) for v in range(4)] if split
-                           else [_vec_at(builder, q, at) for q in four])
-                    outs = ([_vec_at(builder, q, at) for q in four] if split
-                            else [_vec_at(builder, wide, ir.Constant(_I64, LANES * v)) for v in range(4)])
-                    in_masks, out_masks = (None, None) if masks is None else (
-                        (masks[0], [masks[1]] * 4) if split else ([masks[1]] * 4, masks[0]))
-                    vs = [builder.load(q, align=4) if in_masks is None else
-                          builder.call(load, [q, ir.Constant(_I32, 4), in_masks[v], zero]) for v, q in enumerate(ins)]
+                    ins = (
+                        [_vec_at(builder, wide, ir.Constant(_I64, LANES * v)) for v in range(4)]
+                        if split
+                        else [_vec_at(builder, q, at) for q in four]
+                    )
+                    outs = (
+                        [_vec_at(builder, q, at) for q in four]
+                        if split
+                        else [_vec_at(builder, wide, ir.Constant(_I64, LANES * v)) for v in range(4)]
+                    )
+                    in_masks, out_masks = (
+                        (None, None)
+                        if masks is None
+                        else ((masks[0], [masks[1]] * 4) if split else ([masks[1]] * 4, masks[0]))
+                    )
+                    vs = [
+                        builder.load(q, align=4)
+                        if in_masks is None
+                        else builder.call(load, [q, ir.Constant(_I32, 4), in_masks[v], zero])
+                        for v, q in enumerate(ins)
+                    ]
                     whole = _concat4(builder, vs)
                     for v, q in enumerate(outs):
-                        part = builder.shuffle_vector(whole, ir.Constant(whole.type, ir.Undefined), ir.Constant(
-                            ir.VectorType(_I32, LANES), order[v * LANES:(v + 1) * LANES]))
+                        part = builder.shuffle_vector(
+                            whole,
+                            ir.Constant(whole.type, ir.Undefined),
+                            ir.Constant(ir.VectorType(_I32, LANES), order[v * LANES : (v + 1) * LANES]),
+                        )
                         if out_masks is None:
                             builder.store(part, q, align=4)
                         else:
                             builder.call(store, [part, q, ir.Constant(_I32, 4), out_masks[v]])
+
                 _steps_and_rest(builder, n_, step)
+
             _loop(builder, count_, row)
             return context.get_dummy_value()
+
         return types.void(rows, n, count, src_step, dst_step), codegen
 
     typing.__name__ = typing.__qualname__ = "deinterleave4" if split else "interleave4"

@@ -125,15 +125,16 @@ def _rows(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
 def _rows_kernel(mode: int, dense: bool) -> Any:
     """The whole-rows kernel of ``mode`` (a closure constant: its branches fold away); ``tmp`` is scratch[0],
     not a slice of it (a slice types as 'A', whose loops vectorize worse)."""
+
     @jit
     def rows(x: Any, out: Any, scratch: Any) -> None:
         wide_vectors()
         _rows(x, out, mode, scratch[0], dense)
+
     return rows
 
 
-ROWS = {mode: by_density(functools.partial(_rows_kernel, mode)) for mode in (SOFTMAX, LOG_SOFTMAX,
-                                                                               LOG_SOFTMAX_IN_OUT)}
+ROWS = {mode: by_density(functools.partial(_rows_kernel, mode)) for mode in (SOFTMAX, LOG_SOFTMAX, LOG_SOFTMAX_IN_OUT)}
 
 
 @jit_inline
@@ -160,7 +161,7 @@ def _merge(part: Any, k: int, mode: int) -> None:
 @jit_inline
 def _block(x: Any, block: int, t: int, nb: int, dense: bool) -> Any:
     k, j = t // nb, t % nb
-    return row_of(x, k, dense)[j * block:min(x.shape[1], (j + 1) * block)]
+    return row_of(x, k, dense)[j * block : min(x.shape[1], (j + 1) * block)]
 
 
 @jit_inline
@@ -177,7 +178,7 @@ def _partials(x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: 
         k, j = t // nb, t % nb
         lo, hi = j * block, min(x.shape[1], (j + 1) * block)
         xb = row_of(x, k, dense)[lo:hi]
-        e = tmp[:hi - lo] if mode == LOG_SOFTMAX else row_of(out, k, dense)[lo:hi]
+        e = tmp[: hi - lo] if mode == LOG_SOFTMAX else row_of(out, k, dense)[lo:hi]
         m = m_next
         y = _block(x, block, t + 1, nb, dense) if t + 1 < t1 else xb  # the last block re-reads itself
         m_next = _exp_store_max(xb, e, m if m != -np.inf else 0.0, y)
@@ -199,6 +200,7 @@ def _split_rows_kernel(dense: bool) -> Any:
         """Long rows, one after the other: a row's block partials, their merge, its writes (the row stays in
         L2 / L3 between the passes)."""
         _split_rows(x, out, block, part, mode, scratch[0], dense)
+
     return split_rows
 
 
@@ -218,6 +220,7 @@ def _split_partials_kernel(dense: bool) -> Any:
         """Blocks ``t0 <= t < t1`` of the row-major (row, block) task list: their partials (fewer long rows than
         helper threads: the blocks are shared out instead of the rows)."""
         _partials(x, out, scratch[0], block, part, mode, t0, t1, dense)
+
     return split_partials
 
 
@@ -233,6 +236,7 @@ def _split_writes_kernel(dense: bool) -> Any:
         nb = part.shape[1]
         for t in range(t0, t1):
             _write(x, out, block, part, t // nb, t % nb, mode, dense)
+
     return split_writes
 
 
@@ -254,8 +258,11 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     k, n, split, block = t.rows, t.length, t.split, t.block
     row = block if split > 1 else n
     if mode == LOG_SOFTMAX and t.pack and (t.scratch_len < row or t.threads < 1):
-        raise InternalError("packed log-softmax tiling lacks its per-part scratch rows", op="log_softmax",
-                            status=Status.ERR_INNER_TILING)
+        raise InternalError(
+            "packed log-softmax tiling lacks its per-part scratch rows",
+            op="log_softmax",
+            status=Status.ERR_INNER_TILING,
+        )
     no_scratch = np.empty((t.threads, 0), compute_dt)  # softmax keeps its exps in out: zero-size stand-ins
     own_scratch = no_scratch
     if mode == LOG_SOFTMAX and not t.pack:
@@ -279,7 +286,8 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     scratch_bytes = t.threads * t.scratch_len * compute_dt.itemsize
 
     def row_parts(x: Any, out: Any, scratch: Any) -> list[Callable[[], None]]:
-        return [functools.partial(fn, x[lo:hi], out[lo:hi], scratch[i:i + 1]) for i, (lo, hi) in enumerate(ranges)]
+        return [functools.partial(fn, x[lo:hi], out[lo:hi], scratch[i : i + 1]) for i, (lo, hi) in enumerate(ranges)]
+
     if split == 1 and not t.pack:  # whole rows in place in the operands: every part is fixed here, in phase 1
         return launcher(row_parts(src, dst, own_scratch))
 
@@ -287,32 +295,41 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
         if split == 1:
             run_parts(row_parts(x, out, scratch))
             return
-        part = ws[t.part_offset:t.part_offset + k * split * 16].view(np.float64).reshape(k, split, 2)
+        part = ws[t.part_offset : t.part_offset + k * split * 16].view(np.float64).reshape(k, split, 2)
         if len(ranges) == 1 and by_rows:  # one part of whole rows: no views to cut
             fn(x, out, block, part, mode, scratch)
             return
         if by_rows:
-            run_parts([functools.partial(fn, x[lo:hi], out[lo:hi], block, part[lo:hi], mode, scratch[i:i + 1])
-                       for i, (lo, hi) in enumerate(ranges)])
+            run_parts(
+                [
+                    functools.partial(fn, x[lo:hi], out[lo:hi], block, part[lo:hi], mode, scratch[i : i + 1])
+                    for i, (lo, hi) in enumerate(ranges)
+                ]
+            )
             return
-        run_parts([functools.partial(f_part, x, out, block, part, mode, lo, hi, scratch[i:i + 1])
-                   for i, (lo, hi) in enumerate(ranges)])
+        run_parts(
+            [
+                functools.partial(f_part, x, out, block, part, mode, lo, hi, scratch[i : i + 1])
+                for i, (lo, hi) in enumerate(ranges)
+            ]
+        )
         f_merge(part, mode)
         run_parts([functools.partial(f_write, x, out, block, part, mode, lo, hi) for lo, hi in ranges])
 
     def launch(ws: Any) -> None:
         if t.pack:
-            area = ws[t.pack_offset:t.pack_offset + pack_bytes].view(compute_dt)
+            area = ws[t.pack_offset : t.pack_offset + pack_bytes].view(compute_dt)
             np.copyto(area.reshape(src.shape), src, casting="unsafe")
             x = out = area.reshape(k, n)
         else:
             x, out = src, dst
         if t.scratch_len:
-            area = ws[t.scratch_offset:t.scratch_offset + scratch_bytes].view(compute_dt)
+            area = ws[t.scratch_offset : t.scratch_offset + scratch_bytes].view(compute_dt)
             scratch = area.reshape(t.threads, t.scratch_len)
         else:
             scratch = own_scratch
         run(x, out, scratch, ws)
         if t.pack:
             np.copyto(dst, out.reshape(dst.shape), casting="unsafe")
+
     return launch

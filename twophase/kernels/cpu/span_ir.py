@@ -28,8 +28,19 @@ from numba.extending import intrinsic, overload
 
 from .jit import emit_prefetch, emit_splat, jit_inline
 
-__all__ = ["BULK", "AHEAD", "span_sum", "span_moments", "bulk_sum", "bulk_moments", "bulk_extremum", "bulk_first",
-           "bulk_column_sums", "bulk_column_extrema", "COLUMN_VECTORS"]
+__all__ = [
+    "BULK",
+    "AHEAD",
+    "span_sum",
+    "span_moments",
+    "bulk_sum",
+    "bulk_moments",
+    "bulk_extremum",
+    "bulk_first",
+    "bulk_column_sums",
+    "bulk_column_extrema",
+    "COLUMN_VECTORS",
+]
 
 BULK = 32  # elements per step: two 16-float vectors, or four 8-double ones
 AHEAD = 16384  # bytes between the step's first line and the lines it prefetches
@@ -41,8 +52,9 @@ Combine = Callable[[Any, Any, Any], Any]  # (builder, a, b) -> IR of a (+) b
 
 def _lanes(builder: Any, vec: Any, first: int, n: int) -> Any:
     """Lanes ``first .. first + n - 1`` of ``vec`` as a vector of n."""
-    return builder.shuffle_vector(vec, ir.Constant(vec.type, ir.Undefined),
-                                  ir.Constant(ir.VectorType(_I32, n), list(range(first, first + n))))
+    return builder.shuffle_vector(
+        vec, ir.Constant(vec.type, ir.Undefined), ir.Constant(ir.VectorType(_I32, n), list(range(first, first + n)))
+    )
 
 
 def _horizontal(builder: Any, accs: list[Any], combine: Combine) -> Any:
@@ -56,8 +68,15 @@ def _horizontal(builder: Any, accs: list[Any], combine: Combine) -> Any:
     return builder.extract_element(v, ir.Constant(_I32, 0))
 
 
-def _emit_steps(builder: Any, data: Any, elem: Any, steps: Any, vectors: int, inits: list[Any],
-                step: Callable[[list[Any], list[Any]], list[Any]]) -> list[Any]:
+def _emit_steps(
+    builder: Any,
+    data: Any,
+    elem: Any,
+    steps: Any,
+    vectors: int,
+    inits: list[Any],
+    step: Callable[[list[Any], list[Any]], list[Any]],
+) -> list[Any]:
     """IR of a loop over ``steps`` steps of ``vectors`` 64-byte vectors each, back to back from the element pointer
     ``data`` (float or double): the accumulator vectors start as ``inits``; each step prefetches the lines
     ``AHEAD`` bytes on, loads its vectors and maps (accumulators, vectors) to the next accumulators. Returns their
@@ -77,8 +96,10 @@ def _emit_steps(builder: Any, data: Any, elem: Any, steps: Any, vectors: int, in
     ahead = builder.gep(first, [ir.Constant(_I64, AHEAD // size)])
     for line in range(vectors):
         emit_prefetch(builder, builder.gep(ahead, [ir.Constant(_I64, line * per)]), write=False, locality=3)
-    loaded = [builder.load(builder.bitcast(builder.gep(first, [ir.Constant(_I64, line * per)]), vec.as_pointer()),
-                           align=size) for line in range(vectors)]
+    loaded = [
+        builder.load(builder.bitcast(builder.gep(first, [ir.Constant(_I64, line * per)]), vec.as_pointer()), align=size)
+        for line in range(vectors)
+    ]
     grown = step(accs, loaded)
     following = builder.add(index, ir.Constant(_I64, 1))
     end = builder.block
@@ -118,23 +139,29 @@ def _emit_sums(builder: Any, data: Any, elem: Any, n: Any, shift: Any | None) ->
     y = x - shift: four <8 x double> accumulators per sum."""
     zero = ir.Constant(_V8D, [0.0] * 8)
     if shift is None:
+
         def add(accs: list[Any], vectors: list[Any]) -> list[Any]:
             return [builder.fadd(a, h) for a, h in zip(accs, _widened(builder, vectors))]
-        return [_horizontal(builder, _emit_steps(builder, data, elem, *_bulk_steps(builder, elem, n), [zero] * 4, add),
-                            _fadd)]
+
+        return [
+            _horizontal(
+                builder, _emit_steps(builder, data, elem, *_bulk_steps(builder, elem, n), [zero] * 4, add), _fadd
+            )
+        ]
     centre = emit_splat(builder, shift, _V8D)
 
     def moments(accs: list[Any], vectors: list[Any]) -> list[Any]:
         ys = [builder.fsub(h, centre) for h in _widened(builder, vectors)]
-        return [builder.fadd(a, y) for a, y in zip(accs[:4], ys)] + [builder.fadd(a, builder.fmul(y, y))
-                                                                       for a, y in zip(accs[4:], ys)]
+        return [builder.fadd(a, y) for a, y in zip(accs[:4], ys)] + [
+            builder.fadd(a, builder.fmul(y, y)) for a, y in zip(accs[4:], ys)
+        ]
+
     finals = _emit_steps(builder, data, elem, *_bulk_steps(builder, elem, n), [zero] * 8, moments)
     return [_horizontal(builder, finals[:4], _fadd), _horizontal(builder, finals[4:], _fadd)]
 
 
 def _dense_float(v: Any) -> bool:
-    return isinstance(v, types.Array) and v.ndim == 1 and v.layout == "C" and v.dtype in (types.float32,
-                                                                                          types.float64)
+    return isinstance(v, types.Array) and v.ndim == 1 and v.layout == "C" and v.dtype in (types.float32, types.float64)
 
 
 def _start(context: Any, builder: Any, signature: Any, args: Any) -> tuple[Any, Any, Any]:
@@ -154,6 +181,7 @@ def _sum_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any) -> Any:
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         data, elem, count = _start(context, builder, signature, args)
         return _emit_sums(builder, data, elem, count, None)[0]
+
     return types.float64(v, lo, n), codegen
 
 
@@ -171,6 +199,7 @@ def _moment_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any, shift: Any) ->
         centre = context.cast(builder, args[3], signature.args[3], types.float64)
         s, q = _emit_sums(builder, data, elem, count, centre)
         return context.make_tuple(builder, pair, (s, q))
+
     return pair(v, lo, n, shift), codegen
 
 
@@ -179,8 +208,10 @@ _moment_steps: Any = intrinsic(_moment_steps_typing)
 
 def _pick(pred: str) -> Combine:
     """The plain compare-and-select extremum (one ``vmaxps`` / ``vminps``): "ogt" max, "olt" min; NaN loses."""
+
     def pick(builder: Any, a: Any, b: Any) -> Any:
         return builder.select(builder.fcmp_ordered(pred, a, b), a, b)
+
     return pick
 
 
@@ -191,8 +222,10 @@ def _extremum_step(builder: Any, pred: str) -> Callable[[list[Any], list[Any]], 
 
     def step(accs: list[Any], vectors: list[Any]) -> list[Any]:
         k = len(vectors)
-        return ([pick(builder, x, a) for a, x in zip(accs[:k], vectors)]
-                + [builder.or_(m, builder.fcmp_unordered("uno", x, x)) for m, x in zip(accs[k:], vectors)])
+        return [pick(builder, x, a) for a, x in zip(accs[:k], vectors)] + [
+            builder.or_(m, builder.fcmp_unordered("uno", x, x)) for m, x in zip(accs[k:], vectors)
+        ]
+
     return step
 
 
@@ -206,6 +239,7 @@ def _extremum_steps(pred: str) -> Any:
     v[lo : lo + n // BULK * BULK], NaN if any of them is NaN. The accumulators keep the plain compare-and-select
     extremum and masks of the NaNs seen; ``llvm.maximum`` costs several instructions a vector on x86, and its
     horizontal tail ended a 64-float row with a long dependent chain. -0.0 and +0.0 may come out in either order."""
+
     def typing(typingctx: Any, v: Any, lo: Any, n: Any, m: Any) -> Any:
         if not _dense_float(v) or m != v.dtype:
             return None
@@ -214,15 +248,21 @@ def _extremum_steps(pred: str) -> Any:
             data, elem, count = _start(context, builder, signature, args)
             steps, k = _bulk_steps(builder, elem, count)
             first = emit_splat(builder, args[3], ir.VectorType(elem, 8 if elem == _F64 else 16))
-            finals = _emit_steps(builder, data, elem, steps, k, _with_masks(builder, [first] * k),
-                                 _extremum_step(builder, pred))
+            finals = _emit_steps(
+                builder, data, elem, steps, k, _with_masks(builder, [first] * k), _extremum_step(builder, pred)
+            )
             seen = finals[k]
-            for mask in finals[k + 1:]:
+            for mask in finals[k + 1 :]:
                 seen = builder.or_(seen, mask)
             bits = builder.bitcast(seen, ir.IntType(seen.type.count))
-            return builder.select(builder.icmp_unsigned("!=", bits, ir.Constant(bits.type, 0)),
-                                  ir.Constant(elem, float("nan")), _horizontal(builder, finals[:k], _pick(pred)))
+            return builder.select(
+                builder.icmp_unsigned("!=", bits, ir.Constant(bits.type, 0)),
+                ir.Constant(elem, float("nan")),
+                _horizontal(builder, finals[:k], _pick(pred)),
+            )
+
         return m(v, lo, n, m), codegen
+
     # numba names the intrinsic after its typing function
     typing.__name__ = typing.__qualname__ = f"_{pred}_steps"
     return intrinsic(typing)
@@ -252,10 +292,13 @@ def _first_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any, m: Any) -> Any:
 
         builder.position_at_end(loop)
         index = builder.phi(_I64)
-        x = builder.load(builder.bitcast(builder.gep(data, [builder.mul(index, ir.Constant(_I64, per))]),
-                                         vec.as_pointer()), align=8 if elem == _F64 else 4)
-        found = builder.or_(builder.fcmp_ordered("oeq", x, target),
-                            builder.and_(want_nan, builder.fcmp_unordered("uno", x, x)))
+        x = builder.load(
+            builder.bitcast(builder.gep(data, [builder.mul(index, ir.Constant(_I64, per))]), vec.as_pointer()),
+            align=8 if elem == _F64 else 4,
+        )
+        found = builder.or_(
+            builder.fcmp_ordered("oeq", x, target), builder.and_(want_nan, builder.fcmp_unordered("uno", x, x))
+        )
         bits = builder.bitcast(found, mask)
         builder.cbranch(builder.icmp_unsigned("!=", bits, ir.Constant(mask, 0)), hit, next_)
 
@@ -266,8 +309,11 @@ def _first_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any, m: Any) -> Any:
         index.add_incoming(following, next_)
 
         builder.position_at_end(hit)
-        cttz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(mask, [mask, ir.IntType(1)]),  # type: ignore[no-untyped-call]
-                                              f"llvm.cttz.i{per}")
+        cttz = cgutils.get_or_insert_function(
+            builder.module,
+            ir.FunctionType(mask, [mask, ir.IntType(1)]),  # type: ignore[no-untyped-call]
+            f"llvm.cttz.i{per}",
+        )
         lane = builder.zext(builder.call(cttz, [bits, ir.Constant(ir.IntType(1), 1)]), _I64)
         at = builder.add(builder.mul(index, ir.Constant(_I64, per)), lane)
         builder.branch(out)
@@ -278,6 +324,7 @@ def _first_steps_typing(typingctx: Any, v: Any, lo: Any, n: Any, m: Any) -> Any:
         result.add_incoming(done, next_)
         result.add_incoming(at, hit)
         return result
+
     return types.int64(v, lo, n, m), codegen
 
 
@@ -292,18 +339,28 @@ def _emit_columns(builder: Any, data: Any, elem: Any, rows: Any, out: Any, vecto
     ``out`` (see ``_columns``)."""
     vec = _V8D if kind == "sum" else ir.VectorType(elem, 8 if elem == _F64 else 16)
     width = vectors * (8 if elem == _F64 else 16)
-    slots = [builder.bitcast(builder.gep(out, [ir.Constant(_I64, vec.count * k)]), vec.as_pointer())
-             for k in range(width // vec.count)]
+    slots = [
+        builder.bitcast(builder.gep(out, [ir.Constant(_I64, vec.count * k)]), vec.as_pointer())
+        for k in range(width // vec.count)
+    ]
     align = 8 if vec.element == _F64 else 4
     starts = [builder.load(slot, align=align) for slot in slots]
     if kind == "sum":
-        finals = _emit_steps(builder, data, elem, rows, vectors, starts, lambda accs, loaded: [
-            builder.fadd(a, h) for a, h in zip(accs, _widened(builder, loaded))])
+        finals = _emit_steps(
+            builder,
+            data,
+            elem,
+            rows,
+            vectors,
+            starts,
+            lambda accs, loaded: [builder.fadd(a, h) for a, h in zip(accs, _widened(builder, loaded))],
+        )
     else:
-        finals = _emit_steps(builder, data, elem, rows, vectors, _with_masks(builder, starts),
-                             _extremum_step(builder, kind))
+        finals = _emit_steps(
+            builder, data, elem, rows, vectors, _with_masks(builder, starts), _extremum_step(builder, kind)
+        )
         nan = ir.Constant(vec, [float("nan")] * vec.count)
-        finals = [builder.select(m, nan, f) for f, m in zip(finals[:len(slots)], finals[len(slots):])]
+        finals = [builder.select(m, nan, f) for f, m in zip(finals[: len(slots)], finals[len(slots) :])]
     for slot, f in zip(slots, finals):
         builder.store(f, slot, align=align)
 
@@ -315,10 +372,16 @@ def _columns(kind: str) -> Any:
     only (one loop each, picked by a switch on the width; false for any other width, acc untouched): their
     accumulators stay in registers across the rows (numba's loop over a column block loaded and stored its
     accumulator array every few rows); the rows ``AHEAD`` bytes on are prefetched."""
+
     def typing(typingctx: Any, v: Any, lo: Any, rows: Any, width: Any, acc: Any) -> Any:
         want = types.float64 if kind == "sum" else getattr(v, "dtype", None)
-        if not (_dense_float(v) and isinstance(acc, types.Array) and acc.dtype == want and acc.layout == "C"
-                and acc.ndim == 1):
+        if not (
+            _dense_float(v)
+            and isinstance(acc, types.Array)
+            and acc.dtype == want
+            and acc.layout == "C"
+            and acc.ndim == 1
+        ):
             return None
 
         def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
@@ -344,7 +407,9 @@ def _columns(kind: str) -> Any:
                 took.add_incoming(ir.Constant(ir.IntType(1), 1), end)
             took.add_incoming(ir.Constant(ir.IntType(1), 0), other)
             return took
+
         return types.boolean(v, lo, rows, width, acc), codegen
+
     typing.__name__ = typing.__qualname__ = f"_columns_{kind}"  # numba names the intrinsic after it
     return intrinsic(typing)
 
@@ -393,78 +458,96 @@ def bulk_column_extrema(v: Any, lo: int, rows: int, width: int, sign: Any, acc: 
 @overload(bulk_sum, inline="always")
 def _bulk_sum(v: Any, lo: int, n: int, zero: Any) -> Any:  # annotated as the implementations (numba checks)
     if _dense_float(v) and zero == types.float64:
+
         def fast(v: Any, lo: int, n: int, zero: Any) -> tuple[Any, int]:
             return zero + _sum_steps(v, lo, n), n - n % BULK
+
         return fast
 
     def none(v: Any, lo: int, n: int, zero: Any) -> tuple[Any, int]:
         return zero, 0
+
     return none
 
 
 @overload(bulk_moments, inline="always")
 def _bulk_moments(v: Any, lo: int, n: int, shift: float) -> Any:
     if _dense_float(v):
+
         def fast(v: Any, lo: int, n: int, shift: float) -> tuple[float, float, int]:
             s, q = _moment_steps(v, lo, n, shift)
             return s, q, n - n % BULK
+
         return fast
 
     def none(v: Any, lo: int, n: int, shift: float) -> tuple[float, float, int]:
         return 0.0, 0.0, 0
+
     return none
 
 
 @overload(bulk_extremum, inline="always")
 def _bulk_extremum(v: Any, lo: int, n: int, sign: Any, m: Any) -> Any:
     if _dense_float(v) and m == v.dtype:
+
         def fast(v: Any, lo: int, n: int, sign: Any, m: Any) -> tuple[Any, int]:
             done = n - n % BULK
             if sign > 0:
                 return _max_steps(v, lo, n, m), done
             return _min_steps(v, lo, n, m), done
+
         return fast
 
     def none(v: Any, lo: int, n: int, sign: Any, m: Any) -> tuple[Any, int]:
         return m, 0
+
     return none
 
 
 @overload(bulk_first, inline="always")
 def _bulk_first(v: Any, lo: int, n: int, m: Any) -> Any:
     if _dense_float(v) and m == v.dtype:
+
         def fast(v: Any, lo: int, n: int, m: Any) -> tuple[int, int]:
             return _first_steps(v, lo, n, m), n - n % BULK
+
         return fast
 
     def none(v: Any, lo: int, n: int, m: Any) -> tuple[int, int]:
         return 0, 0
+
     return none
 
 
 @overload(bulk_column_sums, inline="always")
 def _bulk_column_sums(v: Any, lo: int, rows: int, width: int, acc: Any) -> Any:
     if _dense_float(v) and isinstance(acc, types.Array) and acc.dtype == types.float64:
+
         def fast(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
             return _column_sums(v, lo, rows, width, acc)  # type: ignore[no-any-return]
+
         return fast
 
     def none(v: Any, lo: int, rows: int, width: int, acc: Any) -> bool:
         return False
+
     return none
 
 
 @overload(bulk_column_extrema, inline="always")
 def _bulk_column_extrema(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> Any:
     if _dense_float(v) and isinstance(acc, types.Array) and acc.dtype == v.dtype:
+
         def fast(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> bool:
             if sign > 0:
                 return _column_maxima(v, lo, rows, width, acc)  # type: ignore[no-any-return]
             return _column_minima(v, lo, rows, width, acc)  # type: ignore[no-any-return]
+
         return fast
 
     def none(v: Any, lo: int, rows: int, width: int, sign: Any, acc: Any) -> bool:
         return False
+
     return none
 
 

@@ -28,8 +28,21 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
-__all__ = ["CODES", "KERNELS", "AVAILABLE", "VECTOR_BYTES", "aligned_head", "element_aligned", "last_level_cache_bytes",
-           "offered", "ranked", "sfence", "store_normalized", "stream_threshold", "STREAM_MAX_THRESHOLD"]
+__all__ = [
+    "CODES",
+    "KERNELS",
+    "AVAILABLE",
+    "VECTOR_BYTES",
+    "aligned_head",
+    "element_aligned",
+    "last_level_cache_bytes",
+    "offered",
+    "ranked",
+    "sfence",
+    "store_normalized",
+    "stream_threshold",
+    "STREAM_MAX_THRESHOLD",
+]
 
 CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 _INSTRUCTIONS = ("fadd", "fsub", "fmul", "fdiv")
@@ -74,6 +87,7 @@ def _apply_typing(typingctx: Any, code: Any, x: Any, y: Any) -> Any:
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         return getattr(builder, _INSTRUCTIONS[c])(args[1], args[2])
+
     return sig, codegen
 
 
@@ -82,9 +96,12 @@ def _store_typing(typingctx: Any, code: Any, out: Any, a: Any, b: Any, i: Any) -
     non-temporal vector store, which needs ``&out[i]`` aligned to ``VECTOR_BYTES`` (the caller's loop ensures it)."""
     c = _code(code)
     arrays = (out, a, b)
-    if c is None or not isinstance(i, types.Integer) or not all(
-            isinstance(t, types.Array) and t.ndim == 1 and t.dtype == out.dtype for t in arrays) \
-            or not isinstance(out.dtype, types.Float):
+    if (
+        c is None
+        or not isinstance(i, types.Integer)
+        or not all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == out.dtype for t in arrays)
+        or not isinstance(out.dtype, types.Float)
+    ):
         return None
     sig = types.void(code, out, a, b, i)
 
@@ -96,11 +113,13 @@ def _store_typing(typingctx: Any, code: Any, out: Any, a: Any, b: Any, i: Any) -
         def at(k: int) -> Any:
             arr = context.make_array(signature.args[k])(context, builder, args[k])
             return builder.bitcast(builder.gep(arr.data, [index]), vec.as_pointer())
+
         x = builder.load(at(2), align=size)
         y = builder.load(at(3), align=size)
         store = builder.store(getattr(builder, _INSTRUCTIONS[c])(x, y), at(1), align=VECTOR_BYTES)
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
         return context.get_dummy_value()
+
     return sig, codegen
 
 
@@ -110,8 +129,11 @@ def _normalized_typing(typingctx: Any, out: Any, x: Any, w: Any, b: Any, i: Any,
     float64 and rounded once to the data's type T, as the scalar loop does; ``r`` is a float64 rounded to T. All
     four arrays 1-D, of T, with unit stride."""
     arrays = (out, x, w, b)
-    if not all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == out.dtype for t in arrays) or not isinstance(
-            out.dtype, types.Float) or not isinstance(i, types.Integer):
+    if (
+        not all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == out.dtype for t in arrays)
+        or not isinstance(out.dtype, types.Float)
+        or not isinstance(i, types.Integer)
+    ):
         return None
     sig = types.void(out, x, w, b, i, types.float64, types.float64)
 
@@ -129,8 +151,10 @@ def _normalized_typing(typingctx: Any, out: Any, x: Any, w: Any, b: Any, i: Any,
 
         def splat(value: Any, ty: Any) -> Any:
             v = builder.insert_element(ir.Constant(ty, ir.Undefined), value, ir.Constant(ir.IntType(32), 0))
-            return builder.shuffle_vector(v, ir.Constant(ty, ir.Undefined), ir.Constant(
-                ir.VectorType(ir.IntType(32), lanes), [0] * lanes))
+            return builder.shuffle_vector(
+                v, ir.Constant(ty, ir.Undefined), ir.Constant(ir.VectorType(ir.IntType(32), lanes), [0] * lanes)
+            )
+
         xs = builder.load(at(1), align=size)
         centred = builder.fsub(xs if size == 8 else builder.fpext(xs, wide), splat(args[5], wide))
         if size != 8:
@@ -141,6 +165,7 @@ def _normalized_typing(typingctx: Any, out: Any, x: Any, w: Any, b: Any, i: Any,
         store = builder.store(y, at(0), align=VECTOR_BYTES)
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
         return context.get_dummy_value()
+
     return sig, codegen
 
 
@@ -153,6 +178,7 @@ def _sfence_typing(typingctx: Any) -> Any:
         fn = builder.module.declare_intrinsic("llvm.x86.sse.sfence", fnty=ir.FunctionType(ir.VoidType(), []))
         builder.call(fn, [])
         return context.get_dummy_value()
+
     return sig, codegen
 
 
@@ -174,8 +200,12 @@ def offered(*descs: Any) -> bool:
     """Whether phase 1 may offer a streaming implementation for these operand descs (None: an absent optional
     operand): on x86, the first desc non-empty float32 / float64, and every desc contiguous."""
     first = descs[0]
-    return AVAILABLE and first.numel > 0 and first.dtype.np in (np.float32, np.float64) and all(
-        d is None or d.is_contiguous for d in descs)
+    return (
+        AVAILABLE
+        and first.numel > 0
+        and first.dtype.np in (np.float32, np.float64)
+        and all(d is None or d.is_contiguous for d in descs)
+    )
 
 
 def element_aligned(out: Any) -> bool:
@@ -200,6 +230,7 @@ def _kernel(code: int) -> Any:
     """``run(a, b, out)`` over 1-D C-contiguous views of one float dtype: scalar elements up to the first
     ``VECTOR_BYTES``-aligned one of ``out``, whole vectors with streaming stores, then the scalar tail. ``out``
     may be ``a`` or ``b`` itself (each vector is loaded before it is stored), but no other overlap."""
+
     @numba.njit(nogil=True, cache=True, error_model="numpy")  # no fastmath: bitwise numpy's results
     def run(a: Any, b: Any, out: Any) -> None:
         n = out.shape[0]
@@ -214,6 +245,7 @@ def _kernel(code: int) -> Any:
         for j in range(i, n):
             out[j] = _apply(code, a[j], b[j])
         sfence()
+
     return run
 
 

@@ -30,17 +30,39 @@ from .jit import FAST, REDUCE
 
 jit = numba.njit(nogil=True, cache=True, fastmath=FAST, inline="always")  # inlined into the calling kernel
 
-__all__ = ["exp", "log", "tanh", "erf", "erfc", "sigmoid", "silu", "gelu_erf", "gelu_tanh", "rsqrt",
-           "exp_f32", "exp_nonpos_f32", "exp_nonpos_zeroing_f32", "sigmoid_f32", "silu_f32", "gelu_erf_f32",
-           "maximum", "minimum", "fsum",
-           "deviation_sums", "corrected_moments",
-           "exp_shifted", "exp_shifted_masked"]
+__all__ = [
+    "exp",
+    "log",
+    "tanh",
+    "erf",
+    "erfc",
+    "sigmoid",
+    "silu",
+    "gelu_erf",
+    "gelu_tanh",
+    "rsqrt",
+    "exp_f32",
+    "exp_nonpos_f32",
+    "exp_nonpos_zeroing_f32",
+    "sigmoid_f32",
+    "silu_f32",
+    "gelu_erf_f32",
+    "maximum",
+    "minimum",
+    "fsum",
+    "deviation_sums",
+    "corrected_moments",
+    "exp_shifted",
+    "exp_shifted_masked",
+]
 
 
 def __as_f64_typer(typingctx: Any, bits: Any) -> Any:
     """Reinterpret int64 bits as a float64."""
+
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.bitcast(args[0], context.get_value_type(types.float64))
+
     return types.float64(types.int64), codegen
 
 
@@ -49,8 +71,10 @@ _as_f64: Any = intrinsic(__as_f64_typer)  # numba's intrinsic wrapper; Any: call
 
 def __as_i64_typer(typingctx: Any, x: Any) -> Any:
     """Reinterpret float64 bits as an int64."""
+
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.bitcast(args[0], context.get_value_type(types.int64))
+
     return types.int64(types.float64), codegen
 
 
@@ -59,9 +83,11 @@ _as_i64: Any = intrinsic(__as_i64_typer)  # numba's intrinsic wrapper; Any: call
 
 def __as_f32_typer(typingctx: Any, bits: Any) -> Any:
     """Reinterpret the low 32 bits of an int64 as a float32."""
+
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         low = builder.trunc(args[0], context.get_value_type(types.int32))
         return builder.bitcast(low, context.get_value_type(types.float32))
+
     return types.float32(types.int64), codegen
 
 
@@ -70,8 +96,10 @@ _as_f32: Any = intrinsic(__as_f32_typer)  # numba's intrinsic wrapper; Any: call
 
 def __fma32_typer(typingctx: Any, a: Any, b: Any, c: Any) -> Any:
     """a * b + c rounded once (float32)."""
+
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.fma(*args)
+
     return types.float32(types.float32, types.float32, types.float32), codegen
 
 
@@ -82,8 +110,10 @@ def __div_exact_typer(typingctx: Any, a: Any, b: Any) -> Any:
     """a / b as a true IEEE division (float64): the fdiv carries its own flags, so numba's fastmath pass leaves
     out ``arcp``, with which LLVM turns ``c / sqrt(x)`` on float32 vectors into the rsqrtps estimate (NaN at 0
     and inf, wrong on denormals)."""
+
     def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
         return builder.fdiv(*args, flags=("contract",))
+
     return types.float64(types.float64, types.float64), codegen
 
 
@@ -452,7 +482,9 @@ def _llvm_binary(float_name: str, int_name: str) -> Any:
             x, y = args
             num = builder.call(builder.module.declare_intrinsic(fallback, [ty], fnty), args)
             return builder.select(builder.fcmp_unordered("uno", x, y), builder.fadd(x, y), num)
+
         return a(a, a), codegen
+
     return op
 
 
@@ -508,10 +540,12 @@ def exp_shifted_masked(v: Any, m: float) -> Any:
 
 def _shifted(exp32: Any) -> Any:
     """The numba implementation of an ``exp_shifted`` form whose float32 exp is ``exp32``."""
+
     def impl(v, m):  # type: ignore[no-untyped-def]  # unannotated, as the implementations (numba checks)
         if v == types.float32:
             return lambda v, m: exp32(v - np.float32(m))
         return lambda v, m: exp(v - m)
+
     return impl
 
 

@@ -51,8 +51,15 @@ def _areas(oc: int, c: int, nt: int, th_n: int, tr: int, band: int, flat: bool) 
     """Byte sizes: spread strides of U, V, M rows, then one part's input, output, weight and (``flat``)
     split-plane scratch rows."""
     su, sv, sm = (spread_stride(n * 4, MATS) for n in (oc * c, c * nt, oc * nt))
-    return (su, sv, sm, align(_SCRATCH_IN * (band * tr + 1) * 4), align(_SCRATCH_OUT * band * tr * 4),
-            align(_SCRATCH_W * c * 4), align(_PLANES * (th_n + 2) * tr * 4) if flat else 0)
+    return (
+        su,
+        sv,
+        sm,
+        align(_SCRATCH_IN * (band * tr + 1) * 4),
+        align(_SCRATCH_OUT * band * tr * 4),
+        align(_SCRATCH_W * c * 4),
+        align(_PLANES * (th_n + 2) * tr * 4) if flat else 0,
+    )
 
 
 def workspace(oc: int, c: int, oh: int, ow: int, images: int, parts: int, flat: bool) -> int:
@@ -71,13 +78,25 @@ def _row_at(a: Any, row: int, col: int) -> Any:
     return a.ctypes.data + row * a.strides[0] + col * 4
 
 
-_BT = ((4, 0, -5, 0, 1, 0), (0, -4, -4, 1, 1, 0), (0, 4, -4, -1, 1, 0), (0, -2, -1, 2, 1, 0), (0, 2, -1, -2, 1, 0),
-       (0, 4, 0, -5, 0, 1))
+_BT = (
+    (4, 0, -5, 0, 1, 0),
+    (0, -4, -4, 1, 1, 0),
+    (0, 4, -4, -1, 1, 0),
+    (0, -2, -1, 2, 1, 0),
+    (0, 2, -1, -2, 1, 0),
+    (0, 4, 0, -5, 0, 1),
+)
 _AT = ((1, 1, 1, 1, 1, 0), (0, 1, -1, 2, -2, 0), (0, 1, 1, 4, 4, 0), (0, 1, -1, 8, -8, 1))
 _down_bt = linear_map(_BT)  # B^T down a tile's 6 rows (in place, or from the split plane), or B across
 _by_at = linear_map(_AT)  # A^T, down or (with the bias as addend) across
-_G = ((0.25, 0, 0), (-1 / 6, -1 / 6, -1 / 6), (-1 / 6, 1 / 6, -1 / 6), (1 / 24, 1 / 12, 1 / 6),
-      (1 / 24, -1 / 12, 1 / 6), (0, 0, 1))
+_G = (
+    (0.25, 0, 0),
+    (-1 / 6, -1 / 6, -1 / 6),
+    (-1 / 6, 1 / 6, -1 / 6),
+    (1 / 24, 1 / 12, 1 / 6),
+    (1 / 24, -1 / 12, 1 / 6),
+    (0, 0, 1),
+)
 _by_g = linear_map(_G)  # G down the kernel's rows, then across its columns
 
 
@@ -209,8 +228,9 @@ def winograd4_input(x: Any, v: Any, n0: int, nt: int, geo: Any, s: Any, pp: Any,
 
 
 @jit
-def winograd4_output(m: Any, bias: Any, has_bias: bool, out: Any, n0: int, nt: int, geo: Any, s: Any, oc0: int,
-                     oc1: int) -> None:
+def winograd4_output(
+    m: Any, bias: Any, has_bias: bool, out: Any, n0: int, nt: int, geo: Any, s: Any, oc0: int, oc1: int
+) -> None:
     """out[n, oc, 4*ty + a, 4*tx + b] = (A^T M A)[a, b] + bias[oc] (clipped at the map's edges) for the tiles of
     m[6*i + j, oc*nt + ...] (laid out as ``winograd4_input``'s v), output channels ``oc0 <= oc < oc1``; ``s``
     (28, band*TR) scratch: per band, A^T down each column of the tiles, A across into 4 rows of output columns
@@ -243,8 +263,9 @@ def winograd4_output(m: Any, bias: Any, has_bias: bool, out: Any, n0: int, nt: i
                     if out.strides[3] == 4:  # the whole tiles' columns of all those rows
                         for q in range(4):
                             addr[q] = _row_at(s, 24 + q, 0)
-                        addr[4] = (out.ctypes.data + n * out.strides[0] + oc * out.strides[1]
-                                   + (4 * ty0 + a) * out.strides[2])
+                        addr[4] = (
+                            out.ctypes.data + n * out.strides[0] + oc * out.strides[1] + (4 * ty0 + a) * out.strides[2]
+                        )
                         interleave4(addr, whole, rows, tr, 4 * (out.strides[2] // 4))
                     for ty in range(ty0, ty0 + rows):
                         y = 4 * ty + a
@@ -287,7 +308,7 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
 
     def scratch(ws: Any, i: int, at: int, rows: int, cols: int) -> Any:
         start = o_s + i * per_part + at
-        return ws[start:start + rows * cols * 4].view(dt).reshape(rows, cols)
+        return ws[start : start + rows * cols * 4].view(dt).reshape(rows, cols)
 
     def rounds(ws: Any) -> list[Round]:
         u = spread_rows(ws, 0, su, dt, MATS)
@@ -296,18 +317,23 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         s_out = [scratch(ws, i, si_b, _SCRATCH_OUT, band * tr) for i in range(parts)]
         s_w = [scratch(ws, i, si_b + so_b, _SCRATCH_W, c) for i in range(parts)]
         s_p = [scratch(ws, i, si_b + so_b + sw_b, _PLANES, (th_n + 2) * tr if flat else 0) for i in range(parts)]
-        return [([functools.partial(transform_in, u, v, n0, cnt, r == 0, s_in[i], s_w[i], s_p[i], i)
-                  for i in range(parts)],
-                 gemm_parts(matrices(u, oc, c), matrices(v, c, cnt), matrices(m, oc, cnt), k_ranges),
-                 [functools.partial(k_out, m, b, has, out, n0, cnt, geo, s_out[i], *oc_ranges[i])
-                  for i in range(parts)])
-                for r, (n0, cnt) in enumerate(rounds_at)]
+        return [
+            (
+                [
+                    functools.partial(transform_in, u, v, n0, cnt, r == 0, s_in[i], s_w[i], s_p[i], i)
+                    for i in range(parts)
+                ],
+                gemm_parts(matrices(u, oc, c), matrices(v, c, cnt), matrices(m, oc, cnt), k_ranges),
+                [functools.partial(k_out, m, b, has, out, n0, cnt, geo, s_out[i], *oc_ranges[i]) for i in range(parts)],
+            )
+            for r, (n0, cnt) in enumerate(rounds_at)
+        ]
 
-    def transform_in(u: Any, v: Any, n0: int, cnt: int, first: bool, s_in: Any, s_w: Any, s_p: Any,
-                     i: int) -> None:
+    def transform_in(u: Any, v: Any, n0: int, cnt: int, first: bool, s_in: Any, s_w: Any, s_p: Any, i: int) -> None:
         """Part i of the weight transform (first round only: its output channels) and of the input transform
         (its input channels)."""
         if first:
             k_w(w, u, *oc_ranges[i], s_w)
         k_in(x, v, n0, cnt, geo, s_in, s_p, *c_ranges[i])
+
     return winograd_launch(rounds)
