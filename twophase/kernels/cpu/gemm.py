@@ -133,7 +133,9 @@ def columns_computed(n: int) -> int:
     """Columns' worth of work ``gemm_tile`` does for ``n``: whole panels (64 wide, ``panel_width``), then the rest
     as a masked 64 (49-63 left), 32 + 16 (33-48), a masked 32 (17-31) or 16 (1-16; the 8-wide ymm panel of 1-8
     costs a 16-wide one's time per row of ``b``: the same loads and FMAs, on half-width registers). The same
-    counts as whole 32-wide panels and a last one of 32 or 16, which the formula computes."""
+    counts as whole 32-wide panels and a last one of 32 or 16, which the formula computes. (49-56 take the
+    3 zmm + ymm panel, 56 columns' work where a zmm FMA is two 256-bit passes, as on AMD Zen 4, 64 where it is one:
+    counted as 64, so that a plan does not depend on which.)"""
     full = n // NR * NR
     rest = n - full
     return full + (0 if rest == 0 else LANES if rest <= LANES else NR)
@@ -159,25 +161,28 @@ def _emit_block(
     bias: Any,
     ncols: Any = None,
     width: int = LANES,
+    tail: int = 0,
 ) -> None:
     """IR for the ``rows x width nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
     plus the bias row at address ``bias`` when it is not 0 (addresses in bytes, strides in elements). With
     ``ncols``, only the first ``ncols`` columns of the last vector of ``c`` and the bias are read and written
     (masked), while ``b``'s rows are still read whole vectors wide. ``width``: floats per vector (16: zmm; 8: ymm,
-    for a last panel of at most 8 columns, which then computes 8 lanes instead of 16)."""
-    w = width
-    vec = ir.VectorType(_F32, w)
-    fptr, vptr = _F32.as_pointer(), vec.as_pointer()
+    for a last panel of at most 8 columns, which then computes 8 lanes instead of 16); ``tail``: floats of the
+    last vector when it is narrower (3 zmm + 1 ymm for a last panel of 49-56 columns)."""
+    widths = [width] * (nv - 1) + [tail or width]
+    starts = [sum(widths[:v]) for v in range(nv)]
+    vecs = [ir.VectorType(_F32, w) for w in widths]
+    fptr = _F32.as_pointer()
     i32 = ir.IntType(32)
     mask = None
     if ncols is not None:
-        mask = emit_lanes_below(builder, ncols, w)
-        mload, mstore = masked_memory(builder, vec)
+        mask = emit_lanes_below(builder, ncols, widths[-1])
+        mload, mstore = masked_memory(builder, vecs[-1])
 
     def load_c(p: Any, v: int) -> Any:
         if mask is None or v < nv - 1:
             return builder.load(p, align=4)
-        return builder.call(mload, [p, ir.Constant(i32, 4), mask, ir.Constant(vec, None)])
+        return builder.call(mload, [p, ir.Constant(i32, 4), mask, ir.Constant(vecs[v], None)])
 
     def store_c(x: Any, p: Any, v: int) -> None:
         if mask is None or v < nv - 1:
@@ -185,40 +190,46 @@ def _emit_block(
         else:
             builder.call(mstore, [x, p, ir.Constant(i32, 4), mask])
 
-    fma = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(vec, [vec, vec, vec]), f"llvm.fma.v{w}f32"
-    )
-    zero = ir.Constant(vec, None)
+    fmas = [
+        cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+            builder.module, ir.FunctionType(vt, [vt, vt, vt]), f"llvm.fma.v{w}f32"
+        )
+        for vt, w in zip(vecs, widths, strict=True)
+    ]
+    zeros = [ir.Constant(vt, None) for vt in vecs]
 
     def const(v: int) -> Any:
         return ir.Constant(_I64, v)
 
-    def vec_at(base: Any, row: int, ld: Any, col: int) -> Any:
-        p = builder.gep(base, [builder.add(builder.mul(const(row), ld), const(col))])
-        return builder.bitcast(p, vptr)
+    def vec_at(base: Any, row: int, ld: Any, v: int) -> Any:
+        p = builder.gep(base, [builder.add(builder.mul(const(row), ld), const(starts[v]))])
+        return builder.bitcast(p, vecs[v].as_pointer())
 
     cp, ap, bp = (builder.inttoptr(x, fptr) for x in (c, a, b))
     # write-prefetch the block of c: its lines arrive while the k loop runs (c is cold when it is a
     # large output, or attention's scores of many heads: 8-10% there)
     for r in range(rows):
         for v in range(nv):
-            emit_prefetch(builder, vec_at(cp, r, ldc, w * v), write=True, locality=3)
-    acc = [[cgutils.alloca_once(builder, vec) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
+            emit_prefetch(builder, vec_at(cp, r, ldc, v), write=True, locality=3)
+    acc = [[cgutils.alloca_once(builder, vecs[v]) for v in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
     for row in acc:
-        for slot in row:
-            builder.store(zero, slot)
+        for v, slot in enumerate(row):
+            builder.store(zeros[v], slot)
     a_rows = [builder.gep(ap, [builder.mul(const(r), lda)]) for r in range(rows)]
 
     def k_loop(step: Any) -> None:
         with cgutils.for_range(builder, k) as loop:
             kk = loop.index
             b_row = builder.gep(bp, [builder.mul(kk, ldb)])
-            bv = [builder.load(builder.bitcast(builder.gep(b_row, [const(w * v)]), vptr), align=4) for v in range(nv)]
+            bv = [builder.load(vec_at(b_row, 0, const(0), v), align=4) for v in range(nv)]
             ak = kk if step is None else builder.mul(kk, step)
             for r in range(rows):
-                sv = emit_splat(builder, builder.load(builder.gep(a_rows[r], [ak]), align=4), vec)
+                wide = emit_splat(builder, builder.load(builder.gep(a_rows[r], [ak]), align=4), vecs[0])
+                # a narrower tail takes the wide splat's low lanes: the same register, no second broadcast
+                splats = {widths[0]: wide, widths[-1]: _low_lanes(builder, wide, widths[-1])}
                 for v in range(nv):
-                    builder.store(builder.call(fma, [sv, bv[v], builder.load(acc[r][v])]), acc[r][v])
+                    sv = splats[widths[v]]
+                    builder.store(builder.call(fmas[v], [sv, bv[v], builder.load(acc[r][v])]), acc[r][v])
 
     if UNIT_STEP_LOOP and ncols is None:  # (the masked last panels keep one loop: less to compile)
         # a's elements 1 apart along k (every caller's usual case): the unrolled loop addresses a row's next
@@ -232,34 +243,44 @@ def _emit_block(
                 k_loop(sak)
     else:
         k_loop(sak)
-    addend = [[cgutils.alloca_once(builder, vec) for _ in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
+    addend = [[cgutils.alloca_once(builder, vecs[v]) for v in range(nv)] for _ in range(rows)]  # type: ignore[no-untyped-call]
     with builder.if_else(builder.icmp_signed("!=", accumulate, const(0))) as (old_c, fresh):
         with old_c:
             for r in range(rows):
                 for v in range(nv):
-                    builder.store(load_c(vec_at(cp, r, ldc, w * v), v), addend[r][v])
+                    builder.store(load_c(vec_at(cp, r, ldc, v), v), addend[r][v])
         with fresh:
             with builder.if_else(builder.icmp_signed("!=", bias, const(0))) as (with_bias, without):
                 with with_bias:
                     bias_p = builder.inttoptr(bias, fptr)
                     for v in range(nv):
-                        x = load_c(vec_at(bias_p, 0, const(0), w * v), v)
+                        x = load_c(vec_at(bias_p, 0, const(0), v), v)
                         for r in range(rows):
                             builder.store(x, addend[r][v])
                 with without:
                     for r in range(rows):
                         for v in range(nv):
-                            builder.store(zero, addend[r][v])
+                            builder.store(zeros[v], addend[r][v])
     for r in range(rows):
         for v in range(nv):
             total = builder.fadd(builder.load(acc[r][v]), builder.load(addend[r][v]))
-            store_c(total, vec_at(cp, r, ldc, w * v), v)
+            store_c(total, vec_at(cp, r, ldc, v), v)
 
 
-def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
+def _low_lanes(builder: Any, v: Any, lanes: int) -> Any:
+    """The first ``lanes`` lanes of vector ``v`` (``v`` itself when it has that many)."""
+    if v.type.count == lanes:
+        return v
+    return builder.shuffle_vector(
+        v, ir.Constant(v.type, None), ir.Constant(ir.VectorType(ir.IntType(32), lanes), list(range(lanes)))
+    )
+
+
+def _microkernel(nv: int, masked: bool = False, width: int = LANES, tail: int = 0) -> Any:
     """An intrinsic ``(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias[, ncols])``: ``_emit_block`` for 16 nv
-    columns (``masked``: the last vector's first ``ncols``) and ``rows`` (1..MR) rows, one specialised block per row
-    count behind a switch (the accumulators must be known when compiling)."""
+    columns (``masked``: the last vector's first ``ncols``; ``tail``: floats of a narrower last vector) and ``rows``
+    (1..MR) rows, one specialised block per row count behind a switch (the accumulators must be known when
+    compiling)."""
     nargs = 12 if masked else 11
 
     def codegen(context: Any, builder: Any, signature: Any, argv: Any) -> Any:
@@ -271,7 +292,22 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
             builder.position_at_end(block)
             c, ldc, a, lda, sak, b, ldb, k, accumulate, bias = argv[1:11]
             _emit_block(
-                builder, r, nv, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, argv[11] if masked else None, width
+                builder,
+                r,
+                nv,
+                c,
+                ldc,
+                a,
+                lda,
+                sak,
+                b,
+                ldb,
+                k,
+                accumulate,
+                bias,
+                argv[11] if masked else None,
+                width,
+                tail,
             )
             builder.branch(done)
         builder.position_at_end(done)
@@ -313,13 +349,17 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES) -> Any:
         return sig, codegen
 
     typing: Any = typing_masked if masked else typing_plain  # numba types the intrinsic by its parameters
-    typing.__name__ = typing.__qualname__ = f"_microkernel_{nv * width}{'_masked' if masked else ''}"
+    cols = (nv - 1) * width + (tail or width)
+    typing.__name__ = typing.__qualname__ = f"_microkernel_{cols}{'_masked' if masked else ''}"
     return intrinsic(typing)
 
 
 # one intrinsic per panel width: numba's jit sees them as module globals
 _K16, _K32, _K16M, _K32M = _microkernel(1), _microkernel(2), _microkernel(1, masked=True), _microkernel(2, masked=True)
 _K64, _K64M = _microkernel(4), _microkernel(4, masked=True)
+# 49-56 columns: 3 zmm + a masked ymm. Where a zmm FMA takes two 256-bit passes (AMD Zen 4) this is 56 columns'
+# work, not 64: 7^2 conv tiles (49 pixels)
+_K56M = _microkernel(4, masked=True, tail=HALF)
 _K8M = _microkernel(1, masked=True, width=8)
 YMM = 8  # floats per ymm vector: the 8-lane kernels' panels are 2 * YMM and YMM columns wide
 _Y16, _Y8 = _microkernel(2, width=YMM), _microkernel(1, width=YMM)
@@ -384,13 +424,16 @@ def _panel(
     accumulate: int,
     bias: int,
 ) -> None:
-    """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..64) columns: 64, 32 or 16 whole, 49-63 as
-    64 with the fourth vector masked, 17-31 as 32 with the second vector masked, 9-15 as a masked 16, 1-8 as a
-    masked 8 (ymm); masked panels read ``b``'s rows that wide. (33-48 are not one panel: ``panel_width``.)"""
+    """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..64) columns: 64, 32 or 16 whole, 57-63 as
+    64 with the fourth vector masked, 49-56 as 56 (a masked ymm fourth vector), 17-31 as 32 with the second vector
+    masked, 9-15 as a masked 16, 1-8 as a masked 8 (ymm); masked panels read ``b``'s rows that wide (the
+    16-multiple past them stays readable). (33-48 are not one panel: ``panel_width``.)"""
     if w == WIDE:
         _K64(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif w > WIDE - LANES:
+    elif w > WIDE - HALF:
         _K64M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - (WIDE - LANES))
+    elif w > WIDE - LANES:
+        _K56M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - (WIDE - LANES))
     elif w == NR:
         _K32(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif w > LANES:
