@@ -407,10 +407,10 @@ def _tile_gemm(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int)
 @pytest.mark.parametrize("accumulate", [0, 1])
 def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Generator, accumulate: int) -> None:
     """``gemm_tile`` (conv2d's tiles, attention's heads): every column count 1-140, so each remainder takes the
-    8-wide (1-8 left), the 16-wide (9-15), the 32-wide (17-31: second vector), the 56-wide (49-56: a ymm fourth
-    vector) or the 64-wide (57-63: fourth vector) masked panel, or a 32-wide one then the rest (33-48), alone or
-    after whole 64-column panels, on rows off the 6-row kernel and a strided ``a``; the block of a poisoned ``c``
-    is written (or added to) exactly, nothing around it."""
+    8-wide (1-8 left), the 16-wide (9-15), the 24-wide (17-24: a ymm second vector), the 32-wide (25-31: second
+    vector), the 56-wide (49-56: a ymm fourth vector) or the 64-wide (57-63: fourth vector) masked panel, or a
+    32-wide one then the rest (33-48), alone or after whole 64-column panels, on rows off the 6-row kernel and a
+    strided ``a``; the block of a poisoned ``c`` is written (or added to) exactly, nothing around it."""
     k = 21
     for n in range(1, 141):
         for m in (1, 4, 6, 13):

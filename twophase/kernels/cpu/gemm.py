@@ -133,9 +133,9 @@ def columns_computed(n: int) -> int:
     """Columns' worth of work ``gemm_tile`` does for ``n``: whole panels (64 wide, ``panel_width``), then the rest
     as a masked 64 (49-63 left), 32 + 16 (33-48), a masked 32 (17-31) or 16 (1-16; the 8-wide ymm panel of 1-8
     costs a 16-wide one's time per row of ``b``: the same loads and FMAs, on half-width registers). The same
-    counts as whole 32-wide panels and a last one of 32 or 16, which the formula computes. (49-56 take the
-    3 zmm + ymm panel, 56 columns' work where a zmm FMA is two 256-bit passes, as on AMD Zen 4, 64 where it is one:
-    counted as 64, so that a plan does not depend on which.)"""
+    counts as whole 32-wide panels and a last one of 32 or 16, which the formula computes. (49-56 and 17-24 take
+    panels whose last vector is a ymm: 56 and 24 columns' work where a zmm FMA is two 256-bit passes, as on AMD
+    Zen 4, 64 and 32 where it is one; counted as 64 and 32, so that a plan does not depend on which.)"""
     full = n // NR * NR
     rest = n - full
     return full + (0 if rest == 0 else LANES if rest <= LANES else NR)
@@ -360,6 +360,7 @@ _K64, _K64M = _microkernel(4), _microkernel(4, masked=True)
 # 49-56 columns: 3 zmm + a masked ymm. Where a zmm FMA takes two 256-bit passes (AMD Zen 4) this is 56 columns'
 # work, not 64: 7^2 conv tiles (49 pixels)
 _K56M = _microkernel(4, masked=True, tail=HALF)
+_K24M = _microkernel(2, masked=True, tail=HALF)  # 17-24 columns: a zmm + a masked ymm, likewise
 _K8M = _microkernel(1, masked=True, width=8)
 YMM = 8  # floats per ymm vector: the 8-lane kernels' panels are 2 * YMM and YMM columns wide
 _Y16, _Y8 = _microkernel(2, width=YMM), _microkernel(1, width=YMM)
@@ -425,9 +426,10 @@ def _panel(
     bias: int,
 ) -> None:
     """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..64) columns: 64, 32 or 16 whole, 57-63 as
-    64 with the fourth vector masked, 49-56 as 56 (a masked ymm fourth vector), 17-31 as 32 with the second vector
-    masked, 9-15 as a masked 16, 1-8 as a masked 8 (ymm); masked panels read ``b``'s rows that wide (the
-    16-multiple past them stays readable). (33-48 are not one panel: ``panel_width``.)"""
+    64 with the fourth vector masked, 49-56 as 56 (a masked ymm fourth vector), 25-31 as 32 with the second vector
+    masked, 17-24 as 24 (a masked ymm second vector), 9-15 as a masked 16, 1-8 as a masked 8 (ymm); masked panels
+    read ``b``'s rows that wide (the 16-multiple past them stays readable). (33-48 are not one panel:
+    ``panel_width``.)"""
     if w == WIDE:
         _K64(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif w > WIDE - HALF:
@@ -436,8 +438,10 @@ def _panel(
         _K56M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - (WIDE - LANES))
     elif w == NR:
         _K32(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif w > LANES:
+    elif w > LANES + HALF:
         _K32M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - LANES)
+    elif w > LANES:
+        _K24M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - LANES)
     elif w == LANES:
         _K16(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif w > HALF:
