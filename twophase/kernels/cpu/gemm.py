@@ -163,12 +163,13 @@ def _emit_block(
     width: int = LANES,
     tail: int = 0,
 ) -> None:
-    """IR for the ``rows x width nv`` block ``c = a[:, :k] @ b[:k, :]`` plus, when ``accumulate``, the old ``c``, else
-    plus the bias row at address ``bias`` when it is not 0 (addresses in bytes, strides in elements). With
-    ``ncols``, only the first ``ncols`` columns of the last vector of ``c`` and the bias are read and written
-    (masked), while ``b``'s rows are still read whole vectors wide. ``width``: floats per vector (16: zmm; 8: ymm,
-    for a last panel of at most 8 columns, which then computes 8 lanes instead of 16); ``tail``: floats of the
-    last vector when it is narrower (3 zmm + 1 ymm for a last panel of 49-56 columns)."""
+    """IR for the block ``c = a[:, :k] @ b[:k, :]`` of ``rows`` rows and ``nv`` vectors of columns, plus, when
+    ``accumulate``, the old ``c``, else plus the bias row at address ``bias`` when it is not 0 (addresses in bytes,
+    strides in elements). With ``ncols``, only the first ``ncols`` columns of the last vector of ``c`` and the bias
+    are read and written (masked), while ``b``'s rows are still read whole vectors wide. ``width``: floats per
+    vector (16: zmm; 8: ymm, for a last panel of at most 8 columns, which then computes 8 lanes instead of 16);
+    ``tail``: floats of the last vector when it is narrower (a ymm after zmm vectors: last panels of 49-56 and 17-24
+    columns)."""
     widths = [width] * (nv - 1) + [tail or width]
     starts = [sum(widths[:v]) for v in range(nv)]
     vecs = [ir.VectorType(_F32, w) for w in widths]
@@ -428,8 +429,7 @@ def _panel(
     """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..64) columns: 64, 32 or 16 whole, 57-63 as
     64 with the fourth vector masked, 49-56 as 56 (a masked ymm fourth vector), 25-31 as 32 with the second vector
     masked, 17-24 as 24 (a masked ymm second vector), 9-15 as a masked 16, 1-8 as a masked 8 (ymm); masked panels
-    read ``b``'s rows that wide (the 16-multiple past them stays readable). (33-48 are not one panel:
-    ``panel_width``.)"""
+    read ``b``'s rows that wide (56 and 24 for the ymm-tailed ones). (33-48 are not one panel: ``panel_width``.)"""
     if w == WIDE:
         _K64(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
     elif w > WIDE - HALF:
