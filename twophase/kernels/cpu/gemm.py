@@ -171,7 +171,6 @@ def _emit_block(
     ``tail``: floats of the last vector when it is narrower (a ymm after zmm vectors: last panels of 49-56 and 17-24
     columns)."""
     widths = [width] * (nv - 1) + [tail or width]
-    starts = [sum(widths[:v]) for v in range(nv)]
     vecs = [ir.VectorType(_F32, w) for w in widths]
     fptr = _F32.as_pointer()
     i32 = ir.IntType(32)
@@ -203,7 +202,8 @@ def _emit_block(
         return ir.Constant(_I64, v)
 
     def vec_at(base: Any, row: int, ld: Any, v: int) -> Any:
-        p = builder.gep(base, [builder.add(builder.mul(const(row), ld), const(starts[v]))])
+        # vector v starts at width * v: only the last one may be narrower
+        p = builder.gep(base, [builder.add(builder.mul(const(row), ld), const(width * v))])
         return builder.bitcast(p, vecs[v].as_pointer())
 
     cp, ap, bp = (builder.inttoptr(x, fptr) for x in (c, a, b))
