@@ -375,6 +375,25 @@ def test_float64_var_of_rows_of_one_large_value(n: int) -> None:
         np.testing.assert_array_equal(r.outputs[0], 0.0)
 
 
+@pytest.mark.parametrize("n", [4, 5000, 300_000])
+def test_float64_var_of_huge_values(n: int) -> None:
+    """Finite float64 data near the range's top, within one block and merged over blocks: squared deviations that
+    overflow give inf, as numpy's (the correction c^2 / n overflowed too: inf - inf gave NaN), and a mean of 1e155
+    with a spread of 1e151 gives its finite variance (merging the first block into the empty partial gave
+    0 * inf = NaN)."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((3, n)) * 1e200
+    x[0, :4] = 1e200, -1e200, 3e199, 0.0  # a mean's rounding residue c of ~1e184: c^2 overflows
+    x[1] = 1e155 + rng.standard_normal(n) * 1e151
+    x[2] = rng.standard_normal(n)
+    r = run_checked(ops.var, x, dims=(1,))
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = np.var(x, axis=1, ddof=1)
+    assert np.isposinf(want[0]) and np.isposinf(r.outputs[0][0])
+    assert np.all(np.isfinite(want[1:]))
+    np.testing.assert_allclose(r.outputs[0][1:], want[1:], rtol=1e-10)
+
+
 @pytest.mark.parametrize(
     "shape,dims,layout",
     [

@@ -128,10 +128,13 @@ def _moments_row(x: Any, k: int, lo: int, hi: int, dense: bool) -> tuple[float, 
 
 @jit_inline
 def _chan(na: float, ma: float, qa: float, nb: float, mb: float, qb: float) -> tuple[float, float, float]:
-    """Merge two (count, mean, M2) partials (Chan, Golub and LeVeque)."""
+    """Merge two (count, mean, M2) partials (Chan, Golub and LeVeque). An empty side returns the other as it is:
+    its d^2 term (times a count of 0) was NaN where d^2 overflows, on float64 means beyond ~1e154."""
+    if na == 0.0:
+        return nb, mb, qb
+    if nb == 0.0:
+        return na, ma, qa
     n = na + nb
-    if n == 0.0:
-        return 0.0, 0.0, 0.0
     d = mb - ma
     return n, ma + d * (nb / n), qa + qb + d * d * (na * nb / n)
 

@@ -521,9 +521,12 @@ def corrected_moments(n: float, mean: float, c: float, q: float) -> tuple[float,
     """(mean, M2) of ``n`` elements from a first-pass ``mean`` and ``deviation_sums`` (c, q), by the corrected
     two-pass formula (Chan, Golub and LeVeque): mean + c / n and q - c^2 / n. The correction takes out the first
     pass's rounding: a row of one large value gives its value and M2 = 0 (without it M2 > 0, and a norm of such
-    a row gave +-1 instead of 0)."""
+    a row gave +-1 instead of 0). Where the squares overflowed (q = inf on finite data) M2 is inf, as numpy's:
+    c^2 / n may overflow too, and inf - inf gave NaN."""
     if n == 0:
         return mean, 0.0
+    if q == np.inf:
+        return mean + c / n, q
     return mean + c / n, max(q - c * c / n, 0.0)
 
 
