@@ -138,6 +138,27 @@ def test_free_of_an_exported_tensor_waits_for_the_consumer_then_keeps_stream_ord
         t.free(stream)
 
 
+def test_the_pools_own_free_of_an_exported_block_waits_for_the_consumer(dev, stream):
+    """``MemoryPool.free`` defers like ``Block.free``: it handed an exported block straight out again, under a
+    consumer still reading it."""
+    t = dev.tensor(np.arange(256, dtype=np.float32), stream=stream)
+    held = np.from_dlpack(t)
+    blk, size, before = t.block, t.block.size, dev.pool.stats()
+    dev.pool.free(blk, stream)
+    assert blk.allocated and blk.freed and dev.pool.stats() == before
+    other = dev.tensor(np.full(256, -1.0, np.float32), stream=stream)
+    stream.synchronize()
+    assert other.block.address != blk.address
+    np.testing.assert_array_equal(held, np.arange(256))
+    with pytest.raises(twophase.InvalidStateError, match="double free"):
+        dev.pool.free(blk, stream)
+    del held
+    assert (
+        not blk.allocated and dev.pool.stats()["allocated_bytes"] == before["allocated_bytes"] + other.block.size - size
+    )
+    other.free()
+
+
 def test_an_unfreed_export_leaves_the_block_as_it_was(dev):
     t = dev.tensor(np.arange(4, dtype=np.float32))
     a = np.from_dlpack(t)

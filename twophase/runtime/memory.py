@@ -131,9 +131,6 @@ class Block:
         that task is known, so a block used on several streams needs the stream of its last use, or a sync.
         While exported (:meth:`export`) the block only counts as freed: it goes back when the last consumer lets go.
         """
-        if self.exports is not None:
-            self._free_exported(stream)
-            return
         self.pool.free(self, stream)
 
     def export(self, holder: object) -> None:
@@ -381,11 +378,15 @@ class MemoryPool:
     # ---- release
     def free(self, blk: Block, stream: Stream | None = None) -> None:
         """Return ``blk``; with ``stream`` it becomes reusable by other streams only after that stream's
-        work enqueued so far has completed."""
+        work enqueued so far has completed. An exported block (``Block.export``) only counts as freed until its
+        last DLPack consumer lets go."""
         if not isinstance(blk, Block):
             raise ParamError(op="free", arg="block", expected="a twophase Block", got=type(blk).__name__)
         if stream is not None and type(stream) is not Stream:
             check_stream(stream, "free", open_=False)  # before anything changes: a bad one lost the block
+        if blk.exports is not None and blk.pool is self:
+            blk._free_exported(stream)
+            return
         if self._deferred:
             self._free_deferred()
         hook = self.observer.on_free
