@@ -21,11 +21,11 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import hooks
-from ..errors import CaptureError, ParamError
+from ..errors import CaptureError
 from ..executor import Executor
 from ..op import Op
 from ..runtime import forking
-from ..runtime.memory import Block
+from ..runtime.memory import Block, check_malloc
 from ..runtime.stream import SWITCH_LOCK, Stream, check_stream
 from .replay import Graph
 from .virtual import VirtualBlock
@@ -163,9 +163,7 @@ def _tap_device(dev: Any) -> Callable[[], None]:
             g = _active.get(threading.get_ident())
             if g is None or g.device is not dev:
                 return orig_malloc(nbytes, stream, policy)  # type: ignore[no-any-return]
-            if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
-                raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
-            return g._virtual_block(nbytes)
+            return g._virtual_block(check_malloc(nbytes, stream, policy))
 
         def array_view(block: Block, desc: Any) -> Any:
             if type(block) is VirtualBlock and block.virtual:

@@ -206,6 +206,19 @@ class _Observer:
     on_free: Callable[[Block, Any], None] | None = None
 
 
+def check_malloc(nbytes: object, stream: object, policy: object) -> int:
+    """``malloc``'s arguments checked (every allocator's: the pool's and a capture's virtual one); the byte count
+    as an int (numpy ints too, as every other byte count the library takes)."""
+    n = nbytes if type(nbytes) is int else int_value(nbytes)  # an ABC isinstance costs ~0.3 us: plain ints first
+    if n is None or n < 0:
+        raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
+    if policy not in POLICIES:
+        raise ParamError(op="malloc", arg="policy", expected=f"one of {POLICIES}", got=policy)
+    if stream is not None and type(stream) is not Stream:
+        check_stream(stream, "malloc", open_=False)
+    return n
+
+
 class MemoryPool:
     """Caching allocator of one device; thread-safe. Backends provide ``reserve(nbytes, policy)``/``release``."""
 
@@ -254,17 +267,7 @@ class MemoryPool:
     # ---- allocation
     def malloc(self, nbytes: int, stream: Stream | None = None, policy: str = "huge_first") -> Block:
         """A block of at least ``nbytes`` (512-byte aligned); reuses cached memory that is ready for ``stream``."""
-        if type(nbytes) is not int:  # the common case first: an ABC isinstance costs ~0.3 us a call
-            n = int_value(nbytes)  # numpy ints too, as every other byte count the library takes
-            if n is None:
-                raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
-            nbytes = n
-        if nbytes < 0:
-            raise ParamError(op="malloc", arg="nbytes", expected="an int >= 0", got=nbytes)
-        if policy not in POLICIES:
-            raise ParamError(op="malloc", arg="policy", expected=f"one of {POLICIES}", got=policy)
-        if stream is not None and type(stream) is not Stream:
-            check_stream(stream, "malloc", open_=False)
+        nbytes = check_malloc(nbytes, stream, policy)
         size = round_size(nbytes)
         if self._deferred:
             self._free_deferred()
