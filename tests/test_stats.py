@@ -100,6 +100,13 @@ def test_refused_phase1_calls_count_nowhere_and_dropped_executors_are_counted(fr
         ops.softmax.get_workspace_size("not a tensor")
     c = twophase.stats.snapshot()["ops"].get("softmax")
     assert c is None or (c["phase1_calls"], c["cache_misses"]) == (0, 0)
+    a = dev.tensor(np.ones((8, 8), np.float32))
+    for _ in range(2):  # refused at binding (out overlaps an input): it counted a created, then dropped, executor
+        with pytest.raises(twophase.ParamError):
+            ops.matmul.get_workspace_size(a, a, out=a)
+    gc.collect()
+    c = twophase.stats.snapshot()["ops"].get("matmul")
+    assert c is None or (c["phase1_calls"], c["executors_created"], c["executors_dropped"]) == (0, 0, 0)
     _, ex = ops.softmax.get_workspace_size(x)
     del ex  # dropped without phase 2 or destroy
     gc.collect()

@@ -190,10 +190,10 @@ class Op:
                 if isinstance(g, Tensor):
                     bound[len(in_descs) + i] = g
         ex = Executor._make(self, plan, norm, in_descs, out_descs)
+        if bound:
+            ex._bind_many(bound)  # refused (an out overlapping an input, ...): no executor was made
         counters.phase1 += 1
         counters.on_create(ex)
-        if bound:
-            ex._bind_many(bound)
         if _log.isEnabledFor(logging.DEBUG):
             _log.debug(
                 "phase1 %s %s: inputs %s outputs %s implementation %s tiling %s workspace %d bytes",
