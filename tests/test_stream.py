@@ -234,6 +234,41 @@ def test_launch_blocking_runs_tasks_inline_on_the_caller_thread(dev):
     assert where and where[0] != threading.get_ident()
 
 
+def test_a_single_use_executor_is_spent_by_a_failed_blocking_launch_and_kept_by_a_refused_one(dev):
+    """Launch blocking: a launch that ran and failed spends a single-use executor, as an async launch once queued
+    (it stayed READY with its gate cleared: the next phase 2 reported 'unbound operand(s) []', and set_input
+    re-armed it). A stream that refuses the task (closed) leaves the executor as it was."""
+    s = dev.stream()
+    w = dev.tensor(np.ones((4, 2), np.float32), stream=s)
+    idx = dev.tensor(np.array([0, 99], np.int64), stream=s)
+    s.synchronize()
+    twophase.set_launch_blocking(True)
+    try:
+        size, ex = ops.embedding.get_workspace_size(w, idx)
+        out = dev.empty(ex.output_descs[0].shape)
+        ex.set_output(0, out)
+        with pytest.raises(twophase.ParamError, match="embedding"):
+            ops.embedding(None, size, ex, s)
+        assert ex.state is twophase.ExecState.CONSUMED
+        with pytest.raises(twophase.InvalidStateError, match="consumed"):
+            ops.embedding(None, size, ex, s)
+        with pytest.raises(twophase.InvalidStateError):
+            ex.set_input(1, idx)
+    finally:
+        twophase.set_launch_blocking(False)
+    closed = dev.stream()
+    closed.close()
+    x = dev.tensor(np.ones(4, np.float32), stream=s)
+    y = dev.empty((4,))
+    _, ex = ops.neg.get_workspace_size(x, out=y)
+    with pytest.raises(twophase.InvalidStateError, match="closed"):
+        ops.neg(None, 0, ex, closed)
+    assert ex.state is twophase.ExecState.READY
+    ops.neg(None, 0, ex, s)  # still usable, once
+    assert ex.state is twophase.ExecState.CONSUMED
+    np.testing.assert_array_equal(y.numpy(), -np.ones(4, np.float32))
+
+
 def test_launch_blocking_environment_variable_is_read_at_import():
     code = (
         "import threading, twophase as tp; s = tp.device('cpu').stream(); w = [];"

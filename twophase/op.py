@@ -496,7 +496,11 @@ class Op:
             raise
         if not ex._repeatable:
             ex._gate = None
-        seq = stream._enqueue(ex._launch, NO_WORKSPACE if workspace is None else workspace.data, ex)  # type: ignore[arg-type]
+        try:
+            seq = stream._enqueue(ex._launch, NO_WORKSPACE if workspace is None else workspace.data, ex)  # type: ignore[arg-type]
+        except BaseException:
+            self._enqueue_failed(ex, stream)
+            raise
         for b in ex._blocks:  # Block.mark_use, inlined on the hot path
             b._stream = stream
             b._seq = seq
@@ -505,6 +509,16 @@ class Op:
             workspace._seq = seq
         if ex._gate is None:
             ex._release(ExecState.CONSUMED)  # single-use: phase 2 consumed it
+
+    def _enqueue_failed(self, ex: Executor, stream: Stream) -> None:
+        """A single-use executor whose enqueue raised: spent if its launch ran (launch blocking: its failure raised
+        inline), as an async launch is once queued; else (a closed stream, a capture's refusal) as it was."""
+        if ex._repeatable or ex._state is not ExecState.READY or ex._gate is not None:
+            return
+        if stream._enqueue == stream._q.enqueue_inline:
+            ex._release(ExecState.CONSUMED)
+        else:
+            ex._gate = self
 
     def _refuse(self, ex: Any) -> None:
         if not isinstance(ex, Executor):
