@@ -149,6 +149,33 @@ def test_wait_event_orders_work_across_streams(dev, gate):
         s2.wait_event(None)
 
 
+def test_a_stream_waiting_on_a_failed_one_takes_on_its_failure(dev):
+    """Work ordered after a failed task by wait_event reads what that task (or those dropped after it) should have
+    written: the waiting stream's sync raises it too (it computed on unwritten memory and synced clean). An event
+    recorded before the failure passes nothing on; the failed stream keeps its own error; both stay usable."""
+    a, b = dev.stream(), dev.stream()
+    w = dev.tensor(np.ones((4, 2), np.float32), stream=a)
+    bad = dev.tensor(np.array([0, 99], np.int64), stream=a)
+    x = dev.tensor(np.full(8, 5.0, np.float32), stream=a)
+    before = a.record_event()
+    twophase.embedding(w, bad, stream=a).free(a)  # fails on a's worker
+    y = twophase.add(x, 1.0, stream=a)  # dropped: y is never written
+    b.wait_event(before)
+    b.synchronize()  # ordered before the failure: nothing to take on
+    b.wait_event(a.record_event())
+    z = twophase.mul(y, 2.0, stream=b)
+    with pytest.raises(twophase.KernelError, match=r"embedding.*failed on stream .*which this stream waited for") as e:
+        b.synchronize()
+    assert e.value.op == "embedding" and isinstance(e.value.__cause__, twophase.ParamError)
+    assert "a wait_event failed on stream" in str(e.value)
+    with pytest.raises(twophase.ParamError, match="indices"):
+        a.synchronize()
+    again = twophase.mul(x, 2.0, stream=b)
+    np.testing.assert_array_equal(again.numpy(), np.full(8, 10.0, np.float32))
+    for t in (w, bad, x, y, z, again):
+        t.free()
+
+
 def test_launch_callback_runs_after_prior_work_and_rejects_non_callables(dev, stream, rng):
     a = rng.standard_normal(1000)
     x = dev.tensor(a, stream=stream)

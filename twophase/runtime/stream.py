@@ -360,7 +360,8 @@ class _Queue:
         exc, owner, _ = err
         self.error = None
         dropped, self.dropped = self.dropped, 0
-        where = f"{describe_owner(owner)} failed on stream '{self.name}'"
+        who = "a wait_event" if owner is CONTROL else describe_owner(owner)  # the only control task that raises
+        where = f"{who} failed on stream '{self.name}'"
         tail = f"{dropped} later task(s) were dropped" if dropped else "no later task was dropped"
         if isinstance(exc, TwoPhaseError):
             exc.add_note_line(f"{where}; {tail}")
@@ -502,7 +503,19 @@ def _mark_time(ev: Event) -> None:
 
 
 def _wait_other(ev: Event) -> None:
-    ev.stream._q.wait_for(ev.seq, raise_errors=False)
+    """A wait_event task: wait for ``ev``, and take on a failure pending on its stream up to it. The work after
+    the wait reads what the failed task (or those dropped after it) should have written: it ran on, and its
+    stream's sync passed, on memory nobody wrote. The other stream keeps its own error for its own sync."""
+    q = ev.stream._q
+    q.wait_for(ev.seq, raise_errors=False)
+    err = q.error
+    if err is not None and err[2] <= ev.seq:
+        exc, owner, _ = err
+        raise KernelError(
+            f"{describe_owner(owner)} failed on stream '{q.name}', which this stream waited for "
+            f"(wait_event): {type(exc).__name__}: {exc}",
+            op=getattr(getattr(owner, "op", None), "name", None),
+        ) from exc
 
 
 def _call(fn: Callable[[], Any]) -> None:
