@@ -504,8 +504,8 @@ def _mark_time(ev: Event) -> None:
 
 def _wait_other(ev: Event) -> None:
     """A wait_event task: wait for ``ev``, and take on a failure pending on its stream up to it. The work after
-    the wait reads what the failed task (or those dropped after it) should have written: it ran on, and its
-    stream's sync passed, on memory nobody wrote. The other stream keeps its own error for its own sync."""
+    the wait reads what the failed task (or those dropped after it) should have written: without this it ran on
+    memory nobody wrote, and its stream synced clean. The other stream keeps its own error for its own sync."""
     q = ev.stream._q
     q.wait_for(ev.seq, raise_errors=False)
     err = q.error
