@@ -128,6 +128,12 @@ def describe_owner(owner: Any) -> str:
     return describe() if describe is not None else str(owner)
 
 
+def task_failure(exc: BaseException, owner: Any, where: str, tail: str = "") -> KernelError:
+    """The KernelError reporting ``exc``, raised by the task of ``owner``: where, the exception, then ``tail``."""
+    op = getattr(getattr(owner, "op", None), "name", None)
+    return KernelError(f"{where}: {type(exc).__name__}: {exc}{tail}", op=op)
+
+
 class _Queue:
     """The state shared by a stream and its worker; the worker holds only this, so streams can be collected."""
 
@@ -366,8 +372,7 @@ class _Queue:
         if isinstance(exc, TwoPhaseError):
             exc.add_note_line(f"{where}; {tail}")
             raise exc
-        op = getattr(getattr(owner, "op", None), "name", None)
-        raise KernelError(f"{where}: {type(exc).__name__}: {exc}; {tail}", op=op) from exc
+        raise task_failure(exc, owner, where, f"; {tail}") from exc
 
     def enqueue_closed(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
         raise InvalidStateError(f"stream '{self.name}' is closed: it takes no more work", op="stream", arg="stream")
@@ -511,11 +516,8 @@ def _wait_other(ev: Event) -> None:
     err = q.error
     if err is not None and err[2] <= ev.seq:
         exc, owner, _ = err
-        raise KernelError(
-            f"{describe_owner(owner)} failed on stream '{q.name}', which this stream waited for "
-            f"(wait_event): {type(exc).__name__}: {exc}",
-            op=getattr(getattr(owner, "op", None), "name", None),
-        ) from exc
+        where = f"{describe_owner(owner)} failed on stream '{q.name}', which this stream waited for (wait_event)"
+        raise task_failure(exc, owner, where) from exc
 
 
 def _call(fn: Callable[[], Any]) -> None:
