@@ -128,6 +128,35 @@ def overlaps(a: Any, b: Any) -> bool:
         return True
 
 
+def relation(outer: TensorDesc, inner: TensorDesc, max_bytes: int = 1 << 26) -> str:
+    """How the elements of view ``inner`` of a buffer lie against those of view ``outer`` of the same buffer:
+    ``"apart"`` (no byte in common: interleaved columns too), ``"within"`` (every byte of ``inner`` is one of
+    ``outer``'s) or ``"straddles"``. Exact, by marking ``outer``'s bytes, up to spans of ``max_bytes``; past
+    that a view inside a row-major ``outer``'s span is within and any other meeting pair straddles."""
+    (olo, ohi), (ilo, ihi) = outer.byte_span(), inner.byte_span()
+    if apart((olo, ohi), (ilo, ihi)) or inner.numel == 0 or outer.numel == 0:
+        return "apart"
+    if inner == outer:
+        return "within"
+    lo, hi = min(olo, ilo), max(ohi, ihi)
+    if hi - lo > max_bytes:
+        return "within" if outer.is_contiguous() and olo <= ilo and ihi <= ohi else "straddles"
+    marks = np.zeros(hi - lo, np.bool_)
+    _bytes_of(marks, outer, lo)[...] = True
+    covered = _bytes_of(marks, inner, lo)
+    return "within" if covered.all() else "straddles" if covered.any() else "apart"
+
+
+def _bytes_of(marks: np.ndarray[Any, Any], desc: TensorDesc, lo: int) -> np.ndarray[Any, Any]:
+    """The bytes of ``desc`` as a writable view of ``marks`` (one bool per byte of the buffer from ``lo``)."""
+    item = desc.dtype.itemsize
+    return np.lib.stride_tricks.as_strided(
+        marks[desc.offset * item - lo :],
+        (*desc.shape, item),
+        (*(s * item for s in desc.strides), 1),
+    )
+
+
 def self_overlapping(a: Any) -> bool:
     """Whether two elements of the array ``a`` may share memory (a zero or too small stride: a broadcast view).
     Sufficient test, as torch's: sorted by stride, each dim must step past everything the smaller ones cover."""

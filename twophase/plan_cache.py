@@ -12,6 +12,7 @@ from typing import Any
 
 from .config import check_byte_limit
 from .errors import InvalidStateError, ParamError
+from .graph.capture import capturing
 from .invoke import PlannedCall
 from .op import Op, as_op, effective_limit
 from .runtime.device import placement
@@ -69,6 +70,10 @@ class PlanCache:
         _, s = placement(inputs, stream, o.name)
         # the limit in force, as phase 1 keys it: a plan made before set_workspace_limit() must not be served after
         meta = o._key(in_descs, outs, effective_limit(o.name, attrs.get("workspace_limit")), attrs, bound)
+        if capturing() is not None:
+            # not cached either way: a call planned now holds virtual blocks of the graph, and a cached one's
+            # workspace would be recorded into the graph while the cache may free it later
+            meta = None
         key = (meta, s)
         entry = None
         if meta is not None:  # leases are exclusive: take an idle entry of this metadata, if any

@@ -9,7 +9,7 @@ plain (non-capturing) phase-2 and enqueue paths carry no check at all:
 - the device pool's ``malloc`` hands the capturing thread *virtual* blocks: no memory until the graph is
   instantiated, where each becomes a slice of the arena (``VirtualBlock``);
 - ``Op._build_launch`` defers the launch of an executor bound to a virtual tensor (there is nothing to view
-  yet), and the device's ``_array_view`` refuses views of virtual tensors with a clear message;
+  yet; a view of a virtual tensor, during the capture or after it, is refused by ``VirtualBlock.check_memory``);
 - a phase-2 hook refuses launches from the capturing thread on any other stream.
 """
 
@@ -151,13 +151,12 @@ def _begin(graph: Graph) -> list[Callable[[], None]]:
 
 
 def _tap_device(dev: Any) -> Callable[[], None]:
-    """Virtual allocations for capturing threads, refused views of virtual blocks (one tap per device)."""
+    """Virtual allocations for capturing threads (one tap per device)."""
     key = id(dev)
     tap = _taps.get(key)
     if tap is None:
         pool = dev.pool
         orig_malloc = pool.malloc
-        orig_view = dev._array_view
 
         def malloc(nbytes: int, stream: Any = None, policy: str = "huge_first") -> Block:
             g = _active.get(threading.get_ident())
@@ -165,18 +164,7 @@ def _tap_device(dev: Any) -> Callable[[], None]:
                 return orig_malloc(nbytes, stream, policy)  # type: ignore[no-any-return]
             return g._virtual_block(check_malloc(nbytes, stream, policy))
 
-        def array_view(block: Block, desc: Any) -> Any:
-            if type(block) is VirtualBlock and block.virtual:
-                raise CaptureError(
-                    f"a tensor allocated inside the capture of {block.graph} has no memory until "
-                    "the graph is instantiated",
-                    op="Tensor.view",
-                    arg="tensor",
-                    got=desc,
-                )
-            return orig_view(block, desc)
-
-        tap = _taps[key] = [0, [_swap(pool, "malloc", malloc), _swap(dev, "_array_view", array_view)]]
+        tap = _taps[key] = [0, [_swap(pool, "malloc", malloc)]]
     tap[0] += 1
 
     def release() -> None:

@@ -14,7 +14,7 @@ from typing import Any
 from ..config import int_value
 from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError, refuse_pickle
 from ..executor import Executor
-from ..layout import apart
+from ..layout import relation
 from ..runtime.device import NO_WORKSPACE
 from ..runtime.memory import Block
 from ..runtime.stream import CONTROL, TASK_LISTENERS, Event, Stream, check_stream, describe_owner
@@ -54,16 +54,6 @@ class _Binding:
         self.key = key  # the external Block, or the virtual id
         self.uses: list[tuple[int, int, TensorDesc]] = []  # (node, operand slot, operand desc)
         self.straddled = False  # an operand reads across the named view's edge: it cannot be rebound
-
-
-def _overlap(a: TensorDesc, b: TensorDesc) -> bool:
-    """Whether two views of one block may touch the same bytes (their spans intersect)."""
-    return not apart(a.byte_span(), b.byte_span())
-
-
-def _within(a: TensorDesc, b: TensorDesc) -> bool:
-    (alo, ahi), (blo, bhi) = a.byte_span(), b.byte_span()
-    return blo <= alo and ahi <= bhi
 
 
 # check(graph, stream) before every replay is enqueued, after its rebinding; may raise to refuse it (the sanitizer's)
@@ -285,7 +275,8 @@ class Graph:
 
     def _end_capture(self, failed: bool) -> None:
         for b, stream, seq in self._marks.values():
-            b._stream, b._seq = stream, seq
+            if b._stream is self.stream and b._seq == self._seq0:  # still the capture's mark, not a newer use
+                b._stream, b._seq = stream, seq
         self._marks = {}
         self._state = "failed" if failed else "captured"
 
@@ -337,7 +328,7 @@ class Graph:
         key: Any = b if vb is None else vb.vid
         for other in self._bindings.values():
             # vids compare by value, blocks by identity; views of one block may be named apart if they are disjoint
-            if other.key == key and (vb is not None or _overlap(other.desc, tensor.desc)):
+            if other.key == key and (vb is not None or relation(other.desc, tensor.desc) != "apart"):
                 raise ParamError(
                     op=f"Graph.{kind}",
                     arg=name,
@@ -400,8 +391,9 @@ class Graph:
         arena = pool.malloc(plan.size, stream=self.stream)
         execs: list[Executor] = []
         zones: list[list[tuple[str, int, int]]] = [[] for _ in nodes]  # per node: the guarded buffers it writes
+        named = {b.key: b.default.block for b in self._bindings.values() if type(b.key) is int}
+        blocks: dict[int, VirtualBlock] = {}
         try:
-            blocks: dict[int, VirtualBlock] = {}
             ws: dict[int, Any] = {}
             for (kind, k), off in zip(keys, plan.offsets):
                 off += guard
@@ -410,19 +402,23 @@ class Graph:
                     for i in self._writers(kind, k):
                         zones[i].append((self._buffer_label(kind, k), off, size))
                 if kind == "v":
-                    vb = self._vrefs[k]()
-                    if vb is None or self._vfreed[k]:
+                    # a named output stays the caller's tensor, even if its block was freed during the capture
+                    vb = named.get(k) or self._vrefs[k]()
+                    if vb is None or (self._vfreed[k] and k not in named):
                         vb = VirtualBlock(pool, self, k, self._vsizes[k])
                         self._internal.add(id(vb))
-                    vb._materialize(arena, off)
                     blocks[k] = vb
+                    vb._materialize(arena, off)
+                    vb.allocated, vb.freed = True, False  # (a named output freed during the capture is kept)
                 else:
                     ws[k] = None if arena.data is None else arena.data[off : off + nodes[k].workspace_size]
             for n in nodes:
                 execs.append(self._clone(n, blocks))
-        except BaseException:
+        except BaseException:  # the graph stays captured: its tensors go back to having no memory
             for ex in execs:
                 ex.destroy()
+            for vb in blocks.values():
+                vb._dematerialize()
             arena.free(self.stream)
             raise
         self._arena = arena
@@ -431,22 +427,21 @@ class Graph:
         self._execs = tuple(execs)
         self._steps = [(ex._launch, ws.get(i, NO_WORKSPACE), i) for i, ex in enumerate(execs)]
         for b in self._bindings.values():
-            # a vid (int), or the Block itself and the operands within the named view (not the block's other views)
-            b.uses = [
-                (i, s, op[0])
+            # the operands on the named memory (a vid, or the Block) that meet the named view's bytes; one that
+            # also reads or writes bytes outside it (the whole of a named view's intermediate) forbids rebinding
+            met = [
+                (i, s, op[0], relation(b.desc, op[0]))
                 for i, n in enumerate(nodes)
                 for s, op in enumerate(n.operands)
-                if op is not None and op[1] == b.key and (type(b.key) is int or _overlap(op[0], b.desc))
+                if op is not None and op[1] == b.key
             ]
-            b.straddled = type(b.key) is not int and any(
-                op is not None and op[1] == b.key and _overlap(op[0], b.desc) and not _within(op[0], b.desc)
-                for n in nodes
-                for op in n.operands
-            )
+            b.uses = [(i, s, d) for i, s, d, r in met if r != "apart"]
+            b.straddled = any(r == "straddles" for *_, r in met)
             if b.kind == "output":
                 self._outputs[b.name] = b.current
         self._refresh_marks()
         self._owner = threading.get_ident()
+        self._last_stream, self._last_seq = self.stream, self.stream._q.submitted  # the arena's stream order
         self._state = "instantiated"
         return self
 
@@ -456,12 +451,16 @@ class Graph:
         ex = Executor._make(op, node.plan, node.attrs, node.input_descs, node.output_descs)
         op.counters.on_create(ex)
         ex.set_repeatable()
-        bind = {
-            s: Tensor._make(o[0], blocks[o[1]] if type(o[1]) is int else o[1], dev)
-            for s, o in enumerate(node.operands)
-            if o is not None
-        }
-        ex._bind_many(bind)
+        try:
+            bind = {
+                s: Tensor._make(o[0], blocks[o[1]] if type(o[1]) is int else o[1], dev)
+                for s, o in enumerate(node.operands)
+                if o is not None
+            }
+            ex._bind_many(bind)
+        except BaseException:  # refused (an output overlapping an input): only phase 2's binding could tell
+            ex.destroy()
+            raise
         return ex
 
     def _refresh_marks(self) -> None:
@@ -496,7 +495,7 @@ class Graph:
         seq = stream._enqueue(_run_graph, (steps, self, stream._q), self)
         for b in self._mark_blocks:
             b.mark_use(stream, seq)  # host reads wait for the replay (and the sanitizer sees the use)
-        self._last_seq = seq
+        self._last_stream, self._last_seq = stream, seq  # not before: a refused or failed enqueue keeps the order
         self.replays += 1
         return self._outputs
 
@@ -518,13 +517,13 @@ class Graph:
         )
 
     def _order_after_last(self, stream: Stream) -> None:
-        """Order a new stream after the previous replay (they share the arena)."""
+        """Order a new stream after the previous replay, or after the capture stream's work up to
+        ``instantiate`` (the arena was allocated in that stream's order)."""
         last = self._last_stream
         if last is not None and last._q.done < self._last_seq:
             ev = Event._make(last)
             ev.seq = self._last_seq
             stream.wait_event(ev)
-        self._last_stream = stream
 
     def _apply(self, tensors: dict[str, Tensor]) -> None:
         changes: dict[int, dict[int, Tensor]] = {}
@@ -566,7 +565,7 @@ class Graph:
                     op="Graph.replay",
                     arg=name,
                     got="a rebinding",
-                    expected=f"{b.kind} '{name}' as captured: an operand reads across its edge "
+                    expected=f"{b.kind} '{name}' as captured: an operand reads or writes across its edge "
                     "(name the whole tensor instead)",
                 )
         current: dict[str, Tensor] = {}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..errors import CaptureError
+from ..errors import CaptureError, InvalidStateError
 from ..runtime.memory import Block, Segment, round_size
 
 __all__ = ["VirtualBlock", "GraphNotInstantiated"]
@@ -26,11 +26,12 @@ class VirtualBlock(Block):
     """A pool block handed out during a capture: a size and no memory until ``Graph.instantiate`` places it
     in the arena (then it is a slice of the arena, and every tensor made on it reads the arena)."""
 
-    __slots__ = ("graph", "vid", "virtual")
+    __slots__ = ("graph", "vid", "virtual", "arena")
 
     graph: Any
     vid: int
     virtual: bool
+    arena: Block | None
 
     def __init__(self, pool: Any, graph: Any, vid: int, nbytes: int) -> None:
         super().__init__(pool, _NO_SEGMENT, 0, round_size(nbytes))
@@ -40,6 +41,7 @@ class VirtualBlock(Block):
         self.graph = graph
         self.vid = vid
         self.virtual = True
+        self.arena = None
 
     def __repr__(self) -> str:
         if self.virtual:
@@ -51,6 +53,30 @@ class VirtualBlock(Block):
         self.offset = arena.offset + offset
         self.data = None if arena.data is None else arena.data[offset : offset + self.size]
         self.virtual = False
+        self.arena = arena
+
+    def _dematerialize(self) -> None:
+        """Undo :meth:`_materialize` (an instantiate that failed frees its arena)."""
+        self.segment, self.offset, self.data = _NO_SEGMENT, 0, _NO_MEMORY
+        self.virtual = True
+        self.arena = None
+
+    def export(self, holder: object) -> None:
+        """A DLPack export pins the graph's arena: ``graph.destroy()`` frees it only once consumers let go."""
+        self.check_memory(None)
+        arena = self.arena
+        if arena is None or not self.allocated or self.freed:
+            raise InvalidStateError("tensor's block was freed", op="__dlpack__", arg="tensor", got=self)
+        arena.export(holder)
+
+    def check_memory(self, desc: Any) -> None:
+        if self.virtual:
+            raise CaptureError(
+                f"a tensor allocated inside the capture of {self.graph} has no memory until the graph is instantiated",
+                op="Tensor.view",
+                arg="tensor",
+                got=desc,
+            )
 
     def wait(self) -> None:
         if self.virtual:

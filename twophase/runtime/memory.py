@@ -113,6 +113,9 @@ class Block:
         state = "allocated" if self.allocated else "free"
         return f"Block(0x{self.address:x}, {self.size} B, {state})"
 
+    def check_memory(self, desc: Any) -> None:
+        """Raise if the block has no memory to view as ``desc`` (a pool block always has)."""
+
     def mark_use(self, stream: Stream, seq: int) -> None:
         """Record that task ``seq`` of ``stream`` uses this block."""
         self._stream = stream

@@ -50,13 +50,17 @@ class CpuDevice(Device):
 
     def _array_view(self, block: Block, desc: TensorDesc) -> np.ndarray[Any, Any]:
         item = desc.dtype.itemsize
-        return np.ndarray(
-            desc.shape,
-            desc.dtype.np,
-            buffer=block.data,
-            offset=desc.offset * item,
-            strides=tuple(s * item for s in desc.strides),
-        )
+        try:
+            return np.ndarray(
+                desc.shape,
+                desc.dtype.np,
+                buffer=block.data,
+                offset=desc.offset * item,
+                strides=tuple(s * item for s in desc.strides),
+            )
+        except TypeError:  # not a buffer: a block without memory (a captured graph's, before instantiate)
+            block.check_memory(desc)
+            raise
 
     def _copyin(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         np.copyto(dst, src)

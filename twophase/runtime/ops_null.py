@@ -41,6 +41,7 @@ class NullDevice(Device):
         return None
 
     def _array_view(self, block: Block, desc: TensorDesc) -> np.ndarray[Any, Any]:
+        block.check_memory(desc)
         raise InvalidStateError("the NULL device holds no data", op="Tensor.view", arg="tensor", got=desc)
 
     def _copyin(self, dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
