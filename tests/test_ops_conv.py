@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from threads import num_threads
 
-from twophase import Format, device
+from twophase import Format, device, one_shot
 from twophase.errors import ParamError
 from twophase.kernels.cpu import winograd4
 from twophase.kernels.cpu.conv import parts_areas, parts_units
@@ -464,6 +464,25 @@ def test_conv2d_float64_nhwc_output_keeps_the_format(rng: np.random.Generator) -
     ex.destroy()
     r = run_checked(conv2d, _input(x, True), w, None, stride=2)
     np.testing.assert_allclose(r.outputs[0], reference(x, w, stride=2, nhwc=True), rtol=1e-12)
+
+
+@pytest.mark.parametrize("oc", [16, 12])
+def test_conv2d_nhwc_input_with_an_untagged_out(rng: np.random.Generator, oc: int) -> None:
+    """An untagged ``out=`` of an NHWC conv is NHWC (the kernels view it by the input's format): phase 1 read its
+    strides as NCHW, and with OC == OW planned a channel-major im2col_tiles that left most of it unwritten."""
+    dev = device("cpu")
+    x = rng.standard_normal((1, 16, 16, 16)).astype(np.float32)
+    w = rng.standard_normal((oc, 16, 5, 5)).astype(np.float32)
+    ref = reference(x.astype(np.float64), w.astype(np.float64), padding=2).transpose(0, 2, 3, 1)
+    xt = dev.tensor(np.ascontiguousarray(x.transpose(0, 2, 3, 1)), format=Format.NHWC)
+    out = dev.tensor(np.full(ref.shape, np.nan, np.float32))
+    assert out.desc.format is Format.ND
+    one_shot(conv2d)(xt, w, padding=2, out=out)
+    got = out.numpy()
+    assert not np.isnan(got).any()
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-3)
+    for t in (xt, out):
+        t.free()
 
 
 @pytest.mark.parametrize(

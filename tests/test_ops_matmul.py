@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Any
 
@@ -188,6 +189,20 @@ def test_baddbmm_scales_product_and_addend(rng: np.random.Generator, alpha: floa
         c[0, 0, 0] = np.nan  # ignored when beta == 0, as in PyTorch
     ref = alpha * (a.astype(np.float64) @ b) + (beta * c if beta else 0)
     _check(run_checked(baddbmm, c, a, b, alpha=alpha, beta=beta), ref)
+
+
+@pytest.mark.parametrize("alpha,beta", [(1.0, 1e-39), (1e20, 1e-20), (1e-30, 1.0), (3.0, 1e-7)])
+def test_baddbmm_with_alpha_and_beta_far_apart(rng: np.random.Generator, alpha: float, beta: float) -> None:
+    """The epilogue computed beta * ((alpha/beta)*P + c): alpha/beta overflowed float32 (inf, and NaN where a
+    product is 0) or flushed the product to 0."""
+    c, a, b = _rand(rng, (2, 3, 4)) + 1, _rand(rng, (2, 3, 5)), _rand(rng, (2, 5, 4))
+    a[0, 0] = 0.0
+    ref = alpha * (a.astype(np.float64) @ b) + beta * c.astype(np.float64)
+    for impl in IMPLS:
+        with contextlib.suppress(ParamError), forced(impl):
+            r = run_checked(baddbmm, c, a, b, alpha=alpha, beta=beta)
+            assert np.isfinite(r.outputs[0]).all(), impl
+            np.testing.assert_allclose(r.outputs[0], ref, rtol=2e-5, atol=0)
 
 
 @pytest.mark.parametrize(

@@ -106,9 +106,10 @@ class ConvTiling:
     flat: bool = False
 
 
-def nchw(d: TensorDesc) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Shape and strides of ``d`` in logical NCHW order (an NHWC desc is permuted)."""
-    if d.format is Format.NHWC:
+def nchw(d: TensorDesc, fmt: Format | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shape and strides of ``d`` in logical NCHW order: permuted if ``fmt`` (``d``'s own format by default) is
+    NHWC. An output takes the input's: an untagged ``out=`` of an NHWC conv is NHWC all the same."""
+    if (d.format if fmt is None else fmt) is Format.NHWC:
         p = (0, 3, 1, 2)
         return tuple(d.shape[i] for i in p), tuple(d.strides[i] for i in p)
     return d.shape, d.strides
@@ -179,7 +180,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
     (N, H, W)].
     """
     (n, c, h, wd), xs = nchw(x)
-    _, os_ = nchw(out)
+    _, os_ = nchw(out, x.format)
     oc, cg, kh, kw = w.shape
     (sh, sw), (ph, pw), (dh, dw), g = attrs["stride"], attrs["padding"], attrs["dilation"], attrs["groups"]
     oh, ow = out_size(h, kh, sh, ph, dh), out_size(wd, kw, sw, pw, dw)

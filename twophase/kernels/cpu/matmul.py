@@ -262,10 +262,17 @@ def build_epilogue(out: Any, c: Any, alpha: float, beta: float) -> Launch | None
 
         return scale_add
     ratio = alpha / beta
+    if 2.0**-20 <= abs(ratio) <= 2.0**20:
 
-    def general(_: Any) -> None:  # alpha*P + beta*c = beta * ((alpha/beta)*P + c), no scratch needed
-        np.multiply(out, ratio, out=out)
-        np.add(out, c, out=out)
-        np.multiply(out, beta, out=out)
+        def general(_: Any) -> None:  # alpha*P + beta*c = beta * ((alpha/beta)*P + c), no scratch needed
+            np.multiply(out, ratio, out=out)
+            np.add(out, c, out=out)
+            np.multiply(out, beta, out=out)
 
-    return general
+        return general
+
+    def far_apart(_: Any) -> None:  # alpha/beta would overflow (or flush) (alpha/beta)*P: a temporary of c's size
+        np.multiply(out, alpha, out=out)
+        np.add(out, np.multiply(c, beta, dtype=out.dtype), out=out)
+
+    return far_apart
