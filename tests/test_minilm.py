@@ -592,3 +592,47 @@ def test_a_forward_that_fails_midway_leaves_nothing_behind(model: Any, mode: str
         model.sync()
         assert _held(dev) == before
     assert np.isfinite(model.run(batch, mode)).all()  # and it works again
+
+
+@needs_model
+@needs_ops
+@pytest.mark.parametrize("mode", ["oneshot", "planned", "graph"])
+def test_a_row_of_padding_only_embeds_as_zeros(model: Any, mode: str) -> None:
+    """Mean pooling divided by the count of kept tokens: 0/0 gave an all-NaN row for a batch row without a token
+    (a batch filled to a fixed size); sentence-transformers clamps the count at 1e-9, so the row is zeros."""
+    good = model.tokenize(SENTENCES[:1], pad_to=8)
+    batch = minilm.Batch(
+        np.concatenate([good.ids, np.zeros_like(good.ids)]),
+        np.concatenate([good.type_ids, np.zeros_like(good.type_ids)]),
+        np.concatenate([good.mask, np.zeros_like(good.mask)]),
+    )
+    got = model.run(batch, mode)
+    np.testing.assert_array_equal(got[1], 0.0)
+    np.testing.assert_allclose(got[0], model.run(good, mode)[0], atol=1e-6)
+
+
+@needs_model
+@needs_ops
+def test_malformed_batch_arrays_are_refused_before_anything_runs(model: Any) -> None:
+    """A mask shorter than the ids was viewed past its end (pool memory decided which tokens counted), type ids of
+    another shape broadcast, 1-D arrays raised ValueError, and rows past the 512 positions a ParamError on a
+    desc: each is a ParamError naming the array."""
+    good = model.tokenize(SENTENCES[:1], pad_to=8)
+    ids, types, mask = good.ids, good.type_ids, good.mask
+    dev = tp.device("cpu")
+    before = _held(dev)
+    bad = {
+        "batch.mask": [(ids, types, mask[:, :4]), (ids, types, np.ones((2, 4), np.int64)), (ids, types, mask * 2)],
+        "batch.type_ids": [(ids, types[:, :1], mask), (ids, types.astype(np.float32), mask)],
+        "batch.ids": [(ids[0], types[0], mask[0])],
+        "batch'": [
+            (np.zeros((1, 513), np.int64), np.zeros((1, 513), np.int64), np.ones((1, 513), np.int64)),
+            (ids[:0], types[:0], mask[:0]),
+        ],
+    }
+    for arg, cases in bad.items():
+        for case in cases:
+            for mode in ("oneshot", "planned", "graph"):
+                with pytest.raises(tp.ParamError, match=f"MiniLM: argument '{arg}"):
+                    model.run(minilm.Batch(*case), mode)
+    assert _held(dev) == before

@@ -335,6 +335,8 @@ class _Weights:
     ln_e: tuple[Tensor, Tensor]
     layers: list[dict[str, Tensor]]
     norm_eps: Tensor
+    count_min: Tensor  # mean pooling divides by max(tokens kept, 1e-9), as sentence-transformers: a row
+    # without a token (all padding) embeds as zeros, not NaN
 
 
 def _layer_norm(r: Runner, x: Tensor, w: Tensor, b: Tensor, eps: float) -> Tensor:
@@ -382,13 +384,14 @@ def forward(r: Runner, cfg: Config, w: _Weights, ids: Tensor, type_ids: Tensor, 
     hm = r.run("mul", x, maskf)
     s = r.run("reduce_sum", hm, dims=(1,))
     cnt = r.run("reduce_sum", maskf, dims=(1,))
-    mean = r.run("div", s, cnt)
+    cnt_c = r.run("maximum", cnt, w.count_min)
+    mean = r.run("div", s, cnt_c)
     sq = r.run("mul", mean, mean)
     n2 = r.run("reduce_sum", sq, dims=(1,), keep_dims=True)
     nrm = r.run("sqrt", n2)
     nrm_c = r.run("maximum", nrm, w.norm_eps)
     emb = r.run("div", mean, nrm_c)
-    r.free(x, keep, maskf, hm, s, cnt, mean, sq, n2, nrm, nrm_c)
+    r.free(x, keep, maskf, hm, s, cnt, cnt_c, mean, sq, n2, nrm, nrm_c)
     return emb  # type: ignore[no-any-return]
 
 
@@ -607,15 +610,19 @@ class MiniLM:
             ln_e=(t(raw["embeddings.LayerNorm.weight"]), t(raw["embeddings.LayerNorm.bias"])),
             layers=layers,
             norm_eps=t(np.array([1e-12], np.float32)),
+            count_min=t(np.array([1e-9], np.float32)),
         )
 
     def _parameters(self) -> list[Tensor]:
         w = self.weights
-        return [w.word, w.pos, w.type, *w.ln_e, w.norm_eps] + [x for lw in w.layers for x in lw.values()]
+        return [w.word, w.pos, w.type, *w.ln_e, w.norm_eps, w.count_min] + [
+            x for lw in w.layers for x in lw.values()
+        ]
 
     @property
     def parameter_bytes(self) -> int:
-        return sum(x.desc.nbytes for x in self._parameters() if x is not self.weights.norm_eps)
+        consts = (self.weights.norm_eps, self.weights.count_min)
+        return sum(x.desc.nbytes for x in self._parameters() if all(x is not c for c in consts))
 
     def _check_open(self) -> None:
         if self.closed:
@@ -651,6 +658,7 @@ class MiniLM:
             raise tp.ParamError(
                 op="MiniLM", arg="batch", expected="a Batch (MiniLM.tokenize)", got=type(batch).__name__
             )
+        self._check_arrays(batch)
         if shape is not None and batch.shape != shape:
             raise tp.ParamError(
                 f"{what} for {shape}, got a batch of {batch.shape}",
@@ -661,7 +669,32 @@ class MiniLM:
             )
         return batch
 
+    def _check_arrays(self, batch: Batch) -> None:
+        """ids, type_ids and mask: integer arrays of one (batch, seq) shape, 1 <= seq <= max_position, a mask of
+        0s and 1s (a mask of another shape read pool memory past its end; positions past the table, its end)."""
+        shape = getattr(batch.ids, "shape", None)
+        for name in ("ids", "type_ids", "mask"):
+            a = getattr(batch, name)
+            if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype.kind not in "iu" or a.shape != shape:
+                raise tp.ParamError(
+                    op="MiniLM",
+                    arg=f"batch.{name}",
+                    expected="a (batch, seq) integer numpy array" + (f" of shape {shape}" if name != "ids" else ""),
+                    got=f"{type(a).__name__} {getattr(a, 'dtype', '')}{getattr(a, 'shape', '')}",
+                )
+        b, n = batch.shape
+        if b < 1 or not 1 <= n <= self.config.max_position:
+            raise tp.ParamError(
+                op="MiniLM",
+                arg="batch",
+                expected=f"at least one row of 1 to {self.config.max_position} tokens (the model's positions)",
+                got=batch.shape,
+            )
+        if not ((batch.mask == 0) | (batch.mask == 1)).all():
+            raise tp.ParamError(op="MiniLM", arg="batch.mask", expected="0s and 1s", got="other values")
+
     def _upload_batch(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
+        self._check_batch(batch)
         dev, s = self.dev, self.stream
         return dev.tensor(batch.ids, stream=s), dev.tensor(batch.type_ids, stream=s), dev.tensor(batch.mask, stream=s)
 
