@@ -107,6 +107,10 @@ def test_refused_phase1_calls_count_nowhere_and_dropped_executors_are_counted(fr
     gc.collect()
     c = twophase.stats.snapshot()["ops"].get("matmul")
     assert c is None or (c["phase1_calls"], c["executors_created"], c["executors_dropped"]) == (0, 0, 0)
+    _, ex = ops.matmul.get_workspace_size(a, a)
+    ex.destroy()
+    c = twophase.stats.snapshot()["ops"]["matmul"]  # the refusals were counted as a miss and a hit
+    assert (c["phase1_calls"], c["cache_hits"], c["cache_misses"]) == (1, 0, 1)
     _, ex = ops.softmax.get_workspace_size(x)
     del ex  # dropped without phase 2 or destroy
     gc.collect()

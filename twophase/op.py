@@ -175,15 +175,11 @@ class Op:
             key = self._key(in_descs, outs, limit, attrs, bound)
             if key is not None:
                 entry = cache.get(key)
+        hit = entry is not None
         if entry is None:
             entry = self._plan(in_descs, outs, limit, attrs)  # refused calls count nowhere
-            counters.misses += 1
             if key is not None:
                 cache.put(key, entry)  # type: ignore[union-attr]
-            hit = False
-        else:
-            counters.hits += 1
-            hit = True
         plan, norm, out_descs = entry
         if outs is not None:
             for i, g in enumerate(outs):
@@ -192,6 +188,10 @@ class Op:
         ex = Executor._make(self, plan, norm, in_descs, out_descs)
         if bound:
             ex._bind_many(bound)  # refused (an out overlapping an input, ...): no executor was made
+        if hit:
+            counters.hits += 1
+        else:
+            counters.misses += 1
         counters.phase1 += 1
         counters.on_create(ex)
         if _log.isEnabledFor(logging.DEBUG):
