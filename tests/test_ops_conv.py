@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from threads import num_threads
 
-from twophase import Format, device, one_shot
+from twophase import Format, TensorDesc, device, one_shot
 from twophase.errors import ParamError
 from twophase.kernels.cpu import winograd4
 from twophase.kernels.cpu.conv import parts_areas, parts_units
@@ -495,6 +495,8 @@ def test_conv2d_nhwc_input_with_an_untagged_out(rng: np.random.Generator, oc: in
         ((4, 3, 3, 3), {"padding": (1, 2, 3)}, "padding"),
         ((4, 3, 0, 3), {}, "weight"),
         ((4, 3, 3, 0), {"padding": 1}, "weight"),
+        ((4, 3, 3, 3), {"stride": 2**63}, "stride"),  # was numpy's OverflowError when the launch was built
+        ((4, 3, 3, 3), {"dilation": (1, 2**40)}, "dilation"),
     ],
 )
 def test_conv2d_rejects_bad_arguments(w_shape: tuple[int, ...], attrs: dict[str, Any], arg: str) -> None:
@@ -824,3 +826,24 @@ def _nothing() -> Any:
     import contextlib
 
     return contextlib.nullcontext()
+
+
+def test_conv2d_phase1_stays_cheap_for_a_huge_output(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phase 1 listed every output row of im2col_parts' units: a padding of 2**22 took seconds and 2**24 ran out
+    of memory, though phase 1 reads metadata only. It now lists at most PARTS_MAX_UNITS units."""
+    listed: list[int] = []
+    real = conv_op.parts_units
+
+    def counting(t: Any) -> Any:
+        units = real(t)
+        listed.append(sum(len(p) for p in units))
+        return units
+
+    monkeypatch.setattr(conv_op, "parts_units", counting)
+    x, w = TensorDesc((1, 3, 5, 5), np.float32), TensorDesc((2, 3, 3, 3), np.float32)
+    with num_threads(2):
+        for padding in (2**10, 2**18):
+            size, ex = conv2d.get_workspace_size(x, w, padding=padding)
+            assert ex.output_descs[0].shape == (1, 2, 2 * padding + 3, 2 * padding + 3)
+            ex.destroy()
+    assert listed and max(listed) <= conv_op.PARTS_MAX_UNITS

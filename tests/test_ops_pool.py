@@ -88,6 +88,8 @@ def test_pooling_nhwc_matches_nchw(rng: np.random.Generator) -> None:
         (max_pool2d, {"kernel_size": 0}, "kernel_size"),
         (avg_pool2d, {"kernel_size": 9}, "x"),
         (adaptive_avg_pool2d, {"output_size": 0}, "output_size"),
+        (max_pool2d, {"kernel_size": 2, "stride": 2**63}, "stride"),  # was numpy's OverflowError at the launch
+        (avg_pool2d, {"kernel_size": 2, "stride": (1, 2**64)}, "stride"),
     ],
 )
 def test_pooling_rejects_bad_arguments(op: Any, attrs: dict[str, Any], arg: str) -> None:

@@ -615,9 +615,7 @@ class MiniLM:
 
     def _parameters(self) -> list[Tensor]:
         w = self.weights
-        return [w.word, w.pos, w.type, *w.ln_e, w.norm_eps, w.count_min] + [
-            x for lw in w.layers for x in lw.values()
-        ]
+        return [w.word, w.pos, w.type, *w.ln_e, w.norm_eps, w.count_min] + [x for lw in w.layers for x in lw.values()]
 
     @property
     def parameter_bytes(self) -> int:

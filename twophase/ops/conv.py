@@ -48,16 +48,19 @@ DTYPES = (DType.float32, DType.float64)
 
 
 def as_pair(v: Any) -> tuple[int, int]:
-    """An int or a pair of ints, as a pair."""
+    """An int or a pair of ints, as a pair; each below 2**31 (the kernels' index arithmetic is int64)."""
     if isinstance(v, (tuple, list)):
         if len(v) != 2:
             raise ValueError(v)
-        return as_int(v[0]), as_int(v[1])
-    n = as_int(v)
-    return n, n
+        a, b = as_int(v[0]), as_int(v[1])
+    else:
+        a = b = as_int(v)
+    if max(a, b) >= 1 << 31:
+        raise ValueError(v)
+    return a, b
 
 
-as_pair.expects = "an int or a pair of ints"  # type: ignore[attr-defined]
+as_pair.expects = "an int or a pair of ints below 2**31"  # type: ignore[attr-defined]
 
 
 @dataclass(frozen=True)
@@ -301,6 +304,7 @@ PARTS_PIXELS = 2048
 # against 0.85-0.95, the stem's one-row units under a 256 KiB limit (1.05 M each) 0.60-0.63 against 0.51-0.52,
 # while units of 56 pixels of 64 -> 128 3x3 (4.1 M each) ran 1.13-2.1x faster than im2col
 PARTS_MIN_MACS = 1 << 24
+PARTS_MAX_UNITS = 1 << 16  # (64 images of 1024 output rows 2048 wide: 32768 units)
 PARTS_MIN_UNIT_MACS = 1 << 21
 PARTS_MIN_PIXELS = IM2COL_WIDE_IMAGE  # smaller maps gain more from im2col's whole-image tiles
 
@@ -315,6 +319,8 @@ def _parts_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate |
     if parts < 2 or t.oh * t.ow < PARTS_MIN_PIXELS or stacked * per_row < PARTS_MIN_MACS:
         return None
     rows = max(1, min(t.oh, PARTS_PIXELS // t.ow, -(-stacked // parts)))
+    if -(-stacked // rows) > PARTS_MAX_UNITS:  # phase 1 lists every unit: time and memory grow with their count
+        return None
     while True:
         units = parts_units(replace(t, tile_rows=rows, parts=parts))
         # the runs even out, often shorter than asked: the tiling says how long they are (the same runs again)
