@@ -140,7 +140,7 @@ def relation(outer: TensorDesc, inner: TensorDesc, max_bytes: int = 1 << 26) -> 
         return "within"
     lo, hi = min(olo, ilo), max(ohi, ihi)
     if hi - lo > max_bytes:
-        return "within" if outer.is_contiguous() and olo <= ilo and ihi <= ohi else "straddles"
+        return "within" if outer.is_contiguous and olo <= ilo and ihi <= ohi else "straddles"
     marks = np.zeros(hi - lo, np.bool_)
     _bytes_of(marks, outer, lo)[...] = True
     covered = _bytes_of(marks, inner, lo)

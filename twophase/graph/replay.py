@@ -391,7 +391,11 @@ class Graph:
         arena = pool.malloc(plan.size, stream=self.stream)
         execs: list[Executor] = []
         zones: list[list[tuple[str, int, int]]] = [[] for _ in nodes]  # per node: the guarded buffers it writes
-        named = {b.key: b.default.block for b in self._bindings.values() if type(b.key) is int}
+        named = {
+            b.key: nb
+            for b in self._bindings.values()
+            if type(b.key) is int and isinstance(nb := b.default.block, VirtualBlock)
+        }
         blocks: dict[int, VirtualBlock] = {}
         try:
             ws: dict[int, Any] = {}
@@ -403,7 +407,7 @@ class Graph:
                         zones[i].append((self._buffer_label(kind, k), off, size))
                 if kind == "v":
                     # a named output stays the caller's tensor, even if its block was freed during the capture
-                    vb = named.get(k) or self._vrefs[k]()
+                    vb: VirtualBlock | None = named.get(k) or self._vrefs[k]()
                     if vb is None or (self._vfreed[k] and k not in named):
                         vb = VirtualBlock(pool, self, k, self._vsizes[k])
                         self._internal.add(id(vb))
