@@ -210,3 +210,90 @@ def test_a_reference_that_raises_fails_the_cases() -> None:
         r = run_matrix(name, long_n=257)
     assert r.cases > 0 and r.failed == r.cases
     assert f"the reference of op '{name}' raised ValueError: planted reference bug" in r.failures[0]
+
+
+# ---- an infinite reference is matched exactly: a wrong infinity (or a finite value for one) fails
+
+
+def test_error_matches_infinite_references_exactly() -> None:
+    from twophase.testing.matrix import _error
+
+    ref = np.array([np.inf, -np.inf, np.nan, 1.0])
+    assert _error(np.array([np.inf, -np.inf, np.nan, 1.0], np.float32), ref) == (0.0, True)
+    for wrong in ([0.0, -np.inf, np.nan, 1.0], [-np.inf, -np.inf, np.nan, 1.0], [np.inf, 3e38, np.nan, 1.0]):
+        err, ok = _error(np.array(wrong, np.float32), ref)
+        assert not ok and err == np.inf, wrong
+    err, ok = _error(np.array([np.inf, 1.0], np.float32), np.array([5.0, 1.0]))  # infinite where finite
+    assert not ok and err == np.inf
+
+
+def test_run_matrix_fails_an_op_that_gets_infinities_wrong() -> None:
+    from twophase.testing.cases import GENERATORS, Call, Case
+
+    def bad_reciprocal(ins: Any, outs: Any) -> None:
+        with np.errstate(divide="ignore"):
+            r = 1.0 / ins[0]
+        r[np.isposinf(r)] = 0.0  # +inf becomes 0 ...
+        r[-1] = -np.inf if ins[0][-1] == 0 else r[-1]  # ... and the last one the wrong infinity
+        np.copyto(outs[0], r)
+
+    name = "harness_wrong_infinities"
+    GENERATORS[name] = lambda rng, dtype, long_n: [
+        Case("zeros inside", [Call((np.array([0.0, 2.0, 4.0, 0.0], np.float32),))])
+    ]
+    try:
+        with (
+            _registered(name, bad_reciprocal, reference=lambda x: np.divide(1.0, x, where=True)),
+            np.errstate(divide="ignore"),
+        ):
+            r = run_matrix(name, long_n=257)
+    finally:
+        del GENERATORS[name]
+    assert r.cases == 1 and r.failed == 1 and r.passed == 0, r
+    assert r.largest_error == np.inf and "differs (error inf) from the reference" in r.failures[0]
+
+
+# ---- the bytes between the elements of a strided output (and after a fresh one) must keep their values
+
+
+def _gap_writer(ins: Any, outs: Any) -> None:
+    """The right values, after a dense store over twice the output's elements (as a kernel that assumes a dense
+    output would do): on a step-2 output it zeroes the bytes between the elements."""
+    import ctypes
+
+    out = outs[0]
+    if not out.flags.c_contiguous and out.size:
+        ctypes.memset(out.ctypes.data, 0, 2 * out.size * out.itemsize)
+    np.negative(ins[0], out=out)
+
+
+def test_run_checked_flags_a_kernel_that_writes_between_the_elements_of_a_strided_out() -> None:
+    dev = tp.device()
+    base = dev.tensor(np.full(16, 5.0, np.float32))
+    base.synchronize()
+    out = base.strided((8,), (2,), 0)  # every other element of base
+    x = np.arange(8, dtype=np.float32)
+    with _registered("harness_gap_writer", _gap_writer, reference=lambda x: -x) as op:
+        r = run_checked(op, x, out=out)
+    np.testing.assert_array_equal(r.outputs[0], -x)  # the values are right: only the gap check catches it
+    assert r.unwritten == (0,) and r.inputs_changed == ()
+    assert not r.guards_intact and r.gap_bytes_written == (8 * 4,)
+    np.testing.assert_array_equal(base.numpy()[1::2], 5.0)  # the caller's bytes between the elements are back
+    good = run_checked(tp.ops.neg, x, out=out)
+    assert good.guards_intact and good.gap_bytes_written == (0,)
+    np.testing.assert_array_equal(base.numpy(), np.stack([-x, np.full(8, 5.0, np.float32)], 1).reshape(-1))
+    base.free()
+    fresh = run_checked(tp.ops.neg, x)  # a new dense output: the slack of its block is guarded too
+    assert fresh.guards_intact and fresh.gap_bytes_written == (0,)
+
+
+def test_run_matrix_fails_an_op_that_writes_between_the_elements_of_a_strided_output() -> None:
+    name = "harness_matrix_gap_writer"
+    with _registered(name, _gap_writer, reference=lambda x: -np.asarray(x, np.float64)):
+        r = run_matrix(name, long_n=257)
+    assert r.failed == 1 and r.largest_error == 0.0, r.failures  # the values are right
+    assert "step out" in r.failures[0] and "between the elements of strided output 0 of call 0" in r.failures[0]
+    with _registered("harness_matrix_neg", lambda ins, outs: np.negative(ins[0], out=outs[0]), reference=np.negative):
+        ok = run_matrix("harness_matrix_neg", long_n=257)
+        labels = [c.label for _, c in tp.testing.shape_matrix("harness_matrix_neg", long_n=257) or []]
+    assert ok.failed == 0 and ok.passed == ok.cases and "step out (4, 9)" in labels  # a right op passes it

@@ -30,6 +30,9 @@ class Layout:
 class Call:
     inputs: tuple[Any, ...]  # numpy arrays, Layouts or None
     attrs: dict[str, Any] = field(default_factory=dict)
+    # "step": every output is passed as ``out=``, a view of every other element (along its last dim) of a buffer
+    # twice as long; the bytes between the elements must keep the harness's sentinel. None: new dense outputs
+    out: str | None = None
 
 
 @dataclass
@@ -125,6 +128,7 @@ def generic_cases(name: str, n_inputs: int, rng: np.random.Generator, dtype: DTy
     for kind in ("transposed", "step", "negative"):
         shape = (6, 5) if kind == "transposed" else (4, 9)
         cases.append(_one(f"{kind} {shape}", Layout(v(shape), kind), *(v(shape) for _ in range(n_inputs - 1))))
+    cases.append(Case("step out (4, 9)", [Call(tuple(v((4, 9)) for _ in range(n_inputs)), out="step")]))
     seq = [(5,), (9,), (5,), (2, 7), (1,), (2, 7)]
     cases.append(Case(f"sequence {seq}", [Call(tuple(v(s) for _ in range(n_inputs))) for s in seq]))
     return cases

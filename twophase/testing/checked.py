@@ -1,7 +1,8 @@
 """Run one op call under test conditions: outputs poisoned before the run, the workspace surrounded by
-guard bytes and filled with a pattern, so tests can assert every output element was written, nothing
-was written outside the workspace, how far into the workspace the kernel wrote, and that the inputs were left as
-they were."""
+guard bytes and filled with a pattern, the bytes of an output's buffer that are not its elements (the gaps of a
+strided ``out=``, the slack after a fresh output) filled with a sentinel, so tests can assert every output element
+was written, nothing was written outside the workspace and the outputs' elements, how far into the workspace the
+kernel wrote, and that the inputs were left as they were."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from ..tensor import Tensor
 
 GUARD = 512
 PATTERN = 0xCD
+GAP_PATTERN = 0xA5  # the bytes of an output's buffer outside every input and output element
 
 
 @dataclass
@@ -30,9 +32,13 @@ class CheckedRun:
     implementation: str
     tiling: Any
     touched: int  # one past the highest workspace byte that the kernel changed (0 if none)
-    guards_intact: bool
+    guards_intact: bool  # False if the kernel wrote a workspace guard zone or a byte of gap_bytes_written
     unwritten: tuple[int, ...]  # per output: elements still holding the poison
     inputs_changed: tuple[int, ...]  # positions of inputs whose values changed (an input run in place is not checked)
+    # per output: bytes of its buffer (its memory block) that belong to no input or output element and that the
+    # kernel changed, e.g. the gaps between the elements of a strided ``out=`` (a buffer shared by several outputs
+    # is counted at the first of them)
+    gap_bytes_written: tuple[int, ...] = ()
 
 
 def guarded_workspace(dev: Device, size: int, stream: Stream) -> tuple[Block, Block]:
@@ -60,6 +66,58 @@ def _unwritten(t: Tensor) -> int:
     if v.dtype.kind == "f":
         return int(np.isnan(v).sum())
     return 0  # integer / bool outputs cannot be told apart from a legitimately equal value
+
+
+def _mark_elements(mask: np.ndarray[Any, Any], t: Tensor) -> None:
+    """Set the bytes of ``mask`` (one per byte of ``t``'s block) that hold an element of ``t``."""
+    d = t.desc
+    if d.numel == 0:
+        return
+    item = d.dtype.itemsize
+    np.ndarray(
+        d.shape + (item,),
+        np.bool_,
+        buffer=mask,
+        offset=d.offset * item,
+        strides=tuple(s * item for s in d.strides) + (1,),
+    )[...] = True
+
+
+class _Gaps:
+    """The bytes of the outputs' blocks that hold no element of an output or input: filled with GAP_PATTERN
+    before the run, checked after it, then given their old bytes back (a caller's ``out=`` may be a view of a
+    buffer whose other bytes it still uses)."""
+
+    def __init__(self, outs: Sequence[Tensor], ins: Sequence[Any]) -> None:
+        self.blocks: list[tuple[int, Block, np.ndarray[Any, Any], np.ndarray[Any, Any]]] = []
+        seen: set[int] = set()
+        for k, t in enumerate(outs):
+            b = t.block
+            if id(b) in seen or b.data is None:
+                continue
+            seen.add(id(b))
+            data = np.asarray(b.data)
+            mask = np.zeros(data.shape[0], np.bool_)
+            for u in (*outs, *ins):
+                if isinstance(u, Tensor) and u.block is b:
+                    _mark_elements(mask, u)
+            gap = np.flatnonzero(~mask)
+            if gap.size:
+                self.blocks.append((k, b, gap, data[gap].copy()))
+        for _, b, gap, _ in self.blocks:
+            np.asarray(b.data)[gap] = GAP_PATTERN
+
+    def written(self, n_outputs: int) -> tuple[int, ...]:
+        counts = [0] * n_outputs
+        for k, b, gap, _ in self.blocks:
+            counts[k] += int((np.asarray(b.data)[gap] != GAP_PATTERN).sum())
+        return tuple(counts)
+
+    def restore(self) -> None:
+        for _, b, gap, old in self.blocks:
+            if not b.freed and b.data is not None:
+                np.asarray(b.data)[gap] = old
+        self.blocks = []
 
 
 def in_place_inputs(
@@ -94,7 +152,10 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
     poisoned outputs, a guarded workspace, phase 2, synchronize, then report what was written.
 
     Float outputs are poisoned with NaN: ``unwritten`` counts NaNs left, so compare it with the NaNs the
-    reference has. An output bound in place to an input is not poisoned (the kernel reads it). Everything this
+    reference has. An output bound in place to an input is not poisoned (the kernel reads it). The rest of each
+    output's buffer (the gaps of a strided ``out=``, padding after a fresh output), less the elements of the inputs
+    and outputs, holds a sentinel during the run: ``gap_bytes_written`` counts the bytes the kernel changed there
+    (``guards_intact`` is False then), and the old bytes are put back afterwards. Everything this
     call allocates (input copies, outputs, workspace) is freed again in stream order, on error paths too, and an
     executor that phase 2 did not consume is destroyed.
     """
@@ -103,6 +164,7 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
     owned: list[Tensor] = []  # the input copies and new outputs: freed in stream order on every path
     ex: Executor | None = None
     outer: Block | None = None
+    gaps: _Gaps | None = None
     try:
         tensors: list[Any] = []
         for x in inputs:
@@ -125,10 +187,13 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
             if not any(v is not None and overlaps(t.view(), v) for v in in_views):
                 _poison(t)
         outer, inner = guarded_workspace(dev, size, stream)
+        gaps = _Gaps(outs, tensors)
         op(inner, size, ex, stream)
         stream.synchronize()
         raw = outer.data
+        gap_written = gaps.written(len(outs))
         guards = bool((raw[:GUARD] == PATTERN).all() and (raw[GUARD + size : GUARD + size + GUARD] == PATTERN).all())
+        guards = guards and not any(gap_written)
         changed = np.nonzero(raw[GUARD : GUARD + size] != PATTERN)[0]
         touched = int(changed[-1]) + 1 if changed.size else 0
         result = tuple(np.array(t.view(), copy=True) for t in outs)
@@ -141,8 +206,15 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
             guards,
             tuple(_unwritten(t) for t in outs),
             changed_inputs(before, in_views, in_place),
+            gap_written,
         )
     finally:
+        if gaps is not None:
+            try:
+                stream.synchronize()  # no launch still writes the buffers (an error path)
+            except Exception:  # noqa: BLE001,S110 - the error already raised is the one to report
+                pass
+            gaps.restore()
         if ex is not None and ex.state is ExecState.READY:  # phase 2 refused it, or never reached
             ex.destroy()
         if outer is not None:

@@ -20,7 +20,7 @@ from ..runtime.device import Device, device
 from ..runtime.stream import Stream
 from ..tensor import DType, Tensor
 from .cases import GENERATORS, Case, Layout, generic_cases
-from .checked import changed_inputs, in_place_inputs
+from .checked import GAP_PATTERN, changed_inputs, in_place_inputs
 
 __all__ = ["shape_matrix", "run_case", "run_matrix", "MatrixResult", "CaseResult", "format_table", "TOLERANCE"]
 
@@ -110,6 +110,35 @@ def _tensor(dev: Device, x: Any, s: Stream, keep: list[Tensor]) -> Any:
     return t
 
 
+def _step_outputs(
+    op: Op, dev: Device, ins: list[Any], attrs: dict[str, Any], s: Stream, keep: list[Tensor]
+) -> tuple[list[Tensor], list[Tensor]]:
+    """(the outputs, their buffers): each output a view of every other element along its last dim of a buffer
+    twice as long (a 0-d output: the first of two elements), the buffer filled with GAP_PATTERN bytes."""
+    _, ex = op.get_workspace_size(*ins, **attrs)
+    descs = ex.output_descs
+    ex.destroy()
+    outs, bases = [], []
+    for d in descs:
+        shape = d.shape[:-1] + (2 * d.shape[-1],) if d.shape else (2,)
+        fill = np.full(int(np.prod(shape)) * d.dtype.itemsize, GAP_PATTERN, np.uint8)
+        base = dev.tensor(fill.view(d.dtype.np).reshape(shape), stream=s)
+        keep.append(base)
+        st = list(_dense_strides(shape))
+        if st:
+            st[-1] = 2
+        outs.append(base.strided(d.shape, st[: len(d.shape)], 0))
+        bases.append(base)
+    return outs, bases
+
+
+def _gap_bytes_written(base: Tensor, ndim: int) -> int:
+    """Bytes between the elements of a ``_step_outputs`` output that no longer hold GAP_PATTERN."""
+    a = base.numpy()
+    gaps = a[..., 1::2] if ndim else a[1:]
+    return int((np.frombuffer(np.ascontiguousarray(gaps).tobytes(), np.uint8) != GAP_PATTERN).sum())
+
+
 def _dense_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
     out, acc = [], 1
     for d in reversed(shape):
@@ -129,23 +158,32 @@ def _execute(
     op: Op, case: Case, dev: Device, streams: list[Stream], rng: np.random.Generator | None
 ) -> tuple[list[Any], list[str]]:
     """Run the case's calls; with ``rng``, on random streams with random synchronization points. Returns the
-    outputs of each call and the inputs the op changed (``"input 'x' of call 0"``: only an input bound in place
-    to an output may change)."""
+    outputs of each call and what the op changed that it must not (``"input 'x' of call 0"``: only an input bound
+    in place to an output may change; the bytes between the elements of a call's ``out="step"`` outputs never)."""
     f = one_shot(op)
     keep: list[tuple[Tensor, Stream]] = []
     results: list[tuple[Any, ...]] = []
-    given: list[tuple[list[Any], list[Any]]] = []  # per call: the host inputs and the tensors made of them
+    given_in: list[tuple[list[Any], list[Any]]] = []  # per call: the host inputs and the tensors made of them
+    strided: list[tuple[int, list[tuple[Tensor, int]]]] = []  # per call with strided outputs: their buffers
     try:
         for call in case.calls:
             s = streams[int(rng.integers(len(streams)))] if rng is not None else streams[0]
             mine: list[Tensor] = []
             ins = [_tensor(dev, x, s, mine) for x in call.inputs]
             keep += [(t, s) for t in mine]
-            y = f(*ins, stream=s, **call.attrs)
-            ys = y if isinstance(y, tuple) else (y,)
-            keep += [(t, s) for t in ys]
+            if call.out == "step":
+                mine = []
+                given, bases = _step_outputs(op, dev, ins, call.attrs, s, mine)
+                keep += [(t, s) for t in mine]
+                f(*ins, out=given[0] if len(given) == 1 else tuple(given), stream=s, **call.attrs)
+                ys = tuple(given)
+                strided.append((len(results), [(b, len(t.shape)) for b, t in zip(bases, given)]))
+            else:
+                y = f(*ins, stream=s, **call.attrs)
+                ys = y if isinstance(y, tuple) else (y,)
+                keep += [(t, s) for t in ys]
             results.append(ys)
-            given.append((list(call.inputs), ins))
+            given_in.append((list(call.inputs), ins))
             if rng is not None and rng.random() < 0.4:
                 other = streams[int(rng.integers(len(streams)))]
                 if rng.random() < 0.5:
@@ -156,7 +194,7 @@ def _execute(
         for s in streams:
             s.synchronize()  # every launch has read its inputs
         changed = []
-        for k, ((hosts, ins), ys) in enumerate(zip(given, results)):
+        for k, ((hosts, ins), ys) in enumerate(zip(given_in, results)):
             views = [t.view() if isinstance(t, Tensor) else None for t in ins]
             before = [
                 None
@@ -168,6 +206,12 @@ def _execute(
             skip = in_place_inputs(op, views, [t.view() for t in ys if isinstance(t, Tensor)])
             changed += [
                 f"input '{op.input_name(i, len(ins))}' of call {k}" for i in changed_inputs(before, views, skip)
+            ]
+        for k, bufs in strided:
+            changed += [
+                f"{n} byte(s) between the elements of strided output {i} of call {k}"
+                for i, (b, nd) in enumerate(bufs)
+                if (n := _gap_bytes_written(b, nd))
             ]
         return outs, changed
     finally:
@@ -194,13 +238,22 @@ def _error(out: np.ndarray[Any, Any], ref: Any) -> tuple[float, bool]:
     nan_o, nan_r = np.isnan(o), np.isnan(r)
     if (nan_o != nan_r).any():
         return math.inf, False
-    fin = ~nan_r
+    inf_r = np.isinf(r)
+    if (o[inf_r] != r[inf_r]).any():  # an infinite reference is matched exactly (its sign too): no tolerance
+        return math.inf, False
+    fin = np.isfinite(r)
     with np.errstate(invalid="ignore", over="ignore"):
-        d = np.abs(o[fin] - r[fin])
-        d = np.where(np.isnan(d), 0.0, d)  # equal infinities
+        d = np.abs(o[fin] - r[fin])  # inf where the output is infinite and the reference finite: fails below
     err = float((d / (1.0 + np.abs(r[fin]))).max(initial=0.0))
     rtol, atol = TOLERANCE.get(DType.of(out.dtype), (1e-4, 1e-6))
-    return err, bool((d <= atol + rtol * np.abs(r[fin])).all())
+    return _worse(0.0, err), bool((d <= atol + rtol * np.abs(r[fin])).all())
+
+
+def _worse(a: float, b: float) -> float:
+    """The larger error of the two; an error that is NaN (not measurable) counts as infinite, never as 0."""
+    a = math.inf if math.isnan(a) else a
+    b = math.inf if math.isnan(b) else b
+    return max(a, b)
 
 
 def run_case(op: Op, dtype: DType, case: Case, seed: int = 0, n_streams: int = 3, generic: bool = False) -> CaseResult:
@@ -257,7 +310,7 @@ def run_case(op: Op, dtype: DType, case: Case, seed: int = 0, n_streams: int = 3
                 if r is None:
                     continue
                 e, good = _error(o, r)
-                worst = max(worst, e)
+                worst = _worse(worst, e)
                 if not good and ok:
                     ok, msg = (
                         False,
@@ -265,10 +318,13 @@ def run_case(op: Op, dtype: DType, case: Case, seed: int = 0, n_streams: int = 3
                         + ("from the reference" if name == "async run" else "from the async run"),
                     )
             if refs is not None:
-                worst = max(worst, _error(ob, refs[i])[0])
+                worst = _worse(worst, _error(ob, refs[i])[0])
     changed = list(dict.fromkeys(changed_a + changed_b))
     if changed:
-        what = f"op '{op.name}' changed its {', '.join(changed)} (only an input bound in place to an output may change)"
+        what = (
+            f"op '{op.name}' changed its {', '.join(changed)} (only an input bound in place to an output may "
+            "change, and no byte between an output's elements)"
+        )
         ok, msg = False, (f"{msg}; {what}" if msg else what)
     return CaseResult(label, ok, worst, message=msg)
 
@@ -305,8 +361,9 @@ def run_matrix(
             else:
                 res.failed += 1
                 res.failures.append(f"{r.label}: {r.message}")
-            if r.error >= res.largest_error and not r.rejected:
-                res.largest_error, res.worst_case = r.error, r.label
+            error = _worse(0.0, r.error)  # a NaN error is not dropped: it counts as infinite
+            if error >= res.largest_error and not r.rejected:
+                res.largest_error, res.worst_case = error, r.label
             if progress is not None:
                 progress()
         leaks = sanitizer.report(since=token, warn=False)
