@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -665,3 +666,131 @@ def test_a_replay_that_stays_inside_its_buffers_reports_nothing(s, rng):
     finally:
         g.destroy()
         x.free(s)
+
+
+def _free_node(pool: Any, address: int) -> Any:
+    """The pool's free-list node holding ``address``."""
+    return next(b for *_, b in pool._free if b.address <= address < b.address + b.size)
+
+
+def test_a_host_free_after_the_sanitizer_was_turned_off_waits_for_the_pending_launch(gate):
+    """A block allocated under the sanitizer and freed from the host after it was turned off: phase 2 marked the
+    inner (guarded) block, so the pool's block must get that mark, else its memory is reused under the kernel."""
+    dev = tp.device("cpu")
+    s = dev.stream("freed after off")
+    x = dev.tensor(np.ones(4096, np.float32), stream=s)
+    with sanitizer.sanitize():
+        y = dev.empty((4096,), stream=s)
+        outer = y.block.outer
+    s.synchronize()
+    opened = gate(s)
+    tp.neg(x, out=y, stream=s)  # pending: writes y
+    y.free()
+    assert not _free_node(dev.pool, outer.address)._ready(None)  # not for the host before neg has run
+    opened.set()
+    s.synchronize()
+    assert _free_node(dev.pool, outer.address)._ready(None)
+    x.free(s)
+
+
+def test_a_stream_free_does_not_block_the_host_on_the_fresh_memory_fill(san):
+    """The fill of a block allocated in the order of a busy stream is the sanitizer's own task: a free on another
+    stream, ordered after it by an event or not, returns at once; the memory is reused only after the fill."""
+    dev = tp.device("cpu")
+    a, b, c = dev.stream("fill a"), dev.stream("fill b"), dev.stream("fill c")
+    opened = threading.Event()
+    a.launch_callback(lambda: opened.wait(30))
+    y = dev.empty((1024,), stream=a)
+    z = dev.empty((1024,), stream=a)
+    b.wait_event(a.record_event())
+    timer = threading.Timer(2.0, opened.set)
+    timer.start()
+    try:
+        t0 = time.perf_counter()
+        y.free(b)  # ordered after the fill by the event
+        z.free(c)  # not ordered: c's later work waits for the fill
+        took = time.perf_counter() - t0
+        for blk in (y.block, z.block):
+            assert not _free_node(dev.pool, blk.outer.address)._ready(None)
+    finally:
+        opened.set()
+        timer.cancel()
+    for st in (a, b, c):
+        st.synchronize()
+    assert took < 1.0
+    assert _free_node(dev.pool, y.block.outer.address)._ready(None)
+
+
+def test_destroy_while_a_launch_on_another_stream_is_pending_raises(s, gate):
+    dev = tp.device("cpu")
+    a = dev.stream("launch a")
+    x = dev.tensor(np.ones(4, np.float32), stream=s)
+    y1, y2 = dev.empty((4,), stream=s), dev.empty((4,), stream=s)
+    s.synchronize()
+    _, ex = tp.ops.relu.get_workspace_size(x, out=y1)
+    ex.set_repeatable()
+    opened = gate(a)
+    tp.ops.relu(None, 0, ex, a)  # pending on a
+    ex.set_output(0, y2)
+    tp.ops.relu(None, 0, ex, s)  # completes on s
+    s.synchronize()
+    with pytest.raises(sanitizer.ExecutorMisuseError, match="task .* on stream 'launch a'.* is pending"):
+        ex.destroy()
+    opened.set()
+    a.synchronize()
+    ex.destroy()
+    for t in (x, y1, y2):
+        t.free(s)
+
+
+def test_host_view_of_a_graph_input_a_pending_replay_only_reads_is_allowed(s, gate):
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones((4, 8), np.float32), stream=s)
+    out = dev.empty((4, 8), stream=s)
+    with tp.capture(s) as g:
+        g.input("x", x)
+        g.output("y", tp.relu(x, out=out, stream=s))
+    g.instantiate()
+    try:
+        s.synchronize()
+        opened = gate(s)
+        g.replay(s)
+        np.testing.assert_array_equal(x.view(), 1)  # only read by the replay, as by an eager launch
+        with pytest.raises(sanitizer.ReadBeforeReadyError, match="graph"):
+            out.view()  # written by it
+        opened.set()
+        s.synchronize()
+        np.testing.assert_array_equal(out.view(), 1)
+    finally:
+        g.destroy()
+        x.free(s)
+        out.free(s)
+
+
+def test_a_launch_whose_seq_another_thread_took_is_still_checked(s):
+    """Another thread's task enqueued on the shared stream between the sanitizer's check and the launch's enqueue
+    (here a hook enqueuing a callback): the launch's record and uses must still be those of the launch's task."""
+    from twophase import hooks
+
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones(8, np.float32), stream=s)
+    op = _scribbler(64, past_end=4)
+    size, ex = op.get_workspace_size(x)
+    y = dev.empty_like(ex.output_descs[0], s)
+    ex.set_output(0, y)
+    ws = dev.malloc(size, stream=s)
+    s.synchronize()
+    opened = threading.Event()
+    handle = hooks.add_phase2_hook(before=lambda *a: s.launch_callback(lambda: opened.wait(30)))
+    try:
+        op(ws, size, ex, s)
+    finally:
+        hooks.remove_hook(handle)
+    opened.set()
+    assert y.block.writes[s._q][0] == s._q.submitted  # the launch's own task, not the callback before it
+    with pytest.raises(sanitizer.GuardError, match="4 byte"):
+        s.synchronize()
+    s.synchronize()
+    ws.free(s)
+    x.free(s)
+    y.free(s)

@@ -97,13 +97,17 @@ def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> 
         raise InvalidStateError("block is not allocated from this pool (double free?)", op="free", arg="block", got=blk)
     from .tracking import check_free
 
-    for q, (seq, label, _) in list(blk.uses.items()):
-        if label == FILL_LABEL and q.done < seq and (stream is None or stream._q is not q):
-            q.wait_for(seq, raise_errors=False)  # our own fill must not land in memory handed out again
-    check_free(blk, stream)  # use after free across streams (raises)
-    if not any(q.done < seq for q, (seq, _, _) in blk.uses.items()):
-        verify(blk, "freed block", None)
     outer = blk.outer
+    uses, writes = dict(blk.uses), dict(blk.writes)
+    fill = _order_fill(blk, stream)
+    try:
+        check_free(blk, stream)  # use after free across streams (raises)
+    except BaseException:
+        blk.uses, blk.writes = uses, writes  # the block stays allocated: its fill is still a use
+        raise
+    if not any(q.done < seq for q, (seq, _, _) in uses.items()):  # the fill's too: canaries not written yet
+        verify(blk, "freed block", None)
+    _hand_mark(blk, outer, fill)
     blk.allocated = False
     blk.freed = True
     with _lock:
@@ -111,6 +115,52 @@ def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> 
     _plain_free(pool, outer, stream)
     if not _state["free"] and not _live:
         MemoryPool.free = _plain_free  # type: ignore[method-assign]
+
+
+def _order_fill(blk: GuardedBlock, stream: Stream | None) -> tuple[Stream, int] | None:
+    """Order the reuse of ``blk``'s memory after the sanitizer's own fresh-memory fill if it is still pending, without
+    blocking the host where the pool's stream order can express it; the fill's use is then dropped from ``blk.uses``
+    (it is no use of the caller's). Returns ``(stream, seq)`` of a pending fill a host free must wait for."""
+    from .tracking import _waited
+
+    for q, (seq, label, _) in list(blk.uses.items()):
+        if label != FILL_LABEL or q.done >= seq:
+            continue
+        if stream is None:
+            if blk.fill is not None and blk.fill._q is q:  # the pool waits for it as it would for a last use
+                del blk.uses[q]
+                blk.writes.pop(q, None)
+                return blk.fill, seq
+        elif stream._q is q or stream._work_q is q or _waited(stream._q, q) >= seq:
+            del blk.uses[q]  # the freeing stream is ordered after the fill: reuse in its order comes later
+            blk.writes.pop(q, None)
+            continue
+        elif stream._q is stream._work_q and not stream.closed:  # not during a capture
+            stream._enqueue(_await, (q, seq), CONTROL)  # the freeing stream's later work (and so the reuse of
+            del blk.uses[q]  # the memory in its order) waits for the fill: no host block
+            blk.writes.pop(q, None)
+            continue
+        q.wait_for(seq, raise_errors=False)  # our own fill must not land in memory handed out again
+    return None
+
+
+def _await(arg: tuple[Any, int]) -> None:
+    q, seq = arg
+    q.wait_for(seq, raise_errors=False)  # a failure there is that stream's to report
+
+
+def _hand_mark(blk: GuardedBlock, outer: Block, fill: tuple[Stream, int] | None) -> None:
+    """Give the pool's block ``outer`` the last use recorded on ``blk`` (phase 2 and ``mark_use`` mark the inner
+    block), so that a free without a stream reuses the memory only after that use; and the pending fill, if any."""
+    last, seq = blk._stream, blk._seq
+    if fill is not None:
+        if last is None or last._done >= seq:
+            last, seq = fill
+        elif last._work_q is not fill[0]._work_q:
+            fill[0]._q.wait_for(fill[1], raise_errors=False)  # two pending uses: the pool knows one; ours waits
+        else:
+            seq = max(seq, fill[1])
+    outer._stream, outer._seq = last, seq
 
 
 def verify(blk: GuardedBlock, role: str, launch: Any) -> None:

@@ -7,6 +7,7 @@ is on; ``uninstall`` puts the plain functions back.
 
 from __future__ import annotations
 
+import collections
 import sys
 import threading
 import weakref
@@ -15,11 +16,12 @@ from typing import Any
 
 from .. import hooks
 from ..executor import ExecState, Executor
+from ..graph.replay import Graph
 from ..op import Op
 from ..runtime import forking
 from ..runtime.device import _copy_task
 from ..runtime.memory import Block
-from ..runtime.stream import Event, Stream, TaskRecords, running_queue
+from ..runtime.stream import Event, Stream, _Queue, running_queue
 from ..tensor import Tensor
 from . import guards
 from .guards import GuardedBlock
@@ -46,7 +48,7 @@ class ExRecord:
     generation: int
     state: ExecState = ExecState.READY
     released_at: Any = None
-    last: tuple[Any, int] | None = None  # (stream queue, seq) of its latest launch
+    last: dict[Any, int] = field(default_factory=dict)  # stream queue -> seq of its latest launch there
     ref: Any = field(default=None, repr=False)
 
 
@@ -62,9 +64,80 @@ class Launch:
         return self.describe
 
 
+class LaunchRecords:
+    """The launches not yet checked, per queue and executor in launch order, each with the lowest seq its task can
+    have: ``submitted + 1`` read before the enqueue, which another thread may pass on a shared stream, so a record
+    is matched by its executor, not by that seq. An executor launches from its own thread only, one launch after
+    the other: each record's lowest seq is above the seq of the task of the record before it. So when the task of
+    seq ``s`` runs, a record followed by one whose lowest seq is ``<= s`` belongs to an earlier task that failed
+    or was dropped (never seen by a listener), and the first record left is this task's."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        forking.locks_of(self, "_lock")  # a stream worker may hold it at a fork
+        self._by_queue: weakref.WeakKeyDictionary[Any, dict[int, LaunchList]] = weakref.WeakKeyDictionary()
+        self._puts = 0
+
+    def put(self, q: Any, owner: Any, lo: int, launch: Launch) -> tuple[int, Launch]:
+        entry = (lo, launch)
+        with self._lock:
+            recs = self._by_queue.setdefault(q, {})
+            lst = recs.get(id(owner))
+            if lst is None or lst.owner() is not owner:  # none yet, or the list of a collected executor
+                lst = recs[id(owner)] = LaunchList(weakref.ref(owner))
+            entries, done = lst.entries, q.done
+            while len(entries) > 1 and entries[1][0] <= done:  # their tasks have completed (or were dropped)
+                entries.popleft()
+            entries.append(entry)
+            self._puts += 1
+            if self._puts % PRUNE_EVERY == 0:  # amortized: the lists of collected executors
+                for key in [k for k, v in recs.items() if v.owner() is None]:
+                    del recs[key]
+        return entry
+
+    def pop(self, q: Any, owner: Any, seq: int) -> Launch | None:
+        if q is None:
+            return None
+        with self._lock:
+            lst = self._by_queue.get(q, {}).get(id(owner))
+            if lst is None or lst.owner() is not owner:
+                return None
+            entries = lst.entries
+            while len(entries) > 1 and entries[1][0] <= seq:
+                entries.popleft()
+            if entries and entries[0][0] <= seq:
+                return entries.popleft()[1]
+            return None
+
+    def discard(self, q: Any, owner: Any, entry: tuple[int, Launch]) -> None:
+        """Drop the record of a launch that was refused after it was put."""
+        with self._lock:
+            lst = self._by_queue.get(q, {}).get(id(owner))
+            if lst is not None and lst.owner() is owner:
+                try:
+                    lst.entries.remove(entry)
+                except ValueError:
+                    pass
+
+    def forget(self, q: Any) -> None:
+        """Drop every record of ``q`` (its stream was closed)."""
+        with self._lock:
+            self._by_queue.pop(q, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_queue.clear()
+
+
+@dataclass
+class LaunchList:
+    owner: Any  # a weak reference to the executor
+    entries: collections.deque[tuple[int, Launch]] = field(default_factory=collections.deque)
+
+
 _records: dict[int, ExRecord] = {}
 _collected: list[Leak] = []  # executors garbage-collected while still ready (never destroyed)
-_launches: TaskRecords[Launch] = TaskRecords()
+_launches = LaunchRecords()
 # per queue, its waits: (its own seq at the wait, the queue waited for, the seq waited for), each raising what
 # it had waited for on that queue before
 _wait_log: weakref.WeakKeyDictionary[Any, list[tuple[int, Any, int]]] = weakref.WeakKeyDictionary()
@@ -82,6 +155,7 @@ _plain: dict[str, Any] = {
     "mark_use": Block.mark_use,
     "close": Stream.close,
 }
+_REPLAY_CODE = Graph.replay.__code__
 _INTERNAL_VIEW_CALLERS = {Op._build_launch.__code__, _copy_task.__code__}
 _handles: list[Any] = []
 
@@ -117,7 +191,13 @@ def _phase1_done(op: Op, inputs: Any, kwargs: Any, result: Any, t0: float, t1: f
 
 
 def _replay_before(graph: Any, stream: Stream) -> None:
-    """A replay reads and writes every tensor it was captured (or is now rebound) with: none may be freed."""
+    """A replay reads and writes every tensor it was captured (or is now rebound) with: none may be freed. Which
+    of them it writes (its arena, the outputs of its nodes) is kept for the uses the replay then marks."""
+    written = {id(graph._arena)}
+    for ex in graph._execs:
+        n_in = len(ex.input_descs)
+        written.update(id(t.block) for t in ex._tensors[n_in:] if t is not None)
+    _tl.replay = (weakref.ref(graph), written)  # weak: a thread's last replay must not keep its graph alive
     for blk in graph._mark_blocks:
         if blk.freed or (type(blk) is GuardedBlock and not blk.allocated):
             raise UseAfterFreeError(
@@ -206,10 +286,10 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
         blocks.append((ws, "workspace"))
     stale = getattr(_tl, "tentative", None)
     if stale is not None:  # the previous launch of this thread was refused after our check
-        _launches.pop(stale[0], stale[3])
+        _launches.discard(stale[0], stale[7], stale[6])
     q = stream._q
-    _launches.put(q, seq, Launch(op.name, ex.describe(), blocks))  # before the enqueue: the kernel may run first
-    _tl.tentative = (q, rec, stream, seq, label, uses)
+    entry = _launches.put(q, ex, seq, Launch(op.name, ex.describe(), blocks))  # before the enqueue: the kernel
+    _tl.tentative = (q, rec, stream, seq, label, uses, entry, ex)  # may run first
 
 
 def _phase2_after(op: Op, ws: Any, size: int, ex: Any, stream: Stream, t0: float, t1: float) -> None:
@@ -218,11 +298,28 @@ def _phase2_after(op: Op, ws: Any, size: int, ex: Any, stream: Stream, t0: float
     if pending is None:
         return
     _tl.tentative = None
-    _, rec, stream, seq, label, uses = pending
+    q, rec, stream, seq, label, uses, _, ex = pending
+    seq = _seq_of(q, ex, seq)
     for blk, writes in uses:
         _use(blk, stream, seq, label, writes)
     if rec is not None:
-        rec.last = (stream._q, seq)
+        q = stream._q
+        last = {lq: ls for lq, ls in rec.last.items() if lq.done < ls and lq is not q}  # pending ones only
+        last[q] = seq
+        rec.last = last
+
+
+def _seq_of(q: Any, owner: Any, lo: int) -> int:
+    """The seq of the task just enqueued on ``q`` for ``owner``, ``lo`` or more (``lo`` when no other thread
+    enqueued on the stream meanwhile). When the worker already took the task, ``lo``: a bound that can only make
+    the use look complete early (never a false report)."""
+    hi = q.submitted
+    if hi <= lo or type(q) is not _Queue:  # alone on the stream; or a capture's stand-in, whose seqs never run
+        return lo
+    for task in reversed(list(q.tasks)):  # list(): copied at once, while the worker may pop
+        if task[2] is owner and lo <= task[3] <= hi:
+            return int(task[3])
+    return lo
 
 
 def _use(blk: GuardedBlock, stream: Stream, seq: int, label: str, writes: bool) -> None:
@@ -234,7 +331,7 @@ def _use(blk: GuardedBlock, stream: Stream, seq: int, label: str, writes: bool) 
 
 def _after_task(stream_name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
     """On the worker after each task: verify the guard zones of every block the launch used."""
-    launch = _launches.pop(running_queue(), seq)
+    launch = _launches.pop(running_queue(), owner, seq)
     if launch is None:
         launch = _replayed(owner)
         if launch is None:
@@ -292,8 +389,9 @@ def _destroy(self: Executor) -> None:
             op=self.op.name,
             arg="executor",
         )
-    if rec is not None and rec.last is not None and rec.last[0].done < rec.last[1]:
-        q, seq = rec.last
+    pending = [(q, seq) for q, seq in list(rec.last.items()) if q.done < seq] if rec is not None else []
+    if pending:
+        q, seq = pending[0]
         raise ExecutorMisuseError(
             f"destroy of {self.describe()} while its last launch (task {seq} on stream "
             f"'{q.name}', {q.done} done) is pending; synchronize the stream first",
@@ -391,7 +489,15 @@ def _internal(f: Any) -> bool:
 def _mark_use(self: Block, stream: Stream, seq: int) -> None:
     _plain["mark_use"](self, stream, seq)
     if type(self) is GuardedBlock:
-        _use(self, stream, seq, "a copy or marked use", True)
+        writes, label = True, "a copy or marked use"
+        caller = sys._getframe(1)
+        if caller.f_code is _REPLAY_CODE:  # a graph replay's mark: it writes only its arena and its nodes' outputs
+            graph = caller.f_locals.get("self")
+            label = f"a replay of {graph}"
+            replay = getattr(_tl, "replay", None)
+            if replay is not None and replay[0]() is graph:  # what its check found just before the enqueue
+                writes = id(self) in replay[1]
+        _use(self, stream, seq, label, writes)
 
 
 def _close(self: Stream) -> None:
