@@ -260,15 +260,40 @@ def test_the_wait_log_keeps_only_pending_waits(san, gate):
     y.free(a)
 
 
-def test_freeing_a_tensor_from_the_host_while_its_copy_in_is_pending_is_reported(s, gate):
+def test_a_host_free_while_work_on_one_stream_uses_the_tensor_is_not_reported(s, gate):
+    """The README's own pattern: ``free()`` returns the block once the work using it has run (the pool waits for
+    its last use). The sanitizer reported it whenever that work was still queued."""
     dev = tp.device("cpu")
     opened = gate(s)
+    x = dev.tensor(np.ones(4096, np.float32), stream=s)  # pending copy-in
+    y = tp.mul(x, 2.0, stream=s)  # pending: reads x
+    x.free()
+    z = dev.tensor(np.full(4096, 7.0, np.float32), stream=dev.stream())  # must not get x's memory yet
+    opened.set()
+    np.testing.assert_array_equal(y.numpy(), 2.0)
+    np.testing.assert_array_equal(z.numpy(), 7.0)
+    y.free(s)
+    z.free()
+
+
+def test_a_host_free_while_two_streams_use_the_tensor_is_reported(s, gate):
+    """The pool knows one last use: a pending use on another stream than the marked one is a use after free."""
+    dev = tp.device("cpu")
     x = dev.tensor(np.ones(16, np.float32), stream=s)
+    s.synchronize()
+    s2 = dev.stream()
+    opened, opened2 = gate(s), gate(s2)
+    y = tp.mul(x, 2.0, stream=s)
+    y2 = tp.mul(x, 3.0, stream=s2)  # x's mark is now s2's task: s's read is unknown to the pool
     with pytest.raises(sanitizer.UseAfterFreeError, match="the host"):
         x.free()
     opened.set()
+    opened2.set()
     s.synchronize()
+    s2.synchronize()
     x.free()
+    y.free()
+    y2.free()
 
 
 # ---- 5. read before ready

@@ -437,7 +437,10 @@ def _bind_many(self: Executor, tensors: dict[int, Tensor]) -> None:
 
 # ---- blocks: free, host reads, copy-in uses, stream ordering
 def check_free(blk: GuardedBlock, stream: Stream | None) -> None:
-    """Refuse to free ``blk`` while a not-yet-completed task on another stream uses it without ordering."""
+    """Refuse to free ``blk`` while a not-yet-completed task on another stream uses it without ordering. A free
+    from the host is reused after the block's last marked use: only a pending use that use is not ordered after
+    (one on another stream) is refused."""
+    mark = blk._stream
     for q, (seq, label, _) in list(blk.uses.items()):
         if q.done >= seq:
             continue
@@ -445,6 +448,8 @@ def check_free(blk: GuardedBlock, stream: Stream | None) -> None:
             sq = stream._q
             if sq is q or stream._work_q is q or _waited(sq, q) >= seq:  # a capture's free: its real queue
                 continue
+        elif mark is not None and (mark._q is q or mark._work_q is q) and seq <= blk._seq:
+            continue  # the pool waits for the marked use, and this one comes no later on its stream
         side = "the host (no stream)" if stream is None else f"stream '{stream.name}'"
         raise UseAfterFreeError(
             f"block of {blk.size} bytes at 0x{blk.address:x} freed on {side} while task {seq} on stream "
