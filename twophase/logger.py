@@ -54,6 +54,11 @@ def close_at_exit(owner: Any) -> None:
     _closed_at_exit.add(owner)
 
 
+# Run at exit after the owners above are closed, before the leak report (the sanitizer's report): registered
+# with atexit themselves, they would run first (last registered, first run) and report the owners' executors.
+EXIT_REPORTS: list[Any] = []
+
+
 def _at_exit() -> None:
     for owner in list(_closed_at_exit):
         name = type(owner).__name__
@@ -64,6 +69,8 @@ def _at_exit() -> None:
             owner.close()
         except Exception as e:  # noqa: BLE001 - at exit: say what could not be closed, then report its leaks
             logger.warning("could not close %s at exit: %s", name, e)
+    for report in EXIT_REPORTS:
+        report()
     leak_report()
 
 

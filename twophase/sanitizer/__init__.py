@@ -20,13 +20,12 @@ When it is off nothing of this is installed: phase 2, the stream's enqueue and t
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import logging
 import warnings
 from collections.abc import Iterator
 
-from .. import config
+from .. import config, logger
 from ..errors import ParamError, SanitizerError
 from . import guards, tracking
 from .report import (
@@ -74,7 +73,7 @@ def _apply(value: object) -> None:
         tracking.install()
         _installed[0] = True
         if not _atexit[0]:
-            atexit.register(_exit_report)
+            logger.EXIT_REPORTS.append(_exit_report)  # after models still open are closed
             _atexit[0] = True
     elif not value and _installed[0]:
         tracking.uninstall()
