@@ -96,6 +96,8 @@ def test_a_bad_value_raises_a_param_error_and_changes_nothing(setter: str, arg: 
         (np.int64(20), "INFO"),
         ("error", "ERROR"),
         ("Warning", "WARNING"),
+        ("warn", "WARNING"),  # an alias reads as its standard name, as 30 does (it read 'WARN')
+        ("FATAL", "CRITICAL"),
     ],
 )
 def test_log_level_takes_ints_and_names_in_any_case(level: object, stored: str | int) -> None:

@@ -198,6 +198,8 @@ def test_pad_value_is_written_as_numpy_writes_it() -> None:
         (np.bool_, 0.0),
         (np.float16, 1e6),
         (np.float64, 2**62 + 1),
+        (np.float32, np.False_),  # numpy's bool scalar is a bool (it was refused)
+        (np.int32, np.True_),
     ]
     for dtype, value in cases:
         x = np.ones(2, dtype)
@@ -256,3 +258,21 @@ def test_an_output_overlapping_a_variadic_input_names_that_input() -> None:
     xs = [dev.tensor(np.ones((2, 3), np.float32)) for _ in range(2)] + [out.strided((2, 3), (3, 1), 0)]
     with pytest.raises(ParamError, match=r"overlapping xs\[2\]"):
         ops.concat.get_workspace_size(*xs, dim=0, out=out)
+
+
+def test_a_zero_element_out_with_zero_strides_is_accepted() -> None:
+    """numpy gives 0-size arrays zero strides: such an out= was refused as 'elements share memory'."""
+    dev = device("cpu")
+    x, buf = dev.tensor(np.ones((2, 0, 3), np.float32)), dev.empty((8,))
+    for strides in ((0, 0, 0), (3, 3, 1)):
+        assert tp.contiguous(x, out=buf.strided((2, 0, 3), strides)).shape == (2, 0, 3)
+    with pytest.raises(ParamError, match="share memory"):  # a broadcast out with elements still is refused
+        tp.contiguous(dev.tensor(np.ones((2, 3), np.float32)), out=buf.strided((2, 3), (0, 1)))
+    dev.synchronize()
+
+
+def test_cast_to_a_missing_dtype_is_refused() -> None:
+    """np.dtype(None) is float64: cast(x, dtype=None) cast to float64."""
+    with pytest.raises(ParamError) as e:
+        tp.cast(np.ones(3, np.float32), dtype=None)
+    assert e.value.op == "cast" and e.value.arg == "dtype"

@@ -98,7 +98,7 @@ def _log_level(value: object, op: str, arg: str) -> str | int:
     if op == _ENV and isinstance(value, str) and value.isascii() and value.isdigit():
         v = int(value)
     if isinstance(v, str) and v.upper() in names:
-        return v.upper()
+        return logging.getLevelName(names[v.upper()])  # the standard name: "warn" reads "WARNING", as 30 does
     n = int_value(v)
     if n is not None and n >= 0:
         name = logging.getLevelName(n)

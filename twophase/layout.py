@@ -160,6 +160,8 @@ def _bytes_of(marks: np.ndarray[Any, Any], desc: TensorDesc, lo: int) -> np.ndar
 def self_overlapping(a: Any) -> bool:
     """Whether two elements of the array ``a`` may share memory (a zero or too small stride: a broadcast view).
     Sufficient test, as torch's: sorted by stride, each dim must step past everything the smaller ones cover."""
+    if 0 in a.shape:
+        return False  # no elements, none to share (numpy gives 0-size arrays zero strides)
     dims = sorted((abs(s), n) for n, s in zip(a.shape, a.strides) if n > 1)
     covered = a.itemsize
     for stride, n in dims:

@@ -56,6 +56,8 @@ class DType(enum.Enum):
         """The DType of a DType, numpy dtype, type or name; ``ParamError`` for anything else."""
         if isinstance(value, DType):
             return value
+        if value is None:  # np.dtype(None) is float64: never what a missing dtype meant
+            raise ParamError(arg="dtype", expected=f"one of {[d.value for d in DType]}", got="None")
         try:
             return _FROM_NP[np.dtype(value)]
         except (TypeError, KeyError):

@@ -50,8 +50,8 @@ def as_finite(v: Any) -> float:
 
 @_expects("a number (int, float or bool)")
 def as_scalar(v: Any) -> int | float | bool:
-    if isinstance(v, bool):
-        return v
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
     if isinstance(v, numbers.Integral):
         return int(v)
     if isinstance(v, numbers.Real):
