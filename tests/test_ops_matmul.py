@@ -594,7 +594,15 @@ def test_microkernel_propagates_inf_and_nan_and_is_not_used_for_float64(rng: np.
 
 @pytest.mark.parametrize(
     "a_shape, b_shape",
-    [((3, 5), (5, 4)), ((2, 3, 5), (2, 5, 4)), ((3, 5), (2, 5, 4)), ((5,), (2, 5, 4)), ((2, 3, 5), (5,))],
+    [
+        ((3, 5), (5, 4)),
+        ((2, 3, 5), (2, 5, 4)),
+        ((3, 5), (2, 5, 4)),
+        ((5,), (2, 5, 4)),
+        ((2, 3, 5), (5,)),
+        ((3, 0), (0, 4)),  # K = 0: beta * c (it was refused: BLAS gets no product)
+        ((2, 3, 0), (2, 0, 4)),
+    ],
 )
 @pytest.mark.parametrize("alpha, beta", [(1.0, 1.0), (-0.5, 2.0)])
 def test_baddbmm_in_place_into_c(

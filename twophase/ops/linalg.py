@@ -416,6 +416,11 @@ def _build_baddbmm(
     out, alpha, beta = outs[0], attrs["alpha"], attrs["beta"]
     if beta != 0 and same_view(out, c):  # in place: the product must not overwrite c before it is read
         launch = build_in_place_addend(a, b, out, alpha, beta)
+        if launch is None and a.shape[-1] == 0:  # K = 0: no product (BLAS gets none), the result is beta * c
+
+            def launch(_: Any) -> None:
+                np.multiply(out, beta, out=out)
+
         if launch is None:
             raise ParamError(
                 op="baddbmm",
