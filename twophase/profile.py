@@ -146,8 +146,9 @@ class Profiler:
             meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"host {name}"}})
         for tid, name in list(self._streams.values()):
             meta.append({"name": "thread_name", "ph": "M", "pid": 1, "tid": tid, "args": {"name": f"stream {name}"}})
-        with self._lock:
-            return {"traceEvents": meta + list(self.events), "displayTimeUnit": "ms"}
+        with self._lock:  # an arrow whose kernel never ran (it failed, or is still queued) has no end: left out
+            events = [e for e in self.events if e.get("ph") != "s" or e["id"] not in self._started]
+            return {"traceEvents": meta + events, "displayTimeUnit": "ms"}
 
     def save(self, path: str | os.PathLike[str]) -> None:
         with open(path, "w") as f:
