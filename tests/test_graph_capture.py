@@ -913,3 +913,22 @@ def test_rebinding_follows_elements_not_byte_spans(dev, stream, rng):
     g2.destroy()
     for t in (big, big2, buf):
         t.free(stream)
+
+
+def test_each_replay_returns_its_own_outputs_dict(dev, stream, rng):
+    """replay() returned one dict, updated in place by the next replay: the outputs of a replay into the caller's
+    buffer were replaced by the arena's when the next replay used the default binding."""
+    a = _f32(rng, 16)
+    x = dev.tensor(a, stream=stream)
+    with tp.capture(stream) as g:
+        g.input("x", x)
+        g.output("y", tp.exp(x, stream=stream))
+    g.instantiate()
+    mine = dev.empty((16,))
+    first = g.replay(stream, y=mine)
+    second = g.replay(stream)
+    assert first["y"] is mine and second["y"] is not mine
+    np.testing.assert_allclose(first["y"].numpy(), np.exp(a.astype(np.float64)), rtol=1e-6)
+    g.destroy()
+    for t in (x, mine):
+        t.free(stream)

@@ -477,7 +477,7 @@ class Graph:
 
     # ---- replay
     def replay(self, stream: Stream, /, **tensors: Tensor) -> dict[str, Tensor]:
-        """Enqueue every node on ``stream`` as one task; returns the outputs by name.
+        """Enqueue every node on ``stream`` as one task; returns the outputs by name (a new dict each time).
 
         Keywords rebind named inputs / outputs to tensors of the same desc (``PlanMismatchError`` otherwise)
         for this replay; a name left out is bound to the tensor declared at capture. Only the launches
@@ -501,7 +501,7 @@ class Graph:
             b.mark_use(stream, seq)  # host reads wait for the replay (and the sanitizer sees the use)
         self._last_stream, self._last_seq = stream, seq  # not before: a refused or failed enqueue keeps the order
         self.replays += 1
-        return self._outputs
+        return dict(self._outputs)  # the caller's: a later replay with other bindings must not change it
 
     def _refuse_replay(self) -> None:
         if self._state != "instantiated":
