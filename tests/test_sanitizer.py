@@ -819,3 +819,50 @@ def test_a_launch_whose_seq_another_thread_took_is_still_checked(s):
     ws.free(s)
     x.free(s)
     y.free(s)
+
+
+def test_a_host_free_of_a_use_an_event_orders_before_the_marked_one_is_not_reported(s, gate):
+    """The pool waits for the marked (last) use on B; A's pending use comes before it by an event: no use after
+    free (it was reported, with advice meaningless for a free from the host)."""
+    dev = tp.device("cpu")
+    b = dev.stream()
+    x = dev.tensor(np.ones((64, 64), np.float32), stream=s)
+    s.synchronize()
+    opened = gate(s)
+    y = tp.relu(x, stream=s)
+    b.wait_event(s.record_event())
+    z = tp.relu(x, stream=b)  # the marked use
+    x.free()
+    opened.set()
+    np.testing.assert_array_equal(z.numpy(), 1.0)
+    y.free(s)
+    z.free(b)
+    s.synchronize()
+    b.close()
+
+
+def test_a_host_free_in_a_callback_does_not_wait_for_its_own_streams_later_fill(s, gate):
+    """A free from A's callback of a block whose sanitizer fill is queued on A behind it, while its last use is
+    pending on B: the free waited on A's later task from A's own worker, a deadlock."""
+    dev = tp.device("cpu")
+    b = dev.stream()
+    box: dict[str, Any] = {}
+
+    def free_x() -> None:
+        box["x"].free()
+        box["freed"] = True
+
+    opened = gate(s)
+    s.launch_callback(free_x)
+    box["x"] = x = dev.empty((256,), stream=s)  # its fresh-memory fill is queued on s after the callback
+    opened_b = gate(b)
+    y = tp.relu(x, stream=b)  # the last use: pending on b
+    opened.set()
+    threading.Timer(0.3, opened_b.set).start()
+    done = threading.Thread(target=s.synchronize, daemon=True)
+    done.start()
+    done.join(10)
+    assert not done.is_alive() and box.get("freed")
+    b.synchronize()
+    y.free(b)
+    b.close()

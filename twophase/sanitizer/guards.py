@@ -156,8 +156,11 @@ def _hand_mark(blk: GuardedBlock, outer: Block, fill: tuple[Stream, int] | None)
     if fill is not None:
         if last is None or last._done >= seq:
             last, seq = fill
-        elif last._work_q is not fill[0]._work_q:
-            fill[0]._q.wait_for(fill[1], raise_errors=False)  # two pending uses: the pool knows one; ours waits
+        elif last._work_q is not fill[0]._work_q:  # two pending uses: the pool knows one, so the last use's
+            if last._q is last._work_q and not last.closed:  # stream waits for the fill too, and that is the mark
+                seq = last._enqueue(_await, (fill[0]._q, fill[1]), CONTROL)
+            else:  # (never from the fill stream's own worker: a free in its callback takes the branch above)
+                fill[0]._q.wait_for(fill[1], raise_errors=False)
         else:
             seq = max(seq, fill[1])
     outer._stream, outer._seq = last, seq

@@ -448,8 +448,10 @@ def check_free(blk: GuardedBlock, stream: Stream | None) -> None:
             sq = stream._q
             if sq is q or stream._work_q is q or _waited(sq, q) >= seq:  # a capture's free: its real queue
                 continue
-        elif mark is not None and (mark._q is q or mark._work_q is q) and seq <= blk._seq:
-            continue  # the pool waits for the marked use, and this one comes no later on its stream
+        elif mark is not None and (
+            (mark._q is q or mark._work_q is q) and seq <= blk._seq or _waited(mark._q, q, blk._seq) >= seq
+        ):
+            continue  # the pool waits for the marked use, and this one comes before it (its stream, or an event)
         side = "the host (no stream)" if stream is None else f"stream '{stream.name}'"
         raise UseAfterFreeError(
             f"block of {blk.size} bytes at 0x{blk.address:x} freed on {side} while task {seq} on stream "
@@ -530,9 +532,13 @@ def _wait_event(self: Stream, event: Event) -> None:
                     log.append((here, q, seq))
 
 
-def _waited(waiter: Any, q: Any) -> int:
-    """The last seq of queue ``q`` that queue ``waiter``'s later tasks are ordered after (0: none)."""
-    return next((seq for _, on, seq in reversed(_wait_log.get(waiter, ())) if on is q), 0)
+def _waited(waiter: Any, q: Any, before: int | None = None) -> int:
+    """The last seq of queue ``q`` that queue ``waiter``'s later tasks (with ``before``: its task ``before``) are
+    ordered after (0: none)."""
+    return next(
+        (seq for own, on, seq in reversed(_wait_log.get(waiter, ())) if on is q and (before is None or own < before)),
+        0,
+    )
 
 
 _PATCHES = (
