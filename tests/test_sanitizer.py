@@ -866,3 +866,26 @@ def test_a_host_free_in_a_callback_does_not_wait_for_its_own_streams_later_fill(
     b.synchronize()
     y.free(b)
     b.close()
+
+
+def test_host_view_of_an_arena_output_while_a_replay_is_pending_raises(s, gate):
+    """An output in the graph's arena is a view of a virtual block, not of the guarded arena: its host reads were
+    never checked, so a view during a pending replay read the previous replay's values unreported."""
+    dev = tp.device("cpu")
+    x = dev.tensor(np.ones((4, 8), np.float32), stream=s)
+    with tp.capture(s) as g:
+        g.input("x", x)
+        y = g.output("y", tp.exp(x, stream=s))
+    g.instantiate()
+    try:
+        g.replay(s)
+        s.synchronize()
+        opened = gate(s)
+        g.replay(s)
+        with pytest.raises(sanitizer.ReadBeforeReadyError, match="graph"):
+            y.view()
+        opened.set()
+        np.testing.assert_allclose(y.numpy(), np.e, rtol=1e-6)
+    finally:
+        g.destroy()
+        x.free(s)

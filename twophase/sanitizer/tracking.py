@@ -17,6 +17,7 @@ from typing import Any
 from .. import hooks
 from ..executor import ExecState, Executor
 from ..graph.replay import Graph
+from ..graph.virtual import VirtualBlock
 from ..op import Op
 from ..runtime import forking
 from ..runtime.device import _copy_task
@@ -465,6 +466,8 @@ def check_free(blk: GuardedBlock, stream: Stream | None) -> None:
 
 def _view(self: Tensor) -> Any:
     blk = self.block
+    if type(blk) is VirtualBlock and blk.arena is not None:  # a graph's tensor: its arena's replays write it
+        blk = blk.arena
     if (
         type(blk) is GuardedBlock
         and blk.uses
