@@ -932,3 +932,74 @@ def test_each_replay_returns_its_own_outputs_dict(dev, stream, rng):
     g.destroy()
     for t in (x, mine):
         t.free(stream)
+
+
+def test_destroy_waits_for_an_eager_op_still_reading_a_graph_output(dev, gate, rng):
+    """The arena was freed at destroy while an op queued on another stream still read an output: its use marks the
+    output's virtual block, which the arena's free did not see."""
+    s, other = dev.stream(), dev.stream()
+    a = _f32(rng, 64, 64)
+    x = dev.tensor(a, stream=s)
+    with tp.capture(s) as g:
+        g.input("x", x)
+        g.output("y", tp.neg(x, stream=s))
+    g.instantiate()
+    y = g.replay(s)["y"]
+    s.synchronize()
+    opened = gate(other)
+    z = tp.exp(y, stream=other)
+    g.destroy()
+    junk = dev.tensor(np.full((64, 64), 1e30, np.float32), stream=s)  # may take the arena's memory
+    threading.Timer(0.3, opened.set).start()
+    s.synchronize()  # the copy-in waits for the read on `other` now
+    np.testing.assert_allclose(z.numpy(), np.exp(-a.astype(np.float64)), rtol=1e-6)
+    for t, st in ((z, other), (junk, s), (x, s)):
+        t.free(st)
+
+
+def test_a_capture_refuses_what_eager_code_refuses(dev, stream, rng):
+    """A freed intermediate used again inside the capture was recorded (eager code: InvalidStateError); a replay of
+    another graph bound to a tensor of the running capture was accepted and failed at sync; instantiate inside
+    another capture raised numpy's TypeError (its arena was a virtual block of that capture)."""
+    x = dev.tensor(_f32(rng, 4, 8), stream=stream)
+    with tp.capture(stream) as g1:
+        g1.input("x", x)
+        g1.output("y", tp.exp(x, stream=stream))
+    with tp.capture(stream) as g2:
+        h = tp.relu(x, stream=stream)
+        v = h.strided((8, 4), (1, 8), 0)
+        h.free(stream)
+        for t in (h, v):
+            with pytest.raises(InvalidStateError, match="freed"):
+                tp.neg(t, stream=stream)
+        with pytest.raises(CaptureError, match="cannot be instantiated while this thread captures"):
+            g1.instantiate()
+        g2.output("z", tp.neg(x, stream=stream))
+    assert g2.ops == ["relu", "neg"]
+    g1.instantiate()
+    other = dev.stream()
+    with tp.capture(stream) as g3:
+        h3 = tp.neg(x, stream=stream)
+        with pytest.raises(CaptureError, match="no memory until the graph is instantiated"):
+            g1.replay(other, x=h3)
+        g3.output("w", h3)
+    other.synchronize()  # nothing failed there
+    np.testing.assert_allclose(g1.replay(other)["y"].numpy(), np.exp(x.numpy().astype(np.float64)), rtol=1e-6)
+    for g in (g1, g2, g3):
+        g.destroy()
+    x.free(stream)
+
+
+def test_a_failed_instantiate_leaves_a_named_output_freed_in_the_capture_freed(dev, stream, rng):
+    x = dev.tensor(_f32(rng, 64), stream=stream)
+    with tp.capture(stream) as g:
+        y = g.output("y", tp.neg(x, stream=stream))
+        y.free(stream)
+        h = tp.neg(x, stream=stream)
+        tp.exp(h.strided((32,), (1,), 0), out=h.strided((32,), (1,), 16), stream=stream)
+    with pytest.raises(ParamError, match="overlapping"):
+        g.instantiate()
+    with pytest.raises(CaptureError, match="freed twice"):
+        y.free(stream)
+    g.destroy()
+    x.free(stream)

@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .. import hooks
-from ..errors import CaptureError
+from ..errors import CaptureError, InvalidStateError
 from ..executor import Executor
 from ..op import Op
 from ..runtime import forking
@@ -183,10 +183,13 @@ def _share() -> Callable[[], None]:
         plain = Op._build_launch
 
         def build_launch(op: Op, ex: Executor) -> Callable[[Any], None]:
+            deferred = False
             for t in ex._tensors:
                 if t is not None and type(t.block) is VirtualBlock and t.block.virtual:
-                    return _deferred
-            return plain(op, ex)
+                    if t.block.freed:  # as the plain build refuses it: the capture freed it already
+                        raise InvalidStateError("tensor's block was freed", op=op.name, arg="operand", got=t.desc)
+                    deferred = True
+            return _deferred if deferred else plain(op, ex)
 
         Op._build_launch = build_launch  # type: ignore[method-assign, assignment]
         _shared["plain"] = plain

@@ -389,6 +389,14 @@ class Graph:
         plan = plan_arena(buffers, alignment)
         pool = self.device.pool
         arena = pool.malloc(plan.size, stream=self.stream)
+        if type(arena) is VirtualBlock:  # this thread captures another graph: the pool gave a block of it
+            arena.free()
+            raise CaptureError(
+                f"{self} cannot be instantiated while this thread captures {arena.graph} (its allocations are "
+                "virtual): instantiate before or after that capture",
+                op="Graph.instantiate",
+                arg="graph",
+            )
         execs: list[Executor] = []
         zones: list[list[tuple[str, int, int]]] = [[] for _ in nodes]  # per node: the guarded buffers it writes
         named = {
@@ -397,6 +405,7 @@ class Graph:
             if type(b.key) is int and isinstance(nb := b.default.block, VirtualBlock)
         }
         blocks: dict[int, VirtualBlock] = {}
+        revived = [vb for vb in named.values() if vb.freed]  # freed during the capture: again if this fails
         try:
             ws: dict[int, Any] = {}
             for (kind, k), off in zip(keys, plan.offsets):
@@ -423,6 +432,8 @@ class Graph:
                 ex.destroy()
             for vb in blocks.values():
                 vb._dematerialize()
+            for vb in revived:
+                vb.allocated, vb.freed = False, True
             arena.free(self.stream)
             raise
         self._arena = arena
@@ -554,6 +565,7 @@ class Graph:
                 raise ParamError(
                     op="Graph.replay", arg=name, expected=f"a tensor on {self.device.name}", got=t.device.name
                 )
+            t.block.check_memory(t.desc)  # a tensor of a capture running now (its launch would be deferred)
             if t.block is b.current.block:
                 continue
             if (type(t.block) is VirtualBlock and t.block.graph is self) or t.block is self._arena:
@@ -627,7 +639,9 @@ class Graph:
         self._state = "destroyed"
         self._steps = None
         if self._arena is not None:
-            self._arena.free(self._last_stream or self.stream)
+            stream = self._last_stream or self.stream
+            self._after_outside_uses(stream)
+            self._arena.free(stream)
             self._arena = None
         for ex in self._execs:
             ex.destroy()
@@ -640,6 +654,19 @@ class Graph:
         self._mark_blocks = ()
         self._bindings.clear()
         self._outputs = {}
+
+    def _after_outside_uses(self, stream: Stream) -> None:
+        """Order ``stream`` (where the arena is freed) after pending uses of the graph's tensors on other streams
+        (an eager op reading an output): they mark the tensor's virtual block, which the arena's free cannot see."""
+        for ref in self._vrefs:
+            vb = ref()
+            if vb is None or vb.virtual:
+                continue
+            s, seq = vb._stream, vb._seq
+            if s is not None and s is not stream and not s.closed and s._q.done < seq:
+                ev = Event._make(s)
+                ev.seq = seq
+                stream.wait_event(ev)
 
     def __enter__(self) -> Graph:
         return self
