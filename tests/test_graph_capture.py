@@ -712,6 +712,14 @@ def test_a_tensor_freed_during_a_capture_waits_for_the_real_work_on_its_stream(d
 
 
 # ---------------------------------------------------------------- found by a bug hunt (session 35)
+def _exp_graph(x: tp.Tensor, s: tp.Stream) -> tp.Graph:
+    """An instantiated graph of ``y = exp(x)`` with input ``x`` and output ``y`` named."""
+    with tp.capture(s) as g:
+        g.input("x", x)
+        g.output("y", tp.exp(x, stream=s))
+    return g.instantiate()
+
+
 def test_the_first_replay_on_another_stream_waits_for_the_capture_streams_work(dev, gate, rng):
     """The arena is allocated in the capture stream's order: it may be a block that stream's pending work still
     writes. A first replay on another stream was not ordered after that work, which then overwrote its result."""
@@ -723,10 +731,7 @@ def test_the_first_replay_on_another_stream_waits_for_the_capture_streams_work(d
     t = dev.empty((1 << 14,))
     tp.neg(x, out=t, stream=s)  # pending on s: writes t's block
     t.free(s)  # reusable in s's order at once: the arena gets it
-    with tp.capture(s) as g:
-        g.input("x", x)
-        g.output("y", tp.exp(x, stream=s))
-    g.instantiate()
+    g = _exp_graph(x, s)
     assert g._arena.address == t.block.address  # the case under test: the arena is t's memory
     y = g.replay(o)["y"]
     threading.Timer(0.2, opened.set).start()  # the replay must wait for it
@@ -743,10 +748,7 @@ def test_a_refused_or_failed_replay_on_another_stream_keeps_the_graphs_stream_or
     wrong stream and hung."""
     a = _f32(rng, 64)
     x = dev.tensor(a, stream=stream)
-    with tp.capture(stream) as g:
-        g.input("x", x)
-        g.output("y", tp.exp(x, stream=stream))
-    g.instantiate()
+    g = _exp_graph(x, stream)
     for _ in range(4):
         g.replay(stream)
     other = dev.stream()
@@ -868,10 +870,7 @@ def test_a_captured_tensor_used_before_instantiate_raises_a_capture_error(dev, s
 def test_a_dlpack_export_of_a_graph_output_keeps_the_arena_after_destroy(dev, stream, rng):
     a = _f32(rng, 4096)
     x = dev.tensor(a, stream=stream)
-    with tp.capture(stream) as g:
-        g.input("x", x)
-        g.output("y", tp.exp(x, stream=stream))
-    g.instantiate()
+    g = _exp_graph(x, stream)
     held = np.from_dlpack(g.replay(stream)["y"])
     g.destroy()
     other = dev.tensor(np.full(4096, -123.0, np.float32), stream=stream)
@@ -920,10 +919,7 @@ def test_each_replay_returns_its_own_outputs_dict(dev, stream, rng):
     buffer were replaced by the arena's when the next replay used the default binding."""
     a = _f32(rng, 16)
     x = dev.tensor(a, stream=stream)
-    with tp.capture(stream) as g:
-        g.input("x", x)
-        g.output("y", tp.exp(x, stream=stream))
-    g.instantiate()
+    g = _exp_graph(x, stream)
     mine = dev.empty((16,))
     first = g.replay(stream, y=mine)
     second = g.replay(stream)

@@ -32,7 +32,7 @@ from .spin import count_and_wait, spin_until_reached
 if TYPE_CHECKING:
     from .device import Device
 
-__all__ = ["Stream", "Event", "CONTROL", "TaskRecords", "running_queue", "check_stream"]
+__all__ = ["Stream", "Event", "CONTROL", "QueueRecords", "TaskRecords", "running_queue", "check_stream"]
 
 CONTROL = "<control>"
 _NEVER = 1 << 62  # wake_at when no host thread waits: no seq reaches it
@@ -67,15 +67,28 @@ def running_queue() -> Any:
     return getattr(_running, "q", None)
 
 
-class TaskRecords(Generic[_R]):
-    """What task listeners look up once a task has run, keyed by its queue (weakly) and seq: not by stream name,
-    which a later stream may reuse. A failed or dropped task is never seen by a listener: its record goes when a
-    later task of its queue is recorded or looked up, or with the queue."""
+class QueueRecords:
+    """Records kept per stream queue (weakly: they go with the queue), under one lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         forking.locks_of(self, "_lock")  # a stream worker may hold it at a fork
-        self._by_queue: weakref.WeakKeyDictionary[Any, dict[int, _R]] = weakref.WeakKeyDictionary()
+        self._by_queue: weakref.WeakKeyDictionary[Any, dict[int, Any]] = weakref.WeakKeyDictionary()
+
+    def forget(self, q: Any) -> None:
+        """Drop every record of ``q`` (its stream was closed)."""
+        with self._lock:
+            self._by_queue.pop(q, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_queue.clear()
+
+
+class TaskRecords(QueueRecords, Generic[_R]):
+    """What task listeners look up once a task has run, keyed by its queue (weakly) and seq: not by stream name,
+    which a later stream may reuse. A failed or dropped task is never seen by a listener: its record goes when a
+    later task of its queue is recorded or looked up, or with the queue."""
 
     def put(self, q: Any, seq: int, record: _R) -> None:
         with self._lock:
@@ -90,18 +103,9 @@ class TaskRecords(Generic[_R]):
             recs = self._by_queue.get(q)
             if recs is None:
                 return None
-            record = recs.pop(seq, None)
+            record: _R | None = recs.pop(seq, None)
             _drop_done(recs, q.done)
             return record
-
-    def forget(self, q: Any) -> None:
-        """Drop every record of ``q`` (its stream was closed)."""
-        with self._lock:
-            self._by_queue.pop(q, None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._by_queue.clear()
 
 
 def _drop_done(recs: dict[int, Any], done: int) -> None:

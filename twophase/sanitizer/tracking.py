@@ -22,7 +22,7 @@ from ..op import Op
 from ..runtime import forking
 from ..runtime.device import _copy_task
 from ..runtime.memory import Block
-from ..runtime.stream import Event, Stream, _Queue, running_queue
+from ..runtime.stream import Event, QueueRecords, Stream, _Queue, running_queue
 from ..tensor import Tensor
 from . import guards
 from .guards import GuardedBlock
@@ -65,7 +65,7 @@ class Launch:
         return self.describe
 
 
-class LaunchRecords:
+class LaunchRecords(QueueRecords):
     """The launches not yet checked, per queue and executor in launch order, each with the lowest seq its task can
     have: ``submitted + 1`` read before the enqueue, which another thread may pass on a shared stream, so a record
     is matched by its executor, not by that seq. An executor launches from its own thread only, one launch after
@@ -74,9 +74,7 @@ class LaunchRecords:
     or was dropped (never seen by a listener), and the first record left is this task's."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
-        forking.locks_of(self, "_lock")  # a stream worker may hold it at a fork
-        self._by_queue: weakref.WeakKeyDictionary[Any, dict[int, LaunchList]] = weakref.WeakKeyDictionary()
+        super().__init__()  # per queue: id(executor) -> its LaunchList
         self._puts = 0
 
     def put(self, q: Any, owner: Any, lo: int, launch: Launch) -> tuple[int, Launch]:
@@ -100,7 +98,7 @@ class LaunchRecords:
         if q is None:
             return None
         with self._lock:
-            lst = self._by_queue.get(q, {}).get(id(owner))
+            lst: LaunchList | None = self._by_queue.get(q, {}).get(id(owner))
             if lst is None or lst.owner() is not owner:
                 return None
             entries = lst.entries
@@ -119,15 +117,6 @@ class LaunchRecords:
                     lst.entries.remove(entry)
                 except ValueError:
                     pass
-
-    def forget(self, q: Any) -> None:
-        """Drop every record of ``q`` (its stream was closed)."""
-        with self._lock:
-            self._by_queue.pop(q, None)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._by_queue.clear()
 
 
 @dataclass
