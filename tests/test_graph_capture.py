@@ -840,8 +840,9 @@ def test_a_failed_instantiate_leaves_no_executor_and_no_tensor_on_the_freed_aren
     with tp.capture(stream) as g:
         h = tp.neg(x, stream=stream)
         tp.exp(h.strided((32,), (1,), 0), out=h.strided((32,), (1,), 16), stream=stream)
-    with pytest.raises(ParamError, match="overlapping"):
+    with pytest.raises(ParamError, match="overlapping") as e:
         g.instantiate()
+    assert e.value.__notes__ == [f"refused at instantiate: node 1 ('exp') of {g.describe()}"]
     assert tp.ops.exp.counters.as_dict()["executors_live"] == live
     assert h.block.virtual
     z = dev.tensor(np.full(64, 9.0, np.float32), stream=stream)
@@ -968,10 +969,15 @@ def test_a_capture_refuses_what_eager_code_refuses(dev, stream, rng):
         for t in (h, v):
             with pytest.raises(InvalidStateError, match="freed"):
                 tp.neg(t, stream=stream)
+        never = dev.empty((4, 8))  # allocated in the capture, used by no node
         with pytest.raises(CaptureError, match="cannot be instantiated while this thread captures"):
             g1.instantiate()
         g2.output("z", tp.neg(x, stream=stream))
     assert g2.ops == ["relu", "neg"]
+    g2.instantiate()
+    for t, why in ((h, "was freed there"), (never, "that no node of it used has no memory")):
+        with pytest.raises(InvalidStateError, match=why):
+            t.numpy()  # it said "no memory yet: read it after graph.instantiate()", already done
     g1.instantiate()
     other = dev.stream()
     with tp.capture(stream) as g3:

@@ -12,7 +12,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..config import int_value
-from ..errors import CaptureError, InvalidStateError, KernelError, ParamError, PlanMismatchError, refuse_pickle
+from ..errors import (
+    CaptureError,
+    InvalidStateError,
+    KernelError,
+    ParamError,
+    PlanMismatchError,
+    TwoPhaseError,
+    refuse_pickle,
+)
 from ..executor import Executor
 from ..layout import relation
 from ..runtime.device import NO_WORKSPACE
@@ -425,8 +433,12 @@ class Graph:
                     vb.allocated, vb.freed = True, False  # (a named output freed during the capture is kept)
                 else:
                     ws[k] = None if arena.data is None else arena.data[off : off + nodes[k].workspace_size]
-            for n in nodes:
-                execs.append(self._clone(n, blocks))
+            for i, n in enumerate(nodes):
+                try:
+                    execs.append(self._clone(n, blocks))
+                except TwoPhaseError as e:  # refused only now (an out= overlapping an input): say which launch
+                    e.add_note(f"refused at instantiate: node {i} ('{n.op.name}') of {self.describe()}")
+                    raise
         except BaseException:  # the graph stays captured: its tensors go back to having no memory
             for ex in execs:
                 ex.destroy()

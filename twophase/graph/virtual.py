@@ -69,23 +69,27 @@ class VirtualBlock(Block):
             raise InvalidStateError("tensor's block was freed", op="__dlpack__", arg="tensor", got=self)
         arena.export(holder)
 
-    def check_memory(self, desc: Any) -> None:
-        if self.virtual:
-            raise CaptureError(
-                f"a tensor allocated inside the capture of {self.graph} has no memory until the graph is instantiated",
-                op="Tensor.view",
+    def check_memory(self, desc: Any, op: str = "Tensor.view") -> None:
+        if not self.virtual:
+            return
+        if self.freed or self.graph.state not in ("capturing", "captured"):
+            raise InvalidStateError(  # freed by the capture, or never used by a node: it never gets memory
+                f"a tensor allocated inside the capture of {self.graph} "
+                + ("was freed there" if self.freed else "that no node of it used has no memory"),
+                op=op,
                 arg="tensor",
                 got=desc,
             )
+        raise CaptureError(
+            f"a tensor allocated inside the capture of {self.graph} has no memory until the graph is instantiated"
+            " (then read it after a replay)",
+            op=op,
+            arg="tensor",
+            got=desc,
+        )
 
     def wait(self) -> None:
-        if self.virtual:
-            raise CaptureError(
-                f"a tensor allocated inside the capture of {self.graph} has no memory yet: "
-                "read it after graph.instantiate() and a replay",
-                op="capture",
-                arg="tensor",
-            )
+        self.check_memory(None, "Tensor.numpy")
         super().wait()
 
     def free(self, stream: Any = None) -> None:
