@@ -142,13 +142,14 @@ def relation(outer: TensorDesc, inner: TensorDesc, max_bytes: int = 1 << 26) -> 
     if hi - lo > max_bytes:
         return "within" if outer.is_contiguous and olo <= ilo and ihi <= ohi else "straddles"
     marks = np.zeros(hi - lo, np.bool_)
-    _bytes_of(marks, outer, lo)[...] = True
-    covered = _bytes_of(marks, inner, lo)
+    bytes_of(marks, outer, lo)[...] = True
+    covered = bytes_of(marks, inner, lo)
     return "within" if covered.all() else "straddles" if covered.any() else "apart"
 
 
-def _bytes_of(marks: np.ndarray[Any, Any], desc: TensorDesc, lo: int) -> np.ndarray[Any, Any]:
-    """The bytes of ``desc`` as a writable view of ``marks`` (one bool per byte of the buffer from ``lo``)."""
+def bytes_of(marks: np.ndarray[Any, Any], desc: TensorDesc, lo: int = 0) -> np.ndarray[Any, Any]:
+    """The bytes of ``desc`` as a writable view of ``marks`` (one bool per byte of the buffer from ``lo``); a
+    0-element desc is an empty view."""
     item = desc.dtype.itemsize
     return np.lib.stride_tricks.as_strided(
         marks[desc.offset * item - lo :],

@@ -69,11 +69,10 @@ class PlanCache:
         outs = None if out is None else (tuple(out) if isinstance(out, (tuple, list)) else (out,))
         _, s = placement(inputs, stream, o.name)
         # the limit in force, as phase 1 keys it: a plan made before set_workspace_limit() must not be served after
-        meta = o._key(in_descs, outs, effective_limit(o.name, attrs.get("workspace_limit")), attrs, bound)
-        if capturing() is not None:
-            # not cached either way: a call planned now holds virtual blocks of the graph, and a cached one's
-            # workspace would be recorded into the graph while the cache may free it later
-            meta = None
+        # inside a capture nothing is cached either way: a call planned now holds virtual blocks of the graph, and
+        # a cached one's workspace would be recorded into the graph while the cache may free it later
+        limit = effective_limit(o.name, attrs.get("workspace_limit"))
+        meta = None if capturing() is not None else o._key(in_descs, outs, limit, attrs, bound)
         key = (meta, s)
         entry = None
         if meta is not None:  # leases are exclusive: take an idle entry of this metadata, if any

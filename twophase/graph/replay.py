@@ -413,7 +413,9 @@ class Graph:
             if type(b.key) is int and isinstance(nb := b.default.block, VirtualBlock)
         }
         blocks: dict[int, VirtualBlock] = {}
-        revived = [vb for vb in named.values() if vb.freed]  # freed during the capture: again if this fails
+        revived = [vb for vb in named.values() if vb.freed]  # freed during the capture, kept: freed again on failure
+        for kept in revived:
+            kept.allocated, kept.freed = True, False
         try:
             ws: dict[int, Any] = {}
             for (kind, k), off in zip(keys, plan.offsets):
@@ -425,12 +427,11 @@ class Graph:
                 if kind == "v":
                     # a named output stays the caller's tensor, even if its block was freed during the capture
                     vb: VirtualBlock | None = named.get(k) or self._vrefs[k]()
-                    if vb is None or (self._vfreed[k] and k not in named):
+                    if vb is None or vb.freed:
                         vb = VirtualBlock(pool, self, k, self._vsizes[k])
                         self._internal.add(id(vb))
                     blocks[k] = vb
                     vb._materialize(arena, off)
-                    vb.allocated, vb.freed = True, False  # (a named output freed during the capture is kept)
                 else:
                     ws[k] = None if arena.data is None else arena.data[off : off + nodes[k].workspace_size]
             for i, n in enumerate(nodes):
@@ -444,8 +445,8 @@ class Graph:
                 ex.destroy()
             for vb in blocks.values():
                 vb._dematerialize()
-            for vb in revived:
-                vb.allocated, vb.freed = False, True
+            for kept in revived:
+                kept.allocated, kept.freed = False, True
             arena.free(self.stream)
             raise
         self._arena = arena
@@ -546,11 +547,8 @@ class Graph:
     def _order_after_last(self, stream: Stream) -> None:
         """Order a new stream after the previous replay, or after the capture stream's work up to
         ``instantiate`` (the arena was allocated in that stream's order)."""
-        last = self._last_stream
-        if last is not None and last._q.done < self._last_seq:
-            ev = Event._make(last)
-            ev.seq = self._last_seq
-            stream.wait_event(ev)
+        if self._last_stream is not None:
+            _order_after(stream, self._last_stream, self._last_seq)
 
     def _apply(self, tensors: dict[str, Tensor]) -> None:
         changes: dict[int, dict[int, Tensor]] = {}
@@ -674,11 +672,8 @@ class Graph:
             vb = ref()
             if vb is None or vb.virtual:
                 continue
-            s, seq = vb._stream, vb._seq
-            if s is not None and s is not stream and not s.closed and s._q.done < seq:
-                ev = Event._make(s)
-                ev.seq = seq
-                stream.wait_event(ev)
+            if vb._stream is not None and vb._stream is not stream and not vb._stream.closed:
+                _order_after(stream, vb._stream, vb._seq)
 
     def __enter__(self) -> Graph:
         return self
@@ -690,6 +685,14 @@ class Graph:
     def _node_error(self, i: int, exc: BaseException) -> KernelError:
         name = self._nodes[i].op.name if 0 <= i < len(self._nodes) else "?"
         return KernelError(f"node {i} ('{name}') of {self.describe()}: {type(exc).__name__}: {exc}", op=name)
+
+
+def _order_after(stream: Stream, other: Stream, seq: int) -> None:
+    """``stream``'s later work waits for task ``seq`` of ``other`` (nothing to wait for once it is done)."""
+    if other._q.done < seq:
+        ev = Event._make(other)
+        ev.seq = seq
+        stream.wait_event(ev)
 
 
 def _run_graph(arg: tuple[list[tuple[Any, Any, int]], Graph, Any]) -> None:

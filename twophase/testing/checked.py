@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..executor import ExecState, Executor
-from ..layout import overlaps
+from ..layout import bytes_of, overlaps
 from ..op import Op
 from ..runtime.device import Device, device
 from ..runtime.memory import Block
@@ -68,21 +68,6 @@ def _unwritten(t: Tensor) -> int:
     return 0  # integer / bool outputs cannot be told apart from a legitimately equal value
 
 
-def _mark_elements(mask: np.ndarray[Any, Any], t: Tensor) -> None:
-    """Set the bytes of ``mask`` (one per byte of ``t``'s block) that hold an element of ``t``."""
-    d = t.desc
-    if d.numel == 0:
-        return
-    item = d.dtype.itemsize
-    np.ndarray(
-        d.shape + (item,),
-        np.bool_,
-        buffer=mask,
-        offset=d.offset * item,
-        strides=tuple(s * item for s in d.strides) + (1,),
-    )[...] = True
-
-
 class _Gaps:
     """The bytes of the outputs' blocks that hold no element of an output or input: filled with GAP_PATTERN
     before the run, checked after it, then given their old bytes back (a caller's ``out=`` may be a view of a
@@ -100,7 +85,7 @@ class _Gaps:
             mask = np.zeros(data.shape[0], np.bool_)
             for u in (*outs, *ins):
                 if isinstance(u, Tensor) and u.block is b:
-                    _mark_elements(mask, u)
+                    bytes_of(mask, u.desc)[...] = True
             gap = np.flatnonzero(~mask)
             if gap.size:
                 self.blocks.append((k, b, gap, data[gap].copy()))
