@@ -263,12 +263,13 @@ def test_an_output_overlapping_a_variadic_input_names_that_input() -> None:
 def test_a_zero_element_out_with_zero_strides_is_accepted() -> None:
     """numpy gives 0-size arrays zero strides: such an out= was refused as 'elements share memory'."""
     dev = device("cpu")
-    x, buf = dev.tensor(np.ones((2, 0, 3), np.float32)), dev.empty((8,))
+    x, y, buf = dev.tensor(np.ones((2, 0, 3), np.float32)), dev.tensor(np.ones((2, 3), np.float32)), dev.empty((8,))
     for strides in ((0, 0, 0), (3, 3, 1)):
         assert tp.contiguous(x, out=buf.strided((2, 0, 3), strides)).shape == (2, 0, 3)
     with pytest.raises(ParamError, match="share memory"):  # a broadcast out with elements still is refused
-        tp.contiguous(dev.tensor(np.ones((2, 3), np.float32)), out=buf.strided((2, 3), (0, 1)))
-    dev.synchronize()
+        tp.contiguous(y, out=buf.strided((2, 3), (0, 1)))
+    for t in (x, y, buf):
+        t.free()
 
 
 def test_cast_to_a_missing_dtype_is_refused() -> None:
