@@ -376,6 +376,31 @@ def test_a_model_whose_stream_is_still_busy_at_exit_is_left_open_and_exit_does_n
 
 @needs_model
 @needs_ops
+def test_close_with_a_failure_pending_releases_everything_then_raises_it() -> None:
+    """A kernel failure pending on the model's stream: close raised it at the first program's synchronize and left
+    that program's executors, every other program and graph, and the weights allocated."""
+    dev = tp.device("cpu")
+    dev.synchronize()
+    before = dev.pool.stats()["allocated_bytes"]
+    m = minilm.MiniLM()
+    for mode in ("planned", "graph"):
+        for n in (1, 9):  # two shapes each
+            m.encode([" ".join(["word"] * n)], mode=mode)
+
+    def fail() -> None:
+        raise RuntimeError("a kernel failed")
+
+    m.stream.launch_callback(fail)
+    with pytest.raises(tp.KernelError, match="a kernel failed"):
+        m.close()
+    assert m.closed and m.stream.closed and not m.programs and not m.graphs
+    dev.synchronize()
+    assert dev.pool.stats()["allocated_bytes"] == before
+    m.close()  # closed: nothing more to do
+
+
+@needs_model
+@needs_ops
 def test_close_frees_the_weights_and_the_stream_and_bad_arguments_are_refused() -> None:
     dev = tp.device("cpu")
     dev.synchronize()

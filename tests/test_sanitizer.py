@@ -889,3 +889,66 @@ def test_host_view_of_an_arena_output_while_a_replay_is_pending_raises(s, gate):
     finally:
         g.destroy()
         x.free(s)
+
+
+def test_a_free_with_a_bad_stream_changes_nothing_under_the_sanitizer(san):
+    """Refused before anything changes, as without the sanitizer (it had handed the memory back already)."""
+    dev = tp.device("cpu")
+    b = dev.malloc(4096)
+    for bad in ("s", 3):
+        with pytest.raises(tp.ParamError, match="free: argument 'stream'"):
+            b.free(bad)  # type: ignore[arg-type]
+        assert b.allocated and not b.freed
+    b.free()
+
+
+def test_a_bad_rebinding_index_is_the_executors_param_error_under_the_sanitizer(san):
+    x = tp.device("cpu").tensor(np.ones((2, 4), np.float32))
+    _, ex = tp.ops.softmax.get_workspace_size(x, dim=-1)
+    for index in (None, "0", 0.5, True):
+        with pytest.raises(tp.ParamError, match="input index"):
+            ex.set_input(index, x)  # type: ignore[arg-type]
+    ex.set_input(np.int64(0), x)
+    ex.destroy()
+    x.free()
+
+
+def test_a_numpy_int_byte_count_gets_a_guarded_block(san):
+    b = tp.device("cpu").malloc(np.int64(100))
+    assert type(b).__name__ == "GuardedBlock" and b.size == 100
+    b.free()
+
+
+def test_a_dlpack_export_keeps_its_memory_after_free_under_the_sanitizer(san, s):
+    """The consumer's memory is not handed out again until it lets go (it was, at once: a later tensor's data
+    showed through the consumer's array)."""
+    dev = tp.device("cpu")
+    x = dev.tensor(np.arange(1024, dtype=np.float32), stream=s)
+    held = np.from_dlpack(x)
+    x.free(s)
+    others = [dev.tensor(np.full(1024, -1.0, np.float32), stream=s) for _ in range(4)]
+    s.synchronize()
+    np.testing.assert_array_equal(held, np.arange(1024))
+    del held
+    gc.collect()
+    for t in others:
+        t.free(s)
+
+
+def test_an_executor_launched_in_a_capture_may_be_destroyed_there(san, s):
+    """A captured launch never runs on the stream (the graph replays its own clone of the executor): destroying
+    the executor inside the capture is no destroy of a pending launch (a PlanCache's lease inside a capture did)."""
+    dev = tp.device("cpu")
+    x = dev.tensor(np.arange(8, dtype=np.float32), stream=s)
+    with tp.capture(s) as g:
+        _, ex = tp.ops.relu.get_workspace_size(x)
+        ex.set_repeatable()
+        y = dev.empty((8,), stream=s)
+        ex.set_output(0, y)
+        tp.ops.relu(None, 0, ex, s)
+        ex.destroy()
+        g.output("y", y)
+    g.instantiate()
+    np.testing.assert_array_equal(g.replay(s)["y"].numpy(), np.arange(8))
+    g.destroy()
+    x.free(s)

@@ -17,7 +17,7 @@ import importlib.util
 import json
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -411,6 +411,7 @@ class Program:
         try:
             self.output = forward(rec, model.config, model.weights, *ins)
         except BaseException:  # no sync: a kernel error pending from before stays for the next one
+            self.stream._q.drain()  # but the launches made so far have run before their executors go
             for c in rec.calls:
                 c.close(sync=False)
             for t in rec.buffers + list(ins):
@@ -469,13 +470,16 @@ class Program:
         return sum(blocks.values())
 
     def close(self) -> None:
-        """Synchronize, free workspaces and buffers, destroy executors (idempotent)."""
-        self.stream.synchronize()
-        for c in self.calls:
-            c.close(sync=False)
-        for t in self.buffers + list(self._inputs):
-            t.free(self.stream)
-        self.calls, self.buffers, self._inputs = [], [], ()  # type: ignore[assignment]
+        """Synchronize, free workspaces and buffers, destroy executors (idempotent); a failure the synchronize
+        raises is raised once all of it is released (the stream has run its work by then)."""
+        try:
+            self.stream.synchronize()
+        finally:
+            for c in self.calls:
+                c.close(sync=False)
+            for t in self.buffers + list(self._inputs):
+                t.free(self.stream)
+            self.calls, self.buffers, self._inputs = [], [], ()  # type: ignore[assignment]
 
 
 class CapturedForward:
@@ -522,10 +526,12 @@ class CapturedForward:
     def close(self) -> None:
         """Destroy the graph (synchronizes, frees the arena), then free its capture-time inputs."""
         if self.graph is not None:
-            self.graph.destroy()
-            self.graph = None
-            for t in self._own:
-                t.free(self.model.stream)
+            g, self.graph = self.graph, None
+            try:
+                g.destroy()  # released also when its synchronize raises a pending failure
+            finally:
+                for t in self._own:
+                    t.free(self.model.stream)
 
 
 class MiniLM:
@@ -816,18 +822,28 @@ class MiniLM:
         if self.closed:
             return
         self._check_thread()
+        failed: list[BaseException] = []  # a kernel failure pending on the stream: raised once all is released
+
+        def attempt(release: Callable[[], None]) -> None:
+            try:
+                release()
+            except BaseException as e:  # noqa: BLE001 - the first is raised at the end
+                failed.append(e)
+
         for p in self.programs.values():
-            p.close()
+            attempt(p.close)
         self.programs.clear()
         for g in self.graphs.values():
-            g.close()
+            attempt(g.close)
         self.graphs.clear()
-        self.sync()
+        attempt(self.sync)
         self.closed = True
         for t in self._parameters():
             t.free(self.stream)
         if self._own_stream:
             self.stream.close()
+        if failed:
+            raise failed[0]
 
     def __enter__(self) -> MiniLM:
         return self

@@ -12,12 +12,13 @@ from typing import Any
 
 import numpy as np
 
+from ..config import int_value
 from ..errors import InvalidStateError
 from ..graph.replay import ARENA_GUARDS
 from ..runtime import forking
 from ..runtime.device import Device
 from ..runtime.memory import Block, MemoryPool
-from ..runtime.stream import CONTROL, Stream
+from ..runtime.stream import CONTROL, Stream, check_stream
 from .report import GuardError, where
 
 GUARD = 512  # bytes before and after each block (keeps the 512-byte alignment of the data)
@@ -77,8 +78,10 @@ def _ordered(blk: GuardedBlock, stream: Stream | None, fn: Any, arg: Any) -> Non
 
 
 def guarded_malloc(pool: MemoryPool, nbytes: int, stream: Stream | None = None, policy: str = "huge_first") -> Block:
-    if not isinstance(nbytes, int) or isinstance(nbytes, bool) or nbytes < 0:
+    n = int_value(nbytes)
+    if n is None or n < 0:
         return _plain_malloc(pool, nbytes, stream, policy)  # raises the plain error
+    nbytes = n
     outer = _plain_malloc(pool, nbytes + 2 * GUARD, stream, policy)
     blk = GuardedBlock(outer, nbytes)
     blk.generation = _state["generation"]
@@ -92,6 +95,11 @@ def guarded_malloc(pool: MemoryPool, nbytes: int, stream: Stream | None = None, 
 def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> None:
     if type(blk) is not GuardedBlock:
         _plain_free(pool, blk, stream)
+        return
+    if stream is not None and type(stream) is not Stream:
+        check_stream(stream, "free", open_=False)  # before anything changes, as the plain free
+    if blk.exports is not None and blk.pool is pool:
+        blk._free_exported(stream)  # DLPack consumers hold it: freed (through here) when the last lets go
         return
     if blk.pool is not pool or not blk.allocated or blk.outer is None:  # outer stays set for later guard checks
         raise InvalidStateError("block is not allocated from this pool (double free?)", op="free", arg="block", got=blk)

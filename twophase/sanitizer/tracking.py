@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .. import hooks
+from ..config import int_value
 from ..executor import ExecState, Executor
+from ..graph.capture import _CaptureQueue
 from ..graph.replay import Graph
 from ..graph.virtual import VirtualBlock
 from ..op import Op
@@ -379,7 +381,9 @@ def _destroy(self: Executor) -> None:
             op=self.op.name,
             arg="executor",
         )
-    pending = [(q, seq) for q, seq in list(rec.last.items()) if q.done < seq] if rec is not None else []
+    # a launch recorded by a capture never runs on its queue (the graph replays a clone of the executor)
+    last = list(rec.last.items()) if rec is not None else []
+    pending = [(q, seq) for q, seq in last if q.done < seq and type(q) is not _CaptureQueue]
     if pending:
         q, seq = pending[0]
         raise ExecutorMisuseError(
@@ -394,6 +398,7 @@ def _destroy(self: Executor) -> None:
 def _bind(self: Executor, index: int, tensor: Tensor, descs: Any, base: int, kind: str) -> None:
     if (
         isinstance(tensor, Tensor)
+        and int_value(index) is not None
         and 0 <= index < len(descs)
         and self._state is ExecState.READY
         and tensor.desc != descs[index]
