@@ -102,8 +102,10 @@ def test_executor_shared_with_another_thread_is_refused(dev, stream):
     ex.destroy()
 
 
-def test_freeing_a_workspace_without_its_stream_lets_another_stream_take_it(dev, gate):
-    """The trap: ``ws.free()`` right after phase 2 tells the pool it is idle; ``ws.free(stream)`` is safe.
+def test_a_block_reused_in_its_streams_order_then_freed_without_a_stream_still_waits(dev, gate):
+    """``ws.free(stream)`` lets the same stream reuse the memory at once, in order; freed again without a stream,
+    the pool keeps it from other streams until the pending task it was reused after has run (the pool knows that
+    task: it let another stream take the memory, as if the caller's claim that it was idle were true).
 
     On a private pool over the device's memory: in the device's own pool, an 8 KiB block another test freed on a
     stream that has since gone idle is an equally good fit, and which one comes back depended on timing."""
@@ -119,10 +121,10 @@ def test_freeing_a_workspace_without_its_stream_lets_another_stream_take_it(dev,
         assert safe.address != addr
         again = pool.malloc(8192, stream=s)  # same stream: in order, reusable at once
         assert again.address == addr
-        again.free()  # no stream: the caller claims it is idle ...
-        unsafe = pool.malloc(8192, stream=other)
-        assert unsafe.address == addr  # ... and the pool believes it
-        for b in (safe, unsafe):
+        again.free()  # no stream: the task it was reused after is still pending on s
+        kept = pool.malloc(8192, stream=other)
+        assert kept.address != addr
+        for b in (safe, kept):
             b.free()
     finally:
         ev.set()

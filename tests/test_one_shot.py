@@ -228,3 +228,25 @@ def test_every_binary_op_with_a_python_scalar_matches_numpy_2(dev, name, dtype):
             got = getattr(twophase, name)(*args).numpy()
             assert got.dtype == want.dtype, (name, dtype, scalar)
             np.testing.assert_allclose(got.astype(np.float64), want.astype(np.float64), rtol=1e-3, equal_nan=True)
+
+
+def test_out_given_as_a_strided_desc_gets_a_tensor_of_that_layout(dev, rng):
+    """``out=`` a column-major TensorDesc: the plan was made for those strides, the output allocated for it was
+    dense (matmul's packed path wrote it as column-major: every element wrong)."""
+    from twophase.tensor import TensorDesc
+
+    s = dev.stream()
+    a_np = rng.standard_normal((64, 48)).astype(np.float32)
+    b_np = rng.standard_normal((48, 40)).astype(np.float32)
+    a, b = dev.tensor(a_np, stream=s), dev.tensor(b_np, stream=s)
+    od = TensorDesc((64, 40), "float32", (1, 64))
+    y = twophase.matmul(a, b, out=od, stream=s)
+    assert y.desc == od
+    np.testing.assert_allclose(y.numpy(), a_np.astype(np.float64) @ b_np, rtol=1e-4, atol=1e-4)
+    with twophase.plan("matmul", a, b, out=TensorDesc((64, 40), "float32", (80, 2), 1), stream=s) as call:
+        z = call()
+        assert z.desc == call.executor.output_descs[0]
+        np.testing.assert_allclose(z.numpy(), a_np.astype(np.float64) @ b_np, rtol=1e-4, atol=1e-4)
+    for t in (y, a, b):
+        t.free(s)
+    s.close()

@@ -402,3 +402,24 @@ def test_empty_cache_unmaps_the_segments_that_launches_ran_on(dev, stream, how):
         assert not any(_mapped(a) for a in addresses)
     finally:
         twophase.set_num_threads(threads)
+
+
+def test_a_block_taken_in_its_streams_order_keeps_the_pending_free(dev, gate):
+    """Memory freed in stream A's order and taken again on A while that free is pending: freed again without a
+    stream (a zero-element tensor: nothing marks it), it went to another stream while A's copy still wrote it."""
+    a, b = dev.stream(), dev.stream()
+    try:
+        opened = gate(a)
+        x = dev.tensor(np.full(64, 7, np.float32), stream=a)
+        x.free(a)
+        z = dev.tensor(np.zeros(0, np.float32), stream=a)
+        z.free()
+        y = dev.tensor(np.ones(64, np.float32), stream=b)
+        b.synchronize()
+        opened.set()
+        a.synchronize()
+        np.testing.assert_array_equal(y.numpy(), np.ones(64))
+        y.free()
+    finally:
+        a.close()
+        b.close()

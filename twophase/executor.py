@@ -259,13 +259,16 @@ class Executor:
         self._bind_many({base + index: tensor})
 
     def _bind_new_outputs(self, dev: Any, stream: Any) -> list[Tensor]:
-        """Allocate a dense tensor from ``dev``'s pool for every unbound output and bind them all at once;
-        returns the new tensors (freed again in ``stream`` order if binding fails)."""
+        """Allocate a tensor of the planned desc (its strides and offset too: the plan was made for them) from
+        ``dev``'s pool for every unbound output and bind them all at once; returns the new tensors (freed again in
+        ``stream`` order if binding fails)."""
         n_in = len(self.input_descs)
         new: dict[int, Tensor] = {}
         try:
             for i, (t, d) in enumerate(zip(self.outputs, self.output_descs)):
-                if t is None:
+                if t is None and (d.offset or not d.is_contiguous):
+                    new[n_in + i] = Tensor._make(d, dev.malloc(d.byte_span()[1], stream=stream), dev)
+                elif t is None:
                     new[n_in + i] = dev.empty_like(d, stream)  # an out-of-memory on a later one frees these
             if new:
                 self._bind_many(new)

@@ -285,8 +285,11 @@ class MemoryPool:
             block.allocated = True
             block.freed = False
             block.requested = nbytes
-            block._stream = None
-            block._seq = 0
+            fq = block.free_queue
+            if fq is not None and fq.done < block.free_seq:  # taken in its own stream's order, free still pending:
+                block._stream, block._seq = stream, block.free_seq  # a host free or read waits for that task
+            else:
+                block._stream, block._seq = None, 0
             block.free_queue = None
             self._allocated += block.size
             self._requested += nbytes
