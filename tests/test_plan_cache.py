@@ -277,3 +277,17 @@ def test_bytes_cap_counts_the_outputs_a_cached_call_allocated():
     finally:
         pc.clear()
         s.close()
+
+
+def test_an_unhashable_attribute_with_a_workspace_limit_is_cached(dev, stream, rng):
+    """dims given as a numpy array and a workspace_limit: the key's fallback refused 'workspace_limit' as an
+    unknown attribute (tp.plan took the same call)."""
+    a = rng.standard_normal((8, 100))
+    x = dev.tensor(a, stream=stream)
+    pc = PlanCache()
+    for _ in range(2):
+        with pc.lease("reduce_sum", x, dims=np.array([1]), workspace_limit=1 << 20, stream=stream) as c:
+            np.testing.assert_allclose(c().numpy(), a.sum(1), rtol=1e-12)
+    assert (pc.hits, pc.misses) == (1, 1)
+    pc.clear()
+    x.free(stream)

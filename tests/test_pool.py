@@ -423,3 +423,20 @@ def test_a_block_taken_in_its_streams_order_keeps_the_pending_free(dev, gate):
     finally:
         a.close()
         b.close()
+
+
+def test_a_copy_in_whose_enqueue_raises_leaves_nothing_allocated(dev):
+    """Launch blocking turned on after a failure: the copy-in's enqueue raises that failure, and the block made
+    for the tensor was never returned."""
+    s = dev.stream()
+    s.launch_callback(lambda: 1 / 0)
+    s._q.drain()
+    before = dev.pool.stats()["allocated_bytes"]
+    twophase.set_launch_blocking(True)
+    try:
+        with pytest.raises(twophase.KernelError, match="ZeroDivisionError"):
+            dev.tensor(np.ones(1000, np.float32), stream=s)
+    finally:
+        twophase.set_launch_blocking(False)
+    assert dev.pool.stats()["allocated_bytes"] == before
+    s.close()

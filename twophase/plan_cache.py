@@ -72,7 +72,8 @@ class PlanCache:
         # inside a capture nothing is cached either way: a call planned now holds virtual blocks of the graph, and
         # a cached one's workspace would be recorded into the graph while the cache may free it later
         limit = effective_limit(o.name, attrs.get("workspace_limit"))
-        meta = None if capturing() is not None else o._key(in_descs, outs, limit, attrs, bound)
+        keyed = {k: v for k, v in attrs.items() if k != "workspace_limit"}  # keyed by ``limit``, not an attribute
+        meta = None if capturing() is not None else o._key(in_descs, outs, limit, keyed, bound)
         key = (meta, s)
         entry = None
         if meta is not None:  # leases are exclusive: take an idle entry of this metadata, if any

@@ -150,7 +150,11 @@ class Device:
                     expected="a tensor made before the capture",
                     got=t.desc,
                 ) from None
-            seq = stream._enqueue(_copy_task, (self, dst, src), "copy-in")
+            try:
+                seq = stream._enqueue(_copy_task, (self, dst, src), "copy-in")
+            except BaseException:  # refused (a capture by another thread) or an earlier failure raised inline:
+                t.free()  # the copy ran (and raised) or was never queued
+                raise
             t.block.mark_use(stream, seq)
         return t
 
