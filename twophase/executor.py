@@ -266,9 +266,7 @@ class Executor:
         new: dict[int, Tensor] = {}
         try:
             for i, (t, d) in enumerate(zip(self.outputs, self.output_descs)):
-                if t is None and (d.offset or not d.is_contiguous):
-                    new[n_in + i] = Tensor._make(d, dev.malloc(d.byte_span()[1], stream=stream), dev)
-                elif t is None:
+                if t is None:
                     new[n_in + i] = dev.empty_like(d, stream)  # an out-of-memory on a later one frees these
             if new:
                 self._bind_many(new)

@@ -71,9 +71,9 @@ class PlanCache:
         # the limit in force, as phase 1 keys it: a plan made before set_workspace_limit() must not be served after
         # inside a capture nothing is cached either way: a call planned now holds virtual blocks of the graph, and
         # a cached one's workspace would be recorded into the graph while the cache may free it later
-        limit = effective_limit(o.name, attrs.get("workspace_limit"))
-        keyed = {k: v for k, v in attrs.items() if k != "workspace_limit"}  # keyed by ``limit``, not an attribute
-        meta = None if capturing() is not None else o._key(in_descs, outs, limit, keyed, bound)
+        asked = attrs.pop("workspace_limit", None)  # keyed as ``limit``, not as an attribute
+        limit = effective_limit(o.name, asked)
+        meta = None if capturing() is not None else o._key(in_descs, outs, limit, attrs, bound)
         key = (meta, s)
         entry = None
         if meta is not None:  # leases are exclusive: take an idle entry of this metadata, if any
@@ -93,7 +93,7 @@ class PlanCache:
             entry.leases = 1
             return call
         self.misses += 1
-        call = PlannedCall(o, s, *inputs, out=out, **attrs)
+        call = PlannedCall(o, s, *inputs, out=out, workspace_limit=asked, **attrs)
         entry = _Entry(call, key)
         entry.leases = 1  # leased before evicting: the new entry itself may be over the byte cap
         if meta is not None:

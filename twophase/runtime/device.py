@@ -109,13 +109,14 @@ class Device:
         return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self, checked=False)
 
     def empty_like(self, desc: TensorDesc, stream: Stream | None = None) -> Tensor:
-        """An uninitialised tensor with ``desc``'s shape, dtype and format (dense)."""
+        """An uninitialised tensor of exactly ``desc`` (strides and offset too, on a block that spans them): what
+        an executor planned for that desc can be bound to."""
         if not isinstance(desc, TensorDesc):
             raise ParamError(
                 op="Device.empty_like", arg="desc", expected="a TensorDesc (tensor.desc)", got=type(desc).__name__
             )
         if desc.offset or not desc.is_contiguous:
-            return self.empty(desc.shape, desc.dtype, desc.format, stream)
+            return Tensor._make(desc, self.pool.malloc(desc.byte_span()[1], stream), self)
         return Tensor._make(desc, self.pool.malloc(desc.nbytes, stream), self, checked=False)
 
     def tensor(self, array: Any, stream: Stream | None = None, format: Format = Format.ND, dtype: Any = None) -> Tensor:

@@ -389,12 +389,7 @@ class MemoryPool:
         """Return ``blk``; with ``stream`` it becomes reusable by other streams only after that stream's
         work enqueued so far has completed. An exported block (``Block.export``) only counts as freed until its
         last DLPack consumer lets go."""
-        if not isinstance(blk, Block):
-            raise ParamError(op="free", arg="block", expected="a twophase Block", got=type(blk).__name__)
-        if stream is not None and type(stream) is not Stream:
-            check_stream(stream, "free", open_=False)  # before anything changes: a bad one lost the block
-        if blk.exports is not None and blk.pool is self:
-            blk._free_exported(stream)
+        if self._left_to_consumers(blk, stream):
             return
         if self._deferred:
             self._free_deferred()
@@ -422,6 +417,18 @@ class MemoryPool:
         if POOL_LISTENERS:
             for fn in POOL_LISTENERS:
                 fn(self)
+
+    def _left_to_consumers(self, blk: Block, stream: Stream | None) -> bool:
+        """``free``'s argument checks, made before anything changes (a bad stream lost the block); True when the
+        free is left to ``blk``'s DLPack consumers (exported, it only counts as freed until the last lets go)."""
+        if not isinstance(blk, Block):
+            raise ParamError(op="free", arg="block", expected="a twophase Block", got=type(blk).__name__)
+        if stream is not None and type(stream) is not Stream:
+            check_stream(stream, "free", open_=False)
+        if blk.exports is not None and blk.pool is self:
+            blk._free_exported(stream)
+            return True
+        return False
 
     def _retire(self, blk: Block) -> Block:
         """A fresh free-list node in ``blk``'s place: the caller's handle stays freed for good, so a second

@@ -18,7 +18,7 @@ from ..graph.replay import ARENA_GUARDS
 from ..runtime import forking
 from ..runtime.device import Device
 from ..runtime.memory import Block, MemoryPool
-from ..runtime.stream import CONTROL, Stream, check_stream
+from ..runtime.stream import CONTROL, Stream
 from .report import GuardError, where
 
 GUARD = 512  # bytes before and after each block (keeps the 512-byte alignment of the data)
@@ -96,10 +96,7 @@ def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> 
     if type(blk) is not GuardedBlock:
         _plain_free(pool, blk, stream)
         return
-    if stream is not None and type(stream) is not Stream:
-        check_stream(stream, "free", open_=False)  # before anything changes, as the plain free
-    if blk.exports is not None and blk.pool is pool:
-        blk._free_exported(stream)  # DLPack consumers hold it: freed (through here) when the last lets go
+    if pool._left_to_consumers(blk, stream):  # freed (through here) when the last DLPack consumer lets go
         return
     if blk.pool is not pool or not blk.allocated or blk.outer is None:  # outer stays set for later guard checks
         raise InvalidStateError("block is not allocated from this pool (double free?)", op="free", arg="block", got=blk)

@@ -294,8 +294,8 @@ def _phase2_after(op: Op, ws: Any, size: int, ex: Any, stream: Stream, t0: float
     seq = _seq_of(q, ex, seq)
     for blk, writes in uses:
         _use(blk, stream, seq, label, writes)
-    if rec is not None:
-        q = stream._q
+    q = stream._q
+    if rec is not None and not isinstance(q, _CaptureQueue):  # a captured launch never runs there (a clone replays)
         last = {lq: ls for lq, ls in rec.last.items() if lq.done < ls and lq is not q}  # pending ones only
         last[q] = seq
         rec.last = last
@@ -381,9 +381,7 @@ def _destroy(self: Executor) -> None:
             op=self.op.name,
             arg="executor",
         )
-    # a launch recorded by a capture never runs on its queue (the graph replays a clone of the executor)
-    last = list(rec.last.items()) if rec is not None else []
-    pending = [(q, seq) for q, seq in last if q.done < seq and type(q) is not _CaptureQueue]
+    pending = [(q, seq) for q, seq in list(rec.last.items()) if q.done < seq] if rec is not None else []
     if pending:
         q, seq = pending[0]
         raise ExecutorMisuseError(
