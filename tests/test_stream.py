@@ -176,6 +176,28 @@ def test_a_stream_waiting_on_a_failed_one_takes_on_its_failure(dev):
         t.free()
 
 
+def test_a_stream_waiting_on_a_failed_one_takes_it_on_after_the_failed_stream_synced(dev, gate):
+    """The failed stream's own synchronize raises and clears its failure; a stream whose wait for an event after
+    that failure runs later still takes it on (the event kept it), rather than running on unwritten memory."""
+    a, b = dev.stream(), dev.stream()
+    opened = gate(b)  # b's wait task runs after a's sync
+    a.launch_callback(lambda: 1 / 0)
+    ev = a.record_event()
+    b.wait_event(ev)
+    ran: list[str] = []
+    b.launch_callback(lambda: ran.append("consumer"))
+    with pytest.raises(twophase.KernelError, match="ZeroDivisionError"):
+        a.synchronize()
+    opened.set()
+    with pytest.raises(twophase.KernelError, match="which this stream waited for"):
+        b.synchronize()
+    assert ran == []  # dropped after the failed wait
+    b.wait_event(a.record_event())  # an event after the reported failure passes nothing on
+    b.launch_callback(lambda: ran.append("later"))
+    b.synchronize()
+    assert ran == ["later"]
+
+
 def test_launch_callback_runs_after_prior_work_and_rejects_non_callables(dev, stream, rng):
     a = rng.standard_normal(1000)
     x = dev.tensor(a, stream=stream)
@@ -492,6 +514,68 @@ def test_a_switch_off_launch_blocking_keeps_a_running_inline_task_first(dev):
     while q.done < q.submitted and time.monotonic() < deadline:
         time.sleep(0.01)
     assert order == [1, 2] and q.done == q.submitted
+
+
+def test_a_nested_inline_task_does_not_complete_the_task_that_enqueued_it(dev):
+    """Under launch blocking a task enqueuing on its own stream runs that task nested; when the nested one ends the
+    outer is still running: query and synchronize on other threads must not see the stream done."""
+    s = dev.stream()
+    q = s._q
+    q.set_inline(True)
+    s._enqueue = q.enqueue
+    inside, release, finished = threading.Event(), threading.Event(), []
+
+    def outer() -> None:
+        s.launch_callback(lambda: None)  # nested: runs inline within this task
+        inside.set()
+        release.wait(5)
+        finished.append(1)
+
+    t = threading.Thread(target=lambda: s.launch_callback(outer))
+    t.start()
+    try:
+        assert inside.wait(5)
+        assert not s.query() and q.done == 0  # both tasks published only once the outer one ends
+        synced: list[bool] = []
+        waiter = threading.Thread(target=lambda: (s.synchronize(), synced.append(bool(finished))))
+        waiter.start()
+        time.sleep(0.05)
+        assert synced == []
+    finally:
+        release.set()
+        t.join(5)
+    waiter.join(5)
+    assert synced == [True] and q.done == q.submitted == 2
+    q.set_inline(False)
+    s._enqueue = q.enqueue
+    s.close()
+
+
+def test_a_task_on_the_worker_enqueuing_on_its_stream_after_a_switch_to_launch_blocking(dev, gate):
+    """A callback running on the worker when launch blocking goes on, enqueuing on its own stream: the task is
+    queued behind it, as before the switch (run inline, it waited for the callback running it: a deadlock)."""
+    s = dev.stream()
+    opened = gate(s)
+    order: list[str] = []
+
+    def cb() -> None:
+        s.launch_callback(lambda: order.append("inner"))
+        order.append("outer")
+
+    s.launch_callback(cb)
+    q = s._q
+    try:
+        q.set_inline(True)  # what set_launch_blocking does (its drain would wait for the gate)
+        s._enqueue = q.enqueue
+        opened.set()
+        deadline = time.monotonic() + 5
+        while q.done < q.submitted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert order == ["outer", "inner"] and q.done == q.submitted == 3
+    finally:
+        q.set_inline(False)
+        s._enqueue = q.enqueue
+    s.close()
 
 
 def test_one_op_launched_from_many_threads_at_once(dev):

@@ -237,6 +237,10 @@ class _Queue:
         return seq
 
     def enqueue_inline(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
+        if self.thread is not None and self.thread is threading.current_thread():
+            # a task on the worker (queued before the switch to launch blocking) enqueuing on its own stream:
+            # queued behind the tasks already there, as before the switch; run inline it would wait for itself
+            return self.enqueue_async(fn, arg, owner)
         with self.lock:
             seq = self.submitted = self.submitted + 1
         tls = self.inline_tls
@@ -249,11 +253,18 @@ class _Queue:
                 self.run_one(fn, arg, owner, seq)  # outside the lock: a callback may enqueue on this stream
         finally:
             tls.depth = depth
-            if seq > self.done:
-                self.done = seq
-            if seq >= self.wake_at:
-                with self.cond:
-                    self.cond.notify_all()
+            # a nested task (enqueued by an inline task on this stream) ends inside the task that enqueued it:
+            # only the outermost one publishes, the last seq run within it, once it has ended itself
+            last = max(seq, getattr(tls, "last", 0))
+            if depth:
+                tls.last = last
+            else:
+                tls.last = 0
+                if last > self.done:
+                    self.done = last
+                if last >= self.wake_at:
+                    with self.cond:
+                        self.cond.notify_all()
         self.raise_pending(seq)
         return seq
 
@@ -475,7 +486,7 @@ class Stream:
     def record_event(self, timing: bool = True) -> Event:
         """An event that completes when the work enqueued so far has; it records the time it completed."""
         ev = Event._make(self)
-        ev.seq = self._enqueue(_mark_time if timing else _nothing, ev, CONTROL)
+        ev.seq = self._enqueue(_mark_time if timing else _mark, ev, CONTROL)
         return ev
 
     def wait_event(self, event: Event) -> None:
@@ -503,12 +514,15 @@ class Stream:
         return self._q.closed
 
 
-def _nothing(_: Any) -> None:
-    pass
+def _mark(ev: Event) -> None:
+    """An event's task: it keeps the failure pending on its stream as it completes, for the streams that wait for
+    it (``_wait_other``) after a synchronize of its own stream has raised and cleared that failure."""
+    ev.failure = ev.stream._work_q.error
 
 
 def _mark_time(ev: Event) -> None:
     ev.time = time.perf_counter()
+    ev.failure = ev.stream._work_q.error
 
 
 def _wait_other(ev: Event) -> None:
@@ -517,7 +531,7 @@ def _wait_other(ev: Event) -> None:
     memory nobody wrote, and its stream synced clean. The other stream keeps its own error for its own sync."""
     q = ev.stream._q
     q.wait_for(ev.seq, raise_errors=False)
-    err = q.error
+    err = q.error or ev.failure
     if err is not None and err[2] <= ev.seq:
         exc, owner, _ = err
         where = f"{describe_owner(owner)} failed on stream '{q.name}', which this stream waited for (wait_event)"
@@ -531,11 +545,12 @@ def _call(fn: Callable[[], Any]) -> None:
 class Event:
     """A marker in a stream: ``query``, ``synchronize`` and ``elapsed_time`` between two events."""
 
-    __slots__ = ("stream", "seq", "time")
+    __slots__ = ("stream", "seq", "time", "failure")
 
     stream: Stream
     seq: int
     time: float | None
+    failure: tuple[BaseException, Any, int] | None  # pending on the stream as the event completed
 
     def __init__(self, *_: Any, **__: Any) -> None:
         raise TypeError("Events are made by a stream: use stream.record_event()")
@@ -546,6 +561,7 @@ class Event:
         self.stream = stream
         self.seq = 0
         self.time = None
+        self.failure = None
         return self
 
     def __reduce__(self) -> Any:
