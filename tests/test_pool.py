@@ -175,6 +175,54 @@ def test_out_of_memory_empties_cache_and_retries_once(pool):
     b.free()
 
 
+def test_segments_released_by_a_trim_or_the_out_of_memory_retry_tell_the_release_listeners(pool, monkeypatch):
+    """The ops' launch memos keep views of segments: the pool tells them when it releases one, or the memory
+    stays mapped past the limit. It did so in empty_cache only, not when malloc itself released segments."""
+    from twophase.runtime import memory
+
+    calls: list[int] = []
+    monkeypatch.setattr(memory, "RELEASE_LISTENERS", [lambda: calls.append(pool.stats()["reserved_bytes"])])
+    pool.set_limit(4 * MiB)
+    pool.malloc(1536 * 1024).free()
+    b = pool.malloc(3 * MiB)  # the out-of-memory retry releases the cached 2 MiB segment
+    assert pool.stats()["oom_retries"] == 1 and len(calls) == 1
+    b.free()
+    with pytest.raises(twophase.OutOfMemoryError):
+        pool.malloc(5 * MiB)  # the retry releases the 4 MiB segment, then still fails: the listeners ran
+    assert len(calls) == 2 and pool.stats()["reserved_bytes"] == 0
+    assert pool.empty_cache() == 0 and len(calls) == 2  # nothing released: nobody told
+
+
+def test_a_freed_block_handle_does_not_keep_its_segment_mapped(pool):
+    import gc
+    import weakref
+
+    b = pool.malloc(1 * MiB)
+    b.data[:] = 1
+    mapping = weakref.ref(b.segment.memory.base)  # the segment's mmap-backed array
+    b.free()
+    assert b.data is None  # the freed handle lives on (a freed tensor holds it)
+    assert pool.empty_cache() > 0
+    gc.collect()
+    assert mapping() is None
+
+
+def test_a_stream_of_another_device_is_refused_by_malloc_and_free(dev):
+    """A stream's order says nothing about another device's memory: a free ordered on a NULL device's stream (always
+    idle) handed a CPU block out while a CPU stream still wrote it."""
+    other = twophase.device("null").stream()
+    before = dev.pool.stats()
+    with pytest.raises(twophase.ParamError, match="stream of device cpu") as e:
+        dev.malloc(4096, stream=other)
+    assert e.value.op == "malloc" and e.value.arg == "stream"
+    assert dev.pool.stats()["alloc_count"] == before["alloc_count"]
+    b = dev.malloc(4096)
+    with pytest.raises(twophase.ParamError, match="stream of device cpu"):
+        b.free(other)
+    assert b.allocated  # refused before anything changed
+    b.free()
+
+
 def test_normal_only_policy_never_reports_huge_pages(pool):
     b = pool.malloc(4 * MiB, policy="normal_only")
     assert not b.segment.huge and pool.stats()["huge_page_reserved_bytes"] == 0

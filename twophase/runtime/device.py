@@ -35,7 +35,7 @@ class Device:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self.pool = MemoryPool(self._reserve, self._release, self._segment_view, name=f"{name} pool")
+        self.pool = MemoryPool(self._reserve, self._release, self._segment_view, name=f"{name} pool", device=self)
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self._local = threading.local()
         config.on_change("launch_blocking", self._apply_launch_blocking)

@@ -9,7 +9,7 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from ..config import check_byte_limit, int_value
 from ..errors import InvalidStateError, OutOfMemoryError, ParamError, refuse_pickle
@@ -18,6 +18,7 @@ from . import forking
 from .stream import Stream, check_stream
 
 if TYPE_CHECKING:
+    from .device import Device
     from .stream import _Queue
 
 _log = logging.getLogger("twophase")
@@ -222,6 +223,16 @@ def check_malloc(nbytes: object, stream: object, policy: object) -> int:
     return n
 
 
+def _refuse_other_device(stream: Stream, pool: MemoryPool, op: str) -> NoReturn:
+    """The ParamError for a stream of another device than ``pool``'s: its order says nothing about this memory."""
+    raise ParamError(
+        op=op,
+        arg="stream",
+        expected=f"a stream of device {pool.device.name if pool.device is not None else '?'}",
+        got=f"'{stream.name}' of device {stream.device.name}",
+    )
+
+
 class MemoryPool:
     """Caching allocator of one device; thread-safe. Backends provide ``reserve(nbytes, policy)``/``release``."""
 
@@ -231,11 +242,13 @@ class MemoryPool:
         release: Callable[[Segment], None],
         make_data: Callable[[Segment, int, int], Any],
         name: str = "pool",
+        device: Device | None = None,
     ) -> None:
         self._reserve = reserve
         self._release = release
         self._make_data = make_data
         self.name = name
+        self.device = device  # the device whose streams order this memory (None: any stream, a standalone pool)
         self._lock = threading.RLock()
         forking.locks_of(self, "_lock")  # a stream worker may hold it at a fork
         self._deferred: list[tuple[Block, Stream | None]] = []  # frees from finalizers that ran inside the lock
@@ -255,6 +268,7 @@ class MemoryPool:
         self._n_segments = 0
         self._n_oom_retries = 0
         self._n_trims = 0
+        self._released = False  # segments released whose views the RELEASE_LISTENERS have not dropped yet
 
     def __reduce__(self) -> Any:
         refuse_pickle(self, "each process has the pools of its own devices")
@@ -271,31 +285,37 @@ class MemoryPool:
     def malloc(self, nbytes: int, stream: Stream | None = None, policy: str = "huge_first") -> Block:
         """A block of at least ``nbytes`` (512-byte aligned); reuses cached memory that is ready for ``stream``."""
         nbytes = check_malloc(nbytes, stream, policy)
+        if stream is not None and stream.device is not self.device and self.device is not None:
+            _refuse_other_device(stream, self, "malloc")
         size = round_size(nbytes)
         if self._deferred:
             self._free_deferred()
-        with self._lock:
-            block = self._take_cached(size, stream, policy)
-            if block is None and self._reserved - self._allocated > self._allocated + TRIM_SLACK:
-                block = self._trim_and_take(size, stream, policy)
-            if block is None:
-                block = self._take_new(size, nbytes, policy)
-            else:
-                self._n_hits += 1
-            block.allocated = True
-            block.freed = False
-            block.requested = nbytes
-            fq = block.free_queue
-            if fq is not None and fq.done < block.free_seq:  # taken in its own stream's order, free still pending:
-                block._stream, block._seq = stream, block.free_seq  # a host free or read waits for that task
-            else:
-                block._stream, block._seq = None, 0
-            block.free_queue = None
-            self._allocated += block.size
-            self._requested += nbytes
-            self._n_alloc += 1
-            if self._allocated > self._peak_allocated:
-                self._peak_allocated = self._allocated
+        try:
+            with self._lock:
+                block = self._take_cached(size, stream, policy)
+                if block is None and self._reserved - self._allocated > self._allocated + TRIM_SLACK:
+                    block = self._trim_and_take(size, stream, policy)
+                if block is None:
+                    block = self._take_new(size, nbytes, policy)
+                else:
+                    self._n_hits += 1
+                block.allocated = True
+                block.freed = False
+                block.requested = nbytes
+                fq = block.free_queue
+                if fq is not None and fq.done < block.free_seq:  # taken in its own stream's order, its free pending:
+                    block._stream, block._seq = stream, block.free_seq  # a host free or read waits for that task
+                else:
+                    block._stream, block._seq = None, 0
+                block.free_queue = None
+                self._allocated += block.size
+                self._requested += nbytes
+                self._n_alloc += 1
+                if self._allocated > self._peak_allocated:
+                    self._peak_allocated = self._allocated
+        finally:
+            if self._released:  # segments released by a trim or the out-of-memory retry (raised or not)
+                self._notify_released()
         if block.data is None:
             block.data = self._make_data(block.segment, block.offset, block.size)
         obs = self.observer
@@ -423,8 +443,11 @@ class MemoryPool:
         free is left to ``blk``'s DLPack consumers (exported, it only counts as freed until the last lets go)."""
         if not isinstance(blk, Block):
             raise ParamError(op="free", arg="block", expected="a twophase Block", got=type(blk).__name__)
-        if stream is not None and type(stream) is not Stream:
-            check_stream(stream, "free", open_=False)
+        if stream is not None:
+            if type(stream) is not Stream:
+                check_stream(stream, "free", open_=False)
+            if stream.device is not self.device and self.device is not None:
+                _refuse_other_device(stream, self, "free")
         if blk.exports is not None and blk.pool is self:
             blk._free_exported(stream)
             return True
@@ -435,6 +458,7 @@ class MemoryPool:
         ``free`` of it raises instead of freeing whoever was handed the memory next."""
         node = Block(self, blk.segment, blk.offset, blk.size)
         node.free_queue, node.free_seq, node.data = blk.free_queue, blk.free_seq, blk.data
+        blk.data = None  # the freed handle (its tensor may live on) must not keep the segment mapped
         node.prev, node.next = blk.prev, blk.next
         if blk.prev is not None:
             blk.prev.next = node
@@ -484,10 +508,15 @@ class MemoryPool:
         """Release every segment that is wholly free and ready; returns the bytes released."""
         with self._lock:
             released = self._empty_cache_locked()
-        if released:
-            for fn in RELEASE_LISTENERS:
-                fn()
+        if self._released:
+            self._notify_released()
         return released
+
+    def _notify_released(self) -> None:
+        """Tell ``RELEASE_LISTENERS`` that segments were released (outside the lock): their views of them go."""
+        self._released = False
+        for fn in RELEASE_LISTENERS:
+            fn()
 
     def _coalesce_ready(self) -> None:
         """Merge free neighbours whose stream-ordered frees have completed since they were freed
@@ -518,6 +547,7 @@ class MemoryPool:
                 self._remove_free(blk)
                 self._release(seg)
                 released += seg.size
+                self._released = True
                 self._reserved -= seg.size
                 self._huge_reserved -= seg.size if seg.huge else 0
             else:

@@ -43,11 +43,12 @@ class GuardedBlock(Block):
     ``writes`` to ``(seq, label)`` of the latest one that writes it (a later read must not hide a pending write).
     """
 
-    __slots__ = ("outer", "uses", "writes", "created", "generation", "fill")
+    __slots__ = ("outer", "raw", "uses", "writes", "created", "generation", "fill")
 
     def __init__(self, outer: Block, nbytes: int) -> None:
         super().__init__(outer.pool, outer.segment, outer.offset + GUARD, nbytes)
         self.outer: Block | None = outer
+        self.raw: Any = outer.data  # guard + data + guard: kept for the checks after a launch that ends past the free
         self.uses: dict[Any, tuple[int, str, bool]] = {}
         self.writes: dict[Any, tuple[int, str]] = {}
         self.created = where()
@@ -173,11 +174,11 @@ def _hand_mark(blk: GuardedBlock, outer: Block, fill: tuple[Stream, int] | None)
 
 def verify(blk: GuardedBlock, role: str, launch: Any) -> None:
     """Raise ``GuardError`` when a guard zone of ``blk`` was overwritten (and restore it for later checks)."""
-    outer = blk.outer
-    if outer is None or outer.data is None:
+    raw = blk.raw
+    if blk.outer is None or raw is None:
         return
     n = blk.size
-    damage = _overrun(outer.data, GUARD, n)
+    damage = _overrun(raw, GUARD, n)
     if damage:
         who = "a kernel" if launch is None else launch
         raise GuardError(
