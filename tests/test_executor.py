@@ -340,6 +340,34 @@ def test_a_refused_rebinding_keeps_the_previous_binding(dev, stream):
         t.free(stream)
 
 
+def test_rebind_swaps_two_buffers_in_one_binding(dev, stream, rng):
+    """Ping-pong buffers: a -> b, then b -> a. One set_input / set_output at a time each overlaps the other's old
+    binding and is refused; ``rebind`` checks the new binding as a whole. A refused rebind keeps the old one."""
+    xs, ws = rng.standard_normal((4, 8)), rng.standard_normal((8, 8)) / 8
+    a, w, b = dev.tensor(xs, stream=stream), dev.tensor(ws, stream=stream), dev.empty((4, 8), "float64")
+    size, ex = ops.matmul.get_workspace_size(a, w, out=b)
+    ex.set_repeatable()
+    ops.matmul(None, size, ex, stream)
+    with pytest.raises(twophase.ParamError, match="overlapping"):
+        ex.set_input(0, b)
+    ex.rebind([b], [a])
+    assert ex.inputs[0] is b and ex.outputs[0] is a
+    ops.matmul(None, size, ex, stream)
+    np.testing.assert_allclose(a.numpy(), xs @ ws @ ws, rtol=1e-12)
+    with pytest.raises(twophase.ParamError, match="overlapping"):
+        ex.rebind([a])  # input 0 := a, the output: refused as a whole
+    assert ex.inputs[0] is b and ex.outputs[0] is a
+    with pytest.raises(twophase.ParamError, match="index"):
+        ex.rebind([b, w, a])  # a third input
+    with pytest.raises(twophase.ParamError, match="output 0"):
+        ex.rebind(outputs=[dev.empty((4, 8), "float32")])
+    ex.destroy()
+    with pytest.raises(twophase.InvalidStateError):
+        ex.rebind([b])
+    for t in (a, w, b):
+        t.free(stream)
+
+
 @pytest.mark.parametrize(
     "shape, strides, overlapping",
     [

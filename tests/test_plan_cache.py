@@ -57,6 +57,55 @@ def test_hit_reuses_the_plan_with_the_new_buffers(dev, stream, rng):
     assert len(pc) == 0
 
 
+def test_ping_pong_buffers_swap_roles_in_plan_and_plan_cache(dev, stream, rng):
+    """a -> b, then b -> a: the call rebinds input and output together (one at a time, each step overlapped the
+    other's old binding and the swap was refused)."""
+    xs, ws = rng.standard_normal((4, 8)), rng.standard_normal((8, 8)) / 8
+    w = dev.tensor(ws, stream=stream)
+    a, b = dev.tensor(xs, stream=stream), dev.empty((4, 8), "float64")
+    with twophase.plan("matmul", a, w, out=b, stream=stream) as call:
+        call()
+        call(b, w, out=a)
+        with pytest.raises(twophase.ParamError, match="input index"):
+            call(b, w, a)  # a third input (a's memory is the bound output: it was passed over)
+    np.testing.assert_allclose(a.numpy(), xs @ ws @ ws, rtol=1e-12)
+    a2, b2 = dev.tensor(xs, stream=stream), dev.empty((4, 8), "float64")
+    pc = PlanCache()
+    with pc.lease("matmul", a2, w, out=b2, stream=stream) as call:
+        call()
+    with pc.lease("matmul", b2, w, out=a2, stream=stream) as call:
+        call()
+    assert pc.info()["hits"] == 1
+    np.testing.assert_allclose(a2.numpy(), xs @ ws @ ws, rtol=1e-12)
+    pc.clear()
+    for t in (w, a, b, a2, b2):
+        t.free(stream)
+
+
+@pytest.mark.parametrize("op", ["exp", "softmax"])
+def test_a_cached_calls_own_output_fed_back_as_input_gets_another_entry(dev, stream, rng, op):
+    """Chaining y = f(x), z = f(y) through the cache: the entry whose output y is would run f on y in place (z is y,
+    and y changed under the caller); the cache serves another entry instead."""
+    xs = rng.standard_normal((4, 8))
+    x = dev.tensor(xs, stream=stream)
+    pc = PlanCache()
+    with pc.lease(op, x, stream=stream) as call:
+        y = call()
+    first = y.numpy().copy()
+    with pc.lease(op, y, stream=stream) as call:
+        z = call()
+    assert z.block is not y.block and pc.info()["misses"] == 2
+    np.testing.assert_array_equal(y.numpy(), first)
+    f = np.exp if op == "exp" else (lambda v: np.exp(v) / np.exp(v).sum(-1, keepdims=True))
+    np.testing.assert_allclose(first, f(xs), rtol=1e-12)
+    np.testing.assert_allclose(z.numpy(), f(f(xs)), rtol=1e-12)
+    with pc.lease(op, x, stream=stream) as call:  # an input apart from both outputs: a hit
+        call()
+    assert pc.info()["hits"] == 1
+    pc.clear()
+    x.free(stream)
+
+
 def test_hit_rebinds_a_given_out(dev, stream, rng):
     pc = PlanCache()
     for _ in range(2):

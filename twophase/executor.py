@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .config import int_value
@@ -236,14 +236,40 @@ class Executor:
     # ---- binding
     def set_input(self, index: int, tensor: Tensor) -> None:
         """Rebind input ``index`` to another tensor with the same desc (no re-planning)."""
-        self._bind(index, tensor, self.input_descs, 0, "input")
+        self._check_ready("set_input")
+        self._check_operand(index, tensor, self.input_descs, "input")
+        self._bind_many({index: tensor})
 
     def set_output(self, index: int, tensor: Tensor) -> None:
         """Rebind output ``index`` to another tensor with the same desc (no re-planning)."""
-        self._bind(index, tensor, self.output_descs, len(self.input_descs), "output")
+        self._check_ready("set_output")
+        self._check_operand(index, tensor, self.output_descs, "output")
+        self._bind_many({len(self.input_descs) + index: tensor})
 
-    def _bind(self, index: int, tensor: Tensor, descs: tuple[TensorDesc | None, ...], base: int, kind: str) -> None:
-        self._check_ready(f"set_{kind}")
+    def rebind(self, inputs: Iterable[Tensor | None] = (), outputs: Iterable[Tensor | None] = ()) -> None:
+        """Rebind inputs and outputs by position (``None`` keeps one) as one binding: two tensors can swap roles
+        (ping-pong buffers), which ``set_input`` and ``set_output`` refuse one at a time (each step's output
+        overlaps the other's still-bound input)."""
+        self._check_ready("rebind")
+        self._rebind(enumerate(inputs), outputs)
+
+    def _rebind(self, inputs: Iterable[tuple[int, Tensor | None]], outputs: Iterable[Tensor | None]) -> None:
+        """``rebind`` with the inputs given as (index, tensor) pairs; nothing changes when nothing differs."""
+        tensors, n = self._tensors, len(self.input_descs)
+        changes: dict[int, Tensor] = {}
+        for i, t in inputs:
+            if t is not None and (type(i) is not int or not 0 <= i < n or t is not tensors[i]):
+                self._check_operand(i, t, self.input_descs, "input")
+                changes[i] = t
+        for i, t in enumerate(outputs):
+            if t is not None and (i >= len(self.output_descs) or t is not tensors[n + i]):
+                self._check_operand(i, t, self.output_descs, "output")
+                changes[n + i] = t
+        if changes:
+            self._bind_many(changes)
+
+    def _check_operand(self, index: int, tensor: Tensor, descs: tuple[TensorDesc | None, ...], kind: str) -> None:
+        """Refuse an index out of range or a tensor not of the planned desc."""
         if int_value(index) is None or not 0 <= index < len(descs):
             raise ParamError(op=self.op.name, arg=f"{kind} index", expected=f"0..{len(descs) - 1}", got=index)
         if not isinstance(tensor, Tensor):
@@ -256,7 +282,6 @@ class Executor:
                 expected=descs[index],
                 got=tensor.desc,
             )
-        self._bind_many({base + index: tensor})
 
     def _bind_new_outputs(self, dev: Any, stream: Any) -> list[Tensor]:
         """Allocate a tensor of the planned desc (its strides and offset too: the plan was made for them) from

@@ -79,24 +79,31 @@ class PlannedCall:
     def __call__(self, *inputs: Tensor | None, out: Any = None) -> Any:
         """Phase 2 (after rebinding any tensors given); returns the output tensor(s)."""
         ex = self.executor
-        for i, t in enumerate(inputs):
-            if t is not None and t is not ex._tensors[i]:
-                ex.set_input(i, t)
         if out is not None:
             outs = tuple(out) if isinstance(out, (tuple, list)) else (out,)
             if len(outs) != len(ex.output_descs):
                 raise ParamError(
                     op=self.op.name, arg="out", expected=f"{len(ex.output_descs)} output tensor(s)", got=f"{len(outs)}"
                 )
-            for i, t in enumerate(outs):
-                if t is not ex._tensors[len(ex.input_descs) + i]:
-                    ex.set_output(i, t)
+            ex.rebind(inputs, outs)
+        elif inputs:
+            if len(inputs) > len(ex.input_descs):
+                ex.rebind(inputs)  # raises: the index of the first extra one
+            bound = ex._tensors
+            for i, t in enumerate(inputs):
+                if t is not bound[i] and t is not None:
+                    ex.rebind(inputs)
+                    break
         ws, s = self.workspace, self.stream
         self.op(ws, self.workspace_size, ex, s)
         if ws is not None:
             ws.mark_use(s, s._q.submitted)  # what pending() reads: the launch that uses the workspace
         outs = ex.outputs
         return outs[0] if len(outs) == 1 else outs
+
+    def owns(self, tensors: dict[int, Tensor]) -> bool:
+        """Whether any of ``tensors`` is (a view of) an output this call allocated itself."""
+        return any(t.block is o.block for t in tensors.values() for o in self._owned)
 
     @property
     def held_bytes(self) -> int:

@@ -77,19 +77,15 @@ class PlanCache:
         key = (meta, s)
         entry = None
         if meta is not None:  # leases are exclusive: take an idle entry of this metadata, if any
-            entry = next((e for e in self._by_meta.get(key, ()) if e.leases == 0), None)
+            # not one whose own output is among these inputs: bound as its input too, the op ran on it in place
+            entry = next((e for e in self._by_meta.get(key, ()) if e.leases == 0 and not e.call.owns(bound)), None)
         if entry is not None:
             self.hits += 1
             self._entries.move_to_end(id(entry.call))
             call = entry.call
-            ex = call.executor
-            for i, t in bound.items():
-                if t is not ex._tensors[i]:
-                    ex.set_input(i, t)
-            if outs is not None:
-                for i, t in enumerate(outs):
-                    if isinstance(t, Tensor) and t is not ex._tensors[len(in_descs) + i]:
-                        ex.set_output(i, t)
+            call.executor._rebind(
+                bound.items(), () if outs is None else [t if isinstance(t, Tensor) else None for t in outs]
+            )
             entry.leases = 1
             return call
         self.misses += 1

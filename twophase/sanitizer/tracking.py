@@ -140,7 +140,7 @@ _tl = threading.local()
 _plain: dict[str, Any] = {
     "release": Executor._release,
     "destroy": Executor.destroy,
-    "bind": Executor._bind,
+    "check_operand": Executor._check_operand,
     "bind_many": Executor._bind_many,
     "view": Tensor.view,
     "wait_event": Stream.wait_event,
@@ -393,7 +393,7 @@ def _destroy(self: Executor) -> None:
     _plain["destroy"](self)
 
 
-def _bind(self: Executor, index: int, tensor: Tensor, descs: Any, base: int, kind: str) -> None:
+def _check_operand(self: Executor, index: int, tensor: Tensor, descs: Any, kind: str) -> None:
     if (
         isinstance(tensor, Tensor)
         and int_value(index) is not None
@@ -410,7 +410,7 @@ def _bind(self: Executor, index: int, tensor: Tensor, descs: Any, base: int, kin
             expected=descs[index],
             got=tensor.desc,
         )
-    _plain["bind"](self, index, tensor, descs, base, kind)
+    _plain["check_operand"](self, index, tensor, descs, kind)
 
 
 def _bind_many(self: Executor, tensors: dict[int, Tensor]) -> None:
@@ -539,14 +539,14 @@ def _waited(waiter: Any, q: Any, before: int | None = None) -> int:
 _PATCHES = (
     (Executor, "_release", _release),
     (Executor, "destroy", _destroy),
-    (Executor, "_bind", _bind),
+    (Executor, "_check_operand", _check_operand),
     (Executor, "_bind_many", _bind_many),
     (Tensor, "view", _view),
     (Stream, "wait_event", _wait_event),
     (Block, "mark_use", _mark_use),
     (Stream, "close", _close),
 )
-_PLAIN_NAMES = ("release", "destroy", "bind", "bind_many", "view", "wait_event", "mark_use", "close")
+_PLAIN_NAMES = ("release", "destroy", "check_operand", "bind_many", "view", "wait_event", "mark_use", "close")
 
 
 def install() -> None:
