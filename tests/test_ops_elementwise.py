@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import decimal
 import re
 from typing import Any
 from unittest import mock
@@ -16,12 +17,12 @@ from threads import num_threads
 
 import twophase
 from twophase import DType, TensorDesc, device, functions, ops
-from twophase.errors import ParamError
+from twophase.errors import KernelError, ParamError
 from twophase.kernels.cpu import streaming
 from twophase.kernels.cpu.elementwise import IN_PLACE, KERNELS, STAGE, _rows_call, function_for
 from twophase.kernels.cpu.jit import FAST
 from twophase.ops import elementwise as elementwise_ops
-from twophase.ops.elementwise import BINARY, COMPARE, UNARY, unary_reference
+from twophase.ops.elementwise import BINARY, COMPARE, UNARY, unary_reference, weak_scalar
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
@@ -264,6 +265,43 @@ def test_unary_special_values() -> None:
                 np.testing.assert_array_equal(got, ref.astype(dt), err_msg=f"{name} {dt}")
 
 
+_PI_50 = decimal.Decimal("3.14159265358979323846264338327950288419716939937510")
+
+
+def _gelu_tail_exact(x: float) -> float:
+    """x Phi(x) for x <= -10, to 50 digits, correctly rounded to float64 (denormals included): x/2 erfc(t) with
+    t = -x/sqrt 2 exact and erfc(t) = exp(-t^2) / sqrt(pi) / (t + (1/2)/(t + 1/(t + (3/2)/(t + ...)))), Laplace's
+    continued fraction, whose 400 terms converge far past 50 digits from t = 7."""
+    with decimal.localcontext() as ctx:
+        ctx.prec = 50
+        d = decimal.Decimal(x)
+        t = -d / decimal.Decimal(2).sqrt()
+        f = t
+        for k in range(400, 0, -1):
+            f = t + decimal.Decimal(k) / 2 / f
+        return float(d / 2 * (-(t * t)).exp() / _PI_50.sqrt() / f)
+
+
+def test_float64_gelu_accurate_in_the_tail_down_to_its_underflow() -> None:
+    """float64 gelu (erf form) for x in [-38.7, -10]: results from 1e-24 down through the denormals to 0 (from
+    x = -38.6). Normal results within 2e-15 relative (erfc's tail fit stopped at t = 26, x = -36.8: 0.6-3 % off
+    beyond; exp(-x^2/2) from a rounded x/sqrt 2, up to 1.5e-13 before), denormal ones within 2 units of 2^-1074."""
+    rng = np.random.default_rng(11)
+    edges = [-36.7, -36.8, -37.0, -37.5, -38.0, -38.5, -38.55, -38.6, -38.7]
+    x = np.concatenate([rng.uniform(-38.7, -10.0, 400), np.linspace(-38.7, -36.0, 101), edges])
+    ref = np.array([_gelu_tail_exact(v) for v in x])
+    tiny = float(np.finfo(np.float64).tiny)
+    assert (ref < -tiny).sum() > 300 and ((ref < 0) & (ref > -tiny)).sum() > 10 and (ref == 0).sum() > 3
+    r = run_checked(ops.gelu, x, approximate="none")
+    got = r.outputs[0]
+    assert r.unwritten == (0,) and got.dtype == np.float64
+    normal = np.abs(ref) >= tiny
+    rel = np.abs(got[normal] - ref[normal]) / np.abs(ref[normal])
+    assert rel.max() <= 2e-15, f"max relative error {rel.max():.3g} at x = {x[normal][rel.argmax()]}"
+    assert np.abs(got[~normal] - ref[~normal]).max() <= 2 * 2.0**-1074
+    assert np.all(np.signbit(got[ref < 0]))
+
+
 @pytest.mark.parametrize("name", ["add", "sub"])
 @pytest.mark.parametrize(
     "dtype,bad,edge",
@@ -289,6 +327,65 @@ def test_alpha_the_promoted_dtype_cannot_hold_is_a_param_error_in_phase_1(
     x, y = np.array([0, 1], dtype), np.array([1, 0], dtype)
     got = run_checked(getattr(ops, name), x, y, alpha=edge).outputs[0]
     np.testing.assert_array_equal(got, BINARY[name][0](x, np.multiply(y, edge, dtype=dtype)))
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_integer_pow_with_a_negative_int_exponent_is_refused_in_phase_1(dev: Any, stream: Any, dtype: Any) -> None:
+    """numpy's "Integers to negative integer powers are not allowed" came from the kernel, a KernelError at sync:
+    a negative Python int exponent of integer operands is a ParamError at the call, naming pow's other. Exponents
+    0 and 3, negative bases and a negative float exponent (a float64 result) still run, every element written; a
+    tensor exponent with negative values still fails at sync, with numpy's message."""
+    rng = np.random.default_rng(14)
+    a = random((4, 5), dtype, rng)
+    x = dev.tensor(a, stream=stream)
+    for e in (-1, -2, -(2**40)):
+        with pytest.raises(ParamError) as info:
+            twophase.pow(x, e, stream=stream)
+        assert info.value.op == "pow" and info.value.arg == "other" and info.value.got == e
+        assert "negative integer powers" in str(info.value.expected)
+    sentinel = np.iinfo(dtype).min + 7
+    for e in (0, 3):
+        out = dev.tensor(np.full(a.shape, sentinel, dtype), stream=stream)
+        twophase.pow(x, e, out=out, stream=stream)
+        stream.synchronize()
+        np.testing.assert_array_equal(out.numpy(), np.power(a, e))
+    pos = np.abs(a) + 1
+    out = dev.tensor(np.full(a.shape, np.nan), stream=stream)
+    twophase.pow(dev.tensor(pos, stream=stream), -1.5, out=out, stream=stream)
+    stream.synchronize()
+    np.testing.assert_allclose(out.numpy(), np.power(pos.astype(np.float64), -1.5), rtol=1e-15)
+    exponent = dev.tensor(np.where(rng.random(a.shape) < 0.5, -1, 2).astype(dtype), stream=stream)
+    twophase.pow(x, exponent, stream=stream)
+    with pytest.raises(KernelError, match="Integers to negative integer powers are not allowed"):
+        stream.synchronize()
+
+
+@pytest.mark.parametrize("dtype", [np.int32, np.int64])
+def test_comparison_with_an_int_outside_the_dtype_range_gives_numpy_2s_answer(dev: Any, dtype: Any) -> None:
+    """numpy 2 compares an integer array with a Python int its dtype cannot hold as with the exact value (all True
+    or all False); the one-shot API refused it ('a value that fits int32'). Either side, both signs, just past the
+    range and far past int64, into an out= poisoned with the opposite answer. Arithmetic with such an int is still
+    refused, and an int within the range keeps the operand's dtype (the usual path)."""
+    info = np.iinfo(dtype)
+    rng = np.random.default_rng(15)
+    a = np.concatenate([rng.integers(info.min, info.max, 40, dtype=dtype, endpoint=True), [info.min, info.max, 0]])
+    a = a.astype(dtype)
+    x = dev.tensor(a)
+    fns = functions()
+    for s in (int(info.max) + 1, int(info.min) - 1, 2**70, -(2**70)):
+        for name, ufunc in COMPARE.items():
+            for args, ref in (((x, s), ufunc(a, s)), ((s, x), ufunc(s, a))):
+                assert ref.all() or not ref.any()
+                out = dev.tensor(~ref)
+                fns[name](*args, out=out)
+                np.testing.assert_array_equal(out.numpy(), ref, err_msg=f"{name}{args[:1]} {s}")
+        for name in ("add", "mul", "maximum", "pow"):
+            with pytest.raises(ParamError) as e:
+                fns[name](x, s)
+            assert e.value.op == name and e.value.arg == "other"
+            assert ("negative" if name == "pow" and s < 0 else "fits") in str(e.value.expected)
+    assert weak_scalar("lt", "other", int(info.max), np.dtype(dtype)) == (int(info.max), np.dtype(dtype))
+    np.testing.assert_array_equal(fns["le"](x, int(info.max) - 1).numpy(), a <= info.max - 1)
 
 
 # ---------------------------------------------------------------- outputs overlapping inputs

@@ -84,6 +84,25 @@ def test_bad_inputs_raise_param_error_naming_the_argument(call: Any, arg: str) -
     assert e.value.arg == arg
 
 
+@pytest.mark.parametrize("name", NAMES + ["argmax", "var"])
+def test_keep_dims_takes_numpy_bools_and_refuses_other_non_bools(name: str) -> None:
+    """np.True_ / np.False_ (numpy comparisons and masks give them) are bools, as numpy's keepdims takes them (they
+    were refused); numpy ints, floats, strings and ints other than 0 / 1 stay refused, naming keep_dims."""
+    op = getattr(ops, name)
+    x = random((3, 4, 5), np.float64, np.random.default_rng(12))
+    dims: dict[str, Any] = {"dim": 1} if name == "argmax" else {"dims": (0, 2)}
+    kept, dropped = ((3, 1, 5), (3, 5)) if name == "argmax" else ((1, 4, 1), (4,))
+    for keep in (np.True_, np.False_):
+        r = run_checked(op, on_device(x, "transposed"), keep_dims=keep, **dims)
+        ref = op.spec.reference(x, keep_dims=bool(keep), **dims)
+        assert r.outputs[0].shape == ref.shape == (kept if keep else dropped) and r.unwritten == (0,)
+        np.testing.assert_allclose(r.outputs[0].astype(np.float64), ref, rtol=1e-12, atol=1e-12)
+    for bad in (np.int64(1), np.float64(1.0), 1.0, 2, "True", None):
+        with pytest.raises(ParamError) as e:
+            op.get_workspace_size(on_device(x), keep_dims=bad, **dims)
+        assert e.value.op == name and e.value.arg == "keep_dims" and e.value.expected == "a bool"
+
+
 # ---------------------------------------------------------------- argmax, var and the tree's workspace formulas
 def _align64(n: int) -> int:
     return (n + 63) // 64 * 64

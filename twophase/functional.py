@@ -15,6 +15,7 @@ import numpy as np
 from .errors import CaptureError, ParamError
 from .executor import ExecState
 from .op import Op, registry
+from .ops.elementwise import weak_scalar
 from .runtime.device import placement
 from .runtime.stream import Stream
 from .tensor import Tensor
@@ -90,6 +91,8 @@ def _inputs_to_device(
             ins.append(x)
             continue
         dtype = _weak_dtype(op, i, inputs) if i in promotes and _is_python_scalar(x) else None
+        if dtype is not None:  # out-of-range ints in comparisons, negative int exponents of pow (before phase 1)
+            x, dtype = weak_scalar(op.name, op.input_name(i, len(inputs)), x, dtype)
         ins.append(_to_device(op, dev, x, stream, copies, dtype, op.input_name(i, len(inputs))))
     return tuple(ins)
 

@@ -61,6 +61,10 @@ def as_scalar(v: Any) -> int | float | bool:
 
 @_expects("a bool")
 def as_bool(v: Any) -> bool:
+    """A bool, numpy's too (``np.True_``, as ``as_scalar`` reads it), or a Python int 0 / 1; numpy ints, floats and
+    strings are refused."""
+    if isinstance(v, np.bool_):
+        return bool(v)
     if not isinstance(v, (bool, int)) or v not in (0, 1):
         raise TypeError(v)
     return bool(v)

@@ -4,6 +4,7 @@ unary (vectorized math kernels for the transcendental ones) and cast."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -20,7 +21,7 @@ from ..tensor import DType, Format, TensorDesc
 from .checks import FLOATS, NUMERIC, as_scalar, cast_scalar, check_dtype, choice, need
 from .selection import Candidate, choose
 
-__all__ = ["BINARY", "COMPARE", "UNARY", "unary_reference"]
+__all__ = ["BINARY", "COMPARE", "UNARY", "unary_reference", "weak_scalar"]
 
 Builder = Callable[[Plan, dict[str, Any], tuple[Any, ...], tuple[Any, ...]], Callable[[Any], None]]
 INTS = (DType.int32, DType.int64)
@@ -220,6 +221,34 @@ def _register_compare() -> None:
                 reference=lambda x, other, f=ufunc: f(x, other),
             )
         )
+
+
+# ---- Python scalars given to the one-shot API
+def weak_scalar(op: str, arg: str, value: Any, dtype: np.dtype[Any]) -> tuple[Any, np.dtype[Any]]:
+    """(value, dtype) that the one-shot API copies in for Python scalar ``value`` passed as input ``arg`` of ``op``
+    beside operands of ``dtype`` (its weak dtype, numpy 2's rule); ``(value, dtype)`` itself but for two cases:
+
+    - a comparison with an int outside an integer ``dtype``'s range gives numpy 2's answer, as if with the exact
+      value: the scalar is copied in as float64 +inf or -inf, beyond every value of the operand (``lt(int32 x,
+      2**40)`` all True, ``eq`` all False). Other ops still refuse such an int (it does not fit ``dtype``);
+    - ``pow`` of integers with a negative int exponent is refused here, before phase 1 (numpy raised its "Integers
+      to negative integer powers are not allowed" only in the kernel, a KernelError at sync; a tensor exponent with
+      negative values still fails there, with that message)."""
+    if dtype.kind not in "iu" or not isinstance(value, int):
+        return value, dtype
+    if op in COMPARE:
+        info = np.iinfo(dtype)
+        if not info.min <= value <= info.max:
+            return (math.inf if value > 0 else -math.inf), np.dtype(np.float64)
+    elif op == "pow" and arg == "other" and value < 0:
+        raise ParamError(
+            op=op,
+            arg=arg,
+            expected=f"an exponent >= 0 for integer operands ({dtype}): integers to negative integer powers are "
+            "not allowed",
+            got=value,
+        )
+    return value, dtype
 
 
 # ---- where
