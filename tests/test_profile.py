@@ -4,13 +4,17 @@ spans, pool counter events and enqueue -> kernel flows; kernel spans nest inside
 from __future__ import annotations
 
 import json
+import threading
 import time
 
 import numpy as np
 import pytest
 
 import twophase
-from twophase import Op
+from twophase import Op, hooks
+from twophase.profile import _listen, _on_pool_change
+from twophase.runtime.memory import POOL_LISTENERS
+from twophase.runtime.stream import TASK_LISTENERS
 
 
 def _run(dev, stream, rng):
@@ -237,3 +241,143 @@ def test_nested_profiles_count_each_kernel_once(dev, stream, rng):
         assert sum(1 for e in prof.events if e.get("cat") == "kernel" and e["name"] == "neg") == 3
     for y in ys:
         y.free(stream)
+
+
+def _in_threads(*fns):
+    """Run each of ``fns`` on a thread of its own (named A, B, ...); the first exception raised is raised here."""
+    errors = []
+
+    def run(fn):
+        try:
+            fn()
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(fn,), name="AB"[i]) for i, fn in enumerate(fns)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads)
+    if errors:
+        raise errors[0]
+    return threads
+
+
+def test_profiles_entered_by_two_threads_at_once_leave_nothing_installed(monkeypatch, dev):
+    """Both threads pass the profiler's 'none active yet' check before either has installed its hooks (a
+    barrier inside hook installation holds the first, unless the second cannot get that far): afterwards no
+    hook or listener is left, and a kernel run outside any profile counts no kernel time."""
+    plain1, plain2 = Op.get_workspace_size, Op.__call__
+    both_installing = threading.Barrier(2)
+    add_phase1_hook = hooks.add_phase1_hook
+
+    def installing(after):
+        try:
+            both_installing.wait(timeout=0.5)
+        except threading.BrokenBarrierError:
+            pass  # the other thread waits for this one to finish installing: as it should
+        return add_phase1_hook(after)
+
+    monkeypatch.setattr(hooks, "add_phase1_hook", installing)
+    both_inside = threading.Barrier(2)
+    first_left = threading.Event()
+
+    def first():
+        with twophase.profile():
+            both_inside.wait(5)
+        first_left.set()
+
+    def second():
+        with twophase.profile():
+            both_inside.wait(5)
+            assert first_left.wait(5)
+
+    _in_threads(first, second)
+    try:
+        assert _listen not in TASK_LISTENERS
+        assert _on_pool_change not in POOL_LISTENERS
+        assert Op.get_workspace_size is plain1 and Op.__call__ is plain2
+        x = dev.tensor(np.ones(4))
+        before = twophase.ops.neg.counters.kernel_count
+        twophase.neg(x).numpy()
+        assert twophase.ops.neg.counters.kernel_count == before
+    finally:  # what a failure left installed, removed: the later tests would see twice the events
+        for listeners, fn in ((TASK_LISTENERS, _listen), (POOL_LISTENERS, _on_pool_change)):
+            while fn in listeners:
+                listeners.remove(fn)
+        Op.get_workspace_size, Op.__call__ = plain1, plain2
+
+
+def test_threads_launching_on_a_shared_stream_each_get_the_arrow_to_their_own_kernel(dev, gate):
+    """Two threads register their launches on one stream before either enqueues (a hook holds them): the
+    arrows used to be keyed by the seq each guessed (the same one), so one kernel got the other's arrow and
+    the other none. Each arrow must leave its own phase 2 span and end on the kernel of that launch."""
+    s = dev.stream("shared")
+    x = dev.tensor(np.ones(64, np.float32), stream=s)
+    s.synchronize()
+    both_registered = threading.Barrier(2)
+    a_launched = threading.Event()
+
+    def hold(op, ws, size, ex, stream):
+        if threading.current_thread().name in "AB":
+            both_registered.wait(5)  # the profiler's hook ran first, for both launches
+            if threading.current_thread().name == "B":
+                assert a_launched.wait(5)  # A enqueues first, then B
+
+    def launched(op, ws, size, ex, stream, t0, t1):
+        if threading.current_thread().name == "A":
+            a_launched.set()
+
+    with twophase.profile() as prof:
+        handle = hooks.add_phase2_hook(before=hold, after=launched)
+        try:
+            opened = gate(s)  # neither kernel runs before both launches returned
+            ys = {}
+            threads = _in_threads(
+                lambda: ys.setdefault("A", twophase.neg(x, stream=s)),
+                lambda: ys.setdefault("B", twophase.exp(x, stream=s)),
+            )
+            opened.set()
+            s.synchronize()
+        finally:
+            hooks.remove_hook(handle)
+    events = prof.trace()["traceEvents"]
+    spans = [e for e in events if e.get("cat") == "phase2"]
+    kernels = [e for e in events if e.get("cat") == "kernel"]
+    ends = {e["id"]: e for e in events if e.get("cat") == "flow" and e["ph"] == "f"}
+    drawn = {}
+    for start in (e for e in events if e.get("cat") == "flow" and e["ph"] == "s"):
+        (span,) = [h for h in spans if h["tid"] == start["tid"] and h["ts"] <= start["ts"] <= h["ts"] + h["dur"]]
+        end = ends[start["id"]]
+        (kernel,) = [k for k in kernels if k["tid"] == end["tid"] and k["ts"] == end["ts"]]
+        drawn[span["name"]] = kernel["name"]
+        assert span["tid"] == threads["AB".index("A" if span["name"] == "phase2 neg" else "B")].ident
+    assert drawn == {"phase2 neg": "neg", "phase2 exp": "exp"}
+    np.testing.assert_array_equal(ys["A"].numpy(), -np.ones(64))
+    s.close()
+
+
+def test_refused_and_earlier_launches_of_an_executor_do_not_take_the_arrow_of_a_later_one(dev, gate, rng):
+    """A repeatable executor: a launch from before the profile still queued, a launch refused inside it, then
+    two launches: two arrows, each ending on the kernel of its own launch (the last two kernels)."""
+    s = dev.stream()
+    x = dev.tensor(rng.standard_normal((4, 8)), stream=s)
+    with twophase.plan("softmax", x, dim=1, stream=s) as call:
+        opened = gate(s)
+        call()  # before the profile: no arrow
+        with twophase.profile() as prof:
+            ex = call.executor
+            with pytest.raises(twophase.ParamError):
+                twophase.ops.softmax(None, ex.workspace_size + 64, ex, s)  # refused: the wrong workspace size
+            call()
+            call()
+            opened.set()
+            s.synchronize()
+    events = prof.trace()["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") == "kernel" and e["name"] == "softmax"), key=lambda e: e["ts"])
+    starts = sorted((e for e in events if e.get("cat") == "flow" and e["ph"] == "s"), key=lambda e: e["ts"])
+    ends = {e["id"]: e["ts"] for e in events if e.get("cat") == "flow" and e["ph"] == "f"}
+    assert len(kernels) == 3 and len(starts) == 2 and set(ends) == {e["id"] for e in starts}
+    assert [ends[e["id"]] for e in starts] == [k["ts"] for k in kernels[1:]]
+    s.close()

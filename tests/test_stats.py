@@ -6,12 +6,15 @@ from __future__ import annotations
 import gc
 import io
 import json
+import sys
+import threading
 
 import numpy as np
 import pytest
 
 import twophase
 from twophase import ops
+from twophase.stats import OpCounters, bucket
 
 
 def _adds_up(c):
@@ -150,3 +153,117 @@ def test_a_dropped_graph_replay_counts_no_launch(fresh_cache, dev, stream, rng):
     assert twophase.stats.snapshot()["ops"]["exp"]["phase2_calls"] == 3
     g.destroy()
     x.free(stream)
+
+
+@pytest.fixture
+def switch_often():
+    """Threads switch every microsecond (not every 5 ms): a race between two bytecodes shows within a few calls."""
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    yield
+    sys.setswitchinterval(old)
+
+
+def _run_threads(n, fn):
+    """``fn(i)`` on ``n`` threads started together; the first exception any of them raised is raised here."""
+    barrier = threading.Barrier(n)
+    errors = []
+
+    def run(i):
+        try:
+            barrier.wait()
+            fn(i)
+        except BaseException as e:  # noqa: BLE001 - handed back to the test
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+
+
+def test_snapshot_and_reset_while_other_threads_plan_and_release(fresh_cache, dev, switch_often):
+    """Other threads adding and removing live executors while a snapshot (or a reset) reads them: it used to
+    raise 'Set changed size during iteration' (the WeakSet of live executors was iterated in Python)."""
+    x = dev.tensor(np.ones((2, 2), np.float32))
+    held = [ops.relu.get_workspace_size(x)[1] for _ in range(3000)]  # a long set to read: a switch lands inside
+    stop = threading.Event()
+
+    def read_or_churn(i):
+        if i == 0:
+            try:
+                for k in range(40):
+                    if k % 8 == 7:
+                        twophase.stats.reset()
+                    else:
+                        snap = twophase.stats.snapshot()
+                        assert snap["ops"]["relu"]["executors_live"] >= len(held)
+            finally:
+                stop.set()
+            return
+        while not stop.is_set():  # plan a batch, then release it: the set's size keeps changing
+            batch = [ops.relu.get_workspace_size(x)[1] for _ in range(20)]
+            for ex in batch:
+                ex.destroy()
+
+    try:
+        _run_threads(3, read_or_churn)
+        twophase.stats.reset()  # counts straddling a reset that ran while other threads counted are not exact
+    finally:
+        for ex in held:
+            ex.destroy()
+    c = twophase.stats.snapshot()["ops"]["relu"]
+    assert (c["executors_created"], c["executors_destroyed"], c["executors_live"]) == (len(held), len(held), 0)
+    assert c["reuse_histogram"] == {"0": len(held)}
+    _adds_up(c)
+
+
+class _StubExecutor:
+    """What the counters read of an executor."""
+
+    def __init__(self, workspace_size, phase2_calls):
+        self.workspace_size = workspace_size
+        self.phase2_calls = phase2_calls
+        self.launches = 0
+
+
+def test_counts_of_threads_counting_at_once_add_up_exactly(switch_often):
+    """Four threads recording executors into one op's counters at once: every histogram count lands (a dict
+    read-modify-write with a get() call between the read and the write lost some)."""
+    counters = OpCounters()
+    n, rounds, per_round = 4, 3, 50000  # one round loses counts almost always: three, all but surely
+    per_thread = rounds * per_round
+    stubs = [_StubExecutor(100, 3), _StubExecutor(100, 3), _StubExecutor(5000, 0), _StubExecutor(0, 1)]
+
+    def record(i):
+        ex = stubs[i]
+        for _ in range(per_round):
+            counters.on_create(ex)
+            counters.on_release(ex)
+
+    for _ in range(rounds):
+        _run_threads(n, record)
+    c = counters.as_dict()
+    assert (c["executors_created"], c["executors_destroyed"], c["executors_live"]) == (n * per_thread,) * 2 + (0,)
+    assert c["workspace_histogram"] == {"0": per_thread, "128": 2 * per_thread, "8192": per_thread}
+    assert c["reuse_histogram"] == {"0": per_thread, "1": per_thread, "4": 2 * per_thread}
+    assert c["phase2_calls"] == 7 * per_thread and c["max_workspace_bytes"] == 5000
+    _adds_up(c)
+
+
+def test_histogram_buckets_match_bucket_even_past_two_to_the_64(dev):
+    counters = OpCounters()
+    sizes = [0, 1, 2, 3, 4, 5, 1000, 1024, 1025, 2**40, 2**64, 2**64 + 1, 2**70 - 3]
+    for n in sizes:
+        ex = _StubExecutor(n, n)
+        counters.on_create(ex)
+        counters.on_release(ex)
+    c = counters.as_dict()
+    want: dict[str, int] = {}
+    for n in sorted(sizes):
+        want[str(bucket(n))] = want.get(str(bucket(n)), 0) + 1
+    assert c["workspace_histogram"] == want and c["reuse_histogram"] == want
+    assert list(c["workspace_histogram"]) == sorted(want, key=int)  # in bucket order

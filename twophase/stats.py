@@ -1,10 +1,17 @@
 """Counters, always on and cheap: per op and per device. Phase 2 counts nothing: an executor's
 ``launches`` goes up on the stream worker once its task has run; everything else is counted in phase 1,
-at executor release, or derived when a snapshot is taken (exact once the streams are synchronized)."""
+at executor release, or derived when a snapshot is taken (exact once the streams are synchronized).
+
+Threads count into the same counters without a lock: every update is one read-modify-write of an attribute
+or a list item with no call in between (``c.created += 1``, ``c.workspace[i] += 1``), which the GIL never
+interrupts, so concurrent updates add up exactly. A snapshot or a reset reads the executors still live
+through one copy of their set made in C (``list(set)``), never by iterating it while other threads add or
+remove executors."""
 
 from __future__ import annotations
 
 import json
+import threading
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -21,8 +28,32 @@ def bucket(n: int) -> int:
     return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
+# A histogram is a list of counts, one slot per bucket: slot 0 for bucket 0, slot k + 1 for bucket 2**k
+# (slot ``(n - 1).bit_length() + 1`` for n > 0). Counting is ``hist[slot] += 1``: no dict.get() call between
+# the read and the write, where a thread switch would lose the other thread's count.
+_SLOTS = 66  # buckets 0, 1, 2, 4, ..., 2**64; a larger one grows the list (_count_slow)
+_grow_lock = threading.Lock()
+
+
+def _slot_bucket(i: int) -> int:
+    return 0 if i == 0 else 1 << (i - 1)
+
+
+def _count_slow(hist: list[int], i: int) -> None:
+    """``hist[i] += 1`` for a slot past the end of ``hist`` (a bucket above 2**64): the list grows first."""
+    with _grow_lock:
+        if len(hist) <= i:
+            hist.extend([0] * (i + 1 - len(hist)))
+        hist[i] += 1
+
+
+def _histogram(hist: list[int]) -> dict[str, int]:
+    return {str(_slot_bucket(i)): v for i, v in enumerate(hist) if v}
+
+
 class OpCounters:
-    """Counters of one op. ``live`` holds the executors not yet released (weakly)."""
+    """Counters of one op. ``live`` holds the executors not yet released (weakly); ``reuse`` and ``workspace``
+    are histograms, lists of counts indexed by bucket slot (see ``_SLOTS``)."""
 
     __slots__ = (
         "phase1",
@@ -50,22 +81,31 @@ class OpCounters:
     def reset(self) -> None:
         self.phase1 = self.hits = self.misses = 0
         self.created = self.destroyed = self.retired_launches = 0
-        self.reuse: dict[int, int] = {}
-        self.workspace: dict[int, int] = {}
+        self.reuse: list[int] = [0] * _SLOTS
+        self.workspace: list[int] = [0] * _SLOTS
         self.max_workspace = 0
         self.phase1_time = self.phase2_time = self.kernel_time = 0.0
         self.kernel_count = self.phase2_timed = self.phase1_timed = 0
         # executors still alive carry into the new period, so that created == destroyed + live + dropped holds
-        for ex in list(self.live):
+        for ex in self.live_executors():
             ex.launches = 0
             self.on_create(ex)
+
+    def live_executors(self) -> list[Executor]:
+        """The executors not yet released, from one copy of the set of their references made in C: iterating the
+        WeakSet itself raises (set changed size during iteration) if another thread adds or removes one meanwhile."""
+        refs: list[weakref.ref[Executor]] = list(self.live.data)  # type: ignore[attr-defined]
+        return [ex for ex in (r() for r in refs) if ex is not None]
 
     def on_create(self, ex: Executor) -> None:
         self.created += 1
         self.live.add(ex)
         n = ex.workspace_size
-        b = bucket(n)
-        self.workspace[b] = self.workspace.get(b, 0) + 1
+        i = (n - 1).bit_length() + 1 if n > 0 else 0
+        try:
+            self.workspace[i] += 1
+        except IndexError:
+            _count_slow(self.workspace, i)
         if n > self.max_workspace:
             self.max_workspace = n
 
@@ -73,16 +113,23 @@ class OpCounters:
         n = ex.phase2_calls
         self.destroyed += 1
         self.retired_launches += n
-        b = bucket(n)
-        self.reuse[b] = self.reuse.get(b, 0) + 1
+        i = (n - 1).bit_length() + 1 if n > 0 else 0
+        try:
+            self.reuse[i] += 1
+        except IndexError:
+            _count_slow(self.reuse, i)
         self.live.discard(ex)
 
     def as_dict(self) -> dict[str, Any]:
-        live = list(self.live)
-        reuse = dict(self.reuse)
+        live = self.live_executors()
+        reuse = list(self.reuse)  # copies made in C: other threads go on counting meanwhile
+        workspace = list(self.workspace)
         for ex in live:
-            b = bucket(ex.launches)
-            reuse[b] = reuse.get(b, 0) + 1
+            n = ex.launches
+            i = (n - 1).bit_length() + 1 if n > 0 else 0
+            if i >= len(reuse):
+                reuse.extend([0] * (i + 1 - len(reuse)))
+            reuse[i] += 1
         return {
             "phase1_calls": self.phase1,
             "cache_hits": self.hits,
@@ -93,8 +140,8 @@ class OpCounters:
             "executors_live": len(live),
             "executors_dropped": self.created - self.destroyed - len(live),  # collected without release
             "max_workspace_bytes": self.max_workspace,
-            "reuse_histogram": {str(k): v for k, v in sorted(reuse.items())},
-            "workspace_histogram": {str(k): v for k, v in sorted(self.workspace.items())},
+            "reuse_histogram": _histogram(reuse),
+            "workspace_histogram": _histogram(workspace),
             "phase1_time_s": self.phase1_time,
             "phase1_timed_calls": self.phase1_timed,
             "phase2_time_s": self.phase2_time,
@@ -125,9 +172,9 @@ def reset() -> None:
     from .op import registry
     from .runtime.device import _DEVICES
 
-    for op in registry.values():
+    for op in list(registry.values()):  # copies: another thread may register an op or open a device meanwhile
         op.counters.reset()
-    for dev in _DEVICES.values():
+    for dev in list(_DEVICES.values()):
         dev.pool.reset_peak()
 
 

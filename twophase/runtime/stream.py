@@ -19,7 +19,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Generic, TypeVar
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from .spin import count_and_wait, spin_until_reached
 if TYPE_CHECKING:
     from .device import Device
 
-__all__ = ["Stream", "Event", "CONTROL", "QueueRecords", "TaskRecords", "running_queue", "check_stream"]
+__all__ = ["Stream", "Event", "CONTROL", "QueueRecords", "running_queue", "check_stream"]
 
 CONTROL = "<control>"
 _NEVER = 1 << 62  # wake_at when no host thread waits: no seq reaches it
@@ -59,7 +59,6 @@ TASK_LISTENERS: list[Callable[[str, Any, float, float, int], None]] = []
 # Held while a stream's ``_q`` / ``_enqueue`` are switched: launch-blocking mode, capture begin and end.
 SWITCH_LOCK = forking.lock()
 _running = threading.local()
-_R = TypeVar("_R")
 
 
 def running_queue() -> Any:
@@ -83,38 +82,6 @@ class QueueRecords:
     def clear(self) -> None:
         with self._lock:
             self._by_queue.clear()
-
-
-class TaskRecords(QueueRecords, Generic[_R]):
-    """What task listeners look up once a task has run, keyed by its queue (weakly) and seq: not by stream name,
-    which a later stream may reuse. A failed or dropped task is never seen by a listener: its record goes when a
-    later task of its queue is recorded or looked up, or with the queue."""
-
-    def put(self, q: Any, seq: int, record: _R) -> None:
-        with self._lock:
-            recs = self._by_queue.setdefault(q, {})
-            _drop_done(recs, q.done)
-            recs[seq] = record
-
-    def pop(self, q: Any, seq: int) -> _R | None:
-        if q is None:
-            return None
-        with self._lock:
-            recs = self._by_queue.get(q)
-            if recs is None:
-                return None
-            record: _R | None = recs.pop(seq, None)
-            _drop_done(recs, q.done)
-            return record
-
-
-def _drop_done(recs: dict[int, Any], done: int) -> None:
-    """Drop the records of tasks that have completed (seqs are recorded in increasing order)."""
-    while recs:
-        first = next(iter(recs))
-        if first > done:
-            return
-        del recs[first]
 
 
 def _count(owner: Any) -> None:
