@@ -7,6 +7,7 @@ installed hook; removing the last one swaps the plain function back.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,9 @@ _plain_phase2 = Op.__call__
 _phase1_hooks: list[Phase1Hook] = []
 _phase2_before: list[Callable[..., None]] = []
 _phase2_after: list[Callable[..., None]] = []
+# held while a hook list changes and the entry points are swapped to match: two threads adding and removing
+# hooks at once (the sanitizer and a profile) could otherwise leave the plain entry points with a hook installed
+_lock = threading.Lock()
 
 
 def _phase1(self: Op, *inputs: Any, **kwargs: Any) -> Any:
@@ -66,31 +70,34 @@ def _swap() -> None:
 
 def add_phase1_hook(after: Phase1Hook) -> Any:
     """Run ``after(op, inputs, kwargs, result, t0, t1)`` after every phase 1; returns a handle."""
-    _phase1_hooks.append(after)
-    _swap()
+    with _lock:
+        _phase1_hooks.append(after)
+        _swap()
     return ("phase1", after)
 
 
 def add_phase2_hook(before: Callable[..., None] | None = None, after: Callable[..., None] | None = None) -> Any:
     """Run ``before(op, ws, size, ex, stream)`` before and ``after(..., t0, t1)`` after every phase 2."""
-    if before is not None:
-        _phase2_before.append(before)
-    if after is not None:
-        _phase2_after.append(after)
-    _swap()
+    with _lock:
+        if before is not None:
+            _phase2_before.append(before)
+        if after is not None:
+            _phase2_after.append(after)
+        _swap()
     return ("phase2", before, after)
 
 
 def remove_hook(handle: Any) -> None:
     """Remove a hook installed by ``add_phase1_hook`` / ``add_phase2_hook``."""
-    if handle[0] == "phase1":
-        _phase1_hooks.remove(handle[1])
-    else:
-        if handle[1] is not None:
-            _phase2_before.remove(handle[1])
-        if handle[2] is not None:
-            _phase2_after.remove(handle[2])
-    _swap()
+    with _lock:
+        if handle[0] == "phase1":
+            _phase1_hooks.remove(handle[1])
+        else:
+            if handle[1] is not None:
+                _phase2_before.remove(handle[1])
+            if handle[2] is not None:
+                _phase2_after.remove(handle[2])
+        _swap()
 
 
 def add_replay_check(check: Callable[[Any, Any], None]) -> None:

@@ -249,7 +249,7 @@ class _Queue:
                     t0 = time.perf_counter()
                     fn(arg)
                     t1 = time.perf_counter()
-                    for cb in listeners:
+                    for cb in tuple(listeners):  # another thread may remove one meanwhile: none is skipped
                         cb(self.name, owner, t0, t1, seq)
                 finally:
                     _running.q = outer
