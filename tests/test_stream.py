@@ -697,3 +697,27 @@ def test_a_synchronizing_host_thread_opens_the_workers_gate_at_the_tasks_posted(
     threading.Thread(target=open_once_blocked, daemon=True).start()
     stream.synchronize()
     assert q.gate[0] == q.posted[0] >= 0
+
+
+def test_a_task_listener_removed_while_the_listeners_run_skips_no_other(stream):
+    """A listener that removes itself (a profiler or sanitizer turned off as a task ends) left the next one
+    uncalled for that task: the worker iterated the list being changed."""
+    from twophase import hooks
+
+    seen: list[str] = []
+
+    def once(*_: object) -> None:
+        seen.append("once")
+        hooks.remove_task_listener(once)
+
+    def always(*_: object) -> None:
+        seen.append("always")
+
+    hooks.add_task_listener(once)
+    hooks.add_task_listener(always)
+    try:
+        stream.launch_callback(lambda: None)
+        stream.synchronize()
+    finally:
+        hooks.remove_task_listener(always)
+    assert seen == ["once", "always"]
