@@ -711,7 +711,7 @@ def _run_graph(arg: tuple[list[tuple[Any, Any, int]], Graph, Any]) -> None:
                 t1 = perf()
                 if guards is not None:
                     guards.after(i)
-                for cb in TASK_LISTENERS:
+                for cb in tuple(TASK_LISTENERS):
                     cb(q.name, execs[i], t0, t1, seq)
         else:
             for launch, ws, i in steps:  # noqa: B007  (i names the failing node)
