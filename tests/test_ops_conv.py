@@ -130,6 +130,22 @@ def test_conv2d_matches_reference_for_every_implementation(
         _check(_run("im2col_tiles", _input(x, nhwc), wt, b, **attrs), ref)
 
 
+@pytest.mark.parametrize("n, c, hw, oc", [(2, 0, 16, 4), (2, 3, 16, 0), (1, 0, 32, 4), (1, 3, 32, 0), (0, 3, 32, 4)])
+def test_conv2d_3x3_with_an_empty_batch_or_channel_dim_is_not_planned_as_winograd(
+    rng: np.random.Generator, n: int, c: int, hw: int, oc: int
+) -> None:
+    """A 3x3 stride-1 conv on a map large enough for winograd, with no input channels (out = bias), no output
+    channels or no images: winograd's kernels split an empty channel range and failed at sync (IndexError)."""
+    x = rng.standard_normal((n, c, hw, hw)).astype(np.float32)
+    w = rng.standard_normal((oc, c, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32)
+    r = run_checked(conv2d, x, w, b, padding=1)
+    assert "winograd" not in r.implementation and r.guards_intact and r.unwritten == (0,)
+    want = np.broadcast_to(b[None, :, None, None], (n, oc, hw, hw)) if c == 0 else reference(x, w, b, padding=1)
+    assert r.outputs[0].shape == (n, oc, hw, hw)
+    np.testing.assert_allclose(r.outputs[0], want, rtol=1e-6)
+
+
 def test_conv2d_1x1_runs_as_gemm_without_workspace(rng: np.random.Generator) -> None:
     x, w = _x(rng, (2, 6, 5, 4), False), rng.standard_normal((8, 3, 1, 1)).astype(np.float32)
     r = run_checked(conv2d, x, w, None, groups=2)

@@ -241,7 +241,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
             cands.insert(len(cands) - 1 if tiles_first(tiled.tiling, whole.tiling) else len(cands), tiled)
         if in_parts is not None:
             cands.insert(cands.index(whole), in_parts)
-    if (kh, kw, sh, sw, dh, dw, g) == (3, 3, 1, 1, 1, 1, 1):
+    if (kh, kw, sh, sw, dh, dw, g) == (3, 3, 1, 1, 1, 1, 1) and t.n and t.c and t.oc:  # not on an empty GEMM
         wino = _winograd_candidate(t, item, limit)
         if wino is not None:
             cands.insert(_winograd_rank(t.n * ((oh + 1) // 2) * ((ow + 1) // 2), cands), wino)
