@@ -1005,3 +1005,105 @@ def test_a_failed_instantiate_leaves_a_named_output_freed_in_the_capture_freed(d
         y.free(stream)
     g.destroy()
     x.free(stream)
+
+
+def test_rebinding_an_input_while_earlier_replays_are_queued_under_the_sanitizer(
+    dev: tp.Device, stream: tp.Stream, rng: np.random.Generator
+) -> None:
+    """The pipelined pattern: a fresh input each replay, no sync between. Each queued replay's nodes were checked
+    against the executors' newest binding (the next replay's input, whose canary fill was still queued behind):
+    a false GuardError at sync that dropped the later replays. The replay checks the operands it ran with."""
+    x = tp.device("cpu").tensor(_f32(rng, 8, 8), stream=stream)
+    stream.synchronize()
+    with _sanitized():
+        with tp.capture(stream) as g:
+            g.input("x", x)
+            h = tp.softmax(x, dim=-1, stream=stream)
+            for _ in range(10):
+                h = tp.tanh(h, stream=stream)
+            g.output("y", h)
+        g.instantiate()
+        xs, ins, outs = [], [], []
+        for _ in range(6):
+            xa = _f32(rng, 8, 8)
+            x2 = dev.tensor(xa, stream=stream)
+            y = dev.empty((8, 8), "float32", stream=stream)
+            g.replay(stream, x=x2, y=y)
+            xs.append(xa)
+            ins.append(x2)
+            outs.append(y)
+        stream.synchronize()
+        for xa, y in zip(xs, outs):
+            want = np.exp(xa - xa.max(-1, keepdims=True))
+            want = want / want.sum(-1, keepdims=True)
+            for _ in range(10):
+                want = np.tanh(want)
+            np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6)
+        g.destroy()
+        for t in (*ins, *outs):
+            t.free()
+
+
+def test_destroy_while_this_thread_captures_the_last_replays_stream_changes_nothing(
+    dev: tp.Device, stream: tp.Stream, gate: Callable[[tp.Stream], threading.Event]
+) -> None:
+    """destroy cannot synchronize the stream this thread is capturing: it raised, but had already freed the arena
+    and destroyed the executors under the replay still queued (which then failed under a task listener)."""
+    x = dev.tensor(np.arange(16, dtype=np.float32), stream=stream)
+    stream.synchronize()
+    with tp.capture(stream) as g1:
+        g1.input("x", x)
+        g1.output("y", tp.neg(x, stream=stream))
+    g1.instantiate()
+    opened = gate(stream)
+    with tp.profile():
+        y = g1.replay(stream)["y"]
+        with tp.capture(stream) as g2:
+            tp.exp(x, stream=stream)
+            with pytest.raises(CaptureError, match="being captured by this thread"):
+                g1.destroy()
+            assert g1.state == "instantiated"
+        opened.set()
+        stream.synchronize()
+    np.testing.assert_array_equal(y.numpy(), -np.arange(16, dtype=np.float32))
+    g2.destroy()
+    g1.destroy()
+    assert g1.state == "destroyed"
+    x.free()
+
+
+def test_a_tensor_of_a_failed_capture_says_the_capture_failed(dev: tp.Device, stream: tp.Stream) -> None:
+    x = dev.tensor(np.ones((4, 4), np.float32), stream=stream)
+    w = dev.tensor(np.ones((3, 5), np.float32), stream=stream)
+    stream.synchronize()
+    with pytest.raises(ParamError):
+        with tp.capture(stream) as g:
+            h = tp.relu(x, stream=stream)  # a node uses h
+            tp.matmul(h, w, stream=stream)  # refused: the capture fails
+    assert g.state == "failed"
+    with pytest.raises(InvalidStateError, match="the capture failed"):
+        h.numpy()
+    g.destroy()
+    x.free()
+    w.free()
+
+
+def test_a_destroyed_graphs_output_kept_by_the_caller_does_not_keep_the_arena_mapped(
+    dev: tp.Device, stream: tp.Stream
+) -> None:
+    import gc
+    import weakref
+
+    with tp.capture(stream) as g:
+        e = dev.empty((1 << 21,), stream=stream)  # 8 MiB: an arena with a segment of its own
+        g.output("y", tp.neg(e, out=e, stream=stream))
+        del e
+    g.instantiate()
+    y = g.replay(stream)["y"]
+    tp.reduce_sum(y, dims=(0,), stream=stream).free(stream)  # an eager op on y: a cached view of it
+    y.numpy()
+    arena = weakref.ref(g._arena.segment.memory.base)
+    g.destroy()
+    dev.pool.empty_cache()
+    gc.collect()
+    assert y.block.freed and arena() is None

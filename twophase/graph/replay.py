@@ -7,7 +7,7 @@ import itertools
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -140,7 +140,7 @@ class Graph:
     _vrefs: list[weakref.ref[VirtualBlock]]
     _vfreed: list[bool]
     _bindings: dict[str, _Binding]
-    _steps: list[tuple[Any, Any, int]] | None
+    _steps: list[tuple[Any, Any, int, tuple[Tensor | None, ...]]] | None
     _execs: tuple[Executor, ...]
     _arena: Block | None
     _guards: _ArenaGuards | None  # the sanitizer's guard bytes between arena buffers, if it was on at instantiate
@@ -453,7 +453,7 @@ class Graph:
         self._guards = _ArenaGuards(arena.data, zones, self) if guard and arena.data is not None else None
         self._plan = plan
         self._execs = tuple(execs)
-        self._steps = [(ex._launch, ws.get(i, NO_WORKSPACE), i) for i, ex in enumerate(execs)]
+        self._steps = [(ex._launch, ws.get(i, NO_WORKSPACE), i, tuple(ex._tensors)) for i, ex in enumerate(execs)]
         for b in self._bindings.values():
             # the operands on the named memory (a vid, or the Block) that meet the named view's bytes; one that
             # also reads or writes bytes outside it (the whole of a named view's intermediate) forbids rebinding
@@ -520,7 +520,7 @@ class Graph:
             check(self, stream)
         if switch:  # only once nothing can refuse the replay: a refused one leaves the graph as it was
             self._order_after_last(stream)
-        seq = stream._enqueue(_run_graph, (steps, self, stream._q), self)
+        seq = stream._enqueue(_run_graph, (steps, self, stream._q, self._execs), self)
         for b in self._mark_blocks:
             b.mark_use(stream, seq)  # host reads wait for the replay (and the sanitizer sees the use)
         self._last_stream, self._last_seq = stream, seq  # not before: a refused or failed enqueue keeps the order
@@ -609,7 +609,7 @@ class Graph:
                     old = {s: prev for s in slots if (prev := ex._tensors[s]) is not None}
                     ex._bind_many(slots)
                     done.append((ex, old))
-                    steps[i] = (ex._launch, steps[i][1], i)
+                    steps[i] = (ex._launch, steps[i][1], i, tuple(ex._tensors))
             except BaseException:  # a refused rebinding (a freed tensor): the nodes rebound so far go back
                 for ex, old in reversed(done):
                     ex._bind_many(old)
@@ -639,9 +639,16 @@ class Graph:
                 arg="graph",
                 got=f"destroy from thread {threading.current_thread().name}",
             )
+        last = self._last_stream
+        if last is not None and last._q is not last._work_q and last._q._graph._thread == owner:  # type: ignore[attr-defined]
+            raise CaptureError(  # refused before anything changes: its last replay may still be queued
+                f"{self}'s last replay stream '{last.name}' is being captured by this thread: end that capture first",
+                op="Graph.destroy",
+                arg="graph",
+            )
         try:
-            if self._last_stream is not None:
-                self._last_stream.synchronize()
+            if last is not None:
+                last.synchronize()
         finally:
             self._release()
 
@@ -660,6 +667,9 @@ class Graph:
             if vb is not None and not vb.virtual:
                 vb.allocated = False
                 vb.freed = True
+                vb.data = vb.arena = None  # a tensor the caller keeps must not keep the arena mapped
+        for b in self._bindings.values():
+            b.current._view = b.default._view = None
         self._execs = ()
         self._mark_blocks = ()
         self._bindings.clear()
@@ -695,29 +705,46 @@ def _order_after(stream: Stream, other: Stream, seq: int) -> None:
         stream.wait_event(ev)
 
 
-def _run_graph(arg: tuple[list[tuple[Any, Any, int]], Graph, Any]) -> None:
-    """The replay task: every prebuilt launch in order; per-node spans for task listeners (the profiler)."""
-    steps, graph, q = arg
-    execs, guards = graph._execs, graph._guards
+_node = threading.local()  # (executor, operands) of the graph node whose task listeners run on this thread
+
+
+def node_operands(ex: Executor) -> Sequence[Tensor | None]:
+    """For a task listener called for graph node ``ex``: its operands in the replay that ran (a later replay
+    queued meanwhile may have rebound ``ex`` already); otherwise ``ex``'s own."""
+    cur = getattr(_node, "cur", None)
+    return cur[1] if cur is not None and cur[0] is ex else ex._tensors
+
+
+def _run_graph(
+    arg: tuple[list[tuple[Any, Any, int, tuple[Tensor | None, ...]]], Graph, Any, tuple[Executor, ...]],
+) -> None:
+    """The replay task: every prebuilt launch in order; per-node spans for task listeners (the profiler). The
+    executors come with the task: a graph destroyed meanwhile has none left."""
+    steps, graph, q, execs = arg
+    guards = graph._guards
     i = -1
     try:
         if TASK_LISTENERS or guards is not None:
             seq, perf = q.done + 1, time.perf_counter
-            for launch, ws, i in steps:
-                if guards is not None:
-                    guards.before(i)
-                t0 = perf()
-                launch(ws)
-                t1 = perf()
-                if guards is not None:
-                    guards.after(i)
-                for cb in tuple(TASK_LISTENERS):
-                    cb(q.name, execs[i], t0, t1, seq)
+            try:
+                for launch, ws, i, operands in steps:
+                    if guards is not None:
+                        guards.before(i)
+                    t0 = perf()
+                    launch(ws)
+                    t1 = perf()
+                    if guards is not None:
+                        guards.after(i)
+                    _node.cur = (execs[i], operands)
+                    for cb in tuple(TASK_LISTENERS):
+                        cb(q.name, execs[i], t0, t1, seq)
+            finally:
+                _node.cur = None
         else:
-            for launch, ws, i in steps:  # noqa: B007  (i names the failing node)
+            for launch, ws, i, _ in steps:  # noqa: B007  (i names the failing node)
                 launch(ws)
     except BaseException as exc:
-        for _, _, j in steps:  # the nodes that ran count as launched; a dropped replay counts nothing
+        for _, _, j, _ in steps:  # the nodes that ran count as launched; a dropped replay counts nothing
             if j == i:
                 break
             execs[j].launches += 1

@@ -72,10 +72,19 @@ class VirtualBlock(Block):
     def check_memory(self, desc: Any, op: str = "Tensor.view") -> None:
         if not self.virtual:
             return
-        if self.freed or self.graph.state not in ("capturing", "captured"):
-            raise InvalidStateError(  # freed by the capture, or never used by a node: it never gets memory
+        state = self.graph.state
+        if self.freed or state not in ("capturing", "captured"):
+            raise InvalidStateError(  # freed by the capture, never used by a node, or its capture failed
                 f"a tensor allocated inside the capture of {self.graph} "
-                + ("was freed there" if self.freed else "that no node of it used has no memory"),
+                + (
+                    "was freed there"
+                    if self.freed
+                    else "has no memory: the capture failed"
+                    if state == "failed"
+                    else "has no memory: the graph was destroyed before it was instantiated"
+                    if state == "destroyed"
+                    else "that no node of it used has no memory"
+                ),
                 op=op,
                 arg="tensor",
                 got=desc,

@@ -18,7 +18,7 @@ from .. import hooks
 from ..config import int_value
 from ..executor import ExecState, Executor
 from ..graph.capture import _CaptureQueue
-from ..graph.replay import Graph
+from ..graph.replay import Graph, node_operands
 from ..graph.virtual import VirtualBlock
 from ..op import Op
 from ..runtime import forking
@@ -343,7 +343,7 @@ def _replayed(owner: Any) -> Launch | None:
     used: list[tuple[Any, str]]
     if isinstance(owner, Executor):
         n_in = len(owner.input_descs)
-        used = [(t.block, _role(i, n_in)) for i, t in enumerate(owner._tensors) if t is not None]
+        used = [(t.block, _role(i, n_in)) for i, t in enumerate(node_operands(owner)) if t is not None]
         what, name = f"{owner.describe()} (a node of a graph replay)", owner.op.name
     else:
         used, what, name = [(getattr(owner, "_arena", None), "graph arena")], f"a replay of {owner}", str(owner)
