@@ -193,7 +193,7 @@ def _share() -> Callable[[], None]:
 
         Op._build_launch = build_launch  # type: ignore[method-assign, assignment]
         _shared["plain"] = plain
-        _shared["hook"] = hooks.add_phase2_hook(before=_check_stream)
+        _shared["hook"] = hooks.add_phase2_hook(before=_check_stream, after=_put_marks_back)
     _shared["n"] += 1
 
     def release() -> None:
@@ -214,8 +214,15 @@ def _deferred(_: Any) -> None:
     )
 
 
+_marks = threading.local()  # (block, stream, seq) of a captured launch's blocks as they were before its phase 2
+
+
 def _check_stream(op: Op, workspace: Any, size: int, executor: Any, stream: Any) -> None:
     g = _active.get(threading.get_ident())
+    _marks.saved = None
+    if g is not None and stream is g.stream:  # phase 2 marks the blocks with the capture's stand-in seq
+        blocks = (*getattr(executor, "_blocks", ()), *((workspace,) if isinstance(workspace, Block) else ()))
+        _marks.saved = (g, [(b, b._stream, b._seq) for b in blocks if not (type(b) is VirtualBlock and b.virtual)])
     if g is not None and stream is not g.stream:
         name = getattr(stream, "name", stream)
         raise CaptureError(
@@ -226,3 +233,17 @@ def _check_stream(op: Op, workspace: Any, size: int, executor: Any, stream: Any)
             expected=g.stream.name,
             got=name,
         )
+
+
+def _put_marks_back(op: Op, workspace: Any, size: int, executor: Any, stream: Any, t0: float, t1: float) -> None:
+    """After a captured phase 2: its blocks' last use is again what it was before. The capture's mark (a seq of
+    work before the capture, done or nearly) hid a real pending use, for the whole capture, from host reads, frees
+    without a stream and another capture saving it as the block's own."""
+    saved = getattr(_marks, "saved", None)
+    if saved is None:
+        return
+    _marks.saved = None
+    g, marks = saved
+    for b, last, seq in marks:
+        if b._stream is g.stream and b._seq == g._seq0:  # still the capture's mark
+            b._stream, b._seq = last, seq

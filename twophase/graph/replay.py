@@ -135,7 +135,6 @@ class Graph:
     _state: str
     _seq0: int
     _nodes: list[_Node]
-    _marks: dict[int, tuple[Block, Any, int]]
     _vsizes: list[int]
     _vrefs: list[weakref.ref[VirtualBlock]]
     _vfreed: list[bool]
@@ -167,7 +166,6 @@ class Graph:
         self._seq0 = stream._q.submitted
         self._owner = thread
         self._nodes = []
-        self._marks = {}
         self._vsizes = []
         self._vrefs = []
         self._vfreed = []
@@ -263,9 +261,7 @@ class Graph:
                         arg="operand",
                     )
                 operands.append((t.desc, b.vid))
-            else:
-                if id(b) not in self._marks:
-                    self._marks[id(b)] = (b, b._stream, b._seq)  # phase 2 re-marks it; put back at the end
+            else:  # phase 2 marks it with this seq: the capture's phase-2 hook puts its mark back
                 operands.append((t.desc, b))
         self._nodes.append(_Node(owner, tuple(operands)))
         return self._seq0  # nothing ran: waits on this seq are waits on the work before the capture
@@ -282,10 +278,6 @@ class Graph:
             self._vfreed[vid] = True
 
     def _end_capture(self, failed: bool) -> None:
-        for b, stream, seq in self._marks.values():
-            if b._stream is self.stream and b._seq == self._seq0:  # still the capture's mark, not a newer use
-                b._stream, b._seq = stream, seq
-        self._marks = {}
         self._state = "failed" if failed else "captured"
 
     # ---- names
