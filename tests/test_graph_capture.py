@@ -1156,3 +1156,29 @@ def test_a_captured_launch_leaves_the_marks_of_its_real_blocks_as_they_were(
     g.destroy()
     for a in (src, x, im, k):
         a.free()
+
+
+def test_a_replay_waits_for_an_eager_read_of_an_arena_output_on_another_stream(
+    dev: tp.Device, stream: tp.Stream, gate: Callable[[tp.Stream], threading.Event]
+) -> None:
+    """y = replay on a; z = contiguous(y) on a; replay on b. The replay on b waited only for a's replay, not for
+    the read after it: it overwrote y's arena bytes before the read ran (z held the second replay's result)."""
+    a, b = stream, dev.stream()
+    x1 = dev.tensor(np.arange(64, dtype=np.float32), stream=a)
+    x2 = dev.tensor(np.full(64, 100.0, np.float32), stream=a)
+    a.synchronize()
+    with tp.capture(a) as g:
+        g.input("x", x1)
+        g.output("y", tp.neg(x1, stream=a))
+    g.instantiate()
+    y = g.replay(a, x=x1)["y"]
+    opened = gate(a)  # the read of y waits behind it
+    z = tp.contiguous(y, stream=a)
+    threading.Timer(0.1, opened.set).start()
+    g.replay(b, x=x2)
+    b.synchronize()
+    np.testing.assert_array_equal(z.numpy(), -np.arange(64, dtype=np.float32))
+    np.testing.assert_array_equal(y.numpy(), np.full(64, -100.0, np.float32))
+    g.destroy()
+    for t in (x1, x2, z):
+        t.free()

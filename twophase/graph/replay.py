@@ -168,6 +168,7 @@ class Graph:
         self._nodes = []
         self._vsizes = []
         self._vrefs = []
+        self._escaped: tuple[weakref.ref[VirtualBlock], ...] = ()
         self._vfreed = []
         self._bindings = {}
         self._steps = None
@@ -460,6 +461,9 @@ class Graph:
             if b.kind == "output":
                 self._outputs[b.name] = b.current
         self._refresh_marks()
+        # the tensors on the arena the caller can still reach: an eager op on another stream reading one must be
+        # done before a replay overwrites it (or destroy frees it)
+        self._escaped = tuple(r for r in self._vrefs if (vb := r()) is not None and not vb.virtual)
         self._owner = threading.get_ident()
         self._last_stream, self._last_seq = self.stream, self.stream._q.submitted  # the arena's stream order
         self._state = "instantiated"
@@ -512,6 +516,8 @@ class Graph:
             check(self, stream)
         if switch:  # only once nothing can refuse the replay: a refused one leaves the graph as it was
             self._order_after_last(stream)
+        if self._escaped:
+            self._after_outside_uses(stream)
         seq = stream._enqueue(_run_graph, (steps, self, stream._q, self._execs), self)
         for b in self._mark_blocks:
             b.mark_use(stream, seq)  # host reads wait for the replay (and the sanitizer sees the use)
@@ -668,13 +674,12 @@ class Graph:
         self._outputs = {}
 
     def _after_outside_uses(self, stream: Stream) -> None:
-        """Order ``stream`` (where the arena is freed) after pending uses of the graph's tensors on other streams
-        (an eager op reading an output): they mark the tensor's virtual block, which the arena's free cannot see."""
-        for ref in self._vrefs:
+        """Order ``stream`` (where the next replay runs, or the arena is freed) after pending uses of the graph's
+        tensors on other streams (an eager op reading an output): they mark the tensor's virtual block, which
+        neither the replay order nor the arena's free can see."""
+        for ref in self._escaped:
             vb = ref()
-            if vb is None or vb.virtual:
-                continue
-            if vb._stream is not None and vb._stream is not stream and not vb._stream.closed:
+            if vb is not None and vb._stream is not None and vb._stream is not stream and not vb._stream.closed:
                 _order_after(stream, vb._stream, vb._seq)
 
     def __enter__(self) -> Graph:
