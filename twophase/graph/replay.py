@@ -137,6 +137,7 @@ class Graph:
     _nodes: list[_Node]
     _vsizes: list[int]
     _vrefs: list[weakref.ref[VirtualBlock]]
+    _escaped: tuple[weakref.ref[VirtualBlock], ...]  # the tensors on the arena the caller can still reach
     _vfreed: list[bool]
     _bindings: dict[str, _Binding]
     _steps: list[tuple[Any, Any, int, tuple[Tensor | None, ...]]] | None
@@ -168,7 +169,7 @@ class Graph:
         self._nodes = []
         self._vsizes = []
         self._vrefs = []
-        self._escaped: tuple[weakref.ref[VirtualBlock], ...] = ()
+        self._escaped = ()
         self._vfreed = []
         self._bindings = {}
         self._steps = None
