@@ -952,3 +952,36 @@ def test_an_executor_launched_in_a_capture_may_be_destroyed_there(san, s):
     np.testing.assert_array_equal(g.replay(s)["y"].numpy(), np.arange(8))
     g.destroy()
     x.free(s)
+
+
+def test_numpy_of_a_fresh_tensor_on_a_busy_stream_waits_for_the_sanitizers_fill(s):
+    """The fill of a new block is ordered on a busy stream: it set no mark on the block, so numpy() (which waits for
+    the mark) did not wait and raised ReadBeforeReadyError about the sanitizer's own fill."""
+    opened = threading.Event()
+    s.launch_callback(lambda: opened.wait(30))
+    t = tp.device("cpu").empty((16,), stream=s)
+    threading.Timer(0.1, opened.set).start()
+    assert np.isnan(t.numpy()).all()  # waited for the fill (the poison)
+    t.free()
+
+
+def test_a_long_lived_tensor_does_not_keep_the_uses_of_completed_streams(san):
+    """A weight used on many streams, each closed after: the block kept every stream's queue (and scanned them all
+    at each check); completed uses are dropped."""
+    dev = tp.device("cpu")
+    w = dev.tensor(np.ones(64, np.float32))
+    dev.synchronize()
+    for _ in range(40):
+        st = dev.stream()
+        tp.relu(w, stream=st).free(st)
+        st.close()
+    assert len(w.block.uses) <= 8
+    w.free()
+
+
+def test_an_error_names_the_op_of_the_use_it_reports_not_a_piece_of_its_label(s):
+    from twophase.sanitizer.tracking import _op_of
+
+    assert _op_of("op 'softmax' (executor #3, implementation 'rows')") == "softmax"
+    assert _op_of("the sanitizer's fresh-memory fill") is None
+    assert _op_of("a replay of graph 'g'") is None

@@ -43,7 +43,7 @@ class GuardedBlock(Block):
     ``writes`` to ``(seq, label)`` of the latest one that writes it (a later read must not hide a pending write).
     """
 
-    __slots__ = ("outer", "raw", "uses", "writes", "created", "generation", "fill")
+    __slots__ = ("outer", "raw", "uses", "writes", "created", "generation", "fill", "fill_seq")
 
     def __init__(self, outer: Block, nbytes: int) -> None:
         super().__init__(outer.pool, outer.segment, outer.offset + GUARD, nbytes)
@@ -54,10 +54,20 @@ class GuardedBlock(Block):
         self.created = where()
         self.generation = 0
         self.fill: Stream | None = None  # the stream the fresh-memory fill was ordered on, if any
+        self.fill_seq = 0  # its task there (the poison of a new tensor's block comes after the fill)
         self.allocated = True
         self.requested = nbytes
         if outer.data is not None:
             self.data = outer.data[GUARD : GUARD + nbytes]
+
+
+    def wait(self) -> None:
+        """A host read waits for the sanitizer's fill and poison too (they are not the block's marked use: the
+        pool's ordering stays what it is without the sanitizer)."""
+        super().wait()
+        fill = self.fill
+        if fill is not None and fill._q.done < self.fill_seq:
+            fill._q.wait_for(self.fill_seq, raise_errors=False)
 
 
 def _fill_raw(arg: tuple[Any, int]) -> None:
@@ -74,6 +84,7 @@ def _ordered(blk: GuardedBlock, stream: Stream | None, fn: Any, arg: Any) -> Non
         blk.fill = stream
         blk.uses[stream._q] = (seq, FILL_LABEL, True)
         blk.writes[stream._q] = (seq, FILL_LABEL)
+        blk.fill_seq = seq
     else:
         fn(arg)
 

@@ -8,6 +8,7 @@ is on; ``uninstall`` puts the plain functions back.
 from __future__ import annotations
 
 import collections
+import re
 import sys
 import threading
 import weakref
@@ -316,9 +317,18 @@ def _seq_of(q: Any, owner: Any, lo: int) -> int:
 
 def _use(blk: GuardedBlock, stream: Stream, seq: int, label: str, writes: bool) -> None:
     q = stream._q
-    blk.uses[q] = (seq, label, writes)
+    uses = blk.uses
+    if len(uses) >= PRUNE_USES:  # a long-lived tensor (a weight) used on many streams: completed uses go, or
+        for u, (s, _, _) in list(uses.items()):  # they kept every stream's queue alive and every check scanned them
+            if u.done >= s:
+                del uses[u]
+                blk.writes.pop(u, None)
+    uses[q] = (seq, label, writes)
     if writes:
         blk.writes[q] = (seq, label)
+
+
+PRUNE_USES = 8  # recorded uses of a block past which the completed ones are dropped
 
 
 def _after_task(stream_name: str, owner: Any, t0: float, t1: float, seq: int) -> None:
@@ -451,9 +461,15 @@ def check_free(blk: GuardedBlock, stream: Stream | None) -> None:
             f"'{q.name}' ({q.done} done), {label}, still uses it; record an event on '{q.name}' and make the "
             f"freeing stream wait for it (or synchronize) before freeing; the block was allocated at\n"
             f"{stack_text(blk.created)}",
-            op=label.split("'")[1] if "'" in label else None,
+            op=_op_of(label),
             arg="block",
         )
+
+
+def _op_of(label: str) -> str | None:
+    """The op a use's label names (``op 'softmax' (executor #3, ...)``), None for other uses (a fill, a copy)."""
+    m = re.search(r"\bop '([^']+)'", label)
+    return m.group(1) if m else None
 
 
 def _view(self: Tensor) -> Any:
@@ -471,7 +487,7 @@ def _view(self: Tensor) -> Any:
                 raise ReadBeforeReadyError(
                     f"host access to {self.desc!r} while task {seq} on stream '{q.name}' ({q.done} done), {label}, "
                     "still writes it; synchronize the stream (or use numpy(), which waits) first",
-                    op=label.split("'")[1] if "'" in label else None,
+                    op=_op_of(label),
                     arg="tensor",
                 )
     return _plain["view"](self)
