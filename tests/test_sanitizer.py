@@ -985,3 +985,35 @@ def test_an_error_names_the_op_of_the_use_it_reports_not_a_piece_of_its_label(s)
     assert _op_of("op 'softmax' (executor #3, implementation 'rows')") == "softmax"
     assert _op_of("the sanitizer's fresh-memory fill") is None
     assert _op_of("a replay of graph 'g'") is None
+
+
+def test_a_callback_reading_a_tensor_another_stream_still_writes_is_reported(san):
+    """Host code in a stream callback runs on that stream's worker: every twophase worker thread was exempt, so a
+    read racing another stream's pending write went unseen. A callback ordered after the write reads cleanly."""
+    dev = tp.device("cpu")
+    a, b = dev.stream(), dev.stream()
+    x = dev.tensor(np.ones(64, np.float32), stream=a)
+    a.synchronize()
+    y = dev.empty((64,), stream=a)
+    opened = threading.Event()
+    a.launch_callback(lambda: opened.wait(30))
+    tp.relu(x, out=y, stream=a)  # pending write of y on a
+    got: list[Any] = []
+
+    def read() -> None:
+        try:
+            got.append(float(y.view()[0]))
+        except sanitizer.ReadBeforeReadyError as e:
+            got.append(e)
+
+    b.launch_callback(read)  # b never waited for a
+    b.synchronize()
+    assert isinstance(got[0], sanitizer.ReadBeforeReadyError) and got[0].op == "relu"
+    opened.set()
+    b.wait_event(a.record_event())
+    b.launch_callback(read)
+    b.synchronize()
+    assert got[1] == 1.0
+    a.synchronize()
+    x.free()
+    y.free()

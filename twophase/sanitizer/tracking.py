@@ -476,14 +476,10 @@ def _view(self: Tensor) -> Any:
     blk = self.block
     if type(blk) is VirtualBlock and blk.arena is not None:  # a graph's tensor: its arena's replays write it
         blk = blk.arena
-    if (
-        type(blk) is GuardedBlock
-        and blk.uses
-        and not threading.current_thread().name.startswith("twophase-")
-        and not _internal(sys._getframe(1))
-    ):
+    if type(blk) is GuardedBlock and blk.uses and not _internal(sys._getframe(1)):
+        running = running_queue()  # a task (a callback) reading: its own queue's later tasks write after it
         for q, (seq, label) in list(blk.writes.items()):
-            if q.done < seq:
+            if q.done < seq and q is not running:
                 raise ReadBeforeReadyError(
                     f"host access to {self.desc!r} while task {seq} on stream '{q.name}' ({q.done} done), {label}, "
                     "still writes it; synchronize the stream (or use numpy(), which waits) first",
