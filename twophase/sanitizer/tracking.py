@@ -268,6 +268,8 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
         if type(blk) is GuardedBlock:
             uses.append((blk, i >= n_in))
             blocks.append((blk, role))
+        elif type(blk) is VirtualBlock and type(blk.arena) is GuardedBlock:  # a graph's tensor: its arena's use
+            uses.append((blk.arena, i >= n_in))  # (host reads of it check the arena's, as ``_view`` maps it)
     if type(ws) is GuardedBlock:
         if not ws.allocated:
             raise UseAfterFreeError(
