@@ -60,7 +60,6 @@ class GuardedBlock(Block):
         if outer.data is not None:
             self.data = outer.data[GUARD : GUARD + nbytes]
 
-
     def wait(self) -> None:
         """A host read waits for the sanitizer's fill and poison too (they are not the block's marked use: the
         pool's ordering stays what it is without the sanitizer)."""
@@ -122,8 +121,12 @@ def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> 
     except BaseException:
         blk.uses, blk.writes = uses, writes  # the block stays allocated: its fill is still a use
         raise
+    damage: GuardError | None = None
     if not any(q.done < seq for q, (seq, _, _) in uses.items()):  # the fill's too: canaries not written yet
-        verify(blk, "freed block", None)
+        try:
+            verify(blk, "freed block", None)
+        except GuardError as e:  # reported once the block is freed: raised before, it leaked the block
+            damage = e
     _hand_mark(blk, outer, fill)
     blk.allocated = False
     blk.freed = True
@@ -132,6 +135,8 @@ def guarded_free(pool: MemoryPool, blk: Block, stream: Stream | None = None) -> 
     _plain_free(pool, outer, stream)
     if not _state["free"] and not _live:
         MemoryPool.free = _plain_free  # type: ignore[method-assign]
+    if damage is not None:
+        raise damage
 
 
 def _order_fill(blk: GuardedBlock, stream: Stream | None) -> tuple[Stream, int] | None:
