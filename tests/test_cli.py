@@ -42,11 +42,14 @@ def test_python_dash_m_twophase_runs_the_command_line() -> None:
 
 
 @needs_model
-@pytest.mark.parametrize("trace", ["dir", "missing/t.json"])
+@pytest.mark.parametrize("trace", ["dir", "missing/t.json", "/dev/full"])
 def test_embed_refuses_a_trace_path_it_cannot_write_before_running(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], trace: str
 ) -> None:
-    path = tmp_path if trace == "dir" else tmp_path / trace
+    """/dev/full opens but takes no byte: refused only after the run before (the path was only opened)."""
+    if trace == "/dev/full" and not Path(trace).exists():
+        pytest.skip("no /dev/full here")
+    path = tmp_path if trace == "dir" else Path(trace) if trace.startswith("/") else tmp_path / trace
     assert main(["embed", "hello", "--trace", str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.err.startswith("twophase embed: ") and "cosine" not in captured.out  # nothing was run
@@ -60,3 +63,21 @@ def test_embed_refuses_an_empty_trace_name_and_text_that_is_not_unicode(capsys: 
     assert main(["embed", "caf\udce9", "ok"]) == 2  # Latin-1 bytes in argv reach Python as a lone surrogate
     err = capsys.readouterr().err
     assert "sentences[0]" in err and "Unicode" in err
+
+
+@needs_model
+def test_embed_escapes_text_the_console_cannot_encode() -> None:
+    """An ASCII console and a CJK sentence: a UnicodeEncodeError traceback after the run, now escaped text."""
+    import os
+
+    env = {**os.environ, "PYTHONIOENCODING": "ascii"}
+    r = subprocess.run(
+        [sys.executable, "-m", "twophase", "embed", "\u4e2d\u6587", "hello"],
+        capture_output=True,
+        text=True,
+        encoding="utf-8",
+        env=env,
+        timeout=300,
+    )
+    assert r.returncode == 0 and "Traceback" not in r.stderr
+    assert "\\u4e2d" in r.stdout and "cosine" in r.stdout

@@ -297,3 +297,18 @@ def test_run_matrix_fails_an_op_that_writes_between_the_elements_of_a_strided_ou
         ok = run_matrix("harness_matrix_neg", long_n=257)
         labels = [c.label for _, c in tp.testing.shape_matrix("harness_matrix_neg", long_n=257) or []]
     assert ok.failed == 0 and ok.passed == ok.cases and "step out (4, 9)" in labels  # a right op passes it
+
+
+@pytest.mark.parametrize("size", [0, 64])
+def test_a_guarded_workspace_starts_after_its_leading_guard_even_when_empty(size: int) -> None:
+    """An empty slice starts where its base does: a zero-byte workspace pointed at the block's start, before the
+    leading guard zone, so a kernel writing just before its workspace went unseen."""
+    from twophase.testing.checked import GUARD, guarded_workspace
+
+    dev = tp.device("cpu")
+    s = dev.stream()
+    outer, inner = guarded_workspace(dev, size, s)
+    try:
+        assert inner.data.ctypes.data == outer.data.ctypes.data + GUARD and inner.data.size == size
+    finally:
+        outer.free()

@@ -667,3 +667,31 @@ def test_malformed_batch_arrays_are_refused_before_anything_runs(model: Any) -> 
                 with pytest.raises(tp.ParamError, match=f"MiniLM: argument '{arg}"):
                     model.run(minilm.Batch(*case), mode)
     assert _held(dev) == before
+
+
+@needs_model
+@needs_ops
+def test_a_huge_pad_is_refused_before_anything_is_allocated(model: Any) -> None:
+    """pad_to=10**12 allocated the (rows, n) arrays before the 512-position check: numpy's MemoryError."""
+    for kw, arg in (
+        ({"pad_to": 10**12}, "pad_to"),
+        ({"multiple_of": 10**12}, "multiple_of"),
+        ({"pad_to": 10**20}, "pad_to"),
+    ):
+        with pytest.raises(tp.ParamError, match=f"argument '{arg}'.*at most 512"):
+            model.tokenize(SENTENCES[:2], **kw)
+
+
+@needs_model
+@needs_ops
+@pytest.mark.parametrize("dtype", [np.int32, np.int16, np.uint8])
+def test_ids_of_any_integer_type_int64_holds_give_the_same_embeddings_in_every_mode(model: Any, dtype: Any) -> None:
+    """int32 ids ran one-shot but failed planned or as a graph once an int64 batch of that shape was cached
+    (executors and graphs are cached by shape): they are copied in as int64."""
+    b = model.tokenize(SENTENCES[:2], pad_to=16)
+    ids = b.ids if dtype is np.uint8 else b.ids.astype(dtype)  # token ids past 255 do not fit uint8
+    small = minilm.Batch(ids, b.type_ids.astype(dtype), b.mask.astype(dtype))
+    for mode in ("oneshot", "planned", "graph"):
+        np.testing.assert_array_equal(model.run(small, mode), model.run(b, mode))
+    with pytest.raises(tp.ParamError, match="batch.ids"):
+        model.run(minilm.Batch(b.ids.astype(np.uint64), b.type_ids, b.mask), "oneshot")

@@ -89,6 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     emb.add_argument("--trace", metavar="FILE", help="write a Chrome trace of the run to FILE")
     emb.add_argument("--stats", action="store_true", help="print the per-op counters table")
     args = parser.parse_args(argv)
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:  # a sentence the console cannot encode is escaped, not a traceback after the run
+        reconfigure(errors="backslashreplace")
     if args.command == "check":
         return check_cli.run(args)
     if args.command == "ops":

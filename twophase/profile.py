@@ -306,6 +306,9 @@ def check_trace_path(path: object) -> None:
     if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
         raise ParamError(op="profile", arg="path", expected="None or a file name (str or os.PathLike)", got=path)
     try:
+        with open(path, "w") as f:  # a byte written and flushed: a file that opens but cannot be written (a full
+            f.write("{")  # disk, /dev/full) fails now, not when the trace is saved after the run
+            f.flush()
         with open(path, "w"):
             pass
     except OSError as e:

@@ -213,9 +213,15 @@ class Tokenizer:
         self.pad_id = self.tok.token_to_id("[PAD]") or 0
 
     def encode(
-        self, sentences: Sequence[str], max_length: int = MAX_SEQ, pad_to: int | None = None, multiple_of: int = 1
+        self,
+        sentences: Sequence[str],
+        max_length: int = MAX_SEQ,
+        pad_to: int | None = None,
+        multiple_of: int = 1,
+        limit: int | None = None,
     ) -> Batch:
-        """Truncate to ``max_length`` tokens, pad to the longest (or ``pad_to``) rounded up to ``multiple_of``."""
+        """Truncate to ``max_length`` tokens, pad to the longest (or ``pad_to``) rounded up to ``multiple_of``;
+        rows longer than ``limit`` tokens are refused before anything is allocated."""
         multiple_of = _at_least(multiple_of, "multiple_of", 1)
         pad_to = None if pad_to is None else _at_least(pad_to, "pad_to", 0)
         sentences = _sentence_list(sentences)
@@ -234,6 +240,13 @@ class Tokenizer:
         longest = max((len(r) for r in rows), default=0)
         n = max(longest, pad_to or 0)
         n = -(-n // multiple_of) * multiple_of
+        if limit is not None and n > limit:  # checked before the arrays: pad_to=10**12 allocated terabytes first
+            raise tp.ParamError(
+                op="MiniLM",
+                arg="pad_to" if pad_to is not None and pad_to >= longest else "multiple_of",
+                expected=f"rows of at most {limit} tokens (the model's positions)",
+                got=f"rows padded to {n}",
+            )
         ids = np.full((len(rows), n), self.pad_id, np.int64)
         mask = np.zeros((len(rows), n), np.int64)
         for i, r in enumerate(rows):
@@ -646,15 +659,7 @@ class MiniLM:
     def tokenize(self, sentences: Sequence[str], pad_to: int | None = None, multiple_of: int = 1) -> Batch:
         """Token ids, type ids and mask of ``sentences``, padded as :meth:`Tokenizer.encode` says; at most the
         model's ``max_position`` tokens a row."""
-        batch = self.tokenizer.encode(sentences, pad_to=pad_to, multiple_of=multiple_of)
-        if batch.shape[1] > self.config.max_position:
-            raise tp.ParamError(
-                op="MiniLM",
-                arg="pad_to" if pad_to is not None else "multiple_of",
-                expected=f"rows of at most {self.config.max_position} tokens (the model's positions)",
-                got=f"rows padded to {batch.shape[1]}",
-            )
-        return batch
+        return self.tokenizer.encode(sentences, pad_to=pad_to, multiple_of=multiple_of, limit=self.config.max_position)
 
     def _check_batch(self, batch: object, shape: tuple[int, int] | None = None, what: str = "") -> Batch:
         """``batch`` if it is a Batch (of ``shape``, when given: what ``what`` was made for), else ParamError."""
@@ -679,11 +684,18 @@ class MiniLM:
         shape = getattr(batch.ids, "shape", None)
         for name in ("ids", "type_ids", "mask"):
             a = getattr(batch, name)
-            if not isinstance(a, np.ndarray) or a.ndim != 2 or a.dtype.kind not in "iu" or a.shape != shape:
+            if (
+                not isinstance(a, np.ndarray)
+                or a.ndim != 2
+                or a.dtype.kind not in "iu"
+                or not np.can_cast(a.dtype, np.int64)  # copied in as int64: what the cached plans are made for
+                or a.shape != shape
+            ):
                 raise tp.ParamError(
                     op="MiniLM",
                     arg=f"batch.{name}",
-                    expected="a (batch, seq) integer numpy array" + (f" of shape {shape}" if name != "ids" else ""),
+                    expected="a (batch, seq) numpy array of an integer type int64 holds"
+                    + (f", of shape {shape}" if name != "ids" else ""),
                     got=f"{type(a).__name__} {getattr(a, 'dtype', '')}{getattr(a, 'shape', '')}",
                 )
         b, n = batch.shape
@@ -700,7 +712,9 @@ class MiniLM:
     def _upload_batch(self, batch: Batch) -> tuple[Tensor, Tensor, Tensor]:
         self._check_batch(batch)
         dev, s = self.dev, self.stream
-        return dev.tensor(batch.ids, stream=s), dev.tensor(batch.type_ids, stream=s), dev.tensor(batch.mask, stream=s)
+        # as int64 whatever integer type they came in: the executors and graphs are cached by shape alone
+        ids, types, mask = (np.asarray(a, np.int64) for a in (batch.ids, batch.type_ids, batch.mask))
+        return dev.tensor(ids, stream=s), dev.tensor(types, stream=s), dev.tensor(mask, stream=s)
 
     def run_oneshot(self, batch: Batch) -> Tensor:
         """The forward with the one-shot API (phase 1 via the executor cache on every op call)."""
