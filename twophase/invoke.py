@@ -89,8 +89,8 @@ class PlannedCall:
         elif inputs:
             if len(inputs) > len(ex.input_descs):
                 ex.rebind(inputs)  # raises: the index of the first extra one
-            bound = ex._tensors
-            for i, t in enumerate(inputs):
+            bound = ex._tensors  # the same tensors again (the usual call) rebind nothing: checked here, without
+            for i, t in enumerate(inputs):  # rebind's calls (1.38 against 0.99 us a call(x, x) of a 64x64 add)
                 if t is not bound[i] and t is not None:
                     ex.rebind(inputs)
                     break

@@ -35,8 +35,22 @@ _SLOTS = 66  # buckets 0, 1, 2, 4, ..., 2**64; a larger one grows the list (_cou
 _grow_lock = threading.Lock()
 
 
+def _slot(n: int) -> int:
+    """The histogram slot of ``n``: that of its bucket (``bucket(n)``)."""
+    return (n - 1).bit_length() + 1 if n > 0 else 0
+
+
 def _slot_bucket(i: int) -> int:
     return 0 if i == 0 else 1 << (i - 1)
+
+
+def _count_in(hist: list[int], n: int) -> None:
+    """One more ``n`` in histogram ``hist``."""
+    i = _slot(n)
+    try:
+        hist[i] += 1
+    except IndexError:
+        _count_slow(hist, i)
 
 
 def _count_slow(hist: list[int], i: int) -> None:
@@ -101,11 +115,7 @@ class OpCounters:
         self.created += 1
         self.live.add(ex)
         n = ex.workspace_size
-        i = (n - 1).bit_length() + 1 if n > 0 else 0
-        try:
-            self.workspace[i] += 1
-        except IndexError:
-            _count_slow(self.workspace, i)
+        _count_in(self.workspace, n)
         if n > self.max_workspace:
             self.max_workspace = n
 
@@ -113,11 +123,7 @@ class OpCounters:
         n = ex.phase2_calls
         self.destroyed += 1
         self.retired_launches += n
-        i = (n - 1).bit_length() + 1 if n > 0 else 0
-        try:
-            self.reuse[i] += 1
-        except IndexError:
-            _count_slow(self.reuse, i)
+        _count_in(self.reuse, n)
         self.live.discard(ex)
 
     def as_dict(self) -> dict[str, Any]:
@@ -126,7 +132,7 @@ class OpCounters:
         workspace = list(self.workspace)
         for ex in live:
             n = ex.launches
-            i = (n - 1).bit_length() + 1 if n > 0 else 0
+            i = _slot(n)
             if i >= len(reuse):
                 reuse.extend([0] * (i + 1 - len(reuse)))
             reuse[i] += 1

@@ -489,7 +489,7 @@ def _mark(ev: Event) -> None:
 
 def _mark_time(ev: Event) -> None:
     ev.time = time.perf_counter()
-    ev.failure = ev.stream._work_q.error
+    _mark(ev)
 
 
 def _wait_other(ev: Event) -> None:
