@@ -454,6 +454,7 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0, cases: tuple[tuple[int, int,
                 f"{b}x{n}: host cost per forward on the null device (no kernels): "
                 + ", ".join(f"{k} {v * 1e3:.3f} ms" for k, v in hc.items())
             )
+            lin: dict[str, float] = {}
             if ort is not None and importlib.util.find_spec("onnx") and "twophase graph replay" in fns:
                 lin = linear_share(model, b, n, rounds, ort_threads)
                 ours_l, ort_l = lin["twophase"], lin["ONNX Runtime"]
@@ -477,10 +478,16 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0, cases: tuple[tuple[int, int,
                 floor = (lin_f + att_f) / rate * 1e3
                 notes.append(
                     f"{b}x{n}: GEMM work per forward {(lin_f + att_f) / 1e9:.2f} GFLOP (linears "
-                    f"{lin_f / 1e9:.2f}, attention products {att_f / 1e9:.2f}); at this process's best "
+                    f"{lin_f / 1e9:.2f}, attention products {att_f / 1e9:.2f}); at numpy's best "
                     f"float32 GEMM rate ({rate / 1e9:.0f} GFLOP/s: numpy.matmul 1024^3, best of 5) they "
                     f"alone take {floor:.1f} ms = {floor / fwd['torch eager']:.2f}x torch eager's median "
-                    "forward (a floor for any forward on this BLAS; the torch target is 0.7x)"
+                    "forward (a floor for a forward whose GEMMs run on numpy's BLAS; the torch target is 0.7x)"
+                    + (
+                        f"; twophase's own linears ran at {lin_f / lin['twophase'] / 1e6:.0f} GFLOP/s "
+                        f"({lin_f / lin['twophase'] * 1e3 / rate:.2f}x that rate)"
+                        if "twophase" in lin
+                        else ""
+                    )
                 )
             if "twophase graph replay" in fns:
                 g = model.graph(batch).graph
