@@ -721,3 +721,36 @@ def test_a_task_listener_removed_while_the_listeners_run_skips_no_other(stream):
     finally:
         hooks.remove_task_listener(always)
     assert seen == ["once", "always"]
+
+
+def test_wait_event_takes_on_the_failure_before_the_event_even_when_the_stream_failed_again_after_it() -> None:
+    dev = twophase.device("cpu")
+    a, b = dev.stream(), dev.stream()
+    a.launch_callback(lambda: 1 / 0)  # fails before the event
+    ev = a.record_event()
+    with pytest.raises(twophase.KernelError):
+        a.synchronize()  # raises and clears a's own failure; the event keeps it
+    a.launch_callback(lambda: [][1])  # a fails again, after the event
+    a._q.drain()
+    ran: list[int] = []
+    b.wait_event(ev)
+    b.launch_callback(lambda: ran.append(1))
+    with pytest.raises(twophase.KernelError, match="ZeroDivisionError|division"):
+        b.synchronize()
+    assert ran == []  # the work after the wait read memory the failed task never wrote: dropped
+    with pytest.raises(twophase.KernelError):
+        a.synchronize()
+    a.close()
+    b.close()
+
+
+def test_close_raises_a_pending_failure_and_closes_the_stream_all_the_same() -> None:
+    s = twophase.device("cpu").stream()
+    s.launch_callback(lambda: 1 / 0)
+    with pytest.raises(twophase.KernelError):
+        s.close()
+    assert s.closed
+    s._q.thread.join(5)  # the worker stops on its own once told to
+    assert not s._q.thread.is_alive()
+    with pytest.raises(twophase.InvalidStateError, match="closed"):
+        s.launch_callback(lambda: None)

@@ -471,10 +471,13 @@ class Stream:
         self._enqueue(_call, fn, f"callback {getattr(fn, '__qualname__', fn)!s}")
 
     def close(self) -> None:
-        """Finish pending work and stop the worker thread; later launches raise ``InvalidStateError``."""
-        self.synchronize()
-        self._finalizer()
-        self._enqueue = self._q.enqueue
+        """Finish pending work and stop the worker thread; later launches raise ``InvalidStateError``. A pending
+        failure is raised, and the stream is closed all the same."""
+        try:
+            self.synchronize()
+        finally:
+            self._finalizer()
+            self._enqueue = self._q.enqueue
 
     @property
     def closed(self) -> bool:
@@ -498,7 +501,7 @@ def _wait_other(ev: Event) -> None:
     memory nobody wrote, and its stream synced clean. The other stream keeps its own error for its own sync."""
     q = ev.stream._q
     q.wait_for(ev.seq, raise_errors=False)
-    err = q.error or ev.failure
+    err = q.error if q.error is not None and q.error[2] <= ev.seq else ev.failure  # a later failure hides none
     if err is not None and err[2] <= ev.seq:
         exc, owner, _ = err
         where = f"{describe_owner(owner)} failed on stream '{q.name}', which this stream waited for (wait_event)"
