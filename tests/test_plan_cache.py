@@ -340,3 +340,26 @@ def test_an_unhashable_attribute_with_a_workspace_limit_is_cached(dev, stream, r
     assert (pc.hits, pc.misses) == (1, 1)
     pc.clear()
     x.free(stream)
+
+
+def test_a_lease_closed_by_its_holder_is_never_served_again_and_a_destroyed_executor_is_never_rebound() -> None:
+    dev = twophase.device("cpu")
+    pc = PlanCache()
+    x1, y1 = dev.tensor(np.ones(4, np.float32)), dev.empty((4,))
+    x2, y2 = dev.tensor(np.full(4, 2, np.float32)), dev.empty((4,))
+    with pc.acquire("exp", x1, out=y1) as call:  # PlannedCall's own __exit__ closes it
+        call()
+    assert call.executor.state is ExecState.DESTROYED
+    pc.release(call)
+    assert len(pc) == 0  # dropped at release
+    c2 = pc.acquire("exp", x2, out=y2)
+    assert c2 is not call and c2.executor.state is ExecState.READY
+    c2()
+    np.testing.assert_allclose(y2.numpy(), np.exp(2.0), rtol=1e-6)
+    with pytest.raises(twophase.InvalidStateError, match="destroyed"):
+        call.executor._rebind([(0, x2)], [y2])  # the hit path's rebind checks the state
+    assert call.executor._gate is None
+    pc.release(c2)
+    pc.clear()
+    for t in (x1, y1, x2, y2):
+        t.free()

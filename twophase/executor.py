@@ -304,6 +304,8 @@ class Executor:
     def _bind_many(self, tensors: dict[int, Tensor]) -> None:
         """Bind operands and build the launch once all are bound; a refused binding (another device, a launch
         the op refuses) leaves the previous binding and launch as they were."""
+        if self._state is not ExecState.READY:  # a destroyed executor is never re-armed
+            self._check_ready("rebind")
         dev = self.device
         for i, t in tensors.items():
             if dev is not None and t.device is not dev:

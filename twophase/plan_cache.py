@@ -78,7 +78,15 @@ class PlanCache:
         entry = None
         if meta is not None:  # leases are exclusive: take an idle entry of this metadata, if any
             # not one whose own output is among these inputs: bound as its input too, the op ran on it in place
-            entry = next((e for e in self._by_meta.get(key, ()) if e.leases == 0 and not e.call.owns(bound)), None)
+            # nor a closed one (a holder closed its lease, e.g. ``with pc.acquire(...) as call``): dropped at release
+            entry = next(
+                (
+                    e
+                    for e in self._by_meta.get(key, ())
+                    if e.leases == 0 and e.call.workspace is not None and not e.call.owns(bound)
+                ),
+                None,
+            )
         if entry is not None:
             self.hits += 1
             self._entries.move_to_end(id(entry.call))
@@ -113,6 +121,8 @@ class PlanCache:
         if entry.leases <= 0:
             raise InvalidStateError("release without a lease", op="PlanCache.release", arg="call")
         entry.leases = 0
+        if call.workspace is None:  # closed by its holder: it never serves again
+            self._drop(id(call), entry)
         self._evict()
 
     @contextlib.contextmanager
