@@ -351,7 +351,7 @@ def test_a_lease_closed_by_its_holder_is_never_served_again_and_a_destroyed_exec
         call()
     assert call.executor.state is ExecState.DESTROYED
     pc.release(call)
-    assert len(pc) == 0  # dropped at release
+    assert len(pc) == 0 and pc.evictions == 0  # dropped at release, not evicted
     c2 = pc.acquire("exp", x2, out=y2)
     assert c2 is not call and c2.executor.state is ExecState.READY
     c2()

@@ -122,7 +122,7 @@ class PlanCache:
             raise InvalidStateError("release without a lease", op="PlanCache.release", arg="call")
         entry.leases = 0
         if call.workspace is None:  # closed by its holder: it never serves again
-            self._drop(id(call), entry)
+            self._drop(id(call), entry, evicted=False)
         self._evict()
 
     @contextlib.contextmanager
@@ -149,14 +149,14 @@ class PlanCache:
             if self._evictable(entry):
                 self._drop(token, entry)
 
-    def _drop(self, token: int, entry: _Entry) -> None:
+    def _drop(self, token: int, entry: _Entry, evicted: bool = True) -> None:
         del self._entries[token]
         same = self._by_meta[entry.key]
         same.remove(entry)
         if not same:
             del self._by_meta[entry.key]
         self.bytes -= entry.nbytes
-        self.evictions += 1
+        self.evictions += evicted
         entry.call.close(sync=False)  # its stream has no pending work on it: freed at once
 
     def clear(self) -> None:
