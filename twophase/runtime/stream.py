@@ -501,8 +501,10 @@ def _wait_other(ev: Event) -> None:
     memory nobody wrote, and its stream synced clean. The other stream keeps its own error for its own sync."""
     q = ev.stream._q
     q.wait_for(ev.seq, raise_errors=False)
-    err = q.error if q.error is not None and q.error[2] <= ev.seq else ev.failure  # a later failure hides none
-    if err is not None and err[2] <= ev.seq:
+    err = q.error
+    if err is None or err[2] > ev.seq:  # a failure after the event hides none before it (ev.failure's seq <= ev.seq)
+        err = ev.failure
+    if err is not None:
         exc, owner, _ = err
         where = f"{describe_owner(owner)} failed on stream '{q.name}', which this stream waited for (wait_event)"
         raise task_failure(exc, owner, where) from exc
