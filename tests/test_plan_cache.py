@@ -363,3 +363,84 @@ def test_a_lease_closed_by_its_holder_is_never_served_again_and_a_destroyed_exec
     pc.clear()
     for t in (x1, y1, x2, y2):
         t.free()
+
+
+def test_a_hit_binds_the_entrys_own_output_back_not_a_previous_holders(dev, stream, rng):
+    """A holder's ``call(out=y1)`` rebinds the entry's output; the next holder (no ``out``) must get the entry's own
+    output, never y1, which its owner still reads."""
+    a1, a2 = rng.standard_normal(16), rng.standard_normal(16)
+    x1, x2 = dev.tensor(a1, stream=stream), dev.tensor(a2, stream=stream)
+    y1 = dev.empty((16,), "float64", stream=stream)
+    pc = PlanCache()
+    with pc.lease("exp", x1, stream=stream) as c1:
+        own = c1.outputs[0]
+        assert c1(x1, out=y1) is y1
+    with pc.lease("exp", x2, stream=stream) as c2:
+        assert c2 is c1 and c2.outputs[0] is own
+        r = c2()
+        assert r is own
+    np.testing.assert_allclose(y1.numpy(), np.exp(a1), rtol=1e-12)  # untouched by the second holder
+    np.testing.assert_allclose(r.numpy(), np.exp(a2), rtol=1e-12)
+    assert (pc.hits, pc.misses) == (1, 1)
+    pc.clear()
+    for t in (x1, x2, y1):
+        t.free(stream)
+
+
+def test_an_entry_planned_on_the_callers_out_is_not_served_to_a_caller_asking_for_a_new_output(dev, stream):
+    """``out=y1`` (a tensor) and ``out=y1.desc`` (allocate one of this desc) share the metadata key: the entry
+    holding y1 has no output of its own, so the second caller gets a new plan, not y1."""
+    x = dev.tensor(np.ones(4, np.float32), stream=stream)
+    y1 = dev.empty((4,), stream=stream)
+    pc = PlanCache()
+    with pc.lease("exp", x, out=y1, stream=stream) as c1:
+        c1()
+    with pc.lease("exp", x, out=y1.desc, stream=stream) as c2:
+        assert c2 is not c1 and c2() is not y1
+    with pc.lease("exp", x, out=y1, stream=stream) as c3:  # a caller passing a tensor is served either
+        assert c3 in (c1, c2) and c3() is y1
+    assert (pc.hits, pc.misses) == (1, 2)
+    pc.clear()
+    x.free(stream)
+    y1.free(stream)
+
+
+def test_a_holder_freeing_the_output_it_was_given_drops_the_entry_and_nothing_leaks(dev, stream, rng):
+    """Freeing a returned output (as one frees any tensor one gets) made the entry fail every later acquire,
+    counted as hits, and left its executor alive after clear(); closing a PlannedCall whose own output the
+    caller freed raised a double free and leaked the executor."""
+    from twophase.executor import live_repeatable
+
+    a = rng.standard_normal(8)
+    x = dev.tensor(a, stream=stream)
+    pc = PlanCache()
+    with pc.lease("exp", x, stream=stream) as c1:
+        y = c1()
+    stream.synchronize()
+    y.free(stream)
+    for _ in range(2):
+        with pc.lease("exp", x, stream=stream) as c:
+            np.testing.assert_allclose(c().numpy(), np.exp(a), rtol=1e-12)
+    assert c1.executor.state is ExecState.DESTROYED and c is not c1
+    assert (pc.hits, pc.misses, len(pc), pc.evictions) == (1, 2, 1, 0)
+    with pc.lease("exp", x, stream=stream) as c:
+        c().free(stream)  # freed while leased: dropped at release
+    assert len(pc) == 0 and c.executor.state is ExecState.DESTROYED
+    call = twophase.plan("exp", x, stream=stream)
+    call().free(stream)
+    call.close()
+    assert call.executor.state is ExecState.DESTROYED
+    assert not [e for e in live_repeatable() if e.op.name == "exp"]
+    x.free(stream)
+
+
+def test_a_leased_plan_records_where_the_caller_leased_it(dev, stream):
+    """The leak report names where a plan was made: for ``pc.lease`` that was contextlib.py, the frame of the
+    ``contextmanager`` that planned it."""
+    x = dev.tensor(np.ones(4, np.float32), stream=stream)
+    pc = PlanCache()
+    with pc.lease("exp", x, stream=stream) as c:
+        line = c.executor.origin
+    assert line.startswith(f"{__file__}:"), line
+    pc.clear()
+    x.free(stream)

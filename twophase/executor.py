@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import itertools
 import os
@@ -12,7 +13,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from .config import int_value
-from .errors import InvalidStateError, ParamError, refuse_pickle
+from .errors import InvalidStateError, ParamError, PlanMismatchError, refuse_pickle
 from .tensor import Tensor, TensorDesc
 
 if TYPE_CHECKING:
@@ -24,12 +25,14 @@ __all__ = ["Executor", "ExecState"]
 _ids = itertools.count(1)
 _repeatables: weakref.WeakSet[Executor] = weakref.WeakSet()
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_CONTEXTLIB = contextlib.__file__
 
 
 def _caller_outside_package() -> str:
-    """``file:line`` of the nearest frame outside the twophase package (where the user planned it)."""
+    """``file:line`` of the nearest frame outside the twophase package (where the user planned it); ``contextlib``'s
+    frames are skipped too (``PlanCache.lease`` plans from inside a ``contextmanager``)."""
     f = sys._getframe(1)
-    while f is not None and f.f_code.co_filename.startswith(_PACKAGE_DIR):
+    while f is not None and (f.f_code.co_filename.startswith(_PACKAGE_DIR) or f.f_code.co_filename == _CONTEXTLIB):
         f = f.f_back  # type: ignore[assignment]
     return f"{f.f_code.co_filename}:{f.f_lineno}" if f is not None else "<unknown>"
 
@@ -222,9 +225,9 @@ class Executor:
         self._state = state
         self._launch = None
         self._gate = None
+        self.op._on_release(self)  # reads _blocks: the counters wait for launches still queued
         self._tensors = [None] * len(self._tensors)
         self._blocks = ()
-        self.op._on_release(self)
 
     def __enter__(self) -> Executor:
         return self
@@ -251,6 +254,14 @@ class Executor:
         (ping-pong buffers), which ``set_input`` and ``set_output`` refuse one at a time (each step's output
         overlaps the other's still-bound input)."""
         self._check_ready("rebind")
+        for arg, given in (("inputs", inputs), ("outputs", outputs)):
+            if not isinstance(given, Iterable) or isinstance(given, Tensor):
+                raise ParamError(
+                    op=self.op.name,
+                    arg=arg,
+                    expected="a sequence of Tensors (None keeps one)",
+                    got=type(given).__name__,
+                )
         self._rebind(enumerate(inputs), outputs)
 
     def _rebind(self, inputs: Iterable[tuple[int, Tensor | None]], outputs: Iterable[Tensor | None]) -> None:
@@ -275,13 +286,20 @@ class Executor:
         if not isinstance(tensor, Tensor):
             raise ParamError(op=self.op.name, arg=f"{kind} {index}", expected="a Tensor", got=type(tensor).__name__)
         if tensor.desc != descs[index]:
-            raise ParamError(
+            raise PlanMismatchError(
                 "rebinding needs a tensor of the planned desc (plan again for a new shape)",
                 op=self.op.name,
                 arg=f"{kind} {index}",
                 expected=descs[index],
                 got=tensor.desc,
             )
+
+    def _operand_name(self, i: int) -> str:
+        """Operand slot ``i`` (inputs, then outputs) as errors name it: ``x``, ``out``, ``out[1]``."""
+        n_in, n_out = len(self.input_descs), len(self.output_descs)
+        if i < n_in:
+            return self.op.input_name(i, n_in)
+        return "out" if n_out == 1 else f"out[{i - n_in}]"
 
     def _bind_new_outputs(self, dev: Any, stream: Any) -> list[Tensor]:
         """Allocate a tensor of the planned desc (its strides and offset too: the plan was made for them) from
@@ -310,7 +328,7 @@ class Executor:
         for i, t in tensors.items():
             if dev is not None and t.device is not dev:
                 raise ParamError(
-                    op=self.op.name, arg=f"operand {i}", expected=f"a tensor on {dev.name}", got=t.device.name
+                    op=self.op.name, arg=self._operand_name(i), expected=f"a tensor on {dev.name}", got=t.device.name
                 )
             dev = t.device
         saved = (self.device, list(self._tensors), self._launch, self._gate)

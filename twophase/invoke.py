@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .errors import ParamError
+from .errors import ParamError, refuse_pickle
 from .executor import ExecState, Executor
 from .op import Op, as_op
 from .runtime.device import placement
@@ -63,9 +63,12 @@ class PlannedCall:
         self.workspace_size, self.executor = self.op.get_workspace_size(*inputs, **kwargs)
         self.workspace: Block | None = None
         self._owned: list[Tensor] = []
+        self._home: tuple[Tensor | None, ...] = ()
         try:
             self.executor.set_repeatable()
             self._owned = self.executor._bind_new_outputs(dev, self.stream)
+            # per output, the tensor this call allocated for it (None: the caller's): what a PlanCache hit binds back
+            self._home = tuple(t if any(t is o for o in self._owned) else None for t in self.executor.outputs)
             self.workspace = dev.malloc(self.workspace_size, stream=self.stream)
         except BaseException:
             self._free_owned()
@@ -101,6 +104,10 @@ class PlannedCall:
         outs = ex.outputs
         return outs[0] if len(outs) == 1 else outs
 
+    def outputs_freed(self) -> bool:
+        """Whether the caller freed an output this call allocated (it can no longer run)."""
+        return any(t.block.freed for t in self._owned)
+
     def owns(self, tensors: dict[int, Tensor]) -> bool:
         """Whether any of ``tensors`` is (a view of) an output this call allocated itself."""
         return any(t.block is o.block for t in tensors.values() for o in self._owned)
@@ -118,9 +125,10 @@ class PlannedCall:
         return s is not None and s._q.done < ws._seq  # type: ignore[union-attr]
 
     def _free_owned(self) -> None:
-        for t in self._owned:
-            t.free(self.stream)
-        self._owned = []
+        owned, self._owned = self._owned, []
+        for t in owned:
+            if not t.block.freed:  # the caller may have freed one already
+                t.free(self.stream)
 
     def close(self, sync: bool = True) -> None:
         """Free the workspace and owned outputs in stream order and destroy the executor (idempotent)."""
@@ -130,16 +138,21 @@ class PlannedCall:
             if sync:
                 self.stream.synchronize()
         finally:
-            self.workspace.free(self.stream)
-            self.workspace = None
-            self._free_owned()
-            _discard(self.executor)
+            ws, self.workspace = self.workspace, None
+            try:
+                ws.free(self.stream)
+                self._free_owned()
+            finally:
+                _discard(self.executor)
 
     def __enter__(self) -> PlannedCall:
         return self
 
     def __exit__(self, *exc: Any) -> None:
         self.close()
+
+    def __reduce__(self) -> Any:
+        refuse_pickle(self, "plan the call again in the receiving process")
 
     def __repr__(self) -> str:
         return f"PlannedCall({self.executor!r}, workspace={self.workspace_size})"

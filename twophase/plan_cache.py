@@ -75,25 +75,15 @@ class PlanCache:
         limit = effective_limit(o.name, asked)
         meta = None if capturing() is not None else o._key(in_descs, outs, limit, attrs, bound)
         key = (meta, s)
-        entry = None
-        if meta is not None:  # leases are exclusive: take an idle entry of this metadata, if any
-            # not one whose own output is among these inputs: bound as its input too, the op ran on it in place
-            # nor a closed one (a holder closed its lease, e.g. ``with pc.acquire(...) as call``): dropped at release
-            entry = next(
-                (
-                    e
-                    for e in self._by_meta.get(key, ())
-                    if e.leases == 0 and e.call.workspace is not None and not e.call.owns(bound)
-                ),
-                None,
-            )
+        entry = None if meta is None else self._idle_entry(key, bound, outs)
         if entry is not None:
-            self.hits += 1
-            self._entries.move_to_end(id(entry.call))
             call = entry.call
-            call.executor._rebind(
-                bound.items(), () if outs is None else [t if isinstance(t, Tensor) else None for t in outs]
-            )
+            # the caller's tensors, and the call's own outputs where it passed none: a previous holder's
+            # ``call(out=y)`` must not leave y bound for the next holder to write into
+            given = (None,) * len(call._home) if outs is None else outs
+            call.executor._rebind(bound.items(), [g if isinstance(g, Tensor) else h for g, h in zip(given, call._home)])
+            self.hits += 1
+            self._entries.move_to_end(id(call))
             entry.leases = 1
             return call
         self.misses += 1
@@ -106,6 +96,22 @@ class PlanCache:
             self.bytes += entry.nbytes
             self._evict()
         return call
+
+    def _idle_entry(self, key: Any, bound: dict[int, Tensor], outs: tuple[Any, ...] | None) -> _Entry | None:
+        """An idle entry of ``key`` that can serve these operands: leases are exclusive; not one whose own output
+        is among the inputs (bound as its input too, the op would run on it in place); and one with an output of
+        its own wherever the caller passes no tensor. An entry whose own output the caller freed is dropped."""
+        for e in list(self._by_meta.get(key, ())):
+            call = e.call
+            if e.leases or call.workspace is None:
+                continue
+            if call.outputs_freed():
+                self._drop(id(call), e, evicted=False)
+            elif not call.owns(bound) and all(
+                h is not None or (outs is not None and isinstance(outs[i], Tensor)) for i, h in enumerate(call._home)
+            ):
+                return e
+        return None
 
     def release(self, call: PlannedCall) -> None:
         """End the lease of ``call`` (an uncached call is closed in stream order)."""
@@ -121,7 +127,7 @@ class PlanCache:
         if entry.leases <= 0:
             raise InvalidStateError("release without a lease", op="PlanCache.release", arg="call")
         entry.leases = 0
-        if call.workspace is None:  # closed by its holder: it never serves again
+        if call.workspace is None or call.outputs_freed():  # closed, or its output freed, by its holder
             self._drop(id(call), entry, evicted=False)
         self._evict()
 
