@@ -114,6 +114,7 @@ def test_bad_streams_and_ops_on_the_calling_paths_are_param_errors(dev):
         lambda: tp.plan(None),
         lambda: tp.PlanCache().acquire(3, x),
         lambda: tp.one_shot(None),
+        lambda: tp.one_shot([]),  # unhashable: raised TypeError from the memo lookup
     ]
     for call in calls:
         with pytest.raises(tp.ParamError):
@@ -262,3 +263,37 @@ def test_a_numpy_negative_zero_attribute_is_not_served_the_positive_zeros_plan(d
     assert np.signbit(got.numpy()[[0, -1]]).all()
     got.free()
     x.free()
+
+
+def test_a_planned_calls_wrong_arguments_name_the_argument_and_change_nothing(dev):
+    """A tensor of another desc is a PlanMismatchError (as documented, not a plain ParamError); rebind of a
+    non-sequence is a ParamError (raised TypeError); a stream or an out on another device names 'stream' or
+    'out' (not 'operand 1')."""
+    x = dev.tensor(np.ones((4, 8), np.float32))
+    x2 = dev.tensor(np.ones((4, 9), np.float32))
+    null = tp.device("null")
+    with tp.plan("softmax", x, dim=-1) as call:
+        with pytest.raises(tp.PlanMismatchError, match="argument 'input 0'"):
+            call(x2)
+        with pytest.raises(tp.PlanMismatchError, match="argument 'output 0'"):
+            call(out=x2)
+        for bad in (5, x):
+            with pytest.raises(tp.ParamError, match="argument 'inputs'"):
+                call.executor.rebind(bad)
+        with pytest.raises(tp.ParamError, match="argument 'outputs'"):
+            call.executor.rebind((), 5)
+        np.testing.assert_allclose(call().numpy(), 1 / 8, rtol=1e-6)  # still bound as planned
+    before = _allocated(dev), _allocated(null)
+    with pytest.raises(tp.ParamError, match="exp: argument 'stream': expected a stream of cpu"):
+        tp.exp(x, stream=null.default_stream)
+    with pytest.raises(tp.ParamError, match="exp: argument 'stream'"):
+        tp.plan("exp", x, stream=null.default_stream)
+    y_null = null.empty((4, 8))
+    with pytest.raises(tp.ParamError, match="exp: argument 'out': expected a tensor on cpu"):
+        tp.exp(x, out=y_null)
+    with pytest.raises(tp.ParamError, match="add: argument 'other': expected a tensor on cpu"):
+        ops.add.get_workspace_size(x, y_null)
+    y_null.free()
+    assert (_allocated(dev), _allocated(null)) == before
+    for t in (x, x2):
+        t.free()

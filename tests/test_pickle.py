@@ -91,3 +91,35 @@ def test_what_lives_in_its_process_refuses_pickling_with_the_way_out(dev: tp.Dev
         graph.destroy()
         block.free(stream)
     stream.synchronize()  # nothing left broken by the refusals
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 5), min_size=0, max_size=4),
+    dtype=st.sampled_from(["float32", "float64", "int64", "bool"]),
+    offset=st.integers(0, 9),
+)
+def test_a_tensor_desc_pickles_and_copies_as_itself(shape: list[int], dtype: str, offset: int) -> None:
+    """A desc is plain immutable metadata (a cache key, an attribute of saved plans): it pickles and copies; its
+    ``__setattr__`` refusal made all three raise AttributeError."""
+    strides = [s + 1 for s in range(len(shape))]
+    d = tp.TensorDesc(tuple(shape), dtype, strides, offset)
+    back = pickle.loads(pickle.dumps(d))
+    assert back == d and hash(back) == hash(d) and back.strides == tuple(strides) and back.offset == offset
+    assert copy.copy(d) is d and copy.deepcopy({"x": d})["x"] is d
+
+
+def test_a_registered_op_pickles_by_name_and_a_planned_call_refuses(dev: tp.Device) -> None:
+    """An op (and its definition) is found by name in the receiving process; a planned call holds a workspace and
+    an executor and is refused, copy.copy included (a copy double-freed the workspace at the second close)."""
+    for op in (tp.ops.softmax, tp.ops.conv2d):
+        assert pickle.loads(pickle.dumps(op)) is op and copy.deepcopy(op) is op
+        assert pickle.loads(pickle.dumps(op.spec)) is op.spec
+    x = dev.tensor(np.ones(4, np.float32))
+    with tp.plan("exp", x) as call:
+        for attempt in (pickle.dumps, copy.copy, copy.deepcopy):
+            with pytest.raises(tp.InvalidStateError, match="plan the call again") as err:
+                attempt(call)
+            assert err.value.arg == "plannedcall"
+        np.testing.assert_allclose(call().numpy(), np.exp(1.0), rtol=1e-6)
+    x.free()

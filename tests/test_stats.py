@@ -228,6 +228,8 @@ class _StubExecutor:
         self.workspace_size = workspace_size
         self.phase2_calls = phase2_calls
         self.launches = 0
+        self._repeatable = False  # single-use: nothing left queued at release
+        self._blocks = ()
 
 
 def test_counts_of_threads_counting_at_once_add_up_exactly(switch_often):
@@ -267,3 +269,68 @@ def test_histogram_buckets_match_bucket_even_past_two_to_the_64(dev):
         want[str(bucket(n))] = want.get(str(bucket(n)), 0) + 1
     assert c["workspace_histogram"] == want and c["reuse_histogram"] == want
     assert list(c["workspace_histogram"]) == sorted(want, key=int)  # in bucket order
+
+
+def test_a_plan_closed_without_sync_counts_the_launches_still_queued(dev, gate):
+    """``close(sync=False)`` destroys the executor while its launches wait on the stream; the counters read its
+    launch count at release, so the ones run later were lost (phase2_calls 0 after 20 launches, once synced)."""
+    s = dev.stream()
+    twophase.stats.reset()
+    x = dev.tensor(np.ones((16, 16), np.float32), stream=s)
+    open_ = gate(s)
+    call = twophase.plan("exp", x, stream=s)
+    for _ in range(20):
+        call()
+    call.close(sync=False)
+    c = twophase.stats.snapshot()["ops"]["exp"]
+    assert c["phase2_calls"] == 0 and c["executors_live"] == 0 and c["executors_destroyed"] == 1
+    open_.set()
+    s.synchronize()
+    c = twophase.stats.snapshot()["ops"]["exp"]
+    assert c["phase2_calls"] == 20 and c["reuse_histogram"] == {"32": 1}
+    assert c["executors_live"] == 0 and c["executors_dropped"] == 0
+    assert twophase.stats.snapshot()["ops"]["exp"]["phase2_calls"] == 20  # retired once, not again
+    x.free(s)
+    s.close()
+
+
+def test_a_phase1_refused_at_binding_is_neither_counted_nor_cached(dev):
+    """An out overlapping its input is refused after planning: the plan was cached all the same, so the next
+    identical call counted a hit with no miss ever recorded."""
+    twophase.stats.reset()
+    twophase.clear_cache()
+    x = dev.tensor(np.ones((8, 8), np.float32))
+    with pytest.raises(twophase.ParamError, match="overlapping"):
+        ops.softmax.get_workspace_size(x, dim=-1, out=x.transpose())
+    assert twophase.cache_info()["size"] == 0 and "softmax" not in twophase.stats.snapshot()["ops"]
+    y = dev.empty((8, 8))
+    _, ex = ops.softmax.get_workspace_size(x, dim=-1, out=y.transpose())
+    ex.destroy()
+    c = twophase.stats.snapshot()["ops"]["softmax"]
+    assert (c["phase1_calls"], c["cache_hits"], c["cache_misses"]) == (1, 0, 1)
+    x.free()
+    y.free()
+
+
+def test_a_raising_phase1_hook_destroys_the_executor_phase1_made(dev):
+    from twophase import hooks
+
+    twophase.stats.reset()
+    x = dev.tensor(np.ones(4, np.float32))
+
+    def bad(*_a):
+        raise RuntimeError("hook failed")
+
+    h = hooks.add_phase1_hook(bad)
+    try:
+        with pytest.raises(RuntimeError, match="hook failed"):
+            twophase.exp(x)
+    finally:
+        hooks.remove_hook(h)
+    gc.collect()
+    c = twophase.stats.snapshot()["ops"]["exp"]
+    assert (c["executors_created"], c["executors_destroyed"], c["executors_dropped"]) == (1, 1, 0)
+    with pytest.raises(twophase.ParamError, match="remove_hook: argument 'handle'"):
+        hooks.remove_hook(h)  # a second removal: the project's error, not list.remove's ValueError
+    assert twophase.exp(x).numpy()[0] == pytest.approx(np.e)  # the entry points were restored
+    x.free()

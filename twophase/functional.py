@@ -27,11 +27,11 @@ _made: dict[Op, Callable[..., Any]] = {}
 
 def one_shot(op: Op) -> Callable[..., Any]:
     """The functional form of ``op``: ``f(*inputs, out=None, stream=None, **attrs) -> Tensor | tuple``."""
+    if not isinstance(op, Op):
+        raise ParamError(op="one_shot", arg="op", expected="an Op (twophase.ops.NAME)", got=type(op).__name__)
     fn = _made.get(op)
     if fn is not None:
         return fn
-    if not isinstance(op, Op):
-        raise ParamError(op="one_shot", arg="op", expected="an Op (twophase.ops.NAME)", got=type(op).__name__)
     multi = len(op.spec.outputs) > 1 or op.spec.outputs[0].endswith("*")
 
     def call(*inputs: Any, out: Any = None, stream: Stream | None = None, **attrs: Any) -> Any:

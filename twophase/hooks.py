@@ -12,6 +12,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .errors import ParamError
+from .executor import ExecState
 from .graph.replay import REPLAY_CHECKS
 from .op import Op
 from .runtime.stream import TASK_LISTENERS
@@ -48,8 +50,13 @@ def _phase1(self: Op, *inputs: Any, **kwargs: Any) -> Any:
     t0 = time.perf_counter()
     result = _plain_phase1(self, *inputs, **kwargs)
     t1 = time.perf_counter()
-    for hook in tuple(_phase1_hooks):
-        hook(self, inputs, kwargs, result, t0, t1)
+    try:
+        for hook in tuple(_phase1_hooks):
+            hook(self, inputs, kwargs, result, t0, t1)
+    except BaseException:
+        if result[1].state is ExecState.READY:  # the caller never gets the executor: release it
+            result[1].destroy()
+        raise
     return result
 
 
@@ -90,14 +97,20 @@ def add_phase2_hook(before: Callable[..., None] | None = None, after: Callable[.
 def remove_hook(handle: Any) -> None:
     """Remove a hook installed by ``add_phase1_hook`` / ``add_phase2_hook``."""
     with _lock:
-        if handle[0] == "phase1":
-            _phase1_hooks.remove(handle[1])
-        else:
-            if handle[1] is not None:
-                _phase2_before.remove(handle[1])
-            if handle[2] is not None:
-                _phase2_after.remove(handle[2])
-        _swap()
+        try:
+            if handle[0] == "phase1":
+                _phase1_hooks.remove(handle[1])
+            else:
+                if handle[1] is not None:
+                    _phase2_before.remove(handle[1])
+                if handle[2] is not None:
+                    _phase2_after.remove(handle[2])
+        except (ValueError, TypeError, IndexError):
+            raise ParamError(
+                op="remove_hook", arg="handle", expected="a handle of an installed hook", got=handle
+            ) from None
+        finally:
+            _swap()
 
 
 def add_replay_check(check: Callable[[Any, Any], None]) -> None:

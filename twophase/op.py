@@ -15,7 +15,7 @@ import numpy as np
 
 from .cache import thread_cache
 from .config import check_byte_limit, settings
-from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError
+from .errors import InternalError, InvalidStateError, ParamError, Status, WorkspaceTooSmallError, refuse_pickle
 from .executor import ExecState, Executor
 from .layout import apart, byte_range, overlaps, same_view, self_overlapping
 from .runtime import forking
@@ -97,6 +97,13 @@ class OpDef:
     aliases: tuple[int, ...] | str = ()
     promotes: tuple[int, ...] = ()
 
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """A registered op's definition pickles by name: its functions are local to the module that made them."""
+        op = registry.get(self.name)
+        if op is not None and op.spec is self:
+            return (_registered_spec, (self.name,))
+        return object.__reduce_ex__(self, protocol)
+
 
 def effective_limit(op: str, limit: Any) -> int | None:
     """The limit in force: ``limit`` when given, else the ``TWOPHASE_WORKSPACE_LIMIT`` setting (None = unlimited)."""
@@ -155,6 +162,12 @@ class Op:
     def __repr__(self) -> str:
         return f"<op {self.name}>"
 
+    def __reduce__(self) -> Any:
+        """A registered op pickles by name (the receiving process has its own registry)."""
+        if registry.get(self.name) is not self:
+            refuse_pickle(self, "register the op in the receiving process and look it up by name")
+        return (get_op, (self.name,))
+
     # ---- phase 1
     def get_workspace_size(
         self, *inputs: Any, out: Any = None, workspace_limit: int | None = None, **attrs: Any
@@ -178,8 +191,6 @@ class Op:
         hit = entry is not None
         if entry is None:
             entry = self._plan(in_descs, outs, limit, attrs)  # refused calls count nowhere
-            if key is not None:
-                cache.put(key, entry)  # type: ignore[union-attr]
         plan, norm, out_descs = entry
         if outs is not None:
             for i, g in enumerate(outs):
@@ -188,6 +199,8 @@ class Op:
         ex = Executor._make(self, plan, norm, in_descs, out_descs)
         if bound:
             ex._bind_many(bound)  # refused (an out overlapping an input, ...): no executor was made
+        if not hit and key is not None:
+            cache.put(key, entry)  # type: ignore[union-attr]  # after binding: a refused call is not cached either
         if hit:
             counters.hits += 1
         else:
@@ -626,6 +639,10 @@ def get_op(name: str) -> Op:
         return registry[name]
     except (KeyError, TypeError):
         raise ParamError(op="get_op", arg="name", expected=f"one of {sorted(registry)}", got=name) from None
+
+
+def _registered_spec(name: str) -> OpDef:
+    return get_op(name).spec
 
 
 def as_op(op: object, fn: str) -> Op:

@@ -33,6 +33,7 @@ def bucket(n: int) -> int:
 # the read and the write, where a thread switch would lose the other thread's count.
 _SLOTS = 66  # buckets 0, 1, 2, 4, ..., 2**64; a larger one grows the list (_count_slow)
 _grow_lock = threading.Lock()
+_retiring_lock = threading.Lock()  # guards every OpCounters.retiring (rarely taken: see on_release)
 
 
 def _slot(n: int) -> int:
@@ -80,6 +81,7 @@ class OpCounters:
         "workspace",
         "max_workspace",
         "live",
+        "retiring",
         "phase1_time",
         "phase2_time",
         "kernel_time",
@@ -93,6 +95,8 @@ class OpCounters:
         self.reset()
 
     def reset(self) -> None:
+        with _retiring_lock:
+            self.retiring: list[tuple[Executor, Any, int]] = []
         self.phase1 = self.hits = self.misses = 0
         self.created = self.destroyed = self.retired_launches = 0
         self.reuse: list[int] = [0] * _SLOTS
@@ -120,17 +124,39 @@ class OpCounters:
             self.max_workspace = n
 
     def on_release(self, ex: Executor) -> None:
-        n = ex.phase2_calls
         self.destroyed += 1
+        self.live.discard(ex)
+        if ex._repeatable:  # destroyed with launches still queued (close(sync=False)): counted once they ran
+            for b in ex._blocks:
+                s = b._stream
+                if s is not None and s._q.done < b._seq:
+                    with _retiring_lock:
+                        self.retiring.append((ex, s._q, b._seq))
+                    self._settle()
+                    return
+        self._retire(ex.phase2_calls)
+
+    def _retire(self, n: int) -> None:
         self.retired_launches += n
         _count_in(self.reuse, n)
-        self.live.discard(ex)
+
+    def _settle(self) -> list[Executor]:
+        """Retire the destroyed executors whose queued launches have all run; returns those still waiting."""
+        with _retiring_lock:
+            done = [r for r in self.retiring if r[1].done >= r[2]]
+            if done:
+                self.retiring = [r for r in self.retiring if r[1].done < r[2]]
+            waiting = [r[0] for r in self.retiring]
+        for ex, _, _ in done:
+            self._retire(ex.launches)
+        return waiting
 
     def as_dict(self) -> dict[str, Any]:
         live = self.live_executors()
+        counting = live + self._settle()  # a retiring executor's launches so far count as a live one's
         reuse = list(self.reuse)  # copies made in C: other threads go on counting meanwhile
         workspace = list(self.workspace)
-        for ex in live:
+        for ex in counting:
             n = ex.launches
             i = _slot(n)
             if i >= len(reuse):
@@ -140,7 +166,7 @@ class OpCounters:
             "phase1_calls": self.phase1,
             "cache_hits": self.hits,
             "cache_misses": self.misses,
-            "phase2_calls": self.retired_launches + sum(ex.launches for ex in live),
+            "phase2_calls": self.retired_launches + sum(ex.launches for ex in counting),
             "executors_created": self.created,
             "executors_destroyed": self.destroyed,
             "executors_live": len(live),

@@ -165,6 +165,15 @@ class TensorDesc:
     def __delattr__(self, name: str) -> None:
         raise AttributeError("TensorDesc is immutable")
 
+    def __reduce__(self) -> Any:
+        return (TensorDesc, (self.shape, self.dtype, self.strides, self.offset, self.format))
+
+    def __copy__(self) -> TensorDesc:
+        return self  # immutable: a copy would be equal in every field
+
+    def __deepcopy__(self, memo: Any) -> TensorDesc:
+        return self
+
     def __hash__(self) -> int:
         return self._hash
 

@@ -181,6 +181,14 @@ def placement(inputs: Any, stream: Stream | None, op: str = "call") -> tuple[Dev
     Tensor input's device (or the default device) and that device's default stream for the calling thread."""
     if stream is not None:
         check_stream(stream, op)
+        for x in inputs:
+            if isinstance(x, Tensor) and x.device is not stream.device:
+                raise ParamError(
+                    op=op,
+                    arg="stream",
+                    expected=f"a stream of {x.device.name}, the inputs' device",
+                    got=f"a stream of {stream.device.name}",
+                )
         return stream.device, stream
     dev = next((x.device for x in inputs if isinstance(x, Tensor)), None) or device()
     return dev, dev.default_stream
