@@ -31,6 +31,20 @@ def test_array_protocol_waits_for_pending_work(dev, stream, gate, rng):
     assert np.asarray(out, dtype=np.float32).dtype == np.float32
 
 
+def test_array_protocol_refuses_copy_false_and_copies_otherwise(dev, stream, rng):
+    """numpy 2's ``copy=False`` promises a view: returning a copy silently lost the caller's writes."""
+    a = rng.standard_normal(8)
+    t = dev.tensor(a, stream=stream)
+    with pytest.raises(twophase.ParamError, match="argument 'copy'.*from_dlpack") as err:
+        np.asarray(t, copy=False)
+    assert isinstance(err.value, ValueError)  # what numpy's protocol documents
+    for copy in (None, True):
+        got = np.array(t, dtype=np.float32, copy=copy)
+        got[0] = 99.0
+        assert got.dtype == np.float32 and np.allclose(got[1:], a[1:]) and t.numpy()[0] == a[0]
+    t.free(stream)
+
+
 def test_dlpack_export_shares_memory_and_names_the_cpu(dev, stream, rng):
     a = rng.standard_normal((3, 4))
     t = twophase.add(dev.tensor(a, stream=stream), dev.tensor(a, stream=stream), stream=stream)

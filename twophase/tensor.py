@@ -314,8 +314,17 @@ class Tensor:
         return np.array(self.view(), copy=True)
 
     def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray[Any, Any]:
+        """A host copy (numpy's protocol: ``copy=False`` must raise when a copy cannot be avoided)."""
+        if copy is False:
+            raise ParamError(
+                "a tensor converts to a host copy; for a view of its memory use np.from_dlpack(t)",
+                op="Tensor.__array__",
+                arg="copy",
+                expected="None or True",
+                got=copy,
+            )
         out = self.numpy()
-        return out if dtype is None else out.astype(dtype)
+        return out if dtype is None else out.astype(dtype, copy=False)
 
     def __dlpack__(self, *, stream: Any = None, **kwargs: Any) -> Any:
         """DLPack export of the host memory; the block stays out of the pool until the consumer releases it.
