@@ -449,8 +449,9 @@ def test_rebinding_a_tensor_of_another_shape_or_stride_shows_both_descs(s):
     base = dev.tensor(np.ones((6, 4), np.float32), stream=s)
     with pytest.raises(sanitizer.StaleExecutorError, match="strides=\\(1, 4\\)"):
         ex.set_input(0, base.transpose())
-    with pytest.raises(sanitizer.StaleExecutorError):
+    with pytest.raises(sanitizer.StaleExecutorError, match="argument 'x'") as e:
         ex._bind_many({0: bigger})
+    assert isinstance(e.value, tp.PlanMismatchError)  # what the plain runtime raises for the same mistake
     ex.destroy()
     s.synchronize()
     for t in (x, bigger, base):

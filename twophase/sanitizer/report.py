@@ -7,7 +7,7 @@ import sys
 import traceback
 from dataclasses import dataclass
 
-from ..errors import InvalidStateError, ParamError, SanitizerError, Status, WorkspaceTooSmallError
+from ..errors import InvalidStateError, PlanMismatchError, SanitizerError, Status, WorkspaceTooSmallError
 
 __all__ = [
     "SanitizerError",
@@ -88,7 +88,7 @@ class ExecutorMisuseError(SanitizerError, InvalidStateError):
     check = "executor"
 
 
-class StaleExecutorError(SanitizerError, ParamError):
+class StaleExecutorError(SanitizerError, PlanMismatchError):
     """A tensor of another shape or stride bound to a planned executor (check 8)."""
 
     default_status = Status.ERR_PARAM_INVALID

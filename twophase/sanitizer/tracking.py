@@ -430,10 +430,10 @@ def _bind_many(self: Executor, tensors: dict[int, Tensor]) -> None:
     for i, t in tensors.items():
         if isinstance(t, Tensor) and 0 <= i < len(descs) and t.desc != descs[i]:
             raise StaleExecutorError(
-                f"stale executor: {self.describe()} was planned for operand {i} = "
+                f"stale executor: {self.describe()} was planned for {self._operand_name(i)} = "
                 f"{descs[i]!r}, binding gave {t.desc!r}",
                 op=self.op.name,
-                arg=f"operand {i}",
+                arg=self._operand_name(i),
                 expected=descs[i],
                 got=t.desc,
             )
