@@ -5,6 +5,7 @@ from __future__ import annotations
 import mmap
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -489,4 +490,69 @@ def test_a_copy_in_whose_enqueue_raises_leaves_nothing_allocated(dev):
     finally:
         twophase.set_launch_blocking(False)
     assert dev.pool.stats()["allocated_bytes"] == before
+    s.close()
+
+
+def test_out_of_memory_waits_for_the_pending_stream_ordered_frees_and_retries(pool, dev, gate):
+    """A block freed on the host while its last use on a stream was still queued: malloc raised out of memory
+    instead of waiting for that use, as CUDA's and PyTorch's allocators synchronize before they give up."""
+    s = dev.stream()
+    pool.set_limit(4 * MiB)
+    opened = gate(s)
+    a = pool.malloc(3 * MiB)
+    addr = a.address
+    a.mark_use(s, s._submitted)  # the gate's task uses it, as a launch marks its operands
+    a.free()
+    got = []
+
+    def take():
+        try:
+            got.append(pool.malloc(3 * MiB))
+        except twophase.OutOfMemoryError as e:
+            got.append(e)
+
+    t = threading.Thread(target=take, daemon=True)
+    try:
+        t.start()
+        deadline = time.monotonic() + 10
+        while not s._q.waiting and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        opened.set()
+    t.join(30)  # a hang guard, not a timing check
+    assert not t.is_alive() and len(got) == 1
+    assert not isinstance(got[0], Exception), got[0]
+    assert got[0].address == addr and pool.stats()["reserved_bytes"] == 4 * MiB
+    got[0].free()
+    s.close()
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_out_of_memory_in_a_callback_does_not_wait_for_its_own_streams_pending_free(pool, dev, blocking):
+    """The pending free is the callback's own stream's: waiting for it would wait for the callback itself."""
+    s = dev.stream()
+    pool.set_limit(4 * MiB)
+    a = pool.malloc(3 * MiB)
+    outcome = []
+
+    def cb():
+        a.free(s)  # pending until this very callback has run
+        try:
+            pool.malloc(3 * MiB)
+            outcome.append("allocated")
+        except twophase.OutOfMemoryError:
+            outcome.append("out of memory")
+
+    twophase.set_launch_blocking(blocking)
+    try:
+        t = threading.Thread(target=lambda: (s.launch_callback(cb), s.synchronize()), daemon=True)
+        t.start()
+        t.join(30)  # a hang guard, not a timing check
+    finally:
+        twophase.set_launch_blocking(False)
+    hung = t.is_alive()
+    if hung:
+        s._q.done = s._q.submitted  # the waits poll: let them loose, or every later Device.synchronize hangs too
+    assert not hung and outcome == ["out of memory"]
+    pool.malloc(3 * MiB).free()  # the free has completed since: its memory is taken again
     s.close()

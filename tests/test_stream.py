@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import numpy as np
 import pytest
@@ -754,3 +757,130 @@ def test_close_raises_a_pending_failure_and_closes_the_stream_all_the_same() -> 
     assert not s._q.thread.is_alive()
     with pytest.raises(twophase.InvalidStateError, match="closed"):
         s.launch_callback(lambda: None)
+
+
+def _own_stream_wait(call, dev, s):
+    """What a callback on ``s`` calls to wait for ``s``'s own work (``call`` names the public entry point)."""
+    if call == "Stream.synchronize":
+        s.synchronize()
+    elif call == "Device.synchronize":
+        dev.synchronize()
+    elif call == "Stream.close":
+        s.close()
+    elif call == "Event.synchronize":
+        s.record_event().synchronize()
+    else:
+        dev.tensor(np.ones(3, np.float32), stream=s).numpy()  # its copy-in is queued after the callback
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+@pytest.mark.parametrize(
+    "call", ["Stream.synchronize", "Device.synchronize", "Stream.close", "Event.synchronize", "Tensor.numpy"]
+)
+def test_a_callback_waiting_for_its_own_stream_is_refused_and_reported_at_the_next_sync(dev, call, blocking):
+    """The worker waited for itself (launch blocking: the caller's thread for the inline task it runs) for ever;
+    CUDA refuses such a call from a host callback (cudaErrorNotPermitted). Raised in the callback, the refusal is
+    the stream's failure at the next sync (at the launch, blocking), and the stream stays open and usable."""
+    s = dev.stream()
+    reached, raised = [], []
+
+    def cb():
+        _own_stream_wait(call, dev, s)
+        reached.append(call)
+
+    def launch_and_sync():
+        try:
+            s.launch_callback(cb)
+            s.synchronize()
+        except twophase.InvalidStateError as e:
+            raised.append(e)
+
+    twophase.set_launch_blocking(blocking)
+    try:
+        t = threading.Thread(target=launch_and_sync, daemon=True)
+        t.start()
+        t.join(30)  # a hang guard, not a timing check
+    finally:
+        twophase.set_launch_blocking(False)
+    hung = t.is_alive()
+    if hung:
+        s._q.done = s._q.submitted  # the waits poll: let them loose, or every later Device.synchronize hangs too
+    assert not hung, f"{call} in a callback of its own stream hung"
+    assert reached == [] and len(raised) == 1
+    assert re.search(r"\(a callback\) of stream '.+': .*never return.*failed on stream", str(raised[0]))
+    assert not s.closed
+    s.launch_callback(lambda: reached.append("after"))
+    s.synchronize()
+    assert reached == ["after"]
+    s.close()
+
+
+@pytest.mark.parametrize("blocking", [False, True])
+def test_a_callback_may_wait_for_another_stream(dev, blocking):
+    s, other = dev.stream(), dev.stream()
+    seen = []
+
+    def cb():
+        x = dev.tensor(np.arange(3, dtype=np.float32), stream=other)
+        other.record_event().synchronize()
+        other.synchronize()
+        seen.append(x.numpy().tolist())
+
+    twophase.set_launch_blocking(blocking)
+    try:
+        t = threading.Thread(target=lambda: (s.launch_callback(cb), s.synchronize()), daemon=True)
+        t.start()
+        t.join(30)  # a hang guard, not a timing check
+    finally:
+        twophase.set_launch_blocking(False)
+    assert not t.is_alive() and seen == [[0.0, 1.0, 2.0]]
+    s.close()
+    other.close()
+
+
+def test_device_synchronize_waits_for_the_work_left_on_a_dropped_stream(dev):
+    """Device.synchronize skipped a stream the caller had dropped (the device held it weakly) while its worker
+    still ran the work queued on it: the caller read outputs not yet written. The stream itself still goes."""
+    gate, ran, seen_at_return = threading.Event(), [], []
+    s = dev.stream()
+    q, ref = s._q, weakref.ref(s)
+    s.launch_callback(lambda: gate.wait(30))  # stands in for longer work queued before
+    s.launch_callback(lambda: ran.append(1))
+    del s
+    gc.collect()
+    assert ref() is None  # a dropped stream with work left is not kept alive
+    t = threading.Thread(target=lambda: (dev.synchronize(), seen_at_return.append(list(ran))), daemon=True)
+    try:
+        t.start()
+        deadline = time.monotonic() + 10
+        while not q.waiting and t.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        gate.set()
+    t.join(30)  # a hang guard, not a timing check
+    assert not t.is_alive() and seen_at_return == [[1]]
+
+
+def test_a_dropped_stream_whose_work_has_run_is_collected_with_its_queue(dev):
+    s = dev.stream()
+    s.launch_callback(lambda: None)
+    worker, stream_ref, queue_ref = s._q.thread, weakref.ref(s), weakref.ref(s._q)
+    del s
+    gc.collect()
+    dev.synchronize()
+    worker.join(30)  # the worker stops once its stream is gone and its work done
+    gc.collect()
+    assert not worker.is_alive() and stream_ref() is None and queue_ref() is None
+
+
+def test_a_null_device_callback_failure_is_reported_at_the_next_sync():
+    """On the NULL device a raising callback propagated its raw exception out of launch_callback."""
+    s = twophase.device("null").stream()
+    s.launch_callback(lambda: 1 / 0)
+    ran = []
+    s.launch_callback(lambda: ran.append(1))  # dropped after the failure, as on any stream
+    with pytest.raises(twophase.KernelError, match="callback .* failed on stream .*ZeroDivisionError.*1 later task"):
+        s.synchronize()
+    s.launch_callback(lambda: ran.append(2))
+    s.synchronize()
+    assert ran == [2]

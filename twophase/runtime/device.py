@@ -13,7 +13,7 @@ from ..errors import CaptureError, ParamError
 from ..tensor import DType, Format, Tensor, TensorDesc
 from . import forking
 from .memory import Block, MemoryPool, Segment
-from .stream import Stream, check_stream
+from .stream import Stream, _Queue, check_stream
 
 # what a launch gets as its workspace when phase 1 asked for none: empty bytes, so a kernel's
 # ``ws[offset:offset + 0]`` views stay valid (a launch must not have to test for None)
@@ -37,6 +37,8 @@ class Device:
         self.name = name
         self.pool = MemoryPool(self._reserve, self._release, self._segment_view, name=f"{name} pool", device=self)
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
+        # every stream's queue, which outlives a dropped stream while its worker runs the work left on it
+        self._queues: weakref.WeakSet[_Queue] = weakref.WeakSet()
         self._local = threading.local()
         config.on_change("launch_blocking", self._apply_launch_blocking)
 
@@ -68,6 +70,7 @@ class Device:
         """A new in-order stream with its own worker."""
         s = Stream._make(self, name, config.settings.launch_blocking, self.has_worker)
         self._streams.add(s)
+        self._queues.add(s._q)
         return s
 
     @property
@@ -83,14 +86,21 @@ class Device:
         return [s for s in list(self._streams) if not s.closed]
 
     def synchronize(self) -> None:
-        """Wait for every stream of this device (a closed one has nothing left to wait for)."""
+        """Wait for every stream of this device (raising the first failure) and for work left on dropped or closed
+        ones (whose failures have no stream left to raise on); refused from a stream's own task, before any wait."""
+        queues = list(self._queues)
+        for q in queues:
+            q.refuse_own_task()
         for s in self._open_streams():
             s.synchronize()
+        for q in queues:
+            if q.closed:
+                q.drain()
 
     def _drain(self) -> None:
         """Wait for every stream's work without raising its errors: they stay for the caller's own sync."""
-        for s in self._open_streams():
-            s._q.drain()
+        for q in list(self._queues):
+            q.drain()
 
     def _apply_launch_blocking(self, value: object) -> None:
         for s in self._open_streams():

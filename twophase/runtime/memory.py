@@ -1,5 +1,6 @@
 """The caching, stream-ordered ``MemoryPool`` and its ``Block`` (CuPy's design: 512-byte rounding, best fit
-with split and merge, per-stream reuse, a limit, and free-cached-and-retry-once on out of memory)."""
+with split and merge, per-stream reuse, a limit, and free-cached-and-retry-once on out of memory, then once more
+after waiting for the pending stream-ordered frees)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from ..config import check_byte_limit, int_value
 from ..errors import InvalidStateError, OutOfMemoryError, ParamError, refuse_pickle
 from ..layout import align
 from . import forking
-from .stream import Stream, check_stream
+from .stream import Stream, check_stream, on_worker
 
 if TYPE_CHECKING:
     from .device import Device
@@ -291,28 +292,14 @@ class MemoryPool:
         if self._deferred:
             self._free_deferred()
         try:
-            with self._lock:
-                block = self._take_cached(size, stream, policy)
-                if block is None and self._reserved - self._allocated > self._allocated + TRIM_SLACK:
-                    block = self._trim_and_take(size, stream, policy)
-                if block is None:
-                    block = self._take_new(size, nbytes, policy)
-                else:
-                    self._n_hits += 1
-                block.allocated = True
-                block.freed = False
-                block.requested = nbytes
-                fq = block.free_queue
-                if fq is not None and fq.done < block.free_seq:  # taken in its own stream's order, its free pending:
-                    block._stream, block._seq = stream, block.free_seq  # a host free or read waits for that task
-                else:
-                    block._stream, block._seq = None, 0
-                block.free_queue = None
-                self._allocated += block.size
-                self._requested += nbytes
-                self._n_alloc += 1
-                if self._allocated > self._peak_allocated:
-                    self._peak_allocated = self._allocated
+            try:
+                with self._lock:
+                    block = self._take(size, nbytes, stream, policy)
+            except OutOfMemoryError:
+                if not self._await_pending_frees(stream):
+                    raise
+                with self._lock:
+                    block = self._take(size, nbytes, stream, policy)
         finally:
             if self._released:  # segments released by a trim or the out-of-memory retry (raised or not)
                 self._notify_released()
@@ -329,6 +316,49 @@ class MemoryPool:
                 "malloc %s: requested %d bytes, granted %d bytes at 0x%x", self.name, nbytes, block.size, block.address
             )
         return block
+
+    def _take(self, size: int, nbytes: int, stream: Stream | None, policy: str) -> Block:
+        """``malloc``'s block (under the lock): cached and ready for ``stream``, else new; out of memory raises."""
+        block = self._take_cached(size, stream, policy)
+        if block is None and self._reserved - self._allocated > self._allocated + TRIM_SLACK:
+            block = self._trim_and_take(size, stream, policy)
+        if block is None:
+            block = self._take_new(size, nbytes, policy)
+        else:
+            self._n_hits += 1
+        block.allocated = True
+        block.freed = False
+        block.requested = nbytes
+        fq = block.free_queue
+        if fq is not None and fq.done < block.free_seq:  # taken in its own stream's order, its free pending:
+            block._stream, block._seq = stream, block.free_seq  # a host free or read waits for that task
+        else:
+            block._stream, block._seq = None, 0
+        block.free_queue = None
+        self._allocated += block.size
+        self._requested += nbytes
+        self._n_alloc += 1
+        if self._allocated > self._peak_allocated:
+            self._peak_allocated = self._allocated
+        return block
+
+    def _await_pending_frees(self, stream: Stream | None) -> bool:
+        """On out of memory, wait outside the lock for the frees still pending, as CUDA's allocator syncs; False if
+        none was waited for. Never from a stream's worker, nor for the caller's own stream: deadlock-free."""
+        if on_worker():
+            return False
+        pending: dict[_Queue, int] = {}
+        with self._lock:
+            for _, _, _, blk in self._free:
+                fq = blk.free_queue
+                if fq is not None and not blk._ready(stream):
+                    pending[fq] = max(pending.get(fq, 0), blk.free_seq)
+        waited = False
+        for q, seq in pending.items():
+            if not q.in_own_task():
+                q.wait_for(seq, raise_errors=False)
+                waited = True
+        return waited
 
     def _take_cached(self, size: int, stream: Stream | None, policy: str) -> Block | None:
         free = self._free

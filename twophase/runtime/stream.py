@@ -32,7 +32,7 @@ from .spin import count_and_wait, spin_until_reached
 if TYPE_CHECKING:
     from .device import Device
 
-__all__ = ["Stream", "Event", "CONTROL", "QueueRecords", "running_queue", "check_stream"]
+__all__ = ["Stream", "Event", "CONTROL", "QueueRecords", "running_queue", "on_worker", "check_stream"]
 
 CONTROL = "<control>"
 _NEVER = 1 << 62  # wake_at when no host thread waits: no seq reaches it
@@ -64,6 +64,12 @@ _running = threading.local()
 def running_queue() -> Any:
     """For a task listener: the queue whose task the calling thread runs (set only while listeners exist)."""
     return getattr(_running, "q", None)
+
+
+def on_worker() -> bool:
+    """Whether the calling thread is a stream's worker: a task there must not block on work that may be queued
+    after it (the pool's out-of-memory wait for pending frees)."""
+    return bool(getattr(_running, "worker", False))
 
 
 class QueueRecords:
@@ -195,10 +201,11 @@ class _Queue:
         return seq
 
     def enqueue_null(self, fn: Callable[[Any], Any], arg: Any, owner: Any) -> int:
-        """NULL backend: count the task as done at once; run only the runtime's markers and callbacks."""
+        """NULL backend: count the task as done at once; run only the runtime's markers and callbacks (a failure
+        is reported at the next sync, as on any stream)."""
         seq = self.submitted = self.done = self.submitted + 1
         if type(owner) is str:  # the runtime's markers and callbacks (CONTROL is one)
-            fn(arg)
+            self.run_one(fn, arg, owner, seq)
         else:
             _count(owner)
         return seq
@@ -265,6 +272,7 @@ class _Queue:
     # ---- worker side
     def serve(self) -> None:
         np.seterr(all="ignore")  # this thread's numpy error state (the module docstring says why)
+        _running.worker = True
         tasks = self.tasks
         published, fanned = int(self.finished[0]), int(BUSY[1])  # finished: nonzero in a forked child
         while True:
@@ -292,7 +300,7 @@ class _Queue:
             if fn is None:
                 return
             if self.done < seq - 1:  # an inline task (launch blocking was on) is still running: it goes first
-                self.wait_for(seq - 1, raise_errors=False)
+                self.block_until(seq - 1)
             self.run_one(fn, arg, owner, seq)
             del fn, arg, owner  # not kept alive until the next task: a launch's views would pin their memory
             self.done = seq
@@ -303,18 +311,40 @@ class _Queue:
     # ---- synchronization
     def wait_for(self, seq: int, raise_errors: bool = True) -> None:
         if self.done < seq and not self._spun_for(seq):
-            with self.cond:  # the worker reads wake_at after setting done: one of the two sees the other's write
-                waiting = self.waiting
-                waiting.append(seq)
-                self.wake_at = min(waiting)
-                try:
-                    while self.done < seq:
-                        self.cond.wait(0.05)
-                finally:
-                    waiting.remove(seq)
-                    self.wake_at = min(waiting, default=_NEVER)
+            self.refuse_own_task()
+            self.block_until(seq)
         if raise_errors:
             self.raise_pending(seq)
+
+    def block_until(self, seq: int) -> None:
+        """Block until task ``seq`` has run (``wait_for`` without its checks)."""
+        with self.cond:  # the worker reads wake_at after setting done: one of the two sees the other's write
+            waiting = self.waiting
+            waiting.append(seq)
+            self.wake_at = min(waiting)
+            try:
+                while self.done < seq:
+                    self.cond.wait(0.05)
+            finally:
+                waiting.remove(seq)
+                self.wake_at = min(waiting, default=_NEVER)
+
+    def in_own_task(self) -> bool:
+        """Whether the calling thread runs one of this queue's tasks (on the worker, or inline)."""
+        return threading.current_thread() is self.thread or bool(getattr(self.inline_tls, "depth", 0))
+
+    def refuse_own_task(self) -> None:
+        """Raise if the calling thread runs one of this queue's tasks: a wait there for the queue's work would
+        wait for that task itself and never end (CUDA refuses it from a host callback: cudaErrorNotPermitted)."""
+        if self.in_own_task():
+            raise InvalidStateError(
+                f"called from a task (a callback) of stream '{self.name}': synchronizing that stream "
+                "(Stream.synchronize or close, Event.synchronize, Device.synchronize) or reading its tensors on "
+                "the host (Tensor.numpy) there would wait for the callback itself and never return; do it from "
+                "another thread once the callback has run, or enqueue what follows on the stream (launch_callback)",
+                op="synchronize",
+                arg="stream",
+            )
 
     def _spun_for(self, seq: int) -> bool:
         """Whether a spin (not on the worker itself, which publishes the count) saw task ``seq`` done."""
@@ -472,7 +502,8 @@ class Stream:
 
     def close(self) -> None:
         """Finish pending work and stop the worker thread; later launches raise ``InvalidStateError``. A pending
-        failure is raised, and the stream is closed all the same."""
+        failure is raised, and the stream is closed all the same. Refused, leaving it open, from its own tasks."""
+        self._work_q.refuse_own_task()
         try:
             self.synchronize()
         finally:
