@@ -15,7 +15,8 @@ from threads import num_threads
 
 from twophase import Format, TensorDesc, device, one_shot
 from twophase.errors import ParamError
-from twophase.kernels.cpu import winograd4
+from twophase.kernels.cpu import conv as conv_kernels
+from twophase.kernels.cpu import gemm, winograd4
 from twophase.kernels.cpu.conv import parts_areas, parts_units
 from twophase.kernels.cpu.conv_tiles import available as tiles_available
 from twophase.layout import align, spread_stride
@@ -863,3 +864,82 @@ def test_conv2d_phase1_stays_cheap_for_a_huge_output(monkeypatch: pytest.MonkeyP
             assert ex.output_descs[0].shape == (1, 2, 2 * padding + 3, 2 * padding + 3)
             ex.destroy()
     assert listed and max(listed) <= conv_op.PARTS_MAX_UNITS
+
+
+@pytest.mark.skipif(not gemm.available(), reason="the float32 microkernel needs AVX-512")
+@pytest.mark.parametrize(
+    "n, cg, ocg, groups, hw, stride, bias, limit_rows",
+    [
+        (1, 8, 16, 1, 12, 1, True, None),  # one image: the GEMM writes out's pixels in place, bias after
+        (3, 6, 8, 1, 9, 2, False, None),  # several images: the result is staged, then copied
+        (2, 4, 5, 2, 10, 1, True, None),  # groups: one GEMM per group, rows of that group's weights
+        (1, 8, 16, 1, 12, 1, False, 5),  # a limit: tiles of 5 output rows (60 pixels), the last of 2 (24: BLAS)
+    ],
+)
+def test_im2col_runs_its_gemms_on_the_microkernel_where_phase1_planned_it(
+    n: int,
+    cg: int,
+    ocg: int,
+    groups: int,
+    hw: int,
+    stride: int,
+    bias: bool,
+    limit_rows: int | None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """im2col's float32 channel-major GEMMs take the register-blocked microkernel for the tile widths phase 1
+    gave parts for (``tiling.micro``), BLAS for the others; every tile is checked against the reference."""
+    case = _case(7, n, cg, ocg, groups, hw, hw, (3, 3), (stride, stride), (1, 1), (1, 1), bias, False)
+    assert case is not None
+    x, wt, b, attrs, ref = case
+    limit = None
+    if limit_rows is not None:
+        limit = cg * groups * 9 * ref.shape[3] * 4 * limit_rows
+    blas_tiles = []
+    plain = conv_kernels._tile_gemm
+    monkeypatch.setattr(conv_kernels, "_tile_gemm", lambda *a: (blas_tiles.append(a[1].shape[1]), plain(*a)))
+    r = _run("im2col", x, wt, b, limit=limit, **attrs)
+    _check(r, ref)
+    assert blas_tiles == ([] if limit_rows is None else [(hw % limit_rows) * hw])  # the rest ran on the microkernel
+    micro = dict(r.tiling.micro)
+    assert micro and any(micro.values())
+    if limit_rows is not None:
+        assert r.tiling.tile_rows == limit_rows and set(micro) == {limit_rows * hw, (hw % limit_rows) * hw}
+        assert micro[(hw % limit_rows) * hw] == () and micro[limit_rows * hw] != ()  # 24 columns: no full panel
+    f64 = _run(
+        "im2col", x.astype(np.float64), wt.astype(np.float64), None if b is None else b.astype(np.float64), **attrs
+    )
+    assert f64.tiling.micro == ()  # float64: BLAS
+    _check(f64, ref)
+
+
+@pytest.mark.skipif(not gemm.available(), reason="the float32 microkernel needs AVX-512")
+@pytest.mark.parametrize("limit_tiles", [None, 48])
+def test_winograd_runs_its_gemms_on_the_microkernel_where_phase1_planned_it(
+    limit_tiles: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """F(2x2, 3x3)'s 16 GEMMs per round take the float32 microkernel for the round widths ``tiling.micro`` gives
+    blocks for, BLAS for the others (a last round of 2 tiles has no full panel); checked against the reference
+    with guard bytes around the workspace."""
+    case = _case(11, 2, 6, 8, 1, 11, 12, (3, 3), (1, 1), (1, 1), (1, 1), True, False)
+    assert case is not None
+    x, wt, b, attrs, ref = case
+    tiles = 2 * 6 * 6
+    limit = None
+    if limit_tiles is not None:
+        limit = conv_op.winograd_workspace(8, 6, limit_tiles, 4, 12, 1)
+    blas_rounds = []
+    plain = conv_kernels.gemm_parts
+    monkeypatch.setattr(
+        conv_kernels, "gemm_parts", lambda u, v, m, r: (blas_rounds.append(v.shape[2]), plain(u, v, m, r))[1]
+    )
+    r = _run("winograd", x, wt, b, limit=limit, **attrs)
+    _check(r, ref)
+    chunk = r.tiling.chunk
+    assert chunk == (tiles if limit_tiles is None else limit_tiles)
+    micro = dict(r.tiling.micro)
+    assert micro[chunk] == ((0, 8, 0, chunk),)
+    if limit_tiles is None:
+        assert blas_rounds == []
+    else:
+        assert micro[tiles % chunk] == () and blas_rounds == [tiles % chunk]  # 72 = 48 + 24

@@ -12,6 +12,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
+from . import gemm
 from . import jit as _jit
 from .blas import run_blas_parts
 from .jit import by_density, copy_run, entry, pairs_of, row_of, rows_dense, span_of
@@ -635,10 +636,29 @@ def _group_bias(bias: Any, g: int, ocg: int, cm: bool) -> Any:
     return bg[:, None] if cm else bg
 
 
+_NO_PACK = np.zeros(0, np.float32)
+_NO_BIAS = np.zeros(1, np.float32)
+_COLS_SAMPLE = np.zeros((2, 2), np.float32)  # what a channel-major unfold is: a C-contiguous float32 matrix
+
+
+def _micro_gemm(wm: Any, res: Any, parts: tuple[tuple[int, int, int, int], ...]) -> Callable[[Any, Any], None] | None:
+    """``(cols, res) -> res = wm @ cols`` by the register-blocked float32 GEMM, one call per part of ``parts``
+    (blocks of res), on helper threads; compiled for ``res``'s layout (a sample of it); None for no parts."""
+    if not parts:
+        return None
+    fn = entry(gemm.gemm_f32, wm, _COLS_SAMPLE, res, _NO_BIAS, False, 0, 0, 0, 0, _NO_PACK)
+
+    def run(cols: Any, res: Any) -> None:
+        run_parts([functools.partial(fn, wm, cols, res, _NO_BIAS, False, *p, _NO_PACK) for p in parts])
+
+    return run
+
+
 def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """Per tile (``t.tile_n`` whole images, or ``t.tile_rows`` output rows of one image) and group: unfold into
     the workspace, one GEMM into out (or into the workspace's second area when the tile's output columns do
-    not form one BLAS matrix in out, then one copy that adds the bias)."""
+    not form one BLAS matrix in out, then one copy that adds the bias). The GEMM is the float32 microkernel's
+    for a tile width ``t.micro`` gives parts for (phase 1 decided), else BLAS."""
     dt = x.dtype
     item = dt.itemsize
     so = [s // item for s in out.strides]
@@ -672,13 +692,19 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     geos = {nn: _geo(t, nn) for nn in {min(tn, t.n - n0) for n0 in range(0, t.n, tn)}}
     o_off = t.out_offset
     ocg = t.ocg
+    micro = dict(t.micro)
+    # a staged result's area is cut from the workspace at launch: a C-contiguous matrix, as the sample
+    gemms = [_micro_gemm(s[5], _COLS_SAMPLE if s[8] else s[6], micro.get(s[4], ())) for s in steps]
 
     def launch(ws: Any) -> None:
-        for n0, nn, c0, oh0, p, wm, o, bv, stage in steps:
+        for (n0, nn, c0, oh0, p, wm, o, bv, stage), mk in zip(steps, gemms):
             cols = _cols(ws[: kc * p * item].view(dt), kc, p, cm)
             unfold(n0, c0, oh0, geos[nn], cols)
             res = _out_matrix_area(ws, o_off, ocg, p, dt, cm) if stage else o
-            _tile_gemm(wm, cols, res, cm)
+            if mk is None:
+                _tile_gemm(wm, cols, res, cm)
+            else:
+                mk(cols, res)
             if stage:
                 src = res.reshape(ocg, nn, p // nn).transpose(1, 0, 2) if cm else res.reshape(o.shape)
                 if bv is None:
@@ -943,6 +969,18 @@ def gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> list[Pa
     return [functools.partial(np.matmul, u[lo:hi], v[lo:hi], out=m[lo:hi]) for lo, hi in ranges]
 
 
+def micro_gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> list[Part]:
+    """``gemm_parts`` by the register-blocked float32 GEMM: each part multiplies its range of the matrices."""
+    fn = entry(gemm.gemm_f32, u[0], v[0], m[0], _NO_BIAS, False, 0, 0, 0, 0, _NO_PACK)
+    rows, cols = u.shape[1], v.shape[2]
+
+    def run(lo: int, hi: int) -> None:
+        for i in range(lo, hi):
+            fn(u[i], v[i], m[i], _NO_BIAS, False, 0, rows, 0, cols, _NO_PACK)
+
+    return [functools.partial(run, lo, hi) for lo, hi in ranges]
+
+
 def winograd_launch(rounds: Callable[[Any], list[Round]]) -> Launch:
     """The phase-2 launch of a winograd (F(2x2, 3x3) or ``winograd4``'s F(4x4, 3x3)): per round, the transform
     parts, the GEMM parts (one BLAS thread each) and the output transform parts, each set a hand-off to the
@@ -967,7 +1005,8 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """Transformed weights U (16, OC, C), per round of ``t.chunk`` 2x2 output tiles the transformed input
     V (16, C, chunk) and M = U @ V (16, OC, chunk) in the workspace, then the output transform (+ bias); the
     transforms' scratch rows (a set per part) are in the workspace too (no allocation in the launch). The 16
-    matrices of U, V and M lie ``spread_stride`` apart (the transforms write or read all 16 at once). With
+    matrices of U, V and M lie ``spread_stride`` apart (the transforms write or read all 16 at once). The GEMMs
+    of a round whose width ``t.micro`` gives blocks for run on the float32 microkernel, else on BLAS. With
     ``t.parts`` > 1 the weight and input transforms run as channel ranges, the 16 GEMMs as batch ranges (one BLAS
     thread each) and the output transform as channel ranges, on helper threads. (Tile ranges, each part doing
     its own transforms and GEMM columns in one hand-off, measured 10-20% slower on ResNet-18 shapes.)"""
@@ -992,6 +1031,7 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     k_out = entry(wino_output, s2, b, has, out, 0, 0, geo, s2, 0, 0)
     rounds_at = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
     c, oc = t.c, t.oc
+    micro = {width for width, blocks in t.micro if blocks}  # round widths whose GEMMs take the microkernel
 
     def rounds(ws: Any) -> list[Round]:
         u = spread_rows(ws, 0, su, dt)
@@ -1006,7 +1046,9 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         return [
             (
                 [functools.partial(transform_in, u, v, t0, nt, r == 0, s_in[i], i) for i in range(parts)],
-                gemm_parts(matrices(u, oc, c), matrices(v, c, nt), matrices(m, oc, nt), k_ranges),
+                (micro_gemm_parts if nt in micro else gemm_parts)(
+                    matrices(u, oc, c), matrices(v, c, nt), matrices(m, oc, nt), k_ranges
+                ),
                 [functools.partial(k_out, m, b, has, out, t0, nt, geo, s_out[i], *oc_ranges[i]) for i in range(parts)],
             )
             for r, (t0, nt) in enumerate(rounds_at)
