@@ -943,3 +943,21 @@ def test_winograd_runs_its_gemms_on_the_microkernel_where_phase1_planned_it(
         assert blas_rounds == []
     else:
         assert micro[tiles % chunk] == () and blas_rounds == [tiles % chunk]  # 72 = 48 + 24
+
+
+@pytest.mark.skipif(not gemm.available(), reason="the float32 microkernel needs AVX-512")
+def test_winograd4_runs_its_gemms_on_the_microkernel_where_phase1_planned_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """F(4x4, 3x3)'s 36 GEMMs per round of images take the float32 microkernel where ``tiling.micro`` says."""
+    case = _case(12, 3, 5, 7, 1, 14, 17, (3, 3), (1, 1), (1, 1), (1, 1), True, False)
+    assert case is not None
+    x, wt, b, attrs, ref = case
+    blas_rounds = []
+    plain = winograd4.gemm_parts
+    monkeypatch.setattr(
+        winograd4, "gemm_parts", lambda u, v, m, r: (blas_rounds.append(v.shape[2]), plain(u, v, m, r))[1]
+    )
+    r = _run("winograd4", x, wt, b, **attrs)
+    _check(r, ref)
+    th_n, tw_n, _ = winograd4.geometry(14, 17)
+    width = 3 * th_n * (tw_n + 1)  # all three images in one round
+    assert r.tiling.chunk == 3 and dict(r.tiling.micro) == {width: ((0, 7, 0, width),)} and blas_rounds == []

@@ -484,10 +484,8 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
             return None
         chunk = lo
     tw = replace(t, chunk=chunk, parts=parts)
-    if item == 4:  # the 16 GEMMs (OC x C) @ (C x round width) where matmul would take the microkernel
-        widths = sorted({chunk, tiles % chunk or chunk})
-        plan = tuple((n, ((0, t.oc, 0, n),) if _micro_parts(t.oc, t.c, n, 1) else ()) for n in widths)
-        tw = replace(tw, micro=plan if any(blocks for _, blocks in plan) else ())
+    if item == 4:
+        tw = replace(tw, micro=_winograd_micro(t, {chunk, tiles % chunk or chunk}, 1))
     return Candidate("winograd", tw, size(chunk))
 
 
@@ -524,7 +522,23 @@ def _winograd4_candidate(t: ConvTiling, dense: bool, limit: int | None) -> Candi
     images = t.n
     while images > 1 and size(images) > budget:
         images -= 1
-    return Candidate("winograd4", replace(t, chunk=images, parts=parts, flat=flat), size(images))
+    tt = replace(t, chunk=images, parts=parts, flat=flat)
+    return Candidate(
+        "winograd4",
+        replace(tt, micro=_winograd_micro(t, {images, t.n % images or images}, th_n * (tw_n + 1))),
+        size(images),
+    )
+
+
+def _winograd_micro(
+    t: ConvTiling, rounds: set[int], per_round: int
+) -> tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...]:
+    """Which winograd rounds' GEMMs ((OC x C) @ (C x width) each) take the float32 microkernel: for each width
+    (``per_round`` columns per unit of ``rounds``), the block every GEMM computes, or () where matmul would keep
+    BLAS (``linalg._micro_parts``); () when none does."""
+    widths = sorted({r * per_round for r in rounds})
+    plan = tuple((n, ((0, t.oc, 0, n),) if _micro_parts(t.oc, t.c, n, 1) else ()) for n in widths)
+    return plan if any(blocks for _, blocks in plan) else ()
 
 
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:

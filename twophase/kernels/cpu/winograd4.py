@@ -25,7 +25,7 @@ import numpy as np
 from ...layout import align, spread_stride
 from ...runtime.fanout import split_range
 from . import jit as _jit
-from .conv import Round, gemm_parts, matrices, spread_rows, winograd_launch
+from .conv import Round, gemm_parts, matrices, micro_gemm_parts, spread_rows, winograd_launch
 from .jit import entry
 from .rows_ir import deinterleave4, interleave4, linear_map
 
@@ -282,8 +282,8 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """Transformed weights U (36, OC, C), per round of ``t.chunk`` images the transformed input V (36, C, NT) and
     M = U @ V (36, OC, NT) in the workspace, then the output transform (+ bias); the transforms' scratch rows (a
     set per part) follow. With ``t.parts`` > 1 the weight and input transforms run as channel ranges in one
-    hand-off, the 36 GEMMs as batch ranges (one BLAS thread each) and the output transform as channel ranges, on
-    helper threads."""
+    hand-off, the 36 GEMMs as batch ranges (one BLAS thread each, or the float32 microkernel for the round widths
+    ``t.micro`` gives blocks for) and the output transform as channel ranges, on helper threads."""
     th_n, tw_n, band = geometry(t.oh, t.ow)
     tr = tw_n + 1
     chunk, parts = t.chunk, t.parts
@@ -305,6 +305,7 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     k_out = entry(winograd4_output, s2, b, has, out, 0, 0, geo, s2, 0, 0)
     rounds_at = [(n0, min(chunk, t.n - n0) * th_n * tr) for n0 in range(0, t.n, chunk)]
     c, oc = t.c, t.oc
+    micro = {width for width, blocks in t.micro if blocks}  # round widths whose GEMMs take the microkernel
 
     def scratch(ws: Any, i: int, at: int, rows: int, cols: int) -> Any:
         start = o_s + i * per_part + at
@@ -323,7 +324,9 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                     functools.partial(transform_in, u, v, n0, cnt, r == 0, s_in[i], s_w[i], s_p[i], i)
                     for i in range(parts)
                 ],
-                gemm_parts(matrices(u, oc, c), matrices(v, c, cnt), matrices(m, oc, cnt), k_ranges),
+                (micro_gemm_parts if cnt in micro else gemm_parts)(
+                    matrices(u, oc, c), matrices(v, c, cnt), matrices(m, oc, cnt), k_ranges
+                ),
                 [functools.partial(k_out, m, b, has, out, n0, cnt, geo, s_out[i], *oc_ranges[i]) for i in range(parts)],
             )
             for r, (n0, cnt) in enumerate(rounds_at)
