@@ -1053,22 +1053,41 @@ def test_a_guard_zone_found_damaged_at_free_is_reported_after_the_block_is_freed
     dev = tp.device("cpu")
     s = dev.stream()
     x = dev.tensor(np.ones(64, np.float32), stream=s)
+    y = tp.relu(x, stream=s)
+    s.synchronize()
+    ctypes.memset(y.block.data.ctypes.data + y.block.size, 0x11, 4)  # the host, past the end: no task to blame
+    x.free(s)
+    with pytest.raises(sanitizer.GuardError, match="past the end"):
+        y.free(s)
+    s.synchronize()
+    assert y.block.freed and not y.block.allocated
+
+
+def test_a_kernel_that_overruns_then_fails_is_reported_for_the_overrun_caused_by_its_failure(san):
+    """The guard zones of a task that raised were not verified: its KernelError hid the overrun, which the next
+    task on the block (or the free) was then blamed for. Verified as after any task, the overrun is the failure,
+    its cause the kernel's own error."""
+    import ctypes
+
+    dev = tp.device("cpu")
+    s = dev.stream()
+    x = dev.tensor(np.ones(64, np.float32), stream=s)
     size, ex = tp.ops.relu.get_workspace_size(x)
     y = dev.empty_like(ex.output_descs[0], s)
     ex.set_output(0, y)
     plain, yb = ex._launch, y.block
 
-    def overrun_then_fail(ws: Any) -> None:  # a failed task is not verified by the listeners: only at free
+    def overrun_then_fail(ws: Any) -> None:
         plain(ws)
         ctypes.memset(yb.data.ctypes.data + yb.size, 0x11, 4)
         raise RuntimeError("kernel failed after the overrun")
 
     ex._launch = overrun_then_fail
     tp.ops.relu(None, size, ex, s)
-    with pytest.raises(tp.KernelError):
+    with pytest.raises(sanitizer.GuardError, match="past the end of its output 0") as e:
         s.synchronize()
+    assert "op 'relu'" in str(e.value) and isinstance(e.value.__cause__, RuntimeError)
     x.free(s)
-    with pytest.raises(sanitizer.GuardError, match="past the end"):
-        y.free(s)
+    y.free(s)  # the zone was restored when the overrun was reported: the free finds nothing more
     s.synchronize()
     assert y.block.freed and not y.block.allocated

@@ -254,7 +254,11 @@ class _Queue:
                 _running.q = self
                 try:
                     t0 = time.perf_counter()
-                    fn(arg)
+                    try:
+                        fn(arg)
+                    except BaseException as failed:
+                        self._after_failed(owner, t0, seq, failed)
+                        raise
                     t1 = time.perf_counter()
                     for cb in tuple(listeners):  # another thread may remove one meanwhile: none is skipped
                         cb(self.name, owner, t0, t1, seq)
@@ -268,6 +272,16 @@ class _Queue:
             _count(owner)
         finally:
             self.current = None
+
+    def _after_failed(self, owner: Any, t0: float, seq: int, failed: BaseException) -> None:
+        """The listeners after a task that raised, as after any task: what one of them finds (the sanitizer: a
+        guard zone the kernel overwrote before it failed) is the task's failure, caused by the kernel's."""
+        t1 = time.perf_counter()
+        for cb in tuple(self.listeners):
+            try:
+                cb(self.name, owner, t0, t1, seq)
+            except BaseException as found:  # noqa: BLE001 - reported in place of the kernel's own error
+                raise found from failed
 
     # ---- worker side
     def serve(self) -> None:
