@@ -385,3 +385,27 @@ def test_refused_and_earlier_launches_of_an_executor_do_not_take_the_arrow_of_a_
     assert len(kernels) == 3 and len(starts) == 2 and set(ends) == {e["id"] for e in starts}
     assert [ends[e["id"]] for e in starts] == [k["ts"] for k in kernels[1:]]
     s.close()
+
+
+def test_flows_of_launches_whose_kernels_never_ran_go_with_their_executors(dev):
+    """Each launch dropped after a failure left its executor's entry of pending flows for the rest of the profile
+    (500 one-shot calls: 500 entries); entries of collected executors are dropped as new ones come."""
+    import gc
+
+    s = dev.stream()
+    x = dev.tensor(np.ones(4, np.float32), stream=s)
+    with twophase.profile() as prof:
+        s.launch_callback(lambda: 1 / 0)
+        for _ in range(500):
+            twophase.relu(x, stream=s).free(s)  # dropped after the failure: the kernel never runs
+        with pytest.raises(twophase.KernelError):
+            s.synchronize()
+        gc.collect()
+        assert len(prof._pending_flows) < 500  # pruned on the way (one entry per call, before)
+        twophase.relu(x, stream=s).free(s)
+        s.synchronize()
+        with prof._lock:
+            prof._prune_flows()
+        assert len(prof._pending_flows) == 0  # the dead ones pruned, the last launch's flow ended by its kernel
+    x.free(s)
+    s.close()

@@ -59,6 +59,7 @@ class Profiler:
         self._flow = itertools.count(1)
         # (queue, executor), both weakly -> the flows of its launches whose kernels have not run, oldest first
         self._pending_flows: dict[tuple[weakref.ref[Any], weakref.ref[Any]], collections.deque[_Flow]] = {}
+        self._prune_at = 64  # entries from which a new one first drops those of collected executors or queues
         self._started: set[int] = set()  # flows whose start is written and whose end is not
         self._early: dict[int, dict[str, Any]] = {}  # ends of flows whose kernel ran before their start was written
         self._streams: dict[Any, tuple[int, str]] = {}  # stream queue -> (track id, track name)
@@ -104,6 +105,8 @@ class Profiler:
         with self._lock:
             flows = self._pending_flows.get(key)
             if flows is None:
+                if len(self._pending_flows) >= self._prune_at:
+                    self._prune_flows()
                 flows = self._pending_flows[key] = collections.deque()
             if flows and flows[-1].hi is None:
                 flows.pop()  # the executor's last launch was refused: phase 2 never returned
@@ -112,6 +115,14 @@ class Profiler:
             flows.append(flow)
         start = {"name": "launch", "cat": "flow", "ph": "s", "id": flow.fid, "pid": 1, "tid": threading.get_ident()}
         return start, flow
+
+    def _prune_flows(self) -> None:
+        """Drop the pending flows of executors or queues since collected (their kernels never ran: dropped after a
+        failure); such an entry is never looked up again. Under the lock; amortized by doubling the threshold."""
+        pending = self._pending_flows
+        for key in [k for k in pending if k[0]() is None or k[1]() is None]:
+            del pending[key]
+        self._prune_at = max(64, 2 * len(pending))
 
     def launched(self, start: dict[str, Any], flow: _Flow, last_seq: int) -> None:
         """Phase 2 returned: the launch's task has a seq up to ``last_seq`` (the stream's last one)."""
