@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from threads import ran_without_hanging
 
 import twophase
 from twophase.runtime.memory import ALIGNMENT, MemoryPool, round_size
@@ -543,16 +544,7 @@ def test_out_of_memory_in_a_callback_does_not_wait_for_its_own_streams_pending_f
         except twophase.OutOfMemoryError:
             outcome.append("out of memory")
 
-    twophase.set_launch_blocking(blocking)
-    try:
-        t = threading.Thread(target=lambda: (s.launch_callback(cb), s.synchronize()), daemon=True)
-        t.start()
-        t.join(30)  # a hang guard, not a timing check
-    finally:
-        twophase.set_launch_blocking(False)
-    hung = t.is_alive()
-    if hung:
-        s._q.done = s._q.submitted  # the waits poll: let them loose, or every later Device.synchronize hangs too
-    assert not hung and outcome == ["out of memory"]
+    assert ran_without_hanging(s, lambda: (s.launch_callback(cb), s.synchronize()), blocking)
+    assert outcome == ["out of memory"]
     pool.malloc(3 * MiB).free()  # the free has completed since: its memory is taken again
     s.close()

@@ -13,6 +13,7 @@ import weakref
 
 import numpy as np
 import pytest
+from threads import ran_without_hanging
 
 import twophase
 from twophase import Event, Stream, TensorDesc, ops
@@ -795,17 +796,7 @@ def test_a_callback_waiting_for_its_own_stream_is_refused_and_reported_at_the_ne
         except twophase.InvalidStateError as e:
             raised.append(e)
 
-    twophase.set_launch_blocking(blocking)
-    try:
-        t = threading.Thread(target=launch_and_sync, daemon=True)
-        t.start()
-        t.join(30)  # a hang guard, not a timing check
-    finally:
-        twophase.set_launch_blocking(False)
-    hung = t.is_alive()
-    if hung:
-        s._q.done = s._q.submitted  # the waits poll: let them loose, or every later Device.synchronize hangs too
-    assert not hung, f"{call} in a callback of its own stream hung"
+    assert ran_without_hanging(s, launch_and_sync, blocking), f"{call} in a callback of its own stream hung"
     assert reached == [] and len(raised) == 1
     assert re.search(r"\(a callback\) of stream '.+': .*never return.*failed on stream", str(raised[0]))
     assert not s.closed
@@ -826,14 +817,8 @@ def test_a_callback_may_wait_for_another_stream(dev, blocking):
         other.synchronize()
         seen.append(x.numpy().tolist())
 
-    twophase.set_launch_blocking(blocking)
-    try:
-        t = threading.Thread(target=lambda: (s.launch_callback(cb), s.synchronize()), daemon=True)
-        t.start()
-        t.join(30)  # a hang guard, not a timing check
-    finally:
-        twophase.set_launch_blocking(False)
-    assert not t.is_alive() and seen == [[0.0, 1.0, 2.0]]
+    assert ran_without_hanging(s, lambda: (s.launch_callback(cb), s.synchronize()), blocking)
+    assert seen == [[0.0, 1.0, 2.0]]
     s.close()
     other.close()
 
