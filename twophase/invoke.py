@@ -64,11 +64,13 @@ class PlannedCall:
         self.workspace: Block | None = None
         self._owned: list[Tensor] = []
         self._home: tuple[Tensor | None, ...] = ()
+        self._own_outputs = False
         try:
             self.executor.set_repeatable()
             self._owned = self.executor._bind_new_outputs(dev, self.stream)
             # per output, the tensor this call allocated for it (None: the caller's): what a PlanCache hit binds back
             self._home = tuple(t if any(t is o for o in self._owned) else None for t in self.executor.outputs)
+            self._own_outputs = all(t is not None for t in self._home)  # serves a caller that passes no out
             self.workspace = dev.malloc(self.workspace_size, stream=self.stream)
         except BaseException:
             self._free_owned()
@@ -106,7 +108,10 @@ class PlannedCall:
 
     def outputs_freed(self) -> bool:
         """Whether the caller freed an output this call allocated (it can no longer run)."""
-        return any(t.block.freed for t in self._owned)
+        for t in self._owned:
+            if t.block.freed:
+                return True
+        return False
 
     def owns(self, tensors: dict[int, Tensor]) -> bool:
         """Whether any of ``tensors`` is (a view of) an output this call allocated itself."""

@@ -80,8 +80,10 @@ class PlanCache:
             call = entry.call
             # the caller's tensors, and the call's own outputs where it passed none: a previous holder's
             # ``call(out=y)`` must not leave y bound for the next holder to write into
-            given = (None,) * len(call._home) if outs is None else outs
-            call.executor._rebind(bound.items(), [g if isinstance(g, Tensor) else h for g, h in zip(given, call._home)])
+            home = call._home
+            call.executor._rebind(
+                bound.items(), home if outs is None else [g if isinstance(g, Tensor) else h for g, h in zip(outs, home)]
+            )
             self.hits += 1
             self._entries.move_to_end(id(call))
             entry.leases = 1
@@ -101,17 +103,24 @@ class PlanCache:
         """An idle entry of ``key`` that can serve these operands: leases are exclusive; not one whose own output
         is among the inputs (bound as its input too, the op would run on it in place); and one with an output of
         its own wherever the caller passes no tensor. An entry whose own output the caller freed is dropped."""
-        for e in list(self._by_meta.get(key, ())):
+        found = None
+        freed: list[_Entry] = []
+        for e in self._by_meta.get(key, ()):
             call = e.call
             if e.leases or call.workspace is None:
                 continue
             if call.outputs_freed():
-                self._drop(id(call), e, evicted=False)
-            elif not call.owns(bound) and all(
-                h is not None or (outs is not None and isinstance(outs[i], Tensor)) for i, h in enumerate(call._home)
-            ):
-                return e
-        return None
+                freed.append(e)
+            elif (
+                call._own_outputs
+                if outs is None
+                else all(h is not None or isinstance(g, Tensor) for g, h in zip(outs, call._home))
+            ) and not call.owns(bound):
+                found = e
+                break
+        for e in freed:
+            self._drop(id(e.call), e, evicted=False)
+        return found
 
     def release(self, call: PlannedCall) -> None:
         """End the lease of ``call`` (an uncached call is closed in stream order)."""
