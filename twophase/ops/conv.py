@@ -76,8 +76,8 @@ class ConvTiling:
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel).
     im2col: ``micro`` pairs (GEMM width in pixels, the float32 microkernel's parts: blocks of the result) for the
-    tile widths it runs, where it runs, else () (BLAS for every tile). winograd: ``micro`` pairs (round width
-    in 2x2 tiles, the block each of its 16 GEMMs computes on the microkernel, or () for BLAS)."""
+    tile widths it runs, where it runs, else () (BLAS for every tile). winograd, winograd4: ``micro`` pairs
+    (round width in tiles, the block each of its 16 or 36 GEMMs computes on the microkernel, or () for BLAS)."""
 
     n: int
     c: int
@@ -307,8 +307,9 @@ def _im2col_micro(
     """im2col's GEMMs (W @ cols, channel-major) by the float32 microkernel where matmul would take it
     (``linalg._micro_parts``): the parts for each tile width in pixels, () when none (BLAS). Its result needs
     unit column stride: out's pixels (or the staged area). Side by side on an AVX-512 EPYC (Zen 5; numpy's
-    OpenBLAS on its Haswell kernels): 8 images of ResNet-18's 3x3 layers ran 1.6-2.2x faster than by BLAS
-    (/tmp/w39/convmk.py of the thirty-ninth session)."""
+    OpenBLAS on its Haswell kernels), the same plan with and without it, 8 calls per timing in rotating order:
+    8 images of ResNet-18's 3x3 layers ran 1.4-1.8x faster, the stem 1.8x (/tmp/w39/ab.py of the thirty-ninth
+    session; winograd's GEMMs 1.45-1.5x, winograd4's 1.2-1.3x: abw.py, ab4.py)."""
     if item != 4 or t.orient != "cm" or not (t.staged or os_[3] == 1):
         return ()
     images = {t.tile_n, t.n % t.tile_n or t.tile_n}
