@@ -126,8 +126,7 @@ class PlannedCall:
     def pending(self) -> bool:
         """True while enqueued work that uses the workspace has not completed."""
         ws = self.workspace
-        s = None if ws is None else ws._stream
-        return s is not None and s._q.done < ws._seq  # type: ignore[union-attr]
+        return ws is not None and ws.in_use()
 
     def _free_owned(self) -> None:
         owned, self._owned = self._owned, []

@@ -129,7 +129,7 @@ class OpCounters:
         if ex._repeatable:  # destroyed with launches still queued (close(sync=False)): counted once they ran
             for b in ex._blocks:
                 s = b._stream
-                if s is not None and s._q.done < b._seq:
+                if s is not None and b.in_use():
                     with _retiring_lock:
                         self.retiring.append((ex, s._q, b._seq))
                     self._settle()

@@ -123,6 +123,11 @@ class Block:
         self._stream = stream
         self._seq = seq
 
+    def in_use(self) -> bool:
+        """Whether the last stream task that used this block (``mark_use``) has not completed yet."""
+        s = self._stream
+        return s is not None and s._q.done < self._seq
+
     def wait(self) -> None:
         """Block the host until the last task that used this block has completed."""
         s = self._stream

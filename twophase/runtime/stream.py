@@ -257,11 +257,9 @@ class _Queue:
                     try:
                         fn(arg)
                     except BaseException as failed:
-                        self._after_failed(owner, t0, seq, failed)
+                        self._tell_listeners(owner, t0, seq, failed)
                         raise
-                    t1 = time.perf_counter()
-                    for cb in tuple(listeners):  # another thread may remove one meanwhile: none is skipped
-                        cb(self.name, owner, t0, t1, seq)
+                    self._tell_listeners(owner, t0, seq, None)
                 finally:
                     _running.q = outer
             else:
@@ -273,14 +271,16 @@ class _Queue:
         finally:
             self.current = None
 
-    def _after_failed(self, owner: Any, t0: float, seq: int, failed: BaseException) -> None:
-        """The listeners after a task that raised, as after any task: what one of them finds (the sanitizer: a
-        guard zone the kernel overwrote before it failed) is the task's failure, caused by the kernel's."""
+    def _tell_listeners(self, owner: Any, t0: float, seq: int, failed: BaseException | None) -> None:
+        """The listeners after a task, also one that raised (``failed``): what one of them finds (the sanitizer: a
+        guard zone the kernel overwrote) is the task's failure, caused by the kernel's own error if it had one."""
         t1 = time.perf_counter()
-        for cb in tuple(self.listeners):
+        for cb in tuple(self.listeners):  # another thread may remove one meanwhile: none is skipped
             try:
                 cb(self.name, owner, t0, t1, seq)
             except BaseException as found:  # noqa: BLE001 - reported in place of the kernel's own error
+                if failed is None:
+                    raise
                 raise found from failed
 
     # ---- worker side

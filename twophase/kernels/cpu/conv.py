@@ -641,15 +641,22 @@ _NO_BIAS = np.zeros(1, np.float32)
 _COLS_SAMPLE = np.zeros((2, 2), np.float32)  # what a channel-major unfold is: a C-contiguous float32 matrix
 
 
+def _plain_gemm(a: Any, b: Any, c: Any) -> Callable[[Any, Any, Any, int, int, int, int], None]:
+    """``(a, b, c, i0, i1, j0, j1)``: ``c[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1]`` by the register-blocked float32
+    GEMM (no bias, b read in place), compiled for the layouts of the samples ``a``, ``b``, ``c``."""
+    fn = entry(gemm.gemm_f32, a, b, c, _NO_BIAS, False, 0, 0, 0, 0, _NO_PACK)
+    return lambda a, b, c, i0, i1, j0, j1: fn(a, b, c, _NO_BIAS, False, i0, i1, j0, j1, _NO_PACK)
+
+
 def _micro_gemm(wm: Any, res: Any, parts: tuple[tuple[int, int, int, int], ...]) -> Callable[[Any, Any], None] | None:
     """``(cols, res) -> res = wm @ cols`` by the register-blocked float32 GEMM, one call per part of ``parts``
     (blocks of res), on helper threads; compiled for ``res``'s layout (a sample of it); None for no parts."""
     if not parts:
         return None
-    fn = entry(gemm.gemm_f32, wm, _COLS_SAMPLE, res, _NO_BIAS, False, 0, 0, 0, 0, _NO_PACK)
+    mm = _plain_gemm(wm, _COLS_SAMPLE, res)
 
     def run(cols: Any, res: Any) -> None:
-        run_parts([functools.partial(fn, wm, cols, res, _NO_BIAS, False, *p, _NO_PACK) for p in parts])
+        run_parts([functools.partial(mm, wm, cols, res, *p) for p in parts])
 
     return run
 
@@ -971,12 +978,12 @@ def gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> list[Pa
 
 def micro_gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> list[Part]:
     """``gemm_parts`` by the register-blocked float32 GEMM: each part multiplies its range of the matrices."""
-    fn = entry(gemm.gemm_f32, u[0], v[0], m[0], _NO_BIAS, False, 0, 0, 0, 0, _NO_PACK)
+    mm = _plain_gemm(u[0], v[0], m[0])
     rows, cols = u.shape[1], v.shape[2]
 
     def run(lo: int, hi: int) -> None:
         for i in range(lo, hi):
-            fn(u[i], v[i], m[i], _NO_BIAS, False, 0, rows, 0, cols, _NO_PACK)
+            mm(u[i], v[i], m[i], 0, rows, 0, cols)
 
     return [functools.partial(run, lo, hi) for lo, hi in ranges]
 
