@@ -18,6 +18,7 @@ from threads import num_threads
 import twophase
 from twophase import DType, TensorDesc, device, functions, ops
 from twophase.errors import KernelError, ParamError
+from twophase.kernels.cpu import elementwise as elementwise_kernels
 from twophase.kernels.cpu import streaming
 from twophase.kernels.cpu.elementwise import IN_PLACE, KERNELS, STAGE, _rows_call, function_for
 from twophase.kernels.cpu.jit import FAST
@@ -611,6 +612,109 @@ def test_streaming_kernels_store_whole_vectors_past_the_cache(dtype: Any, store:
         fresh.compile((arr, arr, arr))
         asm = fresh.inspect_asm((arr, arr, arr))
         assert re.search(rf"{store}\s+%ymm", asm) and "sfence" in asm, name
+
+
+VMATH_UNARY = sorted(n for n, spec in UNARY.items() if spec[0] == "vmath")
+
+
+@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(VMATH_UNARY),
+    dtype=st.sampled_from([np.float32, np.float64]),
+    shape=st.lists(st.integers(1, 50), min_size=1, max_size=3).map(tuple),
+    offsets=st.tuples(st.integers(0, 17), st.integers(0, 17)),
+    parts=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_streaming_unary_is_the_vector_kernels_result_at_any_alignment(
+    name: str, dtype: Any, shape: tuple[int, ...], offsets: tuple[int, int], parts: int, seed: int
+) -> None:
+    """'vector_streaming' with x and the output at any element offset (the scalar head runs up to the output's
+    first 64-byte boundary, the tail after the last whole line), cut into one to three parts: every element is
+    written, nothing around the output is, and the result is the 'vector' kernel's bit for bit (the same function
+    per element), special values included."""
+    dev = device("cpu")
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, np.finfo(dtype).smallest_subnormal, 30.0, -30.0], dtype)
+    x = np.where(rng.random(n) < 0.1, rng.choice(special, n), rng.standard_normal(n) * 3).astype(dtype)
+    bx = np.zeros(n + 17, dtype)
+    bx[offsets[0] : offsets[0] + n] = x
+    bout = np.full(n + 17, 7.0, dtype)
+    bout[offsets[1] : offsets[1] + n] = np.full(n, POISON_BITS[dtype]).view(dtype)
+    (_, tx), (whole, tout) = (dense_at(b, shape, o) for b, o in zip((bx, bout), offsets))
+    op = getattr(ops, name)
+    with forced("vector_streaming"), num_threads(parts), mock.patch.object(elementwise_kernels, "FANOUT_NS", 1.0):
+        size, ex = op.get_workspace_size(tx, out=tout)
+    assert ex.implementation == "vector_streaming" and size == 0
+    op(None, 0, ex, dev.default_stream)
+    out = whole.numpy()  # waits for the launch
+    written = out[offsets[1] : offsets[1] + n]
+    assert not (written.view(POISON_BITS[dtype].dtype) == POISON_BITS[dtype]).any()
+    with forced("vector"):
+        want = functions()[name](dev.tensor(x.reshape(shape))).numpy().reshape(-1)
+    np.testing.assert_array_equal(written, want)
+    assert (np.delete(out, np.arange(offsets[1], offsets[1] + n)) == 7.0).all()
+
+
+def test_streaming_unary_is_ranked_first_only_for_large_dense_float_outputs() -> None:
+    """Phase 1 on descs alone: 'vector_streaming' from ``stream_threshold()`` output bytes, 'vector' below; never
+    for float16 (packed) or strided operands, where forcing it is a ``ParamError``."""
+    llc = streaming.stream_threshold()
+    big = TensorDesc((llc // 4,), DType.float32)
+
+    def impl(*descs: TensorDesc, name: str = "gelu") -> str:
+        _, ex = getattr(ops, name).get_workspace_size(*descs)
+        ex.destroy()
+        return ex.implementation
+
+    want = "vector_streaming" if streaming.AVAILABLE else "vector"
+    assert [impl(big, name=n) for n in VMATH_UNARY] == [want] * len(VMATH_UNARY)
+    assert impl(TensorDesc((llc // 8,), DType.float64)) == want
+    assert impl(TensorDesc((llc // 4 - 16,), DType.float32)) == "vector"
+    assert impl(TensorDesc((llc // 2,), DType.float16)) == "packed"
+    strided = TensorDesc((llc // 4,), DType.float32, strides=(2,))
+    assert impl(strided) == "vector"
+    with forced("vector_streaming"), pytest.raises(ParamError) as err:
+        impl(strided)
+    assert err.value.arg == "implementation"
+
+
+@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+def test_streaming_unary_in_place_takes_the_in_place_vector_kernel(dev: Any) -> None:
+    """Planned 'vector_streaming', an out that is x itself runs the in-place vector kernel (a streaming loop over
+    one array twice would fail LLVM's overlap check and run scalar) and gives the reference; an out overlapping x
+    otherwise is refused when the call is bound."""
+    rng = np.random.default_rng(5)
+    base = rng.standard_normal(1001).astype(np.float32)
+    t = dev.tensor(base)
+    x = t.strided((1000,), (1,), 0)
+    with forced("vector_streaming"):
+        got = twophase.silu(x, out=x)
+        with pytest.raises(ParamError) as err:
+            twophase.silu(x, out=t.strided((1000,), (1,), 1))
+    assert got is x and err.value.arg == "out"
+    want = base.copy()
+    want[:1000] = unary_reference("silu")(base[:1000].astype(np.float64))
+    np.testing.assert_allclose(t.numpy(), want, rtol=1e-6, atol=1e-7)
+    m, other = np.ones(4096, np.float32), np.ones(4096, np.float32)
+    with mock.patch.object(elementwise_kernels, "STREAMING", {}):  # any use of a streaming kernel: KeyError
+        elementwise_kernels.build_unary("silu", m, m, False, np.dtype(np.float32), stream=True)
+        with pytest.raises(KeyError):
+            elementwise_kernels.build_unary("silu", m, other, False, np.dtype(np.float32), stream=True)
+
+
+@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+@pytest.mark.parametrize("name,dtype,store", [("silu_f32", np.float32, "vmovntps"), ("exp", np.float64, "vmovntpd")])
+def test_streaming_unary_kernel_stores_whole_vectors_past_the_cache(name: str, dtype: Any, store: str) -> None:
+    """The streaming unary kernel, recompiled uncached, computes with packed FMAs and stores them with aligned
+    non-temporal vector stores (the loop vectorizer widened ``put_streaming``), then an sfence."""
+    fresh = numba.njit(nogil=True, fastmath=FAST, error_model="numpy")(elementwise_kernels.STREAMING[name].py_func)
+    arr = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 1, "C")
+    fresh.compile((arr, arr))
+    asm = fresh.inspect_asm((arr, arr))
+    assert PACKED_FMA.search(asm) and re.search(rf"{store}\s+%[yz]mm", asm) and "sfence" in asm
 
 
 UFUNC_UNARY = sorted(n for n, spec in UNARY.items() if spec[0] == "ufunc")

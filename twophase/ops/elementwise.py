@@ -358,10 +358,21 @@ def _unary_infer(name: str, dtypes: tuple[DType, ...]) -> Any:
     return infer
 
 
-def _vmath_select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
-    x = ins[0]
-    pack = unary_needs_pack(x, outs[0])
-    return Plan("packed" if pack else "vector", pack, align(x.numel * max(4, x.dtype.itemsize)) if pack else 0)
+def _vmath_select(name: str) -> Any:
+    """Phase 1 of a vector-math unary op: 'packed' where ``unary_needs_pack``; else 'vector', and
+    'vector_streaming' (non-temporal stores, ``kernels/cpu/streaming.py``) where x and the output are dense float32
+    / float64, ranked first from outputs of ``streaming.stream_threshold()`` bytes."""
+
+    def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
+        x, out = ins[0], outs[0]
+        if unary_needs_pack(x, out):
+            return Plan("packed", True, align(x.numel * max(4, x.dtype.itemsize)))
+        vector = Candidate("vector", False, 0)
+        if not streaming.offered(out, x):
+            return choose(name, [vector], limit)
+        return choose(name, streaming.ranked(Candidate("vector_streaming", False, 0), vector, out.nbytes), limit)
+
+    return select
 
 
 def _vmath_build(kname: str | None) -> Builder:
@@ -369,7 +380,7 @@ def _vmath_build(kname: str | None) -> Builder:
         name = kname or ("gelu_tanh" if attrs["approximate"] == "tanh" else "gelu_erf")
         x = ins[0]
         compute = np.dtype(np.float32) if x.dtype == np.float16 else x.dtype
-        return build_unary(name, x, outs[0], plan.tiling, compute)
+        return build_unary(name, x, outs[0], plan.tiling, compute, plan.implementation == "vector_streaming")
 
     return build
 
@@ -386,6 +397,10 @@ def _ufunc_build(fn: Any) -> Builder:
     return build
 
 
+_STREAM_DOC = (
+    "Implementations: 'vector' (vectorized loops), 'vector_streaming' (the same with stores that bypass the "
+    "cache, ranked first for dense float32 / float64 outputs from the last-level cache's size), 'packed'."
+)
 _PACK_DOC = "0, or align64(numel * max(4, itemsize)) when packed (float16, or leading dims that do not merge)"
 
 
@@ -401,14 +416,14 @@ def _register_unary() -> None:
                 attrs=(Attr("approximate", choice("none", "tanh"), "none", "'none' (erf) or 'tanh'"),)
                 if name == "gelu"
                 else (),
-                select=_vmath_select if vm else _zero_plan,
+                select=_vmath_select(name) if vm else _zero_plan,
                 kernels={"cpu": _vmath_build(impl) if vm else _ufunc_build(impl)},
-                implementations=("vector", "packed") if vm else ("ufunc",),
+                implementations=("vector", "vector_streaming", "packed") if vm else ("ufunc",),
                 workspace_formula=_PACK_DOC if vm else "0",
                 aliases=(0,),
                 doc=(
                     f"Elementwise {name} (dtypes {[d.value for d in dtypes]}). Workspace: "
-                    + (_PACK_DOC + "; float16 is computed in float32." if vm else "0 bytes.")
+                    + (_PACK_DOC + "; float16 is computed in float32. " + _STREAM_DOC if vm else "0 bytes.")
                     + (
                         f" {name}(-inf) is NaN (-inf x 0), as in torch, not the limit -0."
                         if name in ("gelu", "silu")

@@ -21,6 +21,7 @@ from ...layout import align, as_matrix
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
 from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
+from .streaming import LINE_BYTES, aligned_head, element_aligned, put_streaming, sfence
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
 _LOOP_OPTIONS: Any = {"nogil": True, "fastmath": FAST, "error_model": "numpy"}  # also the span loops' (overloads)
@@ -72,24 +73,25 @@ def fanout_elements(fn: str) -> int:
     return max(2, int(FANOUT_NS / COST_NS[fn]))
 
 
-def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callable[..., None], Callable[..., None]]:
-    """``(span, span_in_place, span_staged)`` for kernels: ``span(code, x, out)`` runs ``out[i] =
-    functions[code](x[i])`` over 1-D spans, ``span_in_place(code, x)`` runs ``x[i] = functions[code](x[i])`` (a
-    loop of its own: ``span(code, x, x)`` fails LLVM's overlap check, which sends identical input and output to
-    the scalar loop, 6 ns against 0.6 per gelu element), ``span_staged(code, x, out, buf)`` the same as ``span``
-    for spans of any stride (``out`` may be ``x``), through the dense 1-D ``buf`` a chunk at a time: copied in,
-    computed there by the vector loop, copied out (a strided span's own loop stays scalar: gelu on every other
-    column of a 1024 x 1024 matrix 4.9 against 1.6 ns an element staged, on a transposed one 9.3 against 3.1,
-    /tmp/w28/tr.py). ``code`` must be a closure constant of the calling kernel: an overload picks the function
-    from its literal when the kernel is typed, so only that function is compiled (an ``if code == ...`` chain of
-    inlined calls had every body typed and lowered before the dead branches were pruned, ~8 s a kernel against
-    ~1). The loops are functions of their own, not inlined: inlined into a row loop, AVX2 code reloaded
-    the polynomial constants on every iteration (110 instructions against 61).
+def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], ...]:
+    """``(span, span_in_place, span_staged, span_streaming)`` for kernels: ``span(code, x, out)`` runs ``out[i] =
+    functions[code](x[i])`` over 1-D spans, ``span_in_place(code, x)`` runs ``x[i] = functions[code](x[i])`` (a loop
+    of its own: ``span(code, x, x)`` fails LLVM's overlap check, which sends identical input and output to the
+    scalar loop, 6 ns against 0.6 per gelu element), ``span_staged(code, x, out, buf)`` the same as ``span`` for
+    spans of any stride (``out`` may be ``x``), through the dense 1-D ``buf`` a chunk at a time: copied in, computed
+    there by the vector loop, copied out (a strided span's own loop stays scalar: gelu on every other column of a
+    1024 x 1024 matrix 4.9 against 1.6 ns an element staged, on a transposed one 9.3 against 3.1, /tmp/w28/tr.py),
+    ``span_streaming(code, x, out)`` the same as ``span`` on dense spans with non-temporal stores
+    (``streaming.put_streaming``; the caller ends with an ``sfence``). ``code`` must be a closure constant of the
+    calling kernel: an overload picks the function from its literal when the kernel is typed, so only that function
+    is compiled (an ``if code == ...`` chain of inlined calls had every body typed and lowered before the dead
+    branches were pruned, ~8 s a kernel against ~1). The loops are functions of their own, not inlined: inlined into
+    a row loop, AVX2 code reloaded the polynomial constants on every iteration (110 instructions against 61).
 
-    Each iteration computes one element from each half of the span: two independent memory streams keep more
-    lines in flight while the arithmetic runs (Intel Xeon, 16 M float32 elements out of cache, one thread: gelu
-    15.7 against 17.2 ms, silu 12.0 against 13.8; two threads, through the op, gelu / torch 0.84-1.02 against
-    0.87-0.96, /tmp/w28/gq.py, opab.py). The same in cache; four streams were no better than two."""
+    Each iteration computes one element from each half of the span: two independent memory streams keep more lines
+    in flight while the arithmetic runs (Intel Xeon, 16 M float32 elements out of cache, one thread: gelu 15.7
+    against 17.2 ms, silu 12.0 against 13.8; two threads, through the op, gelu / torch 0.84-1.02 against 0.87-0.96,
+    /tmp/w28/gq.py, opab.py). The same in cache; four streams were no better than two."""
 
     def span(code: int, x: Any, out: Any) -> None:
         for i in range(x.shape[0]):
@@ -99,6 +101,9 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
         span(code, x, x)
 
     def span_staged(code: int, x: Any, out: Any, buf: Any) -> None:
+        span(code, x, out)
+
+    def span_streaming(code: int, x: Any, out: Any) -> None:
         span(code, x, out)
 
     def function(code: Any) -> Any:
@@ -160,10 +165,32 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], Callabl
 
         return impl
 
-    return span, span_in_place, span_staged
+    @overload(span_streaming, jit_options=_LOOP_OPTIONS)
+    def _span_streaming_typed(code: Any, x: Any, out: Any) -> Any:
+        f = function(code)
+        if f is None:
+            return None
+
+        def impl(code: Any, x: Any, out: Any) -> None:
+            # one stream, not span's two halves: two interleaved streams of non-temporal stores ran 2.3x slower
+            wide_vectors()
+            n = x.shape[0]
+            head = aligned_head(out, n, LINE_BYTES)
+            for i in range(head):
+                out[i] = f(x[i])
+            xs, os = x[head:], out[head:]
+            body = (n - head) // (LINE_BYTES // out.itemsize) * (LINE_BYTES // out.itemsize)
+            for i in range(body):
+                put_streaming(os, i, f(xs[i]))
+            for i in range(head + body, n):
+                out[i] = f(x[i])
+
+        return impl
+
+    return span, span_in_place, span_staged, span_streaming
 
 
-_span, _span_in_place, _span_staged = span_loops(tuple(getattr(vm, name) for name in FUNCS))
+_span, _span_in_place, _span_staged, _span_streaming = span_loops(tuple(getattr(vm, name) for name in FUNCS))
 STAGE = 512  # elements of a strided row staged at a time (two 2 KiB float32 chunks stay in L1)
 
 
@@ -212,6 +239,21 @@ def _in_place(code: int) -> dict[bool, Any]:
 
 
 IN_PLACE: dict[str, dict[bool, Any]] = {name: _in_place(CODES[name]) for name in FUNCS}
+
+
+def _streaming(code: int) -> Any:
+    """``out = f(x)`` over dense 1-D views of one float dtype with non-temporal stores (``_span_streaming``); ``out``
+    may be ``x`` itself (each vector is loaded before it is stored), but no other overlap."""
+
+    @kern
+    def run(x: Any, out: Any) -> None:
+        _span_streaming(code, x, out)
+        sfence()
+
+    return run
+
+
+STREAMING: dict[str, Any] = {name: _streaming(CODES[name]) for name in FUNCS}
 
 
 def function_for(name: str, compute: Any) -> str:
@@ -285,16 +327,29 @@ def pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[
     return [(cut(out, lo, hi), *(cut(a, lo, hi) for a in operands)) for lo, hi in ranges]
 
 
-def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any) -> Callable[[Any], None]:
+def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any, stream: bool = False) -> Callable[[Any], None]:
     """Launch for ``out = f(x)``: directly on (rows, cols) views, or through a dense ``compute``-dtype copy in the
     workspace when ``pack`` (float16, or dims that do not merge). The kernel is chosen and compiled here
-    (phase 1), and from ``fanout_elements`` elements the views are cut into one piece per helper thread."""
+    (phase 1), and from ``fanout_elements`` elements the views are cut into one piece per helper thread.
+    ``stream``: non-temporal stores (``STREAMING``) where the bound memory takes them (both dense, ``out`` aligned
+    to its element size and apart from ``x``; in place the vector loop would not run: see ``span_loops``)."""
     if x.size == 0:
         return lambda _: None
     fn_name = function_for(name, compute)
     fan = fanout_elements(fn_name)
     parts = fanout_parts() if x.size >= fan else 1
     grain = fan // 2
+    if (
+        stream
+        and not pack
+        and x.flags.c_contiguous
+        and out.flags.c_contiguous
+        and element_aligned(out)
+        and not np.may_share_memory(x, out)
+    ):
+        xf, of = x.reshape(-1), out.reshape(-1)
+        fn = entry(STREAMING[fn_name], xf, of)
+        return launcher([functools.partial(fn, xf[lo:hi], of[lo:hi]) for lo, hi in split_range(x.size, parts, grain)])
     if not pack:
         both = x.flags.c_contiguous and out.flags.c_contiguous
         xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))

@@ -70,7 +70,7 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: b
     first, last = 0, 0
     if stream:  # a scalar head up to out's first aligned vector, the vectors, then the scalar tail
         lanes = VECTOR_BYTES // out.itemsize
-        first = aligned_head(out, n)
+        first = aligned_head(out, n, VECTOR_BYTES)
         last = first + (n - first) // lanes * lanes
         for i in range(first, last, lanes):
             store_normalized(out, x, w, b, i, mu, r)

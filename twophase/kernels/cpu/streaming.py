@@ -1,12 +1,15 @@
-"""Kernels that write their output with non-temporal (streaming) stores: binary arithmetic (add, sub, mul, div)
-and the row write of layer / RMS norm (``store_normalized``, used by ``norm.py``).
+"""Kernels that write their output with non-temporal (streaming) stores: binary arithmetic (add, sub, mul, div),
+the row write of layer / RMS norm (``store_normalized``, used by ``norm.py``) and the unary vector-math loops
+(``put_streaming``, used by ``elementwise.py``).
 
 A plain store to a line that is not cached reads that line first (read for ownership), so ``out = x + y`` over
 arrays larger than the last-level cache moves four arrays' bytes through memory to write three. An aligned 32-byte
 ``vmovntps`` / ``vmovntpd`` writes whole lines past the cache without reading them. On this project's AMD EPYC
-(AVX2, 2 vCPUs) a 4096 x 4096 float32 add ran 1.14-1.25x faster this way, layer / RMS norm 1.22-1.63x. Below the
-cache's size the result would have stayed cached for the next op, which then reads it from memory instead: an add
-followed by a read of its 8 MiB output ran 0.85x as fast (``/tmp/w20/ntsz.py`` of the twentieth session). So
+(AVX2, 2 vCPUs) a 4096 x 4096 float32 add ran 1.14-1.25x faster this way, layer / RMS norm 1.22-1.63x. On a
+Zen 5 EPYC (AVX-512) gelu and silu of 16 M float32 elements ran 1.04-1.30x faster (``/tmp/w40/unab.py``, the
+fortieth session, side by side with the plain vector loop). Below the cache's size the result would have stayed
+cached for the next op, which then reads it from memory instead: an add followed by a read of its 8 MiB output ran
+0.85x as fast (``/tmp/w20/ntsz.py`` of the twentieth session). So
 phase 1 ranks these implementations first only for outputs of at least :func:`stream_threshold`: the last-level
 cache's size, at most ``STREAM_MAX_THRESHOLD``.
 
@@ -32,11 +35,13 @@ __all__ = [
     "CODES",
     "KERNELS",
     "AVAILABLE",
+    "LINE_BYTES",
     "VECTOR_BYTES",
     "aligned_head",
     "element_aligned",
     "last_level_cache_bytes",
     "offered",
+    "put_streaming",
     "ranked",
     "sfence",
     "store_normalized",
@@ -47,6 +52,7 @@ __all__ = [
 CODES = {"add": 0, "sub": 1, "mul": 2, "div": 3}
 _INSTRUCTIONS = ("fadd", "fsub", "fmul", "fdiv")
 VECTOR_BYTES = 32  # one ymm register: the widest store every x86-64 with AVX takes aligned
+LINE_BYTES = 64  # a cache line, and the widest vector (zmm): ``put_streaming``'s claimed alignment
 AVAILABLE = platform.machine().lower() in ("x86_64", "amd64")
 DEFAULT_LLC = 32 << 20  # where the machine does not say (no sysfs)
 # outputs from which streaming ranks first even where the last-level cache is larger: a server's L3 is shared by the
@@ -182,17 +188,47 @@ def _sfence_typing(typingctx: Any) -> Any:
     return sig, codegen
 
 
+def _put_typing(typingctx: Any, out: Any, i: Any, v: Any) -> Any:
+    """``out[i] = v`` as a non-temporal store that claims ``LINE_BYTES`` alignment, for a loop that LLVM widens: the
+    loop vectorizer keeps the scalar store's metadata and alignment on its vector stores, which then become
+    ``vmovntps`` / ``vmovntpd`` (it declines non-temporal stores it cannot prove aligned, and numba's arrays promise
+    only their element size). The claim holds for each vector store, which is all the instruction needs, where
+    ``out[0]`` is on a ``LINE_BYTES`` boundary and the loop's trip count a multiple of ``LINE_BYTES`` of elements
+    (``aligned_head(out, n, LINE_BYTES)``): vectors of 16, 32 or 64 bytes then start on multiples of their own
+    width. A scalar iteration left unwidened stores one element, non-temporally where the CPU has such a store."""
+    if (
+        not isinstance(out, types.Array)
+        or out.ndim != 1
+        or not isinstance(out.dtype, types.Float)
+        or not isinstance(i, types.Integer)
+    ):
+        return None
+    sig = types.void(out, i, v)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        value = context.cast(builder, args[2], signature.args[2], out.dtype)
+        store = builder.store(value, builder.gep(arr.data, [index]), align=LINE_BYTES)
+        store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 _apply: Any = intrinsic(_apply_typing)
 _store: Any = intrinsic(_store_typing)
 sfence: Any = intrinsic(_sfence_typing)
 store_normalized: Any = intrinsic(_normalized_typing)
+put_streaming: Any = intrinsic(_put_typing)
 
 
 @numba.njit(nogil=True, cache=True, inline="always")
-def aligned_head(out: Any, n: int) -> int:
-    """How many of the first ``n`` elements of ``out`` come before its first ``VECTOR_BYTES``-aligned one (the scalar
-    head of a streaming loop; ``out`` must be aligned to its element size)."""
-    head: int = ((-out.ctypes.data) & (VECTOR_BYTES - 1)) // out.itemsize
+def aligned_head(out: Any, n: int, width: int) -> int:
+    """How many of the first ``n`` elements of ``out`` come before its first ``width``-byte-aligned one (the scalar
+    head of a streaming loop: ``VECTOR_BYTES`` for the explicit vector stores, ``LINE_BYTES`` for
+    ``put_streaming``'s; ``out`` must be aligned to its element size)."""
+    head: int = ((-out.ctypes.data) & (width - 1)) // out.itemsize
     return min(head, n)
 
 
@@ -235,7 +271,7 @@ def _kernel(code: int) -> Any:
     def run(a: Any, b: Any, out: Any) -> None:
         n = out.shape[0]
         lanes = VECTOR_BYTES // out.itemsize
-        head = aligned_head(out, n)
+        head = aligned_head(out, n, VECTOR_BYTES)
         for i in range(head):
             out[i] = _apply(code, a[i], b[i])
         i = head
