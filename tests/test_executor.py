@@ -269,6 +269,24 @@ def test_undersized_or_missing_workspace_block_raises_workspace_too_small(dev, s
     np.testing.assert_allclose(out.numpy(), a.sum(1), rtol=1e-12)
 
 
+def test_a_workspace_malloced_smaller_than_phase_1_asked_is_refused_though_the_pool_rounded_it_up(dev, stream, rng):
+    """The contract is on the bytes the caller asked malloc for: a block of 64 bytes that the pool rounded up to its
+    512-byte granule still breaks a 128-byte workspace (another allocator would not have rounded), and the
+    refusal names both sizes; nothing ran."""
+    x, out = dev.tensor(rng.standard_normal(1 << 16), stream=stream), dev.empty((), "float64")
+    size, ex = ops.reduce_sum.get_workspace_size(x, dims=(0,), out=out)
+    assert 0 < size <= 256
+    small = dev.malloc(size // 2, stream=stream)
+    assert small.size >= size > small.requested  # the rounding covers the bytes
+    out.view()[...] = -1.0
+    with pytest.raises(twophase.WorkspaceTooSmallError, match=f"at least {size} bytes") as info:
+        ops.reduce_sum(small, size, ex, stream)
+    assert f"got {size // 2} bytes (rounded up to {small.size} by the pool)" in str(info.value)
+    assert out.numpy() == -1.0
+    small.free(stream)
+    ex.destroy()
+
+
 def _argmax_plan(dev, stream=None):
     x = dev.tensor(np.arange(4 * 20000, dtype=np.float32).reshape(4, 20000), stream=stream)
     size, ex = ops.argmax.get_workspace_size(x, dim=-1)

@@ -497,7 +497,7 @@ class Op:
                 or (
                     workspace is not None
                     and (
-                        workspace.size < workspace_size
+                        workspace.requested < workspace_size  # what malloc was asked for, not the pool's rounding
                         or not workspace.allocated
                         or (workspace.data is None and ex.device.runs_kernels)
                     )
@@ -582,9 +582,9 @@ class Op:
                 op=self.name,
                 arg="workspace",
                 expected="an allocated block",
-                got=f"a freed block of {workspace.size} bytes",
+                got=f"a freed block of {workspace.requested} bytes",
             )
-        if workspace is not None and workspace.data is None and ex.device.runs_kernels and workspace.size >= size:
+        if workspace is not None and workspace.data is None and ex.device.runs_kernels and workspace.requested >= size:
             raise ParamError(
                 op=self.name,
                 arg="workspace",
@@ -595,8 +595,13 @@ class Op:
             op=self.name,
             arg="workspace",
             expected=f"a block of at least {size} bytes",
-            got="None" if workspace is None else f"{workspace.size} bytes",
+            got="None" if workspace is None else _block_bytes(workspace),
         )
+
+
+def _block_bytes(b: Block) -> str:
+    """A workspace block's size as a refusal names it: the bytes asked of malloc, and the pool's rounding."""
+    return f"{b.requested} bytes" + (f" (rounded up to {b.size} by the pool)" if b.size != b.requested else "")
 
 
 # launches remembered per op (LRU), keyed by plan and operand memory: at least the distinct launches of one op in a

@@ -224,11 +224,11 @@ def _phase2_before(op: Op, ws: Any, size: int, ex: Any, stream: Stream) -> None:
         raise ExecutorMisuseError(
             f"{how}: {ex.describe()}, {_origin(ex)}\n  {ex._state.value} at\n{when}", op=op.name, arg="executor"
         )
-    if size != ex.workspace_size or (size and (ws is None or getattr(ws, "size", 0) < size)):
+    if size != ex.workspace_size or (size and (ws is None or getattr(ws, "requested", 0) < size)):
         got = (
             f"workspace_size {size}"
             if size != ex.workspace_size
-            else ("no workspace" if ws is None else f"a workspace block of {ws.size} bytes")
+            else ("no workspace" if ws is None else f"a workspace block of {getattr(ws, 'requested', 0)} bytes")
         )
         raise WorkspaceContractError(
             f"phase 1 returned workspace size {ex.workspace_size} for {ex.describe()}, "

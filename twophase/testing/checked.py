@@ -47,6 +47,7 @@ def guarded_workspace(dev: Device, size: int, stream: Stream) -> tuple[Block, Bl
     outer.data[:] = PATTERN
     inner = Block(outer.pool, outer.segment, outer.offset + GUARD, size)
     inner.allocated = True
+    inner.requested = size
     # a view of one byte cut to ``size``: an empty slice of the guard's end would start at the block's start
     inner.data = outer.data[GUARD : GUARD + max(size, 1)][:size]
     return outer, inner
