@@ -858,6 +858,46 @@ def test_a_dropped_stream_whose_work_has_run_is_collected_with_its_queue(dev):
     assert not worker.is_alive() and stream_ref() is None and queue_ref() is None
 
 
+def _fail() -> None:
+    raise ValueError("boom")
+
+
+def test_device_synchronize_raises_a_failure_left_on_a_stream_the_caller_dropped(dev):
+    """A failed callback on a stream dropped unsynced (its worker done and its queue collected) was lost: the device's
+    sync now raises it once, as its stream's sync would have, with a note saying why it surfaces there."""
+    s = dev.stream()
+    s.launch_callback(_fail)
+    s.launch_callback(lambda: None)  # dropped after the failure
+    worker, stream_ref = s._q.thread, weakref.ref(s)
+    del s
+    gc.collect()
+    worker.join(30)
+    assert not worker.is_alive() and stream_ref() is None  # the stream is gone, its worker stopped
+    with pytest.raises(twophase.KernelError, match="_fail.*ValueError: boom.*1 later task") as info:
+        dev.synchronize()
+    assert "dropped by its caller" in str(info.value)
+    dev.synchronize()  # raised once
+
+
+def test_device_synchronize_waits_then_raises_failures_of_dropped_streams_still_running(dev):
+    """Two dropped streams, one still running its work when the device's sync starts: both are waited for; the first
+    failure is raised, the other named in its notes."""
+    gate = threading.Event()
+    a, b = dev.stream(), dev.stream()
+    a.launch_callback(_fail)
+    b.launch_callback(lambda: gate.wait(30))
+    b.launch_callback(lambda: 1 / 0)
+    del a, b
+    gc.collect()
+    threading.Timer(0.05, gate.set).start()
+    with pytest.raises(twophase.KernelError) as info:
+        dev.synchronize()
+    text = str(info.value)
+    assert "ValueError: boom" in text and "ZeroDivisionError" in text, text
+    assert gate.is_set()
+    dev.synchronize()
+
+
 def test_a_null_device_callback_failure_is_reported_at_the_next_sync():
     """On the NULL device a raising callback propagated its raw exception out of launch_callback."""
     s = twophase.device("null").stream()

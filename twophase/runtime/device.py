@@ -13,7 +13,7 @@ from ..errors import CaptureError, ParamError
 from ..tensor import DType, Format, Tensor, TensorDesc
 from . import forking
 from .memory import Block, MemoryPool, Segment
-from .stream import Stream, _Queue, check_stream
+from .stream import DroppedFailures, Stream, _Queue, check_stream
 
 # what a launch gets as its workspace when phase 1 asked for none: empty bytes, so a kernel's
 # ``ws[offset:offset + 0]`` views stay valid (a launch must not have to test for None)
@@ -39,6 +39,7 @@ class Device:
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         # every stream's queue, which outlives a dropped stream while its worker runs the work left on it
         self._queues: weakref.WeakSet[_Queue] = weakref.WeakSet()
+        self._dropped_failures = DroppedFailures()
         self._local = threading.local()
         config.on_change("launch_blocking", self._apply_launch_blocking)
 
@@ -71,6 +72,7 @@ class Device:
         s = Stream._make(self, name, config.settings.launch_blocking, self.has_worker)
         self._streams.add(s)
         self._queues.add(s._q)
+        s._q.dropped_failures = self._dropped_failures
         return s
 
     @property
@@ -86,8 +88,9 @@ class Device:
         return [s for s in list(self._streams) if not s.closed]
 
     def synchronize(self) -> None:
-        """Wait for every stream of this device (raising the first failure) and for work left on dropped or closed
-        ones (whose failures have no stream left to raise on); refused from a stream's own task, before any wait."""
+        """Wait for every stream of this device and for work left on dropped or closed ones; then raise the first
+        failure: of an open stream (as its own sync would), else one left on a stream its caller dropped (the
+        others named in its notes). Refused from a stream's own task, before any wait."""
         queues = list(self._queues)
         for q in queues:
             q.refuse_own_task()
@@ -96,6 +99,8 @@ class Device:
         for q in queues:
             if q.closed:
                 q.drain()
+                self._dropped_failures.take(q)  # a closed stream's own sync already raised (and cleared) its own
+        self._dropped_failures.raise_first()
 
     def _drain(self) -> None:
         """Wait for every stream's work without raising its errors: they stay for the caller's own sync."""

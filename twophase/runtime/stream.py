@@ -111,6 +111,43 @@ def task_failure(exc: BaseException, owner: Any, where: str, tail: str = "") -> 
     return KernelError(f"{where}: {type(exc).__name__}: {exc}{tail}", op=op)
 
 
+class DroppedFailures:
+    """Failures left on streams their callers dropped, kept for the device's next ``synchronize`` (as CUDA's device
+    sync reports an error of any of its streams): taken from a queue when its worker stops, or when the device
+    drains it, whichever comes first (under one lock: never both)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.failures: list[BaseException] = []
+
+    def take(self, q: _Queue) -> None:
+        """Move ``q``'s pending failure, as its stream's sync would have raised it, into the list."""
+        with self.lock:
+            if q.error is None:
+                return
+            try:
+                q.raise_pending(q.submitted)
+            except BaseException as exc:  # noqa: BLE001 - kept to be raised by the device's sync
+                if isinstance(exc, TwoPhaseError):
+                    exc.add_note_line("the stream was dropped by its caller: reported by Device.synchronize")
+                self.failures.append(exc)
+
+    def raise_first(self) -> None:
+        """Raise the first failure kept (the others named in its notes), and forget them all."""
+        with self.lock:
+            found, self.failures = self.failures, []
+        if not found:
+            return
+        first = found[0]
+        for other in found[1:]:
+            line = f"also failed on another dropped stream: {type(other).__name__}: {other}"
+            if isinstance(first, TwoPhaseError):
+                first.add_note_line(line)
+            else:
+                first.add_note(line)
+        raise first
+
+
 class _Queue:
     """The state shared by a stream and its worker; the worker holds only this, so streams can be collected."""
 
@@ -131,6 +168,7 @@ class _Queue:
         self.thread: threading.Thread | None = None
         self.current: Any = None  # owner of the task being run (for observers)
         self.listeners = TASK_LISTENERS
+        self.dropped_failures: DroppedFailures | None = None  # where a failure goes if the stream is dropped
         self.inline_tls = threading.local()  # inline tasks running on each thread (nested ones do not wait)
         self.enqueue = self.enqueue_inline if blocking else self.enqueue_async
         forking.track(self)
@@ -311,7 +349,9 @@ class _Queue:
                     continue
                 self.wake.acquire()
                 continue
-            if fn is None:
+            if fn is None:  # shut down: closed (its failure was raised) or dropped (the device's sync raises it)
+                if self.dropped_failures is not None:
+                    self.dropped_failures.take(self)
                 return
             if self.done < seq - 1:  # an inline task (launch blocking was on) is still running: it goes first
                 self.block_until(seq - 1)
