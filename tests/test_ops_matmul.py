@@ -556,12 +556,15 @@ def test_microkernel_packs_b_panels_only_when_b_rows_are_not_64_byte_aligned(rng
 
 
 @needs_micro
-def test_microkernel_parts_split_columns_at_panels_else_rows() -> None:
+def test_microkernel_parts_split_columns_at_panels_or_rows_whichever_evens_the_work() -> None:
     from twophase.ops.linalg import _micro_parts
 
     with num_threads(2):
         assert _micro_parts(128, 384, 1152, 1) == ((0, 128, 0, 576), (0, 128, 576, 1152))
-        assert _micro_parts(128, 384, 110, 1) == ((0, 128, 0, 32), (0, 128, 32, 110))
+        assert _micro_parts(128, 576, 6272, 1) == ((0, 128, 0, 3136), (0, 128, 3136, 6272))
+        # the second column part would take the tail's panel too (208 columns' work against 192): rows
+        assert _micro_parts(512, 2304, 392, 1) == ((0, 258, 0, 392), (258, 512, 0, 392))
+        assert _micro_parts(128, 384, 110, 1) == ((0, 66, 0, 110), (66, 128, 0, 110))
         assert _micro_parts(4, 4, 47, 1) == ((0, 4, 0, 47),)  # too small to wake a helper
         assert _micro_parts(4, 384, 1536, 1) == ((0, 4, 0, 1536),)
     with num_threads(3):

@@ -209,8 +209,9 @@ def plan_matmul(
 def _micro_parts(m: int, k: int, n: int, b_col_stride: int) -> tuple[tuple[int, int, int, int], ...]:
     """The blocks of out the float32 microkernel's parts compute, or () where it does not apply: ``b`` (one
     matrix, shared by the whole folded batch) needs unit column stride, the CPU AVX-512. Columns split at
-    32-column panels (so every part is at least 32 wide and needs no scalar tail), rows when there are too few
-    panels. Not where the last, overlapping 16-column panel would make more than a tenth of the work, nor past
+    32-column panels (so every part is at least 32 wide and needs no scalar tail), or rows (always, when there
+    are fewer panels than parts): of the two, the split whose slowest part has less work (``_slowest_part``).
+    Not where the last, overlapping 16-column panel would make more than a tenth of the work, nor past
     ``MICRO_MAX_ROWS`` rows (``MICRO_MAX_ROWS_SMALL_B`` for a small b)."""
     most = MICRO_MAX_ROWS_SMALL_B if k * n * 4 <= MICRO_SMALL_B_BYTES else MICRO_MAX_ROWS
     if (
@@ -222,11 +223,22 @@ def _micro_parts(m: int, k: int, n: int, b_col_stride: int) -> tuple[tuple[int, 
     ):
         return ()
     parts = fanout_parts() if 2 * m * n * k >= MICRO_PART_FLOPS else 1
+    by_rows = tuple((i0, i1, 0, n) for i0, i1 in gemm.row_ranges(m, parts))
     panels = n // gemm.NR  # the last part takes the columns after the last full panel
-    if panels >= parts:
-        cuts = split_range(panels, parts)
-        return tuple((0, m, j0 * gemm.NR, n if j1 == panels else j1 * gemm.NR) for j0, j1 in cuts)
-    return tuple((i0, i1, 0, n) for i0, i1 in gemm.row_ranges(m, parts))
+    if panels < parts:
+        return by_rows
+    cuts = split_range(panels, parts)
+    by_columns = tuple((0, m, j0 * gemm.NR, n if j1 == panels else j1 * gemm.NR) for j0, j1 in cuts)
+    return by_rows if _slowest_part(by_rows) < _slowest_part(by_columns) else by_columns
+
+
+def _slowest_part(parts: tuple[tuple[int, int, int, int], ...]) -> int:
+    """The most work one of ``parts`` does: whole MR-row blocks times ``gemm.columns_computed`` of its columns.
+    Columns split at panels leave the tail's panel to the last part; rows split evenly, each over every column.
+    The lesser maximum picked the faster split in every case measured side by side (/tmp/w40/split.py: rows for
+    512 x 2304 x 392, 446 against 425 GFLOP/s, and 512 x 1152 x 100, 177 against 166; columns for 128 x 384 x
+    1152, 336 against 228, and 128 x 576 x 6272, 432 against 374)."""
+    return max(-(-(i1 - i0) // gemm.MR) * gemm.MR * gemm.columns_computed(j1 - j0) for i0, i1, j0, j1 in parts)
 
 
 # ---- shape inference shared by the three ops
