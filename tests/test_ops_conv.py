@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from threads import num_threads
 
-from twophase import Format, TensorDesc, device, one_shot
+from twophase import Format, TensorDesc, device, one_shot, plan
 from twophase.errors import ParamError
 from twophase.kernels.cpu import conv as conv_kernels
 from twophase.kernels.cpu import gemm, winograd4
@@ -437,6 +437,67 @@ def test_conv2d_winograd4_rounds_of_whole_images_fit_workspace_limit(rng: np.ran
     r = _run("winograd4", x4, wt, b, limit=size(2, True, 8), padding=1)
     assert (r.tiling.chunk, r.tiling.flat, r.workspace_size) == (2, True, size(2, True, 8))
     _check(r, reference(x4, wt, b, padding=1))
+
+
+WINOGRADS = [("winograd", np.float32, 16), ("winograd", np.float64, 16), ("winograd4", np.float32, 36)]
+
+
+@pytest.mark.parametrize(("impl", "dtype", "mats"), WINOGRADS)
+def test_conv2d_constant_weight_keeps_the_transformed_weights_out_of_the_workspace(
+    rng: np.random.Generator, impl: str, dtype: Any, mats: int
+) -> None:
+    """With ``constant_weight`` the workspace loses exactly the transformed weights' area (the binding keeps them)
+    and the kernel stays inside the rest; the result is the reference's."""
+    x = _x(rng, (2, 5, 11, 13), False).astype(dtype)
+    wt, b = rng.standard_normal((6, 5, 3, 3)).astype(dtype), rng.standard_normal(6).astype(dtype)
+    plain = _run(impl, x, wt, b, padding=1)
+    kept = _run(impl, x, wt, b, padding=1, constant_weight=True)
+    assert kept.implementation == impl and kept.tiling.own_weights and not plain.tiling.own_weights
+    assert plain.workspace_size - kept.workspace_size == mats * spread_stride(6 * 5 * np.dtype(dtype).itemsize, mats)
+    _check(kept, reference(x, wt, b, padding=1))
+
+
+@pytest.mark.parametrize(("impl", "dtype", "mats"), WINOGRADS)
+def test_conv2d_constant_weight_transforms_the_weight_once_per_binding(impl: str, dtype: Any, mats: int) -> None:
+    """A bound executor transforms its weight at its first launch only: later launches follow new input data, but
+    a weight changed in place is not seen (the contract ``constant_weight`` states), until the call is bound to
+    another weight tensor."""
+    rng = np.random.default_rng(11)
+    dev = device("cpu")
+    s = dev.stream()
+    xs = [_x(rng, (2, 4, 9, 10), False).astype(dtype) for _ in range(3)]
+    w1, w2 = (rng.standard_normal((3, 4, 3, 3)).astype(dtype) for _ in range(2))
+    x, w, w_other = dev.tensor(xs[0], stream=s), dev.tensor(w1, stream=s), dev.tensor(w2, stream=s)
+    with forced(impl):
+        call = plan(conv2d, x, w, None, stream=s, padding=1, constant_weight=True)
+    tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == np.float32 else {"rtol": 1e-10, "atol": 1e-10}
+    for xi in xs:
+        x.view()[...] = xi
+        np.testing.assert_allclose(call().numpy(), reference(xi, w1, padding=1), **tol)
+    w.view()[...] = w2  # in place: the kept transform of w1 still serves
+    np.testing.assert_allclose(call().numpy(), reference(xs[-1], w1, padding=1), **tol)
+    np.testing.assert_allclose(call(x, w_other).numpy(), reference(xs[-1], w2, padding=1), **tol)  # rebound
+    call.close()
+    s.close()
+
+
+def test_conv2d_constant_weight_launch_is_never_shared_with_another_executor(rng: np.random.Generator) -> None:
+    """Two executors of one plan over the same memory share a launch (the op's launch cache), except with
+    ``constant_weight``: the second, bound after the weight's memory got other data, transforms that data."""
+    dev = device("cpu")
+    s = dev.stream()
+    x = dev.tensor(_x(rng, (2, 4, 9, 10), False), stream=s)
+    w1, w2 = (rng.standard_normal((3, 4, 3, 3)).astype(np.float32) for _ in range(2))
+    w, y = dev.tensor(w1, stream=s), dev.empty((2, 3, 9, 10), stream=s)
+    for want in (w1, w2):
+        w.view()[...] = want
+        with forced("winograd"):
+            size, ex = conv2d.get_workspace_size(x, w, None, out=y, padding=1, constant_weight=True)
+        ws = dev.malloc(size, stream=s)
+        conv2d(ws, size, ex, s)  # a single-use executor: consumed here
+        np.testing.assert_allclose(y.numpy(), reference(x.numpy(), want, padding=1), rtol=1e-4, atol=1e-3)
+        ws.free(s)
+    s.close()
 
 
 def test_conv2d_winograd4_is_float32_only(rng: np.random.Generator) -> None:

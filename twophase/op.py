@@ -405,7 +405,10 @@ class Op:
                 status=Status.ERR_INNER_KERNEL_NOT_FOUND,
             )
         # The same plan over the same memory (address and desc of every operand) yields the same launch:
-        # a launch's views keep their memory mapped, so an address cannot be reused for other memory.
+        # a launch's views keep their memory mapped, so an address cannot be reused for other memory. A tiling
+        # whose ``private_launch`` is true (state kept between launches: conv2d's transformed constant weights)
+        # gets a launch of its own per binding: memory freed and refilled at the same address must not find it.
+        private = getattr(ex.plan.tiling, "private_launch", False)
         operands: list[tuple[int, TensorDesc] | None] = []
         for t in ex._tensors:
             if t is None:
@@ -416,7 +419,7 @@ class Op:
             operands.append((t.block.segment.address + t.block.offset, t.desc))
         key = (id(ex.plan), dev.kind, tuple(operands))
         memo = self._launches  # shared by every thread that runs the op (each OrderedDict call is atomic)
-        hit = memo.get(key)
+        hit = None if private else memo.get(key)
         if hit is not None:
             try:
                 memo.move_to_end(key)
@@ -436,6 +439,8 @@ class Op:
         if self.spec.aliases != "any":
             self._check_overlap(views, n, operands)
         launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
+        if private:
+            return launch
         with self._launch_lock:  # the length check and the evictions together
             memo[key] = (ex.plan, launch)  # the plan is kept so that its id stays unique
             while len(memo) > LAUNCH_MEMO:

@@ -39,7 +39,7 @@ from ..layout import align, merge_dims, spread_stride
 from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, split_range
 from ..tensor import DType, Format, TensorDesc
-from .checks import as_int, check_dtype, need
+from .checks import as_bool, as_int, check_dtype, need
 from .linalg import _micro_parts, matrix_ok
 from .selection import Candidate, choose, effective_limit
 
@@ -77,7 +77,9 @@ class ConvTiling:
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel).
     im2col: ``micro`` pairs (GEMM width in pixels, the float32 microkernel's parts: blocks of the result) for the
     tile widths it runs, where it runs, else () (BLAS for every tile). winograd, winograd4: ``micro`` pairs
-    (round width in tiles, the block each of its 16 or 36 GEMMs computes on the microkernel, or () for BLAS)."""
+    (round width in tiles, the block each of its 16 or 36 GEMMs computes on the microkernel, or () for BLAS);
+    ``own_weights`` (``constant_weight``): the transformed weights live in memory the binding owns, made by its
+    first launch, instead of the workspace, made by every launch."""
 
     n: int
     c: int
@@ -111,6 +113,13 @@ class ConvTiling:
     grid: tuple[tuple[int, int, int, int], ...] = ()
     flat: bool = False
     micro: tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...] = ()
+    own_weights: bool = False  # winograd, winograd4 with constant_weight: transformed weights kept by the binding
+
+    @property
+    def private_launch(self) -> bool:
+        """Whether each binding needs a launch of its own (``op._build_launch``): one that keeps transformed
+        weights must not serve another executor, whose weight may be other data at the same address."""
+        return self.own_weights
 
 
 def nchw(d: TensorDesc, fmt: Format | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -246,7 +255,8 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         if in_parts is not None:
             cands.insert(cands.index(whole), in_parts)
     if (kh, kw, sh, sw, dh, dw, g) == (3, 3, 1, 1, 1, 1, 1) and t.n and t.c and t.oc:  # not on an empty GEMM
-        wino = _winograd_candidate(t, item, limit)
+        constant = bool(attrs.get("constant_weight", False))
+        wino = _winograd_candidate(t, item, limit, constant)
         if wino is not None:
             cands.insert(_winograd_rank(t.n * ((oh + 1) // 2) * ((ow + 1) // 2), cands), wino)
         if x.dtype is DType.float32:
@@ -255,7 +265,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
                 at = 0
             else:
                 at = cands.index(wino) + 1 if wino is not None else len(cands)
-            cands.insert(at, _winograd4_candidate(t, xs[3] == 1, limit))
+            cands.insert(at, _winograd4_candidate(t, xs[3] == 1, limit, constant))
     if cg == 1 and g > 1:
         cands.insert(0, direct)
     else:
@@ -450,26 +460,29 @@ WINOGRAD_MIN_TILES = 32
 WINOGRAD_FIRST_TILES = 64
 
 
-def winograd_workspace(oc: int, c: int, chunk: int, item: int, ow: int, parts: int = 1) -> int:
-    """16 * (spread(OC*C*item) + spread(C*chunk*item) + spread(OC*chunk*item)) for the transformed weights, the
-    transformed input and the GEMM result (16 matrices each, ``spread_stride`` apart) + P * (align64(8*(TW +
-    1)*item) + align64(8*TW*item)) scratch rows of the transforms (one set per part, on cache lines of their own),
-    TW = ceil(OW/2), P = parts (helper threads: 1 below 2^20 elements moved, else the fan-out count capped by C
-    and OC)."""
+def winograd_workspace(
+    oc: int, c: int, chunk: int, item: int, ow: int, parts: int = 1, own_weights: bool = False
+) -> int:
+    """16 * (spread(OC*C*item) + spread(C*chunk*item) + spread(OC*chunk*item)) for the transformed weights (not
+    with ``own_weights``: the binding keeps them), the transformed input and the GEMM result (16 matrices each,
+    ``spread_stride`` apart) + P * (align64(8*(TW + 1)*item) + align64(8*TW*item)) scratch rows of the transforms
+    (one set per part, on cache lines of their own), TW = ceil(OW/2), P = parts (helper threads: 1 below 2^20
+    elements moved, else the fan-out count capped by C and OC)."""
     tw = (ow + 1) // 2
-    return 16 * (
-        spread_stride(oc * c * item) + spread_stride(c * chunk * item) + spread_stride(oc * chunk * item)
-    ) + parts * (align(8 * (tw + 1) * item) + align(8 * tw * item))
+    weights = 0 if own_weights else spread_stride(oc * c * item)
+    return 16 * (weights + spread_stride(c * chunk * item) + spread_stride(oc * chunk * item)) + parts * (
+        align(8 * (tw + 1) * item) + align(8 * tw * item)
+    )
 
 
-def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate | None:
+def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: bool) -> Candidate | None:
     """Winograd F(2x2, 3x3) with the most 2x2 output tiles per round that fit ``limit`` (else 32 MiB, at least
-    one tile)."""
+    one tile); ``constant`` (``constant_weight``): the binding keeps the transformed weights."""
     tiles = t.n * ((t.oh + 1) // 2) * ((t.ow + 1) // 2)
     parts = winograd_parts(t.oc, t.c, tiles)
 
     def size(chunk: int) -> int:
-        return winograd_workspace(t.oc, t.c, chunk, item, t.ow, parts)
+        return winograd_workspace(t.oc, t.c, chunk, item, t.ow, parts, constant)
 
     chunk = tiles
     budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
@@ -484,7 +497,7 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidat
         if lo == 0:
             return None
         chunk = lo
-    tw = replace(t, chunk=chunk, parts=parts)
+    tw = replace(t, chunk=chunk, parts=parts, own_weights=constant)
     if item == 4:
         tw = replace(tw, micro=_winograd_micro(t, {chunk, tiles % chunk or chunk}, 1))
     return Candidate("winograd", tw, size(chunk))
@@ -509,21 +522,22 @@ def _winograd_rank(tiles: int, cands: list[Candidate]) -> int:
 WINOGRAD4_MIN_TILE_COLUMNS = 7
 
 
-def _winograd4_candidate(t: ConvTiling, dense: bool, limit: int | None) -> Candidate:
+def _winograd4_candidate(t: ConvTiling, dense: bool, limit: int | None, constant: bool) -> Candidate:
     """Winograd F(4x4, 3x3) (float32) with the most whole images per round that fit ``limit`` (else 32 MiB), at
-    least one (whose workspace ``choose`` then finds over a smaller limit); ``dense``: x's rows unit-stride."""
+    least one (whose workspace ``choose`` then finds over a smaller limit); ``dense``: x's rows unit-stride;
+    ``constant`` (``constant_weight``): the binding keeps the transformed weights."""
     th_n, tw_n, _ = winograd4.geometry(t.oh, t.ow)
     parts = winograd_parts(t.oc, t.c, t.n * th_n * (tw_n + 1), winograd4.MATS)
     flat = winograd4.flat_phases(t.w, t.ph, t.pw, tw_n, dense)
 
     def size(images: int) -> int:
-        return winograd4.workspace(t.oc, t.c, t.oh, t.ow, images, parts, flat)
+        return winograd4.workspace(t.oc, t.c, t.oh, t.ow, images, parts, flat, constant)
 
     budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
     images = t.n
     while images > 1 and size(images) > budget:
         images -= 1
-    tt = replace(t, chunk=images, parts=parts, flat=flat)
+    tt = replace(t, chunk=images, parts=parts, flat=flat, own_weights=constant)
     return Candidate(
         "winograd4",
         replace(tt, micro=_winograd_micro(t, {images, t.n % images or images}, th_n * (tw_n + 1))),
@@ -577,8 +591,10 @@ def reference(
     dilation: Any = 1,
     groups: int = 1,
     nhwc: bool = False,
+    constant_weight: bool = False,
 ) -> Any:
-    """float64 convolution by summing shifted slices (NCHW; ``nhwc=True`` for NHWC arrays)."""
+    """float64 convolution by summing shifted slices (NCHW; ``nhwc=True`` for NHWC arrays; ``constant_weight``
+    changes no result)."""
     x = np.asarray(x, np.float64)
     x = x.transpose(0, 3, 1, 2) if nhwc else x
     w = np.asarray(weight, np.float64)
@@ -616,6 +632,13 @@ conv2d = register(
             Attr("padding", as_pair, (0, 0)),
             Attr("dilation", as_pair, (1, 1)),
             Attr("groups", as_int, 1),
+            Attr(
+                "constant_weight",
+                as_bool,
+                False,
+                "the weight's data stay the same while the executor is bound to it: winograd and winograd4 "
+                "transform it at the binding's first launch into memory the binding keeps (not the workspace)",
+            ),
         ),
         dtypes=DTYPES,
         infer=_infer,
@@ -634,7 +657,9 @@ conv2d = register(
             "spread(OC*chunk*itemsize)) + P*(align64(8*(TW+1)*itemsize) + align64(8*TW*itemsize)), "
             "spread(b) = the smallest multiple of 64 >= b at which 16 blocks start on distinct cache "
             "lines mod 4 KiB, chunk = 2x2 output tiles per round, TW = ceil(OW/2), P = helper-thread "
-            "parts (1 below 2^20 elements moved, else the fan-out count capped by C and OC); "
+            "parts (1 below 2^20 elements moved, else the fan-out count capped by C and OC); with "
+            "constant_weight, winograd4 and winograd drop their first term (the transformed weights, which "
+            "the binding keeps); "
             "im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
             "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
             "pixel-major with mergeable (N, H, W)]; im2col_parts: the sum over parts of "

@@ -988,11 +988,31 @@ def micro_gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> l
     return [functools.partial(run, lo, hi) for lo, hi in ranges]
 
 
-def winograd_launch(rounds: Callable[[Any], list[Round]]) -> Launch:
+class KeptWeights:
+    """A winograd's transformed weights kept by one binding of an executor planned with ``constant_weight``: made
+    at binding (memory the binding owns, not the workspace), written by the first launch that completes, read by
+    every later one (``ready``). ``rows``: the ``count`` matrices' rows, ``stride`` bytes apart, 64-byte aligned."""
+
+    __slots__ = ("rows", "ready")
+
+    def __init__(self, count: int, stride: int, dt: np.dtype[Any]) -> None:
+        raw = np.empty(count * stride + 64, np.uint8)
+        start = -raw.ctypes.data % 64
+        self.rows = spread_rows(raw[start : start + count * stride], 0, stride, dt, count)
+        self.ready = False
+
+
+def weight_rows(ws: Any, kept: KeptWeights | None, stride: int, dt: np.dtype[Any], count: int) -> Any:
+    """U's rows: the kept weights', else the workspace's first area."""
+    return kept.rows if kept is not None else spread_rows(ws, 0, stride, dt, count)
+
+
+def winograd_launch(rounds: Callable[[Any], list[Round]], kept: KeptWeights | None = None) -> Launch:
     """The phase-2 launch of a winograd (F(2x2, 3x3) or ``winograd4``'s F(4x4, 3x3)): per round, the transform
     parts, the GEMM parts (one BLAS thread each) and the output transform parts, each set a hand-off to the
     helper threads. ``rounds(ws)`` binds them to the workspace's views, again only when the workspace changes
-    (``workspace_launcher``), so a repeated launch builds no views or partials."""
+    (``workspace_launcher``), so a repeated launch builds no views or partials. ``kept``: weights transformed once,
+    ready from the end of the first launch that completes."""
 
     def bind(ws: Any) -> Part:
         steps = rounds(ws)
@@ -1002,6 +1022,8 @@ def winograd_launch(rounds: Callable[[Any], list[Round]]) -> Launch:
                 run_parts(transforms)
                 run_blas_parts(gemms)
                 run_parts(outputs)
+            if kept is not None:
+                kept.ready = True
 
         return run
 
@@ -1009,8 +1031,9 @@ def winograd_launch(rounds: Callable[[Any], list[Round]]) -> Launch:
 
 
 def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
-    """Transformed weights U (16, OC, C), per round of ``t.chunk`` 2x2 output tiles the transformed input
-    V (16, C, chunk) and M = U @ V (16, OC, chunk) in the workspace, then the output transform (+ bias); the
+    """Transformed weights U (16, OC, C) (kept by the binding instead with ``t.own_weights``: transformed by its
+    first launch only), per round of ``t.chunk`` 2x2 output tiles the transformed input V (16, C, chunk) and M =
+    U @ V (16, OC, chunk) in the workspace, then the output transform (+ bias); the
     transforms' scratch rows (a set per part) are in the workspace too (no allocation in the launch). The 16
     matrices of U, V and M lie ``spread_stride`` apart (the transforms write or read all 16 at once). The GEMMs
     of a round whose width ``t.micro`` gives blocks for run on the float32 microkernel, else on BLAS. With
@@ -1026,7 +1049,8 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     b = bias if bias is not None else np.zeros(1, dt)
     has = bias is not None
     su, sv, sm = (spread_stride(n * item) for n in (t.oc * t.c, t.c * chunk, t.oc * chunk))
-    o_v = 16 * su
+    kept = KeptWeights(16, su, dt) if t.own_weights else None
+    o_v = 0 if kept is not None else 16 * su
     o_m = o_v + 16 * sv
     o_si = o_m + 16 * sm  # per-part scratch rows of the two transforms, on lines of their own (no false sharing)
     si_b, so_b = align(8 * (tw_n + 1) * item), align(8 * tw_n * item)
@@ -1041,7 +1065,7 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     micro = {width for width, blocks in t.micro if blocks}  # round widths whose GEMMs take the microkernel
 
     def rounds(ws: Any) -> list[Round]:
-        u = spread_rows(ws, 0, su, dt)
+        u = weight_rows(ws, kept, su, dt, 16)
         v, m = spread_rows(ws, o_v, sv, dt), spread_rows(ws, o_m, sm, dt)
         s_in = [
             ws[o_si + i * si_b : o_si + i * si_b + 8 * (tw_n + 1) * item].view(dt).reshape(8, tw_n + 1)
@@ -1062,10 +1086,10 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         ]
 
     def transform_in(u: Any, v: Any, t0: int, nt: int, first: bool, scratch: Any, i: int) -> None:
-        """Part i of the weight transform (first round only: its output channels) and of the input transform (its
-        input channels)."""
-        if first:
+        """Part i of the weight transform (first round only, unless kept from an earlier launch: its output
+        channels) and of the input transform (its input channels)."""
+        if first and (kept is None or not kept.ready):
             k_w(w, u, *oc_ranges[i])
         k_in(x, v, t0, nt, geo, scratch, *c_ranges[i])
 
-    return winograd_launch(rounds)
+    return winograd_launch(rounds, kept)

@@ -25,7 +25,7 @@ import numpy as np
 from ...layout import align, spread_stride
 from ...runtime.fanout import split_range
 from . import jit as _jit
-from .conv import Round, gemm_parts, matrices, micro_gemm_parts, spread_rows, winograd_launch
+from .conv import KeptWeights, Round, gemm_parts, matrices, micro_gemm_parts, spread_rows, weight_rows, winograd_launch
 from .jit import entry
 from .rows_ir import deinterleave4, interleave4, linear_map
 
@@ -62,14 +62,15 @@ def _areas(oc: int, c: int, nt: int, th_n: int, tr: int, band: int, flat: bool) 
     )
 
 
-def workspace(oc: int, c: int, oh: int, ow: int, images: int, parts: int, flat: bool) -> int:
+def workspace(oc: int, c: int, oh: int, ow: int, images: int, parts: int, flat: bool, own_weights: bool = False) -> int:
     """36 * (spread36(OC*C*4) + spread36(C*NT*4) + spread36(OC*NT*4)) + P * (align64(24*(B*(TW+1) + 1)*4) +
     align64(28*B*(TW+1)*4) + align64(27*C*4) [+ align64(16*(TH+2)*(TW+1)*4) when ``flat``]), NT = images * TH
-    * (TW + 1) tiles per round, B = tile rows per band, P = parts."""
+    * (TW + 1) tiles per round, B = tile rows per band, P = parts; without the weights' term (the first) when
+    ``own_weights``: the binding keeps them."""
     th_n, tw_n, band = geometry(oh, ow)
     tr = tw_n + 1
     su, sv, sm, *scratch = _areas(oc, c, images * th_n * tr, th_n, tr, band, flat)
-    return MATS * (su + sv + sm) + parts * sum(scratch)
+    return MATS * ((0 if own_weights else su) + sv + sm) + parts * sum(scratch)
 
 
 @jit_inline
@@ -279,7 +280,8 @@ def winograd4_output(
 
 
 def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
-    """Transformed weights U (36, OC, C), per round of ``t.chunk`` images the transformed input V (36, C, NT) and
+    """Transformed weights U (36, OC, C) (kept by the binding with ``t.own_weights``: transformed by its first
+    launch only), per round of ``t.chunk`` images the transformed input V (36, C, NT) and
     M = U @ V (36, OC, NT) in the workspace, then the output transform (+ bias); the transforms' scratch rows (a
     set per part) follow. With ``t.parts`` > 1 the weight and input transforms run as channel ranges in one
     hand-off, the 36 GEMMs as batch ranges (one BLAS thread each, or the float32 microkernel for the round widths
@@ -294,7 +296,8 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     b = bias if bias is not None else np.zeros(1, dt)
     has = bias is not None
     su, sv, sm, si_b, so_b, sw_b, sp_b = _areas(t.oc, t.c, nt, th_n, tr, band, flat)
-    o_v = MATS * su
+    kept = KeptWeights(MATS, su, dt) if t.own_weights else None
+    o_v = 0 if kept is not None else MATS * su
     o_m = o_v + MATS * sv
     o_s = o_m + MATS * sm  # per part: input, output, weight and split-plane scratch, each on lines of its own
     per_part = si_b + so_b + sw_b + sp_b
@@ -312,7 +315,7 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         return ws[start : start + rows * cols * 4].view(dt).reshape(rows, cols)
 
     def rounds(ws: Any) -> list[Round]:
-        u = spread_rows(ws, 0, su, dt, MATS)
+        u = weight_rows(ws, kept, su, dt, MATS)
         v, m = spread_rows(ws, o_v, sv, dt, MATS), spread_rows(ws, o_m, sm, dt, MATS)
         s_in = [scratch(ws, i, 0, _SCRATCH_IN, band * tr + 1) for i in range(parts)]
         s_out = [scratch(ws, i, si_b, _SCRATCH_OUT, band * tr) for i in range(parts)]
@@ -333,10 +336,10 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         ]
 
     def transform_in(u: Any, v: Any, n0: int, cnt: int, first: bool, s_in: Any, s_w: Any, s_p: Any, i: int) -> None:
-        """Part i of the weight transform (first round only: its output channels) and of the input transform
-        (its input channels)."""
-        if first:
+        """Part i of the weight transform (first round only, unless kept from an earlier launch: its output
+        channels) and of the input transform (its input channels)."""
+        if first and (kept is None or not kept.ready):
             k_w(w, u, *oc_ranges[i], s_w)
         k_in(x, v, n0, cnt, geo, s_in, s_p, *c_ranges[i])
 
-    return winograd_launch(rounds)
+    return winograd_launch(rounds, kept)
