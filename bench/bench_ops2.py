@@ -233,10 +233,12 @@ def bench_conv(rng: Any, batches: tuple[int, ...]) -> list[str]:
                 xt, wt = torch.from_numpy(x), torch.from_numpy(w)
                 ref = lambda xt=xt, wt=wt, s=s, p=p: F.conv2d(xt, wt, None, s, p)  # noqa: E731
             name = f"conv2d n{nb} {c}->{oc} {hw}x{hw} k{k} s{s}"
-            for label, limit in (("", None), (" tight", 1 << 18)):
-                out.append(
-                    row(name + label, twophase_call(ops.conv2d, [x, w, None], limit, stride=s, padding=p), ref, "torch")
-                )
+            variants = [("", None, False), (" tight", 1 << 18, False)]
+            if k == 3 and s == 1:  # where winograd runs: its weights transformed once per binding
+                variants.append((" constant_weight", None, True))
+            for label, limit, cw in variants:
+                side = twophase_call(ops.conv2d, [x, w, None], limit, stride=s, padding=p, constant_weight=cw)
+                out.append(row(name + label, side, ref, "torch"))
     return out
 
 
@@ -292,7 +294,9 @@ def main() -> None:
         f"OPENBLAS_CORETYPE={core} OPENBLAS_NUM_THREADS={blas}; numpy {np.__version__}; torch {tv} "
         f"(threads {threads}); cpus {os.cpu_count()}; float32; ms per call (median of {ROUNDS} interleaved rounds, "
         f"{SHORT_ROUNDS} for calls under {SHORT_S * 1e3:g} ms), "
-        "ratio = median of the rounds' ratios; tight = workspace_limit 256 KiB (conv2d) / 64 KiB (sdpa)"
+        "ratio = median of the rounds' ratios; tight = workspace_limit 256 KiB (conv2d) / 64 KiB (sdpa); "
+        "constant_weight = conv2d's constant_weight=True (winograd's transformed weights kept by the executor "
+        "after its first launch, not remade per call)"
     )
     print(
         "What is timed: twophase's phase 2 only, into outputs and a workspace planned and allocated once (phase 1, "
