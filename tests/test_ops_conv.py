@@ -618,16 +618,18 @@ def test_conv2d_winograd_ranks_first_from_32_tiles(shape: tuple[int, ...], first
 
 
 @pytest.mark.parametrize(
-    ("shape", "order"),
+    ("shape", "order", "constant"),
     [
-        ((1, 4, 13, 13), ("im2col_tiles", "winograd", "im2col")),  # 49 2x2 tiles: after the tiles
-        ((2, 4, 13, 13), ("winograd", "im2col_tiles", "im2col")),  # 98
-        ((1, 4, 7, 7), ("im2col", "im2col_tiles", "winograd")),  # 16 tiles: after im2col and the tiles
-        ((2, 4, 7, 7), ("winograd", "im2col", "im2col_tiles")),  # 32 tiles; 49 pixels fill 0.77 of the panels
+        ((1, 4, 13, 13), ("im2col_tiles", "winograd", "im2col"), False),  # 49 2x2 tiles: after the tiles
+        ((2, 4, 13, 13), ("winograd", "im2col_tiles", "im2col"), False),  # 98
+        ((1, 4, 7, 7), ("im2col", "im2col_tiles", "winograd"), False),  # 16 tiles: after im2col and the tiles
+        ((2, 4, 7, 7), ("winograd", "im2col", "im2col_tiles"), False),  # 32 tiles; 49 pixels fill 0.77 of the panels
+        ((1, 4, 13, 13), ("winograd", "im2col_tiles", "im2col"), True),  # constant weights: first from 32 tiles
+        ((1, 4, 7, 7), ("im2col", "im2col_tiles", "winograd"), True),  # 16 tiles: as without
     ],
 )
 def test_conv2d_winograd_ranks_just_ahead_of_im2col_below_64_tiles(
-    shape: tuple[int, ...], order: tuple[str, ...]
+    shape: tuple[int, ...], order: tuple[str, ...], constant: bool
 ) -> None:
     if not tiles_available(np.float32):
         pytest.skip("im2col_tiles needs the register-blocked GEMM (AVX-512)")
@@ -635,7 +637,7 @@ def test_conv2d_winograd_ranks_just_ahead_of_im2col_below_64_tiles(
     x, w = dev.tensor(np.ones(shape, np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
     for k in range(len(order)):  # the first of the rest is chosen: the ranking, one step at a time
         with forced(*order[k:]):
-            _, ex = conv2d.get_workspace_size(x, w, padding=1)
+            _, ex = conv2d.get_workspace_size(x, w, padding=1, constant_weight=constant)
         assert ex.implementation == order[k]
         ex.destroy()
 

@@ -258,7 +258,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         constant = bool(attrs.get("constant_weight", False))
         wino = _winograd_candidate(t, item, limit, constant)
         if wino is not None:
-            cands.insert(_winograd_rank(t.n * ((oh + 1) // 2) * ((ow + 1) // 2), cands), wino)
+            cands.insert(_winograd_rank(t.n * ((oh + 1) // 2) * ((ow + 1) // 2), cands, constant), wino)
         if x.dtype is DType.float32:
             th4, tw4, _ = winograd4.geometry(oh, ow)
             if tw4 >= WINOGRAD4_MIN_TILE_COLUMNS and t.n * th4 * tw4 >= WINOGRAD_MIN_TILES:
@@ -503,10 +503,13 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: b
     return Candidate("winograd", tw, size(chunk))
 
 
-def _winograd_rank(tiles: int, cands: list[Candidate]) -> int:
+def _winograd_rank(tiles: int, cands: list[Candidate], constant: bool = False) -> int:
     """Where winograd (``tiles`` 2x2 output tiles) goes among the ranked candidates: first from
-    ``WINOGRAD_FIRST_TILES``, just ahead of im2col_parts / im2col from ``WINOGRAD_MIN_TILES``, else last."""
-    if tiles >= WINOGRAD_FIRST_TILES:
+    ``WINOGRAD_FIRST_TILES``, or from ``WINOGRAD_MIN_TILES`` with ``constant`` (``constant_weight``: no weight
+    transform per launch; one image of 256 -> 256 14^2, 49 tiles, ran 0.67-0.71 ms against the tiles' 0.73-1.18,
+    three side-by-side runs, /tmp/w40/rank2.py of the fortieth session), just ahead of im2col_parts / im2col from
+    ``WINOGRAD_MIN_TILES``, else last."""
+    if tiles >= WINOGRAD_FIRST_TILES or (constant and tiles >= WINOGRAD_MIN_TILES):
         return 0
     if tiles >= WINOGRAD_MIN_TILES:
         return next((i for i, c in enumerate(cands) if c.implementation in ("im2col_parts", "im2col")), 0)
