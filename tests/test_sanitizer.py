@@ -1091,3 +1091,37 @@ def test_a_kernel_that_overruns_then_fails_is_reported_for_the_overrun_caused_by
     y.free(s)  # the zone was restored when the overrun was reported: the free finds nothing more
     s.synchronize()
     assert y.block.freed and not y.block.allocated
+
+
+# ---- 9. constant operands
+def test_a_constant_weight_changed_while_bound_is_reported_at_the_next_sync(s):
+    """conv2d planned with ``constant_weight`` keeps the weight transform of its first launch: a weight written in
+    place afterwards is ``ConstantOperandError`` at the next sync, naming the weight and where the executor was
+    planned. Rebound to another weight tensor, the call is checked against that one; without the promise,
+    changing the weight is fine."""
+    from twophase.ops.selection import forced
+
+    dev = tp.device("cpu")
+    rng = np.random.default_rng(4)
+    x = dev.tensor(rng.standard_normal((1, 4, 9, 10)).astype(np.float32), stream=s)
+    w, other = (dev.tensor(rng.standard_normal((3, 4, 3, 3)).astype(np.float32), stream=s) for _ in range(2))
+    with forced("winograd"):
+        call = tp.plan(tp.ops.conv2d, x, w, None, stream=s, padding=1, constant_weight=True)
+        plain = tp.plan(tp.ops.conv2d, x, w, None, stream=s, padding=1)
+    call()
+    plain()
+    s.synchronize()
+    w.view()[0, 0, 0, 0] += 1.0  # in place, after the launches that read it
+    plain()
+    s.synchronize()  # no promise made: fine
+    call()
+    with pytest.raises(sanitizer.ConstantOperandError, match="weight of op 'conv2d'.*changed while bound") as e:
+        s.synchronize()
+    assert e.value.arg == "weight" and "test_sanitizer.py" in str(e.value)
+    call(x, other)  # another binding: its own transform, checked against its own first launch
+    call()
+    s.synchronize()
+    call.close()
+    plain.close()
+    for t in (x, w, other):
+        t.free(s)

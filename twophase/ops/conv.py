@@ -121,6 +121,12 @@ class ConvTiling:
         weights must not serve another executor, whose weight may be other data at the same address."""
         return self.own_weights
 
+    @property
+    def constant_inputs(self) -> tuple[int, ...]:
+        """The inputs whose data the plan keeps while bound (the sanitizer checks they do not change): the
+        weight, with ``own_weights``."""
+        return (1,) if self.own_weights else ()
+
 
 def nchw(d: TensorDesc, fmt: Format | None = None) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Shape and strides of ``d`` in logical NCHW order: permuted if ``fmt`` (``d``'s own format by default) is

@@ -13,7 +13,10 @@ While it is on:
 6. phase 2 twice on a single-use executor, destroy of a consumed one, destroy while its launch is pending and
    use from another thread raise ``ExecutorMisuseError`` with where it was planned and released;
 7. :func:`report` (and the exit handler) lists executors and blocks still alive with their creation stacks;
-8. binding a tensor of another shape or stride to a planned executor raises ``StaleExecutorError``.
+8. binding a tensor of another shape or stride to a planned executor raises ``StaleExecutorError``;
+9. an operand a plan keeps constant (conv2d's ``constant_weight``: its transformed weight, made at the binding's
+   first launch) is checksummed after each launch: data changed while bound is ``ConstantOperandError`` at the
+   next sync.
 
 When it is off nothing of this is installed: phase 2, the stream's enqueue and the pool are the plain functions.
 """
@@ -29,6 +32,7 @@ from .. import config, logger
 from ..errors import ParamError, SanitizerError
 from . import guards, tracking
 from .report import (
+    ConstantOperandError,
     ExecutorMisuseError,
     GuardError,
     Leak,
@@ -56,6 +60,7 @@ __all__ = [
     "ReadBeforeReadyError",
     "ExecutorMisuseError",
     "StaleExecutorError",
+    "ConstantOperandError",
     "SanitizerWarning",
     "LeakWarning",
     "GUARD",

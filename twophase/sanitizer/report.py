@@ -95,6 +95,13 @@ class StaleExecutorError(SanitizerError, PlanMismatchError):
     check = "stale-executor"
 
 
+class ConstantOperandError(SanitizerError):
+    """An operand an executor was planned to keep constant (conv2d's ``constant_weight``) changed while bound
+    (check 9): its launches ran on what the first one read."""
+
+    check = "constant-operand"
+
+
 class SanitizerWarning(RuntimeWarning):
     """A report that is not fatal; ``status`` is the status code it would carry as an error."""
 

@@ -12,8 +12,11 @@ import re
 import sys
 import threading
 import weakref
+import zlib
 from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from .. import hooks
 from ..config import int_value
@@ -30,6 +33,7 @@ from ..tensor import Tensor
 from . import guards
 from .guards import GuardedBlock
 from .report import (
+    ConstantOperandError,
     ExecutorMisuseError,
     Leak,
     ReadBeforeReadyError,
@@ -54,6 +58,7 @@ class ExRecord:
     released_at: Any = None
     last: dict[Any, int] = field(default_factory=dict)  # stream queue -> seq of its latest launch there
     ref: Any = field(default=None, repr=False)
+    constants: dict[int, tuple[Any, int]] = field(default_factory=dict)  # input -> (its tensor, checksum)
 
 
 @dataclass
@@ -342,6 +347,37 @@ def _after_task(stream_name: str, owner: Any, t0: float, t1: float, seq: int) ->
             return
     for blk, role in launch.blocks:
         guards.verify(blk, role, launch)
+    _check_constants(owner)
+
+
+def _check_constants(ex: Any) -> None:
+    """Check 9, after a launch of ``ex`` (on the worker): the inputs its plan keeps constant (the tiling's
+    ``constant_inputs``) hold the data of the binding's first launch (a CRC-32 of their bytes); a new binding is
+    checksummed anew."""
+    indices = getattr(getattr(getattr(ex, "plan", None), "tiling", None), "constant_inputs", ())
+    rec = record_of(ex) if indices else None
+    if rec is None:
+        return
+    for i in indices:
+        t = ex._tensors[i]
+        if t is None:
+            continue
+        if t.block.freed:
+            continue  # check 4 reports that
+        # the device's view, not Tensor.view (check 5 would take this worker's read for the host's)
+        digest = zlib.crc32(np.ascontiguousarray(t.device._array_view(t.block, t.desc)).tobytes())
+        seen = rec.constants.get(i)
+        if seen is None or seen[0] is not t:
+            rec.constants[i] = (t, digest)
+        elif seen[1] != digest:
+            name = ex.op.input_name(i, len(ex.input_descs))
+            raise ConstantOperandError(
+                f"the {name} of {ex.describe()} changed while bound, though planned constant: its launches use "
+                f"what the binding's first launch read; bind the call to the new data (it is then read anew), or "
+                f"plan it without the constant promise; the executor was {_origin(ex)}",
+                op=ex.op.name,
+                arg=name,
+            )
 
 
 def _role(i: int, n_in: int) -> str:
