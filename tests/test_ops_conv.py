@@ -459,9 +459,9 @@ def test_conv2d_constant_weight_keeps_the_transformed_weights_out_of_the_workspa
 
 @pytest.mark.parametrize(("impl", "dtype", "mats"), WINOGRADS)
 def test_conv2d_constant_weight_transforms_the_weight_once_per_binding(impl: str, dtype: Any, mats: int) -> None:
-    """A bound executor transforms its weight at its first launch only: later launches follow new input data, but
-    a weight changed in place is not seen (the contract ``constant_weight`` states), until the call is bound to
-    another weight tensor."""
+    """A bound executor transforms its weight at its first launch only: later launches follow new input data, in
+    place or in other input tensors (a rebinding of x keeps the transform), but a weight changed in place is not
+    seen (the contract ``constant_weight`` states), until the call is bound to another weight tensor."""
     rng = np.random.default_rng(11)
     dev = device("cpu")
     s = dev.stream()
@@ -471,13 +471,17 @@ def test_conv2d_constant_weight_transforms_the_weight_once_per_binding(impl: str
     with forced(impl):
         call = plan(conv2d, x, w, None, stream=s, padding=1, constant_weight=True)
     tol = {"rtol": 1e-4, "atol": 1e-3} if dtype == np.float32 else {"rtol": 1e-10, "atol": 1e-10}
-    for xi in xs:
-        x.view()[...] = xi
-        np.testing.assert_allclose(call().numpy(), reference(xi, w1, padding=1), **tol)
+    np.testing.assert_allclose(call().numpy(), reference(xs[0], w1, padding=1), **tol)
     w.view()[...] = w2  # in place: the kept transform of w1 still serves
-    np.testing.assert_allclose(call().numpy(), reference(xs[-1], w1, padding=1), **tol)
-    np.testing.assert_allclose(call(x, w_other).numpy(), reference(xs[-1], w2, padding=1), **tol)  # rebound
+    x.view()[...] = xs[1]
+    np.testing.assert_allclose(call().numpy(), reference(xs[1], w1, padding=1), **tol)
+    others = [dev.tensor(xi, stream=s) for xi in xs]
+    for xi, t in zip(xs, others):  # other input tensors: rebound, and still the transform of w1
+        np.testing.assert_allclose(call(t).numpy(), reference(xi, w1, padding=1), **tol)
+    np.testing.assert_allclose(call(x, w_other).numpy(), reference(xs[1], w2, padding=1), **tol)  # rebound weight
     call.close()
+    for t in [x, w, w_other, *others]:
+        t.free(s)
     s.close()
 
 

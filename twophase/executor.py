@@ -74,6 +74,7 @@ class Executor:
         "_repeatable",
         "_owner",
         "_blocks",
+        "_private",
         "launches",
         "device",
         "origin",
@@ -94,6 +95,7 @@ class Executor:
     _repeatable: bool
     _owner: int
     _blocks: tuple[Block, ...]
+    _private: dict[str, Any] | None  # state a private launch keeps across rebinding (``op.PRIVATE_STATE``)
     launches: int
     device: Any
     origin: Any
@@ -125,6 +127,7 @@ class Executor:
         self._repeatable = False
         self._owner = threading.get_ident()
         self._blocks = ()
+        self._private = None
         self.launches = 0
         self.device = None
         self.origin = None  # where it was planned (recorded for repeatable executors)

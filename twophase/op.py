@@ -408,6 +408,8 @@ class Op:
         # a launch's views keep their memory mapped, so an address cannot be reused for other memory. A tiling
         # whose ``private_launch`` is true (state kept between launches: conv2d's transformed constant weights)
         # gets a launch of its own per binding: memory freed and refilled at the same address must not find it.
+        # Its builder finds, in attrs[PRIVATE_STATE], the executor's own dict (kept across rebinding) and the
+        # blocks of the operands now bound, so that it can tell a rebound operand from the same one.
         private = getattr(ex.plan.tiling, "private_launch", False)
         operands: list[tuple[int, TensorDesc] | None] = []
         for t in ex._tensors:
@@ -438,9 +440,15 @@ class Op:
                 )
         if self.spec.aliases != "any":
             self._check_overlap(views, n, operands)
-        launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
         if private:
-            return launch
+            if ex._private is None:
+                ex._private = {}
+            attrs = {
+                **ex.attrs,
+                PRIVATE_STATE: (ex._private, tuple(None if t is None else t.block for t in ex._tensors)),
+            }
+            return builder(ex.plan, attrs, tuple(views[:n]), tuple(views[n:]))
+        launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
         with self._launch_lock:  # the length check and the evictions together
             memo[key] = (ex.plan, launch)  # the plan is kept so that its id stays unique
             while len(memo) > LAUNCH_MEMO:
@@ -608,6 +616,8 @@ def _block_bytes(b: Block) -> str:
     """A workspace block's size as a refusal names it: the bytes asked of malloc, and the pool's rounding."""
     return f"{b.requested} bytes" + (f" (rounded up to {b.size} by the pool)" if b.size != b.requested else "")
 
+
+PRIVATE_STATE = "_private_state"  # the attrs key of a private launch's builder: (executor's dict, operand blocks)
 
 # launches remembered per op (LRU), keyed by plan and operand memory: at least the distinct launches of one op in a
 # model's forward (MiniLM: 24 linears; BERT-base: 72), or a cycle longer than the memo misses on every call. At 16

@@ -15,6 +15,7 @@ convolutions).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,6 +30,7 @@ from ..kernels.cpu.conv import (
     build_im2col,
     build_im2col_parts,
     build_winograd,
+    kept_weights,
     parts_areas,
     parts_units,
     winograd_parts,
@@ -36,7 +38,7 @@ from ..kernels.cpu.conv import (
 from ..kernels.cpu.conv_tiles import available as tiles_available
 from ..kernels.cpu.conv_tiles import build_im2col_tiles, tile_stride, tile_width
 from ..layout import align, merge_dims, spread_stride
-from ..op import Attr, OpDef, Plan, register
+from ..op import PRIVATE_STATE, Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, split_range
 from ..tensor import DType, Format, TensorDesc
 from .checks import as_bool, as_int, check_dtype, need
@@ -580,13 +582,16 @@ def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[
     xv, ov = logical(x, t.nhwc), logical(outs[0], t.nhwc)
     if plan.implementation == "im2col_tiles":
         return build_im2col_tiles(t, xv, w, bias, ov)
+    if plan.implementation in ("winograd", "winograd4"):
+        store, blocks = attrs.get(PRIVATE_STATE, (None, (None, None)))  # set for own_weights (private launches)
+        keep = functools.partial(kept_weights, store, blocks[1])
+        build_w = build_winograd if plan.implementation == "winograd" else winograd4.build_winograd4
+        return build_w(t, xv, w, bias, ov, keep)
     build = {
         "gemm_1x1": build_gemm_1x1,
         "im2col": build_im2col,
         "im2col_parts": build_im2col_parts,
         "direct": build_direct,
-        "winograd": build_winograd,
-        "winograd4": winograd4.build_winograd4,
     }[plan.implementation]
     return build(t, xv, w, bias, ov)
 

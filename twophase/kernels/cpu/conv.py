@@ -1002,6 +1002,19 @@ class KeptWeights:
         self.ready = False
 
 
+def kept_weights(store: dict[str, Any] | None, weight: Any, count: int, stride: int, dt: np.dtype[Any]) -> KeptWeights:
+    """The binding's ``KeptWeights``: those in the executor's ``store`` while it stays bound to the same ``weight``
+    block (a rebinding of its input or output keeps them, already transformed), else new ones, kept there."""
+    held = None if store is None else store.get("kept_weights")
+    if held is not None and held[0] is weight and held[1].rows.shape == (count, stride // dt.itemsize):
+        kept: KeptWeights = held[1]
+        return kept
+    kept = KeptWeights(count, stride, dt)
+    if store is not None:
+        store["kept_weights"] = (weight, kept)
+    return kept
+
+
 def weight_rows(ws: Any, kept: KeptWeights | None, stride: int, dt: np.dtype[Any], count: int) -> Any:
     """U's rows: the kept weights', else the workspace's first area."""
     return kept.rows if kept is not None else spread_rows(ws, 0, stride, dt, count)
@@ -1030,9 +1043,12 @@ def winograd_launch(rounds: Callable[[Any], list[Round]], kept: KeptWeights | No
     return workspace_launcher(bind)
 
 
-def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
+def build_winograd(
+    t: Any, x: Any, w: Any, bias: Any, out: Any, keep: Callable[[int, int, np.dtype[Any]], KeptWeights] | None = None
+) -> Launch:
     """Transformed weights U (16, OC, C) (kept by the binding instead with ``t.own_weights``: transformed by its
-    first launch only), per round of ``t.chunk`` 2x2 output tiles the transformed input V (16, C, chunk) and M =
+    first launch only; ``keep(count, stride, dtype)`` gives them, ``kept_weights`` from the executor's store),
+    per round of ``t.chunk`` 2x2 output tiles the transformed input V (16, C, chunk) and M =
     U @ V (16, OC, chunk) in the workspace, then the output transform (+ bias); the
     transforms' scratch rows (a set per part) are in the workspace too (no allocation in the launch). The 16
     matrices of U, V and M lie ``spread_stride`` apart (the transforms write or read all 16 at once). The GEMMs
@@ -1049,7 +1065,7 @@ def build_winograd(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     b = bias if bias is not None else np.zeros(1, dt)
     has = bias is not None
     su, sv, sm = (spread_stride(n * item) for n in (t.oc * t.c, t.c * chunk, t.oc * chunk))
-    kept = KeptWeights(16, su, dt) if t.own_weights else None
+    kept = (keep or KeptWeights)(16, su, dt) if t.own_weights else None
     o_v = 0 if kept is not None else 16 * su
     o_m = o_v + 16 * sv
     o_si = o_m + 16 * sm  # per-part scratch rows of the two transforms, on lines of their own (no false sharing)

@@ -279,13 +279,16 @@ def winograd4_output(
                             out[n, oc, y, col] = s[24 + col - 4 * whole, o + whole]
 
 
-def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
+def build_winograd4(
+    t: Any, x: Any, w: Any, bias: Any, out: Any, keep: Callable[[int, int, np.dtype[Any]], KeptWeights] | None = None
+) -> Launch:
     """Transformed weights U (36, OC, C) (kept by the binding with ``t.own_weights``: transformed by its first
-    launch only), per round of ``t.chunk`` images the transformed input V (36, C, NT) and
-    M = U @ V (36, OC, NT) in the workspace, then the output transform (+ bias); the transforms' scratch rows (a
-    set per part) follow. With ``t.parts`` > 1 the weight and input transforms run as channel ranges in one
-    hand-off, the 36 GEMMs as batch ranges (one BLAS thread each, or the float32 microkernel for the round widths
-    ``t.micro`` gives blocks for) and the output transform as channel ranges, on helper threads."""
+    launch only; ``keep`` gives them, as ``conv.build_winograd``'s), per round of ``t.chunk`` images the transformed
+    input V (36, C, NT) and M = U @ V (36, OC, NT) in the workspace, then the output transform (+ bias); the
+    transforms' scratch rows (a set per part) follow. With ``t.parts`` > 1 the weight and input transforms run as
+    channel ranges in one hand-off, the 36 GEMMs as batch ranges (one BLAS thread each, or the float32 microkernel
+    for the round widths ``t.micro`` gives blocks for) and the output transform as channel ranges, on helper
+    threads."""
     th_n, tw_n, band = geometry(t.oh, t.ow)
     tr = tw_n + 1
     chunk, parts = t.chunk, t.parts
@@ -296,7 +299,7 @@ def build_winograd4(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     b = bias if bias is not None else np.zeros(1, dt)
     has = bias is not None
     su, sv, sm, si_b, so_b, sw_b, sp_b = _areas(t.oc, t.c, nt, th_n, tr, band, flat)
-    kept = KeptWeights(MATS, su, dt) if t.own_weights else None
+    kept = (keep or KeptWeights)(MATS, su, dt) if t.own_weights else None
     o_v = 0 if kept is not None else MATS * su
     o_m = o_v + MATS * sv
     o_s = o_m + MATS * sm  # per part: input, output, weight and split-plane scratch, each on lines of its own
