@@ -495,49 +495,75 @@ def test_an_out_whose_format_tag_contradicts_the_result_is_refused(dev: Any) -> 
 
 # ---------------------------------------------------------------- streaming stores (add / sub / mul / div)
 STREAMING = sorted(streaming.CODES)
+SLACK = 17  # elements around each operand: any offset of 0..SLACK, and room after
 
 
-@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
-@settings(max_examples=60, deadline=None)
-@given(
-    name=st.sampled_from(STREAMING),
-    dtype=st.sampled_from([np.float32, np.float64]),
-    shape=st.lists(st.integers(1, 40), min_size=1, max_size=3).map(tuple),
-    offsets=st.tuples(st.integers(0, 9), st.integers(0, 9), st.integers(0, 9)),
-    parts=st.integers(1, 3),
-    seed=st.integers(0, 2**31),
-)
+def _placed(
+    dtype: Any, shape: tuple[int, ...], offsets: tuple[int, ...], seed: int, special: list[float]
+) -> tuple[list[Any], list[Any], Any, Any]:
+    """(inputs, their tensors, the output's whole buffer, the output): random data laced with ``special`` values
+    (and 0, -0, the smallest subnormal) for all but the last offset, each dense tensor that many elements into a
+    buffer of its own; the output poisoned, the rest of its buffer 7.0 (``_check_written``)."""
+    rng = np.random.default_rng(seed)
+    n = int(np.prod(shape))
+    pool = np.array([*special, -0.0, 0.0, np.finfo(dtype).smallest_subnormal], dtype)
+    inputs = [
+        np.where(rng.random(n) < 0.1, rng.choice(pool, n), rng.standard_normal(n) * 3).astype(dtype)
+        for _ in offsets[:-1]
+    ]
+    tensors = []
+    for data, off in zip(inputs, offsets):
+        buf = np.zeros(n + SLACK, dtype)
+        buf[off : off + n] = data
+        tensors.append(dense_at(buf, shape, off)[1])
+    bout = np.full(n + SLACK, 7.0, dtype)
+    bout[offsets[-1] : offsets[-1] + n] = np.full(n, POISON_BITS[dtype]).view(dtype)
+    whole, out = dense_at(bout, shape, offsets[-1])
+    return inputs, tensors, whole, out
+
+
+def _check_written(whole: Any, offset: int, want: Any) -> None:
+    """Every element of the output (``offset`` into ``whole``) written and equal to ``want`` bit for bit (NaN where
+    it has NaN), nothing around it."""
+    out = whole.numpy()  # waits for the launch
+    n = want.size
+    written = out[offset : offset + n]
+    assert not (written.view(POISON_BITS[want.dtype.type].dtype) == POISON_BITS[want.dtype.type]).any()
+    np.testing.assert_array_equal(written, want)
+    assert (np.delete(out, np.arange(offset, offset + n)) == 7.0).all()
+
+
+def _at_any_alignment(names: list[str], operands: int) -> Any:
+    """The streaming kernels' cases (x86 only): an op of ``names``, float32 / float64, 1-3 dims of 1-50, each of
+    ``operands`` (the output last) 0..SLACK elements into its buffer, one to three parts, a seed."""
+    cases = given(
+        name=st.sampled_from(names),
+        dtype=st.sampled_from([np.float32, np.float64]),
+        shape=st.lists(st.integers(1, 50), min_size=1, max_size=3).map(tuple),
+        offsets=st.tuples(*[st.integers(0, SLACK)] * operands),
+        parts=st.integers(1, 3),
+        seed=st.integers(0, 2**31),
+    )
+    skip = pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+    return lambda test: skip(settings(max_examples=60, deadline=None)(cases(test)))
+
+
+@_at_any_alignment(STREAMING, 3)
 def test_streaming_binary_is_bitwise_numpy_at_any_alignment(
     name: str, dtype: Any, shape: tuple[int, ...], offsets: tuple[int, int, int], parts: int, seed: int
 ) -> None:
     """Operands and output start at any element offset (the kernel's scalar head runs up to the output's first
     32-byte boundary), cut into one to three parts; every element is written, nothing around the output is, and
     the result is numpy's bit for bit (NaN where numpy has NaN), inf, -0 and subnormals included."""
-    dev = device("cpu")
-    rng = np.random.default_rng(seed)
-    n = int(np.prod(shape))
-    special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, np.finfo(dtype).smallest_subnormal], dtype)
-    x, y = (
-        np.where(rng.random(n) < 0.1, rng.choice(special, n), rng.standard_normal(n) * 3).astype(dtype)
-        for _ in range(2)
-    )
-    bx, by = np.zeros(n + 9, dtype), np.zeros(n + 9, dtype)
-    bx[offsets[0] : offsets[0] + n], by[offsets[1] : offsets[1] + n] = x, y
-    bout = np.full(n + 9, 7.0, dtype)
-    bout[offsets[2] : offsets[2] + n] = np.full(n, POISON_BITS[dtype]).view(dtype)
-    (_, tx), (_, ty), (whole, tout) = (dense_at(b, shape, o) for b, o in zip((bx, by, bout), offsets))
+    (x, y), (tx, ty), whole, tout = _placed(dtype, shape, offsets, seed, [np.nan, np.inf, -np.inf])
     op = getattr(ops, name)
     with forced("streaming"), num_threads(parts), mock.patch.object(elementwise_ops, "FANOUT_MIN", 8):
         size, ex = op.get_workspace_size(tx, ty, out=tout)
     assert ex.implementation == "streaming" and size == 0
-    op(None, 0, ex, dev.default_stream)
-    out = whole.numpy()  # waits for the launch
+    op(None, 0, ex, device("cpu").default_stream)
     with np.errstate(all="ignore"):
         want = BINARY[name][0](x, y)
-    written = out[offsets[2] : offsets[2] + n]
-    assert not (written.view(POISON_BITS[dtype].dtype) == POISON_BITS[dtype]).any()
-    np.testing.assert_array_equal(written, want)
-    assert (np.delete(out, np.arange(offsets[2], offsets[2] + n)) == 7.0).all()
+    _check_written(whole, offsets[2], want)
 
 
 def test_stream_threshold_is_the_last_level_cache_at_most_64_mib(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -617,16 +643,7 @@ def test_streaming_kernels_store_whole_vectors_past_the_cache(dtype: Any, store:
 VMATH_UNARY = sorted(n for n, spec in UNARY.items() if spec[0] == "vmath")
 
 
-@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
-@settings(max_examples=60, deadline=None)
-@given(
-    name=st.sampled_from(VMATH_UNARY),
-    dtype=st.sampled_from([np.float32, np.float64]),
-    shape=st.lists(st.integers(1, 50), min_size=1, max_size=3).map(tuple),
-    offsets=st.tuples(st.integers(0, 17), st.integers(0, 17)),
-    parts=st.integers(1, 3),
-    seed=st.integers(0, 2**31),
-)
+@_at_any_alignment(VMATH_UNARY, 2)
 def test_streaming_unary_is_the_vector_kernels_result_at_any_alignment(
     name: str, dtype: Any, shape: tuple[int, ...], offsets: tuple[int, int], parts: int, seed: int
 ) -> None:
@@ -635,27 +652,15 @@ def test_streaming_unary_is_the_vector_kernels_result_at_any_alignment(
     written, nothing around the output is, and the result is the 'vector' kernel's bit for bit (the same function
     per element), special values included."""
     dev = device("cpu")
-    rng = np.random.default_rng(seed)
-    n = int(np.prod(shape))
-    special = np.array([np.nan, np.inf, -np.inf, -0.0, 0.0, np.finfo(dtype).smallest_subnormal, 30.0, -30.0], dtype)
-    x = np.where(rng.random(n) < 0.1, rng.choice(special, n), rng.standard_normal(n) * 3).astype(dtype)
-    bx = np.zeros(n + 17, dtype)
-    bx[offsets[0] : offsets[0] + n] = x
-    bout = np.full(n + 17, 7.0, dtype)
-    bout[offsets[1] : offsets[1] + n] = np.full(n, POISON_BITS[dtype]).view(dtype)
-    (_, tx), (whole, tout) = (dense_at(b, shape, o) for b, o in zip((bx, bout), offsets))
+    (x,), (tx,), whole, tout = _placed(dtype, shape, offsets, seed, [np.nan, np.inf, -np.inf, 30.0, -30.0])
     op = getattr(ops, name)
     with forced("vector_streaming"), num_threads(parts), mock.patch.object(elementwise_kernels, "FANOUT_NS", 1.0):
         size, ex = op.get_workspace_size(tx, out=tout)
     assert ex.implementation == "vector_streaming" and size == 0
     op(None, 0, ex, dev.default_stream)
-    out = whole.numpy()  # waits for the launch
-    written = out[offsets[1] : offsets[1] + n]
-    assert not (written.view(POISON_BITS[dtype].dtype) == POISON_BITS[dtype]).any()
     with forced("vector"):
         want = functions()[name](dev.tensor(x.reshape(shape))).numpy().reshape(-1)
-    np.testing.assert_array_equal(written, want)
-    assert (np.delete(out, np.arange(offsets[1], offsets[1] + n)) == 7.0).all()
+    _check_written(whole, offsets[1], want)
 
 
 def test_streaming_unary_is_ranked_first_only_for_large_dense_float_outputs() -> None:
