@@ -58,7 +58,7 @@ class ExRecord:
     released_at: Any = None
     last: dict[Any, int] = field(default_factory=dict)  # stream queue -> seq of its latest launch there
     ref: Any = field(default=None, repr=False)
-    constants: dict[int, tuple[Any, int]] = field(default_factory=dict)  # input -> (its tensor, checksum)
+    constants: dict[int, tuple[Any, int]] = field(default_factory=dict)  # input -> (its block, checksum)
 
 
 @dataclass
@@ -352,8 +352,8 @@ def _after_task(stream_name: str, owner: Any, t0: float, t1: float, seq: int) ->
 
 def _check_constants(ex: Any) -> None:
     """Check 9, after a launch of ``ex`` (on the worker): the inputs its plan keeps constant (the tiling's
-    ``constant_inputs``) hold the data of the binding's first launch (a CRC-32 of their bytes); a new binding is
-    checksummed anew."""
+    ``constant_inputs``) hold the data of the binding's first launch (a CRC-32 of their bytes); a binding to another
+    block is checksummed anew."""
     indices = getattr(getattr(getattr(ex, "plan", None), "tiling", None), "constant_inputs", ())
     rec = record_of(ex) if indices else None
     if rec is None:
@@ -367,8 +367,8 @@ def _check_constants(ex: Any) -> None:
         # the device's view, not Tensor.view (check 5 would take this worker's read for the host's)
         digest = zlib.crc32(np.ascontiguousarray(t.device._array_view(t.block, t.desc)).tobytes())
         seen = rec.constants.get(i)
-        if seen is None or seen[0] is not t:
-            rec.constants[i] = (t, digest)
+        if seen is None or seen[0] is not t.block:  # a binding to other memory: its own first launch (as the kernel)
+            rec.constants[i] = (t.block, digest)
         elif seen[1] != digest:
             name = ex.op.input_name(i, len(ex.input_descs))
             raise ConstantOperandError(
