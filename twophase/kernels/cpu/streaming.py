@@ -5,13 +5,12 @@ the row write of layer / RMS norm (``store_normalized``, used by ``norm.py``) an
 A plain store to a line that is not cached reads that line first (read for ownership), so ``out = x + y`` over
 arrays larger than the last-level cache moves four arrays' bytes through memory to write three. An aligned 32-byte
 ``vmovntps`` / ``vmovntpd`` writes whole lines past the cache without reading them. On this project's AMD EPYC
-(AVX2, 2 vCPUs) a 4096 x 4096 float32 add ran 1.14-1.25x faster this way, layer / RMS norm 1.22-1.63x. On a
-Zen 5 EPYC (AVX-512) gelu and silu of 16 M float32 elements ran 1.04-1.30x faster (``/tmp/w40/unab.py``, the
-fortieth session, side by side with the plain vector loop). Below the cache's size the result would have stayed
-cached for the next op, which then reads it from memory instead: an add followed by a read of its 8 MiB output ran
-0.85x as fast (``/tmp/w20/ntsz.py`` of the twentieth session). So
-phase 1 ranks these implementations first only for outputs of at least :func:`stream_threshold`: the last-level
-cache's size, at most ``STREAM_MAX_THRESHOLD``.
+(AVX2, 2 vCPUs) a 4096 x 4096 float32 add ran 1.14-1.25x faster this way, layer / RMS norm 1.22-1.63x. On a Zen 5
+EPYC (AVX-512) gelu and silu of 16 M float32 elements ran 1.04-1.30x faster (``/tmp/w40/unab.py``, the fortieth
+session, side by side with the plain vector loop). Below the cache's size the result would have stayed cached for
+the next op, which then reads it from memory instead: an add followed by a read of its 8 MiB output ran 0.85x as
+fast (``/tmp/w20/ntsz.py`` of the twentieth session). So phase 1 ranks these implementations first only for outputs
+of at least :func:`stream_threshold`: the last-level cache's size, at most ``STREAM_MAX_THRESHOLD``.
 
 The binary arithmetic is plain IEEE (no fast-math flags), one rounding per element as numpy's: the results are
 bitwise numpy's, NaN and inf included. x86 only (the ``sfence`` that orders the streaming stores before the part's
