@@ -122,14 +122,15 @@ def test_a_task_running_at_the_fork_fails_in_the_child_and_the_stream_recovers(
 
 
 def test_locks_other_threads_held_at_the_fork_are_free_in_the_child(dev: twophase.Device) -> None:
-    """The memory pool's lock (a stream worker takes it to free blocks), the device registry's lock and an op's
-    launch-memo lock (taken when a launch is built), held by another thread of the parent across the fork."""
+    """The memory pool's lock (a stream worker takes it to free blocks), the device registry's lock, an op's
+    launch-memo lock (taken when a launch is built) and the device's lock of dropped streams' failures (a worker
+    takes it as it stops), held by another thread of the parent across the fork."""
     device_module = sys.modules["twophase.runtime.device"]  # the package exports a function of that name
     relu = sys.modules["twophase.op"].registry["relu"]
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with dev.pool._lock, device_module._lock, relu._launch_lock:
+        with dev.pool._lock, device_module._lock, relu._launch_lock, dev._dropped_failures.lock:
             held.set()
             release.wait(CHILD_LIMIT_S)
 
@@ -144,6 +145,7 @@ def test_locks_other_threads_held_at_the_fork_are_free_in_the_child(dev: twophas
             device_module._DEVICES.pop("null", None)  # (the child's own registry) made again: under the lock
             assert twophase.device("null").name == "null"
             x = dev.tensor(np.arange(-1, 2, dtype=np.float32))
+            dev.synchronize()  # the failures of dropped streams: under their lock
             return twophase.relu(x).numpy().tolist()  # a launch on new memory: built, memoised under the lock
 
         assert in_child(child) == [0.0, 0.0, 1.0]

@@ -116,9 +116,12 @@ class DroppedFailures:
     sync reports an error of any of its streams): taken from a queue when its worker stops, or when the device
     drains it, whichever comes first (under one lock: never both)."""
 
+    __slots__ = ("lock", "failures", "__weakref__")
+
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.failures: list[BaseException] = []
+        forking.locks_of(self, "lock")  # a stream worker may hold it at a fork
 
     def take(self, q: _Queue) -> None:
         """Move ``q``'s pending failure, as its stream's sync would have raised it, into the list."""
