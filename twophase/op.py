@@ -410,7 +410,7 @@ class Op:
         # gets a launch of its own per binding: memory freed and refilled at the same address must not find it.
         # Its builder finds, in attrs[PRIVATE_STATE], the executor's own dict (kept across rebinding) and the
         # blocks of the operands now bound, so that it can tell a rebound operand from the same one.
-        private = getattr(ex.plan.tiling, "private_launch", False)
+        private = getattr(ex.plan.tiling, "private_launch", False)  # then no key: the memo is not asked
         operands: list[tuple[int, TensorDesc] | None] = []
         for t in ex._tensors:
             if t is None:
@@ -419,9 +419,9 @@ class Op:
             if t.block.freed:
                 raise InvalidStateError("tensor's block was freed", op=self.name, arg="operand", got=t.desc)
             operands.append((t.block.segment.address + t.block.offset, t.desc))
-        key = (id(ex.plan), dev.kind, tuple(operands))
+        key = None if private else (id(ex.plan), dev.kind, tuple(operands))
         memo = self._launches  # shared by every thread that runs the op (each OrderedDict call is atomic)
-        hit = None if private else memo.get(key)
+        hit = None if key is None else memo.get(key)
         if hit is not None:
             try:
                 memo.move_to_end(key)
@@ -440,15 +440,14 @@ class Op:
                 )
         if self.spec.aliases != "any":
             self._check_overlap(views, n, operands)
-        if private:
+        attrs = ex.attrs
+        if key is None:
             if ex._private is None:
                 ex._private = {}
-            attrs = {
-                **ex.attrs,
-                PRIVATE_STATE: (ex._private, tuple(None if t is None else t.block for t in ex._tensors)),
-            }
-            return builder(ex.plan, attrs, tuple(views[:n]), tuple(views[n:]))
-        launch = builder(ex.plan, ex.attrs, tuple(views[:n]), tuple(views[n:]))
+            attrs = {**attrs, PRIVATE_STATE: (ex._private, tuple(None if t is None else t.block for t in ex._tensors))}
+        launch = builder(ex.plan, attrs, tuple(views[:n]), tuple(views[n:]))
+        if key is None:
+            return launch
         with self._launch_lock:  # the length check and the evictions together
             memo[key] = (ex.plan, launch)  # the plan is kept so that its id stays unique
             while len(memo) > LAUNCH_MEMO:

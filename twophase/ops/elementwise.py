@@ -13,10 +13,9 @@ import numpy as np
 from ..errors import ParamError
 from ..kernels.cpu import streaming
 from ..kernels.cpu.elementwise import FANOUT_MIN, build_unary, pieces
-from ..kernels.cpu.jit import entry
 from ..layout import align, broadcast_shape, merge_dims, same_view
 from ..op import Attr, Op, OpDef, Plan, register
-from ..runtime.fanout import fanout_parts, launcher, split_range
+from ..runtime.fanout import fanout_parts, launcher
 from ..tensor import DType, Format, TensorDesc
 from .checks import FLOATS, NUMERIC, as_scalar, cast_scalar, check_dtype, choice, need
 from .selection import Candidate, choose
@@ -100,21 +99,12 @@ def _streaming_select(name: str) -> Any:
 
 def _build_streaming(name: str, x: Any, y: Any, out: Any) -> Callable[[Any], None] | None:
     """The 'streaming' launch, in one part per helper thread from ``FANOUT_MIN`` elements; None where the bound
-    memory cannot take it: an output overlapping an input other than as the same view (numpy buffers such a call,
-    and a stream of vector stores would read what it overwrote), or not aligned to its element size, or (which
-    phase 1's contiguous descs rule out) not C-contiguous."""
-    if (
-        not streaming.element_aligned(out)
-        or not all(a.flags.c_contiguous for a in (x, y, out))
-        or any(np.may_share_memory(a, out) and not same_view(a, out) for a in (x, y))
-    ):
+    memory cannot take it (``streaming.takes``, in place into x or y allowed; numpy then buffers an overlapping
+    output)."""
+    if not streaming.takes((x, y), out, in_place=True):
         return None
-    flat = [a.reshape(-1) for a in (x, y, out)]
-    fn = entry(streaming.KERNELS[name], *flat)
     parts = fanout_parts() if out.size >= FANOUT_MIN else 1
-    return launcher(
-        [functools.partial(fn, *(a[lo:hi] for a in flat)) for lo, hi in split_range(out.size, parts, FANOUT_MIN // 2)]
-    )
+    return streaming.flat_launch(streaming.KERNELS[name], (x, y), out, parts, FANOUT_MIN // 2)
 
 
 def _binary_build(ufunc: Any, name: str = "") -> Builder:

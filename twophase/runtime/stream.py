@@ -120,7 +120,7 @@ class DroppedFailures:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.failures: list[BaseException] = []
+        self.failures: list[TwoPhaseError] = []
         forking.locks_of(self, "lock")  # a stream worker may hold it at a fork
 
     def take(self, q: _Queue) -> None:
@@ -130,9 +130,8 @@ class DroppedFailures:
                 return
             try:
                 q.raise_pending(q.submitted)
-            except BaseException as exc:  # noqa: BLE001 - kept to be raised by the device's sync
-                if isinstance(exc, TwoPhaseError):
-                    exc.add_note_line("the stream was dropped by its caller: reported by Device.synchronize")
+            except TwoPhaseError as exc:  # what raise_pending raises: kept to be raised by the device's sync
+                exc.add_note_line("the stream was dropped by its caller: reported by Device.synchronize")
                 self.failures.append(exc)
 
     def raise_first(self) -> None:
@@ -143,11 +142,7 @@ class DroppedFailures:
             return
         first = found[0]
         for other in found[1:]:
-            line = f"also failed on another dropped stream: {type(other).__name__}: {other}"
-            if isinstance(first, TwoPhaseError):
-                first.add_note_line(line)
-            else:
-                first.add_note(line)
+            first.add_note_line(f"also failed on another dropped stream: {type(other).__name__}: {other}")
         raise first
 
 

@@ -1006,7 +1006,7 @@ def kept_weights(store: dict[str, Any] | None, weight: Any, count: int, stride: 
     """The binding's ``KeptWeights``: those in the executor's ``store`` while it stays bound to the same ``weight``
     block (a rebinding of its input or output keeps them, already transformed), else new ones, kept there."""
     held = None if store is None else store.get("kept_weights")
-    if held is not None and held[0] is weight and held[1].rows.shape == (count, stride // dt.itemsize):
+    if held is not None and held[0] is weight:  # one executor: one plan, so the same count, stride and dtype
         kept: KeptWeights = held[1]
         return kept
     kept = KeptWeights(count, stride, dt)
@@ -1044,7 +1044,7 @@ def winograd_launch(rounds: Callable[[Any], list[Round]], kept: KeptWeights | No
 
 
 def build_winograd(
-    t: Any, x: Any, w: Any, bias: Any, out: Any, keep: Callable[[int, int, np.dtype[Any]], KeptWeights] | None = None
+    t: Any, x: Any, w: Any, bias: Any, out: Any, keep: Callable[[int, int, np.dtype[Any]], KeptWeights]
 ) -> Launch:
     """Transformed weights U (16, OC, C) (kept by the binding instead with ``t.own_weights``: transformed by its
     first launch only; ``keep(count, stride, dtype)`` gives them, ``kept_weights`` from the executor's store),
@@ -1065,7 +1065,7 @@ def build_winograd(
     b = bias if bias is not None else np.zeros(1, dt)
     has = bias is not None
     su, sv, sm = (spread_stride(n * item) for n in (t.oc * t.c, t.c * chunk, t.oc * chunk))
-    kept = (keep or KeptWeights)(16, su, dt) if t.own_weights else None
+    kept = keep(16, su, dt) if t.own_weights else None
     o_v = 0 if kept is not None else 16 * su
     o_m = o_v + 16 * sv
     o_si = o_m + 16 * sm  # per-part scratch rows of the two transforms, on lines of their own (no false sharing)

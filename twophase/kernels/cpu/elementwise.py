@@ -21,7 +21,7 @@ from ...layout import align, as_matrix
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
 from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
-from .streaming import LINE_BYTES, aligned_head, element_aligned, put_streaming, sfence
+from .streaming import LINE_BYTES, aligned_head, flat_launch, put_streaming, sfence, takes
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
 _LOOP_OPTIONS: Any = {"nogil": True, "fastmath": FAST, "error_model": "numpy"}  # also the span loops' (overloads)
@@ -180,7 +180,8 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], ...]:
             for i in range(head):
                 out[i] = f(x[i])
             xs, os = x[head:], out[head:]
-            body = (n - head) // (LINE_BYTES // out.itemsize) * (LINE_BYTES // out.itemsize)
+            line = LINE_BYTES // out.itemsize  # elements a cache line holds
+            body = (n - head) // line * line
             for i in range(body):
                 put_streaming(os, i, f(xs[i]))
             for i in range(head + body, n):
@@ -332,25 +333,16 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any, stream: b
     """Launch for ``out = f(x)``: directly on (rows, cols) views, or through a dense ``compute``-dtype copy in the
     workspace when ``pack`` (float16, or dims that do not merge). The kernel is chosen and compiled here
     (phase 1), and from ``fanout_elements`` elements the views are cut into one piece per helper thread.
-    ``stream``: non-temporal stores (``STREAMING``) where the bound memory takes them (both dense, ``out`` aligned
-    to its element size and apart from ``x``; in place the vector loop would not run: see ``span_loops``)."""
+    ``stream``: non-temporal stores (``STREAMING``) where the bound memory takes them (``streaming.takes``; not in
+    place: the vector loop would not run over one array twice, see ``span_loops``)."""
     if x.size == 0:
         return lambda _: None
     fn_name = function_for(name, compute)
     fan = fanout_elements(fn_name)
     parts = fanout_parts() if x.size >= fan else 1
     grain = fan // 2
-    if (
-        stream
-        and not pack
-        and x.flags.c_contiguous
-        and out.flags.c_contiguous
-        and element_aligned(out)
-        and not np.may_share_memory(x, out)
-    ):
-        xf, of = x.reshape(-1), out.reshape(-1)
-        fn = entry(STREAMING[fn_name], xf, of)
-        return launcher([functools.partial(fn, xf[lo:hi], of[lo:hi]) for lo, hi in split_range(x.size, parts, grain)])
+    if stream and not pack and takes((x,), out, in_place=False):
+        return flat_launch(STREAMING[fn_name], (x,), out, parts, grain)
     if not pack:
         both = x.flags.c_contiguous and out.flags.c_contiguous
         xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))

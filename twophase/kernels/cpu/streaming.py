@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,10 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
 
+from ...layout import same_view
+from ...runtime.fanout import launcher, split_range
+from .jit import entry
+
 __all__ = [
     "CODES",
     "KERNELS",
@@ -38,11 +43,13 @@ __all__ = [
     "VECTOR_BYTES",
     "aligned_head",
     "element_aligned",
+    "flat_launch",
     "last_level_cache_bytes",
     "offered",
     "put_streaming",
     "ranked",
     "sfence",
+    "takes",
     "store_normalized",
     "stream_threshold",
     "STREAM_MAX_THRESHOLD",
@@ -247,6 +254,26 @@ def element_aligned(out: Any) -> bool:
     """Whether ``out``'s memory starts on a multiple of its element size, from where the streaming loops reach a
     ``VECTOR_BYTES`` boundary (checked when a launch is bound: memory from outside the pool may not)."""
     return bool(out.ctypes.data % out.itemsize == 0)
+
+
+def takes(operands: tuple[Any, ...], out: Any, in_place: bool) -> bool:
+    """Whether bound memory takes a streaming kernel: ``out`` aligned to its element size, every array
+    C-contiguous (which phase 1's contiguous descs rule out otherwise), and ``out`` apart from each operand, or
+    that operand's own view when ``in_place`` (a stream of vector stores would read what it overwrote)."""
+    return (
+        element_aligned(out)
+        and all(a.flags.c_contiguous for a in (*operands, out))
+        and not any(np.may_share_memory(a, out) and not (in_place and same_view(a, out)) for a in operands)
+    )
+
+
+def flat_launch(kernel: Any, operands: tuple[Any, ...], out: Any, parts: int, grain: int) -> Callable[[Any], None]:
+    """The launch of a streaming ``kernel(*operands, out)`` over the flat views of dense arrays (``takes``), cut
+    into ``parts`` ranges of at least ``grain`` elements for helper threads."""
+    flat = [a.reshape(-1) for a in (*operands, out)]
+    fn = entry(kernel, *flat)
+    ranges = split_range(out.size, parts, grain)
+    return launcher([functools.partial(fn, *(a[lo:hi] for a in flat)) for lo, hi in ranges])
 
 
 def stream_threshold() -> int:

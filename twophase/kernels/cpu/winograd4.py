@@ -280,7 +280,7 @@ def winograd4_output(
 
 
 def build_winograd4(
-    t: Any, x: Any, w: Any, bias: Any, out: Any, keep: Callable[[int, int, np.dtype[Any]], KeptWeights] | None = None
+    t: Any, x: Any, w: Any, bias: Any, out: Any, keep: Callable[[int, int, np.dtype[Any]], KeptWeights]
 ) -> Launch:
     """Transformed weights U (36, OC, C) (kept by the binding with ``t.own_weights``: transformed by its first
     launch only; ``keep`` gives them, as ``conv.build_winograd``'s), per round of ``t.chunk`` images the transformed
@@ -299,7 +299,7 @@ def build_winograd4(
     b = bias if bias is not None else np.zeros(1, dt)
     has = bias is not None
     su, sv, sm, si_b, so_b, sw_b, sp_b = _areas(t.oc, t.c, nt, th_n, tr, band, flat)
-    kept = (keep or KeptWeights)(MATS, su, dt) if t.own_weights else None
+    kept = keep(MATS, su, dt) if t.own_weights else None
     o_v = 0 if kept is not None else MATS * su
     o_m = o_v + MATS * sv
     o_s = o_m + MATS * sm  # per part: input, output, weight and split-plane scratch, each on lines of its own
