@@ -15,7 +15,7 @@ from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, wo
 from . import gemm
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import by_density, copy_run, entry, pairs_of, row_of, rows_dense, span_of
+from .jit import by_density, copy_even, copy_run, entry, pairs_of, row_of, rows_dense, span_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -103,8 +103,7 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
         pw, dh, dw, OW, images). Rows of x and cols typed
         dense when ``dense``; the column step a compile-time constant when ``fixed_step``. With dense rows, step 1
         and OW = W, a plane's rows inside the image are one flat copy (the columns it wraps into the padding
-        zeroed after); step 2 reads the rows as element pairs (``jit.pairs_of``; LLVM gathers a float row's
-        every other element)."""
+        zeroed after); step 2 copies a row's every other element by masked vector steps (``jit.copy_even``)."""
         kh_n, kw_n, sh, sw, ph, pw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
         dh, dw, ow_n, nn = geo[6], geo[7], geo[8], geo[9]
         height, width = x.shape[2], x.shape[3]
@@ -150,19 +149,8 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
                     _zero(crow, d + hi, d + ow_n)
                     xr = row_of(plane, ih, dense)
                     e = lo * sw + off  # the first column read
-                    if PAIRS:
-                        # pairs from the column before each read one, so every read element is a pair's odd one
-                        # (as conv_dw3x3's windows: a group with a gap at its end makes LLVM gather); a read of
-                        # column 0 done apart
-                        skip = 1 if e == 0 and hi > lo else 0
-                        if skip:
-                            crow[d + lo] = xr[0]
-                        m = hi - lo - skip
-                        if m > 0:
-                            q = pairs_of(plane, ih, e + 2 * skip - 1, m)
-                            d1 = np.uint64(d + lo + skip)
-                            for u in range(np.uint64(m)):
-                                crow[d1 + u] = q[u].imag
+                    if PAIRS:  # masked vector steps (a 7- or 14-wide row is one): numba's loop ran scalar
+                        copy_even(crow, d + lo, xr, e, hi - lo)
                     elif hi - lo >= 8:  # unsigned indices: no wrap-around selects, so the copy vectorizes
                         _copy_span(crow, np.uint64(d + lo), xr, np.uint64(e), step, np.uint64(hi - lo))
                     else:  # a short row (7-wide maps): the plain loop, faster than the vector loop's entry checks

@@ -33,6 +33,7 @@ __all__ = [
     "variant_call",
     "wide_vectors",
     "copy_run",
+    "copy_even",
     "emit_prefetch",
     "emit_splat",
     "emit_lanes_below",
@@ -83,10 +84,11 @@ def emit_lanes_below(builder: Any, n: Any, lanes: int) -> Any:
 
 
 def masked_memory(builder: Any, vec: Any) -> tuple[Any, Any]:
-    """The ``llvm.masked.load`` / ``llvm.masked.store`` declarations for float vectors of type ``vec``; called
+    """The ``llvm.masked.load`` / ``llvm.masked.store`` declarations for float / double vectors of type ``vec``; called
     as load(ptr, align, mask, passthru) and store(value, ptr, align, mask)."""
     n = vec.count
-    types_ = f"v{n}f32.p0" + (f"v{n}f32" if TYPED_POINTERS else "")
+    elem = "f64" if isinstance(vec.element, ir.DoubleType) else "f32"
+    types_ = f"v{n}{elem}.p0" + (f"v{n}{elem}" if TYPED_POINTERS else "")
     vptr, i32 = vec.as_pointer(), ir.IntType(32)
     mask = ir.VectorType(ir.IntType(1), n)
     load = cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
@@ -176,6 +178,62 @@ def _copy_run_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: An
 
 
 copy_run: Any = intrinsic(_copy_run_typing)
+
+
+def _copy_even_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: Any) -> Any:
+    """``dst[d0:d0 + n] = src[s0:s0 + 2n:2]`` for dense 1-D float32 / float64 arrays of one dtype, 64 bytes of
+    ``dst`` a step: two masked vector loads of ``src`` (only the elements read), a shuffle taking their even
+    elements, a masked store. A column-stride-2 unfolded row of a 14-wide map is one step, where numba's loop,
+    too short for its vector body, copied it one element at a time."""
+    if not (
+        isinstance(dst, types.Array)
+        and isinstance(src, types.Array)
+        and dst.ndim == src.ndim == 1
+        and dst.dtype == src.dtype
+        and dst.dtype in (types.float32, types.float64)
+    ):
+        return None
+    sig = types.void(dst, d0, src, s0, n)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        item = as_dtype(signature.args[0].dtype).itemsize
+        lanes = 64 // item
+        fty = context.get_value_type(signature.args[0].dtype)
+        vec = ir.VectorType(fty, lanes)
+        load, store = masked_memory(builder, vec)
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        align = ir.Constant(i32, item)
+        zero = ir.Constant(vec, [0.0] * lanes)
+        evens = ir.Constant(ir.VectorType(i32, lanes), list(range(0, 2 * lanes, 2)))
+
+        def base(k: int) -> Any:
+            arr = context.make_array(signature.args[k])(context, builder, args[k])
+            index = context.cast(builder, args[k + 1], signature.args[k + 1], types.int64)
+            return builder.gep(arr.data, [index])
+
+        dptr, sptr = base(0), base(2)
+        count = context.cast(builder, args[4], signature.args[4], types.int64)
+        steps = builder.udiv(builder.add(count, ir.Constant(i64, lanes - 1)), ir.Constant(i64, lanes))
+        with cgutils.for_range(builder, steps) as loop:
+            u0 = builder.mul(loop.index, ir.Constant(i64, lanes))
+            rest = builder.sub(count, u0)
+            reads = builder.sub(builder.add(rest, rest), ir.Constant(i64, 1))  # src elements up to the last read
+            sp = builder.gep(sptr, [builder.add(u0, u0)])
+            lo = builder.call(
+                load, [builder.bitcast(sp, vec.as_pointer()), align, emit_lanes_below(builder, reads, lanes), zero]
+            )
+            hp = builder.gep(sp, [ir.Constant(i64, lanes)])
+            high = emit_lanes_below(builder, builder.sub(reads, ir.Constant(i64, lanes)), lanes)
+            hi = builder.call(load, [builder.bitcast(hp, vec.as_pointer()), align, high, zero])
+            picked = builder.shuffle_vector(lo, hi, evens)
+            dp = builder.bitcast(builder.gep(dptr, [u0]), vec.as_pointer())
+            builder.call(store, [picked, dp, align, emit_lanes_below(builder, rest, lanes)])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+copy_even: Any = intrinsic(_copy_even_typing)
 
 
 _element_pointer: Any = _pointer_intrinsic("_element_pointer", lambda dt: dt)
