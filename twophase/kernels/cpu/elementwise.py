@@ -17,7 +17,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from ...layout import align, as_matrix
+from ...layout import align, as_matrix, same_view
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
 from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
@@ -310,9 +310,7 @@ def pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[
     if parts < 2 or out.size < 2 * grain:
         return whole
     for a in operands:
-        if np.may_share_memory(a, out) and not (
-            a.ctypes.data == out.ctypes.data and a.shape == out.shape and a.strides == out.strides
-        ):
+        if np.may_share_memory(a, out) and not same_view(a, out):
             return whole
     axis = next((i for i, n in enumerate(out.shape) if n >= parts), None)
     if axis is None:
@@ -366,6 +364,6 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any, stream: b
 def _rows_call(fn_name: str, a: Any, o: Any) -> Callable[[], None]:
     """``o = f(a)`` on (rows, cols) views, compiled for their types; the in-place kernel when they are one view."""
     dense = rows_dense(a, o)
-    if a.ctypes.data == o.ctypes.data and a.shape == o.shape and a.strides == o.strides:
+    if same_view(a, o):
         return functools.partial(entry(IN_PLACE[fn_name][dense], o), o)
     return functools.partial(entry(KERNELS[fn_name][dense], a, o), a, o)
