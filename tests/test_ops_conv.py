@@ -675,6 +675,9 @@ needs_tiles = pytest.mark.usefixtures("microkernel")  # im2col_tiles runs on the
         (1, 30, 17, (10, 10), (3, 3), (1, 1), (2, 2), (2, 2), 1),  # dilation, one part, 270 rows in 2 k blocks
         (2, 6, 9, (12, 12), (1, 1), (2, 2), (0, 0), (1, 1), 5),  # 1x1 stride 2, 5 parts
         (1, 4, 70, (8, 40), (2, 5), (3, 3), (0, 2), (1, 1), 2),  # another column step
+        (2, 9, 21, (13, 17), (5, 3), (2, 2), (2, 1), (1, 1), 2),  # phases: row offsets -1..1, column -1..0
+        (1, 3, 8, (64, 64), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # phases of tiles of 8 of an image's 32 rows
+        (1, 5, 18, (16, 16), (3, 3), (2, 2), (0, 0), (1, 1), 2),  # ceil(W/2) > OW: no phases
     ],
 )
 def test_conv2d_im2col_tiles(
@@ -690,8 +693,9 @@ def test_conv2d_im2col_tiles(
     rng: np.random.Generator,
 ) -> None:
     """Tiles with masked 16-column tails, several k blocks, parts over output rows (across images) or output
-    channels: every output written once with the bias, the workspace exactly the parts' tiles (their padding
-    columns zeroed, so all of it is touched), nothing past it."""
+    channels, stride 2 through the input's phases where they hold a whole phase row: every output written once
+    with the bias, the workspace exactly the parts' phase areas and tiles (the tiles last, their padding columns
+    zeroed, so all of it is touched), nothing past it."""
     x = _x(rng, (n, c) + hw, False)
     w = (rng.standard_normal((oc, c) + k) * 0.2).astype(np.float32)
     b = rng.standard_normal(oc).astype(np.float32)
@@ -703,28 +707,44 @@ def test_conv2d_im2col_tiles(
     kc = c * k[0] * k[1]
     assert t.kblock == -(-kc // -(-kc // TILE_K)) and t.chunk == tile_rows(t.oh, t.ow)
     assert t.grid == tiles_grid(n, t.oh, t.ow, oc, threads) and t.parts == len(t.grid)
-    assert r.workspace_size == t.parts * t.kblock * -(-t.chunk * t.ow // 16) * 16 * 4
+    phases = stride == (2, 2) and dil == (1, 1) and min(k) >= 2 and (hw[1] + 1) // 2 <= t.ow
+    assert t.phases == phases
+    channels = (t.kblock + k[0] * k[1] - 2) // (k[0] * k[1]) + 1  # a k block's reach
+    plane = (t.chunk + (k[0] - 1 - pad[0]) // 2 - (-pad[0]) // 2) * t.ow
+    area = -(-(32 + 4 * channels * plane) // 16) * 16 if phases else 0
+    assert r.workspace_size == t.parts * (t.kblock * -(-t.chunk * t.ow // 16) * 16 + area) * 4
     _check(r, ref)
 
 
 @needs_tiles
-def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) -> None:
-    """An input whose rows are not dense (every other column of a wider array) takes the strided unfold; a limit
-    below two tiles of the widest chunk narrows it, one below a tile of one output row leaves the tiles out."""
+def test_conv2d_im2col_tiles_strided_input_and_limits(dev: Any, rng: np.random.Generator) -> None:
+    """An input whose rows are not dense (every other column of a wider array) takes the row-by-row unfold, no
+    phases. A dense one takes the phases; a limit just below them drops the phases and keeps the tiles' width, one
+    below the tiles narrows them, one below a tile of one output row leaves the tiles out."""
     wide = _x(rng, (2, 6, 14, 30), False)
     x = wide[:, :, :, ::2]
+    xt = dev.tensor(wide).strided(x.shape, tuple(st // 4 for st in x.strides), 0)
     w = rng.standard_normal((24, 6, 3, 3)).astype(np.float32)
     attrs = dict(stride=(2, 2), padding=(1, 1))
     ref = reference(x, w, None, **attrs)
     with num_threads(2):
-        full = _run("im2col_tiles", x, w, None, **attrs)
+        strided = _run("im2col_tiles", xt, w, None, **attrs)
+        assert not strided.tiling.phases
+        _check(strided, ref)
+        full = _run("im2col_tiles", x, w, None, **attrs)  # a dense copy
+        assert full.tiling.phases
         _check(full, ref)
-        narrow = _run("im2col_tiles", x, w, None, limit=full.workspace_size - 1, **attrs)
-        assert narrow.tiling.chunk < full.tiling.chunk and narrow.workspace_size < full.workspace_size
+        tiles = _run("im2col_tiles", x, w, None, limit=full.workspace_size - 1, **attrs)
+        assert not tiles.tiling.phases and tiles.tiling.chunk == full.tiling.chunk
+        assert tiles.workspace_size == strided.workspace_size < full.workspace_size
+        _check(tiles, ref)
+        narrow = _run("im2col_tiles", x, w, None, limit=tiles.workspace_size - 1, **attrs)
+        assert narrow.tiling.chunk < full.tiling.chunk and narrow.workspace_size < tiles.workspace_size
         _check(narrow, ref)
         one_row = 2 * 54 * 16 * 4  # 2 parts x 54 unfolded rows x one 8-pixel output row padded to 16
         with pytest.raises(ParamError):
             _run("im2col_tiles", x, w, None, limit=one_row - 1, **attrs)
+    xt.free()
 
 
 @needs_tiles

@@ -35,6 +35,8 @@ from ..kernels.cpu.conv import (
     parts_units,
     winograd_parts,
 )
+from ..kernels.cpu.conv_phases import area_floats as phase_area
+from ..kernels.cpu.conv_phases import usable as phases_usable
 from ..kernels.cpu.conv_tiles import available as tiles_available
 from ..kernels.cpu.conv_tiles import build_im2col_tiles, tile_stride, tile_width
 from ..layout import align, merge_dims, spread_stride
@@ -76,7 +78,8 @@ class ConvTiling:
     the input transform splits whole planes into phases (``winograd4.flat_phases``).
     im2col_parts: ``parts`` ranges of output rows, in runs of at most ``tile_rows``.
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
-    blocks of the output (first, past-last output row of all images stacked; first, past-last output channel).
+    blocks of the output (first, past-last output row of all images stacked; first, past-last output channel);
+    ``phases``: a stride-2 unfold reads the input split into its row and column phases, in an area per part.
     im2col: ``micro`` pairs (GEMM width in pixels, the float32 microkernel's parts: blocks of the result) for the
     tile widths it runs, where it runs, else () (BLAS for every tile). winograd, winograd4: ``micro`` pairs
     (round width in tiles, the block each of its 16 or 36 GEMMs computes on the microkernel, or () for BLAS);
@@ -116,6 +119,7 @@ class ConvTiling:
     flat: bool = False
     micro: tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...] = ()
     own_weights: bool = False  # winograd, winograd4 with constant_weight: transformed weights kept by the binding
+    phases: bool = False  # im2col_tiles: stride 2 unfolded through the input's phases (``conv_phases``)
 
     @property
     def private_launch(self) -> bool:
@@ -255,7 +259,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         if kh == kw == 1 and (sh, sw, ph, pw) == (1, 1, 0, 0) and x_ok:
             cands.append(Candidate("gemm_1x1", t, 0))
         whole = _im2col_candidate(t, os_, item, limit)
-        tiled = _tiles_candidate(t, x, limit)
+        tiled = _tiles_candidate(t, x, xs, limit)
         in_parts = _parts_candidate(t, item, limit)
         cands.append(whole)
         if tiled is not None:
@@ -436,21 +440,28 @@ def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     )
 
 
-def _tiles_candidate(t: ConvTiling, x: TensorDesc, limit: int | None) -> Candidate | None:
+def _tiles_candidate(t: ConvTiling, x: TensorDesc, xs: tuple[int, ...], limit: int | None) -> Candidate | None:
     """im2col_tiles for float32, one group, a channel-major output, on a CPU with the register-blocked GEMM:
-    the most output rows per tile (up to ``TILE_PIXELS`` pixels) whose per-part tiles fit ``limit``; None without
+    the most output rows per tile (up to ``TILE_PIXELS`` pixels) whose per-part tiles fit ``limit`` (with the
+    parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without); None without
     input channels (nothing to unfold: the others write the bias)."""
     if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
         return None
     kblock = -(-t.kc // -(-t.kc // TILE_K))  # k blocks of nearly equal depth
     grid = tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts())
+    item = x.dtype.itemsize
+    dense = xs[3] == 1 or t.w == 1
+    phased = phases_usable(t, dense)
     most = TILE_PIXELS
     while True:
         rows = tile_rows(t.oh, t.ow, most)
-        size = len(grid) * tile_stride(kblock, tile_width(rows, t.ow), x.dtype.itemsize)
+        tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
+        tiles = tile_stride(kblock, tile_width(rows, t.ow), item)
+        size = len(grid) * (tiles + (phase_area(tt, rows) * item if phased else 0))
         if limit is None or size <= limit:
-            tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid)
             return Candidate("im2col_tiles", tt, size)
+        if phased and len(grid) * tiles <= limit:  # the tiles fit without the phases: unfold row by row
+            return Candidate("im2col_tiles", replace(tt, phases=False), len(grid) * tiles)
         if rows == 1:
             return None
         most = rows * t.ow - 1
@@ -679,7 +690,10 @@ conv2d = register(
             "pixel-major with mergeable (N, H, W)]; im2col_parts: the sum over parts of "
             "align64(C/groups*KH*KW * R*OW * itemsize), R = the part's longest run of output rows "
             "(at most tile_rows), parts = the fan-out count, at most N*groups*OH; "
-            "im2col_tiles: P * KB * ceil16(R*OW) * itemsize, "
+            "im2col_tiles: P * (KB * ceil16(R*OW) + A) * itemsize, "
+            "A = ceil16(32 + 4 * CB * (R + (KH-1-PH)//2 - (-PH)//2) * OW) (the phase planes of a tile of CB = "
+            "(KB + KH*KW - 2)//(KH*KW) + 1 input channels, and their guards) for stride 2, dilation 1, KH and KW "
+            ">= 2, dense input rows and ceil(W/2) <= OW when it fits workspace_limit, else 0, "
             "P = parts (the fan-out count, fewer when N*OH is smaller), "
             "KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per k block, "
             "R = output rows per tile (up to 256 pixels, those filling the GEMM's panels best); "

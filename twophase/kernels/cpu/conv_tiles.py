@@ -14,7 +14,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...runtime.fanout import run_parts
-from . import gemm
+from . import conv_phases, gemm
 from . import jit as _jit
 from .conv import IM2COL, _geo, _wmat, step_key
 from .jit import entry, row_of, rows_dense, variant_call
@@ -26,7 +26,9 @@ jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 _im2col = variant_call(tuple(IM2COL.values()))
 
 
-def _conv_kernel(variant: int) -> Any:
+def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
+    PHASES = dense and step == 2  # noqa: N806  (closure constant: the other variants compile no phase path)
+
     @jit
     def conv_tiles(
         x: Any,
@@ -42,11 +44,14 @@ def _conv_kernel(variant: int) -> Any:
         r1: int,
         i0: int,
         i1: int,
+        phases: Any,
+        masks: Any,
     ) -> None:
         """out[n, i, oh*OW + ow] = sum_k w[i, k] * unfolded(n)[k, oh*OW + ow] (+ bias[i]) for the rows
         ``i0 <= i < i1`` and the output rows ``r0 <= r < r1`` of all images stacked (r = n*OH + oh): per tile of
-        ``rows`` output rows of one image and k block of ``kc`` unfolded rows, ``conv.im2col`` into the tile,
-        then ``gemm.gemm_tile`` into out (the first k block stores, the later ones add)."""
+        ``rows`` output rows of one image and k block of ``kc`` unfolded rows, ``conv.im2col`` into the tile
+        (or, given a phase area ``phases``, ``conv_phases.split`` then ``conv_phases.unfold`` with the column
+        masks ``masks``), then ``gemm.gemm_tile`` into out (the first k block stores, the later ones add)."""
         item = 4
         kdim = w.shape[1]
         ow_n = geo[8]
@@ -54,6 +59,9 @@ def _conv_kernel(variant: int) -> Any:
         lda, sak = w.strides[0] // item, w.strides[1] // item
         ldt, ldc = tile.strides[0] // item, out.strides[1] // item
         pt = tile.ctypes.data
+        taps = geo[0] * geo[1]
+        prows = conv_phases.plane_rows(rows, geo[4], geo[0])
+        dr_lo = (-geo[4]) // 2
         r = r0
         while r < r1:
             n = r // oh_n
@@ -63,7 +71,13 @@ def _conv_kernel(variant: int) -> Any:
             pc = out[n].ctypes.data + (i0 * ldc + oh0 * ow_n) * item
             for k0 in range(0, kdim, kc):
                 kl = min(kc, kdim - k0)
-                _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
+                if PHASES and phases.size:
+                    c0 = k0 // taps
+                    c1 = (k0 + kl - 1) // taps + 1
+                    conv_phases.split(x, n, c0, c1, oh0 + dr_lo, prows, ow_n, phases)
+                    conv_phases.unfold(phases, tile, geo, x.shape[2], oh0, nr, prows, c0, k0, k0 + kl, masks)
+                else:
+                    _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
                 if k0 == 0:  # the masked panel reads the tile's columns up to the next 16: keep them finite
                     for kk in range(kl):  # (the first k block is the deepest; the unfold never writes them)
                         trow = row_of(tile, kk, True)
@@ -95,13 +109,15 @@ def _conv_kernel(variant: int) -> Any:
     return conv_tiles
 
 
-CONV_TILES = {key: _conv_kernel(i) for i, key in enumerate(IM2COL)}  # i: the key's variant in _im2col
+CONV_TILES = {key: _conv_kernel(i, *key) for i, key in enumerate(IM2COL)}  # i: the key's variant in _im2col
+_NO_PHASES = np.zeros(0, np.float32)
+_NO_MASKS = np.zeros((1, 1), np.bool_)
 
 
 def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """The launch of ``len(t.grid)`` parts: part i takes the output block ``t.grid[i]`` (output rows of all images
     stacked, output channels) with its own tile of ``t.kblock`` unfolded rows x ``tile_width(t.chunk, OW)``
-    columns in the workspace."""
+    columns in the workspace, after the parts' phase areas when ``t.phases`` (``conv_phases``)."""
     item = x.itemsize
     so = [s // item for s in out.strides]
     o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
@@ -111,20 +127,23 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     geo = _geo(t)
     shape = (t.kblock, tile_width(t.chunk, t.ow))
     size = tile_stride(*shape, item)
+    area = conv_phases.area_floats(t, t.chunk) * item if t.phases else 0
+    masks = conv_phases.masks(t, t.chunk) if t.phases else _NO_MASKS
+    sample = np.empty(1 if t.phases else 0, x.dtype)
     k = entry(
-        CONV_TILES[rows_dense(x), step_key(t.sw)], x, wmat, b, has, o3, geo, np.empty(shape, x.dtype), 0, 0, 0, 0, 0, 0
+        CONV_TILES[rows_dense(x), step_key(t.sw)],
+        *(x, wmat, b, has, o3, geo, np.empty(shape, x.dtype), 0, 0, 0, 0, 0, 0, sample, masks),
     )
     dt, grid, kb, rows = x.dtype, t.grid, t.kblock, t.chunk
+    tiles_at = len(grid) * area
 
     def launch(ws: Any) -> None:
-        run_parts(
-            [
-                functools.partial(
-                    k, x, wmat, b, has, o3, geo, ws[i * size : (i + 1) * size].view(dt).reshape(shape), kb, rows, *block
-                )
-                for i, block in enumerate(grid)
-            ]
-        )
+        parts = []
+        for i, block in enumerate(grid):
+            tile = ws[tiles_at + i * size : tiles_at + (i + 1) * size].view(dt).reshape(shape)
+            phases = ws[i * area : (i + 1) * area].view(dt) if area else _NO_PHASES
+            parts.append(functools.partial(k, x, wmat, b, has, o3, geo, tile, kb, rows, *block, phases, masks))
+        run_parts(parts)
 
     return launch
 

@@ -1,0 +1,144 @@
+"""im2col_tiles' unfold of a stride-2 convolution through the input's phases.
+
+A stride-2 window reads every other input column, and an unfolded row of a 14-wide output map is 14 short,
+strided copies, each costing more than the elements it moves. Split first (``split``): each dense input row goes
+to its row phase ``a`` = row % 2 as two column phases ``b`` (its even and odd elements, ``jit.copy_even``), each
+stored ``OW`` wide. Then output (r, ow) of tap (kh, kw) reads phase (a, b) at (r + dr, ow + dc), with
+``a = (kh - ph) % 2, dr = (kh - ph - a) // 2`` (``b``, ``dc`` alike along the columns): one flat run per
+unfolded row of the tile (``unfold``), the columns that wrap around a phase row (``ow + dc`` outside
+``[0, OW)``: padding) masked to 0, the output rows outside the image zeroed. The phase rows beyond the image
+are never read; neither are the columns a mask drops, though they may lie in the guards around the planes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import jit as _jit
+from .jit import copy_even, copy_run, row_of
+
+jit_inline: Callable[[Callable[..., Any]], Any] = _jit.jit_inline
+
+GUARD = 16  # floats before and after a part's planes: masked reads reach at most ceil(padding / 2) past a plane
+
+
+def usable(t: Any, rows_dense: bool) -> bool:
+    """Whether the phases serve the convolution of tiling ``t``: stride 2, no dilation, a window of 2 or more in
+    each dim (a 1x1 window reads one phase of the four: the split would cost more than it saves, 0.73x measured
+    on 8 x 64->128 56x56), dense input rows, column phases no wider than the output (``ceil(W / 2) <= OW``, so that
+    a phase row stored ``OW`` wide holds all of it) and column offsets within the guards."""
+    sh, sw, dh, dw, w, ow, ph, pw, kw = t.sh, t.sw, t.dh, t.dw, t.w, t.ow, t.ph, t.pw, t.kw
+    return (
+        (sh, sw, dh, dw) == (2, 2, 1, 1)
+        and min(t.kh, kw) >= 2
+        and rows_dense
+        and (w + 1) // 2 <= ow
+        and pw <= 2 * GUARD
+        and kw - 1 - pw <= 2 * GUARD
+        and ph >= 0
+    )
+
+
+@jit_inline
+def offsets(pad: int, k: int) -> tuple[int, int]:
+    """(least, greatest) phase offset ``(i - pad) // 2`` of the window positions ``0 <= i < k``."""
+    return (-pad) // 2, (k - 1 - pad) // 2
+
+
+@jit_inline
+def plane_rows(chunk: int, ph: int, kh: int) -> int:
+    """Phase rows a tile of ``chunk`` output rows reads: its rows shifted by every row offset."""
+    lo, hi = offsets(ph, kh)
+    return int(chunk + hi - lo)
+
+
+def block_channels(kblock: int, taps: int) -> int:
+    """Input channels a k block of ``kblock`` unfolded rows can reach (``taps`` = KH * KW rows per channel)."""
+    return int((kblock + taps - 2) // taps + 1)
+
+
+def area_floats(t: Any, chunk: int) -> int:
+    """Floats of one part's phase area: the guards and 4 phase planes ``plane_rows`` x OW per channel a k block
+    reaches, a multiple of 16 (the tiles after it stay 64-byte aligned)."""
+    planes = block_channels(t.kblock, t.kh * t.kw) * 4 * plane_rows(chunk, t.ph, t.kh) * t.ow
+    return int(-(-(2 * GUARD + planes) // 16) * 16)
+
+
+def masks(t: Any, chunk: int) -> Any:
+    """``m[dc - least, p]``: whether output pixel p of a tile (p = r * OW + ow) reads inside its phase row at column
+    offset dc, for every column offset of the window."""
+    lo, hi = offsets(t.pw, t.kw)
+    col = np.arange(chunk * t.ow) % t.ow
+    return np.stack([(col + dc >= 0) & (col + dc < t.ow) for dc in range(lo, hi + 1)])
+
+
+@jit_inline
+def split(x: Any, n: int, c0: int, c1: int, i_base: int, prows: int, ow_n: int, buf: Any) -> None:
+    """buf[GUARD + (((c - c0)*2 + a)*2 + b)*prows*OW + (i - i_base)*OW + j] = x[n, c, 2i + a, 2j + b] (0 for
+    columns past the row) for channels ``c0 <= c < c1`` and the phase rows ``i_base <= i < i_base + prows``
+    inside the image."""
+    height, width = x.shape[2], x.shape[3]
+    plane = prows * ow_n
+    for c in range(c0, c1):
+        xp = x[n, c]
+        for a in range(2):
+            rows_in = (height - a + 1) // 2
+            for i in range(max(0, i_base), min(rows_in, i_base + prows)):
+                xr = row_of(xp, 2 * i + a, True)
+                at = GUARD + ((c - c0) * 2 + a) * 2 * plane + (i - i_base) * ow_n
+                for b in range(2):
+                    cols = (width - b + 1) // 2
+                    copy_even(buf, at, xr, b, cols)
+                    for j in range(at + cols, at + ow_n):
+                        buf[j] = 0.0
+                    at += plane
+
+
+@jit_inline
+def unfold(
+    buf: Any, tile: Any, geo: Any, height: int, oh0: int, nr: int, prows: int, c0: int, k0: int, k1: int, m: Any
+) -> None:
+    """tile[k - k0, r*OW + ow] = the unfolded input of output row oh0 + r, column ow, for ``k0 <= k < k1``, read
+    from the phases ``split`` put in ``buf`` for channels from ``c0`` and ``prows`` phase rows from oh0's least
+    row offset; ``m`` the column masks (``masks``)."""
+    kh_n, kw_n, ph, pw, ow_n = geo[0], geo[1], geo[4], geo[5], geo[8]
+    dr_lo = (-ph) // 2
+    dc_lo = (-pw) // 2
+    plane = prows * ow_n
+    kk = kh_n * kw_n
+    c = k0 // kk
+    kh = (k0 - c * kk) // kw_n
+    kw = k0 - c * kk - kh * kw_n
+    end = nr * ow_n
+    for k in range(k0, k1):
+        a = (kh - ph) & 1
+        dr = (kh - ph - a) >> 1
+        b = (kw - pw) & 1
+        dc = (kw - pw - b) >> 1
+        rows_in = (height - a + 1) // 2
+        lo = min(nr, max(0, -(oh0 + dr))) * ow_n
+        hi = max(lo, min(nr, rows_in - oh0 - dr) * ow_n)
+        crow = row_of(tile, k - k0, True)
+        for p in range(lo):
+            crow[p] = 0.0
+        for p in range(hi, end):
+            crow[p] = 0.0
+        src = GUARD + (((c - c0) * 2 + a) * 2 + b) * plane + (dr - dr_lo) * ow_n + dc
+        if dc == 0:
+            copy_run(crow, lo, buf, src + lo, hi - lo)
+        else:
+            keep = m[dc - dc_lo]
+            s0 = np.uint64(src)  # >= 0: the guard covers dc's reach before the first plane
+            for p in range(np.uint64(lo), np.uint64(hi)):
+                v = buf[s0 + p]
+                crow[p] = v if keep[p] else 0.0
+        kw += 1
+        if kw == kw_n:
+            kw = 0
+            kh += 1
+            if kh == kh_n:
+                kh = 0
+                c += 1
