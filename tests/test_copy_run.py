@@ -1,5 +1,6 @@
 """``jit.copy_run``: a run of adjacent elements copied by ``llvm.memcpy``, exactly that run, for each dtype;
-``jit.copy_even``: every other element of a run, by masked vector loads that read nothing else."""
+``jit.copy_even``: every other element of a run, and ``jit.copy_where``: a run with the elements a mask drops
+written 0, both by masked vector loads that read nothing else."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twophase.kernels.cpu.jit import copy_even, copy_run
+from twophase.kernels.cpu.jit import copy_even, copy_run, copy_where
 
 
 @numba.njit(nogil=True)
@@ -64,10 +65,37 @@ def test_copy_even_copies_every_other_element_exactly(dtype: Any, d0: int, s0: i
     np.testing.assert_array_equal(dst.view(bits), expected.view(bits))
 
 
+@numba.njit(nogil=True)
+def _where(dst: Any, d0: int, src: Any, s0: int, n: int, keep: Any, k0: int) -> None:
+    copy_where(dst, d0, src, s0, n, keep, k0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    dtype=st.sampled_from([np.float32, np.float64]),
+    d0=st.integers(0, 20),
+    s0=st.integers(0, 20),
+    k0=st.integers(0, 5),
+    n=st.integers(0, 70),
+)
+def test_copy_where_copies_the_kept_elements_and_zeroes_the_rest(dtype: Any, d0: int, s0: int, k0: int, n: int) -> None:
+    """Every length around the 64-byte step, bit for bit where kept (NaN payloads included), +0.0 where not,
+    nothing written before or after the run."""
+    rng = np.random.default_rng(n * 1000 + s0 * 31 + d0 * 7 + k0)
+    bits = np.uint32 if dtype == np.float32 else np.uint64
+    src = rng.integers(0, np.iinfo(bits).max, s0 + n + 3, dtype=bits, endpoint=True).view(dtype)
+    keep = rng.random(k0 + n + 4) < 0.6
+    dst = np.full(d0 + n + 17, 7, dtype)
+    _where(dst, d0, src, s0, n, keep, k0)
+    expected = np.full_like(dst, 7)
+    expected[d0 : d0 + n] = np.where(keep[k0 : k0 + n], src[s0 : s0 + n], dtype(0))
+    np.testing.assert_array_equal(dst.view(bits), expected.view(bits))
+
+
 _GUARD_PAGE = """
 import ctypes, mmap, sys
 import numba, numpy as np
-from twophase.kernels.cpu.jit import copy_even
+from twophase.kernels.cpu.jit import copy_even, copy_where
 
 @numba.njit
 def evens(dst, src, s0, n):
@@ -88,12 +116,28 @@ for dtype in (np.float32, np.float64):
         s0 = src.size - (2 * n - 1)  # the last element read is the page's last
         evens(dst, src, s0, n)
         assert (dst == src[s0::2]).all(), (dtype, n)
+@numba.njit
+def where(dst, src, s0, n, keep):
+    copy_where(dst, 0, src, s0, n, keep, 0)
+
+for dtype in (np.float32, np.float64):  # a run ending at the page's last element; one ending past it, masked
+    src = np.frombuffer(buf, dtype, page // np.dtype(dtype).itemsize)
+    src[:] = np.arange(src.size)
+    for n in (1, 5, 8, 15, 16, 17, 33):
+        dst = np.full(n + 3, 7, dtype)
+        where(dst, src, src.size - n, n, np.ones(n, np.bool_))
+        assert (dst[:n] == src[-n:]).all() and (dst[n:] == 7).all(), (dtype, n)
+        keep = np.ones(n + 3, np.bool_)
+        keep[n:] = False
+        where(dst, src, src.size - n, n + 3, keep)
+        assert (dst[:n] == src[-n:]).all() and (dst[n:] == 0).all(), (dtype, n)
 print("ok")
 """
 
 
-def test_copy_even_reads_nothing_past_its_last_element() -> None:
-    """The masked loads touch only the elements read: a run ending at the last element before an unreadable page
-    copies (a full-width load would fault: run in a child process, where a crash is a failure, not a lost run)."""
+def test_copy_even_and_copy_where_read_nothing_past_their_last_element() -> None:
+    """The masked loads touch only the elements read: a run ending at the last element before an unreadable page,
+    or running past it where the mask drops the elements, copies (a full-width load would fault: run in a child
+    process, where a crash is a failure, not a lost run)."""
     done = subprocess.run([sys.executable, "-c", _GUARD_PAGE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]

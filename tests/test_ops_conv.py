@@ -330,6 +330,48 @@ def test_conv2d_im2col_unfolds_whole_images_per_tile(rng: np.random.Generator, n
         _check(r, ref)
 
 
+def _phase_area(rows: int, krows: int, k: int, pad: int, ow: int) -> int:
+    """Bytes of one phase area (float32): the guards and 4 planes of (rows + the window's row offsets) x OW per
+    channel a range of ``krows`` unfolded rows reaches, in multiples of 16 floats."""
+    channels = (krows + k * k - 2) // (k * k) + 1
+    prows = rows + (k - 1 - pad) // 2 - (-pad) // 2
+    return -(-(32 + 4 * channels * prows * ow) // 16) * 16 * 4
+
+
+@pytest.mark.parametrize("nhwc", [False, True])
+def test_conv2d_im2col_stride_2_through_phases(rng: np.random.Generator, nhwc: bool) -> None:
+    """im2col with stride 2 on dense NCHW rows: each unfold range (one per helper thread from 2^20 unfolded
+    elements) gets a phase area, a step's channels per image, after the unfolded images and the staged result; a
+    limit without room for them
+    keeps the same tiles without phases, one for a row of outputs (too few elements for two ranges) takes one
+    phase area for that row. NHWC (strided rows) never does."""
+    n, c, oc, side = 2, 128, 24, 64
+    x, wt = _x(rng, (n, c, side, side), nhwc), rng.standard_normal((oc, c, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32)
+    attrs = dict(stride=2, padding=1)
+    ref = reference(x, wt, b, nhwc=nhwc, **attrs)
+    kc, ow = c * 9, side // 2
+    with num_threads(2), forced("im2col", "direct"):
+        r = run_checked(conv2d, _input(x, nhwc), wt, b, **attrs)
+        t = r.tiling
+        _check(r, ref)
+        assert t.phases == (not nhwc)
+        if nhwc:
+            return
+        assert t.parts == 2 and t.phase_offset == align(kc * t.tile_n * t.oh * ow * 4) + (
+            align(oc * t.tile_n * t.oh * ow * 4) if t.staged else 0
+        )
+        step = 64 // 9 * 9  # unfolded rows per step: whole channels, up to 64
+        assert r.workspace_size == t.phase_offset + 2 * t.tile_n * _phase_area(t.oh, step, 3, 1, ow)
+        plain = run_checked(conv2d, x, wt, b, workspace_limit=r.workspace_size - 1, **attrs)
+        assert (plain.tiling.phases, plain.tiling.tile_n, plain.workspace_size) == (False, t.tile_n, t.phase_offset)
+        _check(plain, ref)
+        one_row = align(kc * ow * 4) + _phase_area(1, step, 3, 1, ow)
+        row = run_checked(conv2d, x, wt, b, workspace_limit=one_row, **attrs)
+        assert (row.tiling.phases, row.tiling.tile_rows, row.tiling.parts, row.workspace_size) == (True, 1, 1, one_row)
+        _check(row, ref)
+
+
 @pytest.mark.parametrize("side, nhwc, tn", [(22, False, 2), (23, False, 1), (23, True, 2)])
 def test_conv2d_im2col_takes_wide_nchw_images_one_at_a_time(
     rng: np.random.Generator, side: int, nhwc: bool, tn: int

@@ -33,9 +33,11 @@ from ..kernels.cpu.conv import (
     kept_weights,
     parts_areas,
     parts_units,
+    unfold_parts,
     winograd_parts,
 )
 from ..kernels.cpu.conv_phases import area_floats as phase_area
+from ..kernels.cpu.conv_phases import images_area_floats as images_phase_area
 from ..kernels.cpu.conv_phases import usable as phases_usable
 from ..kernels.cpu.conv_tiles import available as tiles_available
 from ..kernels.cpu.conv_tiles import build_im2col_tiles, tile_stride, tile_width
@@ -80,6 +82,8 @@ class ConvTiling:
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel);
     ``phases``: a stride-2 unfold reads the input split into its row and column phases, in an area per part.
+    im2col: ``parts`` k ranges of the unfold on helper threads; with ``phases``, each one's phase area from
+    ``phase_offset`` on.
     im2col: ``micro`` pairs (GEMM width in pixels, the float32 microkernel's parts: blocks of the result) for the
     tile widths it runs, where it runs, else () (BLAS for every tile). winograd, winograd4: ``micro`` pairs
     (round width in tiles, the block each of its 16 or 36 GEMMs computes on the microkernel, or () for BLAS);
@@ -119,7 +123,8 @@ class ConvTiling:
     flat: bool = False
     micro: tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...] = ()
     own_weights: bool = False  # winograd, winograd4 with constant_weight: transformed weights kept by the binding
-    phases: bool = False  # im2col_tiles: stride 2 unfolded through the input's phases (``conv_phases``)
+    phases: bool = False  # im2col_tiles, im2col: stride 2 unfolded through the input's phases (``conv_phases``)
+    phase_offset: int = 0  # im2col with phases: where the parts' phase areas start in the workspace
 
     @property
     def private_launch(self) -> bool:
@@ -258,8 +263,9 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         )
         if kh == kw == 1 and (sh, sw, ph, pw) == (1, 1, 0, 0) and x_ok:
             cands.append(Candidate("gemm_1x1", t, 0))
-        whole = _im2col_candidate(t, os_, item, limit)
-        tiled = _tiles_candidate(t, x, xs, limit)
+        dense = xs[3] == 1 or wd == 1
+        whole = _im2col_candidate(t, os_, item, limit, orient == "cm" and phases_usable(t, dense))
+        tiled = _tiles_candidate(t, x, dense, limit)
         in_parts = _parts_candidate(t, item, limit)
         cands.append(whole)
         if tiled is not None:
@@ -293,11 +299,14 @@ IM2COL_TARGET = 32 << 20  # workspace bytes up to which im2col unfolds several w
 IM2COL_WIDE_IMAGE = 512
 
 
-def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int | None) -> Candidate:
+def _im2col_candidate(
+    t: ConvTiling, os_: tuple[int, ...], item: int, limit: int | None, phased: bool = False
+) -> Candidate:
     """The im2col tile: the most whole images whose unfolded input (plus, for several images whose outputs are
     not one BLAS matrix, the staged GEMM result) fits ``limit`` (else 32 MiB), at least one, and only one when
     that result would be staged for images of ``IM2COL_WIDE_IMAGE`` pixels or more; under a limit that one image
-    exceeds, the most output rows of one image that fit."""
+    exceeds, the most output rows of one image that fit. ``phased`` (``conv_phases.usable``, a channel-major
+    unfold): the unfold's parts each get a phase area after the rest when it still fits."""
     per_img = t.kc * t.oh * t.ow * item
     merged = t.orient == "pm" and merge_dims((t.n, t.oh, t.ow), (os_[0], os_[2], os_[3])) is not None
     most = t.n if merged or t.oh * t.ow < IM2COL_WIDE_IMAGE else 1
@@ -316,11 +325,17 @@ def _im2col_candidate(t: ConvTiling, os_: tuple[int, ...], item: int, limit: int
             tn += 1
         size, off = ws(tn)
         tt = replace(t, tile_n=tn, staged=stages(tn), out_offset=off)
-        return Candidate("im2col", replace(tt, micro=_im2col_micro(tt, os_, item)), size)
-    per_row = t.kc * t.ow * item
-    rows = max(1, min(t.oh, (limit // 64 * 64) // max(per_row, 1)))
-    tt = replace(t, tile_rows=rows)
-    return Candidate("im2col", replace(tt, micro=_im2col_micro(tt, os_, item)), align(per_row * rows))
+    else:
+        per_row = t.kc * t.ow * item
+        rows = max(1, min(t.oh, (limit // 64 * 64) // max(per_row, 1)))
+        tt = replace(t, tile_rows=rows)
+        size = align(per_row * rows)
+    tt = replace(tt, micro=_im2col_micro(tt, os_, item), parts=unfold_parts(tt))
+    if phased:  # the parts' phase areas after the rest, where they fit
+        area = tt.parts * images_phase_area(tt, tt.tile_rows, tt.tile_n) * item
+        if limit is None or size + area <= limit:
+            return Candidate("im2col", replace(tt, phases=True, phase_offset=size), size + area)
+    return Candidate("im2col", tt, size)
 
 
 def _im2col_micro(
@@ -440,7 +455,7 @@ def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     )
 
 
-def _tiles_candidate(t: ConvTiling, x: TensorDesc, xs: tuple[int, ...], limit: int | None) -> Candidate | None:
+def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None) -> Candidate | None:
     """im2col_tiles for float32, one group, a channel-major output, on a CPU with the register-blocked GEMM:
     the most output rows per tile (up to ``TILE_PIXELS`` pixels) whose per-part tiles fit ``limit`` (with the
     parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without); None without
@@ -450,14 +465,13 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, xs: tuple[int, ...], limit: i
     kblock = -(-t.kc // -(-t.kc // TILE_K))  # k blocks of nearly equal depth
     grid = tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts())
     item = x.dtype.itemsize
-    dense = xs[3] == 1 or t.w == 1
     phased = phases_usable(t, dense)
     most = TILE_PIXELS
     while True:
         rows = tile_rows(t.oh, t.ow, most)
         tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
         tiles = tile_stride(kblock, tile_width(rows, t.ow), item)
-        size = len(grid) * (tiles + (phase_area(tt, rows) * item if phased else 0))
+        size = len(grid) * (tiles + (phase_area(tt, rows, kblock) * item if phased else 0))
         if limit is None or size <= limit:
             return Candidate("im2col_tiles", tt, size)
         if phased and len(grid) * tiles <= limit:  # the tiles fit without the phases: unfold row by row
@@ -687,7 +701,11 @@ conv2d = register(
             "the binding keeps); "
             "im2col: align64(C/groups*KH*KW * tile_n*tile_rows*OW * itemsize) [+ "
             "align64(OC/groups * tile_n*OH*OW * itemsize) when tile_n > 1 and the output is not "
-            "pixel-major with mergeable (N, H, W)]; im2col_parts: the sum over parts of "
+            "pixel-major with mergeable (N, H, W)] [+ U * tile_n * A' * itemsize with phases: channel-major, "
+            "stride 2, dilation 1, KH and KW >= 2, dense input rows, ceil(W/2) <= OW, when it fits "
+            "workspace_limit; U = the fan-out count from 2^20 unfolded elements per tile, else 1; A' = "
+            "ceil16(32 + 4 * (S + 1) * (tile_rows + (KH-1-PH)//2 - (-PH)//2) * OW), S = max(1, 64 // (KH*KW)) "
+            "channels per step]; im2col_parts: the sum over parts of "
             "align64(C/groups*KH*KW * R*OW * itemsize), R = the part's longest run of output rows "
             "(at most tile_rows), parts = the fan-out count, at most N*groups*OH; "
             "im2col_tiles: P * (KB * ceil16(R*OW) + A) * itemsize, "

@@ -12,7 +12,7 @@ from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align, spread_stride
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
-from . import gemm
+from . import conv_phases, gemm
 from . import jit as _jit
 from .blas import run_blas_parts
 from .jit import by_density, copy_even, copy_run, entry, pairs_of, row_of, rows_dense, span_of
@@ -678,10 +678,27 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                     steps.append((n0, nn, g * t.cg, oh0, p, wm, o, bb, True))
                 else:  # one image, or pixel-major images that merge into one run of rows
                     steps.append((n0, nn, g * t.cg, oh0, p, wm, _out_matrix(blk, p, t.ocg, so, cm), bv, False))
-    ranges = split_range(kc, fanout_parts() if kc * tn * t.tile_rows * ow >= PARALLEL_MIN else 1)
+    ranges = split_range(kc, t.parts)
     k_im2col = _unfold_kernel(t, x)
+    if t.phases:  # each range through its own phase area (``conv_phases``)
+        area = conv_phases.images_area_floats(t, t.tile_rows, tn)
+        masks = conv_phases.masks(t, t.tile_rows)
+        sample = np.empty((2, 2), dt)
+        k_im2col = entry(conv_phases.unfold_images, x, 0, 1, 0, 0, 1, _geo(t), sample[0], masks, sample, 0, 0)
 
-    def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any) -> None:
+    def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any, ws: Any) -> None:
+        if t.phases:
+            rows = min(t.tile_rows, t.oh - oh0)
+            nn = cols.shape[1] // (rows * ow)
+            at = [t.phase_offset + i * area * item for i in range(len(ranges))]
+            areas = [ws[a : a + area * item].view(dt) for a in at]
+            run_parts(
+                [
+                    functools.partial(k_im2col, x, n0, nn, c0, oh0, rows, geo, buf, masks, cols, lo, hi)
+                    for (lo, hi), buf in zip(ranges, areas)
+                ]
+            )
+            return
         run_parts([functools.partial(k_im2col, x, n0, c0, oh0, geo, cols, lo, hi, 0) for lo, hi in ranges])
 
     geos = {nn: _geo(t, nn) for nn in {min(tn, t.n - n0) for n0 in range(0, t.n, tn)}}
@@ -694,7 +711,7 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     def launch(ws: Any) -> None:
         for (n0, nn, c0, oh0, p, wm, o, bv, stage), mk in zip(steps, gemms):
             cols = _cols(ws[: kc * p * item].view(dt), kc, p, cm)
-            unfold(n0, c0, oh0, geos[nn], cols)
+            unfold(n0, c0, oh0, geos[nn], cols, ws)
             res = _out_matrix_area(ws, o_off, ocg, p, dt, cm) if stage else o
             if mk is None:
                 _tile_gemm(wm, cols, res, cm)
@@ -710,6 +727,12 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                 np.add(o, bv, out=o)
 
     return launch
+
+
+def unfold_parts(t: Any) -> int:
+    """Ranges of unfolded rows ``build_im2col`` cuts its unfold into, one per helper thread: the fan-out count
+    from ``PARALLEL_MIN`` unfolded elements per tile, else 1 (phase 1 decides: a range may own a phase area)."""
+    return fanout_parts() if t.kc * t.tile_n * t.tile_rows * t.ow >= PARALLEL_MIN else 1
 
 
 def parts_units(t: Any) -> list[list[tuple[int, int, int, int]]]:

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from . import jit as _jit
-from .jit import copy_even, copy_run, row_of
+from .jit import copy_even, copy_run, copy_where, row_of
 
 jit_inline: Callable[[Callable[..., Any]], Any] = _jit.jit_inline
 
@@ -60,10 +60,11 @@ def block_channels(kblock: int, taps: int) -> int:
     return int((kblock + taps - 2) // taps + 1)
 
 
-def area_floats(t: Any, chunk: int) -> int:
-    """Floats of one part's phase area: the guards and 4 phase planes ``plane_rows`` x OW per channel a k block
-    reaches, a multiple of 16 (the tiles after it stay 64-byte aligned)."""
-    planes = block_channels(t.kblock, t.kh * t.kw) * 4 * plane_rows(chunk, t.ph, t.kh) * t.ow
+def area_floats(t: Any, chunk: int, krows: int) -> int:
+    """Floats of one part's phase area for tiles of ``chunk`` output rows and k ranges of ``krows`` unfolded rows:
+    the guards and 4 phase planes ``plane_rows`` x OW per channel a k range reaches, a multiple of 16 (what follows
+    stays 64-byte aligned)."""
+    planes = block_channels(krows, t.kh * t.kw) * 4 * plane_rows(chunk, t.ph, t.kh) * t.ow
     return int(-(-(2 * GUARD + planes) // 16) * 16)
 
 
@@ -79,9 +80,11 @@ def masks(t: Any, chunk: int) -> Any:
 def split(x: Any, n: int, c0: int, c1: int, i_base: int, prows: int, ow_n: int, buf: Any) -> None:
     """buf[GUARD + (((c - c0)*2 + a)*2 + b)*prows*OW + (i - i_base)*OW + j] = x[n, c, 2i + a, 2j + b] (0 for
     columns past the row) for channels ``c0 <= c < c1`` and the phase rows ``i_base <= i < i_base + prows``
-    inside the image."""
+    inside the image; the area's last ``GUARD`` floats 0."""
     height, width = x.shape[2], x.shape[3]
     plane = prows * ow_n
+    for j in range(buf.size - GUARD, buf.size):  # never read unmasked; written so the whole area is touched
+        buf[j] = 0.0
     for c in range(c0, c1):
         xp = x[n, c]
         for a in range(2):
@@ -99,11 +102,23 @@ def split(x: Any, n: int, c0: int, c1: int, i_base: int, prows: int, ow_n: int, 
 
 @jit_inline
 def unfold(
-    buf: Any, tile: Any, geo: Any, height: int, oh0: int, nr: int, prows: int, c0: int, k0: int, k1: int, m: Any
+    buf: Any,
+    tile: Any,
+    geo: Any,
+    height: int,
+    oh0: int,
+    nr: int,
+    prows: int,
+    c0: int,
+    k0: int,
+    k1: int,
+    m: Any,
+    kbase: int,
+    col0: int,
 ) -> None:
-    """tile[k - k0, r*OW + ow] = the unfolded input of output row oh0 + r, column ow, for ``k0 <= k < k1``, read
-    from the phases ``split`` put in ``buf`` for channels from ``c0`` and ``prows`` phase rows from oh0's least
-    row offset; ``m`` the column masks (``masks``)."""
+    """tile[k - kbase, col0 + r*OW + ow] = the unfolded input of output row oh0 + r, column ow, for ``k0 <= k <
+    k1``, read from the phases ``split`` put in ``buf`` for channels from ``c0`` (of the k's group) and ``prows``
+    phase rows from oh0's least row offset; ``m`` the column masks (``masks``)."""
     kh_n, kw_n, ph, pw, ow_n = geo[0], geo[1], geo[4], geo[5], geo[8]
     dr_lo = (-ph) // 2
     dc_lo = (-pw) // 2
@@ -121,20 +136,16 @@ def unfold(
         rows_in = (height - a + 1) // 2
         lo = min(nr, max(0, -(oh0 + dr))) * ow_n
         hi = max(lo, min(nr, rows_in - oh0 - dr) * ow_n)
-        crow = row_of(tile, k - k0, True)
-        for p in range(lo):
+        crow = row_of(tile, k - kbase, True)
+        for p in range(col0, col0 + lo):
             crow[p] = 0.0
-        for p in range(hi, end):
+        for p in range(col0 + hi, col0 + end):
             crow[p] = 0.0
         src = GUARD + (((c - c0) * 2 + a) * 2 + b) * plane + (dr - dr_lo) * ow_n + dc
         if dc == 0:
-            copy_run(crow, lo, buf, src + lo, hi - lo)
+            copy_run(crow, col0 + lo, buf, src + lo, hi - lo)
         else:
-            keep = m[dc - dc_lo]
-            s0 = np.uint64(src)  # >= 0: the guard covers dc's reach before the first plane
-            for p in range(np.uint64(lo), np.uint64(hi)):
-                v = buf[s0 + p]
-                crow[p] = v if keep[p] else 0.0
+            copy_where(crow, col0 + lo, buf, src + lo, hi - lo, m[dc - dc_lo], lo)
         kw += 1
         if kw == kw_n:
             kw = 0
@@ -142,3 +153,39 @@ def unfold(
             if kh == kh_n:
                 kh = 0
                 c += 1
+
+
+STEP_ROWS = 64  # unfolded rows per step of ``unfold_images`` (whole channels): the rows it writes stay in L2
+
+
+def step_channels(taps: int) -> int:
+    """Input channels per step of ``unfold_images`` (``taps`` = KH * KW unfolded rows each)."""
+    return max(1, STEP_ROWS // taps)
+
+
+def images_area_floats(t: Any, rows: int, images: int) -> int:
+    """Floats of one ``unfold_images`` range's phase area: a step's phase area (``area_floats``) per image."""
+    return images * area_floats(t, rows, step_channels(t.kh * t.kw) * t.kh * t.kw)
+
+
+@_jit.jit
+def unfold_images(
+    x: Any, n0: int, nn: int, cg0: int, oh0: int, nr: int, geo: Any, buf: Any, m: Any, cols: Any, k0: int, k1: int
+) -> None:
+    """cols[k, (i*nr + r)*OW + ow] = the unfolded input of image n0 + i, output row oh0 + r, column ow (channel
+    cg0 + k // (KH*KW), the group's first plus k's), for ``k0 <= k < k1`` and ``nn`` images (im2col's tiles, a k
+    range per helper thread). In steps of ``step_channels`` whole channels: ``split`` each image's into its
+    share of ``buf``, then ``unfold`` each image's rows, so a step's rows of cols stay in L2 across the images."""
+    kk = geo[0] * geo[1]
+    prows = plane_rows(nr, geo[4], geo[0])
+    dr_lo = (-geo[4]) // 2
+    cpk = max(1, STEP_ROWS // kk)
+    share = buf.size // nn
+    for cs in range(k0 // kk, (k1 - 1) // kk + 1, cpk):
+        lo, hi = max(k0, cs * kk), min(k1, (cs + cpk) * kk)
+        c0, c1 = lo // kk, (hi - 1) // kk + 1
+        for i in range(nn):
+            split(x, n0 + i, cg0 + c0, cg0 + c1, oh0 + dr_lo, prows, geo[8], buf[i * share : (i + 1) * share])
+        for i in range(nn):
+            part = buf[i * share : (i + 1) * share]
+            unfold(part, cols, geo, x.shape[2], oh0, nr, prows, c0, lo, hi, m, 0, i * nr * geo[8])

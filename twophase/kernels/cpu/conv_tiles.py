@@ -75,7 +75,7 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                     c0 = k0 // taps
                     c1 = (k0 + kl - 1) // taps + 1
                     conv_phases.split(x, n, c0, c1, oh0 + dr_lo, prows, ow_n, phases)
-                    conv_phases.unfold(phases, tile, geo, x.shape[2], oh0, nr, prows, c0, k0, k0 + kl, masks)
+                    conv_phases.unfold(phases, tile, geo, x.shape[2], oh0, nr, prows, c0, k0, k0 + kl, masks, k0, 0)
                 else:
                     _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
                 if k0 == 0:  # the masked panel reads the tile's columns up to the next 16: keep them finite
@@ -127,7 +127,7 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     geo = _geo(t)
     shape = (t.kblock, tile_width(t.chunk, t.ow))
     size = tile_stride(*shape, item)
-    area = conv_phases.area_floats(t, t.chunk) * item if t.phases else 0
+    area = conv_phases.area_floats(t, t.chunk, t.kblock) * item if t.phases else 0
     masks = conv_phases.masks(t, t.chunk) if t.phases else _NO_MASKS
     sample = np.empty(1 if t.phases else 0, x.dtype)
     k = entry(

@@ -34,6 +34,7 @@ __all__ = [
     "wide_vectors",
     "copy_run",
     "copy_even",
+    "copy_where",
     "emit_prefetch",
     "emit_splat",
     "emit_lanes_below",
@@ -234,6 +235,80 @@ def _copy_even_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: A
 
 
 copy_even: Any = intrinsic(_copy_even_typing)
+
+
+def _copy_where_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: Any, keep: Any, k0: Any) -> Any:
+    """``dst[d0 + u] = src[s0 + u] if keep[k0 + u] else 0`` for ``u < n``: dense 1-D float32 / float64 arrays of
+    one dtype and a boolean ``keep``, 64 bytes of ``dst`` a step (masked loads and stores: no scalar tail, no alias
+    check). ``src`` is read only where ``keep`` holds, so a run may start or end next to memory it must not touch
+    (an unfolded row of a 7-wide map is one step, where numba's loop ran its vector body once and then scalar)."""
+    if not (
+        isinstance(dst, types.Array)
+        and isinstance(src, types.Array)
+        and isinstance(keep, types.Array)
+        and dst.ndim == src.ndim == keep.ndim == 1
+        and dst.dtype == src.dtype
+        and dst.dtype in (types.float32, types.float64)
+        and keep.dtype == types.boolean
+    ):
+        return None
+    sig = types.void(dst, d0, src, s0, n, keep, k0)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        item = as_dtype(signature.args[0].dtype).itemsize
+        lanes = 64 // item
+        fty = context.get_value_type(signature.args[0].dtype)
+        vec = ir.VectorType(fty, lanes)
+        load, store = masked_memory(builder, vec)
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        bytes_ = ir.VectorType(i8, lanes)
+        align = ir.Constant(i32, item)
+        zero = ir.Constant(vec, [0.0] * lanes)
+
+        def base(k: int) -> Any:
+            arr = context.make_array(signature.args[k])(context, builder, args[k])
+            index = context.cast(builder, args[k + 1], signature.args[k + 1], types.int64)
+            return builder.gep(arr.data, [index])
+
+        dptr, sptr = base(0), base(2)
+        keep = context.make_array(signature.args[5])(context, builder, args[5])
+        kptr = builder.gep(
+            builder.bitcast(keep.data, i8.as_pointer()),
+            [context.cast(builder, args[6], signature.args[6], types.int64)],
+        )
+        count = context.cast(builder, args[4], signature.args[4], types.int64)
+        steps = builder.udiv(builder.add(count, ir.Constant(i64, lanes - 1)), ir.Constant(i64, lanes))
+        with cgutils.for_range(builder, steps) as loop:
+            u0 = builder.mul(loop.index, ir.Constant(i64, lanes))
+            inside = emit_lanes_below(builder, builder.sub(count, u0), lanes)
+            flags = builder.call(
+                _masked_bytes_load(builder, lanes),
+                [
+                    builder.bitcast(builder.gep(kptr, [u0]), bytes_.as_pointer()),
+                    ir.Constant(i32, 1),
+                    inside,
+                    ir.Constant(bytes_, [0] * lanes),
+                ],
+            )
+            kept = builder.and_(inside, builder.icmp_unsigned("!=", flags, ir.Constant(bytes_, [0] * lanes)))
+            v = builder.call(load, [builder.bitcast(builder.gep(sptr, [u0]), vec.as_pointer()), align, kept, zero])
+            builder.call(store, [v, builder.bitcast(builder.gep(dptr, [u0]), vec.as_pointer()), align, inside])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+def _masked_bytes_load(builder: Any, lanes: int) -> Any:
+    """The ``llvm.masked.load`` declaration for ``lanes`` bytes (a boolean array's flags)."""
+    vec = ir.VectorType(ir.IntType(8), lanes)
+    name = f"llvm.masked.load.v{lanes}i8.p0" + (f"v{lanes}i8" if TYPED_POINTERS else "")
+    mask = ir.VectorType(ir.IntType(1), lanes)
+    return cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
+        builder.module, ir.FunctionType(vec, [vec.as_pointer(), ir.IntType(32), mask, vec]), name
+    )
+
+
+copy_where: Any = intrinsic(_copy_where_typing)
 
 
 _element_pointer: Any = _pointer_intrinsic("_element_pointer", lambda dt: dt)
