@@ -330,10 +330,9 @@ def test_conv2d_im2col_unfolds_whole_images_per_tile(rng: np.random.Generator, n
         _check(r, ref)
 
 
-def _phase_area(rows: int, krows: int, k: int, pad: int, ow: int) -> int:
+def _phase_area(rows: int, channels: int, k: int, pad: int, ow: int) -> int:
     """Bytes of one phase area (float32): the guards and 4 planes of (rows + the window's row offsets) x OW per
-    channel a range of ``krows`` unfolded rows reaches, in multiples of 16 floats."""
-    channels = (krows + k * k - 2) // (k * k) + 1
+    channel, in multiples of 16 floats."""
     prows = rows + (k - 1 - pad) // 2 - (-pad) // 2
     return -(-(32 + 4 * channels * prows * ow) // 16) * 16 * 4
 
@@ -361,7 +360,7 @@ def test_conv2d_im2col_stride_2_through_phases(rng: np.random.Generator, nhwc: b
         assert t.parts == 2 and t.phase_offset == align(kc * t.tile_n * t.oh * ow * 4) + (
             align(oc * t.tile_n * t.oh * ow * 4) if t.staged else 0
         )
-        step = 64 // 9 * 9  # unfolded rows per step: whole channels, up to 64
+        step = 64 // 9  # channels per step: whole channels, up to 64 unfolded rows
         assert r.workspace_size == t.phase_offset + 2 * t.tile_n * _phase_area(t.oh, step, 3, 1, ow)
         plain = run_checked(conv2d, x, wt, b, workspace_limit=r.workspace_size - 1, **attrs)
         assert (plain.tiling.phases, plain.tiling.tile_n, plain.workspace_size) == (False, t.tile_n, t.phase_offset)
@@ -751,7 +750,8 @@ def test_conv2d_im2col_tiles(
     assert t.grid == tiles_grid(n, t.oh, t.ow, oc, threads) and t.parts == len(t.grid)
     phases = stride == (2, 2) and dil == (1, 1) and min(k) >= 2 and (hw[1] + 1) // 2 <= t.ow
     assert t.phases == phases
-    channels = (t.kblock + k[0] * k[1] - 2) // (k[0] * k[1]) + 1  # a k block's reach
+    taps = k[0] * k[1]
+    channels = max(len({kk // taps for kk in range(k0, min(kc, k0 + t.kblock))}) for k0 in range(0, kc, t.kblock))
     plane = (t.chunk + (k[0] - 1 - pad[0]) // 2 - (-pad[0]) // 2) * t.ow
     area = -(-(32 + 4 * channels * plane) // 16) * 16 if phases else 0
     assert r.workspace_size == t.parts * (t.kblock * -(-t.chunk * t.ow // 16) * 16 + area) * 4

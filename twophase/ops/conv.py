@@ -38,6 +38,7 @@ from ..kernels.cpu.conv import (
 )
 from ..kernels.cpu.conv_phases import area_floats as phase_area
 from ..kernels.cpu.conv_phases import images_area_floats as images_phase_area
+from ..kernels.cpu.conv_phases import tile_channels
 from ..kernels.cpu.conv_phases import usable as phases_usable
 from ..kernels.cpu.conv_tiles import available as tiles_available
 from ..kernels.cpu.conv_tiles import build_im2col_tiles, tile_stride, tile_width
@@ -466,12 +467,13 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     grid = tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts())
     item = x.dtype.itemsize
     phased = phases_usable(t, dense)
+    channels = tile_channels(t.kc, kblock, t.kh * t.kw)
     most = TILE_PIXELS
     while True:
         rows = tile_rows(t.oh, t.ow, most)
         tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
         tiles = tile_stride(kblock, tile_width(rows, t.ow), item)
-        size = len(grid) * (tiles + (phase_area(tt, rows, kblock) * item if phased else 0))
+        size = len(grid) * (tiles + (phase_area(tt, rows, channels) * item if phased else 0))
         if limit is None or size <= limit:
             return Candidate("im2col_tiles", tt, size)
         if phased and len(grid) * tiles <= limit:  # the tiles fit without the phases: unfold row by row
@@ -704,13 +706,13 @@ conv2d = register(
             "pixel-major with mergeable (N, H, W)] [+ U * tile_n * A' * itemsize with phases: channel-major, "
             "stride 2, dilation 1, KH and KW >= 2, dense input rows, ceil(W/2) <= OW, when it fits "
             "workspace_limit; U = the fan-out count from 2^20 unfolded elements per tile, else 1; A' = "
-            "ceil16(32 + 4 * (S + 1) * (tile_rows + (KH-1-PH)//2 - (-PH)//2) * OW), S = max(1, 64 // (KH*KW)) "
-            "channels per step]; im2col_parts: the sum over parts of "
+            "ceil16(32 + 4 * S * (tile_rows + (KH-1-PH)//2 - (-PH)//2) * OW), S = min(C/groups, max(1, "
+            "64 // (KH*KW))) channels per step]; im2col_parts: the sum over parts of "
             "align64(C/groups*KH*KW * R*OW * itemsize), R = the part's longest run of output rows "
             "(at most tile_rows), parts = the fan-out count, at most N*groups*OH; "
             "im2col_tiles: P * (KB * ceil16(R*OW) + A) * itemsize, "
-            "A = ceil16(32 + 4 * CB * (R + (KH-1-PH)//2 - (-PH)//2) * OW) (the phase planes of a tile of CB = "
-            "(KB + KH*KW - 2)//(KH*KW) + 1 input channels, and their guards) for stride 2, dilation 1, KH and KW "
+            "A = ceil16(32 + 4 * CB * (R + (KH-1-PH)//2 - (-PH)//2) * OW) (the phase planes of a tile of the "
+            "CB input channels the widest k block reaches, and their guards) for stride 2, dilation 1, KH and KW "
             ">= 2, dense input rows and ceil(W/2) <= OW when it fits workspace_limit, else 0, "
             "P = parts (the fan-out count, fewer when N*OH is smaller), "
             "KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per k block, "

@@ -6,8 +6,8 @@ to its row phase ``a`` = row % 2 as two column phases ``b`` (its even and odd el
 stored ``OW`` wide. Then output (r, ow) of tap (kh, kw) reads phase (a, b) at (r + dr, ow + dc), with
 ``a = (kh - ph) % 2, dr = (kh - ph - a) // 2`` (``b``, ``dc`` alike along the columns): one flat run per
 unfolded row of the tile (``unfold``), the columns that wrap around a phase row (``ow + dc`` outside
-``[0, OW)``: padding) masked to 0, the output rows outside the image zeroed. The phase rows beyond the image
-are never read; neither are the columns a mask drops, though they may lie in the guards around the planes.
+``[0, OW)``: padding) masked to 0 (``jit.copy_where`` loads only the kept ones), the output rows outside the
+image zeroed. The phase rows beyond the image are never read.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ from .jit import copy_even, copy_run, copy_where, row_of
 
 jit_inline: Callable[[Callable[..., Any]], Any] = _jit.jit_inline
 
-GUARD = 16  # floats before and after a part's planes: masked reads reach at most ceil(padding / 2) past a plane
+# floats before and after a phase area's planes: a run of a tap whose columns start (end) in the padding starts
+# (ends) up to ceil(padding / 2) floats before (past) its plane, on lanes copy_where never loads; the trailing
+# guard is zeroed by ``split``, so the whole area is written
+GUARD = 16
 
 
 def usable(t: Any, rows_dense: bool) -> bool:
@@ -55,16 +58,17 @@ def plane_rows(chunk: int, ph: int, kh: int) -> int:
     return int(chunk + hi - lo)
 
 
-def block_channels(kblock: int, taps: int) -> int:
-    """Input channels a k block of ``kblock`` unfolded rows can reach (``taps`` = KH * KW rows per channel)."""
-    return int((kblock + taps - 2) // taps + 1)
+def tile_channels(kc: int, kblock: int, taps: int) -> int:
+    """The most input channels one of im2col_tiles' k blocks (``kblock`` unfolded rows from 0 on, of ``kc``)
+    reaches, ``taps`` = KH * KW unfolded rows per channel."""
+    return max((min(kc, k0 + kblock) - 1) // taps - k0 // taps + 1 for k0 in range(0, kc, kblock))
 
 
-def area_floats(t: Any, chunk: int, krows: int) -> int:
-    """Floats of one part's phase area for tiles of ``chunk`` output rows and k ranges of ``krows`` unfolded rows:
-    the guards and 4 phase planes ``plane_rows`` x OW per channel a k range reaches, a multiple of 16 (what follows
-    stays 64-byte aligned)."""
-    planes = block_channels(krows, t.kh * t.kw) * 4 * plane_rows(chunk, t.ph, t.kh) * t.ow
+def area_floats(t: Any, chunk: int, channels: int) -> int:
+    """Floats of one phase area for tiles of ``chunk`` output rows and ``channels`` input channels: the guards
+    and 4 phase planes of ``plane_rows`` x OW per channel, a multiple of 16 (what follows stays 64-byte
+    aligned)."""
+    planes = channels * 4 * plane_rows(chunk, t.ph, t.kh) * t.ow
     return int(-(-(2 * GUARD + planes) // 16) * 16)
 
 
@@ -158,14 +162,15 @@ def unfold(
 STEP_ROWS = 64  # unfolded rows per step of ``unfold_images`` (whole channels): the rows it writes stay in L2
 
 
-def step_channels(taps: int) -> int:
-    """Input channels per step of ``unfold_images`` (``taps`` = KH * KW unfolded rows each)."""
-    return max(1, STEP_ROWS // taps)
+def step_channels(taps: int, channels: int) -> int:
+    """Input channels per step of ``unfold_images``: whole channels of ``taps`` = KH * KW unfolded rows each, up
+    to STEP_ROWS rows (at least one channel), at most the group's ``channels``."""
+    return min(channels, max(1, STEP_ROWS // taps))
 
 
 def images_area_floats(t: Any, rows: int, images: int) -> int:
     """Floats of one ``unfold_images`` range's phase area: a step's phase area (``area_floats``) per image."""
-    return images * area_floats(t, rows, step_channels(t.kh * t.kw) * t.kh * t.kw)
+    return images * area_floats(t, rows, step_channels(t.kh * t.kw, t.cg))
 
 
 @_jit.jit

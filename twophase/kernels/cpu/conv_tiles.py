@@ -127,7 +127,8 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     geo = _geo(t)
     shape = (t.kblock, tile_width(t.chunk, t.ow))
     size = tile_stride(*shape, item)
-    area = conv_phases.area_floats(t, t.chunk, t.kblock) * item if t.phases else 0
+    channels = conv_phases.tile_channels(t.kc, t.kblock, t.kh * t.kw)
+    area = conv_phases.area_floats(t, t.chunk, channels) * item if t.phases else 0
     masks = conv_phases.masks(t, t.chunk) if t.phases else _NO_MASKS
     sample = np.empty(1 if t.phases else 0, x.dtype)
     k = entry(
