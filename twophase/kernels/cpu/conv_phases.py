@@ -118,11 +118,13 @@ def unfold(
     k1: int,
     m: Any,
     kbase: int,
-    col0: int,
+    images: int,
+    share: int,
 ) -> None:
-    """tile[k - kbase, col0 + r*OW + ow] = the unfolded input of output row oh0 + r, column ow, for ``k0 <= k <
-    k1``, read from the phases ``split`` put in ``buf`` for channels from ``c0`` (of the k's group) and ``prows``
-    phase rows from oh0's least row offset; ``m`` the column masks (``masks``)."""
+    """tile[k - kbase, (i*nr + r)*OW + ow] = the unfolded input of image i, output row oh0 + r, column ow, for
+    ``k0 <= k < k1`` and ``images`` images, read from the phases ``split`` put in ``buf`` (image i's from float
+    ``i * share`` on) for channels from ``c0`` (of the k's group) and ``prows`` phase rows from oh0's least row
+    offset; ``m`` the column masks (``masks``). Each row's tap is worked out once for all the images."""
     kh_n, kw_n, ph, pw, ow_n = geo[0], geo[1], geo[4], geo[5], geo[8]
     dr_lo = (-ph) // 2
     dc_lo = (-pw) // 2
@@ -141,15 +143,18 @@ def unfold(
         lo = min(nr, max(0, -(oh0 + dr))) * ow_n
         hi = max(lo, min(nr, rows_in - oh0 - dr) * ow_n)
         crow = row_of(tile, k - kbase, True)
-        for p in range(col0, col0 + lo):
-            crow[p] = 0.0
-        for p in range(col0 + hi, col0 + end):
-            crow[p] = 0.0
-        src = GUARD + (((c - c0) * 2 + a) * 2 + b) * plane + (dr - dr_lo) * ow_n + dc
-        if dc == 0:
-            copy_run(crow, col0 + lo, buf, src + lo, hi - lo)
-        else:
-            copy_where(crow, col0 + lo, buf, src + lo, hi - lo, m[dc - dc_lo], lo)
+        src = GUARD + (((c - c0) * 2 + a) * 2 + b) * plane + (dr - dr_lo) * ow_n + dc + lo
+        keep = m[dc - dc_lo]
+        for i in range(images):
+            d = i * end
+            for p in range(d, d + lo):
+                crow[p] = 0.0
+            for p in range(d + hi, d + end):
+                crow[p] = 0.0
+            if dc == 0:
+                copy_run(crow, d + lo, buf, src + i * share, hi - lo)
+            else:
+                copy_where(crow, d + lo, buf, src + i * share, hi - lo, keep, lo)
         kw += 1
         if kw == kw_n:
             kw = 0
@@ -180,7 +185,7 @@ def unfold_images(
     """cols[k, (i*nr + r)*OW + ow] = the unfolded input of image n0 + i, output row oh0 + r, column ow (channel
     cg0 + k // (KH*KW), the group's first plus k's), for ``k0 <= k < k1`` and ``nn`` images (im2col's tiles, a k
     range per helper thread). In steps of ``step_channels`` whole channels: ``split`` each image's into its
-    share of ``buf``, then ``unfold`` each image's rows, so a step's rows of cols stay in L2 across the images."""
+    share of ``buf``, then ``unfold`` the step's rows of all the images (they stay in L2)."""
     kk = geo[0] * geo[1]
     prows = plane_rows(nr, geo[4], geo[0])
     dr_lo = (-geo[4]) // 2
@@ -191,6 +196,4 @@ def unfold_images(
         c0, c1 = lo // kk, (hi - 1) // kk + 1
         for i in range(nn):
             split(x, n0 + i, cg0 + c0, cg0 + c1, oh0 + dr_lo, prows, geo[8], buf[i * share : (i + 1) * share])
-        for i in range(nn):
-            part = buf[i * share : (i + 1) * share]
-            unfold(part, cols, geo, x.shape[2], oh0, nr, prows, c0, lo, hi, m, 0, i * nr * geo[8])
+        unfold(buf, cols, geo, x.shape[2], oh0, nr, prows, c0, lo, hi, m, 0, nn, share)
