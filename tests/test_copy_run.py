@@ -45,6 +45,20 @@ def _evens(dst: Any, d0: int, src: Any, s0: int, n: int) -> None:
     copy_even(dst, d0, src, s0, n)
 
 
+def _any_bits(seed: int, dtype: Any, n: int) -> tuple[Any, Any]:
+    """(n random values of ``dtype`` drawn as bits, NaN payloads and infinities included; the bits' dtype)."""
+    bits = np.uint32 if dtype == np.float32 else np.uint64
+    raw = np.random.default_rng(seed).integers(0, np.iinfo(bits).max, n, dtype=bits, endpoint=True)
+    return raw.view(dtype), bits
+
+
+def _check_run(dst: Any, d0: int, run: Any, bits: Any) -> None:
+    """``dst`` holds ``run`` from ``d0`` on, bit for bit, and 7 everywhere else."""
+    expected = np.full_like(dst, 7)
+    expected[d0 : d0 + run.size] = run
+    np.testing.assert_array_equal(dst.view(bits), expected.view(bits))
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     dtype=st.sampled_from([np.float32, np.float64]),
@@ -55,14 +69,10 @@ def _evens(dst: Any, d0: int, src: Any, s0: int, n: int) -> None:
 def test_copy_even_copies_every_other_element_exactly(dtype: Any, d0: int, s0: int, n: int) -> None:
     """Every length around the 64-byte step (16 float32, 8 float64), bit for bit (NaN payloads included), and
     nothing written before or after the run."""
-    rng = np.random.default_rng(n * 1000 + s0 * 31 + d0)
-    bits = np.uint32 if dtype == np.float32 else np.uint64
-    src = rng.integers(0, np.iinfo(bits).max, s0 + 2 * n + 3, dtype=bits, endpoint=True).view(dtype)
+    src, bits = _any_bits(n * 1000 + s0 * 31 + d0, dtype, s0 + 2 * n + 3)
     dst = np.full(d0 + n + 17, 7, dtype)
     _evens(dst, d0, src, s0, n)
-    expected = np.full_like(dst, 7)
-    expected[d0 : d0 + n] = src[s0 : s0 + 2 * n : 2]
-    np.testing.assert_array_equal(dst.view(bits), expected.view(bits))
+    _check_run(dst, d0, src[s0 : s0 + 2 * n : 2], bits)
 
 
 @numba.njit(nogil=True)
@@ -81,15 +91,11 @@ def _where(dst: Any, d0: int, src: Any, s0: int, n: int, keep: Any, k0: int) -> 
 def test_copy_where_copies_the_kept_elements_and_zeroes_the_rest(dtype: Any, d0: int, s0: int, k0: int, n: int) -> None:
     """Every length around the 64-byte step, bit for bit where kept (NaN payloads included), +0.0 where not,
     nothing written before or after the run."""
-    rng = np.random.default_rng(n * 1000 + s0 * 31 + d0 * 7 + k0)
-    bits = np.uint32 if dtype == np.float32 else np.uint64
-    src = rng.integers(0, np.iinfo(bits).max, s0 + n + 3, dtype=bits, endpoint=True).view(dtype)
-    keep = rng.random(k0 + n + 4) < 0.6
+    src, bits = _any_bits(n * 1000 + s0 * 31 + d0 * 7 + k0, dtype, s0 + n + 3)
+    keep = np.random.default_rng(n + 5 * k0).random(k0 + n + 4) < 0.6
     dst = np.full(d0 + n + 17, 7, dtype)
     _where(dst, d0, src, s0, n, keep, k0)
-    expected = np.full_like(dst, 7)
-    expected[d0 : d0 + n] = np.where(keep[k0 : k0 + n], src[s0 : s0 + n], dtype(0))
-    np.testing.assert_array_equal(dst.view(bits), expected.view(bits))
+    _check_run(dst, d0, np.where(keep[k0 : k0 + n], src[s0 : s0 + n], dtype(0)), bits)
 
 
 _GUARD_PAGE = """

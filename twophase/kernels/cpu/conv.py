@@ -108,12 +108,9 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
         dh, dw, ow_n, nn = geo[6], geo[7], geo[8], geo[9]
         height, width = x.shape[2], x.shape[3]
         rows = cols.shape[1] // (ow_n * nn)
-        kk = kh_n * kw_n
         step = np.uint64(fixed_step if fixed_step else sw)
         flat = FLAT and sh == 1 and ow_n == width
-        c = k0 // kk  # k = (c*KH + kh)*KW + kw, stepped below without a division per k
-        kh = (k0 - c * kk) // kw_n
-        kw = k0 - c * kk - kh * kw_n
+        c, kh, kw = conv_phases.tap_of(k0, kh_n, kw_n)  # stepped below without a division per k
         for k in range(k0, k1):
             off = kw * dw - pw
             lo, hi = _bounds(off, sw, width, ow_n)
@@ -156,13 +153,7 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
                     else:  # a short row (7-wide maps): the plain loop, faster than the vector loop's entry checks
                         for ow in range(lo, hi):
                             crow[d + ow] = xr[ow * sw + off]
-            kw += 1
-            if kw == kw_n:
-                kw = 0
-                kh += 1
-                if kh == kh_n:
-                    kh = 0
-                    c += 1
+            c, kh, kw = conv_phases.next_tap(c, kh, kw, kh_n, kw_n)
 
     return im2col
 

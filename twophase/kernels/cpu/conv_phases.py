@@ -81,6 +81,28 @@ def masks(t: Any, chunk: int) -> Any:
 
 
 @jit_inline
+def tap_of(k: int, kh_n: int, kw_n: int) -> tuple[int, int, int]:
+    """(channel, kernel row, kernel column) of unfolded row k = (c*KH + kh)*KW + kw."""
+    kk = kh_n * kw_n
+    c = k // kk
+    kh = (k - c * kk) // kw_n
+    return c, kh, k - c * kk - kh * kw_n
+
+
+@jit_inline
+def next_tap(c: int, kh: int, kw: int, kh_n: int, kw_n: int) -> tuple[int, int, int]:
+    """``tap_of`` the next unfolded row, without a division."""
+    kw += 1
+    if kw == kw_n:
+        kw = 0
+        kh += 1
+        if kh == kh_n:
+            kh = 0
+            c += 1
+    return c, kh, kw
+
+
+@jit_inline
 def split(x: Any, n: int, c0: int, c1: int, i_base: int, prows: int, ow_n: int, buf: Any) -> None:
     """buf[GUARD + (((c - c0)*2 + a)*2 + b)*prows*OW + (i - i_base)*OW + j] = x[n, c, 2i + a, 2j + b] (0 for
     columns past the row) for channels ``c0 <= c < c1`` and the phase rows ``i_base <= i < i_base + prows``
@@ -129,10 +151,7 @@ def unfold(
     dr_lo = (-ph) // 2
     dc_lo = (-pw) // 2
     plane = prows * ow_n
-    kk = kh_n * kw_n
-    c = k0 // kk
-    kh = (k0 - c * kk) // kw_n
-    kw = k0 - c * kk - kh * kw_n
+    c, kh, kw = tap_of(k0, kh_n, kw_n)
     end = nr * ow_n
     for k in range(k0, k1):
         a = (kh - ph) & 1
@@ -155,13 +174,7 @@ def unfold(
                 copy_run(crow, d + lo, buf, src + i * share, hi - lo)
             else:
                 copy_where(crow, d + lo, buf, src + i * share, hi - lo, keep, lo)
-        kw += 1
-        if kw == kw_n:
-            kw = 0
-            kh += 1
-            if kh == kh_n:
-                kh = 0
-                c += 1
+        c, kh, kw = next_tap(c, kh, kw, kh_n, kw_n)
 
 
 STEP_ROWS = 64  # unfolded rows per step of ``unfold_images`` (whole channels): the rows it writes stay in L2

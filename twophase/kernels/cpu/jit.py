@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numba
@@ -181,55 +182,85 @@ def _copy_run_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: An
 copy_run: Any = intrinsic(_copy_run_typing)
 
 
+@dataclass(frozen=True)
+class _Lines:
+    """What a masked line-by-line copy's IR works with: the vector type of 64 bytes of the arrays' dtype, its lane
+    count, the masked load and store, their alignment, a zero vector, and the element pointers ``dst + d0`` and
+    ``src + s0``."""
+
+    vec: Any
+    lanes: int
+    load: Any
+    store: Any
+    align: Any
+    zero: Any
+    dst: Any
+    src: Any
+
+
+def _by_lines(context: Any, builder: Any, signature: Any, args: Any, step: Callable[[_Lines, Any, Any], None]) -> Any:
+    """IR running ``step(lines, u0, rest)`` for u0 = 0, lanes, 2*lanes, ... below ``n`` (args 0-4: ``dst, d0,
+    src, s0, n``), rest = n - u0: the loop of ``copy_even`` and ``copy_where``."""
+    item = as_dtype(signature.args[0].dtype).itemsize
+    lanes = 64 // item
+    vec = ir.VectorType(context.get_value_type(signature.args[0].dtype), lanes)
+    load, store = masked_memory(builder, vec)
+    i64 = ir.IntType(64)
+
+    def at(k: int) -> Any:
+        arr = context.make_array(signature.args[k])(context, builder, args[k])
+        return builder.gep(arr.data, [context.cast(builder, args[k + 1], signature.args[k + 1], types.int64)])
+
+    lines = _Lines(
+        vec, lanes, load, store, ir.Constant(ir.IntType(32), item), ir.Constant(vec, [0.0] * lanes), at(0), at(2)
+    )
+    count = context.cast(builder, args[4], signature.args[4], types.int64)
+    steps = builder.udiv(builder.add(count, ir.Constant(i64, lanes - 1)), ir.Constant(i64, lanes))
+    with cgutils.for_range(builder, steps) as loop:
+        u0 = builder.mul(loop.index, ir.Constant(i64, lanes))
+        step(lines, u0, builder.sub(count, u0))
+    return context.get_dummy_value()
+
+
+def _float_rows(*arrays: Any) -> bool:
+    """Whether the numba types are 1-D arrays of one dtype, float32 or float64."""
+    return (
+        all(isinstance(a, types.Array) and a.ndim == 1 for a in arrays)
+        and arrays[0].dtype
+        in (
+            types.float32,
+            types.float64,
+        )
+        and all(a.dtype == arrays[0].dtype for a in arrays)
+    )
+
+
 def _copy_even_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: Any) -> Any:
     """``dst[d0:d0 + n] = src[s0:s0 + 2n:2]`` for dense 1-D float32 / float64 arrays of one dtype, 64 bytes of
     ``dst`` a step: two masked vector loads of ``src`` (only the elements read), a shuffle taking their even
     elements, a masked store. A column-stride-2 unfolded row of a 14-wide map is one step, where numba's loop,
     too short for its vector body, copied it one element at a time."""
-    if not (
-        isinstance(dst, types.Array)
-        and isinstance(src, types.Array)
-        and dst.ndim == src.ndim == 1
-        and dst.dtype == src.dtype
-        and dst.dtype in (types.float32, types.float64)
-    ):
+    if not _float_rows(dst, src):
         return None
     sig = types.void(dst, d0, src, s0, n)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        item = as_dtype(signature.args[0].dtype).itemsize
-        lanes = 64 // item
-        fty = context.get_value_type(signature.args[0].dtype)
-        vec = ir.VectorType(fty, lanes)
-        load, store = masked_memory(builder, vec)
-        i32, i64 = ir.IntType(32), ir.IntType(64)
-        align = ir.Constant(i32, item)
-        zero = ir.Constant(vec, [0.0] * lanes)
-        evens = ir.Constant(ir.VectorType(i32, lanes), list(range(0, 2 * lanes, 2)))
+        i64 = ir.IntType(64)
 
-        def base(k: int) -> Any:
-            arr = context.make_array(signature.args[k])(context, builder, args[k])
-            index = context.cast(builder, args[k + 1], signature.args[k + 1], types.int64)
-            return builder.gep(arr.data, [index])
-
-        dptr, sptr = base(0), base(2)
-        count = context.cast(builder, args[4], signature.args[4], types.int64)
-        steps = builder.udiv(builder.add(count, ir.Constant(i64, lanes - 1)), ir.Constant(i64, lanes))
-        with cgutils.for_range(builder, steps) as loop:
-            u0 = builder.mul(loop.index, ir.Constant(i64, lanes))
-            rest = builder.sub(count, u0)
+        def step(v: _Lines, u0: Any, rest: Any) -> None:
+            evens = ir.Constant(ir.VectorType(ir.IntType(32), v.lanes), list(range(0, 2 * v.lanes, 2)))
             reads = builder.sub(builder.add(rest, rest), ir.Constant(i64, 1))  # src elements up to the last read
-            sp = builder.gep(sptr, [builder.add(u0, u0)])
-            lo = builder.call(
-                load, [builder.bitcast(sp, vec.as_pointer()), align, emit_lanes_below(builder, reads, lanes), zero]
-            )
-            hp = builder.gep(sp, [ir.Constant(i64, lanes)])
-            high = emit_lanes_below(builder, builder.sub(reads, ir.Constant(i64, lanes)), lanes)
-            hi = builder.call(load, [builder.bitcast(hp, vec.as_pointer()), align, high, zero])
+            sp = builder.gep(v.src, [builder.add(u0, u0)])
+            low = emit_lanes_below(builder, reads, v.lanes)
+            lo = builder.call(v.load, [builder.bitcast(sp, v.vec.as_pointer()), v.align, low, v.zero])
+            hp = builder.gep(sp, [ir.Constant(i64, v.lanes)])
+            high = emit_lanes_below(builder, builder.sub(reads, ir.Constant(i64, v.lanes)), v.lanes)
+            hi = builder.call(v.load, [builder.bitcast(hp, v.vec.as_pointer()), v.align, high, v.zero])
             picked = builder.shuffle_vector(lo, hi, evens)
-            dp = builder.bitcast(builder.gep(dptr, [u0]), vec.as_pointer())
-            builder.call(store, [picked, dp, align, emit_lanes_below(builder, rest, lanes)])
-        return context.get_dummy_value()
+            dp = builder.bitcast(builder.gep(v.dst, [u0]), v.vec.as_pointer())
+            builder.call(v.store, [picked, dp, v.align, emit_lanes_below(builder, rest, v.lanes)])
+
+        return _by_lines(context, builder, signature, args, step)
 
     return sig, codegen
 
@@ -242,58 +273,28 @@ def _copy_where_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: 
     one dtype and a boolean ``keep``, 64 bytes of ``dst`` a step (masked loads and stores: no scalar tail, no alias
     check). ``src`` is read only where ``keep`` holds, so a run may start or end next to memory it must not touch
     (an unfolded row of a 7-wide map is one step, where numba's loop ran its vector body once and then scalar)."""
-    if not (
-        isinstance(dst, types.Array)
-        and isinstance(src, types.Array)
-        and isinstance(keep, types.Array)
-        and dst.ndim == src.ndim == keep.ndim == 1
-        and dst.dtype == src.dtype
-        and dst.dtype in (types.float32, types.float64)
-        and keep.dtype == types.boolean
-    ):
+    if not (_float_rows(dst, src) and isinstance(keep, types.Array) and keep.ndim == 1 and keep.dtype == types.boolean):
         return None
     sig = types.void(dst, d0, src, s0, n, keep, k0)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        item = as_dtype(signature.args[0].dtype).itemsize
-        lanes = 64 // item
-        fty = context.get_value_type(signature.args[0].dtype)
-        vec = ir.VectorType(fty, lanes)
-        load, store = masked_memory(builder, vec)
-        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-        bytes_ = ir.VectorType(i8, lanes)
-        align = ir.Constant(i32, item)
-        zero = ir.Constant(vec, [0.0] * lanes)
-
-        def base(k: int) -> Any:
-            arr = context.make_array(signature.args[k])(context, builder, args[k])
-            index = context.cast(builder, args[k + 1], signature.args[k + 1], types.int64)
-            return builder.gep(arr.data, [index])
-
-        dptr, sptr = base(0), base(2)
+        i8, i32 = ir.IntType(8), ir.IntType(32)
         keep = context.make_array(signature.args[5])(context, builder, args[5])
-        kptr = builder.gep(
-            builder.bitcast(keep.data, i8.as_pointer()),
-            [context.cast(builder, args[6], signature.args[6], types.int64)],
-        )
-        count = context.cast(builder, args[4], signature.args[4], types.int64)
-        steps = builder.udiv(builder.add(count, ir.Constant(i64, lanes - 1)), ir.Constant(i64, lanes))
-        with cgutils.for_range(builder, steps) as loop:
-            u0 = builder.mul(loop.index, ir.Constant(i64, lanes))
-            inside = emit_lanes_below(builder, builder.sub(count, u0), lanes)
-            flags = builder.call(
-                _masked_bytes_load(builder, lanes),
-                [
-                    builder.bitcast(builder.gep(kptr, [u0]), bytes_.as_pointer()),
-                    ir.Constant(i32, 1),
-                    inside,
-                    ir.Constant(bytes_, [0] * lanes),
-                ],
-            )
-            kept = builder.and_(inside, builder.icmp_unsigned("!=", flags, ir.Constant(bytes_, [0] * lanes)))
-            v = builder.call(load, [builder.bitcast(builder.gep(sptr, [u0]), vec.as_pointer()), align, kept, zero])
-            builder.call(store, [v, builder.bitcast(builder.gep(dptr, [u0]), vec.as_pointer()), align, inside])
-        return context.get_dummy_value()
+        first = context.cast(builder, args[6], signature.args[6], types.int64)
+        kptr = builder.gep(builder.bitcast(keep.data, i8.as_pointer()), [first])
+
+        def step(v: _Lines, u0: Any, rest: Any) -> None:
+            flags_t = ir.VectorType(i8, v.lanes)
+            none = ir.Constant(flags_t, [0] * v.lanes)
+            inside = emit_lanes_below(builder, rest, v.lanes)
+            fp = builder.bitcast(builder.gep(kptr, [u0]), flags_t.as_pointer())
+            flags = builder.call(_masked_bytes_load(builder, v.lanes), [fp, ir.Constant(i32, 1), inside, none])
+            kept = builder.and_(inside, builder.icmp_unsigned("!=", flags, none))
+            sp = builder.bitcast(builder.gep(v.src, [u0]), v.vec.as_pointer())
+            x = builder.call(v.load, [sp, v.align, kept, v.zero])
+            builder.call(v.store, [x, builder.bitcast(builder.gep(v.dst, [u0]), v.vec.as_pointer()), v.align, inside])
+
+        return _by_lines(context, builder, signature, args, step)
 
     return sig, codegen
 
