@@ -312,3 +312,33 @@ def test_a_guarded_workspace_starts_after_its_leading_guard_even_when_empty(size
         assert inner.data.ctypes.data == outer.data.ctypes.data + GUARD and inner.data.size == size
     finally:
         outer.free()
+
+
+@pytest.mark.parametrize(
+    "view",
+    [
+        lambda a: a.T,  # transposed
+        lambda a: a[:, ::2],  # strided
+        lambda a: a[::-1, ::-3],  # reversed, both dims
+        lambda a: a[1:, 2:5],  # a window: dense rows, the whole not
+    ],
+)
+def test_run_checked_keeps_a_numpy_inputs_layout(view: Callable[[Any], Any]) -> None:
+    """run_checked puts a numpy view on the device with the view's own strides (a test of a transposed input
+    tests a transposed input, not a dense copy of it), the values exact; broadcast (zero-stride) views are
+    copied dense."""
+    from twophase.testing.checked import with_strides
+
+    dev = tp.device("cpu")
+    a = view(np.arange(60, dtype=np.float32).reshape(6, 10))
+    t = with_strides(dev, a, dev.default_stream)
+    t.synchronize()
+    assert t.desc.strides == tuple(s // 4 for s in a.strides)
+    np.testing.assert_array_equal(t.numpy(), a)
+    r = run_checked(tp.ops.exp, a)
+    np.testing.assert_allclose(r.outputs[0], np.exp(a.astype(np.float64)), rtol=1e-6)
+    t.free()
+    b = with_strides(dev, np.broadcast_to(np.arange(3, dtype=np.float32), (4, 3)), dev.default_stream)
+    b.synchronize()
+    assert b.desc.strides == (3, 1)
+    b.free()

@@ -134,8 +134,27 @@ def changed_inputs(
     )
 
 
+def with_strides(dev: Device, a: Any, stream: Stream) -> Tensor:
+    """A device copy of the host array ``a`` in ``a``'s own layout: a buffer spanning its elements, with the
+    same strides (negative ones included) and the gaps between them zero; a dense copy where the layout cannot be
+    kept (a zero stride, an empty array, strides that are not whole elements). A test that hands ``run_checked``
+    a transposed or strided numpy view then tests that layout, not a dense copy of it."""
+    a = np.asarray(a)
+    item = a.itemsize
+    dense = a.flags.c_contiguous or a.size == 0 or any(st == 0 or st % item for st in a.strides)
+    if dense:
+        return dev.tensor(a, stream=stream)
+    first = sum(st * (n - 1) for st, n in zip(a.strides, a.shape, strict=True) if st < 0) // item
+    span = 1 + sum(abs(st) * (n - 1) for st, n in zip(a.strides, a.shape, strict=True)) // item
+    buf = np.zeros(span, a.dtype)
+    offset = -first
+    np.lib.stride_tricks.as_strided(buf[offset:], a.shape, a.strides)[...] = a
+    return dev.tensor(buf, stream=stream).strided(a.shape, tuple(st // item for st in a.strides), offset)
+
+
 def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = None, **attrs: Any) -> CheckedRun:
-    """Phase 1 on the given inputs (numpy arrays are copied to the device, Tensors used as they are),
+    """Phase 1 on the given inputs (numpy arrays are copied to the device in their own layout: ``with_strides``;
+    Tensors used as they are),
     poisoned outputs, a guarded workspace, phase 2, synchronize, then report what was written.
 
     Float outputs are poisoned with NaN: ``unwritten`` counts NaNs left, so compare it with the NaNs the
@@ -156,7 +175,7 @@ def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = N
         tensors: list[Any] = []
         for x in inputs:
             if x is not None and not isinstance(x, Tensor):
-                x = dev.tensor(np.asarray(x), stream=stream)
+                x = with_strides(dev, x, stream)
                 owned.append(x)
             tensors.append(x)
         stream.synchronize()
