@@ -83,11 +83,11 @@ class ConvTiling:
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel);
     ``phases``: a stride-2 unfold reads the input split into its row and column phases, in an area per part.
-    im2col: ``parts`` k ranges of the unfold on helper threads; with ``phases``, each one's phase area from
-    ``phase_offset`` on.
-    im2col: ``micro`` pairs (GEMM width in pixels, the float32 microkernel's parts: blocks of the result) for the
-    tile widths it runs, where it runs, else () (BLAS for every tile). winograd, winograd4: ``micro`` pairs
-    (round width in tiles, the block each of its 16 or 36 GEMMs computes on the microkernel, or () for BLAS);
+    im2col: ``parts`` k ranges of the unfold on helper threads (with ``phases``, each one's phase area from
+    ``phase_offset`` on); ``micro`` pairs (GEMM width in pixels, the float32 microkernel's parts: blocks of the
+    result) for the tile widths it runs, where it runs, else () (BLAS for every tile). winograd, winograd4:
+    ``micro`` pairs (round width in tiles, the block each of its 16 or 36 GEMMs computes on the microkernel, or ()
+    for BLAS);
     ``own_weights`` (``constant_weight``): the transformed weights live in memory the binding owns, made by its
     first launch, instead of the workspace, made by every launch."""
 
