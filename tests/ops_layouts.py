@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from twophase import device
 from twophase.tensor import Tensor
+from twophase.testing.checked import view_of
 
 LAYOUTS = ("dense", "strided", "transposed", "reversed", "padded")
 
@@ -34,11 +35,9 @@ def on_device(a: np.ndarray[Any, Any], layout: str = "dense") -> Tensor:
         base = np.zeros(a.shape, a.dtype)
         view = base[::-1]
     view[...] = a
-    item = a.dtype.itemsize
     t = dev.tensor(base)
     t.synchronize()
-    offset = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item
-    return t.strided(view.shape, tuple(s // item for s in view.strides), offset)
+    return view_of(t, base, view)
 
 
 def shapes(min_dims: int = 0, max_dims: int = 4, max_side: int = 7) -> st.SearchStrategy[tuple[int, ...]]:

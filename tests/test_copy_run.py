@@ -59,13 +59,14 @@ def _check_run(dst: Any, d0: int, run: Any, bits: Any) -> None:
     np.testing.assert_array_equal(dst.view(bits), expected.view(bits))
 
 
-@settings(max_examples=60, deadline=None)
-@given(
-    dtype=st.sampled_from([np.float32, np.float64]),
-    d0=st.integers(0, 20),
-    s0=st.integers(0, 20),
-    n=st.integers(0, 70),
+# a run's arguments: every length around the 64-byte step (16 float32, 8 float64), at any element offsets
+_RUNS = dict(
+    dtype=st.sampled_from([np.float32, np.float64]), d0=st.integers(0, 20), s0=st.integers(0, 20), n=st.integers(0, 70)
 )
+
+
+@settings(max_examples=60, deadline=None)
+@given(**_RUNS)
 def test_copy_even_copies_every_other_element_exactly(dtype: Any, d0: int, s0: int, n: int) -> None:
     """Every length around the 64-byte step (16 float32, 8 float64), bit for bit (NaN payloads included), and
     nothing written before or after the run."""
@@ -81,13 +82,7 @@ def _where(dst: Any, d0: int, src: Any, s0: int, n: int, keep: Any, k0: int) -> 
 
 
 @settings(max_examples=60, deadline=None)
-@given(
-    dtype=st.sampled_from([np.float32, np.float64]),
-    d0=st.integers(0, 20),
-    s0=st.integers(0, 20),
-    k0=st.integers(0, 5),
-    n=st.integers(0, 70),
-)
+@given(**_RUNS, k0=st.integers(0, 5))
 def test_copy_where_copies_the_kept_elements_and_zeroes_the_rest(dtype: Any, d0: int, s0: int, k0: int, n: int) -> None:
     """Every length around the 64-byte step, bit for bit where kept (NaN payloads included), +0.0 where not,
     nothing written before or after the run."""

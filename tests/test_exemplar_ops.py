@@ -15,6 +15,7 @@ from twophase import TensorDesc, ops
 from twophase.kernels.cpu.reduce import build_tree
 from twophase.ops.reduce import plan_tree, source_view
 from twophase.testing import run_checked
+from twophase.testing.checked import view_of
 
 FIXTURES = dict(deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 TOL = {"float16": (2e-3, 2e-3), "float32": (2e-6, 1e-6), "float64": (1e-12, 1e-12)}
@@ -83,10 +84,7 @@ def on_device(dev, stream, a: np.ndarray, layout: str):
         base = np.zeros(a.shape[::-1], a.dtype)
         view = base.T
     view[...] = a
-    item = a.dtype.itemsize
-    t = dev.tensor(base, stream=stream)
-    offset = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item
-    return t.strided(a.shape, [s // item for s in view.strides], offset)
+    return view_of(dev.tensor(base, stream=stream), base, view)
 
 
 def random_array(rng, shape, dtype):

@@ -147,9 +147,17 @@ def with_strides(dev: Device, a: Any, stream: Stream) -> Tensor:
     first = sum(st * (n - 1) for st, n in zip(a.strides, a.shape, strict=True) if st < 0) // item
     span = 1 + sum(abs(st) * (n - 1) for st, n in zip(a.strides, a.shape, strict=True)) // item
     buf = np.zeros(span, a.dtype)
-    offset = -first
-    np.lib.stride_tricks.as_strided(buf[offset:], a.shape, a.strides)[...] = a
-    return dev.tensor(buf, stream=stream).strided(a.shape, tuple(st // item for st in a.strides), offset)
+    view = np.lib.stride_tricks.as_strided(buf[-first:], a.shape, a.strides)
+    view[...] = a
+    return view_of(dev.tensor(buf, stream=stream), buf, view)
+
+
+def view_of(t: Tensor, base: Any, view: Any) -> Tensor:
+    """The tensor of ``t`` (a device copy of the host array ``base``) that ``view``, a numpy view into ``base``,
+    is: its shape, its strides and its offset in elements."""
+    item = base.itemsize
+    offset = (view.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // item
+    return t.strided(view.shape, tuple(st // item for st in view.strides), offset)
 
 
 def run_checked(op: Op, *inputs: Any, stream: Stream | None = None, out: Any = None, **attrs: Any) -> CheckedRun:

@@ -672,7 +672,8 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     ranges = split_range(kc, t.parts)
     k_im2col = _unfold_kernel(t, x)
     if t.phases:  # each range through its own phase area (``conv_phases``)
-        area = conv_phases.images_area_floats(t, t.tile_rows, tn)
+        area = conv_phases.images_area_floats(t, t.tile_rows, tn) * item
+        areas = [(t.phase_offset + i * area, t.phase_offset + (i + 1) * area) for i in range(len(ranges))]
         masks = conv_phases.masks(t, t.tile_rows)
         sample = np.empty((2, 2), dt)
         k_im2col = entry(conv_phases.unfold_images, x, 0, 1, 0, 0, 1, _geo(t), sample[0], masks, sample, 0, 0)
@@ -681,12 +682,10 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         if t.phases:
             rows = min(t.tile_rows, t.oh - oh0)
             nn = cols.shape[1] // (rows * ow)
-            at = [t.phase_offset + i * area * item for i in range(len(ranges))]
-            areas = [ws[a : a + area * item].view(dt) for a in at]
             run_parts(
                 [
-                    functools.partial(k_im2col, x, n0, nn, c0, oh0, rows, geo, buf, masks, cols, lo, hi)
-                    for (lo, hi), buf in zip(ranges, areas)
+                    functools.partial(k_im2col, x, n0, nn, c0, oh0, rows, geo, ws[a:b].view(dt), masks, cols, lo, hi)
+                    for (lo, hi), (a, b) in zip(ranges, areas)
                 ]
             )
             return

@@ -86,10 +86,11 @@ def emit_lanes_below(builder: Any, n: Any, lanes: int) -> Any:
 
 
 def masked_memory(builder: Any, vec: Any) -> tuple[Any, Any]:
-    """The ``llvm.masked.load`` / ``llvm.masked.store`` declarations for float / double vectors of type ``vec``; called
-    as load(ptr, align, mask, passthru) and store(value, ptr, align, mask)."""
+    """The ``llvm.masked.load`` / ``llvm.masked.store`` declarations for vectors of type ``vec`` (float, double or
+    integer lanes); called as load(ptr, align, mask, passthru) and store(value, ptr, align, mask)."""
     n = vec.count
-    elem = "f64" if isinstance(vec.element, ir.DoubleType) else "f32"
+    el = vec.element
+    elem = f"i{el.width}" if isinstance(el, ir.IntType) else "f64" if isinstance(el, ir.DoubleType) else "f32"
     types_ = f"v{n}{elem}.p0" + (f"v{n}{elem}" if TYPED_POINTERS else "")
     vptr, i32 = vec.as_pointer(), ir.IntType(32)
     mask = ir.VectorType(ir.IntType(1), n)
@@ -288,7 +289,7 @@ def _copy_where_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: 
             none = ir.Constant(flags_t, [0] * v.lanes)
             inside = emit_lanes_below(builder, rest, v.lanes)
             fp = builder.bitcast(builder.gep(kptr, [u0]), flags_t.as_pointer())
-            flags = builder.call(_masked_bytes_load(builder, v.lanes), [fp, ir.Constant(i32, 1), inside, none])
+            flags = builder.call(masked_memory(builder, flags_t)[0], [fp, ir.Constant(i32, 1), inside, none])
             kept = builder.and_(inside, builder.icmp_unsigned("!=", flags, none))
             sp = builder.bitcast(builder.gep(v.src, [u0]), v.vec.as_pointer())
             x = builder.call(v.load, [sp, v.align, kept, v.zero])
@@ -297,16 +298,6 @@ def _copy_where_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: 
         return _by_lines(context, builder, signature, args, step)
 
     return sig, codegen
-
-
-def _masked_bytes_load(builder: Any, lanes: int) -> Any:
-    """The ``llvm.masked.load`` declaration for ``lanes`` bytes (a boolean array's flags)."""
-    vec = ir.VectorType(ir.IntType(8), lanes)
-    name = f"llvm.masked.load.v{lanes}i8.p0" + (f"v{lanes}i8" if TYPED_POINTERS else "")
-    mask = ir.VectorType(ir.IntType(1), lanes)
-    return cgutils.get_or_insert_function(  # type: ignore[no-untyped-call]
-        builder.module, ir.FunctionType(vec, [vec.as_pointer(), ir.IntType(32), mask, vec]), name
-    )
 
 
 copy_where: Any = intrinsic(_copy_where_typing)
