@@ -15,7 +15,7 @@ from twophase import ops
 from twophase.layout import as_rows, rows_split
 from twophase.testing import run_checked
 
-SHAPES = [(33, 129), (3, 11, 70)]
+SHAPES = [(33, 129), (3, 11, 70), (97, 13)]  # rows of 13: staged in batches of whole rows (elementwise.SHORT_ROW)
 LONG = (3, 40000)  # softmax splits rows this long into blocks (ops.normalization.LONG_ROW)
 ROW_OPS: dict[str, tuple[Any, dict[str, Any]]] = {
     "softmax": (ops.softmax, {"dim": -1}),

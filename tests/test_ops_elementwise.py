@@ -20,7 +20,7 @@ from twophase import DType, TensorDesc, device, functions, ops
 from twophase.errors import KernelError, ParamError
 from twophase.kernels.cpu import elementwise as elementwise_kernels
 from twophase.kernels.cpu import streaming
-from twophase.kernels.cpu.elementwise import IN_PLACE, KERNELS, STAGE, _rows_call, function_for
+from twophase.kernels.cpu.elementwise import IN_PLACE, KERNELS, SHORT_ROW, STAGE, _rows_call, function_for
 from twophase.kernels.cpu.jit import FAST
 from twophase.ops import elementwise as elementwise_ops
 from twophase.ops.elementwise import BINARY, COMPARE, UNARY, unary_reference, weak_scalar
@@ -139,6 +139,18 @@ def test_in_place_kernel_on_strided_rows_touches_only_its_elements() -> None:
     IN_PLACE["silu_f32"][False](base[:, ::2])
     np.testing.assert_array_equal(base[:, 1::2], want[:, 1::2])
     np.testing.assert_allclose(base[:, ::2], want[:, ::2], rtol=2e-6, atol=1e-30)
+
+
+@pytest.mark.parametrize("width", [1, 13, SHORT_ROW - 1])
+def test_in_place_kernel_on_short_dense_rows_touches_only_its_elements(width: int) -> None:
+    """Dense rows shorter than SHORT_ROW, of a wider array, are staged a batch of whole rows at a time (97 rows:
+    full batches and a partial last one): every element of the view computed in place, none between the rows."""
+    base = random((97, width + 7), np.float32, np.random.default_rng(width))
+    want = base.copy()
+    want[:, :width] = ops.silu.spec.reference(base[:, :width].astype(np.float64))
+    IN_PLACE["silu_f32"][True](base[:, :width])
+    np.testing.assert_array_equal(base[:, width:], want[:, width:])
+    np.testing.assert_allclose(base[:, :width], want[:, :width], rtol=2e-6, atol=1e-30)
 
 
 def test_long_vector_runs_parallel_blocks_and_stays_exact() -> None:

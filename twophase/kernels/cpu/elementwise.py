@@ -20,7 +20,7 @@ from numba.extending import overload
 from ...layout import align, as_matrix, same_view
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
-from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
+from .jit import FAST, by_density, entry, jit_inline, row_of, rows_dense, wide_vectors
 from .streaming import LINE_BYTES, aligned_head, flat_launch, put_streaming, sfence, takes
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
@@ -73,6 +73,9 @@ def fanout_elements(fn: str) -> int:
     return max(2, int(FANOUT_NS / COST_NS[fn]))
 
 
+HALVES_MIN = 1 << 16  # elements from which ``span_loops``' spans run as two halves (its docstring)
+
+
 def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], ...]:
     """``(span, span_in_place, span_staged, span_streaming)`` for kernels: ``span(code, x, out)`` runs ``out[i] =
     functions[code](x[i])`` over 1-D spans, ``span_in_place(code, x)`` runs ``x[i] = functions[code](x[i])`` (a loop
@@ -88,10 +91,14 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], ...]:
     branches were pruned, ~8 s a kernel against ~1). The loops are functions of their own, not inlined: inlined into
     a row loop, AVX2 code reloaded the polynomial constants on every iteration (110 instructions against 61).
 
-    Each iteration computes one element from each half of the span: two independent memory streams keep more lines
-    in flight while the arithmetic runs (Intel Xeon, 16 M float32 elements out of cache, one thread: gelu 15.7
-    against 17.2 ms, silu 12.0 against 13.8; two threads, through the op, gelu / torch 0.84-1.02 against 0.87-0.96,
-    /tmp/w28/gq.py, opab.py). The same in cache; four streams were no better than two."""
+    A span of at least ``HALVES_MIN`` elements computes one element from each of its halves per iteration: two
+    independent memory streams keep more lines in flight while the arithmetic runs (Intel Xeon, 16 M float32
+    elements out of cache, one thread: gelu 15.7 against 17.2 ms, silu 12.0 against 13.8; two threads, through the
+    op, gelu / torch 0.84-1.02 against 0.87-0.96, /tmp/w28/gq.py, opab.py; the same in cache; four streams were no
+    better than two). A shorter span (a row) runs as one stream: halves a few KiB apart, row after row, ran gelu
+    1.3-1.8x slower on a Zen 5 EPYC wherever the rows came from L3 or memory (rows of 256 to 4096 float32 elements,
+    4 M and 16 M in all, one and two threads; equal in L2 and on spans of 2^16 elements and more,
+    /tmp/w42/gelu_var2.py of the forty-second session)."""
 
     def span(code: int, x: Any, out: Any) -> None:
         for i in range(x.shape[0]):
@@ -118,6 +125,10 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], ...]:
         def impl(code: Any, x: Any, out: Any) -> None:  # the stub's signature, annotations included (numba checks)
             wide_vectors()
             n = x.shape[0]
+            if n < HALVES_MIN:
+                for i in range(n):
+                    out[i] = f(x[i])
+                return
             h = n // 2
             for i in range(h):
                 out[i] = f(x[i])
@@ -136,6 +147,10 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], ...]:
         def impl(code: Any, x: Any) -> None:
             wide_vectors()
             n = x.shape[0]
+            if n < HALVES_MIN:
+                for i in range(n):
+                    x[i] = f(x[i])
+                return
             h = n // 2
             for i in range(h):
                 x[i] = f(x[i])
@@ -194,13 +209,38 @@ def span_loops(functions: tuple[Any, ...]) -> tuple[Callable[..., None], ...]:
 
 _span, _span_in_place, _span_staged, _span_streaming = span_loops(tuple(getattr(vm, name) for name in FUNCS))
 STAGE = 512  # elements of a strided row staged at a time (two 2 KiB float32 chunks stay in L1)
+# dense rows shorter than this are staged a batch at a time, as one span: a loop of a few elements a row runs
+# scalar. Crops of 28672 rows (8 x 64 images) viewed in wider ones, gelu, two threads: rows of 14 ran 2.4x faster
+# staged, of 28 1.3x; of 56 1.04x, of 112 and 256 slower (0.81x, 0.68x: the copies cost more than they save),
+# /tmp/w42/short.py of the forty-second session
+SHORT_ROW = 32
+
+
+@jit_inline
+def _short_rows(code: int, x: Any, out: Any) -> None:
+    """``out[k] = f(x[k])`` over dense rows shorter than ``SHORT_ROW`` (``out`` may be ``x``): as many whole rows
+    as ``STAGE`` elements hold are copied into one dense buffer, computed there as one span, and copied out."""
+    k_all, n = x.shape
+    per = max(1, STAGE // max(n, 1))
+    buf = np.empty(per * n, out.dtype)
+    for k0 in range(0, k_all, per):
+        m = min(per, k_all - k0)
+        for r in range(m):
+            xr = row_of(x, k0 + r, True)
+            for j in range(n):
+                buf[r * n + j] = xr[j]
+        _span_in_place(code, buf[: m * n])
+        for r in range(m):
+            orow = row_of(out, k0 + r, True)
+            for j in range(n):
+                orow[j] = buf[r * n + j]
 
 
 def _rows(code: int) -> dict[bool, Any]:
     """Rows kernels (``jit.by_density``) of function ``code``: ``out[k] = f(x[k])`` row by row, dense rows taken
-    through ``jit.row_of`` so the loop vectorizes. Only constants are closed over: numba keys a cached kernel on its
-    closure's pickle, and a captured kernel pickles with a per-process id, so its caller would never load from the
-    cache."""
+    through ``jit.row_of`` so the loop vectorizes (short ones staged in batches, ``_short_rows``). Only constants
+    are closed over: numba keys a cached kernel on its closure's pickle, and a captured kernel pickles with a
+    per-process id, so its caller would never load from the cache."""
 
     def make(dense: bool) -> Any:
         @kern
@@ -209,6 +249,9 @@ def _rows(code: int) -> dict[bool, Any]:
                 buf = np.empty(max(1, min(STAGE, x.shape[1])), out.dtype)  # step 0 would not end
                 for k in range(x.shape[0]):
                     _span_staged(code, x[k], out[k], buf)
+                return
+            if x.shape[1] < SHORT_ROW:
+                _short_rows(code, x, out)
                 return
             for k in range(x.shape[0]):
                 _span(code, row_of(x, k, dense), row_of(out, k, dense))
@@ -222,7 +265,7 @@ KERNELS: dict[str, dict[bool, Any]] = {name: _rows(CODES[name]) for name in FUNC
 
 
 def _in_place(code: int) -> dict[bool, Any]:
-    """In-place rows kernels (by density) of function ``code`` (``_span_in_place``)."""
+    """In-place rows kernels (by density) of function ``code`` (``_span_in_place``; short rows ``_short_rows``)."""
 
     def make(dense: bool) -> Any:
         @kern
@@ -231,6 +274,9 @@ def _in_place(code: int) -> dict[bool, Any]:
                 buf = np.empty(max(1, min(STAGE, x.shape[1])), x.dtype)
                 for k in range(x.shape[0]):
                     _span_staged(code, x[k], x[k], buf)
+                return
+            if x.shape[1] < SHORT_ROW:
+                _short_rows(code, x, x)
                 return
             for k in range(x.shape[0]):
                 _span_in_place(code, row_of(x, k, dense))
