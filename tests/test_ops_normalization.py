@@ -23,7 +23,7 @@ from twophase.errors import ParamError
 from twophase.kernels.cpu import norm as norm_kernels
 from twophase.kernels.cpu import streaming
 from twophase.kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
-from twophase.ops.normalization import SoftmaxTiling
+from twophase.ops.normalization import STREAM_MIN_ROW_BYTES, SoftmaxTiling
 from twophase.ops.selection import forced
 from twophase.runtime.fanout import fanout_parts
 from twophase.testing import run_checked
@@ -197,6 +197,19 @@ def test_softmax_workspace_grows_with_the_row_length() -> None:
 
 
 # ---------------------------------------------------------------- layer_norm / rms_norm
+TERMS = ("none", "weight", "bias", "both")  # the affine terms given (each a kernel variant that reads only those)
+
+
+def affine_args(terms: str, n: int, dtype: Any, rng: Any, rms: bool) -> list[Any]:
+    """(weight, bias) positional arguments for ``terms``, None for an absent one; RMS norm takes a weight only
+    ("bias" then gives none, "both" the weight)."""
+    w = random((n,), dtype, rng) if terms in ("weight", "both") else None
+    b = random((n,), dtype, rng) if terms in ("bias", "both") else None
+    if rms:
+        return [] if w is None else [w]
+    return [] if w is None and b is None else [w, b]
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     rows=st.lists(st.integers(1, 5), min_size=0, max_size=2),
@@ -204,21 +217,39 @@ def test_softmax_workspace_grows_with_the_row_length() -> None:
     layout=st.sampled_from(LAYOUTS),
     dtype=st.sampled_from(DTYPES),
     rms=st.booleans(),
-    affine=st.booleans(),
+    terms=st.sampled_from(TERMS),
 )
 def test_layer_and_rms_norm_match_reference(
-    rows: list[int], n: int, layout: str, dtype: Any, rms: bool, affine: bool
+    rows: list[int], n: int, layout: str, dtype: Any, rms: bool, terms: str
 ) -> None:
     rng = np.random.default_rng(n)
     x = random(tuple(rows) + (n,), dtype, rng) + 1.5
-    w, b = random((n,), dtype, rng), random((n,), dtype, rng)
     op = ops.rms_norm if rms else ops.layer_norm
-    args = ([w] if rms else [w, b]) if affine else []
+    args = affine_args(terms, n, dtype, rng, rms)
     r = run_checked(op, on_device(x, layout if x.ndim > 1 else "dense"), *args, normalized_shape=(n,))
     ref = op.spec.reference(x, *args, normalized_shape=(n,))
     assert r.guards_intact and r.unwritten == (0, 0, 0) and r.touched <= r.workspace_size
     for got, want in zip(r.outputs, ref):
         np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
+
+
+@pytest.mark.parametrize("impl", ["rows", "rows_streaming"])
+@pytest.mark.parametrize("terms", TERMS)
+@pytest.mark.parametrize("rms", [False, True])
+def test_each_affine_term_is_applied_by_its_kernel_variant(terms: str, impl: str, rms: bool) -> None:
+    """Every combination of weight and bias (each its own kernel variant, which reads only the terms given), on
+    both row kernels: rows of 67 (a scalar head and tail around the streaming vectors) against the reference."""
+    if impl == "rows_streaming" and not streaming.AVAILABLE:
+        pytest.skip("streaming stores are x86 only")
+    rng = np.random.default_rng(5)
+    x = random((6, 67), np.float32, rng) + 1.5
+    op = ops.rms_norm if rms else ops.layer_norm
+    args = affine_args(terms, 67, np.float32, rng, rms)
+    with forced(impl):
+        r = run_checked(op, on_device(x), *args, normalized_shape=(67,))
+    assert r.implementation == impl and r.unwritten == (0, 0, 0)
+    want = op.spec.reference(x, *args, normalized_shape=(67,))[0]
+    np.testing.assert_allclose(r.outputs[0].astype(np.float64), want, rtol=TOL[np.float32], atol=TOL[np.float32] * 4)
 
 
 @pytest.mark.parametrize("mean", [1e6, 1e7])
@@ -476,11 +507,11 @@ def test_norm_statistics_outputs_whose_dims_do_not_merge_are_refused_in_phase_1(
     offsets=st.tuples(st.integers(0, 9), st.integers(0, 9)),
     dtype=st.sampled_from([np.float32, np.float64]),
     rms=st.booleans(),
-    affine=st.booleans(),
+    terms=st.sampled_from(TERMS),
     parts=st.integers(1, 3),
 )
 def test_streaming_norm_rows_match_the_reference_at_any_alignment(
-    rows: int, n: int, offsets: tuple[int, int], dtype: Any, rms: bool, affine: bool, parts: int
+    rows: int, n: int, offsets: tuple[int, int], dtype: Any, rms: bool, terms: str, parts: int
 ) -> None:
     """Rows of any length starting at any element offset (each row's scalar head runs up to its first 32-byte
     boundary): every output element is written (a signalling-NaN poison is gone), nothing around the output is, the
@@ -488,18 +519,17 @@ def test_streaming_norm_rows_match_the_reference_at_any_alignment(
     dev = device("cpu")
     rng = np.random.default_rng(n * 100 + rows)
     x = random((rows, n), dtype, rng) + 1.5
-    w, b = random((n,), dtype, rng), random((n,), dtype, rng)
     op = ops.rms_norm if rms else ops.layer_norm
-    params = ([w] if rms else [w, b]) if affine else []
+    params = affine_args(terms, n, dtype, rng, rms)
     bx = np.zeros(rows * n + 9, dtype)
     bx[offsets[0] : offsets[0] + rows * n] = x.reshape(-1)
     poison = np.full(rows * n, POISON_BITS[dtype]).view(dtype)
     bout = np.full(rows * n + 9, 7.0, dtype)
     bout[offsets[1] : offsets[1] + rows * n] = poison
     (_, tx), (whole, tout) = (dense_at(a, (rows, n), o) for a, o in zip((bx, bout), offsets))
-    tp = [dev.tensor(p) for p in params]
+    tp = [None if p is None else dev.tensor(p) for p in params]
     with forced("rows_streaming"), num_threads(parts), mock.patch.object(norm_kernels, "FANOUT_MIN", 1):
-        _, first = op.get_workspace_size(tx.desc, *(t.desc for t in tp), normalized_shape=(n,))
+        _, first = op.get_workspace_size(tx.desc, *(None if t is None else t.desc for t in tp), normalized_shape=(n,))
         first.destroy()
         stats = [dev.empty_like(d) for d in first.output_descs[1:]]
         size, ex = op.get_workspace_size(tx, *tp, out=(tout, *stats), normalized_shape=(n,))
@@ -512,7 +542,7 @@ def test_streaming_norm_rows_match_the_reference_at_any_alignment(
     want = op.spec.reference(x, *params, normalized_shape=(n,))[0]
     np.testing.assert_allclose(written.reshape(rows, n).astype(np.float64), want, rtol=TOL[dtype], atol=TOL[dtype] * 4)
     with forced("rows"):
-        plain = getattr(twophase, op.name)(dev.tensor(x), *(dev.tensor(p) for p in params), normalized_shape=(n,))[0]
+        plain = getattr(twophase, op.name)(dev.tensor(x), *tp, normalized_shape=(n,))[0]
     np.testing.assert_allclose(
         written.reshape(rows, n), plain.numpy(), rtol=4 * np.finfo(dtype).eps, atol=4 * np.finfo(dtype).eps
     )
@@ -520,7 +550,8 @@ def test_streaming_norm_rows_match_the_reference_at_any_alignment(
 
 def test_streaming_norms_are_ranked_first_only_for_outputs_as_large_as_the_last_level_cache() -> None:
     """Phase 1 on descs alone: from ``stream_threshold()`` on 'rows_streaming', below it 'rows'; never for float16
-    (packed), a strided weight, or rows that are not dense."""
+    (packed), a strided weight, rows that are not dense, or rows shorter than ``STREAM_MIN_ROW_BYTES`` (offered
+    there, second)."""
     llc = streaming.stream_threshold()
     n = 1024
     big, small = TensorDesc((llc // 4 // n, n), DType.float32), TensorDesc((llc // 4 // n - 1, n), DType.float32)
@@ -544,13 +575,24 @@ def test_streaming_norms_are_ranked_first_only_for_outputs_as_large_as_the_last_
             impl(*descs)
         assert err.value.arg == "implementation", case
     assert impl(TensorDesc((llc // 2 // n, n), DType.float16)) == "rows_packed"
+    short = STREAM_MIN_ROW_BYTES // 4 - 1
+    long_short_rows = TensorDesc((llc // 4 // short + 1, short), DType.float32)
+    for op in (ops.layer_norm, ops.rms_norm):
+        _, ex = op.get_workspace_size(long_short_rows, normalized_shape=(short,))
+        ex.destroy()
+        assert ex.implementation == "rows", op.name
+        if streaming.AVAILABLE:
+            with forced("rows_streaming"):
+                _, ex = op.get_workspace_size(long_short_rows, normalized_shape=(short,))
+            ex.destroy()
+            assert ex.implementation == "rows_streaming", op.name
 
 
 @pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
 def test_streaming_norm_kernel_stores_whole_vectors_past_the_cache() -> None:
     """The 'rows_streaming' kernel, recompiled uncached (cached code has no assembly), writes rows with aligned
     non-temporal vector stores, then an sfence."""
-    kernel = norm_kernels.LAYER_NORM_ROWS_STREAMING
+    kernel = norm_kernels.LAYER_NORM_ROWS_STREAMING[norm_kernels.AFFINE]
     fresh = numba.njit(nogil=True, error_model="numpy", fastmath=norm_kernels.FAST | {"reassoc"})(kernel.py_func)
     m = numba.types.Array(numba.float32, 2, "C")
     v = numba.types.Array(numba.float32, 1, "C")

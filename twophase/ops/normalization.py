@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import ParamError
 from ..kernels.cpu import streaming
 from ..kernels.cpu.jit import entry
-from ..kernels.cpu.norm import build_norm
+from ..kernels.cpu.norm import AFFINE, LAYER_NORM_ROWS, build_norm
 from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
 from ..layout import align, as_matrix, as_rows, merge_dims, rows_split
 from ..op import Attr, OpDef, Plan, register
@@ -274,11 +274,19 @@ def _norm_select(name: str) -> Callable[[Any, Any, dict[str, Any], int | None], 
     return select
 
 
+# row bytes from which layer / RMS norm's streaming rows rank first (on large outputs): shorter rows ran slower
+# streamed than plain on a Zen 5 EPYC, 16 M float32 elements, two threads, best of 21 interleaved rounds: rows of
+# 64 3.2-4.1 against 2.6 ms, of 256 3.9-4.2 against 2.6, of 512 equal (1.6-1.7), of 1024 1.33-1.42 against
+# 1.53-1.62, of 2048 1.25-1.53 against 1.54-2.18 (/tmp/w42/normab2.py of the forty-second session)
+STREAM_MIN_ROW_BYTES = 4096
+
+
 def _norm_plan(name: str, ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
     """'rows_packed' where the rows must be copied (float16, dims that do not merge); else 'rows', and
     'rows_streaming' (rows written with non-temporal stores, ``kernels/cpu/streaming.py``) where x, the output and
-    weight / bias are dense float32 / float64, ranked first from outputs of ``streaming.stream_threshold()`` bytes.
-    Tiling: (pack, x area bytes, weight vector bytes, streaming)."""
+    weight / bias are dense float32 / float64, ranked first from outputs of ``streaming.stream_threshold()`` bytes
+    whose rows hold at least ``STREAM_MIN_ROW_BYTES``. Tiling: (pack, x area bytes, weight vector bytes,
+    streaming)."""
     x = ins[0]
     nd = len(attrs["normalized_shape"])
     n = 1
@@ -292,9 +300,10 @@ def _norm_plan(name: str, ins: Any, outs: Any, attrs: dict[str, Any], limit: int
     rows = Candidate("rows", (False, *areas, False), 0)
     if not streaming.offered(x, *ins[1:], outs[0]):
         return choose(name, [rows], limit)
-    return choose(
-        name, streaming.ranked(Candidate("rows_streaming", (False, *areas, True), 0), rows, outs[0].nbytes), limit
-    )
+    stream = Candidate("rows_streaming", (False, *areas, True), 0)
+    if n * item < STREAM_MIN_ROW_BYTES:
+        return choose(name, [rows, stream], limit)
+    return choose(name, streaming.ranked(stream, rows, outs[0].nbytes), limit)
 
 
 def _norm_build(rms: bool) -> Any:
@@ -308,10 +317,9 @@ def _norm_build(rms: bool) -> Any:
         lead, trail = tuple(range(x.ndim - nd)), tuple(range(x.ndim - nd, x.ndim))
         mean1 = as_matrix(mean, tuple(range(mean.ndim)), ())[:, 0]  # type: ignore[index]
         rstd1 = as_matrix(rstd, tuple(range(rstd.ndim)), ())[:, 0]  # type: ignore[index]
-        ones, zeros = np.ones(n, compute), np.zeros(n, compute)  # constants for absent weight / bias, made at bind
         if not pack:
-            wv = ones if w is None else as_matrix(w, (), tuple(range(w.ndim)))[0]  # type: ignore[index]
-            bv = zeros if b is None else as_matrix(b, (), tuple(range(b.ndim)))[0]  # type: ignore[index]
+            wv = None if w is None else as_matrix(w, (), tuple(range(w.ndim)))[0]  # type: ignore[index]
+            bv = None if b is None else as_matrix(b, (), tuple(range(b.ndim)))[0]  # type: ignore[index]
             return build_norm(
                 as_matrix(x, lead, trail),
                 as_matrix(out, lead, trail),
@@ -325,14 +333,13 @@ def _norm_build(rms: bool) -> Any:
                 compute,
                 stream,
             )
-        inner = build_norm(x, out, ones, zeros, mean1, rstd1, attrs["eps"], rms, True, compute)
+        inner = build_norm(x, out, None, None, mean1, rstd1, attrs["eps"], rms, True, compute)
         if w is None and b is None:
             return inner
         k = x.size // max(n, 1)
         rows = np.empty((1, 1), compute)
-        from ..kernels.cpu.norm import LAYER_NORM_ROWS
-
-        fn = entry(LAYER_NORM_ROWS[True], rows, ones, zeros, attrs["eps"], rms, rows, mean1, rstd1)
+        ones, zeros = np.ones(n, compute), np.zeros(n, compute)  # constants for an absent weight or bias
+        fn = entry(LAYER_NORM_ROWS[AFFINE][True], rows, ones, zeros, attrs["eps"], rms, rows, mean1, rstd1)
 
         def launch(ws: Any) -> None:
             area = ws[: x.size * compute.itemsize].view(compute)

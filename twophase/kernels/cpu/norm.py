@@ -26,7 +26,11 @@ kern = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {
 FANOUT_MIN = 1 << 19  # elements from which the rows are cut into ranges for helper threads
 
 
-def _layer_norm_kernel(dense: bool, stream: bool = False) -> Any:
+WEIGHT, BIAS = 1, 2  # the affine terms a row's write applies (``terms``): ``* w``, ``+ b``
+AFFINE = WEIGHT | BIAS
+
+
+def _layer_norm_kernel(dense: bool, stream: bool = False, terms: int = AFFINE) -> Any:
     @kern
     def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mean: Any, rstd: Any) -> None:
         """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b
@@ -37,10 +41,12 @@ def _layer_norm_kernel(dense: bool, stream: bool = False) -> Any:
         RMS sums x^2 (nothing cancels). Rows typed dense when
         ``dense`` (``jit.by_density``), so the loops vectorize when the matrix itself is not (rows of a wider
         array). With ``stream`` (dense rows, unit-stride w and b) the rows are written with non-temporal stores
-        (``streaming.store_normalized``)."""
+        (``streaming.store_normalized``). ``terms`` (``WEIGHT`` | ``BIAS``, a closure constant): the affine terms
+        applied; an absent one is never read (a weight and a bias as long as a 2^18-element row are 2 MiB more to
+        read per row, through the cache the row needs)."""
         wide_vectors()
         for k in range(x.shape[0]):
-            mu, r = _norm_row(row_of(x, k, dense), w, b, eps, rms, row_of(out, k, dense), stream)
+            mu, r = _norm_row(row_of(x, k, dense), w, b, eps, rms, row_of(out, k, dense), stream, terms)
             mean[k] = mu
             rstd[k] = r
         if stream:
@@ -50,7 +56,7 @@ def _layer_norm_kernel(dense: bool, stream: bool = False) -> Any:
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {"reassoc"}, inline="always")
-def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: bool) -> tuple[float, float]:
+def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: bool, terms: int) -> tuple[float, float]:
     """One row of ``layer_norm_rows``: writes it (whole vectors with non-temporal stores when ``stream``, a
     constant at the call), returns (mean, rstd)."""
     n = x.shape[0]
@@ -73,22 +79,34 @@ def _norm_row(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, stream: b
         first = aligned_head(out, n, VECTOR_BYTES)
         last = first + (n - first) // lanes * lanes
         for i in range(first, last, lanes):
-            store_normalized(out, x, w, b, i, mu, r)
-    _write(x, w, b, mu, rr, out, 0, first)
-    _write(x, w, b, mu, rr, out, last, n)
+            store_normalized(out, x, w, b, i, mu, r, terms)
+    _write(x, w, b, mu, rr, out, 0, first, terms)
+    _write(x, w, b, mu, rr, out, last, n, terms)
     return mu, r
 
 
 @numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST | {"reassoc"}, inline="always")
-def _write(x: Any, w: Any, b: Any, mu: float, rr: Any, out: Any, lo: int, hi: int) -> None:
+def _write(x: Any, w: Any, b: Any, mu: float, rr: Any, out: Any, lo: int, hi: int, terms: int) -> None:
     """``out[lo:hi]`` of a normalized row: x - mean in float64 (exact for float32 x), rounded once (accurate when
-    rstd is large), times rstd and the weight, plus the bias."""
-    for i in range(lo, hi):
-        out[i] = x.dtype.type(np.float64(x[i]) - mu) * rr * w[i] + b[i]
+    rstd is large), times rstd, then times the weight and plus the bias where ``terms`` says (one loop each)."""
+    t = x.dtype.type
+    if terms == AFFINE:
+        for i in range(lo, hi):
+            out[i] = t(np.float64(x[i]) - mu) * rr * w[i] + b[i]
+    elif terms == WEIGHT:
+        for i in range(lo, hi):
+            out[i] = t(np.float64(x[i]) - mu) * rr * w[i]
+    elif terms == BIAS:
+        for i in range(lo, hi):
+            out[i] = t(np.float64(x[i]) - mu) * rr + b[i]
+    else:
+        for i in range(lo, hi):
+            out[i] = t(np.float64(x[i]) - mu) * rr
 
 
-LAYER_NORM_ROWS = by_density(_layer_norm_kernel)
-LAYER_NORM_ROWS_STREAMING = _layer_norm_kernel(True, stream=True)
+TERMS = range(AFFINE + 1)
+LAYER_NORM_ROWS = {terms: by_density(functools.partial(_layer_norm_kernel, terms=terms)) for terms in TERMS}
+LAYER_NORM_ROWS_STREAMING = {terms: _layer_norm_kernel(True, stream=True, terms=terms) for terms in TERMS}
 
 
 def build_norm(
@@ -106,8 +124,12 @@ def build_norm(
 ) -> Callable[[Any], None]:
     """Launch over (K, N) views, or through a dense ``compute`` copy of the rows in the workspace when ``pack``;
     ``stream``: rows written with non-temporal stores, where every row of ``src`` and ``dst`` is dense and ``w`` / ``b``
-    have unit stride (else the plain kernel)."""
+    have unit stride (else the plain kernel). ``w`` / ``b`` None: absent, the kernel applies no such term (it is
+    given ones / zeros made here, which it does not read)."""
     k, n = (src.shape[0], src.shape[1]) if not pack else (mean.size, src.size // max(mean.size, 1))
+    terms = (WEIGHT if w is not None else 0) | (BIAS if b is not None else 0)
+    w = np.ones(n, compute) if w is None else w
+    b = np.zeros(n, compute) if b is None else b
     if k * n == 0:
 
         def empty(_: Any) -> None:
@@ -123,7 +145,7 @@ def build_norm(
         and all(v.strides[0] == v.itemsize for v in (w, b))
         and element_aligned(dst)
     )
-    kernel = LAYER_NORM_ROWS_STREAMING if stream else LAYER_NORM_ROWS[pack or rows_dense(src, dst)]
+    kernel = LAYER_NORM_ROWS_STREAMING[terms] if stream else LAYER_NORM_ROWS[terms][pack or rows_dense(src, dst)]
     fn = entry(kernel, sample, w, b, eps, rms, sample if pack else dst, mean, rstd)
     ranges = split_range(k, fanout_parts() if k * n >= FANOUT_MIN else 1)
 

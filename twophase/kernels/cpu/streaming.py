@@ -135,19 +135,21 @@ def _store_typing(typingctx: Any, code: Any, out: Any, a: Any, b: Any, i: Any) -
     return sig, codegen
 
 
-def _normalized_typing(typingctx: Any, out: Any, x: Any, w: Any, b: Any, i: Any, mu: Any, r: Any) -> Any:
+def _normalized_typing(typingctx: Any, out: Any, x: Any, w: Any, b: Any, i: Any, mu: Any, r: Any, terms: Any) -> Any:
     """``out[i:i + lanes] = T(x - mu) * r * w + b`` over one vector, stored with a non-temporal store (``&out[i]``
     aligned to ``VECTOR_BYTES``): layer / RMS norm's write of a row (``norm._norm_row``), ``x - mu`` taken in
     float64 and rounded once to the data's type T, as the scalar loop does; ``r`` is a float64 rounded to T. All
-    four arrays 1-D, of T, with unit stride."""
+    four arrays 1-D, of T, with unit stride. ``terms`` (``norm.WEIGHT`` | ``norm.BIAS``): which of ``* w`` and
+    ``+ b`` apply; a constant in the calling kernel, so the loads of an absent one fold away."""
     arrays = (out, x, w, b)
     if (
         not all(isinstance(t, types.Array) and t.ndim == 1 and t.dtype == out.dtype for t in arrays)
         or not isinstance(out.dtype, types.Float)
         or not isinstance(i, types.Integer)
+        or not isinstance(terms, types.Integer)
     ):
         return None
-    sig = types.void(out, x, w, b, i, types.float64, types.float64)
+    sig = types.void(out, x, w, b, i, types.float64, types.float64, terms)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         elem = context.get_value_type(out.dtype)
@@ -172,8 +174,12 @@ def _normalized_typing(typingctx: Any, out: Any, x: Any, w: Any, b: Any, i: Any,
         if size != 8:
             centred = builder.fptrunc(centred, vec)
         r = args[6] if size == 8 else builder.fptrunc(args[6], elem)
-        y = builder.fmul(builder.fmul(centred, splat(r, vec)), builder.load(at(2), align=size))
-        y = builder.fadd(y, builder.load(at(3), align=size))
+        y = builder.fmul(centred, splat(r, vec))
+        terms = args[7]
+        for bit, k, op in ((1, 2, builder.fmul), (2, 3, builder.fadd)):  # norm.WEIGHT, norm.BIAS
+            bits = builder.and_(terms, ir.Constant(terms.type, bit))
+            on = builder.icmp_unsigned("!=", bits, ir.Constant(terms.type, 0))
+            y = builder.select(on, op(y, builder.load(at(k), align=size)), y)
         store = builder.store(y, at(0), align=VECTOR_BYTES)
         store.set_metadata("nontemporal", builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)]))
         return context.get_dummy_value()
