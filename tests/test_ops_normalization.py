@@ -23,7 +23,7 @@ from twophase.errors import ParamError
 from twophase.kernels.cpu import norm as norm_kernels
 from twophase.kernels.cpu import streaming
 from twophase.kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
-from twophase.ops.normalization import STREAM_MIN_ROW_BYTES, SoftmaxTiling
+from twophase.ops.normalization import SoftmaxTiling
 from twophase.ops.selection import forced
 from twophase.runtime.fanout import fanout_parts
 from twophase.testing import run_checked
@@ -550,8 +550,8 @@ def test_streaming_norm_rows_match_the_reference_at_any_alignment(
 
 def test_streaming_norms_are_ranked_first_only_for_outputs_as_large_as_the_last_level_cache() -> None:
     """Phase 1 on descs alone: from ``stream_threshold()`` on 'rows_streaming', below it 'rows'; never for float16
-    (packed), a strided weight, rows that are not dense, or rows shorter than ``STREAM_MIN_ROW_BYTES`` (offered
-    there, second)."""
+    (packed), a strided weight, or rows that are not dense; rows shorter than ``norm.SHORT_ROW_BYTES`` only when
+    they are whole cache lines (else offered second)."""
     llc = streaming.stream_threshold()
     n = 1024
     big, small = TensorDesc((llc // 4 // n, n), DType.float32), TensorDesc((llc // 4 // n - 1, n), DType.float32)
@@ -575,17 +575,40 @@ def test_streaming_norms_are_ranked_first_only_for_outputs_as_large_as_the_last_
             impl(*descs)
         assert err.value.arg == "implementation", case
     assert impl(TensorDesc((llc // 2 // n, n), DType.float16)) == "rows_packed"
-    short = STREAM_MIN_ROW_BYTES // 4 - 1
-    long_short_rows = TensorDesc((llc // 4 // short + 1, short), DType.float32)
-    for op in (ops.layer_norm, ops.rms_norm):
-        _, ex = op.get_workspace_size(long_short_rows, normalized_shape=(short,))
-        ex.destroy()
-        assert ex.implementation == "rows", op.name
-        if streaming.AVAILABLE:
-            with forced("rows_streaming"):
-                _, ex = op.get_workspace_size(long_short_rows, normalized_shape=(short,))
+    for short, first in ((64, want), (63, "rows")):  # 256 bytes, whole lines; 252 bytes
+        rows = TensorDesc((llc // 4 // short + 1, short), DType.float32)
+        for op in (ops.layer_norm, ops.rms_norm):
+            _, ex = op.get_workspace_size(rows, normalized_shape=(short,))
             ex.destroy()
-            assert ex.implementation == "rows_streaming", op.name
+            assert ex.implementation == first, (op.name, short)
+            if streaming.AVAILABLE:
+                with forced("rows_streaming"):
+                    _, ex = op.get_workspace_size(rows, normalized_shape=(short,))
+                ex.destroy()
+                assert ex.implementation == "rows_streaming", op.name
+
+
+@pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
+@pytest.mark.parametrize("offset, n, streams", [(0, 64, True), (4, 64, False), (16, 64, True), (4, 1028, True)])
+def test_short_rows_stream_only_from_cache_lines(offset: int, n: int, streams: bool) -> None:
+    """'rows_streaming' binds its streaming kernel to rows shorter than ``norm.SHORT_ROW_BYTES`` only where each
+    output row starts on a 64-byte line (an output 16 elements into a 512-byte aligned block does; 4 elements in
+    does not: the plain kernel then runs); longer rows stream anyway. The result is the reference either way."""
+    dev = device("cpu")
+    rows = 5
+    x = random((rows, n), np.float32, np.random.default_rng(n)) + 1.5
+    bout = np.zeros(rows * n + 16, np.float32)
+    tx = dev.tensor(x)
+    whole, tout = dense_at(bout, (rows, n), offset)
+    stats = [dev.empty((rows, 1), DType.float32), dev.empty((rows, 1), DType.float32)]
+    with forced("rows_streaming"), mock.patch.object(norm_kernels, "entry", wraps=norm_kernels.entry) as made:
+        size, ex = ops.layer_norm.get_workspace_size(tx, out=(tout, *stats), normalized_shape=(n,))
+        ops.layer_norm(None, size, ex, dev.default_stream)
+    kernels = [c.args[0] for c in made.call_args_list]
+    assert (norm_kernels.LAYER_NORM_ROWS_STREAMING[0] in kernels) == streams
+    got = whole.numpy()[offset : offset + rows * n].reshape(rows, n)
+    want = ops.layer_norm.spec.reference(x, normalized_shape=(n,))[0]
+    np.testing.assert_allclose(got.astype(np.float64), want, rtol=TOL[np.float32], atol=TOL[np.float32] * 4)
 
 
 @pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")

@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import ParamError
 from ..kernels.cpu import streaming
 from ..kernels.cpu.jit import entry
-from ..kernels.cpu.norm import AFFINE, LAYER_NORM_ROWS, build_norm
+from ..kernels.cpu.norm import AFFINE, LAYER_NORM_ROWS, SHORT_ROW_BYTES, build_norm
 from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
 from ..layout import align, as_matrix, as_rows, merge_dims, rows_split
 from ..op import Attr, OpDef, Plan, register
@@ -274,19 +274,12 @@ def _norm_select(name: str) -> Callable[[Any, Any, dict[str, Any], int | None], 
     return select
 
 
-# row bytes from which layer / RMS norm's streaming rows rank first (on large outputs): shorter rows ran slower
-# streamed than plain on a Zen 5 EPYC, 16 M float32 elements, two threads, best of 21 interleaved rounds: rows of
-# 64 3.2-4.1 against 2.6 ms, of 256 3.9-4.2 against 2.6, of 512 equal (1.6-1.7), of 1024 1.33-1.42 against
-# 1.53-1.62, of 2048 1.25-1.53 against 1.54-2.18 (/tmp/w42/normab2.py of the forty-second session)
-STREAM_MIN_ROW_BYTES = 4096
-
-
 def _norm_plan(name: str, ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
     """'rows_packed' where the rows must be copied (float16, dims that do not merge); else 'rows', and
     'rows_streaming' (rows written with non-temporal stores, ``kernels/cpu/streaming.py``) where x, the output and
     weight / bias are dense float32 / float64, ranked first from outputs of ``streaming.stream_threshold()`` bytes
-    whose rows hold at least ``STREAM_MIN_ROW_BYTES``. Tiling: (pack, x area bytes, weight vector bytes,
-    streaming)."""
+    whose rows are whole cache lines or at least ``norm.SHORT_ROW_BYTES``. Tiling: (pack, x area bytes, weight
+    vector bytes, streaming)."""
     x = ins[0]
     nd = len(attrs["normalized_shape"])
     n = 1
@@ -301,7 +294,7 @@ def _norm_plan(name: str, ins: Any, outs: Any, attrs: dict[str, Any], limit: int
     if not streaming.offered(x, *ins[1:], outs[0]):
         return choose(name, [rows], limit)
     stream = Candidate("rows_streaming", (False, *areas, True), 0)
-    if n * item < STREAM_MIN_ROW_BYTES:
+    if n * item < SHORT_ROW_BYTES and n * item % streaming.LINE_BYTES:
         return choose(name, [rows, stream], limit)
     return choose(name, streaming.ranked(stream, rows, outs[0].nbytes), limit)
 
