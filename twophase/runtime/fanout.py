@@ -6,7 +6,9 @@ parts until none is left. Between launches a helper spins for the next one for `
 (500 us by default, yielding its core to any other runnable thread every 20 us), then blocks on a queue: unlike
 OpenMP or OpenBLAS workers, which spin for milliseconds, it soon leaves the cores that BLAS, another stream or
 another library needs (why it spins at all: ``config.set_helper_spin``). Each part calls a serial ``nogil``
-numba kernel or a numpy / BLAS routine that releases the GIL, so the parts run in parallel.
+numba kernel or a numpy / BLAS routine that releases the GIL, so the parts run in parallel. While a launch runs,
+helpers found on the launching thread's CPU (or asleep) are kept off it (``_Helpers.unstack``,
+``runtime.placement``).
 """
 
 from __future__ import annotations
@@ -16,13 +18,14 @@ import itertools
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import config
-from . import forking
+from . import forking, placement
 from .spin import count_and_wait, spin_until_total
 
 __all__ = ["BUSY", "bound", "fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
@@ -126,6 +129,13 @@ class _Helpers:
         self.gate = np.zeros(1, np.int64)  # posted count whose launching thread is entering its own part
         self.count = 0
         self.lock = threading.Lock()
+        # per helper (slot - 1): its native thread id once it runs, the CPU it saw itself on as it began to spin
+        # for a launch and when that spin ends (after that it is as good as asleep, on its way to block), and its
+        # affinity while ``unstack`` keeps it off the launching thread's CPU
+        self.tids: list[int] = []
+        self.cpus: list[int] = []
+        self.until: list[float] = []
+        self.masks: list[set[int] | None] = []
 
     def ensure(self, n: int) -> None:
         if self.count >= n:
@@ -136,6 +146,10 @@ class _Helpers:
         with self.lock:
             while self.count < n:
                 self.count += 1
+                self.tids.append(0)
+                self.cpus.append(placement.UNKNOWN)
+                self.until.append(0.0)
+                self.masks.append(None)
                 threading.Thread(
                     target=self._loop, args=(self.count,), name=f"twophase-fanout-{self.count - 1}", daemon=True
                 ).start()
@@ -147,11 +161,40 @@ class _Helpers:
         self.posted[0] += n
         return int(self.posted[0])
 
+    def unstack(self) -> list[int]:
+        """Keep off the calling thread's CPU (and off one another's) each helper that spins there or that sleeps
+        (the kernel picks where it wakes, for the job and again for the GIL), until :meth:`restack`: a runnable
+        helper moves at once (``runtime.placement``). The slots narrowed; none when every helper spins on a CPU
+        of its own (the check costs ~0.5 us), or where the CPU cannot be known."""
+        here = placement.current_cpu()
+        cpus, now = self.cpus, time.perf_counter()
+        if here == placement.UNKNOWN or (here not in cpus and min(self.until) > now and len(set(cpus)) == len(cpus)):
+            return []
+        taken = {here}
+        moved = []
+        with self.lock:
+            for i, (tid, cpu, until) in enumerate(zip(self.tids, cpus, self.until)):
+                if until > now and cpu not in taken:
+                    taken.add(cpu)
+                elif tid and self.masks[i] is None and (mask := placement.narrowed(tid, taken)) is not None:
+                    self.masks[i] = mask
+                    moved.append(i)
+        return moved
+
+    def restack(self, slots: list[int]) -> None:
+        """Give the helpers :meth:`unstack` narrowed their affinity back."""
+        with self.lock:
+            for i in slots:
+                mask, self.masks[i] = self.masks[i], None
+                if mask is not None:
+                    placement.restore(self.tids[i], mask)
+
     def _loop(self, slot: int) -> None:
         """Take jobs for ever: the next one from the queue, else spin until one is posted, else block; the parts
         it ran of a job are counted into the job's ``finished[slot]`` as it takes the next or starts to wait.
         Parts run with numpy's floating-point warnings off, as stream tasks do (``runtime.stream``)."""
         np.seterr(all="ignore")
+        self.tids[slot - 1] = threading.get_native_id()
         nothing = np.zeros(slot + 1, np.int64)
         finished, ran = nothing, 0
         while True:
@@ -160,6 +203,8 @@ class _Helpers:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 spin = config.settings.helper_spin_us
+                self.cpus[slot - 1] = placement.current_cpu()
+                self.until[slot - 1] = time.perf_counter() + spin * 1e-6
                 changed = count_and_wait(finished, slot, ran, self.posted, seen, spin, self.gate)
                 finished, ran = nothing, 0
                 if changed:
@@ -203,6 +248,7 @@ def run_parts(parts: Sequence[Part]) -> None:
         with _busy_lock:
             BUSY[0] += 1
             BUSY[1] += 1
+        moved = _helpers.unstack()
         try:
             ticket = _helpers.post(job, helpers)
             job.finished[0] = job.work(_helpers.gate, ticket)
@@ -210,6 +256,8 @@ def run_parts(parts: Sequence[Part]) -> None:
             if not spin_until_total(job.finished, len(parts)) and job.left[0]:
                 job.done.acquire()
         finally:
+            if moved:
+                _helpers.restack(moved)
             with _busy_lock:
                 BUSY[0] -= 1
     if job.error is not None:
