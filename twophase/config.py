@@ -193,9 +193,11 @@ def set_helper_spin(us: int) -> None:
     """Microseconds a helper thread spins for the next parallel launch before it blocks
     (``TWOPHASE_HELPER_SPIN_US``, default ``HELPER_SPIN_US``; 0: block at once). The spin yields its core to any
     other runnable thread every 20 us. Why: on VMs whose kernel packs sleeping threads onto one vCPU (seen on
-    these machines: ``sched_vcpu_pack``), helpers that block after every part are woken onto the launching
-    thread's vCPU after an idle gap and the kernels run at one-thread speed for as long as the calls keep
-    coming; a helper that stays runnable between launches is moved to the idle vCPU within a few ms.
+    these machines: ``sched_vcpu_pack``), helpers that blocked after every part were woken onto the launching
+    thread's vCPU after an idle gap, and the kernels ran at one-thread speed for as long as the calls kept
+    coming. A launch now keeps a sleeping helper, and one spinning on its CPU, off that CPU
+    (``runtime.placement``); the spin still saves the helper's wake-up (43 us median on a 2-vCPU Xeon VM,
+    ``runtime.spin``) on launches that follow closely.
 
     It also caps the shorter spins of a stream's worker waiting for its next task and of a host thread in
     ``synchronize`` (``stream.SYNC_SPIN_US``, 100 us), which save the two thread wake-ups of a launch +
