@@ -106,7 +106,7 @@ def two_threads(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
 def published(cpu: int) -> bool:
     """Whether the helper publishes ``cpu`` within a second (it does as it goes back to wait)."""
     for _ in range(1000):
-        if fanout._helpers.cpus[0] == cpu:
+        if fanout._helpers.waits[0][0] == cpu:
             return True
         threading.Event().wait(0.001)
     return False

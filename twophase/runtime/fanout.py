@@ -129,12 +129,12 @@ class _Helpers:
         self.gate = np.zeros(1, np.int64)  # posted count whose launching thread is entering its own part
         self.count = 0
         self.lock = threading.Lock()
-        # per helper (slot - 1): its native thread id once it runs, the CPU it saw itself on as it began to spin
-        # for a launch and when that spin ends (after that it is as good as asleep, on its way to block), and its
-        # affinity while ``unstack`` keeps it off the launching thread's CPU
+        # per helper (slot - 1): its native thread id once it runs; (the CPU it saw itself on as it began to spin
+        # for a launch, when that spin ends: after that it is as good as asleep, on its way to block), published
+        # as one tuple so that a reader never pairs one spin's CPU with another's end; and its affinity while
+        # ``unstack`` keeps it off the launching thread's CPU
         self.tids: list[int] = []
-        self.cpus: list[int] = []
-        self.until: list[float] = []
+        self.waits: list[tuple[int, float]] = []
         self.masks: list[set[int] | None] = []
 
     def ensure(self, n: int) -> None:
@@ -147,8 +147,7 @@ class _Helpers:
             while self.count < n:
                 self.count += 1
                 self.tids.append(0)
-                self.cpus.append(placement.UNKNOWN)
-                self.until.append(0.0)
+                self.waits.append((placement.UNKNOWN, 0.0))
                 self.masks.append(None)
                 threading.Thread(
                     target=self._loop, args=(self.count,), name=f"twophase-fanout-{self.count - 1}", daemon=True
@@ -165,20 +164,26 @@ class _Helpers:
         """Keep off the calling thread's CPU (and off one another's) each helper that spins there or that sleeps
         (the kernel picks where it wakes, for the job and again for the GIL), until :meth:`restack`: a runnable
         helper moves at once (``runtime.placement``). The slots narrowed; none when every helper spins on a CPU
-        of its own (the check costs ~0.5 us), or where the CPU cannot be known."""
+        of its own (the check costs ~0.4 us), or where the CPU cannot be known."""
         here = placement.current_cpu()
-        cpus, now = self.cpus, time.perf_counter()
-        if here == placement.UNKNOWN or (here not in cpus and min(self.until) > now and len(set(cpus)) == len(cpus)):
+        if here == placement.UNKNOWN:
             return []
+        now = time.perf_counter()
         taken = {here}
+        stacked = []
+        for i, (cpu, until) in enumerate(self.waits):
+            if until > now and cpu not in taken:
+                taken.add(cpu)
+            else:
+                stacked.append(i)
         moved = []
-        with self.lock:
-            for i, (tid, cpu, until) in enumerate(zip(self.tids, cpus, self.until)):
-                if until > now and cpu not in taken:
-                    taken.add(cpu)
-                elif tid and self.masks[i] is None and (mask := placement.narrowed(tid, taken)) is not None:
-                    self.masks[i] = mask
-                    moved.append(i)
+        if stacked:
+            with self.lock:
+                for i in stacked:
+                    tid = self.tids[i]
+                    if tid and self.masks[i] is None and (mask := placement.narrowed(tid, taken)) is not None:
+                        self.masks[i] = mask
+                        moved.append(i)
         return moved
 
     def restack(self, slots: list[int]) -> None:
@@ -203,8 +208,7 @@ class _Helpers:
                 job = self.jobs.get_nowait()
             except queue.Empty:
                 spin = config.settings.helper_spin_us
-                self.cpus[slot - 1] = placement.current_cpu()
-                self.until[slot - 1] = time.perf_counter() + spin * 1e-6
+                self.waits[slot - 1] = (placement.current_cpu(), time.perf_counter() + spin * 1e-6)
                 changed = count_and_wait(finished, slot, ran, self.posted, seen, spin, self.gate)
                 finished, ran = nothing, 0
                 if changed:

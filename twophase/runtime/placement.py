@@ -42,14 +42,14 @@ def current_cpu() -> int:
 def narrowed(tid: int, avoid: Iterable[int]) -> set[int] | None:
     """Keep thread ``tid`` (a native id) off the CPUs in ``avoid``: its affinity before, for :func:`restore`,
     or None where nothing changed (no CPU would be left to it, it has none of them, or the call failed: a
-    thread that ended, no affinity on this system)."""
+    thread that ended). Only called where ``current_cpu`` knows the CPU, so where affinities exist."""
     try:
         mask = os.sched_getaffinity(tid)
         rest = mask.difference(avoid)
         if not rest or rest == mask:
             return None
         os.sched_setaffinity(tid, rest)
-    except (OSError, AttributeError):
+    except OSError:
         return None
     return mask
 
