@@ -41,7 +41,7 @@ from ..kernels.cpu.conv_phases import images_area_floats as images_phase_area
 from ..kernels.cpu.conv_phases import tile_channels
 from ..kernels.cpu.conv_phases import usable as phases_usable
 from ..kernels.cpu.conv_tiles import available as tiles_available
-from ..kernels.cpu.conv_tiles import build_im2col_tiles, tile_stride, tile_width
+from ..kernels.cpu.conv_tiles import build_im2col_tiles, tile_stride, tile_width, widest_tile
 from ..layout import align, merge_dims, spread_stride
 from ..op import PRIVATE_STATE, Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, split_range
@@ -472,7 +472,7 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     while True:
         rows = tile_rows(t.oh, t.ow, most)
         tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
-        tiles = tile_stride(kblock, tile_width(rows, t.ow), item)
+        tiles = tile_stride(kblock, tile_width(widest_tile(grid, rows, t.oh), t.ow), item)
         size = len(grid) * (tiles + (phase_area(tt, rows, channels) * item if phased else 0))
         if limit is None or size <= limit:
             return Candidate("im2col_tiles", tt, size)

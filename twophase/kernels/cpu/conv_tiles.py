@@ -79,9 +79,10 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                 else:
                     _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
                 if k0 == 0:  # the masked panel reads the tile's columns up to the next 16: keep them finite
+                    read = min(ldt, -(-width // gemm.LANES) * gemm.LANES)  # (not the rest of a wider tile's row)
                     for kk in range(kl):  # (the first k block is the deepest; the unfold never writes them)
                         trow = row_of(tile, kk, True)
-                        for j in range(width, ldt):
+                        for j in range(width, read):
                             trow[j] = 0.0
                 gemm.gemm_tile(
                     w.ctypes.data + (i0 * lda + k0 * sak) * item,
@@ -116,7 +117,7 @@ _NO_MASKS = np.zeros((1, 1), np.bool_)
 
 def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """The launch of ``len(t.grid)`` parts: part i takes the output block ``t.grid[i]`` (output rows of all images
-    stacked, output channels) with its own tile of ``t.kblock`` unfolded rows x ``tile_width(t.chunk, OW)``
+    stacked, output channels) with its own tile of ``t.kblock`` unfolded rows x ``tile_width`` of the widest tile
     columns in the workspace, after the parts' phase areas when ``t.phases`` (``conv_phases``)."""
     item = x.itemsize
     so = [s // item for s in out.strides]
@@ -125,7 +126,7 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     has = bias is not None
     b = bias if has else np.zeros(1, x.dtype)
     geo = _geo(t)
-    shape = (t.kblock, tile_width(t.chunk, t.ow))
+    shape = (t.kblock, tile_width(widest_tile(t.grid, t.chunk, t.oh), t.ow))
     size = tile_stride(*shape, item)
     channels = conv_phases.tile_channels(t.kc, t.kblock, t.kh * t.kw)
     area = conv_phases.area_floats(t, t.chunk, channels) * item if t.phases else 0
@@ -147,6 +148,20 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         run_parts(parts)
 
     return launch
+
+
+def widest_tile(grid: Any, rows: int, oh: int) -> int:
+    """Output rows of the widest tile the parts of ``grid`` run: tiles of up to ``rows`` rows, cut at each image's
+    last row and at the part's (``conv_tiles``' loop). A tile's columns are sized by it (``tile_width``): a part
+    whose tiles are all shorter than ``rows`` touches no more, and the workspace is what is touched."""
+    most = 0
+    for r0, r1, _, _ in grid:
+        r = r0
+        while r < r1 and most < rows:
+            nr = min(rows, oh - r % oh, r1 - r)
+            most = max(most, nr)
+            r += nr
+    return most
 
 
 def tile_width(rows: int, ow: int) -> int:
