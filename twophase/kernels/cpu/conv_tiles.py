@@ -117,8 +117,9 @@ _NO_MASKS = np.zeros((1, 1), np.bool_)
 
 def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """The launch of ``len(t.grid)`` parts: part i takes the output block ``t.grid[i]`` (output rows of all images
-    stacked, output channels) with its own tile of ``t.kblock`` unfolded rows x ``tile_width`` of the widest tile
-    columns in the workspace, after the parts' phase areas when ``t.phases`` (``conv_phases``)."""
+    stacked, output channels) with its own tile in the workspace, ``t.kblock`` unfolded rows by the columns of the
+    widest tile any part runs (``widest_tile``, ``tile_width``), after the parts' phase areas when ``t.phases``
+    (``conv_phases``)."""
     item = x.itemsize
     so = [s // item for s in out.strides]
     o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
