@@ -24,11 +24,8 @@ LOWER_FASTER = "< 1: twophase faster"
 HIGHER_FASTER = "> 1: twophase faster"
 
 
-def cpu_model() -> str:
-    """The processor's name from /proc/cpuinfo (``platform.processor()`` is empty on Linux), with its family and
-    model numbers and the CPU LLVM tunes numba's kernels for: a VM may name only the vendor ("AMD EPYC"), while
-    Zen 4 (family 25) runs a 512-bit FMA as two 256-bit halves and Zen 5 (family 26) at once, which moves every
-    ratio against libraries that pick their kernels by CPU."""
+def _cpuinfo() -> dict[str, str]:
+    """The first processor's fields in /proc/cpuinfo (key -> value), empty where there is no such file."""
     fields: dict[str, str] = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -36,6 +33,15 @@ def cpu_model() -> str:
             fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
+    return fields
+
+
+def cpu_model() -> str:
+    """The processor's name from /proc/cpuinfo (``platform.processor()`` is empty on Linux), with its family and
+    model numbers and the CPU LLVM tunes numba's kernels for: a VM may name only the vendor ("AMD EPYC"), while
+    Zen 4 (family 25) runs a 512-bit FMA as two 256-bit halves and Zen 5 (family 26) at once, which moves every
+    ratio against libraries that pick their kernels by CPU."""
+    fields = _cpuinfo()
     name = fields.get("model name") or platform.processor() or platform.machine()
     ids = [f"{k} {fields[k]}" for k in ("cpu family", "model") if k in fields]
     return f"{name} ({'; '.join([*ids, f'LLVM {_llvm_cpu()}'])})"
@@ -53,11 +59,10 @@ def _llvm_cpu() -> str:
 
 def isa() -> str:
     """The vector ISA the kernels can use (AVX-512 or not decides implementations such as the microkernel)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
+    fields = _cpuinfo()
+    if not fields:
         return "ISA unknown"
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    flags = fields.get("flags", "").split()
     have = [f for f in ("avx512f", "avx2", "fma") if f in flags]
     return "ISA " + ("+".join(have) if have else "no avx2") + ("" if "avx512f" in flags else " (no avx512f)")
 

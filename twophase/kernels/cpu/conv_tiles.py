@@ -79,7 +79,7 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                 else:
                     _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
                 if k0 == 0:  # the masked panel reads the tile's columns up to the next 16: keep them finite
-                    read = min(ldt, -(-width // gemm.LANES) * gemm.LANES)  # (not the rest of a wider tile's row)
+                    read = -(-width // gemm.LANES) * gemm.LANES  # (within ldt: the widest tile's, rounded alike)
                     for kk in range(kl):  # (the first k block is the deepest; the unfold never writes them)
                         trow = row_of(tile, kk, True)
                         for j in range(width, read):
