@@ -719,6 +719,10 @@ needs_tiles = pytest.mark.usefixtures("microkernel")  # im2col_tiles runs on the
         (2, 9, 21, (13, 17), (5, 3), (2, 2), (2, 1), (1, 1), 2),  # phases: row offsets -1..1, column -1..0
         (1, 3, 8, (64, 64), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # phases of tiles of 8 of an image's 32 rows
         (1, 5, 18, (16, 16), (3, 3), (2, 2), (0, 0), (1, 1), 2),  # ceil(W/2) > OW: no phases
+        (1, 3, 8, (64, 40), (3, 3), (1, 1), (1, 1), (1, 1), 2),  # planes: tiles of 12 of an image's 64 rows
+        (2, 4, 10, (10, 17), (3, 5), (1, 1), (1, 2), (1, 1), 3),  # planes: column offsets -2..2, 3 parts
+        (1, 6, 12, (7, 7), (5, 5), (1, 1), (4, 4), (2, 2), 2),  # planes: offsets -4..4 on a 7-wide map
+        (1, 6, 12, (9, 9), (3, 3), (1, 1), (0, 0), (1, 1), 2),  # stride 1, OW < W: no planes
     ],
 )
 def test_conv2d_im2col_tiles(
@@ -750,6 +754,7 @@ def test_conv2d_im2col_tiles(
     assert t.grid == tiles_grid(n, t.oh, t.ow, oc, threads) and t.parts == len(t.grid)
     phases = stride == (2, 2) and dil == (1, 1) and min(k) >= 2 and (hw[1] + 1) // 2 <= t.ow
     assert t.phases == phases
+    assert t.flat == (stride == (1, 1) and t.ow == hw[1])  # the unfold reads the planes in place
     taps = k[0] * k[1]
     channels = max(len({kk // taps for kk in range(k0, min(kc, k0 + t.kblock))}) for k0 in range(0, kc, t.kblock))
     plane = (t.chunk + (k[0] - 1 - pad[0]) // 2 - (-pad[0]) // 2) * t.ow
@@ -790,6 +795,27 @@ def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) 
         one_row = 2 * 54 * 16 * 4  # 2 parts x 54 unfolded rows x one 8-pixel output row padded to 16
         with pytest.raises(ParamError):
             _run("im2col_tiles", x, w, None, limit=one_row - 1, **attrs)
+
+
+@needs_tiles
+def test_conv2d_im2col_tiles_planes_in_place_only_when_flat(rng: np.random.Generator) -> None:
+    """The stride-1 unfold reads the input planes in place where their rows lie back to back, also in a channel
+    slice of a wider tensor; a crop of wider rows, or rows not dense, take the row-by-row unfold. Each is checked
+    against the reference."""
+    wide = _x(rng, (2, 10, 11, 26), False)
+    w = rng.standard_normal((24, 6, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(24).astype(np.float32)
+    cases = [
+        (np.ascontiguousarray(wide[:, :6, :, :13]), True),
+        (wide[:, 2:8], True),  # planes of 11 x 26 floats, channels 286 apart: still each one flat run
+        (wide[:, :6, :, :13], False),  # rows 26 apart: a crop
+        (wide[:, :6, :, ::2], False),  # rows not dense
+    ]
+    with num_threads(2):
+        for x, flat in cases:
+            r = _run("im2col_tiles", x, w, b, stride=1, padding=1)
+            assert r.tiling.flat == flat
+            _check(r, reference(np.ascontiguousarray(x), w, b, stride=1, padding=1))
 
 
 @needs_tiles

@@ -38,7 +38,7 @@ from ..kernels.cpu.conv import (
 )
 from ..kernels.cpu.conv_phases import area_floats as phase_area
 from ..kernels.cpu.conv_phases import images_area_floats as images_phase_area
-from ..kernels.cpu.conv_phases import tile_channels
+from ..kernels.cpu.conv_phases import plane_usable, tile_channels
 from ..kernels.cpu.conv_phases import usable as phases_usable
 from ..kernels.cpu.conv_tiles import available as tiles_available
 from ..kernels.cpu.conv_tiles import build_im2col_tiles, tile_stride, tile_width, widest_tile
@@ -82,7 +82,8 @@ class ConvTiling:
     im2col_parts: ``parts`` ranges of output rows, in runs of at most ``tile_rows``.
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel);
-    ``phases``: a stride-2 unfold reads the input split into its row and column phases, in an area per part.
+    ``phases``: a stride-2 unfold reads the input split into its row and column phases, in an area per part;
+    ``flat``: a stride-1 unfold reads the input planes as one flat run per unfolded row.
     im2col: ``parts`` k ranges of the unfold on helper threads (with ``phases``, each one's phase area from
     ``phase_offset`` on); ``micro`` pairs (GEMM width in pixels, the float32 microkernel's parts: blocks of the
     result) for the tile widths it runs, where it runs, else () (BLAS for every tile). winograd, winograd4:
@@ -266,7 +267,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
             cands.append(Candidate("gemm_1x1", t, 0))
         dense = xs[3] == 1 or wd == 1
         whole = _im2col_candidate(t, os_, item, limit, orient == "cm" and phases_usable(t, dense))
-        tiled = _tiles_candidate(t, x, dense, limit)
+        tiled = _tiles_candidate(t, x, dense, limit, plane_usable(t, dense, xs[2]))
         in_parts = _parts_candidate(t, item, limit)
         cands.append(whole)
         if tiled is not None:
@@ -456,11 +457,14 @@ def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     )
 
 
-def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None) -> Candidate | None:
+def _tiles_candidate(
+    t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None, planes: bool = False
+) -> Candidate | None:
     """im2col_tiles for float32, one group, a channel-major output, on a CPU with the register-blocked GEMM:
     the most output rows per tile (up to ``TILE_PIXELS`` pixels) whose per-part tiles fit ``limit`` (with the
-    parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without); None without
-    input channels (nothing to unfold: the others write the bias)."""
+    parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without; ``planes``
+    (``conv_phases.plane_usable``): the unfold reads the input planes in place, ``flat``); None without input
+    channels (nothing to unfold: the others write the bias)."""
     if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
         return None
     kblock = -(-t.kc // -(-t.kc // TILE_K))  # k blocks of nearly equal depth
@@ -471,7 +475,7 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     most = TILE_PIXELS
     while True:
         rows = tile_rows(t.oh, t.ow, most)
-        tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
+        tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased, flat=planes)
         tiles = tile_stride(kblock, tile_width(widest_tile(grid, rows, t.oh), t.ow), item)
         size = len(grid) * (tiles + (phase_area(tt, rows, channels) * item if phased else 0))
         if limit is None or size <= limit:

@@ -27,7 +27,8 @@ _im2col = variant_call(tuple(IM2COL.values()))
 
 
 def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
-    PHASES = dense and step == 2  # noqa: N806  (closure constant: the other variants compile no phase path)
+    PHASES = dense and step == 2  # noqa: N806  (closure constants: the other variants compile no phase path,
+    PLANES = dense and step == 1  # noqa: N806  no plane path)
 
     @jit
     def conv_tiles(
@@ -46,12 +47,14 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
         i1: int,
         phases: Any,
         masks: Any,
+        planes: bool,
     ) -> None:
         """out[n, i, oh*OW + ow] = sum_k w[i, k] * unfolded(n)[k, oh*OW + ow] (+ bias[i]) for the rows
         ``i0 <= i < i1`` and the output rows ``r0 <= r < r1`` of all images stacked (r = n*OH + oh): per tile of
         ``rows`` output rows of one image and k block of ``kc`` unfolded rows, ``conv.im2col`` into the tile
         (or, given a phase area ``phases``, ``conv_phases.split`` then ``conv_phases.unfold`` with the column
-        masks ``masks``), then ``gemm.gemm_tile`` into out (the first k block stores, the later ones add)."""
+        masks ``masks``; with ``planes``, ``conv_phases.unfold_plane`` with them), then ``gemm.gemm_tile`` into
+        out (the first k block stores, the later ones add)."""
         item = 4
         kdim = w.shape[1]
         ow_n = geo[8]
@@ -76,6 +79,8 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                     c1 = (k0 + kl - 1) // taps + 1
                     conv_phases.split(x, n, c0, c1, oh0 + dr_lo, prows, ow_n, phases)
                     conv_phases.unfold(phases, tile, geo, x.shape[2], oh0, nr, prows, c0, k0, k0 + kl, masks, k0, 1, 0)
+                elif PLANES and planes:
+                    conv_phases.unfold_plane(x[n], tile, geo, oh0, nr, k0, k0 + kl, masks, k0)
                 else:
                     _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
                 if k0 == 0:  # the masked panel reads the tile's columns up to the next 16: keep them finite
@@ -119,7 +124,7 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """The launch of ``len(t.grid)`` parts: part i takes the output block ``t.grid[i]`` (output rows of all images
     stacked, output channels) with its own tile in the workspace, ``t.kblock`` unfolded rows by the columns of the
     widest tile any part runs (``widest_tile``, ``tile_width``), after the parts' phase areas when ``t.phases``
-    (``conv_phases``)."""
+    (``conv_phases``); ``t.flat``: the unfold reads the input planes as their one phase (``unfold_plane``)."""
     item = x.itemsize
     so = [s // item for s in out.strides]
     o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
@@ -131,13 +136,15 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     size = tile_stride(*shape, item)
     channels = conv_phases.tile_channels(t.kc, t.kblock, t.kh * t.kw)
     area = conv_phases.area_floats(t, t.chunk, channels) * item if t.phases else 0
-    masks = conv_phases.masks(t, t.chunk) if t.phases else _NO_MASKS
+    masks = (
+        (conv_phases.masks if t.phases else conv_phases.plane_masks)(t, t.chunk) if t.phases or t.flat else _NO_MASKS
+    )
     sample = np.empty(1 if t.phases else 0, x.dtype)
     k = entry(
         CONV_TILES[rows_dense(x), step_key(t.sw)],
-        *(x, wmat, b, has, o3, geo, np.empty(shape, x.dtype), 0, 0, 0, 0, 0, 0, sample, masks),
+        *(x, wmat, b, has, o3, geo, np.empty(shape, x.dtype), 0, 0, 0, 0, 0, 0, sample, masks, t.flat),
     )
-    dt, grid, kb, rows = x.dtype, t.grid, t.kblock, t.chunk
+    dt, grid, kb, rows, flat = x.dtype, t.grid, t.kblock, t.chunk, t.flat
     tiles_at = len(grid) * area
 
     def launch(ws: Any) -> None:
@@ -145,7 +152,7 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         for i, block in enumerate(grid):
             tile = ws[tiles_at + i * size : tiles_at + (i + 1) * size].view(dt).reshape(shape)
             phases = ws[i * area : (i + 1) * area].view(dt) if area else _NO_PHASES
-            parts.append(functools.partial(k, x, wmat, b, has, o3, geo, tile, kb, rows, *block, phases, masks))
+            parts.append(functools.partial(k, x, wmat, b, has, o3, geo, tile, kb, rows, *block, phases, masks, flat))
         run_parts(parts)
 
     return launch
