@@ -27,8 +27,9 @@ _im2col = variant_call(tuple(IM2COL.values()))
 
 
 def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
-    PHASES = dense and step == 2  # noqa: N806  (closure constants: the other variants compile no phase path,
-    PLANES = dense and step == 1  # noqa: N806  no plane path)
+    # closure constants: the other variants compile neither the phase path nor the plane path
+    PHASES = dense and step == 2  # noqa: N806
+    PLANES = dense and step == 1  # noqa: N806
 
     @jit
     def conv_tiles(
@@ -136,9 +137,12 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     size = tile_stride(*shape, item)
     channels = conv_phases.tile_channels(t.kc, t.kblock, t.kh * t.kw)
     area = conv_phases.area_floats(t, t.chunk, channels) * item if t.phases else 0
-    masks = (
-        (conv_phases.masks if t.phases else conv_phases.plane_masks)(t, t.chunk) if t.phases or t.flat else _NO_MASKS
-    )
+    if t.phases:
+        masks = conv_phases.masks(t, t.chunk)
+    elif t.flat:
+        masks = conv_phases.plane_masks(t, t.chunk)
+    else:
+        masks = _NO_MASKS
     sample = np.empty(1 if t.phases else 0, x.dtype)
     k = entry(
         CONV_TILES[rows_dense(x), step_key(t.sw)],
