@@ -287,6 +287,7 @@ def test_conv2d_im2col_unfold_paths(
             with forced("im2col"):
                 r = run_checked(conv2d, _input(xin, nhwc), w, b, workspace_limit=limit, **attrs)
             assert r.implementation == "im2col" and (limit is None or r.tiling.tile_rows == 1)
+            assert r.tiling.flat == (not nhwc and stride == (1, 1) and ow == shape[1])  # planes read in place
             _check(r, ref)
         _check(_run("direct", _input(xin, nhwc), w, b, **attrs), ref)
 
@@ -919,6 +920,7 @@ def test_conv2d_im2col_parts(
         r = _run("im2col_parts", _input(x, nhwc), wt, b, limit=limit, **attrs)
     t = r.tiling
     assert (r.implementation, t.parts) == ("im2col_parts", parts)
+    assert nhwc or t.flat == (stride == (1, 1) and ow == w)  # NCHW "same" stride 1: planes read in place
     longest = [max(u[3] for u in units) for units in parts_units(t)]
     assert t.tile_rows == max(longest)
     kc = cg * k[0] * k[1]

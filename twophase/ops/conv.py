@@ -83,7 +83,8 @@ class ConvTiling:
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel);
     ``phases``: a stride-2 unfold reads the input split into its row and column phases, in an area per part;
-    ``flat``: a stride-1 unfold reads the input planes as one flat run per unfolded row.
+    ``flat``: a stride-1 unfold reads the input planes as one flat run per unfolded row (im2col_tiles, im2col
+    and im2col_parts channel-major).
     im2col: ``parts`` k ranges of the unfold on helper threads (with ``phases``, each one's phase area from
     ``phase_offset`` on); ``micro`` pairs (GEMM width in pixels, the float32 microkernel's parts: blocks of the
     result) for the tile widths it runs, where it runs, else () (BLAS for every tile). winograd, winograd4:
@@ -266,9 +267,10 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         if kh == kw == 1 and (sh, sw, ph, pw) == (1, 1, 0, 0) and x_ok:
             cands.append(Candidate("gemm_1x1", t, 0))
         dense = xs[3] == 1 or wd == 1
-        whole = _im2col_candidate(t, os_, item, limit, orient == "cm" and phases_usable(t, dense))
-        tiled = _tiles_candidate(t, x, dense, limit, plane_usable(t, dense, xs[2]))
-        in_parts = _parts_candidate(t, item, limit)
+        tu = replace(t, flat=orient == "cm" and plane_usable(t, dense, xs[2]))  # the unfolding candidates' tiling
+        whole = _im2col_candidate(tu, os_, item, limit, orient == "cm" and phases_usable(t, dense))
+        tiled = _tiles_candidate(tu, x, dense, limit)
+        in_parts = _parts_candidate(tu, item, limit)
         cands.append(whole)
         if tiled is not None:
             cands.insert(len(cands) - 1 if tiles_first(tiled.tiling, whole.tiling) else len(cands), tiled)
@@ -457,14 +459,12 @@ def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     )
 
 
-def _tiles_candidate(
-    t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None, planes: bool = False
-) -> Candidate | None:
+def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None) -> Candidate | None:
     """im2col_tiles for float32, one group, a channel-major output, on a CPU with the register-blocked GEMM:
     the most output rows per tile (up to ``TILE_PIXELS`` pixels) whose per-part tiles fit ``limit`` (with the
-    parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without; ``planes``
-    (``conv_phases.plane_usable``): the unfold reads the input planes in place, ``flat``); None without input
-    channels (nothing to unfold: the others write the bias)."""
+    parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without; ``t.flat``: the
+    unfold reads the input planes in place); None without input channels (nothing to unfold: the others write the
+    bias)."""
     if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
         return None
     kblock = -(-t.kc // -(-t.kc // TILE_K))  # k blocks of nearly equal depth
@@ -475,7 +475,7 @@ def _tiles_candidate(
     most = TILE_PIXELS
     while True:
         rows = tile_rows(t.oh, t.ow, most)
-        tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased, flat=planes)
+        tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
         tiles = tile_stride(kblock, tile_width(widest_tile(grid, rows, t.oh), t.ow), item)
         size = len(grid) * (tiles + (phase_area(tt, rows, channels) * item if phased else 0))
         if limit is None or size <= limit:

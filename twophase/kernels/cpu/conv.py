@@ -15,7 +15,7 @@ from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, wo
 from . import conv_phases, gemm
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import by_density, copy_even, copy_run, entry, pairs_of, row_of, rows_dense, span_of
+from .jit import by_density, copy_even, entry, pairs_of, row_of, rows_dense, span_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -92,8 +92,7 @@ def step_key(sw: int) -> int:
 
 
 def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
-    FLAT = dense and fixed_step == 1  # noqa: N806  (closure constants: the other variants compile neither path)
-    PAIRS = dense and fixed_step == 2  # noqa: N806
+    PAIRS = dense and fixed_step == 2  # noqa: N806  (closure constant: the other variants compile no pair path)
 
     @jit
     def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k0: int, k1: int, kbase: int) -> None:
@@ -101,15 +100,14 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
         (0 in the padding; k = (c*KH + kh)*KW + kw) for ``geo[9]`` images i and the unfolded rows ``k0 <= k < k1``
         (a range per helper thread, or a k block of a tile when ``kbase`` = k0); ``geo`` = (KH, KW, sh, sw, ph,
         pw, dh, dw, OW, images). Rows of x and cols typed
-        dense when ``dense``; the column step a compile-time constant when ``fixed_step``. With dense rows, step 1
-        and OW = W, a plane's rows inside the image are one flat copy (the columns it wraps into the padding
-        zeroed after); step 2 copies a row's every other element by masked vector steps (``jit.copy_even``)."""
+        dense when ``dense``; the column step a compile-time constant when ``fixed_step``. Step 2 copies a row's
+        every other element by masked vector steps (``jit.copy_even``). (A step-1 unfold with OW = W over planes
+        whose rows lie back to back is ``conv_phases.unfold_plane``'s: phase 1 picks it, ``flat``.)"""
         kh_n, kw_n, sh, sw, ph, pw = geo[0], geo[1], geo[2], geo[3], geo[4], geo[5]
         dh, dw, ow_n, nn = geo[6], geo[7], geo[8], geo[9]
         height, width = x.shape[2], x.shape[3]
         rows = cols.shape[1] // (ow_n * nn)
         step = np.uint64(fixed_step if fixed_step else sw)
-        flat = FLAT and sh == 1 and ow_n == width
         c, kh, kw = conv_phases.tap_of(k0, kh_n, kw_n)  # stepped below without a division per k
         for k in range(k0, k1):
             off = kw * dw - pw
@@ -123,21 +121,6 @@ def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
                 _zero(crow, base, base + r_lo * ow_n)
                 _zero(crow, base + r_hi * ow_n, base + rows * ow_n)
                 if r_lo >= r_hi:
-                    continue
-                if flat and _plane_flat(plane):
-                    # output (r, ow) reads plane element (ih0 + r)*W + off + ow: one run from the first row's
-                    # column lo to the last row's column hi - 1
-                    copy_run(
-                        crow,
-                        base + r_lo * ow_n + lo,
-                        span_of(plane, 0, height * width),
-                        (ih0 + r_lo) * width + off + lo,
-                        (r_hi - r_lo - 1) * ow_n + hi - lo,
-                    )
-                    for r in range(r_lo, r_hi):
-                        d = base + r * ow_n
-                        _zero(crow, d, d + lo)
-                        _zero(crow, d + hi, d + ow_n)
                     continue
                 for r in range(r_lo, r_hi):
                     ih = ih0 + r * sh
@@ -677,8 +660,18 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         masks = conv_phases.masks(t, t.tile_rows)
         sample = np.empty((2, 2), dt)
         k_im2col = entry(conv_phases.unfold_images, x, 0, 1, 0, 0, 1, _geo(t), sample[0], masks, sample, 0, 0)
+    elif t.flat:  # each range reads the input planes in place (``conv_phases.unfold_plane``)
+        masks = conv_phases.plane_masks(t, t.tile_rows)
+        k_im2col = entry(conv_phases.unfold_planes, x, 0, 1, 0, 0, 1, _geo(t), masks, np.empty((2, 2), dt), 0, 0)
 
     def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any, ws: Any) -> None:
+        if t.flat:
+            rows = min(t.tile_rows, t.oh - oh0)
+            nn = cols.shape[1] // (rows * ow)
+            run_parts(
+                [functools.partial(k_im2col, x, n0, nn, c0, oh0, rows, geo, masks, cols, lo, hi) for lo, hi in ranges]
+            )
+            return
         if t.phases:
             rows = min(t.tile_rows, t.oh - oh0)
             nn = cols.shape[1] // (rows * ow)
@@ -762,8 +755,19 @@ def build_im2col_parts(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     so = [s // item for s in out.strides]
     cm = t.orient == "cm"
     kc, ow, ocg = t.kc, t.ow, t.ocg
-    k_im2col = _unfold_kernel(t, x)
     geo = _geo(t)
+    if t.flat:  # the input planes read in place (``conv_phases.unfold_plane``)
+        masks = conv_phases.plane_masks(t, t.tile_rows)
+        k_planes = entry(conv_phases.unfold_planes, x, 0, 1, 0, 0, 1, geo, masks, np.empty((2, 2), dt), 0, 0)
+
+        def unfold(n0: int, c0: int, oh0: int, rows: int, cols: Any) -> None:
+            k_planes(x, n0, 1, c0, oh0, rows, geo, masks, cols, 0, kc)
+    else:
+        k_im2col = _unfold_kernel(t, x)
+
+        def unfold(n0: int, c0: int, oh0: int, rows: int, cols: Any) -> None:
+            k_im2col(x, n0, c0, oh0, geo, cols, 0, kc, 0)
+
     wms = [_wmat(t, w, g) for g in range(t.groups)]
     bvs = [_group_bias(bias, g, ocg, cm) for g in range(t.groups)]
     units = parts_units(t)
@@ -777,17 +781,17 @@ def build_im2col_parts(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                 p = rows * ow
                 cols = _cols(ws[at : at + kc * p * item].view(dt), kc, p, cm)
                 o = _out_matrix(out[n0 : n0 + 1, g * ocg : (g + 1) * ocg, oh0 : oh0 + rows], p, ocg, so, cm)
-                work.append((n0, g * t.cg, oh0, cols, wms[g], o, bvs[g]))
-            parts.append(functools.partial(_run_units, k_im2col, x, geo, work, cm))
+                work.append((n0, g * t.cg, oh0, rows, cols, wms[g], o, bvs[g]))
+            parts.append(functools.partial(_run_units, unfold, work, cm))
         return functools.partial(run_blas_parts, parts)
 
     return workspace_launcher(bind)
 
 
-def _run_units(k_im2col: Any, x: Any, geo: Any, work: list[tuple[Any, ...]], cm: bool) -> None:
+def _run_units(unfold: Callable[..., None], work: list[tuple[Any, ...]], cm: bool) -> None:
     """One im2col_parts part: each unit unfolded, multiplied into out, its bias added."""
-    for n0, c0, oh0, cols, wm, o, bv in work:
-        k_im2col(x, n0, c0, oh0, geo, cols, 0, cols.shape[0], 0)
+    for n0, c0, oh0, rows, cols, wm, o, bv in work:
+        unfold(n0, c0, oh0, rows, cols)
         _tile_gemm(wm, cols, o, cm)
         if bv is not None:
             np.add(o, bv, out=o)

@@ -200,9 +200,11 @@ def unfold(
 
 
 @jit_inline
-def unfold_plane(img: Any, tile: Any, geo: Any, oh0: int, nr: int, k0: int, k1: int, m: Any, kbase: int) -> None:
-    """tile[k - kbase, r*OW + ow] = img[c, oh0 + r + kh*dh - ph, ow + kw*dw - pw] (0 outside the image) for
-    ``k0 <= k < k1``, k = (c*KH + kh)*KW + kw, OW = W and the planes' rows back to back (``plane_usable``): one
+def unfold_plane(
+    img: Any, c0: int, tile: Any, d0: int, geo: Any, oh0: int, nr: int, k0: int, k1: int, m: Any, kbase: int
+) -> None:
+    """tile[k - kbase, d0 + r*OW + ow] = img[c0 + c, oh0 + r + kh*dh - ph, ow + kw*dw - pw] (0 outside the image)
+    for ``k0 <= k < k1``, k = (c*KH + kh)*KW + kw, OW = W and the planes' rows back to back (``plane_usable``): one
     flat run of the plane per unfolded row, the columns that wrap around an input row (padding) masked to 0 by
     ``m[kw]`` (``plane_masks``; ``copy_where`` loads only the kept ones), the output rows outside the image
     zeroed. Measured against ``conv.im2col``'s flat copy and scalar zeroing per row (one thread, all unfolded rows
@@ -213,27 +215,37 @@ def unfold_plane(img: Any, tile: Any, geo: Any, oh0: int, nr: int, k0: int, k1: 
     end = nr * ow_n
     c, kh, kw = tap_of(k0, kh_n, kw_n)
     at = c
-    plane = span_of(img[c], 0, size)
+    plane = span_of(img[c0 + c], 0, size)
     for k in range(k0, k1):
         if c != at:
             at = c
-            plane = span_of(img[c], 0, size)
+            plane = span_of(img[c0 + c], 0, size)
         dr = kh * dh - ph
         dc = kw * dw - pw
         lo = min(nr, max(0, -(oh0 + dr))) * ow_n
         hi = max(lo, min(nr, height - oh0 - dr) * ow_n)
         crow = row_of(tile, k - kbase, True)
-        for p in range(lo):
+        for p in range(d0, d0 + lo):
             crow[p] = 0.0
-        for p in range(hi, end):
+        for p in range(d0 + hi, d0 + end):
             crow[p] = 0.0
         if hi > lo:
             src = (oh0 + dr) * ow_n + dc + lo
             if dc == 0:
-                copy_run(crow, lo, plane, src, hi - lo)
+                copy_run(crow, d0 + lo, plane, src, hi - lo)
             else:
-                copy_where(crow, lo, plane, src, hi - lo, m[kw], lo)
+                copy_where(crow, d0 + lo, plane, src, hi - lo, m[kw], lo)
         c, kh, kw = next_tap(c, kh, kw, kh_n, kw_n)
+
+
+@_jit.jit
+def unfold_planes(
+    x: Any, n0: int, nn: int, c0: int, oh0: int, nr: int, geo: Any, m: Any, cols: Any, k0: int, k1: int
+) -> None:
+    """cols[k, (i*nr + r)*OW + ow] = ``unfold_plane`` of image n0 + i from channel c0 (the group's first), output
+    rows oh0 + r, for ``k0 <= k < k1`` and ``nn`` images (im2col's tile, a k range per helper thread)."""
+    for i in range(nn):
+        unfold_plane(x[n0 + i], c0, cols, i * nr * geo[8], geo, oh0, nr, k0, k1, m, 0)
 
 
 STEP_ROWS = 64  # unfolded rows per step of ``unfold_images`` (whole channels): the rows it writes stay in L2

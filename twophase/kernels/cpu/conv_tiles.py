@@ -81,7 +81,7 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                     conv_phases.split(x, n, c0, c1, oh0 + dr_lo, prows, ow_n, phases)
                     conv_phases.unfold(phases, tile, geo, x.shape[2], oh0, nr, prows, c0, k0, k0 + kl, masks, k0, 1, 0)
                 elif PLANES and planes:
-                    conv_phases.unfold_plane(x[n], tile, geo, oh0, nr, k0, k0 + kl, masks, k0)
+                    conv_phases.unfold_plane(x[n], 0, tile, 0, geo, oh0, nr, k0, k0 + kl, masks, k0)
                 else:
                     _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
                 if k0 == 0:  # the masked panel reads the tile's columns up to the next 16: keep them finite
