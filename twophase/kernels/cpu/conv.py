@@ -583,6 +583,13 @@ def _unfold_kernel(t: Any, x: Any) -> Any:
     return entry(kernel, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0, 0)
 
 
+def _plane_unfold(t: Any, x: Any) -> tuple[Any, Any]:
+    """The compiled ``conv_phases.unfold_planes`` for these operands and its column masks for tiles of
+    ``t.tile_rows`` output rows: the unfold of a tiling with ``flat``."""
+    masks = conv_phases.plane_masks(t, t.tile_rows)
+    return entry(conv_phases.unfold_planes, x, 0, 1, 0, 0, 1, _geo(t), masks, np.empty((2, 2), x.dtype), 0, 0), masks
+
+
 def _out_matrix_area(ws: Any, off: int, ocg: int, p: int, dt: Any, cm: bool) -> Any:
     """The staged GEMM result in the workspace's second area: (OCg, pixels) or (pixels, OCg)."""
     area = ws[off : off + ocg * p * dt.itemsize].view(dt)
@@ -660,9 +667,8 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         masks = conv_phases.masks(t, t.tile_rows)
         sample = np.empty((2, 2), dt)
         k_im2col = entry(conv_phases.unfold_images, x, 0, 1, 0, 0, 1, _geo(t), sample[0], masks, sample, 0, 0)
-    elif t.flat:  # each range reads the input planes in place (``conv_phases.unfold_plane``)
-        masks = conv_phases.plane_masks(t, t.tile_rows)
-        k_im2col = entry(conv_phases.unfold_planes, x, 0, 1, 0, 0, 1, _geo(t), masks, np.empty((2, 2), dt), 0, 0)
+    elif t.flat:  # each range reads the input planes in place
+        k_im2col, masks = _plane_unfold(t, x)
 
     def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any, ws: Any) -> None:
         if t.flat:
@@ -756,9 +762,8 @@ def build_im2col_parts(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     cm = t.orient == "cm"
     kc, ow, ocg = t.kc, t.ow, t.ocg
     geo = _geo(t)
-    if t.flat:  # the input planes read in place (``conv_phases.unfold_plane``)
-        masks = conv_phases.plane_masks(t, t.tile_rows)
-        k_planes = entry(conv_phases.unfold_planes, x, 0, 1, 0, 0, 1, geo, masks, np.empty((2, 2), dt), 0, 0)
+    if t.flat:  # the input planes read in place
+        k_planes, masks = _plane_unfold(t, x)
 
         def unfold(n0: int, c0: int, oh0: int, rows: int, cols: Any) -> None:
             k_planes(x, n0, 1, c0, oh0, rows, geo, masks, cols, 0, kc)

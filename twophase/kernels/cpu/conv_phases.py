@@ -96,7 +96,8 @@ def _column_masks(chunk: int, ow: int, column_offsets: Any) -> Any:
 
 
 def plane_usable(t: Any, rows_dense: bool, row_stride: int) -> bool:
-    """Whether im2col_tiles' unfold reads the input planes themselves as their one phase (``unfold_plane``):
+    """Whether a channel-major unfold (im2col_tiles, im2col, im2col_parts) reads the input planes themselves as
+    their one phase (``unfold_plane``):
     stride 1, an output as wide as the input (a "same" padding: each output row reads a whole input row shifted by
     the tap's column offset) and dense rows lying back to back (``row_stride``, in elements, = W)."""
     return (t.sh, t.sw) == (1, 1) and t.ow == t.w and rows_dense and (row_stride == t.w or t.h == 1)
@@ -207,8 +208,9 @@ def unfold_plane(
     for ``k0 <= k < k1``, k = (c*KH + kh)*KW + kw, OW = W and the planes' rows back to back (``plane_usable``): one
     flat run of the plane per unfolded row, the columns that wrap around an input row (padding) masked to 0 by
     ``m[kw]`` (``plane_masks``; ``copy_where`` loads only the kept ones), the output rows outside the image
-    zeroed. Measured against ``conv.im2col``'s flat copy and scalar zeroing per row (one thread, all unfolded rows
-    of one image, /tmp/w45/unf2.py): 512 x 7^2 199 -> 68 us, 256 x 14^2 129 -> 67 us."""
+    zeroed. Measured against the flat copy with scalar zeroing per output row that ``conv.im2col`` had before
+    (one thread, all unfolded rows of one image, /tmp/w45/unf2.py of the forty-fifth session): 512 x 7^2 199 -> 68
+    us, 256 x 14^2 129 -> 67 us."""
     kh_n, kw_n, ph, pw, dh, dw, ow_n = geo[0], geo[1], geo[4], geo[5], geo[6], geo[7], geo[8]
     height = img.shape[1]
     size = height * ow_n
