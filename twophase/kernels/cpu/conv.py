@@ -660,7 +660,6 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                 else:  # one image, or pixel-major images that merge into one run of rows
                     steps.append((n0, nn, g * t.cg, oh0, p, wm, _out_matrix(blk, p, t.ocg, so, cm), bv, False))
     ranges = split_range(kc, t.parts)
-    k_im2col = _unfold_kernel(t, x)
     if t.phases:  # each range through its own phase area (``conv_phases``)
         area = conv_phases.images_area_floats(t, t.tile_rows, tn) * item
         areas = [(t.phase_offset + i * area, t.phase_offset + (i + 1) * area) for i in range(len(ranges))]
@@ -669,24 +668,22 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         k_im2col = entry(conv_phases.unfold_images, x, 0, 1, 0, 0, 1, _geo(t), sample[0], masks, sample, 0, 0)
     elif t.flat:  # each range reads the input planes in place
         k_im2col, masks = _plane_unfold(t, x)
+    else:
+        k_im2col = _unfold_kernel(t, x)
 
     def unfold(n0: int, c0: int, oh0: int, geo: Any, cols: Any, ws: Any) -> None:
-        if t.flat:
+        if t.phases or t.flat:  # kernels over whole images from (n0, oh0): this tile's images and rows
             rows = min(t.tile_rows, t.oh - oh0)
             nn = cols.shape[1] // (rows * ow)
-            run_parts(
-                [functools.partial(k_im2col, x, n0, nn, c0, oh0, rows, geo, masks, cols, lo, hi) for lo, hi in ranges]
-            )
-            return
-        if t.phases:
-            rows = min(t.tile_rows, t.oh - oh0)
-            nn = cols.shape[1] // (rows * ow)
-            run_parts(
-                [
-                    functools.partial(k_im2col, x, n0, nn, c0, oh0, rows, geo, ws[a:b].view(dt), masks, cols, lo, hi)
+            head = (x, n0, nn, c0, oh0, rows, geo)
+            if t.flat:
+                calls = [functools.partial(k_im2col, *head, masks, cols, lo, hi) for lo, hi in ranges]
+            else:
+                calls = [
+                    functools.partial(k_im2col, *head, ws[a:b].view(dt), masks, cols, lo, hi)
                     for (lo, hi), (a, b) in zip(ranges, areas)
                 ]
-            )
+            run_parts(calls)
             return
         run_parts([functools.partial(k_im2col, x, n0, c0, oh0, geo, cols, lo, hi, 0) for lo, hi in ranges])
 
@@ -765,13 +762,13 @@ def build_im2col_parts(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     if t.flat:  # the input planes read in place
         k_planes, masks = _plane_unfold(t, x)
 
-        def unfold(n0: int, c0: int, oh0: int, rows: int, cols: Any) -> None:
-            k_planes(x, n0, 1, c0, oh0, rows, geo, masks, cols, 0, kc)
+        def unfold(n0: int, c0: int, oh0: int, rows: int, cols: Any) -> Callable[[], None]:
+            return functools.partial(k_planes, x, n0, 1, c0, oh0, rows, geo, masks, cols, 0, kc)
     else:
         k_im2col = _unfold_kernel(t, x)
 
-        def unfold(n0: int, c0: int, oh0: int, rows: int, cols: Any) -> None:
-            k_im2col(x, n0, c0, oh0, geo, cols, 0, kc, 0)
+        def unfold(n0: int, c0: int, oh0: int, rows: int, cols: Any) -> Callable[[], None]:
+            return functools.partial(k_im2col, x, n0, c0, oh0, geo, cols, 0, kc, 0)
 
     wms = [_wmat(t, w, g) for g in range(t.groups)]
     bvs = [_group_bias(bias, g, ocg, cm) for g in range(t.groups)]
@@ -786,17 +783,18 @@ def build_im2col_parts(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
                 p = rows * ow
                 cols = _cols(ws[at : at + kc * p * item].view(dt), kc, p, cm)
                 o = _out_matrix(out[n0 : n0 + 1, g * ocg : (g + 1) * ocg, oh0 : oh0 + rows], p, ocg, so, cm)
-                work.append((n0, g * t.cg, oh0, rows, cols, wms[g], o, bvs[g]))
-            parts.append(functools.partial(_run_units, unfold, work, cm))
+                work.append((unfold(n0, g * t.cg, oh0, rows, cols), cols, wms[g], o, bvs[g]))
+            parts.append(functools.partial(_run_units, work, cm))
         return functools.partial(run_blas_parts, parts)
 
     return workspace_launcher(bind)
 
 
-def _run_units(unfold: Callable[..., None], work: list[tuple[Any, ...]], cm: bool) -> None:
-    """One im2col_parts part: each unit unfolded, multiplied into out, its bias added."""
-    for n0, c0, oh0, rows, cols, wm, o, bv in work:
-        unfold(n0, c0, oh0, rows, cols)
+def _run_units(work: list[tuple[Any, ...]], cm: bool) -> None:
+    """One im2col_parts part: each unit unfolded (its unfold bound when the workspace was), multiplied into out,
+    its bias added."""
+    for unfold, cols, wm, o, bv in work:
+        unfold()
         _tile_gemm(wm, cols, o, cm)
         if bv is not None:
             np.add(o, bv, out=o)
