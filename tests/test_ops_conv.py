@@ -737,21 +737,25 @@ def test_conv2d_im2col_tiles(
     dil: tuple[int, int],
     threads: int,
     rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Tiles with masked 16-column tails, several k blocks, parts over output rows (across images) or output
     channels, stride 2 through the input's phases where they hold a whole phase row: every output written once
     with the bias, the workspace exactly the parts' phase areas and tiles (the tiles last, their padding columns
-    zeroed, so all of it is touched), nothing past it."""
+    zeroed, so all of it is touched), nothing past it. Tiles of at most 256 pixels, so that these small images
+    take several (the default budget: ``test_conv2d_im2col_tiles_budget``)."""
     x = _x(rng, (n, c) + hw, False)
     w = (rng.standard_normal((oc, c) + k) * 0.2).astype(np.float32)
     b = rng.standard_normal(oc).astype(np.float32)
     attrs = dict(stride=stride, padding=pad, dilation=dil)
     ref = reference(x, w, b, **attrs)
+    kc = c * k[0] * k[1]
+    kblock = -(-kc // -(-kc // TILE_K))
+    monkeypatch.setattr(conv_op, "TILE_FLOATS", 256 * kblock)
     with num_threads(threads):
         r = _run("im2col_tiles", x, w, b, **attrs)
     t = r.tiling
-    kc = c * k[0] * k[1]
-    assert t.kblock == -(-kc // -(-kc // TILE_K)) and t.chunk == tile_rows(t.oh, t.ow)
+    assert t.kblock == kblock and t.chunk == tile_rows(t.oh, t.ow, 256)
     assert t.grid == tiles_grid(n, t.oh, t.ow, oc, threads) and t.parts == len(t.grid)
     phases = stride == (2, 2) and dil == (1, 1) and min(k) >= 2 and (hw[1] + 1) // 2 <= t.ow
     assert t.phases == phases
@@ -765,6 +769,40 @@ def test_conv2d_im2col_tiles(
     segments = [min(b, (i + 1) * t.oh) - max(a, i * t.oh) for a, b, _, _ in t.grid for i in range(n)]
     widest = max(min(t.chunk, length) for length in segments)
     assert r.workspace_size == t.parts * (t.kblock * -(-widest * t.ow // 16) * 16 + area) * 4
+    _check(r, ref)
+
+
+@needs_tiles
+@pytest.mark.parametrize(
+    ("c", "hw", "k", "stride", "pad", "chunk"),
+    [
+        (3, (64, 64), (7, 7), (2, 2), (3, 3), 27),  # 147-row k blocks: 891 pixels, 27 of 32 rows 32 wide
+        (3, (40, 200), (7, 7), (2, 2), (3, 3), 8),  # 100-wide output rows: 8 of them (800 pixels), 3 tiles
+        (64, (30, 30), (3, 3), (1, 1), (1, 1), 22),  # 3 blocks of 192 rows: 682 pixels, 22 rows of 30
+    ],
+)
+def test_conv2d_im2col_tiles_budget(
+    c: int,
+    hw: tuple[int, int],
+    k: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int],
+    chunk: int,
+    rng: np.random.Generator,
+) -> None:
+    """A tile holds up to ``TILE_FLOATS`` floats: the fewer unfolded rows a k block has, the more output rows a tile
+    takes (a stem's 147 rows: 891 pixels, where 256 used to be the most), and the workspace follows."""
+    x = _x(rng, (1, c) + hw, False)
+    w = (rng.standard_normal((16, c) + k) * 0.2).astype(np.float32)
+    b = rng.standard_normal(16).astype(np.float32)
+    attrs = dict(stride=stride, padding=pad)
+    ref = reference(x, w, b, **attrs)
+    with num_threads(1):
+        r = _run("im2col_tiles", x, w, b, **attrs)
+    t = r.tiling
+    assert t.chunk == chunk == tile_rows(t.oh, t.ow, conv_op.TILE_FLOATS // t.kblock)
+    assert t.chunk * t.ow * t.kblock <= conv_op.TILE_FLOATS
+    assert r.workspace_size >= t.kblock * t.chunk * t.ow * 4  # one tile (the phases' area after it)
     _check(r, ref)
 
 

@@ -400,13 +400,23 @@ def _parts_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate |
 
 
 TILE_K = 256  # unfolded rows per tile at most: a 32-column panel of them is 32 KiB, L1
-# output pixels per tile at most (whole output rows; one row when wider): 256 measured 5-10% faster than 128 on
-# ResNet-18's stride-2 layers and stem (fewer k-block passes over c, fewer unfold calls; /tmp/w/tk2.py, ninth
-# session), 192 no better than 128
-TILE_PIXELS = 256
+# floats of an im2col tile at most (a k block's unfolded rows x its pixels, whole output rows; one row when wider):
+# half an L2, whatever the block's depth. Against the 256 pixels it had (measured 5-10% faster than 128 on
+# ResNet-18's stride-2 layers and stem, ninth session), forced im2col_tiles, 2 threads, AMD Zen 4, two runs,
+# t(256) / t(new) (/tmp/w46/tf.py of the forty-sixth session): stem 3->64 224^2 k7 s2 (147-row blocks, 2 -> 7
+# output rows per tile) n1 1.07 / 1.05x, n8 1.04 / 1.03x; 64->128 56^2 s2 (192 rows, 8 -> 24) n1 1.00 / 1.11x,
+# n8 1.04 / 1.05x; 64->128 1x1 s2 (whole images) n1 1.00 / 1.02x, n8 1.05 / 1.06x; 64->64 56^2 (4 -> 12)
+# 1.01-1.04x; 128->128 28^2 (8 -> 20) 1.02-1.05x. 2^16 floats gained less (0.96-1.07x), 3 x 2^16 no more
+# (0.93-1.10x)
+TILE_FLOATS = 1 << 17
 
 
-def tile_rows(oh: int, ow: int, most: int = TILE_PIXELS) -> int:
+def tile_pixels(kblock: int) -> int:
+    """Pixels per im2col tile at most for k blocks of ``kblock`` unfolded rows: ``TILE_FLOATS`` of them."""
+    return max(1, TILE_FLOATS // max(kblock, 1))
+
+
+def tile_rows(oh: int, ow: int, most: int) -> int:
     """Output rows per im2col tile: up to ``most`` pixels (at least one row, at most ``oh``), the count whose
     tiles over an image's ``oh`` rows (the last one shorter) waste the least of the GEMM's 16-column panels (the
     largest of equals)."""
@@ -461,8 +471,8 @@ def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
 
 def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None) -> Candidate | None:
     """im2col_tiles for float32, one group, a channel-major output, on a CPU with the register-blocked GEMM:
-    the most output rows per tile (up to ``TILE_PIXELS`` pixels) whose per-part tiles fit ``limit`` (with the
-    parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without; ``t.flat``: the
+    the most output rows per tile (up to ``tile_pixels`` of its k blocks) whose per-part tiles fit ``limit`` (with
+    the parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without; ``t.flat``: the
     unfold reads the input planes in place); None without input channels (nothing to unfold: the others write the
     bias)."""
     if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
@@ -472,7 +482,7 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     item = x.dtype.itemsize
     phased = phases_usable(t, dense)
     channels = tile_channels(t.kc, kblock, t.kh * t.kw)
-    most = TILE_PIXELS
+    most = tile_pixels(kblock)
     while True:
         rows = tile_rows(t.oh, t.ow, most)
         tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
@@ -720,7 +730,8 @@ conv2d = register(
             ">= 2, dense input rows and ceil(W/2) <= OW when it fits workspace_limit, else 0, "
             "P = parts (the fan-out count, fewer when N*OH is smaller), "
             "KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per k block, "
-            "R = output rows per tile (up to 256 pixels, those filling the GEMM's panels best); "
+            "R = output rows per tile (up to 2^17 / KB pixels: a tile of 512 KiB of float32; the count filling "
+            "the GEMM's panels best); "
             "direct: 0"
         ),
         doc=(
