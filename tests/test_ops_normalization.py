@@ -23,6 +23,7 @@ from twophase.errors import ParamError
 from twophase.kernels.cpu import norm as norm_kernels
 from twophase.kernels.cpu import streaming
 from twophase.kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
+from twophase.layout import line_array
 from twophase.ops.normalization import SoftmaxTiling
 from twophase.ops.selection import forced
 from twophase.runtime.fanout import fanout_parts
@@ -65,7 +66,7 @@ def check(r: Any, ref: Any, dtype: Any, ws: int | None = None) -> None:
 
 # ---------------------------------------------------------------- softmax / log_softmax
 def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False) -> int:
-    """The ops' doc: [packed log: align64(T*L*c) scratch] + align64(K*ceil(N/8192)*16) if N > 32768;
+    """The ops' doc: [packed log: T*align64(L*c) scratch] + align64(K*ceil(N/8192)*16) if N > 32768;
     + align64(K*N*c) if packed."""
     kept = [i for i in range(len(shape)) if i != dim]
     n = shape[dim] if shape else 1
@@ -74,7 +75,7 @@ def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False
     rows = fanout_parts() if k * n >= 1 << 20 else 1
     f16 = np.dtype(dtype) == np.float16
     packed = (f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept])) and k * n > 0
-    ws = align64(rows * (8192 if split else n) * compute_size(dtype)) if log and packed else 0
+    ws = rows * align64((8192 if split else n) * compute_size(dtype)) if log and packed else 0
     ws += align64(k * -(-n // 8192) * 16) if split else 0
     if packed:
         ws += align64(k * n * compute_size(dtype))
@@ -175,7 +176,8 @@ def test_softmax_and_log_softmax_extremes() -> None:
     np.testing.assert_allclose(ls[2], [-np.inf, -np.log(2), -np.log(2)], rtol=1e-7)
 
 
-@pytest.mark.parametrize("shape", [(5, 300), (3, 40000), (1024, 1100)])  # whole rows, split rows, in parts
+# whole rows, split rows, in parts, short rows in parts (each part's scratch row on lines of its own)
+@pytest.mark.parametrize("shape", [(5, 300), (3, 40000), (1024, 1100), (65536, 33)])
 @pytest.mark.parametrize("op", [ops.softmax, ops.log_softmax])
 def test_in_place_into_its_own_input(dev: Any, stream: Any, op: Any, shape: tuple[int, int]) -> None:
     a = np.random.default_rng(1).standard_normal(shape)
@@ -185,6 +187,31 @@ def test_in_place_into_its_own_input(dev: Any, stream: Any, op: Any, shape: tupl
     op(ws, size, ex, stream)
     stream.synchronize()
     np.testing.assert_allclose(x.numpy(), op.spec.reference(a, -1), rtol=1e-12, atol=1e-14)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.lists(st.integers(0, 70), min_size=1, max_size=3),
+    dtype=st.sampled_from([np.float16, np.float32, np.float64, np.uint8]),
+)
+def test_line_array_owns_its_lines(shape: list[int], dtype: Any) -> None:
+    """line_array: C-contiguous, on a 64-byte boundary, and the rest of its last line padding that no other
+    array's bytes use (parts' scratch rows written at once by helper threads never share a line)."""
+    arrays = [line_array(shape, dtype) for _ in range(4)]
+    lines = []
+    for a in arrays:
+        assert a.shape == tuple(shape) and a.dtype == np.dtype(dtype) and a.flags.c_contiguous
+        if not a.nbytes:  # (no bytes: no lines)
+            continue
+        assert a.ctypes.data % 64 == 0
+        end = a.ctypes.data + align64(a.nbytes)
+        raw = a.base
+        while raw.base is not None:  # the uint8 buffer it was cut from covers the padded lines
+            raw = raw.base
+        assert raw.ctypes.data <= a.ctypes.data and end <= raw.ctypes.data + raw.nbytes
+        lines.append((a.ctypes.data, end))
+    lines.sort()
+    assert all(prev[1] <= nxt[0] for prev, nxt in zip(lines, lines[1:], strict=False))
 
 
 def test_softmax_workspace_grows_with_the_row_length() -> None:

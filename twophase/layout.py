@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +11,16 @@ import numpy as np
 if TYPE_CHECKING:
     from .tensor import TensorDesc
 
-__all__ = ["merge_dims", "rows_split", "as_rows", "as_matrix", "broadcast_shape", "align", "spread_stride"]
+__all__ = [
+    "merge_dims",
+    "rows_split",
+    "as_rows",
+    "as_matrix",
+    "broadcast_shape",
+    "align",
+    "line_array",
+    "spread_stride",
+]
 
 
 def merge_dims(shape: Sequence[int], strides: Sequence[int]) -> tuple[int, int] | None:
@@ -86,6 +96,17 @@ def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...] | None:
 def align(nbytes: int, to: int = 64) -> int:
     """Round ``nbytes`` up to a multiple of ``to`` (workspace sub-buffers start on cache lines)."""
     return (nbytes + to - 1) // to * to
+
+
+def line_array(shape: Sequence[int], dtype: Any) -> np.ndarray[Any, Any]:
+    """A C-contiguous array on cache lines of its own: it starts on a 64-byte boundary and the rest of its last
+    line is padding, so no other array's bytes share its lines (scratch rows of parts that threads write at once:
+    rows sharing a line would pass it from core to core at every store)."""
+    dt = np.dtype(dtype)
+    nbytes = math.prod(shape) * dt.itemsize
+    raw = np.empty(align(nbytes) + 64, np.uint8)
+    start = -raw.ctypes.data % 64
+    return raw[start : start + nbytes].view(dt).reshape(shape)
 
 
 def spread_stride(nbytes: int, count: int = 16) -> int:

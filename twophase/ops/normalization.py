@@ -54,7 +54,7 @@ def plan_softmax(
 ) -> SoftmaxTiling:
     """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
-    workspace, in this order: for packed log-softmax only, align64(T * L * c) of scratch, one row of L = N
+    workspace, in this order: for packed log-softmax only, T * align64(L * c) of scratch, one row of L = N
     elements (8192 when split) per part (T = the helper threads' part count from 2^20 elements, else 1); then
     align64(K * ceil(N / 8192) * 16) when N > 32768 (a float64 (max, sum) per block); then align64(K * N * c)
     when the operands are packed (float16, or other dims that do not merge into one stride); c = 4 for float16
@@ -77,7 +77,7 @@ def plan_softmax(
     pack = (x.dtype is DType.float16 or not mergeable(x) or not mergeable(out)) and k * n > 0
     # packed log-softmax runs in place in the pack: its exps need scratch rows (first in the workspace)
     scratch_len = (SPLIT_BLOCK if split > 1 else n) if log and pack else 0
-    ws = align(threads * scratch_len * item)
+    ws = threads * align(scratch_len * item)  # each part's row on cache lines of its own
     part_offset = ws
     if split > 1:
         ws += align(k * split * 16)
@@ -160,7 +160,7 @@ SOFTMAX_FORMULA = (
     "align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*c) if packed (c = 4 for float16, else itemsize)"
 )
 LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + (
-    "; + align64(T*L*c) scratch if packed, L = N (8192 if split), T = parts (helper threads) from 2^20 elements, else 1"
+    "; + T*align64(L*c) scratch if packed, L = N (8192 if split), T = parts (helper threads) from 2^20 elements, else 1"
 )
 _SOFTMAX_DOC = (
     "{what} over ``dim`` (K rows of length N; dtypes float32, float64, float16 computed in float32). Rows of "
@@ -205,10 +205,9 @@ log_softmax = register(
         ).replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
         + "Log-softmax sums its exponentials in out (rewritten afterwards); packed, where it runs in place in the "
         "pack, it takes scratch before the rest of its workspace instead: one row of L = N elements (8192 when "
-        "split) per part run by a helper thread (T = the part count at planning from 2^20 elements, else 1). "
-        "Called in place (out is x) unpacked, it keeps such rows from binding time. Workspace: "
-        + LOG_SOFTMAX_FORMULA
-        + ".",
+        "split) per part run by a helper thread (T = the part count at planning from 2^20 elements, else 1), each "
+        "on cache lines of its own. Called in place (out is x) unpacked, it keeps such rows from binding time. "
+        "Workspace: " + LOG_SOFTMAX_FORMULA + ".",
         reference=_log_reference,
     )
 )
