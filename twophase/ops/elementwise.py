@@ -13,6 +13,7 @@ import numpy as np
 from ..errors import ParamError
 from ..kernels.cpu import streaming
 from ..kernels.cpu.elementwise import FANOUT_MIN, build_unary, pieces
+from ..kernels.cpu.half import cast_copy
 from ..layout import align, broadcast_shape, merge_dims, same_view
 from ..op import Attr, Op, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, launcher
@@ -265,7 +266,7 @@ def _build_where(
         return keep_x
 
     def launch(_: Any) -> None:
-        np.copyto(out, y, casting="unsafe")  # a no-op where out is y (in place)
+        cast_copy(out, y)  # a no-op where out is y (in place)
         np.copyto(out, x, casting="unsafe", where=cond)
 
     return launch
@@ -442,7 +443,7 @@ def _build_cast(
     plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]
 ) -> Callable[[Any], None]:
     x, out = ins[0], outs[0]
-    return lambda _: np.copyto(out, x, casting="unsafe")
+    return lambda _: cast_copy(out, x)
 
 
 _register_binary()

@@ -12,6 +12,7 @@ import numpy as np
 
 from ..errors import ParamError
 from ..kernels.cpu import streaming
+from ..kernels.cpu.half import cast_copy
 from ..kernels.cpu.jit import entry
 from ..kernels.cpu.norm import AFFINE, LAYER_NORM_ROWS, SHORT_ROW_BYTES, build_norm
 from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
@@ -339,10 +340,10 @@ def _norm_build(rms: bool) -> Any:
             bv = ws[x_bytes + w_bytes : x_bytes + w_bytes + n * compute.itemsize].view(compute)
             np.copyto(wv, ones if w is None else w.reshape(-1))
             np.copyto(bv, zeros if b is None else b.reshape(-1))
-            np.copyto(area.reshape(x.shape), x, casting="unsafe")
+            cast_copy(area.reshape(x.shape), x)
             m = area.reshape(k, n)
             fn(m, wv, bv, attrs["eps"], rms, m, mean1, rstd1)
-            np.copyto(out, area.reshape(out.shape), casting="unsafe")
+            cast_copy(out, area.reshape(out.shape))
 
         return launch if x.size else inner
 

@@ -20,6 +20,7 @@ from numba.extending import overload
 from ...layout import align, as_matrix, same_view
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
+from .half import cast_copy
 from .jit import FAST, by_density, entry, jit_inline, row_of, rows_dense, wide_vectors
 from .streaming import LINE_BYTES, aligned_head, flat_launch, put_streaming, sfence, takes
 
@@ -399,10 +400,10 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any, stream: b
 
     def launch(ws: Any) -> None:
         area = ws[:nbytes].view(compute)
-        np.copyto(area.reshape(x.shape), x, casting="unsafe")
+        cast_copy(area.reshape(x.shape), x)
         m = area.reshape(1, n)
         run_parts([functools.partial(fn, m[:, lo:hi]) for lo, hi in spans])
-        np.copyto(out, area.reshape(out.shape), casting="unsafe")
+        cast_copy(out, area.reshape(out.shape))
 
     return launch
 

@@ -21,6 +21,7 @@ import numpy as np
 from ...runtime.fanout import bound, fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from . import vmath as vm
+from .half import cast_copy
 from .jit import by_density, entry, row_of, rows_dense
 from .norm import FANOUT_MIN, _affine
 
@@ -295,11 +296,11 @@ def build_group_norm(
         run = kernel(a4, wv, bv, a4, ws)
 
         def work() -> None:
-            np.copyto(area, src, casting="unsafe")
-            np.copyto(wv, w, casting="unsafe")
-            np.copyto(bv, b, casting="unsafe")
+            cast_copy(area, src)
+            cast_copy(wv, w)
+            cast_copy(bv, b)
             run()
-            np.copyto(dst, area, casting="unsafe")
+            cast_copy(dst, area)
 
         return work
 

@@ -13,6 +13,7 @@ import numpy as np
 
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
+from .half import cast_copy
 from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
 from .span_ir import span_moments, span_sum
 from .streaming import LINE_BYTES, VECTOR_BYTES, aligned_head, element_aligned, sfence, store_normalized
@@ -172,10 +173,10 @@ def build_norm(
 
     def launch(ws: Any) -> None:
         area = ws[:nbytes].view(compute)
-        np.copyto(area.reshape(src.shape), src, casting="unsafe")
+        cast_copy(area.reshape(src.shape), src)
         m = area.reshape(k, n)
         run_parts(parts(m, m))
-        np.copyto(dst, area.reshape(dst.shape), casting="unsafe")
+        cast_copy(dst, area.reshape(dst.shape))
 
     return launch
 
@@ -274,11 +275,11 @@ def build_batch_norm(
         calls = _batch_norm_parts(a4, a4, vectors, eps, parts)
 
         def work() -> None:
-            np.copyto(area.reshape(src.shape), src, casting="unsafe")
+            cast_copy(area.reshape(src.shape), src)
             for v, p in zip(vectors, params):
-                np.copyto(v, p, casting="unsafe")
+                cast_copy(v, p)
             run_parts(calls)
-            np.copyto(dst, area.reshape(src.shape), casting="unsafe")
+            cast_copy(dst, area.reshape(src.shape))
 
         return work
 

@@ -22,6 +22,7 @@ import numba
 import numpy as np
 
 from ...runtime.fanout import fanout_parts, run_parts, split_range
+from .half import cast_copy
 from .jit import REDUCE, by_density, entry, row_of, rows_dense, span_of, wide_vectors
 from .jit import jit_reduce as _jit_reduce
 from .span_ir import bulk_column_extrema, bulk_column_sums, bulk_extremum, bulk_first, span_moments, span_sum
@@ -348,7 +349,7 @@ def build_tree(
         x = first
         if pack:
             area = ws[pack_offset : pack_offset + pack_bytes].view(pack_dtype)
-            np.copyto(area.reshape(src.shape), src, casting="unsafe")
+            cast_copy(area.reshape(src.shape), src)
             x = area.reshape(k_rows, r)
         for n, off, step, parts in zip(levels, offsets, steps, fans):
             dst = ws[off : off + k_rows * n * acc.itemsize].view(acc).reshape(shaped(n))
@@ -359,7 +360,7 @@ def build_tree(
             wide = ws[stage : stage + k_rows * acc.itemsize].view(acc).reshape(shaped(1))
             run_level(final, *last, x, block, zero, wide, *extra)
             if scale is None:
-                np.copyto(dst_out, wide, casting="unsafe")
+                cast_copy(dst_out, wide)
             else:
                 np.multiply(wide, scale, out=dst_out, casting="unsafe")
         else:
@@ -426,7 +427,7 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
         x, idx = src, no_idx
         if pack:
             area = ws[pack_offset : pack_offset + pack_bytes].view(value_dtype)
-            np.copyto(area.reshape(src.shape), src, casting="unsafe")
+            cast_copy(area.reshape(src.shape), src)
             x = area.reshape(k_rows, r)
         for n, (ov, oi), step, p in zip(tiling.levels, parts, steps, fans):
             dv = ws[ov : ov + k_rows * n * value_dtype.itemsize].view(value_dtype).reshape(k_rows, n)
@@ -516,14 +517,14 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
         if not pack:
             return src
         area = ws[pack_offset : pack_offset + pack_bytes].view(pack_dtype)
-        np.copyto(area.reshape(src.shape), src, casting="unsafe")
+        cast_copy(area.reshape(src.shape), src)
         return area.reshape(k_rows, r)
 
     def finish(ws: Any, write: Callable[[Any], None]) -> None:
         if stage >= 0:
             wide = ws[stage : stage + k_rows * 8].view(np.float64).reshape(k_rows, 1)
             write(wide)
-            np.copyto(out2d, wide, casting="unsafe")
+            cast_copy(out2d, wide)
         else:
             write(out2d)
 

@@ -25,6 +25,7 @@ from ...layout import align, line_array
 from ...runtime.fanout import launcher, run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
+from .half import cast_copy
 from .jit import by_density, entry, row_of, rows_dense, wide_vectors
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
@@ -324,7 +325,7 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     def launch(ws: Any) -> None:
         if t.pack:
             area = ws[t.pack_offset : t.pack_offset + pack_bytes].view(compute_dt)
-            np.copyto(area.reshape(src.shape), src, casting="unsafe")
+            cast_copy(area.reshape(src.shape), src)
             x = out = area.reshape(k, n)
         else:
             x, out = src, dst
@@ -339,6 +340,6 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
             scratch = own
         run(x, out, scratch, ws)
         if t.pack:
-            np.copyto(dst, out.reshape(dst.shape), casting="unsafe")
+            cast_copy(dst, out.reshape(dst.shape))
 
     return launch

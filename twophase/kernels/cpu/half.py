@@ -1,0 +1,143 @@
+"""float16 <-> float32 copies on the CPU's conversion instructions (F16C, AVX-512: ``vcvtph2ps``, ``vcvtps2ph``).
+
+The ops compute float16 data in float32: they copy it into a float32 area of the workspace, work there and copy the
+result back (the packed implementations). numpy converts float16 in software, element by element: 16 M elements
+took 28-34 ms to float32 and 45 ms back, and 259 ms back when the values were float16 subnormals (softmax's outputs
+over rows of 4096), against 3.3-3.9 ms either way here (one thread, AMD Zen 4, /tmp/w46/half.py of the forty-sixth
+session). The results are numpy's, bit for bit, but for the payload of a NaN (it stays a NaN of the same sign):
+LLVM's ``fpext`` / ``fptrunc`` round to nearest even, overflow to inf and keep subnormals, as numpy does.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
+from numpy.lib.stride_tricks import as_strided
+
+from ...layout import merge_dims
+from ...runtime.fanout import fanout_parts, run_parts, split_range
+from . import jit as _jit
+from .gemm import host_has
+from .jit import by_density, entry, row_of, rows_dense
+
+__all__ = ["available", "cast_copy", "MIN_ELEMENTS", "FANOUT_ELEMENTS"]
+
+MIN_ELEMENTS = 4096  # below this numpy's copy costs less than cutting the views here (~10 us)
+FANOUT_ELEMENTS = 1 << 18  # elements from which the copy is cut into parts for helper threads
+_UP, _DOWN = (np.dtype(np.float16), np.dtype(np.float32)), (np.dtype(np.float32), np.dtype(np.float16))
+
+
+def available() -> bool:
+    """Whether the conversions compile to instructions here (x86 with F16C; elsewhere LLVM would call a runtime
+    routine that numba's JIT may not link)."""
+    return host_has("f16c")
+
+
+def _half_to_float_typing(typingctx: Any, bits: Any) -> Any:
+    """The float32 value of the float16 whose bits are ``bits`` (a uint16): ``fpext``, exact."""
+    if bits != types.uint16:
+        return None
+    sig = types.float32(types.uint16)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return sig, codegen
+
+
+def _float_to_half_typing(typingctx: Any, value: Any) -> Any:
+    """The bits (a uint16) of the float16 nearest ``value`` (a float32; ties to even): ``fptrunc``."""
+    if value != types.float32:
+        return None
+    sig = types.uint16(types.float32)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return sig, codegen
+
+
+half_to_float: Any = intrinsic(_half_to_float_typing)
+float_to_half: Any = intrinsic(_float_to_half_typing)
+
+
+def _kernel(up: bool, dense: bool) -> Any:
+    """``dst[i, j] = convert(src[i, j])`` over 2-D arrays (float16 as their uint16 bits); ``dense``: rows with
+    adjacent elements (``jit.rows_dense``), so the row loop vectorizes."""
+
+    @_jit.jit
+    def convert(src: Any, dst: Any) -> None:
+        for i in range(src.shape[0]):
+            s, d = row_of(src, i, dense), row_of(dst, i, dense)
+            for j in range(src.shape[1]):
+                if up:
+                    d[j] = half_to_float(s[j])
+                else:
+                    d[j] = float_to_half(s[j])
+
+    return convert
+
+
+KERNELS = {up: by_density(functools.partial(_kernel, up)) for up in (True, False)}
+
+
+def _matrix(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
+    """``a`` as a 2-D view (its leading dims merged into rows, its last dim the columns), or None where the
+    leading dims do not merge into one stride."""
+    if a.ndim <= 1:
+        return a.reshape(1, -1)  # (a view: a unit dim added)
+    lead = merge_dims(a.shape[:-1], [s // a.itemsize for s in a.strides[:-1]])
+    if lead is None:
+        return None
+    return as_strided(a, (lead[0], a.shape[-1]), (lead[1] * a.itemsize, a.strides[-1]))
+
+
+def cast_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+    """``np.copyto(dst, src, casting="unsafe")``, by the conversion instructions for float16 <-> float32 of one
+    shape (views of any strides, apart from each other) from ``MIN_ELEMENTS`` elements, in parts for helper threads
+    from ``FANOUT_ELEMENTS``; by numpy otherwise."""
+    pair = (src.dtype, dst.dtype)
+    if (
+        pair not in (_UP, _DOWN)
+        or dst.shape != src.shape
+        or dst.size < MIN_ELEMENTS
+        or not available()
+        or np.may_share_memory(dst, src)
+    ):
+        np.copyto(dst, src, casting="unsafe")
+        return
+    if dst.flags.c_contiguous and src.flags.c_contiguous:  # one long row, cut anywhere
+        d2: np.ndarray[Any, Any] | None = dst.reshape(1, -1)
+        s2: np.ndarray[Any, Any] | None = src.reshape(1, -1)
+    else:
+        d2, s2 = _matrix(dst), _matrix(src)
+    if d2 is None or s2 is None:  # leading dims that do not merge (3-D and more): 2-D slices in turn
+        for index in np.ndindex(*dst.shape[:-2]):
+            cast_copy(dst[index], src[index])
+        return
+    up = pair == _UP
+    bits_src, bits_dst = (s2.view(np.uint16), d2) if up else (s2, d2.view(np.uint16))
+    fn = entry(KERNELS[up][rows_dense(bits_src, bits_dst)], bits_src, bits_dst)
+    calls = _parts(fn, bits_src, bits_dst)
+    if len(calls) > 1:
+        run_parts(calls)
+    else:
+        calls[0]()
+
+
+def _parts(fn: Any, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> list[Callable[[], None]]:
+    """The calls of ``fn`` over ``src`` / ``dst`` (2-D): one, or from ``FANOUT_ELEMENTS`` elements one per part
+    (ranges of rows, or of columns where the rows are fewer than the parts)."""
+    parts = fanout_parts() if src.size >= FANOUT_ELEMENTS else 1
+    rows, cols = src.shape
+    if parts == 1:
+        return [functools.partial(fn, src, dst)]
+    if rows >= parts:
+        return [functools.partial(fn, src[a:b], dst[a:b]) for a, b in split_range(rows, parts)]
+    return [functools.partial(fn, src[:, a:b], dst[:, a:b]) for a, b in split_range(cols, parts, 64)]
