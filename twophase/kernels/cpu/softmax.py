@@ -70,7 +70,9 @@ def _shift(x: Any, out: Any, m: float, c: float) -> None:
 @jit_inline
 def _exp_store_max(x: Any, out: Any, m: float, y: Any) -> float:
     """out = exp(x - m), and the max of y (as ``_max``) read in the same loop: y is the next row or block,
-    streamed from memory while this one's exps keep the core busy."""
+    streamed from memory while this one's exps keep the core busy. In place (out is x): ``_exp_in_place_max``."""
+    if x.ctypes.data == out.ctypes.data:
+        return _exp_in_place_max(x, m, y)
     mx = y[0]
     nx, ny = x.shape[0], y.shape[0]
     both = min(nx, ny)
@@ -82,6 +84,17 @@ def _exp_store_max(x: Any, out: Any, m: float, y: Any) -> float:
     for i in range(both, ny):
         mx = vm.maximum(mx, y[i])
     return float(mx)
+
+
+@jit_inline
+def _exp_in_place_max(x: Any, m: float, y: Any) -> float:
+    """``_exp_store_max`` with out = x, in two loops: with y's max in the loop storing into x, LLVM does not
+    vectorize it where y is a row of x's array (it cannot bound the distance between a store to one row and a load
+    from another; with x and y of different arrays it checks they do not overlap, and vectorizes). In-place
+    softmax of 4096 x 4096 float32, two threads: 26.2 ms in the one loop, against 4.3 out of place."""
+    for i in range(x.shape[0]):
+        x[i] = vm.exp_shifted(x[i], m)
+    return _max(y)
 
 
 @jit_inline
