@@ -57,7 +57,11 @@ def random(
     return (np.abs(x) + 0.1 if positive else x).astype(dt)
 
 
-POISON_BITS = {np.float32: np.uint32(0x7FA0_0001), np.float64: np.uint64(0x7FF4_0000_0000_0001)}  # signalling NaNs:
+POISON_BITS = {  # signalling NaNs:
+    np.float16: np.uint16(0x7D01),
+    np.float32: np.uint32(0x7FA0_0001),
+    np.float64: np.uint64(0x7FF4_0000_0000_0001),
+}
 # no arithmetic result has these bits (operations quiet a signalling NaN), so one left in an output was never written
 
 

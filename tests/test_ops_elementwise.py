@@ -19,7 +19,7 @@ import twophase
 from twophase import DType, TensorDesc, device, functions, ops
 from twophase.errors import KernelError, ParamError
 from twophase.kernels.cpu import elementwise as elementwise_kernels
-from twophase.kernels.cpu import streaming
+from twophase.kernels.cpu import half, streaming
 from twophase.kernels.cpu.elementwise import IN_PLACE, KERNELS, SHORT_ROW, STAGE, _rows_call, function_for
 from twophase.kernels.cpu.jit import FAST
 from twophase.ops import elementwise as elementwise_ops
@@ -601,20 +601,48 @@ def test_streaming_is_ranked_first_only_for_outputs_as_large_as_the_last_level_c
     assert [impl(big, big, name=n) for n in STREAMING] == [want] * 4
     assert impl(TensorDesc((llc // 8,), DType.float64), TensorDesc((llc // 8,), DType.float64)) == want
     assert impl(small, small) == "ufunc"
+    half16 = TensorDesc((llc // 2,), DType.float16)
+    assert impl(half16, half16) == ("half" if half.available() else "ufunc")  # (test_half_binary_...)
     cases = {
         "alpha": (big, big),
         "broadcast": (big, TensorDesc((1,), DType.float32)),
-        "float16": (TensorDesc((llc // 2,), DType.float16),) * 2,
+        "float16 alpha": (half16, half16),
         "int32": (TensorDesc((llc // 4,), DType.int32),) * 2,
         "promoted": (big, TensorDesc((llc // 4,), DType.float64)),
         "strided": (TensorDesc((llc // 4,), DType.float32, strides=(2,)), big),
     }
     for case, descs in cases.items():
-        attrs = {"alpha": 2.0} if case == "alpha" else {}
+        attrs = {"alpha": 2.0} if "alpha" in case else {}
         assert impl(*descs, **attrs) == "ufunc", case
         with forced("streaming"), pytest.raises(ParamError) as err:
             impl(*descs, **attrs)
         assert err.value.arg == "implementation", case
+
+
+@pytest.mark.skipif(not half.available(), reason="no F16C: float16 arithmetic is numpy's")
+@settings(max_examples=60, deadline=None)
+@given(
+    name=st.sampled_from(STREAMING),
+    shape=st.lists(st.integers(1, 50), min_size=1, max_size=3).map(tuple),
+    offsets=st.tuples(*[st.integers(0, SLACK)] * 3),
+    parts=st.integers(1, 3),
+    seed=st.integers(0, 2**31),
+)
+def test_half_binary_is_numpys_float16_arithmetic(
+    name: str, shape: tuple[int, ...], offsets: tuple[int, int, int], parts: int, seed: int
+) -> None:
+    """Dense float16 operands of one shape take 'half' (converted by the CPU, computed in float32, rounded once):
+    numpy's result for every element (its float16 loops round the same way), NaN, inf, the largest finite, -0 and
+    subnormals included, at any offsets, in one to three parts; every element written, nothing around it."""
+    (x, y), (tx, ty), whole, tout = _placed(np.float16, shape, offsets, seed, [np.nan, np.inf, -np.inf, 65504.0])
+    op = getattr(ops, name)
+    with num_threads(parts), mock.patch.object(elementwise_ops, "FANOUT_MIN", 8):
+        size, ex = op.get_workspace_size(tx, ty, out=tout)
+    assert ex.implementation == "half" and size == 0
+    op(None, 0, ex, device("cpu").default_stream)
+    with np.errstate(all="ignore"):
+        want = BINARY[name][0](x, y)
+    _check_written(whole, offsets[2], want)
 
 
 @pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu import streaming
+from ..kernels.cpu import half, streaming
 from ..kernels.cpu.elementwise import FANOUT_MIN, build_unary, pieces
 from ..kernels.cpu.half import cast_copy
 from ..layout import align, broadcast_shape, merge_dims, same_view
@@ -82,29 +82,31 @@ def _binary_infer(name: str) -> Callable[[tuple[TensorDesc | None, ...], dict[st
 def _streaming_select(name: str) -> Any:
     """Phase 1 of add / sub / mul / div: 'streaming' (non-temporal stores, ``kernels/cpu/streaming.py``) where the
     operands and the output are dense, of one float dtype and one shape (``alpha`` 1), ranked first from outputs of
-    ``streaming.stream_threshold()`` bytes; numpy's 'ufunc' otherwise, and first below that size."""
+    ``streaming.stream_threshold()`` bytes; 'half' (``kernels/cpu/half.py``) first for such float16 ones where the
+    CPU converts float16; numpy's 'ufunc' otherwise, and first below that size."""
 
     def select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
         out = outs[0]
         ufunc = Candidate("ufunc", None, 0)
-        if not (
-            attrs.get("alpha", 1) == 1
-            and streaming.offered(out, *ins)
-            and all(d.shape == out.shape and d.dtype is out.dtype for d in ins)
-        ):
+        same = attrs.get("alpha", 1) == 1 and all(d.shape == out.shape and d.dtype is out.dtype for d in ins)
+        if same and out.dtype is DType.float16 and half.available() and all(d.is_contiguous for d in (out, *ins)):
+            return choose(name, [Candidate("half", None, 0), ufunc], limit)
+        if not (same and streaming.offered(out, *ins)):
             return choose(name, [ufunc], limit)
         return choose(name, streaming.ranked(Candidate("streaming", None, 0), ufunc, out.nbytes), limit)
 
     return select
 
 
-def _build_streaming(name: str, x: Any, y: Any, out: Any) -> Callable[[Any], None] | None:
-    """The 'streaming' launch, in one part per helper thread from ``FANOUT_MIN`` elements; None where the bound
-    memory cannot take it (``streaming.takes``, in place into x or y allowed; numpy then buffers an overlapping
-    output)."""
+def _build_flat(impl: str, name: str, x: Any, y: Any, out: Any) -> Callable[[Any], None] | None:
+    """The 'streaming' or 'half' launch, in one part per helper thread from ``FANOUT_MIN`` elements; None where the
+    bound memory cannot take it (``streaming.takes``, in place into x or y allowed; numpy then buffers an
+    overlapping output)."""
     if not streaming.takes((x, y), out, in_place=True):
         return None
     parts = fanout_parts() if out.size >= FANOUT_MIN else 1
+    if impl == "half":
+        return half.binary_launch(name, x, y, out, parts, FANOUT_MIN // 2)
     return streaming.flat_launch(streaming.KERNELS[name], (x, y), out, parts, FANOUT_MIN // 2)
 
 
@@ -114,8 +116,8 @@ def _binary_build(ufunc: Any, name: str = "") -> Builder:
     def build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]) -> Callable[[Any], None]:
         x, y = ins
         out = outs[0]
-        if plan.implementation == "streaming":
-            launch = _build_streaming(name, x, y, out)
+        if plan.implementation in ("streaming", "half"):
+            launch = _build_flat(plan.implementation, name, x, y, out)
             if launch is not None:
                 return launch
         alpha = attrs.get("alpha", 1)
@@ -155,7 +157,7 @@ def _register_binary() -> None:
                 infer=_binary_infer(name),
                 select=_streaming_select(name) if name in streaming.CODES else _zero_plan,
                 kernels={"cpu": _binary_build(ufunc, name)},
-                implementations=("ufunc", "streaming") if name in streaming.CODES else ("ufunc",),
+                implementations=("ufunc", "streaming", "half") if name in streaming.CODES else ("ufunc",),
                 workspace_formula="0",
                 aliases="any",
                 promotes=(0, 1),
@@ -165,7 +167,9 @@ def _register_binary() -> None:
                     + (
                         " Implementations: 'ufunc' (numpy's); 'streaming' (vector stores that bypass the cache) where "
                         "operands and output are dense float32 / float64 of one shape (alpha 1), ranked first from "
-                        "outputs of the last-level cache's size (at most 64 MiB)."
+                        "outputs of the last-level cache's size (at most 64 MiB); 'half' (float16 converted by the "
+                        "CPU's F16C instructions, computed in float32 and rounded once, as numpy's float16 loops do) "
+                        "where they are dense float16 of one shape (alpha 1), ranked first."
                         if name in streaming.CODES
                         else ""
                     )

@@ -37,6 +37,7 @@ from .jit import entry
 
 __all__ = [
     "CODES",
+    "apply_op",
     "KERNELS",
     "AVAILABLE",
     "LINE_BYTES",
@@ -228,7 +229,7 @@ def _put_typing(typingctx: Any, out: Any, i: Any, v: Any) -> Any:
     return sig, codegen
 
 
-_apply: Any = intrinsic(_apply_typing)
+apply_op: Any = intrinsic(_apply_typing)
 _store: Any = intrinsic(_store_typing)
 sfence: Any = intrinsic(_sfence_typing)
 store_normalized: Any = intrinsic(_normalized_typing)
@@ -305,13 +306,13 @@ def _kernel(code: int) -> Any:
         lanes = VECTOR_BYTES // out.itemsize
         head = aligned_head(out, n, VECTOR_BYTES)
         for i in range(head):
-            out[i] = _apply(code, a[i], b[i])
+            out[i] = apply_op(code, a[i], b[i])
         i = head
         while i + lanes <= n:
             _store(code, out, a, b, i)
             i += lanes
         for j in range(i, n):
-            out[j] = _apply(code, a[j], b[j])
+            out[j] = apply_op(code, a[j], b[j])
         sfence()
 
     return run
