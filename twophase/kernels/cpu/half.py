@@ -69,19 +69,28 @@ half_to_float: Any = intrinsic(_half_to_float_typing)
 float_to_half: Any = intrinsic(_float_to_half_typing)
 
 
+BLOCK = 32  # columns at a time of a copy whose rows are strided (a transposed view)
+
+
 def _kernel(up: bool, dense: bool) -> Any:
     """``dst[i, j] = convert(src[i, j])`` over 2-D arrays (float16 as their uint16 bits); ``dense``: rows with
-    adjacent elements (``jit.rows_dense``), so the row loop vectorizes."""
+    adjacent elements (``jit.rows_dense``), so the row loop vectorizes; else ``BLOCK`` columns at a time, so that
+    the lines of a transposed view stay in L1 while consecutive rows use them (float16 4096 x 4096 transposed into
+    float32, one thread: 62 ms row by row, 25 in blocks of 32 columns; blocks of 128 and 256: 27)."""
 
     @_jit.jit
     def convert(src: Any, dst: Any) -> None:
-        for i in range(src.shape[0]):
-            s, d = row_of(src, i, dense), row_of(dst, i, dense)
-            for j in range(src.shape[1]):
-                if up:
-                    d[j] = half_to_float(s[j])
-                else:
-                    d[j] = float_to_half(s[j])
+        rows, cols = src.shape
+        step = cols if dense else BLOCK
+        for j0 in range(0, cols, step):
+            j1 = min(cols, j0 + step)
+            for i in range(rows):
+                s, d = row_of(src, i, dense), row_of(dst, i, dense)
+                for j in range(j0, j1):
+                    if up:
+                        d[j] = half_to_float(s[j])
+                    else:
+                        d[j] = float_to_half(s[j])
 
     return convert
 
