@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import decimal
 import re
 from typing import Any
@@ -567,15 +568,24 @@ def test_streaming_binary_is_bitwise_numpy_at_any_alignment(
     """Operands and output start at any element offset (the kernel's scalar head runs up to the output's first
     32-byte boundary), cut into one to three parts; every element is written, nothing around the output is, and
     the result is numpy's bit for bit (NaN where numpy has NaN), inf, -0 and subnormals included."""
-    (x, y), (tx, ty), whole, tout = _placed(dtype, shape, offsets, seed, [np.nan, np.inf, -np.inf])
+    placed = _placed(dtype, shape, offsets, seed, [np.nan, np.inf, -np.inf])
+    _check_binary("streaming", True, name, placed, offsets[2], parts)
+
+
+def _check_binary(impl: str, force: bool, name: str, placed: Any, out_offset: int, parts: int) -> None:
+    """Op ``name`` on ``_placed`` operands in ``parts`` parts takes ``impl`` (``force``: forced to) with workspace
+    0, and writes numpy's result into every element of the output (``out_offset`` into its buffer) and nothing
+    around it."""
+    (x, y), (tx, ty), whole, tout = placed
     op = getattr(ops, name)
-    with forced("streaming"), num_threads(parts), mock.patch.object(elementwise_ops, "FANOUT_MIN", 8):
-        size, ex = op.get_workspace_size(tx, ty, out=tout)
-    assert ex.implementation == "streaming" and size == 0
+    with forced(impl) if force else contextlib.nullcontext(), num_threads(parts):
+        with mock.patch.object(elementwise_ops, "FANOUT_MIN", 8):
+            size, ex = op.get_workspace_size(tx, ty, out=tout)
+    assert ex.implementation == impl and size == 0
     op(None, 0, ex, device("cpu").default_stream)
     with np.errstate(all="ignore"):
         want = BINARY[name][0](x, y)
-    _check_written(whole, offsets[2], want)
+    _check_written(whole, out_offset, want)
 
 
 def test_stream_threshold_is_the_last_level_cache_at_most_64_mib(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -634,15 +644,8 @@ def test_half_binary_is_numpys_float16_arithmetic(
     """Dense float16 operands of one shape take 'half' (converted by the CPU, computed in float32, rounded once):
     numpy's result for every element (its float16 loops round the same way), NaN, inf, the largest finite, -0 and
     subnormals included, at any offsets, in one to three parts; every element written, nothing around it."""
-    (x, y), (tx, ty), whole, tout = _placed(np.float16, shape, offsets, seed, [np.nan, np.inf, -np.inf, 65504.0])
-    op = getattr(ops, name)
-    with num_threads(parts), mock.patch.object(elementwise_ops, "FANOUT_MIN", 8):
-        size, ex = op.get_workspace_size(tx, ty, out=tout)
-    assert ex.implementation == "half" and size == 0
-    op(None, 0, ex, device("cpu").default_stream)
-    with np.errstate(all="ignore"):
-        want = BINARY[name][0](x, y)
-    _check_written(whole, offsets[2], want)
+    placed = _placed(np.float16, shape, offsets, seed, [np.nan, np.inf, -np.inf, 65504.0])
+    _check_binary("half", False, name, placed, offsets[2], parts)  # ranked first: not forced
 
 
 @pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
