@@ -16,6 +16,8 @@ __all__ = [
     "rows_split",
     "as_rows",
     "as_matrix",
+    "matrix2d",
+    "flat2d",
     "broadcast_shape",
     "align",
     "line_array",
@@ -76,6 +78,18 @@ def as_matrix(a: np.ndarray[Any, Any], rows: Sequence[int], cols: Sequence[int])
         return None
 
 
+def matrix2d(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
+    """``a`` as a (prod of leading dims, last dim) view, or None when the leading dims do not merge."""
+    if a.ndim == 0:
+        return a.reshape(1, 1)
+    return as_matrix(a, tuple(range(a.ndim - 1)), (a.ndim - 1,))
+
+
+def flat2d(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
+    """A C-contiguous array as one (1, size) row (a parallel kernel cuts it anywhere), else ``matrix2d``."""
+    return a.reshape(1, a.size) if a.flags.c_contiguous else matrix2d(a)
+
+
 def broadcast_shape(*shapes: Sequence[int]) -> tuple[int, ...] | None:
     """numpy's broadcast result shape, or None when the shapes do not broadcast."""
     ndim = max((len(s) for s in shapes), default=0)
@@ -106,7 +120,8 @@ def line_array(shape: Sequence[int], dtype: Any) -> np.ndarray[Any, Any]:
     nbytes = math.prod(shape) * dt.itemsize
     raw = np.empty(align(nbytes) + 64, np.uint8)
     start = -raw.ctypes.data % 64
-    return raw[start : start + nbytes].view(dt).reshape(shape)
+    out: np.ndarray[Any, Any] = raw[start : start + nbytes].view(dt).reshape(shape)
+    return out
 
 
 def spread_stride(nbytes: int, count: int = 16) -> int:

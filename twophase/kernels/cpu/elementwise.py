@@ -17,7 +17,7 @@ import numpy as np
 from numba.core import types
 from numba.extending import overload
 
-from ...layout import align, as_matrix, same_view
+from ...layout import align, flat2d, matrix2d, same_view
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
 from . import vmath as vm
 from .half import cast_copy
@@ -330,18 +330,6 @@ def activation_in_place(name: str, block: Any) -> Callable[[], None] | None:
     """``activation_kernel`` bound to ``block``."""
     kernel = activation_kernel(name, block)
     return None if kernel is None else functools.partial(kernel, block)
-
-
-def matrix2d(a: Any) -> Any:
-    """``a`` as a (prod of leading dims, last dim) view, or None when the leading dims do not merge."""
-    if a.ndim == 0:
-        return a.reshape(1, 1)
-    return as_matrix(a, tuple(range(a.ndim - 1)), (a.ndim - 1,))
-
-
-def flat2d(a: Any) -> Any:
-    """A C-contiguous array as one (1, size) row (the parallel kernel splits it into chunks), else ``matrix2d``."""
-    return a.reshape(1, a.size) if a.flags.c_contiguous else matrix2d(a)
 
 
 def pack_bytes(numel: int, itemsize: int, needs_pack: bool) -> int:

@@ -19,9 +19,8 @@ import numpy as np
 from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic
-from numpy.lib.stride_tricks import as_strided
 
-from ...layout import merge_dims
+from ...layout import flat2d, matrix2d
 from ...runtime.fanout import fanout_parts, run_parts, split_range
 from . import jit as _jit
 from .gemm import host_has
@@ -120,17 +119,6 @@ def binary_launch(name: str, x: Any, y: Any, out: Any, parts: int, grain: int) -
     return flat_launch(BINARY[name], (x.view(np.uint16), y.view(np.uint16)), out.view(np.uint16), parts, grain)
 
 
-def _matrix(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any] | None:
-    """``a`` as a 2-D view (its leading dims merged into rows, its last dim the columns), or None where the
-    leading dims do not merge into one stride."""
-    if a.ndim <= 1:
-        return a.reshape(1, -1)  # (a view: a unit dim added)
-    lead = merge_dims(a.shape[:-1], [s // a.itemsize for s in a.strides[:-1]])
-    if lead is None:
-        return None
-    return as_strided(a, (lead[0], a.shape[-1]), (lead[1] * a.itemsize, a.strides[-1]))
-
-
 def cast_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
     """``np.copyto(dst, src, casting="unsafe")``, by the conversion instructions for float16 <-> float32 of one
     shape (views of any strides, apart from each other) from ``MIN_ELEMENTS`` elements, in parts for helper threads
@@ -145,11 +133,8 @@ def cast_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
     ):
         np.copyto(dst, src, casting="unsafe")
         return
-    if dst.flags.c_contiguous and src.flags.c_contiguous:  # one long row, cut anywhere
-        d2: np.ndarray[Any, Any] | None = dst.reshape(1, -1)
-        s2: np.ndarray[Any, Any] | None = src.reshape(1, -1)
-    else:
-        d2, s2 = _matrix(dst), _matrix(src)
+    both = dst.flags.c_contiguous and src.flags.c_contiguous
+    d2, s2 = (flat2d(dst), flat2d(src)) if both else (matrix2d(dst), matrix2d(src))
     if d2 is None or s2 is None:  # leading dims that do not merge (3-D and more): 2-D slices in turn
         for index in np.ndindex(*dst.shape[:-2]):
             cast_copy(dst[index], src[index])

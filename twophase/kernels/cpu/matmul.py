@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from ...layout import align
+from ...layout import align, matrix2d
 from ...runtime.fanout import bound, launcher, workspace_launcher
 from . import gemm
 from .blas import fused_gemm
-from .elementwise import activation_in_place, activation_kernel, matrix2d
+from .elementwise import activation_in_place, activation_kernel
 from .jit import entry
 
 Launch = Callable[[Any], None]

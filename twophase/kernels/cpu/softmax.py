@@ -72,7 +72,7 @@ def _exp_store_max(x: Any, out: Any, m: float, y: Any) -> float:
     """out = exp(x - m), and the max of y (as ``_max``) read in the same loop: y is the next row or block,
     streamed from memory while this one's exps keep the core busy. In place (out is x): ``_exp_in_place_max``."""
     if x.ctypes.data == out.ctypes.data:
-        return _exp_in_place_max(x, m, y)
+        return float(_exp_in_place_max(x, m, y))
     mx = y[0]
     nx, ny = x.shape[0], y.shape[0]
     both = min(nx, ny)
@@ -94,7 +94,7 @@ def _exp_in_place_max(x: Any, m: float, y: Any) -> float:
     softmax of 4096 x 4096 float32, two threads: 26.2 ms in the one loop, against 4.3 out of place."""
     for i in range(x.shape[0]):
         x[i] = vm.exp_shifted(x[i], m)
-    return _max(y)
+    return float(_max(y))
 
 
 @jit_inline
