@@ -97,7 +97,7 @@ def test_cast_copy_matches_numpy_on_any_strides(shape: list[int], data: Any, up:
 @pytest.mark.parametrize("up", [True, False])
 def test_cast_copy_in_parts(shape: tuple[int, int], up: bool) -> None:
     """From FANOUT_ELEMENTS elements the copy runs in parts: of rows, of columns where the rows are fewer than the
-    parts (one long row, three rows), of rows of a transposed view; every element written."""
+    parts (one long row), of rows (three rows, and a transposed view); every element written."""
     rng = np.random.default_rng(shape[0])
     src = _values(rng, shape[0] * shape[1]).reshape(shape)
     if up:

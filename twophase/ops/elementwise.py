@@ -12,11 +12,10 @@ import numpy as np
 
 from ..errors import ParamError
 from ..kernels.cpu import half, streaming
-from ..kernels.cpu.elementwise import FANOUT_MIN, build_unary, pieces
-from ..kernels.cpu.half import cast_copy
+from ..kernels.cpu.elementwise import FANOUT_MIN, build_unary
 from ..layout import align, broadcast_shape, merge_dims, same_view
 from ..op import Attr, Op, OpDef, Plan, register
-from ..runtime.fanout import fanout_parts, launcher
+from ..runtime.fanout import fanout_parts, launcher, pieces
 from ..tensor import DType, Format, TensorDesc
 from .checks import FLOATS, NUMERIC, as_scalar, cast_scalar, check_dtype, choice, need
 from .selection import Candidate, choose
@@ -269,8 +268,10 @@ def _build_where(
 
         return keep_x
 
+    fill = half.copier(out, y)  # a no-op where out is y (in place)
+
     def launch(_: Any) -> None:
-        cast_copy(out, y)  # a no-op where out is y (in place)
+        fill()
         np.copyto(out, x, casting="unsafe", where=cond)
 
     return launch
@@ -447,7 +448,8 @@ def _build_cast(
     plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[Any, ...]
 ) -> Callable[[Any], None]:
     x, out = ins[0], outs[0]
-    return lambda _: cast_copy(out, x)
+    call = half.copier(out, x)
+    return lambda _: call()
 
 
 _register_binary()

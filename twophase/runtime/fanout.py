@@ -25,10 +25,11 @@ from typing import Any
 import numpy as np
 
 from .. import config
+from ..layout import same_view
 from . import forking, placement
 from .spin import count_and_wait, spin_until_total
 
-__all__ = ["BUSY", "bound", "fanout_parts", "launcher", "run_parts", "split_range", "workspace_launcher"]
+__all__ = ["BUSY", "bound", "fanout_parts", "launcher", "pieces", "run_parts", "split_range", "workspace_launcher"]
 
 Part = Callable[[], None]
 
@@ -73,6 +74,32 @@ def split_range(n: int, parts: int, grain: int = 1) -> list[tuple[int, int]]:
     count = max(1, min(parts, n // max(grain, 1)))
     bounds = [n * i // count for i in range(count + 1)]
     return [(bounds[i], bounds[i + 1]) for i in range(count) if bounds[i + 1] > bounds[i]]
+
+
+def pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[tuple[Any, ...]]:
+    """``(out piece, operand pieces...)`` cut along the first axis of ``out`` long enough for ``parts``
+    ranges; an operand broadcast along that axis (missing, or of size 1) is passed whole. One piece, the arrays
+    themselves, when ``out`` is small or an operand overlaps ``out`` other than as the same view (numpy buffers
+    such overlaps within one call, and pieces would break that)."""
+    whole = [(out, *operands)]
+    if parts < 2 or out.size < 2 * grain:
+        return whole
+    for a in operands:
+        if np.may_share_memory(a, out) and not same_view(a, out):
+            return whole
+    axis = next((i for i, n in enumerate(out.shape) if n >= parts), None)
+    if axis is None:
+        return whole
+    inner = out.size // out.shape[axis]
+    ranges = split_range(out.shape[axis], parts, max(1, grain // max(inner, 1)))
+
+    def cut(a: Any, lo: int, hi: int) -> Any:
+        ax = axis - (out.ndim - a.ndim)
+        if ax < 0 or a.shape[ax] == 1:
+            return a
+        return a[(slice(None),) * ax + (slice(lo, hi),)]
+
+    return [(cut(out, lo, hi), *(cut(a, lo, hi) for a in operands)) for lo, hi in ranges]
 
 
 class _Job:

@@ -18,7 +18,7 @@ from numba.core import types
 from numba.extending import overload
 
 from ...layout import align, flat2d, matrix2d, same_view
-from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range
+from ...runtime.fanout import fanout_parts, launcher, pieces, run_parts, split_range
 from . import vmath as vm
 from .half import cast_copy
 from .jit import FAST, by_density, entry, jit_inline, row_of, rows_dense, wide_vectors
@@ -334,32 +334,6 @@ def activation_in_place(name: str, block: Any) -> Callable[[], None] | None:
 
 def pack_bytes(numel: int, itemsize: int, needs_pack: bool) -> int:
     return align(numel * itemsize) if needs_pack else 0
-
-
-def pieces(out: Any, operands: tuple[Any, ...], parts: int, grain: int) -> list[tuple[Any, ...]]:
-    """``(out piece, operand pieces...)`` cut along the first axis of ``out`` long enough for ``parts``
-    ranges; an operand broadcast along that axis (missing, or of size 1) is passed whole. One piece, the arrays
-    themselves, when ``out`` is small or an operand overlaps ``out`` other than as the same view (numpy buffers
-    such overlaps within one call, and pieces would break that)."""
-    whole = [(out, *operands)]
-    if parts < 2 or out.size < 2 * grain:
-        return whole
-    for a in operands:
-        if np.may_share_memory(a, out) and not same_view(a, out):
-            return whole
-    axis = next((i for i, n in enumerate(out.shape) if n >= parts), None)
-    if axis is None:
-        return whole
-    inner = out.size // out.shape[axis]
-    ranges = split_range(out.shape[axis], parts, max(1, grain // max(inner, 1)))
-
-    def cut(a: Any, lo: int, hi: int) -> Any:
-        ax = axis - (out.ndim - a.ndim)
-        if ax < 0 or a.shape[ax] == 1:
-            return a
-        return a[(slice(None),) * ax + (slice(lo, hi),)]
-
-    return [(cut(out, lo, hi), *(cut(a, lo, hi) for a in operands)) for lo, hi in ranges]
 
 
 def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any, stream: bool = False) -> Callable[[Any], None]:

@@ -21,13 +21,13 @@ from numba.core import types
 from numba.extending import intrinsic
 
 from ...layout import flat2d, matrix2d
-from ...runtime.fanout import fanout_parts, run_parts, split_range
+from ...runtime.fanout import bound, fanout_parts, pieces
 from . import jit as _jit
 from .gemm import host_has
 from .jit import by_density, entry, row_of, rows_dense
 from .streaming import CODES, apply_op, flat_launch
 
-__all__ = ["available", "binary_launch", "cast_copy", "MIN_ELEMENTS", "FANOUT_ELEMENTS"]
+__all__ = ["available", "binary_launch", "cast_copy", "copier", "MIN_ELEMENTS", "FANOUT_ELEMENTS"]
 
 MIN_ELEMENTS = 4096  # below this numpy's copy costs less than cutting the views here (~10 us)
 FANOUT_ELEMENTS = 1 << 18  # elements from which the copy is cut into parts for helper threads
@@ -119,10 +119,11 @@ def binary_launch(name: str, x: Any, y: Any, out: Any, parts: int, grain: int) -
     return flat_launch(BINARY[name], (x.view(np.uint16), y.view(np.uint16)), out.view(np.uint16), parts, grain)
 
 
-def cast_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
-    """``np.copyto(dst, src, casting="unsafe")``, by the conversion instructions for float16 <-> float32 of one
-    shape (views of any strides, apart from each other) from ``MIN_ELEMENTS`` elements, in parts for helper threads
-    from ``FANOUT_ELEMENTS``; by numpy otherwise."""
+def copier(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> Callable[[], None]:
+    """The call that does ``np.copyto(dst, src, casting="unsafe")``, made once for arrays that stay bound (the
+    ``cast`` op's operands): by the conversion instructions for float16 <-> float32 of one shape (views of any
+    strides, apart from each other) from ``MIN_ELEMENTS`` elements, in parts for helper threads from
+    ``FANOUT_ELEMENTS`` (``fanout.pieces``); by numpy otherwise."""
     pair = (src.dtype, dst.dtype)
     if (
         pair not in (_UP, _DOWN)
@@ -131,31 +132,25 @@ def cast_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
         or not available()
         or np.may_share_memory(dst, src)
     ):
-        np.copyto(dst, src, casting="unsafe")
-        return
+        return functools.partial(np.copyto, dst, src, casting="unsafe")
     both = dst.flags.c_contiguous and src.flags.c_contiguous
     d2, s2 = (flat2d(dst), flat2d(src)) if both else (matrix2d(dst), matrix2d(src))
     if d2 is None or s2 is None:  # leading dims that do not merge (3-D and more): 2-D slices in turn
-        for index in np.ndindex(*dst.shape[:-2]):
-            cast_copy(dst[index], src[index])
-        return
+        slices = [copier(dst[index], src[index]) for index in np.ndindex(*dst.shape[:-2])]
+
+        def each() -> None:
+            for call in slices:
+                call()
+
+        return each
     up = pair == _UP
     bits_src, bits_dst = (s2.view(np.uint16), d2) if up else (s2, d2.view(np.uint16))
     fn = entry(KERNELS[up][rows_dense(bits_src, bits_dst)], bits_src, bits_dst)
-    calls = _parts(fn, bits_src, bits_dst)
-    if len(calls) > 1:
-        run_parts(calls)
-    else:
-        calls[0]()
+    parts = pieces(bits_dst, (bits_src,), fanout_parts(), FANOUT_ELEMENTS // 2)
+    return bound([functools.partial(fn, s, d) for d, s in parts])
 
 
-def _parts(fn: Any, src: np.ndarray[Any, Any], dst: np.ndarray[Any, Any]) -> list[Callable[[], None]]:
-    """The calls of ``fn`` over ``src`` / ``dst`` (2-D): one, or from ``FANOUT_ELEMENTS`` elements one per part
-    (ranges of rows, or of columns where the rows are fewer than the parts)."""
-    parts = fanout_parts() if src.size >= FANOUT_ELEMENTS else 1
-    rows, cols = src.shape
-    if parts == 1:
-        return [functools.partial(fn, src, dst)]
-    if rows >= parts:
-        return [functools.partial(fn, src[a:b], dst[a:b]) for a, b in split_range(rows, parts)]
-    return [functools.partial(fn, src[:, a:b], dst[:, a:b]) for a, b in split_range(cols, parts, 64)]
+def cast_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
+    """``np.copyto(dst, src, casting="unsafe")`` by :func:`copier`, for arrays made at the call (a workspace's
+    pack areas)."""
+    copier(dst, src)()
