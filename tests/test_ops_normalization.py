@@ -22,7 +22,7 @@ from twophase import DType, TensorDesc, device, ops
 from twophase.errors import ParamError
 from twophase.kernels.cpu import norm as norm_kernels
 from twophase.kernels.cpu import streaming
-from twophase.kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
+from twophase.kernels.cpu.softmax import GROUP_ROWS, GROUPED_MAX, LOG_SOFTMAX, PIPELINED_MAX, SOFTMAX, build_softmax
 from twophase.layout import line_array
 from twophase.ops.normalization import SoftmaxTiling
 from twophase.ops.selection import forced
@@ -163,6 +163,25 @@ def test_split_kernels_merge_block_partials(by_rows: bool, mode: int, parts: int
     with np.errstate(invalid="ignore"):
         np.testing.assert_allclose(out, ref, rtol=1e-12, atol=1e-12)
     assert np.isnan(out[2]).all() and np.isnan(out[3]).all() and not np.isnan(out[[0, 1]]).any()
+
+
+@pytest.mark.parametrize(
+    "n", [1, 5, GROUPED_MAX, GROUPED_MAX + 1, PIPELINED_MAX, PIPELINED_MAX + 1, 1100]
+)  # each whole-rows order: log-softmax's groups, the pipelined rows, rows finished at once, at their limits
+@pytest.mark.parametrize("layout", ["dense", "padded", "strided", "reversed"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("log", [False, True])
+def test_whole_rows_orders_match_reference(n: int, layout: str, dtype: Any, log: bool) -> None:
+    """Rows of every order's limits, more than two groups of the shortest (a short last group), among them a row
+    all -inf and a row with a NaN (both NaN, as the reference) and a row of wide range, every output written."""
+    k = 2 * GROUP_ROWS + 5
+    a = np.random.default_rng(n).standard_normal((k, n)).astype(dtype)
+    a[3] = -np.inf
+    a[k - 1, n // 2] = np.nan
+    a[GROUP_ROWS] *= 300
+    op = ops.log_softmax if log else ops.softmax
+    r = run_checked(op, on_device(a, layout), dim=-1)
+    check(r, op.spec.reference(a, -1), dtype)
 
 
 def test_softmax_and_log_softmax_extremes() -> None:

@@ -106,35 +106,89 @@ def _finish(x: Any, out: Any, m: float, c: float, mode: int) -> None:
         _shift(x, out, m, c)
 
 
+# Whole rows take one of three orders by their length; speed-ups over the pipelined order alone, two threads
+# through the op on 16 M float32 elements (/tmp/w47/ab.py of the forty-seventh session):
+PIPELINED_MAX = 256  # longer rows are each finished at once (softmax 384: 1.20x, 1024: 1.25, 4096: 1.08)
+GROUPED_MAX = 48  # log-softmax rows up to this long, not in place, take their logs by groups (16: 1.65x, 32: 1.24,
+# 48: 1.13; rows of 64 were no faster, 0.99-1.0x, and stay pipelined)
+GROUP_FLOATS = 1024  # elements of a group of such rows (at most GROUP_ROWS rows)
+GROUP_ROWS = 64
+
+
+@jit_inline
+def _row_exps(x: Any, e: Any, k: int, m: float, dense: bool) -> tuple[float, float]:
+    """Row k's exps (shifted by its max m) stored into e, and the max of row k + 1 read in the same loop (the
+    last row re-reads itself: in cache, its max unused): (the next row's max, the sum of row k's exps, NaN for a
+    row all -inf, as ``_partials``)."""
+    shift = m if m != -np.inf else 0.0
+    nxt = k + 1 if k + 1 < x.shape[0] else k
+    m_next = _exp_store_max(row_of(x, k, dense), e, shift, row_of(x, nxt, dense))
+    s = vm.fsum(e)
+    return m_next, (np.nan if m == -np.inf else s)
+
+
 @jit_inline
 def _rows(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
-    """Whole rows, software-pipelined (log-softmax in place keeps its exps in the scratch row ``tmp``, of length
-    N): row k + 1's max is taken in row k's exp loop, so that its memory traffic overlaps row k's arithmetic, and
-    row k - 1's result is written before row k's sum, so that no row waits on its own sum and division (short
-    rows: 0.83 -> 0.62 ns/element single-threaded). ``dense``: rows taken as dense vectors (``jit.row_of``)."""
+    """Whole rows, row k + 1's max taken in row k's exp loop, so that its memory traffic overlaps row k's
+    arithmetic; then by length (the constants above): short rows software-pipelined (``_rows_pipelined``), short
+    log-softmax rows not in place by groups (``_rows_grouped``), longer rows each finished at once while it is in
+    L1 (log-softmax in place keeps its exps in the scratch row ``tmp``, of length N). ``dense``: rows taken as
+    dense vectors (``jit.row_of``)."""
     n = x.shape[1]
     nk = x.shape[0]
     if nk == 0 or n == 0:
         return
-    m_next = _max(row_of(x, 0, dense))
+    if mode == LOG_SOFTMAX_IN_OUT and n <= GROUPED_MAX:
+        _rows_grouped(x, out, mode, dense)
+        return
+    if mode != LOG_SOFTMAX and n <= PIPELINED_MAX:
+        _rows_pipelined(x, out, mode, dense)
+        return
+    m = _max(row_of(x, 0, dense))
+    for k in range(nk):
+        e = tmp if mode == LOG_SOFTMAX else row_of(out, k, dense)
+        m_next, s = _row_exps(x, e, k, m, dense)
+        _finish(row_of(x, k, dense), row_of(out, k, dense), m, (1.0 / s if mode == SOFTMAX else math.log(s)), mode)
+        m = m_next
+
+
+@jit_inline
+def _rows_pipelined(x: Any, out: Any, mode: int, dense: bool) -> None:
+    """Row k - 1's result is written before row k's sum, so that no row waits on its own sum and division (rows
+    of 64: 0.83 -> 0.62 ns/element single-threaded). Exps go to out."""
+    nk = x.shape[0]
+    m = _max(row_of(x, 0, dense))
     pm = pc = 0.0  # row k - 1's max and its factor (softmax) or shift (log-softmax)
     for k in range(nk):
-        m = m_next
-        xk = row_of(x, k, dense)
-        e = tmp if mode == LOG_SOFTMAX else row_of(out, k, dense)
-        shift = m if m != -np.inf else 0.0  # as _partials: an all -inf row is NaN below
-        y = row_of(x, k + 1 if k + 1 < nk else k, dense)  # the last row re-reads itself (in cache; max unused)
-        m_next = _exp_store_max(xk, e, shift, y)
-        if k > 0 and mode != LOG_SOFTMAX:
+        m_next, s = _row_exps(x, row_of(out, k, dense), k, m, dense)
+        if k > 0:
             _finish(row_of(x, k - 1, dense), row_of(out, k - 1, dense), pm, pc, mode)
-        s = vm.fsum(e)
-        if m == -np.inf:
-            s = np.nan
         pm, pc = m, (1.0 / s if mode == SOFTMAX else math.log(s))
-        if mode == LOG_SOFTMAX:  # in place: the exps live in the one scratch row, finish this row now
-            _finish(xk, row_of(out, k, dense), pm, pc, mode)
-    if mode != LOG_SOFTMAX:
-        _finish(row_of(x, nk - 1, dense), row_of(out, nk - 1, dense), pm, pc, mode)
+        m = m_next
+    _finish(row_of(x, nk - 1, dense), row_of(out, nk - 1, dense), pm, pc, mode)
+
+
+@jit_inline
+def _rows_grouped(x: Any, out: Any, mode: int, dense: bool) -> None:
+    """Rows by groups of up to ``GROUP_FLOATS`` elements: each row's exps and sum, then the group's logs in one
+    vectorized loop (``vmath.log``; a scalar log a row cost short rows more than their exps), then the group's
+    results, its rows still in L1. Exps go to out."""
+    n = x.shape[1]
+    nk = x.shape[0]
+    g = min(GROUP_ROWS, max(1, GROUP_FLOATS // n))
+    ms = np.empty(GROUP_ROWS)
+    cs = np.empty(GROUP_ROWS)
+    m = _max(row_of(x, 0, dense))
+    for g0 in range(0, nk, g):
+        g1 = min(g0 + g, nk)
+        for k in range(g0, g1):
+            ms[k - g0] = m
+            m, s = _row_exps(x, row_of(out, k, dense), k, m, dense)
+            cs[k - g0] = s
+        for j in range(g1 - g0):
+            cs[j] = vm.log(cs[j]) if mode != SOFTMAX else 1.0 / cs[j]
+        for k in range(g0, g1):
+            _finish(row_of(x, k, dense), row_of(out, k, dense), ms[k - g0], cs[k - g0], mode)
 
 
 def _rows_kernel(mode: int, dense: bool) -> Any:
