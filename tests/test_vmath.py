@@ -377,3 +377,28 @@ def test_gelu_exp_in_r2_is_bitwise_the_exp_of_minus_half() -> None:
     new, old = np.empty_like(hi), np.empty_like(hi)
     _half_neg_both(hi, lo, new, old)
     assert hi.size > 200_000 and np.array_equal(new.view(np.uint32), old.view(np.uint32))
+
+
+@numba.njit(nogil=True, fastmath={"contract", "arcp", "nsz"}, error_model="numpy")
+def _nonpos_both(x: Any, out: Any) -> None:
+    for i in range(x.shape[0]):
+        xc = vm._F_NONPOS_LO if x[i] < vm._F_NONPOS_LO else x[i]
+        out[0, i] = vm.exp_nonpos_f32(x[i])
+        out[1, i] = vm._exp_2p64_f32(xc, vm._F0) * vm._F_2M64
+        out[2, i] = vm.exp_nonpos_zeroing_f32(x[i])
+        out[3, i] = vm._F0 if x[i] < vm._F_NONPOS_ZERO else out[1, i]
+
+
+def test_exp_nonpos_with_prescaled_coefficients_is_bitwise_the_two_step_scaling() -> None:
+    """``exp_nonpos_f32`` (and its zeroing form) take 2^-64 into the polynomial's coefficients: the same bits as
+    e^x * 2^64 rounded and then scaled by 2^-64 (one rounding either way), normal results and denormals alike, on
+    every 7th float32 x <= 0 (~307 M values) and NaN."""
+    for q, c in zip(vm._EXP_F32_2M64, vm._EXP_F32, strict=True):
+        assert float(q) == float(c) * 2.0**-64
+    x = all_float32(7)
+    x = x[~(x > 0)]
+    out = np.empty((4, x.size), np.float32)
+    _nonpos_both(x, out)
+    bits = out.view(np.uint32)
+    assert np.array_equal(bits[0], bits[1]) and np.array_equal(bits[2], bits[3])
+    assert ((out[0] >= 2.0**-126) & (out[0] <= 1)).any() and ((out[0] > 0) & (out[0] < 2.0**-126)).any()  # both kinds
