@@ -435,12 +435,18 @@ def _exp_reduce_f32(y: Any, c: Any) -> Any:
 
 
 @jit
+def _pow2_64_f32(n: Any) -> Any:
+    """2^(n + 64) for an integral float32 n in [-190, 63], built from its exponent bits."""
+    return _as_f32((np.int32(n) + _I191) << _I23)
+
+
+@jit
 def _exp_times_f32(y: Any, c: Any, coefs: Any) -> Any:
     """e^(y + c) * 2^64 * k for y in [-110, 0] and a small correction c to y (0 folds away), its polynomial's
     coefficients ``coefs`` being ``_EXP_F32``'s times k, a power of two (each Horner step is then the original's
     times k, exactly, while it stays a normal float)."""
     n, r = _exp_reduce_f32(y, c)
-    return _horner32(coefs, r) * _as_f32((np.int32(n) + _I191) << _I23)
+    return _horner32(coefs, r) * _pow2_64_f32(n)
 
 
 @jit
@@ -471,7 +477,7 @@ def _exp_half_neg_2p64_f32(hi: Any, lo: Any) -> Any:
     ``_exp_2p64_f32(-hi/2, -lo/2)``, two multiplies fewer."""
     n = np.floor(hi * _F_MH_LOG2E + _FH)
     r2 = ((hi + n * _F_LN2_HI2) + lo) + n * _F_LN2_LO2
-    return _horner32(_EXP_F32_R2, r2) * _as_f32((np.int32(n) + _I191) << _I23)
+    return _horner32(_EXP_F32_R2, r2) * _pow2_64_f32(n)
 
 
 @jit
