@@ -127,25 +127,25 @@ def _row_exps(x: Any, e: Any, k: int, m: float, dense: bool) -> tuple[float, flo
     return m_next, (np.nan if m == -np.inf else s)
 
 
-@jit_inline
-def _rows(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
-    """Whole rows, row k + 1's max taken in row k's exp loop, so that its memory traffic overlaps row k's
-    arithmetic; then by length (the constants above): short rows software-pipelined (``_rows_pipelined``), short
-    log-softmax rows not in place by groups (``_rows_grouped``), longer rows each finished at once while it is in
-    L1 (log-softmax in place keeps its exps in the scratch row ``tmp``, of length N). ``dense``: rows taken as
-    dense vectors (``jit.row_of``)."""
-    n = x.shape[1]
-    nk = x.shape[0]
-    if nk == 0 or n == 0:
-        return
+PIPELINED, AT_ONCE, GROUPED = 0, 1, 2  # the whole-rows orders (``row_order``)
+
+
+def row_order(mode: int, n: int) -> int:
+    """The order of whole rows of ``n`` elements (the constants above), chosen in phase 1: one kernel per order,
+    so a launch compiles only its own (the three inlined in one kernel took 4.5x as long to compile)."""
     if mode == LOG_SOFTMAX_IN_OUT and n <= GROUPED_MAX:
-        _rows_grouped(x, out, mode, dense)
-        return
+        return GROUPED
     if mode != LOG_SOFTMAX and n <= PIPELINED_MAX:
-        _rows_pipelined(x, out, mode, dense)
-        return
+        return PIPELINED
+    return AT_ONCE
+
+
+@jit_inline
+def _rows_at_once(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
+    """Each row finished at once, while it is in L1 (log-softmax in place keeps its exps in the scratch row
+    ``tmp``, of length N)."""
     m = _max(row_of(x, 0, dense))
-    for k in range(nk):
+    for k in range(x.shape[0]):
         e = tmp if mode == LOG_SOFTMAX else row_of(out, k, dense)
         m_next, s = _row_exps(x, e, k, m, dense)
         _finish(row_of(x, k, dense), row_of(out, k, dense), m, (1.0 / s if mode == SOFTMAX else math.log(s)), mode)
@@ -153,7 +153,7 @@ def _rows(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
 
 
 @jit_inline
-def _rows_pipelined(x: Any, out: Any, mode: int, dense: bool) -> None:
+def _rows_pipelined(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
     """Row k - 1's result is written before row k's sum, so that no row waits on its own sum and division (short
     rows: 0.83 -> 0.62 ns/element single-threaded). Exps go to out."""
     nk = x.shape[0]
@@ -169,7 +169,7 @@ def _rows_pipelined(x: Any, out: Any, mode: int, dense: bool) -> None:
 
 
 @jit_inline
-def _rows_grouped(x: Any, out: Any, mode: int, dense: bool) -> None:
+def _rows_grouped(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
     """Rows by groups of up to ``GROUP_FLOATS`` elements: each row's exps and sum, then the group's logs in one
     vectorized loop (``vmath.log``; a scalar log a row cost short rows more than their exps), then the group's
     results, its rows still in L1. Exps go to out."""
@@ -191,19 +191,32 @@ def _rows_grouped(x: Any, out: Any, mode: int, dense: bool) -> None:
             _finish(row_of(x, k, dense), row_of(out, k, dense), ms[k - g0], cs[k - g0], mode)
 
 
-def _rows_kernel(mode: int, dense: bool) -> Any:
-    """The whole-rows kernel of ``mode`` (a closure constant: its branches fold away); ``tmp`` is scratch[0],
-    not a slice of it (a slice types as 'A', whose loops vectorize worse)."""
+def _rows_kernel(mode: int, order: int, dense: bool) -> Any:
+    """The whole-rows kernel of ``mode`` in ``order``: rows in parts of one length, row k + 1's max taken in row
+    k's exp loop, so that its memory traffic overlaps row k's arithmetic. ``tmp`` is scratch[0], not a slice of it
+    (a slice types as 'A', whose loops vectorize worse). ``dense``: rows taken as dense vectors (``jit.row_of``)."""
+    body = (_rows_pipelined, _rows_at_once, _rows_grouped)[order]
 
     @jit
     def rows(x: Any, out: Any, scratch: Any) -> None:
         wide_vectors()
-        _rows(x, out, mode, scratch[0], dense)
+        if x.shape[0] and x.shape[1]:
+            body(x, out, mode, scratch[0], dense)
 
     return rows
 
 
-ROWS = {mode: by_density(functools.partial(_rows_kernel, mode)) for mode in (SOFTMAX, LOG_SOFTMAX, LOG_SOFTMAX_IN_OUT)}
+ROWS = {
+    key: by_density(functools.partial(_rows_kernel, *key))
+    for key in (
+        (SOFTMAX, PIPELINED),
+        (SOFTMAX, AT_ONCE),
+        (LOG_SOFTMAX, AT_ONCE),
+        (LOG_SOFTMAX_IN_OUT, PIPELINED),
+        (LOG_SOFTMAX_IN_OUT, AT_ONCE),
+        (LOG_SOFTMAX_IN_OUT, GROUPED),
+    )
+}  # by (mode, row_order)
 
 
 @jit_inline
@@ -346,7 +359,7 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     part_sample = np.empty((1, 1, 2), np.float64)
     dense = rows_dense(sample, out_sample)
     if split == 1:
-        fn = entry(ROWS[mode][dense], sample, out_sample, own[0])
+        fn = entry(ROWS[mode, row_order(mode, n)][dense], sample, out_sample, own[0])
     elif t.by_rows:
         fn = entry(SPLIT_ROWS[dense], sample, out_sample, block, part_sample, mode, own[0])
     else:
