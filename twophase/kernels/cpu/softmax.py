@@ -195,13 +195,18 @@ def _rows_kernel(mode: int, order: int, dense: bool) -> Any:
     """The whole-rows kernel of ``mode`` in ``order``: rows in parts of one length, row k + 1's max taken in row
     k's exp loop, so that its memory traffic overlaps row k's arithmetic. ``tmp`` is scratch[0], not a slice of it
     (a slice types as 'A', whose loops vectorize worse). ``dense``: rows taken as dense vectors (``jit.row_of``)."""
-    body = (_rows_pipelined, _rows_at_once, _rows_grouped)[order]
 
     @jit
     def rows(x: Any, out: Any, scratch: Any) -> None:
         wide_vectors()
-        if x.shape[0] and x.shape[1]:
-            body(x, out, mode, scratch[0], dense)
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            return
+        if order == PIPELINED:  # closure constants: numba prunes the other branches before typing them
+            _rows_pipelined(x, out, mode, scratch[0], dense)
+        elif order == GROUPED:
+            _rows_grouped(x, out, mode, scratch[0], dense)
+        else:
+            _rows_at_once(x, out, mode, scratch[0], dense)
 
     return rows
 
