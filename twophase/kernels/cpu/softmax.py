@@ -192,9 +192,10 @@ def _rows_grouped(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
 
 
 def _rows_kernel(mode: int, order: int, dense: bool) -> Any:
-    """The whole-rows kernel of ``mode`` in ``order``: rows in parts of one length, row k + 1's max taken in row
-    k's exp loop, so that its memory traffic overlaps row k's arithmetic. ``tmp`` is scratch[0], not a slice of it
-    (a slice types as 'A', whose loops vectorize worse). ``dense``: rows taken as dense vectors (``jit.row_of``)."""
+    """The whole-rows kernel of ``mode`` in ``order`` (``row_order``). In every order row k + 1's max is taken in
+    row k's exp loop, so that its memory traffic overlaps row k's arithmetic. ``tmp`` is scratch[0], not a slice of
+    it (a slice types as 'A', whose loops vectorize worse); the orders whose exps go to out ignore it. ``dense``:
+    rows taken as dense vectors (``jit.row_of``)."""
 
     @jit
     def rows(x: Any, out: Any, scratch: Any) -> None:
