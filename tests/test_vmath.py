@@ -361,13 +361,14 @@ def test_rsqrt_kernel_is_vectorized_without_the_rsqrt_estimate(dtype: Any) -> No
 def _half_neg_both(hi: Any, lo: Any, new: Any, old: Any) -> None:
     for i in range(hi.shape[0]):
         new[i] = vm._exp_half_neg_2p64_f32(hi[i], lo[i])
-        old[i] = vm._exp_2p64_f32(vm._F_MH * hi[i], vm._F_MH * lo[i])
+        old[i] = vm._exp_times_f32(vm._F_MH * hi[i], vm._F_MH * lo[i], vm._EXP_F32)
 
 
 def test_gelu_exp_in_r2_is_bitwise_the_exp_of_minus_half() -> None:
-    """gelu's ``_exp_half_neg_2p64_f32(hi, lo)`` computes ``_exp_2p64_f32(-hi/2, -lo/2)`` scaled by powers of two
-    at every step: its coefficients are the originals times (-1/2)^k exactly, and its results the same bits on
-    every float32 hi of gelu's range [0, 14.5^2] (a 4099th of them, ~260 k) with lo = fma(a, a, -a*a)."""
+    """gelu's ``_exp_half_neg_2p64_f32(hi, lo)`` computes ``_exp_times_f32(-hi/2, -lo/2, _EXP_F32)`` scaled by
+    powers of two at every step: its coefficients are the originals times (-1/2)^k exactly, and its results the
+    same bits on every float32 hi of gelu's range [0, 14.5^2] (a 4099th of them, ~260 k) with lo = fma(a, a,
+    -a*a)."""
     for q, c, k in zip(vm._EXP_F32_R2, vm._EXP_F32, range(len(vm._EXP_F32) - 1, -1, -1), strict=True):
         assert float(q) * (-2.0) ** k == float(c)
     a = all_float32(4099)
@@ -384,7 +385,7 @@ def _nonpos_both(x: Any, out: Any) -> None:
     for i in range(x.shape[0]):
         xc = vm._F_NONPOS_LO if x[i] < vm._F_NONPOS_LO else x[i]
         out[0, i] = vm.exp_nonpos_f32(x[i])
-        out[1, i] = vm._exp_2p64_f32(xc, vm._F0) * vm._F_2M64
+        out[1, i] = vm._exp_times_f32(xc, vm._F0, vm._EXP_F32) * vm._F_2M64
         out[2, i] = vm.exp_nonpos_zeroing_f32(x[i])
         out[3, i] = vm._F0 if x[i] < vm._F_NONPOS_ZERO else out[1, i]
 

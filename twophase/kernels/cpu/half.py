@@ -119,20 +119,22 @@ def binary_launch(name: str, x: Any, y: Any, out: Any, parts: int, grain: int) -
     return flat_launch(BINARY[name], (x.view(np.uint16), y.view(np.uint16)), out.view(np.uint16), parts, grain)
 
 
-def copier(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> Callable[[], None]:
-    """The call that does ``np.copyto(dst, src, casting="unsafe")``, made once for arrays that stay bound (the
-    ``cast`` op's operands): by the conversion instructions for float16 <-> float32 of one shape (views of any
-    strides, apart from each other) from ``MIN_ELEMENTS`` elements, in parts for helper threads from
-    ``FANOUT_ELEMENTS`` (``fanout.pieces``); by numpy otherwise."""
-    pair = (src.dtype, dst.dtype)
-    if (
-        pair not in (_UP, _DOWN)
-        or dst.shape != src.shape
-        or dst.size < MIN_ELEMENTS
-        or not available()
-        or np.may_share_memory(dst, src)
-    ):
-        return functools.partial(np.copyto, dst, src, casting="unsafe")
+def _converts(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> bool:
+    """Whether the conversion instructions do ``dst <- src``: float16 <-> float32 of one shape, from
+    ``MIN_ELEMENTS`` elements, apart from each other. The cheapest test first: most calls on the hot path (a
+    reduction's staged float64 result into a small float32 output) are small and leave at once."""
+    return (
+        dst.size >= MIN_ELEMENTS
+        and (src.dtype, dst.dtype) in (_UP, _DOWN)
+        and dst.shape == src.shape
+        and available()
+        and not np.may_share_memory(dst, src)
+    )
+
+
+def _converter(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> Callable[[], None]:
+    """The conversion of ``src`` into ``dst`` (``_converts`` holds): views of any strides, in parts for helper
+    threads from ``FANOUT_ELEMENTS`` (``fanout.pieces``)."""
     both = dst.flags.c_contiguous and src.flags.c_contiguous
     d2, s2 = (flat2d(dst), flat2d(src)) if both else (matrix2d(dst), matrix2d(src))
     if d2 is None or s2 is None:  # leading dims that do not merge (3-D and more): 2-D slices in turn
@@ -143,14 +145,25 @@ def copier(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> Callable[[],
                 call()
 
         return each
-    up = pair == _UP
+    up = (src.dtype, dst.dtype) == _UP
     bits_src, bits_dst = (s2.view(np.uint16), d2) if up else (s2, d2.view(np.uint16))
     fn = entry(KERNELS[up][rows_dense(bits_src, bits_dst)], bits_src, bits_dst)
     parts = pieces(bits_dst, (bits_src,), fanout_parts(), FANOUT_ELEMENTS // 2)
     return bound([functools.partial(fn, s, d) for d, s in parts])
 
 
+def copier(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> Callable[[], None]:
+    """The call that does ``np.copyto(dst, src, casting="unsafe")``, made once for arrays that stay bound (the
+    ``cast`` op's operands): by the conversion instructions where ``_converts``, by numpy otherwise."""
+    if _converts(dst, src):
+        return _converter(dst, src)
+    return functools.partial(np.copyto, dst, src, casting="unsafe")
+
+
 def cast_copy(dst: np.ndarray[Any, Any], src: np.ndarray[Any, Any]) -> None:
-    """``np.copyto(dst, src, casting="unsafe")`` by :func:`copier`, for arrays made at the call (a workspace's
-    pack areas)."""
-    copier(dst, src)()
+    """``np.copyto(dst, src, casting="unsafe")`` as :func:`copier` does it, for arrays made at the call (a
+    workspace's pack areas); numpy's own copy is called directly, with no call object made."""
+    if _converts(dst, src):
+        _converter(dst, src)()
+    else:
+        np.copyto(dst, src, casting="unsafe")

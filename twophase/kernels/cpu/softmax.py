@@ -153,7 +153,7 @@ def _rows_at_once(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
 
 
 @jit_inline
-def _rows_pipelined(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
+def _rows_pipelined(x: Any, out: Any, mode: int, dense: bool) -> None:
     """Row k - 1's result is written before row k's sum, so that no row waits on its own sum and division (short
     rows: 0.83 -> 0.62 ns/element single-threaded). Exps go to out."""
     nk = x.shape[0]
@@ -169,7 +169,7 @@ def _rows_pipelined(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
 
 
 @jit_inline
-def _rows_grouped(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
+def _rows_grouped(x: Any, out: Any, mode: int, dense: bool) -> None:
     """Rows by groups of up to ``GROUP_FLOATS`` elements: each row's exps and sum, then the group's logs in one
     vectorized loop (``vmath.log``; a scalar log a row cost short rows more than their exps), then the group's
     results, its rows still in L1. Exps go to out."""
@@ -194,7 +194,7 @@ def _rows_grouped(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
 def _rows_kernel(mode: int, order: int, dense: bool) -> Any:
     """The whole-rows kernel of ``mode`` in ``order`` (``row_order``). In every order row k + 1's max is taken in
     row k's exp loop, so that its memory traffic overlaps row k's arithmetic. ``tmp`` is scratch[0], not a slice of
-    it (a slice types as 'A', whose loops vectorize worse); the orders whose exps go to out ignore it. ``dense``:
+    it (a slice types as 'A', whose loops vectorize worse), used by the order finishing rows at once. ``dense``:
     rows taken as dense vectors (``jit.row_of``)."""
 
     @jit
@@ -203,9 +203,9 @@ def _rows_kernel(mode: int, order: int, dense: bool) -> Any:
         if x.shape[0] == 0 or x.shape[1] == 0:
             return
         if order == PIPELINED:  # closure constants: numba prunes the other branches before typing them
-            _rows_pipelined(x, out, mode, scratch[0], dense)
+            _rows_pipelined(x, out, mode, dense)
         elif order == GROUPED:
-            _rows_grouped(x, out, mode, scratch[0], dense)
+            _rows_grouped(x, out, mode, dense)
         else:
             _rows_at_once(x, out, mode, scratch[0], dense)
 

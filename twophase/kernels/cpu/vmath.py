@@ -399,7 +399,7 @@ def _erfcx_over_t(t: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
 _GELU_CLAMP = 14.5  # Phi(-14.5) = 5.8e-48 rounds to 0 in float32 (and gelu(-inf) = -inf * 0 = NaN, as x/2 erfc)
 _GELU_TMIN = 1.0 / (1.0 + _GELU_CLAMP * 0.5 * _SQRT1_2)  # t = 1/(1 + z/2) on [_GELU_TMIN, 1], z = |x|/sqrt 2
 # Phi(-|x|) = exp(-x^2/2) t H(t), H of degree 8 in t itself, its coefficients scaled by 2^-64 (which undoes the
-# 2^64 of ``_exp_2p64_f32``, so no multiply is spent on it): 7.3 ulp on the test's grid, 7.7 on denser sweeps
+# 2^64 of ``_exp_times_f32``, so no multiply is spent on it): 7.3 ulp on the test's grid, 7.7 on denser sweeps
 # (the bound is 8; the first version, degree 9 in t - tmid: 6.3-6.8), 1.07-1.09x faster on one thread
 # (/tmp/w25/gexp.py, gerr4.py)
 _GELU_H = tuple(_F(0.5 * 2.0**-64 * float(c)) for c in _fit_f32(_erfcx_over_t, _GELU_TMIN, 1.0, 8))
@@ -444,16 +444,10 @@ def _pow2_64_f32(n: Any) -> Any:
 def _exp_times_f32(y: Any, c: Any, coefs: Any) -> Any:
     """e^(y + c) * 2^64 * k for y in [-110, 0] and a small correction c to y (0 folds away), its polynomial's
     coefficients ``coefs`` being ``_EXP_F32``'s times k, a power of two (each Horner step is then the original's
-    times k, exactly, while it stays a normal float)."""
+    times k, exactly, while it stays a normal float). With k = 1 the result is a normal float32 even where
+    e^(y + c) itself underflows, so a caller rounds into the denormals once, at its last product."""
     n, r = _exp_reduce_f32(y, c)
     return _horner32(coefs, r) * _pow2_64_f32(n)
-
-
-@jit
-def _exp_2p64_f32(y: Any, c: Any) -> Any:
-    """e^(y + c) * 2^64 for y in [-110, 0] and a small correction c to y (0 folds away): a normal float32 even
-    where e^(y + c) itself underflows, so a caller rounds into the denormals once, at its last product."""
-    return _exp_times_f32(y, c, _EXP_F32)
 
 
 # e^x for x <= 0 as 2^-64 P(r) * 2^(n + 64): the coefficients times 2^-64 (normal floats: every Horner step exactly
@@ -464,8 +458,8 @@ _EXP_F32_2M64 = tuple(c * _F_2M64 for c in _EXP_F32)
 
 # e^(-(hi + lo)/2) * 2^64 in terms of r2 = -2 r: the same n (hi * (-log2e/2) is the product (-hi/2) * log2e), each
 # reduction step the original's times -2, the polynomial's coefficients times (-1/2)^k: bitwise the result of
-# ``_exp_2p64_f32(-hi/2, -lo/2)`` with no multiply for -hi/2, and lo added by an add instead of an fma (gelu: 32.7
-# -> 30.9 cycles per 16 lanes, one thread, in L1; /tmp/w47/g3.py of the forty-seventh session)
+# ``_exp_times_f32(-hi/2, -lo/2, _EXP_F32)`` with no multiply for -hi/2, and lo added by an add instead of an fma
+# (gelu: 32.7 -> 30.9 cycles per 16 lanes, one thread, in L1; /tmp/w47/g3.py of the forty-seventh session)
 _F_MH_LOG2E = _F_MH * _F_LOG2E
 _F_LN2_HI2, _F_LN2_LO2 = _F(2) * _F_LN2_HI, _F(2) * _F_LN2_LO
 _EXP_F32_R2 = tuple(c * _F((-0.5) ** (len(_EXP_F32) - 1 - i)) for i, c in enumerate(_EXP_F32))
@@ -474,7 +468,7 @@ _EXP_F32_R2 = tuple(c * _F((-0.5) ** (len(_EXP_F32) - 1 - i)) for i, c in enumer
 @jit
 def _exp_half_neg_2p64_f32(hi: Any, lo: Any) -> Any:
     """e^(-(hi + lo)/2) * 2^64 for hi in [0, 220] and lo a small correction (an fma's error term): bitwise
-    ``_exp_2p64_f32(-hi/2, -lo/2)``, two multiplies fewer."""
+    ``_exp_times_f32(-hi/2, -lo/2, _EXP_F32)``, two multiplies fewer."""
     n = np.floor(hi * _F_MH_LOG2E + _FH)
     r2 = ((hi + n * _F_LN2_HI2) + lo) + n * _F_LN2_LO2
     return _horner32(_EXP_F32_R2, r2) * _pow2_64_f32(n)
