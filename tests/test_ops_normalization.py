@@ -66,7 +66,7 @@ def check(r: Any, ref: Any, dtype: Any, ws: int | None = None) -> None:
 
 # ---------------------------------------------------------------- softmax / log_softmax
 def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False) -> int:
-    """The ops' doc: [packed log: T*align64(L*c) scratch] + align64(K*ceil(N/8192)*16) if N > 32768;
+    """The ops' doc: [packed log, N > 256: T*align64(L*c) scratch] + align64(K*ceil(N/8192)*16) if N > 32768;
     + align64(K*N*c) if packed."""
     kept = [i for i in range(len(shape)) if i != dim]
     n = shape[dim] if shape else 1
@@ -75,7 +75,7 @@ def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False
     rows = fanout_parts() if k * n >= 1 << 20 else 1
     f16 = np.dtype(dtype) == np.float16
     packed = (f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept])) and k * n > 0
-    ws = rows * align64((8192 if split else n) * compute_size(dtype)) if log and packed else 0
+    ws = rows * align64((8192 if split else n) * compute_size(dtype)) if log and packed and n > 256 else 0
     ws += align64(k * -(-n // 8192) * 16) if split else 0
     if packed:
         ws += align64(k * n * compute_size(dtype))
@@ -184,6 +184,18 @@ def test_whole_rows_orders_match_reference(n: int, layout: str, dtype: Any, log:
     check(r, op.spec.reference(a, -1), dtype)
 
 
+@pytest.mark.parametrize("n", [33, 100, 300])  # log-softmax's groups, the pipelined rows, rows finished at once
+@pytest.mark.parametrize("log", [False, True])
+def test_packed_rows_in_parts_match_reference(n: int, log: bool) -> None:
+    """float16 rows packed in the workspace and run in place there by helper-thread parts: short rows with their
+    scratch rows made at binding, longer ones with the parts' scratch rows first in the workspace (log-softmax)."""
+    k = (1 << 20) // n + 7
+    a = np.random.default_rng(n).standard_normal((k, n)).astype(np.float16)
+    op = ops.log_softmax if log else ops.softmax
+    r = run_checked(op, a, dim=-1)
+    check(r, op.spec.reference(a, -1), np.float16, softmax_ws(a.shape, (n, 1), 1, np.float16, log))
+
+
 def test_softmax_and_log_softmax_extremes() -> None:
     a = np.array([[1000.0, -1000.0, 0.0], [np.nan, 1.0, 2.0], [-np.inf, 0.0, 0.0], [-np.inf] * 3], np.float32)
     s = run_checked(ops.softmax, a, dim=-1).outputs[0]
@@ -196,7 +208,7 @@ def test_softmax_and_log_softmax_extremes() -> None:
 
 
 # whole rows, split rows, in parts, short rows in parts (each part's scratch row on lines of its own)
-@pytest.mark.parametrize("shape", [(5, 300), (3, 40000), (1024, 1100), (65536, 33)])
+@pytest.mark.parametrize("shape", [(5, 300), (3, 40000), (1024, 1100), (65536, 33), (16384, 100)])
 @pytest.mark.parametrize("op", [ops.softmax, ops.log_softmax])
 def test_in_place_into_its_own_input(dev: Any, stream: Any, op: Any, shape: tuple[int, int]) -> None:
     a = np.random.default_rng(1).standard_normal(shape)

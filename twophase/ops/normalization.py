@@ -15,7 +15,7 @@ from ..kernels.cpu import streaming
 from ..kernels.cpu.half import cast_copy
 from ..kernels.cpu.jit import entry
 from ..kernels.cpu.norm import AFFINE, LAYER_NORM_ROWS, SHORT_ROW_BYTES, build_norm
-from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax
+from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax, packed_scratch_len
 from ..layout import align, as_matrix, as_rows, merge_dims, rows_split
 from ..op import Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts
@@ -45,7 +45,7 @@ class SoftmaxTiling:
     workspace: int
     by_rows: bool = True
     threads: int = 1  # parts, each with its own scratch row
-    scratch_offset: int = 0  # log-softmax: one scratch row (N, or a block when split) per part
+    scratch_offset: int = 0  # packed log-softmax: one scratch row (N > 256, or a block when split) per part
     scratch_len: int = 0
     part_offset: int = 0  # where the split rows' (max, sum) partials start
 
@@ -56,11 +56,12 @@ def plan_softmax(
     """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
     workspace, in this order: for packed log-softmax only, T * align64(L * c) of scratch, one row of L = N
-    elements (8192 when split) per part (T = the helper threads' part count from 2^20 elements, else 1); then
-    align64(K * ceil(N / 8192) * 16) when N > 32768 (a float64 (max, sum) per block); then align64(K * N * c)
-    when the operands are packed (float16, or other dims that do not merge into one stride); c = 4 for float16
-    (computed in float32), else the dtype's itemsize. ``split_rows=False`` keeps long rows whole (no partials:
-    slower once a row leaves the cache, for a tighter workspace limit).
+    elements when N > 256 (8192 when split; none for shorter rows, whose scratch rows are made at binding) per
+    part (T = the helper threads' part count from 2^20 elements, else 1); then align64(K * ceil(N / 8192) * 16)
+    when N > 32768 (a float64 (max, sum) per block); then align64(K * N * c) when the operands are packed
+    (float16, or other dims that do not merge into one stride); c = 4 for float16 (computed in float32), else the
+    dtype's itemsize. ``split_rows=False`` keeps long rows whole (no partials: slower once a row leaves the cache,
+    for a tighter workspace limit).
     """
     kept = [i for i in range(x.ndim) if i != dim]
     n = x.shape[dim] if x.ndim else 1
@@ -76,8 +77,9 @@ def plan_softmax(
         return merge_dims([d.shape[i] for i in kept], [d.strides[i] for i in kept]) is not None
 
     pack = (x.dtype is DType.float16 or not mergeable(x) or not mergeable(out)) and k * n > 0
-    # packed log-softmax runs in place in the pack: its exps need scratch rows (first in the workspace)
-    scratch_len = (SPLIT_BLOCK if split > 1 else n) if log and pack else 0
+    # packed log-softmax runs in place in the pack: rows finished at once or split need scratch rows for their exps
+    # (first in the workspace; shorter rows' are made at binding)
+    scratch_len = packed_scratch_len(n, split, SPLIT_BLOCK) if log and pack else 0
     ws = threads * align(scratch_len * item)  # each part's row on cache lines of its own
     part_offset = ws
     if split > 1:
@@ -161,7 +163,8 @@ SOFTMAX_FORMULA = (
     "align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*c) if packed (c = 4 for float16, else itemsize)"
 )
 LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + (
-    "; + T*align64(L*c) scratch if packed, L = N (8192 if split), T = parts (helper threads) from 2^20 elements, else 1"
+    "; + T*align64(L*c) scratch if packed and N > 256, L = N (8192 if split), T = parts (helper threads) from 2^20 "
+    "elements, else 1"
 )
 _SOFTMAX_DOC = (
     "{what} over ``dim`` (K rows of length N; dtypes float32, float64, float16 computed in float32). Rows of "
@@ -204,10 +207,12 @@ log_softmax = register(
         doc=_SOFTMAX_DOC.format(
             what="Log-softmax (x - max) - log(sum exp(x - max))", last="written as (x - max) - log(sum)"
         ).replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
-        + "Log-softmax sums its exponentials in out (rewritten afterwards); packed, where it runs in place in the "
-        "pack, it takes scratch before the rest of its workspace instead: one row of L = N elements (8192 when "
-        "split) per part run by a helper thread (T = the part count at planning from 2^20 elements, else 1), each "
-        "on cache lines of its own. Called in place (out is x) unpacked, it keeps such rows from binding time. "
+        + "Log-softmax sums its exponentials in out (rewritten afterwards) where rows are longer than 256 "
+        "elements; packed, where it runs in place in the pack, it takes scratch before the rest of its workspace "
+        "instead: one row of L = N elements (8192 when split) per part run by a helper thread (T = the part count "
+        "at planning from 2^20 elements, else 1), each on cache lines of its own. Called in place (out is x) "
+        "unpacked, it keeps such rows from binding time, as do rows of up to 256 elements (both ops), whose "
+        "exponentials stay in scratch rows in L1. "
         "Workspace: " + LOG_SOFTMAX_FORMULA + ".",
         reference=_log_reference,
     )

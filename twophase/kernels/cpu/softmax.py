@@ -1,14 +1,15 @@
 """Softmax and log-softmax over the last axis of a (rows, length) view, on vectorized loops.
 
 A row (or a block of a long row) takes three passes while it sits in cache: its max (``llvm.maximum``,
-NaN-propagating, vectorizes as a reduction), ``exp(x - max)`` stored into ``out`` (``vmath.exp_shifted``, no
-reassociation, so the range reduction stays exact), and the float64 sum of what was stored (reassociated:
-vectorized). The max pass of the next row (or block) runs inside this one's exp loop: its memory traffic then
-overlaps the exps' arithmetic instead of leaving the core idle. A last pass writes the result: ``out *= 1/sum``
-(softmax) or ``out = (x - max) - log(sum)`` (log-softmax; its exps go to out too, or to scratch rows when it
-runs in place). Long rows are split in blocks whose float64 ``(max, sum)`` partials live in the workspace and
-are merged per row: ``M = max_b m_b``, ``S = sum_b s_b * exp(m_b - M)``; block b is then scaled by
-``exp(m_b - M) / S`` (softmax) or rewritten as ``(x - M) - log S`` (log-softmax).
+NaN-propagating, vectorizes as a reduction), ``exp(x - max)`` stored (``vmath.exp_shifted``, no reassociation,
+so the range reduction stays exact), and the float64 sum of what was stored (reassociated: vectorized). The max
+pass of the next row (or block) runs inside this one's exp loop: its memory traffic then overlaps the exps'
+arithmetic instead of leaving the core idle. A last pass writes the result: ``out = exps * (1/sum)`` (softmax) or
+``out = (x - max) - log(sum)`` (log-softmax). Rows of up to ``PIPELINED_MAX`` elements keep their exps in scratch
+rows, in L1; longer ones store them into out (log-softmax in place: into a scratch row). Long rows are split in
+blocks whose float64 ``(max, sum)`` partials live in the workspace and are merged per row: ``M = max_b m_b``,
+``S = sum_b s_b * exp(m_b - M)``; block b is then scaled by ``exp(m_b - M) / S`` (softmax) or rewritten as
+``(x - M) - log S`` (log-softmax).
 """
 
 from __future__ import annotations
@@ -87,6 +88,22 @@ def _exp_store_max(x: Any, out: Any, m: float, y: Any) -> float:
 
 
 @jit_inline
+def _exp_store_max_row(x: Any, out: Any, m: float, y: Any, apart: bool) -> float:
+    """``_exp_store_max`` for y as long as x (the next of a matrix's rows), in one loop (without the loops for the
+    longer one's remainder, short rows ran 2-7% faster; /tmp/w48/fb.py of the forty-eighth session). ``apart``
+    (a constant): out is not x (a scratch row, or out of an op not in place), and the in-place test is left out:
+    with it, the pipelined order with its exps in scratch ran 1.3x slower (softmax, rows of 32 and 64, two
+    threads: 8.3 and 5.8 ms against 6.2 and 4.5; /tmp/w48/sc6.py)."""
+    if not apart and x.ctypes.data == out.ctypes.data:
+        return float(_exp_in_place_max(x, m, y))
+    mx = y[0]
+    for i in range(x.shape[0]):
+        out[i] = vm.exp_shifted(x[i], m)
+        mx = vm.maximum(mx, y[i])
+    return float(mx)
+
+
+@jit_inline
 def _exp_in_place_max(x: Any, m: float, y: Any) -> float:
     """``_exp_store_max`` with out = x, in two loops: with y's max in the loop storing into x, LLVM does not
     vectorize it where y is a row of x's array (it cannot bound the distance between a store to one row and a load
@@ -109,20 +126,20 @@ def _finish(x: Any, out: Any, m: float, c: float, mode: int) -> None:
 # Whole rows take one of three orders by their length; speed-ups over the pipelined order alone, two threads
 # through the op on 16 M float32 elements (/tmp/w47/ab.py of the forty-seventh session):
 PIPELINED_MAX = 256  # longer rows are each finished at once (softmax 384: 1.20x, 1024: 1.25, 4096: 1.08)
-GROUPED_MAX = 48  # log-softmax rows up to this long, not in place, take their logs by groups (16: 1.65x, 32: 1.24,
-# 48: 1.13; rows of 64 were no faster, 0.99-1.0x, and stay pipelined)
+GROUPED_MAX = 48  # log-softmax rows up to this long take their logs by groups (16: 1.65x, 32: 1.24, 48: 1.13;
+# rows of 64 were no faster, 0.99-1.0x, and stay pipelined)
 GROUP_FLOATS = 1024  # elements of a group of such rows (at most GROUP_ROWS rows)
 GROUP_ROWS = 64
 
 
 @jit_inline
-def _row_exps(x: Any, e: Any, k: int, m: float, dense: bool) -> tuple[float, float]:
+def _row_exps(x: Any, e: Any, k: int, m: float, dense: bool, apart: bool) -> tuple[float, float]:
     """Row k's exps (shifted by its max m) stored into e, and the max of row k + 1 read in the same loop (the
     last row re-reads itself: in cache, its max unused): (the next row's max, the sum of row k's exps, NaN for a
-    row all -inf, as ``_partials``)."""
+    row all -inf, as ``_partials``). ``apart``: e is a scratch row (``_exp_store_max_row``)."""
     shift = m if m != -np.inf else 0.0
     nxt = k + 1 if k + 1 < x.shape[0] else k
-    m_next = _exp_store_max(row_of(x, k, dense), e, shift, row_of(x, nxt, dense))
+    m_next = _exp_store_max_row(row_of(x, k, dense), e, shift, row_of(x, nxt, dense), apart)
     s = vm.fsum(e)
     return m_next, (np.nan if m == -np.inf else s)
 
@@ -133,46 +150,80 @@ PIPELINED, AT_ONCE, GROUPED = 0, 1, 2  # the whole-rows orders (``row_order``)
 def row_order(mode: int, n: int) -> int:
     """The order of whole rows of ``n`` elements (the constants above), chosen in phase 1: one kernel per order,
     so a launch compiles only its own (the three inlined in one kernel took 4.5x as long to compile)."""
-    if mode == LOG_SOFTMAX_IN_OUT and n <= GROUPED_MAX:
+    if mode != SOFTMAX and n <= GROUPED_MAX:
         return GROUPED
-    if mode != LOG_SOFTMAX and n <= PIPELINED_MAX:
+    if n <= PIPELINED_MAX:
         return PIPELINED
     return AT_ONCE
 
 
+def packed_scratch_len(n: int, split: int, block: int) -> int:
+    """Elements of the scratch row that each part of a packed log-softmax (run in place in the pack) takes from the
+    workspace: a block of split rows, or a row finished at once; 0 for shorter rows, whose scratch rows are made at
+    binding (``scratch_rows``, at most ``PIPELINED_MAX`` elements each)."""
+    if split > 1:
+        return block
+    return n if n > PIPELINED_MAX else 0
+
+
+def scratch_rows(mode: int, n: int) -> int:
+    """Scratch rows of ``n`` elements a part's whole-rows kernel takes: the short rows' orders keep their exps in
+    scratch (softmax pipelined: two, row k's and row k - 1's), in-place log-softmax finished at once one."""
+    if n <= PIPELINED_MAX:
+        return 2 if mode == SOFTMAX else 1
+    return 1 if mode == LOG_SOFTMAX else 0
+
+
 @jit_inline
 def _rows_at_once(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
-    """Each row finished at once, while it is in L1 (log-softmax in place keeps its exps in the scratch row
-    ``tmp``, of length N)."""
+    """Each row finished at once, while it is in L1; its exps go to out, where the row's lines are then at hand for
+    the finish (log-softmax in place: to the scratch row ``tmp``, of length N). Rows of 4096 ran 1.3-1.4x slower
+    with their exps in scratch (/tmp/w48/sc8.py)."""
     m = _max(row_of(x, 0, dense))
     for k in range(x.shape[0]):
         e = tmp if mode == LOG_SOFTMAX else row_of(out, k, dense)
-        m_next, s = _row_exps(x, e, k, m, dense)
+        m_next, s = _row_exps(x, e, k, m, dense, mode != SOFTMAX)  # only softmax's exps may go to x itself
         _finish(row_of(x, k, dense), row_of(out, k, dense), m, (1.0 / s if mode == SOFTMAX else math.log(s)), mode)
         m = m_next
 
 
 @jit_inline
-def _rows_pipelined(x: Any, out: Any, mode: int, dense: bool) -> None:
+def _finish_from(x: Any, e: Any, out: Any, m: float, c: float, mode: int) -> None:
+    """A row's result from its exps in scratch: out = e * c (softmax, c = 1/sum) or out = (x - m) - c (log-softmax,
+    c = log sum, e unused)."""
+    if mode == SOFTMAX:
+        cc = out.dtype.type(c)
+        for i in range(out.shape[0]):
+            out[i] = e[i] * cc
+    else:
+        _shift(x, out, m, c)
+
+
+@jit_inline
+def _rows_pipelined(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
     """Row k - 1's result is written before row k's sum, so that no row waits on its own sum and division (short
-    rows: 0.83 -> 0.62 ns/element single-threaded). Exps go to out."""
+    rows: 0.83 -> 0.62 ns/element single-threaded). The exps go to scratch rows, which stay in L1 (softmax: row
+    k's to ``tmp[k % 2]``), and out is written once: with them in out, whose lines each exp loop's stores had to
+    bring in first, rows of 64 ran 1.1-1.25x slower, rows of 32 1.5x (/tmp/w48/sc6.py, sc7.py)."""
     nk = x.shape[0]
     m = _max(row_of(x, 0, dense))
     pm = pc = 0.0  # row k - 1's max and its factor (softmax) or shift (log-softmax)
     for k in range(nk):
-        m_next, s = _row_exps(x, row_of(out, k, dense), k, m, dense)
+        m_next, s = _row_exps(x, tmp[k & 1 if mode == SOFTMAX else 0], k, m, dense, True)
         if k > 0:
-            _finish(row_of(x, k - 1, dense), row_of(out, k - 1, dense), pm, pc, mode)
+            e = tmp[(k - 1) & 1 if mode == SOFTMAX else 0]
+            _finish_from(row_of(x, k - 1, dense), e, row_of(out, k - 1, dense), pm, pc, mode)
         pm, pc = m, (1.0 / s if mode == SOFTMAX else math.log(s))
         m = m_next
-    _finish(row_of(x, nk - 1, dense), row_of(out, nk - 1, dense), pm, pc, mode)
+    e = tmp[(nk - 1) & 1 if mode == SOFTMAX else 0]
+    _finish_from(row_of(x, nk - 1, dense), e, row_of(out, nk - 1, dense), pm, pc, mode)
 
 
 @jit_inline
-def _rows_grouped(x: Any, out: Any, mode: int, dense: bool) -> None:
-    """Rows by groups of up to ``GROUP_FLOATS`` elements: each row's exps and sum, then the group's logs in one
-    vectorized loop (``vmath.log``; a scalar log a row cost short rows more than their exps), then the group's
-    results, its rows still in L1. Exps go to out."""
+def _rows_grouped(x: Any, out: Any, tmp: Any, dense: bool) -> None:
+    """Log-softmax rows by groups of up to ``GROUP_FLOATS`` elements: each row's exps (into the scratch row
+    ``tmp``) and sum, then the group's logs in one vectorized loop (``vmath.log``; a scalar log a row cost short
+    rows more than their exps), then the group's results, its rows still in L1."""
     n = x.shape[1]
     nk = x.shape[0]
     g = min(GROUP_ROWS, max(1, GROUP_FLOATS // n))
@@ -183,19 +234,19 @@ def _rows_grouped(x: Any, out: Any, mode: int, dense: bool) -> None:
         g1 = min(g0 + g, nk)
         for k in range(g0, g1):
             ms[k - g0] = m
-            m, s = _row_exps(x, row_of(out, k, dense), k, m, dense)
+            m, s = _row_exps(x, tmp, k, m, dense, True)
             cs[k - g0] = s
         for j in range(g1 - g0):
-            cs[j] = vm.log(cs[j]) if mode != SOFTMAX else 1.0 / cs[j]
+            cs[j] = vm.log(cs[j])
         for k in range(g0, g1):
-            _finish(row_of(x, k, dense), row_of(out, k, dense), ms[k - g0], cs[k - g0], mode)
+            _shift(row_of(x, k, dense), row_of(out, k, dense), ms[k - g0], cs[k - g0])
 
 
 def _rows_kernel(mode: int, order: int, dense: bool) -> Any:
     """The whole-rows kernel of ``mode`` in ``order`` (``row_order``). In every order row k + 1's max is taken in
-    row k's exp loop, so that its memory traffic overlaps row k's arithmetic. ``tmp`` is scratch[0], not a slice of
-    it (a slice types as 'A', whose loops vectorize worse), used by the order finishing rows at once. ``dense``:
-    rows taken as dense vectors (``jit.row_of``)."""
+    row k's exp loop, so that its memory traffic overlaps row k's arithmetic. ``scratch``: the part's
+    ``scratch_rows`` (a (R, N) array; its rows, not slices of it: a slice types as 'A', whose loops vectorize
+    worse). ``dense``: rows taken as dense vectors (``jit.row_of``)."""
 
     @jit
     def rows(x: Any, out: Any, scratch: Any) -> None:
@@ -203,13 +254,20 @@ def _rows_kernel(mode: int, order: int, dense: bool) -> Any:
         if x.shape[0] == 0 or x.shape[1] == 0:
             return
         if order == PIPELINED:  # closure constants: numba prunes the other branches before typing them
-            _rows_pipelined(x, out, mode, dense)
+            _rows_pipelined(x, out, mode, scratch, dense)
         elif order == GROUPED:
-            _rows_grouped(x, out, mode, dense)
+            _rows_grouped(x, out, scratch[0], dense)
         else:
             _rows_at_once(x, out, mode, scratch[0], dense)
 
     return rows
+
+
+def rows_key(mode: int, n: int) -> tuple[int, int]:
+    """The ``ROWS`` key of whole rows of ``n`` elements: (mode, order), log-softmax in place or not one mode where
+    the exps go to scratch anyway (every order but at once)."""
+    order = row_order(mode, n)
+    return (LOG_SOFTMAX if mode == LOG_SOFTMAX_IN_OUT and order != AT_ONCE else mode), order
 
 
 ROWS = {
@@ -217,12 +275,12 @@ ROWS = {
     for key in (
         (SOFTMAX, PIPELINED),
         (SOFTMAX, AT_ONCE),
+        (LOG_SOFTMAX, PIPELINED),
+        (LOG_SOFTMAX, GROUPED),
         (LOG_SOFTMAX, AT_ONCE),
-        (LOG_SOFTMAX_IN_OUT, PIPELINED),
         (LOG_SOFTMAX_IN_OUT, AT_ONCE),
-        (LOG_SOFTMAX_IN_OUT, GROUPED),
     )
-}  # by (mode, row_order)
+}  # by ``rows_key``
 
 
 @jit_inline
@@ -345,27 +403,27 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     out_sample = sample if t.pack else dst
     k, n, split, block = t.rows, t.length, t.split, t.block
     row = block if split > 1 else n
-    if mode == LOG_SOFTMAX and t.pack and (t.scratch_len < row or t.threads < 1):
+    if mode == LOG_SOFTMAX and t.pack and (t.scratch_len < packed_scratch_len(n, split, block) or t.threads < 1):
         raise InternalError(
             "packed log-softmax tiling lacks its per-part scratch rows",
             op="log_softmax",
             status=Status.ERR_INNER_TILING,
         )
-    # per part, its scratch row (a (1, L) array): a zero-size stand-in where the exps go to out; else made here, at
-    # binding, once, or (packed) in the workspace. Each part's on cache lines of its own: the helper threads write
-    # their rows at once (in-place log-softmax of 16 M float32 elements in rows of 32, two threads, the two rows of
-    # one 16-byte-aligned array: 28.4 and 17.2 ms; on lines of their own 13.5 and 13.2; rows of 64 ran 8.8-9.1 ms
-    # either way; /tmp/w46/lsip.py of the forty-sixth session, two runs)
+    if mode == LOG_SOFTMAX and not t.pack and not np.may_share_memory(src, dst):
+        mode = LOG_SOFTMAX_IN_OUT  # x survives: rows finished at once put their exps in out, whose lines they bring in
+    # per part, its scratch rows (a (R, L) array): a zero-size stand-in where the exps go to out; else made here, at
+    # binding, once, or (packed log-softmax rows finished at once or split) in the workspace. Each part's on cache
+    # lines of its own: the helper threads write their rows at once (in-place log-softmax of 16 M float32 elements in
+    # rows of 32, two threads, the two rows of one 16-byte-aligned array: 28.4 and 17.2 ms; on lines of their own
+    # 13.5 and 13.2; rows of 64 ran 8.8-9.1 ms either way; /tmp/w46/lsip.py of the forty-sixth session, two runs)
+    rows_needed = scratch_rows(mode, n) if split == 1 else int(mode == LOG_SOFTMAX)
     own: list[Any] = [np.empty((1, 0), compute_dt)] * t.threads
-    if mode == LOG_SOFTMAX and not t.pack:
-        if np.may_share_memory(src, dst):  # in place: x must survive its exps
-            own = [line_array((1, row), compute_dt) for _ in range(t.threads)]
-        else:
-            mode = LOG_SOFTMAX_IN_OUT  # the exps' stores also bring out's lines in, during the exp loop
+    if rows_needed and not t.scratch_len:
+        own = [line_array((rows_needed, row), compute_dt) for _ in range(t.threads)]
     part_sample = np.empty((1, 1, 2), np.float64)
     dense = rows_dense(sample, out_sample)
     if split == 1:
-        fn = entry(ROWS[mode, row_order(mode, n)][dense], sample, out_sample, own[0])
+        fn = entry(ROWS[rows_key(mode, n)][dense], sample, out_sample, own[0])
     elif t.by_rows:
         fn = entry(SPLIT_ROWS[dense], sample, out_sample, block, part_sample, mode, own[0])
     else:
