@@ -70,8 +70,9 @@ def _shift(x: Any, out: Any, m: float, c: float) -> None:
 
 @jit_inline
 def _exp_store_max(x: Any, out: Any, m: float, y: Any) -> float:
-    """out = exp(x - m), and the max of y (as ``_max``) read in the same loop: y is the next row or block,
-    streamed from memory while this one's exps keep the core busy. In place (out is x): ``_exp_in_place_max``."""
+    """out = exp(x - m), and the max of y (as ``_max``) read in the same loop: y is the next block (of split
+    rows; its length may differ), streamed from memory while this one's exps keep the core busy. In place (out is
+    x): ``_exp_in_place_max``. Whole rows: ``_exp_store_max_row``."""
     if x.ctypes.data == out.ctypes.data:
         return float(_exp_in_place_max(x, m, y))
     mx = y[0]
@@ -394,7 +395,7 @@ SPLIT_WRITES = by_density(_split_writes_kernel)
 def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Callable[[Any], None]:
     """Launch for (log-)softmax of ``src`` into ``dst`` (both (K, N) views, or permuted N-d views when packed):
     ``tiling.threads`` parts (row ranges, or block ranges when long rows are fewer than the parts) for helper
-    threads, each with its own scratch row."""
+    threads, each with its own scratch rows (``scratch_rows``)."""
     t = tiling
     if t.rows * t.length == 0:
         return lambda _: None
