@@ -22,7 +22,7 @@ from twophase.kernels.cpu.conv_tiles import available as tiles_available
 from twophase.layout import align, spread_stride
 from twophase.ops import conv as conv_op
 from twophase.ops import conv2d
-from twophase.ops.conv import TILE_K, reference, tile_rows, tiles_grid
+from twophase.ops.conv import TILE_K, grid_kblock, reference, tile_rows, tiles_grid
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
@@ -710,8 +710,10 @@ needs_tiles = pytest.mark.usefixtures("microkernel")  # im2col_tiles runs on the
 @pytest.mark.parametrize(
     "n, c, oc, hw, k, stride, pad, dil, threads",
     [
-        (1, 64, 40, (15, 15), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # 8x8 outputs: 576 unfolded rows in 3 k blocks
-        (1, 5, 50, (9, 9), (3, 3), (1, 1), (1, 1), (1, 1), 2),  # 81 pixels: too few for 2 parts, channels split
+        (1, 64, 40, (15, 15), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # 8x8 outputs: input channels split, 2 x 288 rows
+        (1, 61, 24, (7, 7), (3, 3), (1, 1), (1, 1), (1, 1), 2),  # planes, input channels split 30 / 31
+        (1, 90, 20, (6, 6), (3, 3), (1, 1), (1, 1), (1, 1), 3),  # 36 pixels, 3 parts of 30 input channels
+        (1, 5, 50, (9, 9), (3, 3), (1, 1), (1, 1), (1, 1), 2),  # 81 pixels, 45 unfolded rows: output channels split
         (3, 7, 20, (11, 13), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # parts' output rows cross images; 7-pixel rows
         (2, 3, 33, (30, 31), (7, 7), (2, 2), (3, 3), (1, 1), 3),  # stem-like: 16-pixel rows, 3 parts
         (1, 30, 17, (10, 10), (3, 3), (1, 1), (2, 2), (2, 2), 1),  # dilation, one part, 270 rows in 2 k blocks
@@ -749,27 +751,64 @@ def test_conv2d_im2col_tiles(
     b = rng.standard_normal(oc).astype(np.float32)
     attrs = dict(stride=stride, padding=pad, dilation=dil)
     ref = reference(x, w, b, **attrs)
-    kc = c * k[0] * k[1]
-    kblock = -(-kc // -(-kc // TILE_K))
+    taps = k[0] * k[1]
+    kc = c * taps
+    oh, ow = ((hw[i] + 2 * pad[i] - dil[i] * (k[i] - 1) - 1) // stride[i] + 1 for i in (0, 1))
+    grid = tiles_grid(n, oh, ow, oc, threads, kc, taps)
+    kblock = grid_kblock(grid, kc)
     monkeypatch.setattr(conv_op, "TILE_FLOATS", 256 * kblock)
     with num_threads(threads):
         r = _run("im2col_tiles", x, w, b, **attrs)
     t = r.tiling
     assert t.kblock == kblock and t.chunk == tile_rows(t.oh, t.ow, 256)
-    assert t.grid == tiles_grid(n, t.oh, t.ow, oc, threads) and t.parts == len(t.grid)
+    assert t.grid == grid and t.parts == len(t.grid)
     phases = stride == (2, 2) and dil == (1, 1) and min(k) >= 2 and (hw[1] + 1) // 2 <= t.ow
     assert t.phases == phases
     assert t.flat == (stride == (1, 1) and t.ow == hw[1])  # the unfold reads the planes in place
-    taps = k[0] * k[1]
-    channels = max(len({kk // taps for kk in range(k0, min(kc, k0 + t.kblock))}) for k0 in range(0, kc, t.kblock))
+    blocks = [(k0, min(k1, k0 + t.kblock)) for *_, lo, k1 in t.grid for k0 in range(lo, k1, t.kblock)]
+    channels = max(len({kk // taps for kk in range(k0, k1)}) for k0, k1 in blocks)
     plane = (t.chunk + (k[0] - 1 - pad[0]) // 2 - (-pad[0]) // 2) * t.ow
     area = -(-(32 + 4 * channels * plane) // 16) * 16 if phases else 0
     # a tile's columns: its widest tile's pixels up to the next 16, where a part's image segment (its rows of one
     # image) holds tiles of chunk rows, the last one shorter
-    segments = [min(b, (i + 1) * t.oh) - max(a, i * t.oh) for a, b, _, _ in t.grid for i in range(n)]
+    segments = [min(b, (i + 1) * t.oh) - max(a, i * t.oh) for a, b, *_ in t.grid for i in range(n)]
     widest = max(min(t.chunk, length) for length in segments)
-    assert r.workspace_size == t.parts * (t.kblock * -(-widest * t.ow // 16) * 16 + area) * 4
+    sums = sum(1 for *_, k0, _ in t.grid if k0 > 0) * -(-n * oc * t.oh * t.ow * 4 // 64) * 64  # partial outputs
+    assert r.workspace_size == t.parts * (t.kblock * -(-widest * t.ow // 16) * 16 + area) * 4 + sums
     _check(r, ref)
+
+
+@pytest.mark.parametrize(
+    "n, oh, ow, oc, parts, c, taps, split",
+    [
+        (1, 28, 28, 128, 2, 64, 9, "rows"),  # 392 pixels a part
+        (3, 5, 7, 64, 2, 64, 9, "rows"),  # 105 pixels in all, but 52 and 53 a part: too few; input channels
+        (1, 14, 14, 256, 2, 256, 9, "k"),  # 98 pixels a part: 128 input channels (1152 unfolded rows) each
+        (1, 7, 7, 512, 3, 91, 9, "k"),  # 819 unfolded rows: whole channels, 30-31 a part (>= 256 rows each)
+        (1, 7, 7, 512, 2, 11, 49, "oc"),  # 539 unfolded rows, but 5 of the 11 channels are 245 rows: not split
+        (1, 9, 9, 50, 2, 5, 9, "oc"),  # 45 unfolded rows: too few to split, output channels instead
+        (1, 7, 7, 8, 2, 5, 9, "rows"),  # neither splits: output rows after all
+    ],
+)
+def test_tiles_grid_splits(n: int, oh: int, ow: int, oc: int, parts: int, c: int, taps: int, split: str) -> None:
+    """Parts over output rows where each gets 128 pixels, else over whole input channels (each part >= TILE_K
+    unfolded rows), else over output channels; the blocks cover the output and the unfolded rows exactly."""
+    kc = c * taps
+    grid = tiles_grid(n, oh, ow, oc, parts, kc, taps)
+    if split == "rows" and n * oh * ow < parts * 128:
+        split = "k" if c // parts * taps >= TILE_K else "rows"
+    rows = {(r0, r1) for r0, r1, *_ in grid}
+    chans = {(i0, i1) for _, _, i0, i1, _, _ in grid}
+    ks = sorted((k0, k1) for *_, k0, k1 in grid)
+    if split == "rows":
+        assert chans == {(0, oc)} and ks == [(0, kc)] * len(grid) and sum(r1 - r0 for r0, r1 in rows) == n * oh
+    elif split == "k":
+        assert len(grid) == parts and rows == {(0, n * oh)} and chans == {(0, oc)}
+        assert ks[0][0] == 0 and ks[-1][1] == kc and all(a[1] == b[0] for a, b in zip(ks, ks[1:], strict=False))
+        assert all(k0 % taps == 0 and k1 - k0 >= TILE_K for k0, k1 in ks)
+    else:
+        assert rows == {(0, n * oh)} and ks == [(0, kc)] * len(grid)
+        assert sum(i1 - i0 for i0, i1 in chans) == oc and len(chans) == parts
 
 
 @needs_tiles

@@ -41,7 +41,14 @@ from ..kernels.cpu.conv_phases import images_area_floats as images_phase_area
 from ..kernels.cpu.conv_phases import plane_usable, tile_channels
 from ..kernels.cpu.conv_phases import usable as phases_usable
 from ..kernels.cpu.conv_tiles import available as tiles_available
-from ..kernels.cpu.conv_tiles import build_im2col_tiles, tile_stride, tile_width, widest_tile
+from ..kernels.cpu.conv_tiles import (
+    build_im2col_tiles,
+    partial_bytes,
+    partial_parts,
+    tile_stride,
+    tile_width,
+    widest_tile,
+)
 from ..layout import align, merge_dims, spread_stride
 from ..op import PRIVATE_STATE, Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, split_range
@@ -81,7 +88,8 @@ class ConvTiling:
     the input transform splits whole planes into phases (``winograd4.flat_phases``).
     im2col_parts: ``parts`` ranges of output rows, in runs of at most ``tile_rows``.
     im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
-    blocks of the output (first, past-last output row of all images stacked; first, past-last output channel);
+    blocks of the output (first, past-last output row of all images stacked; first, past-last output channel;
+    first, past-last unfolded row: a part whose range starts past 0 sums into a partial output, ``tiles_grid``);
     ``phases``: a stride-2 unfold reads the input split into its row and column phases, in an area per part;
     ``flat``: a stride-1 unfold reads the input planes as one flat run per unfolded row (im2col_tiles, im2col
     and im2col_parts channel-major).
@@ -122,7 +130,7 @@ class ConvTiling:
     chunk: int = 0
     parts: int = 1
     kblock: int = 0
-    grid: tuple[tuple[int, int, int, int], ...] = ()
+    grid: tuple[tuple[int, int, int, int, int, int], ...] = ()
     flat: bool = False
     micro: tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...] = ()
     own_weights: bool = False  # winograd, winograd4 with constant_weight: transformed weights kept by the binding
@@ -435,14 +443,32 @@ def tiles_use(oh: int, ow: int, rows: int) -> float:
     return oh * ow / computed
 
 
-def tiles_grid(n: int, oh: int, ow: int, oc: int, parts: int) -> tuple[tuple[int, int, int, int], ...]:
-    """Blocks (first, past-last output row of all images stacked; first, past-last output channel) for
-    ``parts`` parts: ranges of output rows, or, when those would give a part fewer than 128 pixels, ranges of
-    output channels (multiples of the GEMM's rows; every part then unfolds the same tiles)."""
+def tiles_grid(
+    n: int, oh: int, ow: int, oc: int, parts: int, kc: int = 0, taps: int = 1
+) -> tuple[tuple[int, int, int, int, int, int], ...]:
+    """Blocks (first, past-last output row of all images stacked; first, past-last output channel; first,
+    past-last unfolded row) for ``parts`` parts: ranges of output rows, or, when those would give a part fewer than
+    128 pixels, ranges of the ``kc`` unfolded rows (whole input channels of ``taps`` rows, at least ``TILE_K`` a
+    part: each part unfolds its own channels, sums them into a partial output, and the launch adds the partials),
+    else ranges of output channels (multiples of the GEMM's rows; every part then unfolds the same tiles).
+    One image of 256 -> 256 14^2, 512 -> 512 7^2, 128 -> 256 28^2 s2 and 256 -> 512 14^2 s2 ran 1.03-1.07x faster
+    split by input channels than by output channels (two threads, 15 interleaved rounds, /tmp/w48/ks2.py of the
+    forty-eighth session)."""
     rows = n * oh
-    if parts > 1 and rows * ow < parts * 128 and oc >= parts * 2 * gemm.MR:
-        return tuple((0, rows, i0, i1) for i0, i1 in gemm.row_ranges(oc, parts))
-    return tuple((a, b, 0, oc) for a, b in split_range(rows, parts))
+    if parts > 1 and rows * ow < parts * 128:
+        channels = kc // taps
+        if channels // parts * taps >= TILE_K:
+            return tuple((0, rows, 0, oc, c0 * taps, c1 * taps) for c0, c1 in split_range(channels, parts))
+        if oc >= parts * 2 * gemm.MR:
+            return tuple((0, rows, i0, i1, 0, kc) for i0, i1 in gemm.row_ranges(oc, parts))
+    return tuple((a, b, 0, oc, 0, kc) for a, b in split_range(rows, parts))
+
+
+def grid_kblock(grid: tuple[tuple[int, int, int, int, int, int], ...], kc: int) -> int:
+    """Unfolded rows per k block: the k ranges of ``grid``'s parts (the longest one's; ``kc`` for no parts) in
+    blocks of nearly equal depth, at most ``TILE_K``."""
+    most = max((k1 - k0 for *_, k0, k1 in grid), default=kc)
+    return -(-most // -(-most // TILE_K))
 
 
 # pixels / GEMM columns computed (``gemm.columns_computed``) from which im2col_tiles ranks ahead of whole-image
@@ -477,21 +503,24 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     bias)."""
     if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
         return None
-    kblock = -(-t.kc // -(-t.kc // TILE_K))  # k blocks of nearly equal depth
-    grid = tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts())
+    taps = t.kh * t.kw
+    grid = tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts(), t.kc, taps)
+    kblock = grid_kblock(grid, t.kc)
     item = x.dtype.itemsize
     phased = phases_usable(t, dense)
-    channels = tile_channels(t.kc, kblock, t.kh * t.kw)
+    ranges = [k1 - k0 for *_, k0, k1 in grid] or [t.kc]
+    channels = max(tile_channels(length, kblock, taps) for length in ranges)  # (each k range starts a channel)
     most = tile_pixels(kblock)
+    sums = partial_parts(grid) * partial_bytes(t, item)
     while True:
         rows = tile_rows(t.oh, t.ow, most)
         tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
         tiles = tile_stride(kblock, tile_width(widest_tile(grid, rows, t.oh), t.ow), item)
-        size = len(grid) * (tiles + (phase_area(tt, rows, channels) * item if phased else 0))
+        size = len(grid) * (tiles + (phase_area(tt, rows, channels) * item if phased else 0)) + sums
         if limit is None or size <= limit:
             return Candidate("im2col_tiles", tt, size)
-        if phased and len(grid) * tiles <= limit:  # the tiles fit without the phases: unfold row by row
-            return Candidate("im2col_tiles", replace(tt, phases=False), len(grid) * tiles)
+        if phased and len(grid) * tiles + sums <= limit:  # the tiles fit without the phases: unfold row by row
+            return Candidate("im2col_tiles", replace(tt, phases=False), len(grid) * tiles + sums)
         if rows == 1:
             return None
         most = rows * t.ow - 1
@@ -724,12 +753,14 @@ conv2d = register(
             "64 // (KH*KW))) channels per step]; im2col_parts: the sum over parts of "
             "align64(C/groups*KH*KW * R*OW * itemsize), R = the part's longest run of output rows "
             "(at most tile_rows), parts = the fan-out count, at most N*groups*OH; "
-            "im2col_tiles: P * (KB * ceil16(R*OW) + A) * itemsize, "
+            "im2col_tiles: P * (KB * ceil16(R*OW) + A) * itemsize + (P - 1) * align64(N*OC*OH*OW * itemsize) "
+            "when the parts split the input channels (else no second term), "
             "A = ceil16(32 + 4 * CB * (R + (KH-1-PH)//2 - (-PH)//2) * OW) (the phase planes of a tile of the "
             "CB input channels the widest k block reaches, and their guards) for stride 2, dilation 1, KH and KW "
             ">= 2, dense input rows and ceil(W/2) <= OW when it fits workspace_limit, else 0, "
             "P = parts (the fan-out count, fewer when N*OH is smaller), "
-            "KB = ceil(C*KH*KW / ceil(C*KH*KW / 256)) unfolded rows per k block, "
+            "KB = ceil(L / ceil(L / 256)) unfolded rows per k block, L = C*KH*KW (split input channels: the "
+            "most unfolded rows a part takes, whole channels of ceil or floor(C / P) each), "
             "R = output rows per tile (up to 2^17 / KB pixels: a tile of 512 KiB of float32; the count filling "
             "the GEMM's panels best); "
             "direct: 0"
@@ -749,12 +780,13 @@ conv2d = register(
             "rows (up to 2048 pixels, fewer to fit workspace_limit) into its own workspace area and multiplying "
             "them straight into out with a one-thread GEMM; ranked ahead of im2col from 2^24 multiply-adds in all "
             "and 2^21 per run. "
-            "im2col_tiles (float32, groups 1, NCHW output, on CPUs with AVX-512): parts over output rows (or output "
-            "channels when there are few pixels), each unfolding tiles of KB unfolded rows x R output rows into its "
-            "own workspace slice and multiplying the weight's k block by them with the register-blocked GEMM into "
-            "out (bias added per tile); ranked ahead of im2col when R*OW fills at least 0.85 of the GEMM columns "
-            "computed (16-wide panels, the last one 8 wide when at most 8 columns are left), for one image of 2^21 "
-            "multiply-adds or more, or when a limit makes im2col tile output rows. "
+            "im2col_tiles (float32, groups 1, NCHW output, on CPUs with AVX-512): parts over output rows (or, when "
+            "there are fewer than 128 pixels a part, over input channels, at least 256 unfolded rows each, whose "
+            "partial sums the launch adds into out; else over output channels), each unfolding tiles of KB unfolded "
+            "rows x R output rows into its own workspace slice and multiplying the weight's k block by them with the "
+            "register-blocked GEMM into out (bias added per tile); ranked ahead of im2col when R*OW fills at least "
+            "0.85 of the GEMM columns computed (16-wide panels, the last one 8 wide when at most 8 columns are left), "
+            "for one image of 2^21 multiply-adds or more, or when a limit makes im2col tile output rows. "
             "winograd4 F(4x4, 3x3) (float32, 3x3, stride 1, dilation 1, groups 1): weights, input tiles (6x6, 4 "
             "apart; each row of tiles one dummy tile longer, so the transforms run flat over bands of tile rows) and "
             "36 GEMMs of (OC, C) x (C, NT) in the workspace, rounds of whole images (as many as fit workspace_limit, "

@@ -7,12 +7,14 @@ back from cache."""
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from ...layout import align
 from ...runtime.fanout import run_parts
 from . import conv_phases, gemm
 from . import jit as _jit
@@ -46,18 +48,20 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
         r1: int,
         i0: int,
         i1: int,
+        k_lo: int,
+        k_hi: int,
         phases: Any,
         masks: Any,
         planes: bool,
     ) -> None:
-        """out[n, i, oh*OW + ow] = sum_k w[i, k] * unfolded(n)[k, oh*OW + ow] (+ bias[i]) for the rows
-        ``i0 <= i < i1`` and the output rows ``r0 <= r < r1`` of all images stacked (r = n*OH + oh): per tile of
-        ``rows`` output rows of one image and k block of ``kc`` unfolded rows, ``conv.im2col`` into the tile
+        """out[n, i, oh*OW + ow] = sum_k w[i, k] * unfolded(n)[k, oh*OW + ow] (+ bias[i]) over the unfolded rows
+        ``k_lo <= k < k_hi``, for the rows ``i0 <= i < i1`` and the output rows ``r0 <= r < r1`` of all images
+        stacked (r = n*OH + oh): per tile of ``rows`` output rows of one image and k block of ``kc`` unfolded rows
+        (from ``k_lo`` on), ``conv.im2col`` into the tile
         (or, given a phase area ``phases``, ``conv_phases.split`` then ``conv_phases.unfold`` with the column
         masks ``masks``; with ``planes``, ``conv_phases.unfold_plane`` with them), then ``gemm.gemm_tile`` into
-        out (the first k block stores, the later ones add)."""
+        out (the part's first k block stores, the later ones add)."""
         item = 4
-        kdim = w.shape[1]
         ow_n = geo[8]
         oh_n = out.shape[2] // ow_n
         lda, sak = w.strides[0] // item, w.strides[1] // item
@@ -73,8 +77,8 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
             nr = min(rows, oh_n - oh0, r1 - r)
             width = nr * ow_n
             pc = out[n].ctypes.data + (i0 * ldc + oh0 * ow_n) * item
-            for k0 in range(0, kdim, kc):
-                kl = min(kc, kdim - k0)
+            for k0 in range(k_lo, k_hi, kc):
+                kl = min(kc, k_hi - k0)
                 if PHASES and phases.size:
                     c0 = k0 // taps
                     c1 = (k0 + kl - 1) // taps + 1
@@ -84,7 +88,7 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                     conv_phases.unfold_plane(x[n], 0, tile, 0, geo, oh0, nr, k0, k0 + kl, masks, k0)
                 else:
                     _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
-                if k0 == 0:  # the masked panel reads the tile's columns up to the next 16: keep them finite
+                if k0 == k_lo:  # the masked panel reads the tile's columns up to the next 16: keep them finite
                     read = -(-width // gemm.LANES) * gemm.LANES  # (within ldt: the widest tile's, rounded alike)
                     for kk in range(kl):  # (the first k block is the deepest; the unfold never writes them)
                         trow = row_of(tile, kk, True)
@@ -101,7 +105,7 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                     kl,
                     i1 - i0,
                     width,
-                    k0,
+                    k0 - k_lo,
                     0,
                     0,
                 )
@@ -123,9 +127,11 @@ _NO_MASKS = np.zeros((1, 1), np.bool_)
 
 def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """The launch of ``len(t.grid)`` parts: part i takes the output block ``t.grid[i]`` (output rows of all images
-    stacked, output channels) with its own tile in the workspace, ``t.kblock`` unfolded rows by the columns of the
-    widest tile any part runs (``widest_tile``, ``tile_width``), after the parts' phase areas when ``t.phases``
-    (``conv_phases``); ``t.flat``: the unfold reads the input planes as their one phase (``unfold_plane``)."""
+    stacked, output channels, unfolded rows) with its own tile in the workspace, ``t.kblock`` unfolded rows by the
+    columns of the widest tile any part runs (``widest_tile``, ``tile_width``), after the parts' phase areas when
+    ``t.phases`` (``conv_phases``); ``t.flat``: the unfold reads the input planes as their one phase
+    (``unfold_plane``). A part whose unfolded rows start past 0 sums into a partial output of its own, after the
+    tiles (``partial_bytes``), which the launch adds into out once every part is done."""
     item = x.itemsize
     so = [s // item for s in out.strides]
     o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
@@ -144,20 +150,35 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     else:
         masks = _NO_MASKS
     sample = np.empty(1 if t.phases else 0, x.dtype)
-    k = entry(
-        CONV_TILES[rows_dense(x), step_key(t.sw)],
-        *(x, wmat, b, has, o3, geo, np.empty(shape, x.dtype), 0, 0, 0, 0, 0, 0, sample, masks, t.flat),
-    )
+    kernel = CONV_TILES[rows_dense(x), step_key(t.sw)]
+    rest = (geo, np.empty(shape, x.dtype), 0, 0, 0, 0, 0, 0, 0, 0, sample, masks, t.flat)
+    k = entry(kernel, x, wmat, b, has, o3, *rest)
+    sums_shape = (t.n, t.oc, t.oh * t.ow)
+    k_sum = entry(kernel, x, wmat, b, False, np.empty((1, 1, 1), x.dtype), *rest) if partial_parts(t.grid) else k
     dt, grid, kb, rows, flat = x.dtype, t.grid, t.kblock, t.chunk, t.flat
     tiles_at = len(grid) * area
+    sums_at, sum_stride = tiles_at + len(grid) * size, partial_bytes(t, item)
 
     def launch(ws: Any) -> None:
         parts = []
+        sums: list[Any] = []
         for i, block in enumerate(grid):
             tile = ws[tiles_at + i * size : tiles_at + (i + 1) * size].view(dt).reshape(shape)
             phases = ws[i * area : (i + 1) * area].view(dt) if area else _NO_PHASES
-            parts.append(functools.partial(k, x, wmat, b, has, o3, geo, tile, kb, rows, *block, phases, masks, flat))
+            if block[4] == 0:
+                parts.append(
+                    functools.partial(k, x, wmat, b, has, o3, geo, tile, kb, rows, *block, phases, masks, flat)
+                )
+                continue
+            at = sums_at + len(sums) * sum_stride
+            dst = ws[at : at + math.prod(sums_shape) * item].view(dt).reshape(sums_shape)
+            sums.append(dst)
+            parts.append(
+                functools.partial(k_sum, x, wmat, b, False, dst, geo, tile, kb, rows, *block, phases, masks, flat)
+            )
         run_parts(parts)
+        for dst in sums:
+            np.add(o3, dst, out=o3)
 
     return launch
 
@@ -167,13 +188,23 @@ def widest_tile(grid: Any, rows: int, oh: int) -> int:
     last row and at the part's (``conv_tiles``' loop). A tile's columns are sized by it (``tile_width``): a part
     whose tiles are all shorter than ``rows`` touches no more, and the workspace is what is touched."""
     most = 0
-    for r0, r1, _, _ in grid:
+    for r0, r1, *_ in grid:
         r = r0
         while r < r1 and most < rows:
             nr = min(rows, oh - r % oh, r1 - r)
             most = max(most, nr)
             r += nr
     return most
+
+
+def partial_parts(grid: Any) -> int:
+    """Parts of ``grid`` whose unfolded rows start past 0: each sums into a partial output of its own."""
+    return sum(1 for block in grid if block[4] > 0)
+
+
+def partial_bytes(t: Any, item: int) -> int:
+    """Bytes of one partial output in the workspace: N * OC * OH * OW elements, on 64-byte lines."""
+    return align(t.n * t.oc * t.oh * t.ow * item)
 
 
 def tile_width(rows: int, ow: int) -> int:
