@@ -778,6 +778,26 @@ def test_conv2d_im2col_tiles(
     _check(r, ref)
 
 
+@needs_tiles
+def test_conv2d_im2col_tiles_splits_output_channels_where_partials_do_not_fit(rng: np.random.Generator) -> None:
+    """Two parts over one 7x7 image's 64 input channels need a partial output of 512 x 49 floats (98 KiB) besides
+    their tiles; under a limit below that, they split the output channels instead (both unfolding every tile)."""
+    x = _x(rng, (1, 64, 7, 7), False)
+    w = (rng.standard_normal((512, 64, 3, 3)) * 0.2).astype(np.float32)
+    attrs = dict(stride=(1, 1), padding=(1, 1))
+    ref = reference(x, w, None, **attrs)
+    with num_threads(2):
+        free = _run("im2col_tiles", x, w, None, **attrs)
+        tight = _run("im2col_tiles", x, w, None, 512 * 49 * 4, **attrs)
+    assert [k for *_, k0, k1 in free.tiling.grid for k in (k0, k1)] == [0, 288, 288, 576]
+    assert free.workspace_size > 512 * 49 * 4
+    assert {(k0, k1) for *_, k0, k1 in tight.tiling.grid} == {(0, 576)}
+    assert [(i0, i1) for _, _, i0, i1, _, _ in tight.tiling.grid] == list(gemm.row_ranges(512, 2))
+    assert tight.workspace_size <= 512 * 49 * 4
+    _check(free, ref)
+    _check(tight, ref)
+
+
 @pytest.mark.parametrize(
     "n, oh, ow, oc, parts, c, taps, split",
     [

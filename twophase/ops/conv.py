@@ -444,20 +444,21 @@ def tiles_use(oh: int, ow: int, rows: int) -> float:
 
 
 def tiles_grid(
-    n: int, oh: int, ow: int, oc: int, parts: int, kc: int = 0, taps: int = 1
+    n: int, oh: int, ow: int, oc: int, parts: int, kc: int = 0, taps: int = 1, split_k: bool = True
 ) -> tuple[tuple[int, int, int, int, int, int], ...]:
     """Blocks (first, past-last output row of all images stacked; first, past-last output channel; first,
     past-last unfolded row) for ``parts`` parts: ranges of output rows, or, when those would give a part fewer than
     128 pixels, ranges of the ``kc`` unfolded rows (whole input channels of ``taps`` rows, at least ``TILE_K`` a
     part: each part unfolds its own channels, sums them into a partial output, and the launch adds the partials),
-    else ranges of output channels (multiples of the GEMM's rows; every part then unfolds the same tiles).
-    One image of 256 -> 256 14^2, 512 -> 512 7^2, 128 -> 256 28^2 s2 and 256 -> 512 14^2 s2 ran 1.03-1.07x faster
-    split by input channels than by output channels (two threads, 15 interleaved rounds, /tmp/w48/ks2.py of the
-    forty-eighth session)."""
+    else (or without ``split_k``) ranges of output channels (multiples of the GEMM's rows; every part then unfolds
+    the same tiles).
+    One image of 256 -> 256 14^2, 512 -> 512 7^2, 128 -> 256 28^2 s2 and 256 -> 512 14^2 s2 ran 1.02-1.08x faster
+    split by input channels than by output channels (through the op, two threads, 15 interleaved rounds, two runs,
+    /tmp/w48/convab.py of the forty-eighth session)."""
     rows = n * oh
     if parts > 1 and rows * ow < parts * 128:
         channels = kc // taps
-        if channels // parts * taps >= TILE_K:
+        if split_k and channels // parts * taps >= TILE_K:
             return tuple((0, rows, 0, oc, c0 * taps, c1 * taps) for c0, c1 in split_range(channels, parts))
         if oc >= parts * 2 * gemm.MR:
             return tuple((0, rows, i0, i1, 0, kc) for i0, i1 in gemm.row_ranges(oc, parts))
@@ -499,12 +500,24 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     """im2col_tiles for float32, one group, a channel-major output, on a CPU with the register-blocked GEMM:
     the most output rows per tile (up to ``tile_pixels`` of its k blocks) whose per-part tiles fit ``limit`` (with
     the parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without; ``t.flat``: the
-    unfold reads the input planes in place); None without input channels (nothing to unfold: the others write the
-    bias)."""
+    unfold reads the input planes in place); parts split as ``tiles_grid``, or, where their partial outputs do not
+    fit ``limit``, over output channels instead. None without input channels (nothing to unfold: the others write
+    the bias)."""
     if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
         return None
     taps = t.kh * t.kw
     grid = tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts(), t.kc, taps)
+    found = _tiles_fit(t, x, dense, limit, grid)
+    if found is None and partial_parts(grid):
+        found = _tiles_fit(t, x, dense, limit, tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts(), t.kc, taps, False))
+    return found
+
+
+def _tiles_fit(
+    t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None, grid: tuple[tuple[int, int, int, int, int, int], ...]
+) -> Candidate | None:
+    """``_tiles_candidate`` on the parts of ``grid``: None when even tiles of one output row do not fit ``limit``."""
+    taps = t.kh * t.kw
     kblock = grid_kblock(grid, t.kc)
     item = x.dtype.itemsize
     phased = phases_usable(t, dense)
