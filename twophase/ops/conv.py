@@ -444,7 +444,7 @@ def tiles_use(oh: int, ow: int, rows: int) -> float:
 
 
 def tiles_grid(
-    n: int, oh: int, ow: int, oc: int, parts: int, kc: int = 0, taps: int = 1, split_k: bool = True
+    n: int, oh: int, ow: int, oc: int, parts: int, kc: int, taps: int, split_k: bool = True
 ) -> tuple[tuple[int, int, int, int, int, int], ...]:
     """Blocks (first, past-last output row of all images stacked; first, past-last output channel; first,
     past-last unfolded row) for ``parts`` parts: ranges of output rows, or, when those would give a part fewer than
@@ -505,11 +505,10 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     the bias)."""
     if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
         return None
-    taps = t.kh * t.kw
-    grid = tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts(), t.kc, taps)
-    found = _tiles_fit(t, x, dense, limit, grid)
-    if found is None and partial_parts(grid):
-        found = _tiles_fit(t, x, dense, limit, tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts(), t.kc, taps, False))
+    grids = [tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts(), t.kc, t.kh * t.kw, split_k) for split_k in (True, False)]
+    found = _tiles_fit(t, x, dense, limit, grids[0])
+    if found is None and partial_parts(grids[0]):
+        found = _tiles_fit(t, x, dense, limit, grids[1])
     return found
 
 
