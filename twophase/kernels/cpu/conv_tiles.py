@@ -157,7 +157,7 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     k_sum = entry(kernel, x, wmat, b, False, np.empty((1, 1, 1), x.dtype), *rest) if partial_parts(t.grid) else k
     dt, grid, kb, rows, flat = x.dtype, t.grid, t.kblock, t.chunk, t.flat
     tiles_at = len(grid) * area
-    sums_at, sum_stride = tiles_at + len(grid) * size, partial_bytes(t, item)
+    sums_at, sum_stride, sum_bytes = tiles_at + len(grid) * size, partial_bytes(t, item), math.prod(sums_shape) * item
 
     def launch(ws: Any) -> None:
         parts = []
@@ -165,16 +165,13 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         for i, block in enumerate(grid):
             tile = ws[tiles_at + i * size : tiles_at + (i + 1) * size].view(dt).reshape(shape)
             phases = ws[i * area : (i + 1) * area].view(dt) if area else _NO_PHASES
-            if block[4] == 0:
-                parts.append(
-                    functools.partial(k, x, wmat, b, has, o3, geo, tile, kb, rows, *block, phases, masks, flat)
-                )
-                continue
-            at = sums_at + len(sums) * sum_stride
-            dst = ws[at : at + math.prod(sums_shape) * item].view(dt).reshape(sums_shape)
-            sums.append(dst)
+            fn, dst, with_bias = k, o3, has
+            if block[4]:  # unfolded rows past 0: into a partial output
+                at = sums_at + len(sums) * sum_stride
+                fn, dst, with_bias = k_sum, ws[at : at + sum_bytes].view(dt).reshape(sums_shape), False
+                sums.append(dst)
             parts.append(
-                functools.partial(k_sum, x, wmat, b, False, dst, geo, tile, kb, rows, *block, phases, masks, flat)
+                functools.partial(fn, x, wmat, b, with_bias, dst, geo, tile, kb, rows, *block, phases, masks, flat)
             )
         run_parts(parts)
         for dst in sums:

@@ -47,17 +47,12 @@ def _max(x: Any) -> float:
 
 
 @jit_inline
-def _exp_store(x: Any, out: Any, m: float) -> None:
-    for i in range(x.shape[0]):
-        out[i] = vm.exp_shifted(x[i], m)
-
-
-@jit_inline
-def _scale(out: Any, c: float) -> None:
-    """out *= c in out's precision (float32 data: one float32 multiply per element, no widening)."""
+def _scaled(src: Any, out: Any, c: float) -> None:
+    """out = src * c in out's precision (float32 data: one float32 multiply per element, no widening); src may be
+    out itself."""
     cc = out.dtype.type(c)
     for i in range(out.shape[0]):
-        out[i] = out[i] * cc
+        out[i] = src[i] * cc
 
 
 @jit_inline
@@ -75,12 +70,9 @@ def _exp_store_max(x: Any, out: Any, m: float, y: Any) -> float:
     x): ``_exp_in_place_max``. Whole rows: ``_exp_store_max_row``."""
     if x.ctypes.data == out.ctypes.data:
         return float(_exp_in_place_max(x, m, y))
-    mx = y[0]
     nx, ny = x.shape[0], y.shape[0]
     both = min(nx, ny)
-    for i in range(both):
-        out[i] = vm.exp_shifted(x[i], m)
-        mx = vm.maximum(mx, y[i])
+    mx = _exp_store_max_row(x[:both], out[:both], m, y[:both], True)
     for i in range(both, nx):
         out[i] = vm.exp_shifted(x[i], m)
     for i in range(both, ny):
@@ -119,7 +111,7 @@ def _exp_in_place_max(x: Any, m: float, y: Any) -> float:
 def _finish(x: Any, out: Any, m: float, c: float, mode: int) -> None:
     """A row's result from its exps: out *= c (softmax, c = 1/sum) or out = (x - m) - c (log-softmax, c = log sum)."""
     if mode == SOFTMAX:
-        _scale(out, c)
+        _scaled(out, out, c)
     else:
         _shift(x, out, m, c)
 
@@ -167,10 +159,10 @@ def packed_scratch_len(n: int, split: int, block: int) -> int:
     return n if n > PIPELINED_MAX else 0
 
 
-def scratch_rows(mode: int, n: int) -> int:
-    """Scratch rows of ``n`` elements a part's whole-rows kernel takes: the short rows' orders keep their exps in
-    scratch (softmax pipelined: two, row k's and row k - 1's), in-place log-softmax finished at once one."""
-    if n <= PIPELINED_MAX:
+def scratch_rows(mode: int, n: int, split: int) -> int:
+    """Scratch rows a part's kernel takes: the short rows' orders keep their exps in scratch (softmax pipelined: two,
+    row k's and row k - 1's), in-place log-softmax finished at once or split one."""
+    if n <= PIPELINED_MAX and split == 1:
         return 2 if mode == SOFTMAX else 1
     return 1 if mode == LOG_SOFTMAX else 0
 
@@ -193,9 +185,7 @@ def _finish_from(x: Any, e: Any, out: Any, m: float, c: float, mode: int) -> Non
     """A row's result from its exps in scratch: out = e * c (softmax, c = 1/sum) or out = (x - m) - c (log-softmax,
     c = log sum, e unused)."""
     if mode == SOFTMAX:
-        cc = out.dtype.type(c)
-        for i in range(out.shape[0]):
-            out[i] = e[i] * cc
+        _scaled(e, out, c)
     else:
         _shift(x, out, m, c)
 
@@ -207,17 +197,16 @@ def _rows_pipelined(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
     k's to ``tmp[k % 2]``), and out is written once: with them in out, whose lines each exp loop's stores had to
     bring in first, rows of 64 ran 1.1-1.25x slower, rows of 32 1.5x (/tmp/w48/sc6.py, sc7.py)."""
     nk = x.shape[0]
+    ring = 1 if mode == SOFTMAX else 0  # row k's exps in tmp[k & ring]
     m = _max(row_of(x, 0, dense))
     pm = pc = 0.0  # row k - 1's max and its factor (softmax) or shift (log-softmax)
     for k in range(nk):
-        m_next, s = _row_exps(x, tmp[k & 1 if mode == SOFTMAX else 0], k, m, dense, True)
+        m_next, s = _row_exps(x, tmp[k & ring], k, m, dense, True)
         if k > 0:
-            e = tmp[(k - 1) & 1 if mode == SOFTMAX else 0]
-            _finish_from(row_of(x, k - 1, dense), e, row_of(out, k - 1, dense), pm, pc, mode)
+            _finish_from(row_of(x, k - 1, dense), tmp[(k - 1) & ring], row_of(out, k - 1, dense), pm, pc, mode)
         pm, pc = m, (1.0 / s if mode == SOFTMAX else math.log(s))
         m = m_next
-    e = tmp[(nk - 1) & 1 if mode == SOFTMAX else 0]
-    _finish_from(row_of(x, nk - 1, dense), e, row_of(out, nk - 1, dense), pm, pc, mode)
+    _finish_from(row_of(x, nk - 1, dense), tmp[(nk - 1) & ring], row_of(out, nk - 1, dense), pm, pc, mode)
 
 
 @jit_inline
@@ -336,7 +325,8 @@ def _partials(x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: 
 def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int, dense: bool) -> None:
     lo, hi = j * block, min(x.shape[1], (j + 1) * block)
     if mode == SOFTMAX:
-        _scale(row_of(out, k, dense)[lo:hi], part[k, j, 0])
+        ob = row_of(out, k, dense)[lo:hi]
+        _scaled(ob, ob, part[k, j, 0])
     else:
         _shift(row_of(x, k, dense)[lo:hi], row_of(out, k, dense)[lo:hi], part[k, j, 0], part[k, j, 1])
 
@@ -417,7 +407,7 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     # lines of its own: the helper threads write their rows at once (in-place log-softmax of 16 M float32 elements in
     # rows of 32, two threads, the two rows of one 16-byte-aligned array: 28.4 and 17.2 ms; on lines of their own
     # 13.5 and 13.2; rows of 64 ran 8.8-9.1 ms either way; /tmp/w46/lsip.py of the forty-sixth session, two runs)
-    rows_needed = scratch_rows(mode, n) if split == 1 else int(mode == LOG_SOFTMAX)
+    rows_needed = scratch_rows(mode, n, split)
     own: list[Any] = [np.empty((1, 0), compute_dt)] * t.threads
     if rows_needed and not t.scratch_len:
         own = [line_array((rows_needed, row), compute_dt) for _ in range(t.threads)]
