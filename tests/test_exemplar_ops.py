@@ -57,11 +57,11 @@ def reduce_workspace(shape, strides, red, itemsize, f16=False) -> int:
 
 
 def softmax_workspace(shape, strides, dim, itemsize, f16=False, out_strides=None) -> int:
-    """softmax's docstring: align64(K * ceil(N/8192) * 16) when N > 32768, + align64(K*N*4 or itemsize) if packed."""
+    """softmax's docstring: align64(K * ceil(N/2048) * 16) when N > 32768, + align64(K*N*4 or itemsize) if packed."""
     kept = [i for i in range(len(shape)) if i != dim]
     n = shape[dim] if shape else 1
     k = math.prod(shape[i] for i in kept)
-    ws = align64(k * -(-n // 8192) * 16) if n > 32768 else 0
+    ws = align64(k * -(-n // 2048) * 16) if n > 32768 else 0
     out_strides = out_strides or strides
     packed = (
         f16
@@ -310,7 +310,7 @@ def test_softmax_workspace_grows_with_the_row_length():
     sizes = []
     for n in (32768, 32769, 65536, 10**6):
         size, ex = ops.softmax.get_workspace_size(TensorDesc((5, n)))
-        assert size == align64(5 * -(-n // 8192) * 16) * (n > 32768)
+        assert size == align64(5 * -(-n // 2048) * 16) * (n > 32768)
         sizes.append(size)
         ex.destroy()
     assert sizes[0] == 0 and sizes == sorted(sizes) and sizes[-1] > sizes[1]

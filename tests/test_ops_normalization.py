@@ -66,7 +66,7 @@ def check(r: Any, ref: Any, dtype: Any, ws: int | None = None) -> None:
 
 # ---------------------------------------------------------------- softmax / log_softmax
 def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False) -> int:
-    """The ops' doc: [packed log, N > 256: T*align64(L*c) scratch] + align64(K*ceil(N/8192)*16) if N > 32768;
+    """The ops' doc: [packed log, N > 256: T*align64(L*c) scratch] + align64(K*ceil(N/2048)*16) if N > 32768;
     + align64(K*N*c) if packed."""
     kept = [i for i in range(len(shape)) if i != dim]
     n = shape[dim] if shape else 1
@@ -75,8 +75,8 @@ def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False
     rows = fanout_parts() if k * n >= 1 << 20 else 1
     f16 = np.dtype(dtype) == np.float16
     packed = (f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept])) and k * n > 0
-    ws = rows * align64((8192 if split else n) * compute_size(dtype)) if log and packed and n > 256 else 0
-    ws += align64(k * -(-n // 8192) * 16) if split else 0
+    ws = rows * align64((2048 if split else n) * compute_size(dtype)) if log and packed and n > 256 else 0
+    ws += align64(k * -(-n // 2048) * 16) if split else 0
     if packed:
         ws += align64(k * n * compute_size(dtype))
     return ws
@@ -207,8 +207,12 @@ def test_softmax_and_log_softmax_extremes() -> None:
     np.testing.assert_allclose(ls[2], [-np.inf, -np.log(2), -np.log(2)], rtol=1e-7)
 
 
-# whole rows, split rows, in parts, short rows in parts (each part's scratch row on lines of its own)
-@pytest.mark.parametrize("shape", [(5, 300), (3, 40000), (1024, 1100), (65536, 33), (16384, 100)])
+# whole rows, split rows (softmax's by steps of 4 blocks: (2, 50001) ends on a step of one; (3, 400000) shares its
+# blocks out to the parts, whose ranges meet within a step), in parts, short rows in parts (each part's scratch row
+# on lines of its own)
+@pytest.mark.parametrize(
+    "shape", [(5, 300), (3, 40000), (2, 50001), (3, 400000), (1024, 1100), (65536, 33), (16384, 100)]
+)
 @pytest.mark.parametrize("op", [ops.softmax, ops.log_softmax])
 def test_in_place_into_its_own_input(dev: Any, stream: Any, op: Any, shape: tuple[int, int]) -> None:
     a = np.random.default_rng(1).standard_normal(shape)
@@ -218,6 +222,28 @@ def test_in_place_into_its_own_input(dev: Any, stream: Any, op: Any, shape: tupl
     op(ws, size, ex, stream)
     stream.synchronize()
     np.testing.assert_allclose(x.numpy(), op.spec.reference(a, -1), rtol=1e-12, atol=1e-14)
+
+
+@pytest.mark.parametrize("op", [ops.softmax, ops.log_softmax])
+def test_in_place_split_rows_with_inf_and_nan_spans(dev: Any, stream: Any, op: Any) -> None:
+    """Split rows in place with -inf over a whole step of softmax's (8192 elements) and over part of one, and a row
+    with a NaN: the steps' partials merge as the blocks' would."""
+    a = np.random.default_rng(2).standard_normal((4, 70000)).astype(np.float32)
+    a[0, 8192:16384] = -np.inf  # one whole step
+    a[1, 10000:30000] = -np.inf  # parts of two steps and the whole of another
+    a[2, 60000] = np.nan
+    a[3, :] = -np.inf
+    x = dev.tensor(a, stream=stream)
+    size, ex = op.get_workspace_size(x, out=x, dim=-1)
+    ws = dev.malloc(size, stream=stream) if size else None
+    op(ws, size, ex, stream)
+    stream.synchronize()
+    got, ref = x.numpy(), op.spec.reference(a, -1)
+    assert np.isnan(got[2:]).all() and np.isnan(ref[2:]).all()
+    np.testing.assert_allclose(got[:2], ref[:2], rtol=2e-6, atol=1e-12)
+    assert np.array_equal(np.isneginf(got[:2]), np.isneginf(ref[:2]))
+    if ws is not None:
+        ws.free()
 
 
 @settings(max_examples=40, deadline=None)
@@ -250,7 +276,7 @@ def test_softmax_workspace_grows_with_the_row_length() -> None:
         for op in (ops.softmax, ops.log_softmax):
             size, ex = op.get_workspace_size(TensorDesc((5, n)))
             assert size == softmax_ws((5, n), (n, 1), 1, np.float32, op is ops.log_softmax)
-            assert size >= align64(5 * -(-n // 8192) * 16) * (n > 32768)
+            assert size >= align64(5 * -(-n // 2048) * 16) * (n > 32768)
             ex.destroy()
 
 

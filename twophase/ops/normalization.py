@@ -25,7 +25,9 @@ from .reduce import check_vector_out
 from .selection import Candidate, choose
 
 LONG_ROW = 32768  # rows longer than this are split across blocks
-SPLIT_BLOCK = 8192  # elements per block of a split row
+SPLIT_BLOCK = 2048  # elements per block of a split row: block t + 1, read for its max in block t's exp loop, is still
+# in L1 for its own (8 KiB of float32; 8192 was 1.08-1.18x slower on rows of 262144 and 1.33x on rows of 41943,
+# two threads, /tmp/w49/pkb.py of the forty-ninth session)
 PARALLEL_MIN = 1 << 20  # elements below which one thread does all rows (handing parts to helpers costs ~50 us)
 
 
@@ -56,8 +58,8 @@ def plan_softmax(
     """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
     workspace, in this order: for packed log-softmax only, T * align64(L * c) of scratch, one row of L = N
-    elements when N > 256 (8192 when split; none for shorter rows, whose scratch rows are made at binding) per
-    part (T = the helper threads' part count from 2^20 elements, else 1); then align64(K * ceil(N / 8192) * 16)
+    elements when N > 256 (2048 when split; none for shorter rows, whose scratch rows are made at binding) per
+    part (T = the helper threads' part count from 2^20 elements, else 1); then align64(K * ceil(N / 2048) * 16)
     when N > 32768 (a float64 (max, sum) per block); then align64(K * N * c) when the operands are packed
     (float16, or other dims that do not merge into one stride); c = 4 for float16 (computed in float32), else the
     dtype's itemsize. ``split_rows=False`` keeps long rows whole (no partials: slower once a row leaves the cache,
@@ -160,17 +162,17 @@ def _log_reference(x: Any, dim: int = -1) -> Any:
 
 
 SOFTMAX_FORMULA = (
-    "align64(K*ceil(N/8192)*16) if N > 32768 else 0; + align64(K*N*c) if packed (c = 4 for float16, else itemsize)"
+    "align64(K*ceil(N/2048)*16) if N > 32768 else 0; + align64(K*N*c) if packed (c = 4 for float16, else itemsize)"
 )
 LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + (
-    "; + T*align64(L*c) scratch if packed and N > 256, L = N (8192 if split), T = parts (helper threads) from 2^20 "
+    "; + T*align64(L*c) scratch if packed and N > 256, L = N (2048 if split), T = parts (helper threads) from 2^20 "
     "elements, else 1"
 )
 _SOFTMAX_DOC = (
     "{what} over ``dim`` (K rows of length N; dtypes float32, float64, float16 computed in float32). Rows of "
     "length N <= 32768 run whole, in cache (max; exp(x - max) stored and summed in float64; {last}) with "
-    "workspace 0; longer rows are split into ceil(N/8192) blocks whose float64 (max, sum) partials take "
-    "align64(K * ceil(N/8192) * 16) bytes of workspace and are merged per row (M = max m_b, "
+    "workspace 0; longer rows are split into ceil(N/2048) blocks whose float64 (max, sum) partials take "
+    "align64(K * ceil(N/2048) * 16) bytes of workspace and are merged per row (M = max m_b, "
     "S = sum s_b exp(m_b - M)). float16 operands, or operands whose other dims do not merge into one stride, "
     "are packed: + align64(K * N * c) bytes, c = 4 for float16 (computed in float32), else the dtype's itemsize. "
     "Workspace: " + SOFTMAX_FORMULA + "."
@@ -209,7 +211,7 @@ log_softmax = register(
         ).replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
         + "Log-softmax sums its exponentials in out (rewritten afterwards) where rows are longer than 256 "
         "elements; packed, where it runs in place in the pack, it takes scratch before the rest of its workspace "
-        "instead: one row of L = N elements (8192 when split) per part run by a helper thread (T = the part count "
+        "instead: one row of L = N elements (2048 when split) per part run by a helper thread (T = the part count "
         "at planning from 2^20 elements, else 1), each on cache lines of its own. Called in place (out is x) "
         "unpacked, it keeps such rows from binding time, as do rows of up to 256 elements (both ops), whose "
         "exponentials stay in scratch rows in L1. "

@@ -116,6 +116,8 @@ def _finish(x: Any, out: Any, m: float, c: float, mode: int) -> None:
         _shift(x, out, m, c)
 
 
+IN_PLACE_STEP = 8192  # elements of a step of in-place softmax's split rows (``_partials``)
+
 # Whole rows take one of three orders by their length; speed-ups over the pipelined order alone, two threads
 # through the op on 16 M float32 elements (/tmp/w47/ab.py of the forty-seventh session):
 PIPELINED_MAX = 256  # longer rows are each finished at once (softmax 384: 1.20x, 1024: 1.25, 4096: 1.08)
@@ -295,30 +297,48 @@ def _merge(part: Any, k: int, mode: int) -> None:
 
 
 @jit_inline
-def _block(x: Any, block: int, t: int, nb: int, dense: bool) -> Any:
-    k, j = t // nb, t % nb
-    return row_of(x, k, dense)[j * block : min(x.shape[1], (j + 1) * block)]
+def _step_end(t: int, t1: int, nb: int, step: int) -> int:
+    """End of the step of up to ``step`` blocks from block t: within t1 and within t's row."""
+    return min(t + step, t1, (t // nb + 1) * nb)
 
 
 @jit_inline
-def _partials(x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: int, t1: int, dense: bool) -> None:
+def _blocks(x: Any, block: int, t: int, u: int, nb: int, dense: bool) -> Any:
+    """Blocks ``t <= b < u`` (of one row) of the row-major (row, block) task list, as one view."""
+    k, j = t // nb, t % nb
+    return row_of(x, k, dense)[j * block : min(x.shape[1], (j + u - t) * block)]
+
+
+@jit_inline
+def _partials(
+    x: Any, out: Any, tmp: Any, block: int, part: Any, mode: int, t0: int, t1: int, step: int, dense: bool
+) -> None:
     """(m, s) of blocks ``t0 <= t < t1`` of the row-major (row, block) task list into ``part``: m the block's max,
-    s the sum of exp(x - m) stored into out (softmax, log-softmax not in place) or the scratch ``tmp``. Block
-    t + 1's max is read in block t's exp loop. An all -inf block shifts by 0 (its exps are 0, s = 0) so that it
-    merges as nothing; a whole row of -inf still gives NaN. ``dense``: rows taken as dense vectors (``jit.row_of``)."""
+    s the sum of exp(x - m) stored into out (softmax, log-softmax not in place) or the scratch ``tmp``. The blocks
+    go by steps of up to ``step`` blocks (1 but for softmax in place: there the exps go to x, and its steps of 2048
+    elements ran 1.1-1.15x slower than of 8192; /tmp/w49/pkip.py): a step's blocks all take its max, the first
+    its sum, the others 0, which merges as the step's (m, s) would. Step u's max is read in step u - 1's exp
+    loop. An all -inf step shifts by 0 (its exps are 0, s = 0) so that it merges as nothing; a whole row of -inf
+    still gives NaN. ``dense``: rows taken as dense vectors (``jit.row_of``)."""
     if t0 >= t1:
         return
     nb = part.shape[1]
-    m_next = _max(_block(x, block, t0, nb, dense))
-    for t in range(t0, t1):
+    t, u = t0, _step_end(t0, t1, nb, step)
+    m_next = _max(_blocks(x, block, t, u, nb, dense))
+    while t < t1:
         k, j = t // nb, t % nb
-        lo, hi = j * block, min(x.shape[1], (j + 1) * block)
-        xb = row_of(x, k, dense)[lo:hi]
-        e = tmp[: hi - lo] if mode == LOG_SOFTMAX else row_of(out, k, dense)[lo:hi]
+        xb = _blocks(x, block, t, u, nb, dense)
+        e = tmp[: xb.shape[0]] if mode == LOG_SOFTMAX else _blocks(out, block, t, u, nb, dense)
         m = m_next
-        y = _block(x, block, t + 1, nb, dense) if t + 1 < t1 else xb  # the last block re-reads itself
+        v = _step_end(u, t1, nb, step)
+        y = _blocks(x, block, u, v, nb, dense) if u < t1 else xb  # the last step re-reads itself
         m_next = _exp_store_max(xb, e, m if m != -np.inf else 0.0, y)
-        part[k, j, 0], part[k, j, 1] = m, vm.fsum(e)
+        part[k, j, 1] = vm.fsum(e)
+        for b in range(j, j + u - t):
+            part[k, b, 0] = m
+            if b > j:
+                part[k, b, 1] = 0.0
+        t, u = u, v
 
 
 @jit_inline
@@ -333,19 +353,19 @@ def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int, d
 
 def _split_rows_kernel(dense: bool) -> Any:
     @jit
-    def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, scratch: Any) -> None:
+    def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, step: int, scratch: Any) -> None:
         """Long rows, one after the other: a row's block partials, their merge, its writes (the row stays in
         L2 / L3 between the passes)."""
-        _split_rows(x, out, block, part, mode, scratch[0], dense)
+        _split_rows(x, out, block, part, mode, step, scratch[0], dense)
 
     return split_rows
 
 
 @jit_inline
-def _split_rows(x: Any, out: Any, block: int, part: Any, mode: int, tmp: Any, dense: bool) -> None:
+def _split_rows(x: Any, out: Any, block: int, part: Any, mode: int, step: int, tmp: Any, dense: bool) -> None:
     nb = part.shape[1]
     for k in range(x.shape[0]):
-        _partials(x, out, tmp, block, part, mode, k * nb, (k + 1) * nb, dense)
+        _partials(x, out, tmp, block, part, mode, k * nb, (k + 1) * nb, step, dense)
         _merge(part, k, mode)
         for j in range(nb):
             _write(x, out, block, part, k, j, mode, dense)
@@ -353,10 +373,12 @@ def _split_rows(x: Any, out: Any, block: int, part: Any, mode: int, tmp: Any, de
 
 def _split_partials_kernel(dense: bool) -> Any:
     @jit
-    def split_partials(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int, scratch: Any) -> None:
+    def split_partials(
+        x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int, step: int, scratch: Any
+    ) -> None:
         """Blocks ``t0 <= t < t1`` of the row-major (row, block) task list: their partials (fewer long rows than
         helper threads: the blocks are shared out instead of the rows)."""
-        _partials(x, out, scratch[0], block, part, mode, t0, t1, dense)
+        _partials(x, out, scratch[0], block, part, mode, t0, t1, step, dense)
 
     return split_partials
 
@@ -400,7 +422,9 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
             op="log_softmax",
             status=Status.ERR_INNER_TILING,
         )
-    if mode == LOG_SOFTMAX and not t.pack and not np.may_share_memory(src, dst):
+    in_place = t.pack or np.may_share_memory(src, dst)  # packed: in place in the pack
+    step = max(1, IN_PLACE_STEP // block) if mode == SOFTMAX and in_place else 1  # ``_partials``' steps
+    if mode == LOG_SOFTMAX and not in_place:
         mode = LOG_SOFTMAX_IN_OUT  # x survives: rows finished at once put their exps in out, whose lines they bring in
     # per part, its scratch rows (a (R, L) array): a zero-size stand-in where the exps go to out; else made here, at
     # binding, once, or (packed log-softmax rows finished at once or split) in the workspace. Each part's on cache
@@ -416,9 +440,9 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
     if split == 1:
         fn = entry(ROWS[rows_key(mode, n)][dense], sample, out_sample, own[0])
     elif t.by_rows:
-        fn = entry(SPLIT_ROWS[dense], sample, out_sample, block, part_sample, mode, own[0])
+        fn = entry(SPLIT_ROWS[dense], sample, out_sample, block, part_sample, mode, 1, own[0])
     else:
-        f_part = entry(SPLIT_PARTIALS[dense], sample, out_sample, block, part_sample, mode, 0, 0, own[0])
+        f_part = entry(SPLIT_PARTIALS[dense], sample, out_sample, block, part_sample, mode, 0, 0, 1, own[0])
         f_merge = entry(split_merge, part_sample, mode)
         f_write = entry(SPLIT_WRITES[dense], sample, out_sample, block, part_sample, mode, 0, 0)
     by_rows = split == 1 or t.by_rows
@@ -438,19 +462,19 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
             return
         part = ws[t.part_offset : t.part_offset + k * split * 16].view(np.float64).reshape(k, split, 2)
         if len(ranges) == 1 and by_rows:  # one part of whole rows: no views to cut
-            fn(x, out, block, part, mode, scratch[0])
+            fn(x, out, block, part, mode, step, scratch[0])
             return
         if by_rows:
             run_parts(
                 [
-                    functools.partial(fn, x[lo:hi], out[lo:hi], block, part[lo:hi], mode, scratch[i])
+                    functools.partial(fn, x[lo:hi], out[lo:hi], block, part[lo:hi], mode, step, scratch[i])
                     for i, (lo, hi) in enumerate(ranges)
                 ]
             )
             return
         run_parts(
             [
-                functools.partial(f_part, x, out, block, part, mode, lo, hi, scratch[i])
+                functools.partial(f_part, x, out, block, part, mode, lo, hi, step, scratch[i])
                 for i, (lo, hi) in enumerate(ranges)
             ]
         )
