@@ -57,11 +57,12 @@ def reduce_workspace(shape, strides, red, itemsize, f16=False) -> int:
 
 
 def softmax_workspace(shape, strides, dim, itemsize, f16=False, out_strides=None) -> int:
-    """softmax's docstring: align64(K * ceil(N/2048) * 16) when N > 32768, + align64(K*N*4 or itemsize) if packed."""
+    """softmax's docstring: align64(K * ceil(N/B) * 16) when N > 32768, B = 8192/c, + align64(K*N*c) if packed
+    (c = 4 for float16, else itemsize)."""
     kept = [i for i in range(len(shape)) if i != dim]
     n = shape[dim] if shape else 1
     k = math.prod(shape[i] for i in kept)
-    ws = align64(k * -(-n // 2048) * 16) if n > 32768 else 0
+    ws = align64(k * -(-n // (8192 // (4 if f16 else itemsize))) * 16) if n > 32768 else 0
     out_strides = out_strides or strides
     packed = (
         f16

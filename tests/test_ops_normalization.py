@@ -66,8 +66,8 @@ def check(r: Any, ref: Any, dtype: Any, ws: int | None = None) -> None:
 
 # ---------------------------------------------------------------- softmax / log_softmax
 def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False) -> int:
-    """The ops' doc: [packed log, N > 256: T*align64(L*c) scratch] + align64(K*ceil(N/2048)*16) if N > 32768;
-    + align64(K*N*c) if packed."""
+    """The ops' doc: [packed log, N > 256: T*align64(L*c) scratch] + align64(K*ceil(N/B)*16) if N > 32768,
+    B = 8192/c; + align64(K*N*c) if packed."""
     kept = [i for i in range(len(shape)) if i != dim]
     n = shape[dim] if shape else 1
     k = math.prod(shape[i] for i in kept)
@@ -75,8 +75,9 @@ def softmax_ws(shape: Any, strides: Any, dim: int, dtype: Any, log: bool = False
     rows = fanout_parts() if k * n >= 1 << 20 else 1
     f16 = np.dtype(dtype) == np.float16
     packed = (f16 or not merges([shape[i] for i in kept], [strides[i] for i in kept])) and k * n > 0
-    ws = rows * align64((2048 if split else n) * compute_size(dtype)) if log and packed and n > 256 else 0
-    ws += align64(k * -(-n // 2048) * 16) if split else 0
+    block = 8192 // compute_size(dtype)
+    ws = rows * align64((block if split else n) * compute_size(dtype)) if log and packed and n > 256 else 0
+    ws += align64(k * -(-n // block) * 16) if split else 0
     if packed:
         ws += align64(k * n * compute_size(dtype))
     return ws

@@ -25,9 +25,10 @@ from .reduce import check_vector_out
 from .selection import Candidate, choose
 
 LONG_ROW = 32768  # rows longer than this are split across blocks
-SPLIT_BLOCK = 2048  # elements per block of a split row: block t + 1, read for its max in block t's exp loop, is still
-# in L1 for its own (8 KiB of float32; 8192 was 1.08-1.18x slower on rows of 262144 and 1.33x on rows of 41943,
-# two threads, /tmp/w49/pkb.py of the forty-ninth session)
+SPLIT_BYTES = 8192  # bytes per block of a split row (2048 float32 elements): block t + 1, read for its max in block
+# t's exp loop, is still in L1 for its own. Two threads, new/old (/tmp/w49/pkb.py, pkbd.py of the forty-ninth
+# session): float32 blocks of 8192 elements ran 1.08-1.18x slower on rows of 262144 and 1.3x on rows of 41943;
+# float64 blocks of 2048 elements 1.04-1.12x slower than of 1024
 PARALLEL_MIN = 1 << 20  # elements below which one thread does all rows (handing parts to helpers costs ~50 us)
 
 
@@ -58,20 +59,21 @@ def plan_softmax(
     """Tiling and exact workspace of (log-)softmax of ``x`` over ``dim`` (K rows of length N).
 
     workspace, in this order: for packed log-softmax only, T * align64(L * c) of scratch, one row of L = N
-    elements when N > 256 (2048 when split; none for shorter rows, whose scratch rows are made at binding) per
-    part (T = the helper threads' part count from 2^20 elements, else 1); then align64(K * ceil(N / 2048) * 16)
-    when N > 32768 (a float64 (max, sum) per block); then align64(K * N * c) when the operands are packed
-    (float16, or other dims that do not merge into one stride); c = 4 for float16 (computed in float32), else the
-    dtype's itemsize. ``split_rows=False`` keeps long rows whole (no partials: slower once a row leaves the cache,
-    for a tighter workspace limit).
+    elements when N > 256 (B when split; none for shorter rows, whose scratch rows are made at binding) per
+    part (T = the helper threads' part count from 2^20 elements, else 1); then align64(K * ceil(N / B) * 16)
+    when N > 32768 (a float64 (max, sum) per block of B = 8192 / c elements); then align64(K * N * c) when the
+    operands are packed (float16, or other dims that do not merge into one stride); c = 4 for float16 (computed in
+    float32), else the dtype's itemsize. ``split_rows=False`` keeps long rows whole (no partials: slower once a row
+    leaves the cache, for a tighter workspace limit).
     """
     kept = [i for i in range(x.ndim) if i != dim]
     n = x.shape[dim] if x.ndim else 1
     k = 1
     for i in kept:
         k *= x.shape[i]
-    split = -(-n // SPLIT_BLOCK) if n > LONG_ROW and split_rows else 1
     item = 4 if x.dtype is DType.float16 else x.dtype.itemsize
+    block = SPLIT_BYTES // item
+    split = -(-n // block) if n > LONG_ROW and split_rows else 1
     parallel = k * n >= PARALLEL_MIN
     threads = (threads or fanout_parts()) if parallel else 1
 
@@ -81,7 +83,7 @@ def plan_softmax(
     pack = (x.dtype is DType.float16 or not mergeable(x) or not mergeable(out)) and k * n > 0
     # packed log-softmax runs in place in the pack: rows finished at once or split need scratch rows for their exps
     # (first in the workspace; shorter rows' are made at binding)
-    scratch_len = packed_scratch_len(n, split, SPLIT_BLOCK) if log and pack else 0
+    scratch_len = packed_scratch_len(n, split, block) if log and pack else 0
     ws = threads * align(scratch_len * item)  # each part's row on cache lines of its own
     part_offset = ws
     if split > 1:
@@ -91,7 +93,7 @@ def plan_softmax(
         ws += align(k * n * item)
     by_rows = k >= 4 * threads or k % threads == 0  # else row ranges would be uneven: share out blocks
     return SoftmaxTiling(
-        k, n, split, SPLIT_BLOCK, pack, pack_offset, parallel, ws, by_rows, threads, 0, scratch_len, part_offset
+        k, n, split, block, pack, pack_offset, parallel, ws, by_rows, threads, 0, scratch_len, part_offset
     )
 
 
@@ -162,17 +164,19 @@ def _log_reference(x: Any, dim: int = -1) -> Any:
 
 
 SOFTMAX_FORMULA = (
-    "align64(K*ceil(N/2048)*16) if N > 32768 else 0; + align64(K*N*c) if packed (c = 4 for float16, else itemsize)"
+    "align64(K*ceil(N/B)*16) if N > 32768 else 0, B = 8192/c; + align64(K*N*c) if packed; c = 4 for float16, "
+    "else itemsize"
 )
 LOG_SOFTMAX_FORMULA = SOFTMAX_FORMULA + (
-    "; + T*align64(L*c) scratch if packed and N > 256, L = N (2048 if split), T = parts (helper threads) from 2^20 "
+    "; + T*align64(L*c) scratch if packed and N > 256, L = N (B if split), T = parts (helper threads) from 2^20 "
     "elements, else 1"
 )
 _SOFTMAX_DOC = (
     "{what} over ``dim`` (K rows of length N; dtypes float32, float64, float16 computed in float32). Rows of "
     "length N <= 32768 run whole, in cache (max; exp(x - max) stored and summed in float64; {last}) with "
-    "workspace 0; longer rows are split into ceil(N/2048) blocks whose float64 (max, sum) partials take "
-    "align64(K * ceil(N/2048) * 16) bytes of workspace and are merged per row (M = max m_b, "
+    "workspace 0; longer rows are split into ceil(N/B) blocks of B = 8192/c elements (2048 for float32 and "
+    "float16, 1024 for float64) whose float64 (max, sum) partials take align64(K * ceil(N/B) * 16) bytes of "
+    "workspace and are merged per row (M = max m_b, "
     "S = sum s_b exp(m_b - M)). float16 operands, or operands whose other dims do not merge into one stride, "
     "are packed: + align64(K * N * c) bytes, c = 4 for float16 (computed in float32), else the dtype's itemsize. "
     "Workspace: " + SOFTMAX_FORMULA + "."
@@ -211,7 +215,7 @@ log_softmax = register(
         ).replace("Workspace: " + SOFTMAX_FORMULA + ".", "")
         + "Log-softmax sums its exponentials in out (rewritten afterwards) where rows are longer than 256 "
         "elements; packed, where it runs in place in the pack, it takes scratch before the rest of its workspace "
-        "instead: one row of L = N elements (2048 when split) per part run by a helper thread (T = the part count "
+        "instead: one row of L = N elements (B when split) per part run by a helper thread (T = the part count "
         "at planning from 2^20 elements, else 1), each on cache lines of its own. Called in place (out is x) "
         "unpacked, it keeps such rows from binding time, as do rows of up to 256 elements (both ops), whose "
         "exponentials stay in scratch rows in L1. "
