@@ -7,11 +7,10 @@ pass of the next row (or block) runs inside this one's exp loop: its memory traf
 arithmetic instead of leaving the core idle. A last pass writes the result: ``out = exps * (1/sum)`` (softmax) or
 ``out = (x - max) - log(sum)`` (log-softmax). Rows of up to ``PIPELINED_MAX`` elements keep their exps in scratch
 rows, in L1; longer ones store them into out (log-softmax in place: into a scratch row). Long rows are split in
-blocks (of 2048 elements, small enough that the next block, read for its max, is still in L1 for its exps;
-softmax in place goes by steps of four blocks, ``_partials``) whose float64 ``(max, sum)`` partials live in the
-workspace and are merged per row: ``M = max_b m_b``,
-``S = sum_b s_b * exp(m_b - M)``; block b is then scaled by ``exp(m_b - M) / S`` (softmax) or rewritten as
-``(x - M) - log S`` (log-softmax).
+blocks (of 8 KiB, small enough that the next block, read for its max, is still in L1 for its exps; softmax in
+place goes by steps of ``IN_PLACE_STEP`` elements, ``_partials``) whose float64 ``(max, sum)`` partials live in
+the workspace and are merged per row: ``M = max_b m_b``, ``S = sum_b s_b * exp(m_b - M)``; block b is then
+scaled by ``exp(m_b - M) / S`` (softmax) or rewritten as ``(x - M) - log S`` (log-softmax).
 """
 
 from __future__ import annotations
