@@ -316,7 +316,7 @@ def _partials(
 ) -> None:
     """(m, s) of blocks ``t0 <= t < t1`` of the row-major (row, block) task list into ``part``: m the block's max,
     s the sum of exp(x - m) stored into out (softmax, log-softmax not in place) or the scratch ``tmp``. The blocks
-    go by steps of up to ``step`` blocks (1 but for softmax in place: there the exps go to x, and its steps of 2048
+    go by steps of up to ``step`` blocks (1 but for softmax in place: there the exps go to x, and float32 steps of 2048
     elements ran 1.1-1.15x slower than of 8192; /tmp/w49/pkip.py): a step's blocks all take its max, the first
     its sum, the others 0, which merges as the step's (m, s) would. Step u's max is read in step u - 1's exp
     loop. An all -inf step shifts by 0 (its exps are 0, s = 0) so that it merges as nothing; a whole row of -inf
