@@ -505,10 +505,11 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     the bias)."""
     if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
         return None
-    grids = [tiles_grid(t.n, t.oh, t.ow, t.oc, fanout_parts(), t.kc, t.kh * t.kw, split_k) for split_k in (True, False)]
-    found = _tiles_fit(t, x, dense, limit, grids[0])
-    if found is None and partial_parts(grids[0]):
-        found = _tiles_fit(t, x, dense, limit, grids[1])
+    shape = (t.n, t.oh, t.ow, t.oc, fanout_parts(), t.kc, t.kh * t.kw)
+    grid = tiles_grid(*shape)
+    found = _tiles_fit(t, x, dense, limit, grid)
+    if found is None and partial_parts(grid):  # the partial outputs do not fit: split the output channels
+        found = _tiles_fit(t, x, dense, limit, tiles_grid(*shape, split_k=False))
     return found
 
 

@@ -15,7 +15,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align
-from ...runtime.fanout import run_parts
+from ...runtime.fanout import run_parts, workspace_launcher
 from . import conv_phases, gemm
 from . import jit as _jit
 from .conv import IM2COL, _geo, _wmat, step_key
@@ -159,7 +159,9 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     tiles_at = len(grid) * area
     sums_at, sum_stride, sum_bytes = tiles_at + len(grid) * size, partial_bytes(t, item), math.prod(sums_shape) * item
 
-    def launch(ws: Any) -> None:
+    def bind(ws: Any) -> Callable[[], None]:
+        """The parts' calls on the workspace ``ws`` (their tile, phase area and partial output views), made once
+        per workspace (``workspace_launcher``), not on every launch."""
         parts = []
         sums: list[Any] = []
         for i, block in enumerate(grid):
@@ -173,11 +175,15 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             parts.append(
                 functools.partial(fn, x, wmat, b, with_bias, dst, geo, tile, kb, rows, *block, phases, masks, flat)
             )
-        run_parts(parts)
-        for dst in sums:
-            np.add(o3, dst, out=o3)
 
-    return launch
+        def run() -> None:
+            run_parts(parts)
+            for dst in sums:
+                np.add(o3, dst, out=o3)
+
+        return run
+
+    return workspace_launcher(bind)
 
 
 def widest_tile(grid: Any, rows: int, oh: int) -> int:

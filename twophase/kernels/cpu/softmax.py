@@ -108,15 +108,6 @@ def _exp_in_place_max(x: Any, m: float, y: Any) -> float:
     return float(_max(y))
 
 
-@jit_inline
-def _finish(x: Any, out: Any, m: float, c: float, mode: int) -> None:
-    """A row's result from its exps: out *= c (softmax, c = 1/sum) or out = (x - m) - c (log-softmax, c = log sum)."""
-    if mode == SOFTMAX:
-        _scaled(out, out, c)
-    else:
-        _shift(x, out, m, c)
-
-
 IN_PLACE_STEP = 8192  # elements of a step of in-place softmax's split rows (``_partials``)
 
 # Whole rows take one of three orders by their length; speed-ups over the pipelined order alone, two threads
@@ -179,14 +170,15 @@ def _rows_at_once(x: Any, out: Any, mode: int, tmp: Any, dense: bool) -> None:
     for k in range(x.shape[0]):
         e = tmp if mode == LOG_SOFTMAX else row_of(out, k, dense)
         m_next, s = _row_exps(x, e, k, m, dense, mode != SOFTMAX)  # only softmax's exps may go to x itself
-        _finish(row_of(x, k, dense), row_of(out, k, dense), m, (1.0 / s if mode == SOFTMAX else math.log(s)), mode)
+        ok = row_of(out, k, dense)
+        _finish_from(row_of(x, k, dense), ok, ok, m, (1.0 / s if mode == SOFTMAX else math.log(s)), mode)
         m = m_next
 
 
 @jit_inline
 def _finish_from(x: Any, e: Any, out: Any, m: float, c: float, mode: int) -> None:
-    """A row's result from its exps in scratch: out = e * c (softmax, c = 1/sum) or out = (x - m) - c (log-softmax,
-    c = log sum, e unused)."""
+    """A row's result from its exps e (a scratch row, or out itself): out = e * c (softmax, c = 1/sum) or
+    out = (x - m) - c (log-softmax, c = log sum, e unused)."""
     if mode == SOFTMAX:
         _scaled(e, out, c)
     else:
