@@ -22,7 +22,7 @@ from twophase.kernels.cpu.conv_tiles import available as tiles_available
 from twophase.layout import align, spread_stride
 from twophase.ops import conv as conv_op
 from twophase.ops import conv2d
-from twophase.ops.conv import TILE_K, grid_kblock, reference, tile_rows, tiles_grid
+from twophase.ops.conv import SPLIT_K_MIN, grid_kblock, reference, tile_rows, tiles_grid
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
@@ -716,7 +716,7 @@ needs_tiles = pytest.mark.usefixtures("microkernel")  # im2col_tiles runs on the
         (1, 5, 50, (9, 9), (3, 3), (1, 1), (1, 1), (1, 1), 2),  # 81 pixels, 45 unfolded rows: output channels split
         (3, 7, 20, (11, 13), (3, 3), (2, 2), (1, 1), (1, 1), 2),  # parts' output rows cross images; 7-pixel rows
         (2, 3, 33, (30, 31), (7, 7), (2, 2), (3, 3), (1, 1), 3),  # stem-like: 16-pixel rows, 3 parts
-        (1, 30, 17, (10, 10), (3, 3), (1, 1), (2, 2), (2, 2), 1),  # dilation, one part, 270 rows in 2 k blocks
+        (1, 60, 17, (10, 10), (3, 3), (1, 1), (2, 2), (2, 2), 1),  # dilation, one part, 540 rows in 2 k blocks
         (2, 6, 9, (12, 12), (1, 1), (2, 2), (0, 0), (1, 1), 5),  # 1x1 stride 2, 5 parts
         (1, 4, 70, (8, 40), (2, 5), (3, 3), (0, 2), (1, 1), 2),  # another column step
         (2, 9, 21, (13, 17), (5, 3), (2, 2), (2, 1), (1, 1), 2),  # phases: row offsets -1..1, column -1..0
@@ -811,12 +811,12 @@ def test_conv2d_im2col_tiles_splits_output_channels_where_partials_do_not_fit(rn
     ],
 )
 def test_tiles_grid_splits(n: int, oh: int, ow: int, oc: int, parts: int, c: int, taps: int, split: str) -> None:
-    """Parts over output rows where each gets 128 pixels, else over whole input channels (each part >= TILE_K
+    """Parts over output rows where each gets 128 pixels, else over whole input channels (each part >= SPLIT_K_MIN
     unfolded rows), else over output channels; the blocks cover the output and the unfolded rows exactly."""
     kc = c * taps
     grid = tiles_grid(n, oh, ow, oc, parts, kc, taps)
     if split == "rows" and n * oh * ow < parts * 128:
-        split = "k" if c // parts * taps >= TILE_K else "rows"
+        split = "k" if c // parts * taps >= SPLIT_K_MIN else "rows"
     rows = {(r0, r1) for r0, r1, *_ in grid}
     chans = {(i0, i1) for _, _, i0, i1, _, _ in grid}
     ks = sorted((k0, k1) for *_, k0, k1 in grid)
@@ -825,7 +825,7 @@ def test_tiles_grid_splits(n: int, oh: int, ow: int, oc: int, parts: int, c: int
     elif split == "k":
         assert len(grid) == parts and rows == {(0, n * oh)} and chans == {(0, oc)}
         assert ks[0][0] == 0 and ks[-1][1] == kc and all(a[1] == b[0] for a, b in zip(ks, ks[1:], strict=False))
-        assert all(k0 % taps == 0 and k1 - k0 >= TILE_K for k0, k1 in ks)
+        assert all(k0 % taps == 0 and k1 - k0 >= SPLIT_K_MIN for k0, k1 in ks)
     else:
         assert rows == {(0, n * oh)} and ks == [(0, kc)] * len(grid)
         assert sum(i1 - i0 for i0, i1 in chans) == oc and len(chans) == parts
@@ -837,7 +837,7 @@ def test_tiles_grid_splits(n: int, oh: int, ow: int, oc: int, parts: int, c: int
     [
         (3, (64, 64), (7, 7), (2, 2), (3, 3), 27),  # 147-row k blocks: 891 pixels, 27 of 32 rows 32 wide
         (3, (40, 200), (7, 7), (2, 2), (3, 3), 8),  # 100-wide output rows: 8 of them (800 pixels), 3 tiles
-        (64, (30, 30), (3, 3), (1, 1), (1, 1), 22),  # 3 blocks of 192 rows: 682 pixels, 22 rows of 30
+        (64, (30, 30), (3, 3), (1, 1), (1, 1), 11),  # 2 blocks of 288 rows: 455 pixels, 11 rows of 30
     ],
 )
 def test_conv2d_im2col_tiles_budget(

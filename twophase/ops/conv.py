@@ -407,7 +407,12 @@ def _parts_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate |
     return Candidate("im2col_parts", replace(t, tile_rows=rows, parts=parts), size)
 
 
-TILE_K = 256  # unfolded rows per tile at most: a 32-column panel of them is 32 KiB, L1
+# unfolded rows per tile at most (the GEMM's k block, as ``gemm.KC``). 512 against 256, forced im2col_tiles through
+# the op, two threads, 9 interleaved rounds (AMD Zen 4, /tmp/w50/convab.py of the fiftieth session): n1 64->128 56^2
+# s2 1.06x, 128->256 28^2 s2 1.03x, 256^2 14^2 1.03x, 256->512 14^2 s2 1.02x, 512^2 7^2 1.02x, n8 64->128 s2 1.02x,
+# 128->256 s2 1.02x (the stem's 147 rows: 1.00x). 1024 measured the same; 512 with tiles of 2^18 floats 1.02-1.05x
+TILE_K = 512
+SPLIT_K_MIN = 256  # unfolded rows a part at least, where the parts split the input channels (``tiles_grid``)
 # floats of an im2col tile at most (a k block's unfolded rows x its pixels, whole output rows; one row when wider):
 # half an L2, whatever the block's depth. Against the 256 pixels it had (measured 5-10% faster than 128 on
 # ResNet-18's stride-2 layers and stem, ninth session), forced im2col_tiles, 2 threads, AMD Zen 4, two runs,
@@ -448,8 +453,8 @@ def tiles_grid(
 ) -> tuple[tuple[int, int, int, int, int, int], ...]:
     """Blocks (first, past-last output row of all images stacked; first, past-last output channel; first,
     past-last unfolded row) for ``parts`` parts: ranges of output rows, or, when those would give a part fewer than
-    128 pixels, ranges of the ``kc`` unfolded rows (whole input channels of ``taps`` rows, at least ``TILE_K`` a
-    part: each part unfolds its own channels, sums them into a partial output, and the launch adds the partials),
+    128 pixels, ranges of the ``kc`` unfolded rows (whole input channels of ``taps`` rows, at least ``SPLIT_K_MIN``
+    a part: each part unfolds its own channels, sums them into a partial output, and the launch adds the partials),
     else (or without ``split_k``) ranges of output channels (multiples of the GEMM's rows; every part then unfolds
     the same tiles).
     One image of 256 -> 256 14^2, 512 -> 512 7^2, 128 -> 256 28^2 s2 and 256 -> 512 14^2 s2 ran 1.02-1.08x faster
@@ -458,7 +463,7 @@ def tiles_grid(
     rows = n * oh
     if parts > 1 and rows * ow < parts * 128:
         channels = kc // taps
-        if split_k and channels // parts * taps >= TILE_K:
+        if split_k and channels // parts * taps >= SPLIT_K_MIN:
             return tuple((0, rows, 0, oc, c0 * taps, c1 * taps) for c0, c1 in split_range(channels, parts))
         if oc >= parts * 2 * gemm.MR:
             return tuple((0, rows, i0, i1, 0, kc) for i0, i1 in gemm.row_ranges(oc, parts))

@@ -65,8 +65,14 @@ NR = 2 * LANES  # columns of a full panel (of a packed copy of b, and the last p
 # and 512 x 64 x 512 heads 1.08-1.13x, 512 x 4608 x 64 1.07-1.17x, 128 x 384 x 1536 1.05-1.11x, 0.91-1.02x on four
 # other shapes in one run or the other. The packed path (``PACK_MIN_ROWS``) keeps 32-wide copies of b's panels.
 WIDE = 4 * LANES
-KC = 256  # k block: a 32-column panel of b over KC rows is 32 KiB
-MC = 240  # row block: MC x KC floats of a (240 KiB) stay in L2 across the panels
+# k block. 256 kept a 32-column panel of b (32 KiB) in L1; the 64-column panels read in place are 64 KiB at 256
+# rows and stream from L2 either way, and deeper blocks store and reload the accumulators less often. 512 against
+# 256, through the matmul op, two threads, 15 interleaved rounds (AMD Zen 4, /tmp/w50/mmab.py of the fiftieth
+# session): MiniLM's 128 x 384 x 384, x 1536, 128 x 1536 x 384 1.01-1.05x, 512 x 2304 x 392 1.01x, 512 x 1152 x
+# 784 1.02x, 1024 x 384 x 1536 1.03x; packed b (rows not 64-byte aligned) 128 x 384 x 1000 1.09x, 256 x 2304 x
+# 200 1.08x, 1.02-1.05x on three others. 768 and 1024 measured the same as 512 (0.99-1.11x against 256)
+KC = 512
+MC = 240  # row block: MC x KC floats of a (480 KiB) stay in L2 across the panels
 # rows from which gemm_f32 packs b's panels when b's rows are not 64-byte aligned (``packs_panels``): the copy is
 # read by every MR-row block after it, and rows in place would span an extra line per 64 columns (twenty-second
 # session: 1.2-1.45x packed, /tmp/w22/packproto.py; 24 rows 0.8-1.1x). Aligned rows are read in place: with the
