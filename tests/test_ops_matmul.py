@@ -571,9 +571,8 @@ def test_microkernel_parts_split_columns_at_panels_or_rows_whichever_evens_the_w
         # 1 panel for 3 parts: rows instead, at 6-row blocks (50 of them: 16, 17, 17)
         assert _micro_parts(300, 300, 47, 1) == ((0, 96, 0, 47), (96, 198, 0, 47), (198, 300, 0, 47))
     assert _micro_parts(128, 384, 1152, 2) == ()  # b's columns strided
-    assert _micro_parts(2049, 384, 1152, 1) == ()  # more rows than measured to pay
-    assert _micro_parts(1024, 1024, 1024, 1) == ()  # a large b: more rows than measured to pay
-    assert _micro_parts(1024, 1536, 384, 1) != ()  # a small b (MiniLM's weights): up to 2048 rows
+    assert _micro_parts(8193, 384, 1152, 1) == ()  # more rows than measured
+    assert _micro_parts(8192, 1024, 1024, 1) != ()  # a large b as well
     assert _micro_parts(128, 384, 31, 1) == ()  # no full panel
     assert _micro_parts(512, 4608, 49, 1) == ()  # 64 columns computed for 49
     assert _micro_parts(2, 384, 1536, 1) == ()  # GEMV-like: BLAS

@@ -30,15 +30,14 @@ from .selection import Candidate, choose
 MM_DTYPES = (DType.float32, DType.float64)
 IMPLEMENTATIONS = ("microkernel", "gemm_folded", "batch_loop", "blas", "packed")
 # microkernel (kernels/cpu/gemm.py) where it measured faster than numpy's OpenBLAS (bench/bench_ops2.py): float32,
-# up to MICRO_MAX_ROWS rows (a block of them stays in L2 while b streams past), columns by gemm.columns_fit; up to
-# MICRO_MAX_ROWS_SMALL_B rows when b takes at most MICRO_SMALL_B_BYTES (b, read in place, is streamed again for
-# every MC-row block: from L2 when it fits there). Intel Xeon, two threads, interleaved in one process
-# (/tmp/w28/big.py): aligned MiniLM linears of 1024 and 2048 rows 1.01-1.51x OpenBLAS (1.01-1.15x on one thread);
-# 1024^3 (a 4 MiB b) 0.87-0.97x, 4096 x 1024 x 1024 0.90x. MiniLM 8 x 128 graph replay against 512 rows, in one
-# process: 0.92, 1.02, 0.96x the time in three runs (mab2.py)
-MICRO_MAX_ROWS = 512
-MICRO_MAX_ROWS_SMALL_B = 2048
-MICRO_SMALL_B_BYTES = 5 << 19  # 2.5 MiB: MiniLM's 384 x 1536 and 1536 x 384 weights (2.25 MiB)
+# 3 to MICRO_MAX_ROWS rows, columns by gemm.columns_fit. With k blocks of 256 (gemm.KC) an Intel Xeon ran large
+# products slower than OpenBLAS (/tmp/w28/big.py of the twenty-eighth session: 1024^3 0.87-0.97x, 4096 x 1024 x
+# 1024 0.90x), and the kernel stopped at 512 rows (2048 for a b of at most 2.5 MiB). With blocks of 512, forced
+# against blas through the op, two threads, 11 interleaved rounds, two runs (AMD Zen 4, /tmp/w50/mmimpl.py of the
+# fiftieth session), it is as fast or faster on every shape measured: 1024^3 1.05 / 1.05x, 2048^3 1.02 / 1.02x,
+# 4096 x 1024 x 1024 1.01 / 1.06x, 1024 x 4096 x 1024 1.13 / 1.04x, 2048 x 384 x 1536 1.05 / 1.05x, 600 x 1000 x
+# 1000 1.04x, 8192 x 256 x 256 1.12x, 2048 x 1024 x 4096 1.01x, 1.04-1.15x on five others
+MICRO_MAX_ROWS = 8192
 MICRO_MIN_ROWS = 3  # one or two rows: OpenBLAS's GEMV-like kernels are faster (1 x 384 x 1536: 36 against 70 us)
 MICRO_PART_FLOPS = 6_000_000  # below this a GEMM runs as one part (4 x 384 x 1536: 60 us in one, 70 in two)
 
@@ -212,12 +211,11 @@ def _micro_parts(m: int, k: int, n: int, b_col_stride: int) -> tuple[tuple[int, 
     32-column panels (so every part is at least 32 wide and needs no scalar tail), or rows (always, when there
     are fewer panels than parts): of the two, the split whose slowest part has less work (``_slowest_part``).
     Not where the last, overlapping 16-column panel would make more than a tenth of the work, nor past
-    ``MICRO_MAX_ROWS`` rows (``MICRO_MAX_ROWS_SMALL_B`` for a small b)."""
-    most = MICRO_MAX_ROWS_SMALL_B if k * n * 4 <= MICRO_SMALL_B_BYTES else MICRO_MAX_ROWS
+    ``MICRO_MAX_ROWS`` rows (the most measured)."""
     if (
         not gemm.available()
         or b_col_stride != 1
-        or not MICRO_MIN_ROWS <= m <= most
+        or not MICRO_MIN_ROWS <= m <= MICRO_MAX_ROWS
         or not gemm.columns_fit(n)
         or k == 0
     ):
@@ -320,8 +318,7 @@ matmul = register(
         doc=(
             "a @ b with numpy semantics (1-D promotion, broadcast batch dims), float32 / float64. Implementations, "
             "fastest first: microkernel (float32, b one matrix with unit column stride, "
-            f"{MICRO_MIN_ROWS}-{MICRO_MAX_ROWS} folded rows ({MICRO_MAX_ROWS_SMALL_B} when b takes at most "
-            f"{MICRO_SMALL_B_BYTES >> 10} KiB), a with any strides, at least {gemm.MIN_COLS} columns: "
+            f"{MICRO_MIN_ROWS}-{MICRO_MAX_ROWS} folded rows, a with any strides, at least {gemm.MIN_COLS} columns: "
             "a register-blocked GEMM reading a in place, and b in place or, from "
             f"{gemm.PACK_MIN_ROWS} rows when its rows are not 64-byte aligned, its column panels copied contiguous; "
             "bias fused, column panels split over the cores), gemm_folded (b shared "
