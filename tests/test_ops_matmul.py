@@ -507,20 +507,24 @@ def test_microkernel_blocks_k_and_rows_and_fuses_the_bias(
 def _panels_workspace(parts: tuple[tuple[int, int, int, int], ...], k: int, row_stride: int, offset: int = 0) -> int:
     """The microkernel's documented workspace: a packed panel of b per part when every part has enough rows and
     b's rows (``row_stride`` floats apart from float ``offset``) are not all 64-byte aligned."""
-    packs = min(i1 - i0 for i0, i1, _, _ in parts) >= gemm.PACK_MIN_ROWS and (row_stride % 16 or offset % 16)
+    rows = min(i1 - i0 for i0, i1, _, _ in parts)
+    packs = gemm.packing_pays() and rows >= gemm.PACK_MIN_ROWS and (row_stride % 16 or offset % 16)
     return len(parts) * align(min(gemm.KC, k) * gemm.NR * 4) if packs else 0
 
 
 @needs_micro
 @pytest.mark.parametrize("m,k,n", [(31, 40, 64), (32, 40, 64), (64, 300, 200), (128, 384, 1152), (100, 600, 47)])
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("pays", [True, False])
 def test_microkernel_packs_b_panels_from_enough_rows_and_without_room_reads_b_in_place(
-    rng: np.random.Generator, m: int, k: int, n: int, threads: int
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch, m: int, k: int, n: int, threads: int, pays: bool
 ) -> None:
-    """From PACK_MIN_ROWS rows per part, when b's rows are not 64-byte aligned, the microkernel asks for one packed
-    panel of b per part (its documented workspace, touched to the last aligned byte); under a limit below that, or
-    with aligned rows, it reads b in place with no workspace. Both sum in the same order: bit for bit the same
-    result, against the float64 reference."""
+    """From PACK_MIN_ROWS rows per part, when b's rows are not 64-byte aligned and the host is one where packing
+    pays (``pays``: as on an Intel Xeon, not on AMD Zen), the microkernel asks for one packed panel of b per part
+    (its documented workspace, touched to the last aligned byte); under a limit below that, with aligned rows, or
+    where packing does not pay, it reads b in place with no workspace. Both sum in the same order: bit for bit
+    the same result, against the float64 reference."""
+    monkeypatch.setattr(gemm, "packing_pays", lambda: pays)
     x, w, bias = _rand(rng, (m, k)), _rand(rng, (k, n)), _rand(rng, (n,))
     ref = x.astype(np.float64) @ w.astype(np.float64) + bias
     wt = device("cpu").tensor(w).transpose()
@@ -535,13 +539,17 @@ def test_microkernel_packs_b_panels_from_enough_rows_and_without_room_reads_b_in
     assert in_place.implementation == "microkernel" and in_place.workspace_size == 0 and not in_place.tiling.panels
     np.testing.assert_array_equal(packed.outputs[0], in_place.outputs[0])
     if m >= gemm.PACK_MIN_ROWS * threads:
-        assert packed.tiling.panels == (n % 16 != 0)
+        assert packed.tiling.panels == (pays and n % 16 != 0)
 
 
 @needs_micro
-def test_microkernel_packs_b_panels_only_when_b_rows_are_not_64_byte_aligned(rng: np.random.Generator) -> None:
+def test_microkernel_packs_b_panels_only_when_b_rows_are_not_64_byte_aligned(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """b read through views of one aligned (k, n + 16) block: its row stride is 64-byte aligned, so the panels are
-    packed only where the view starts off a 64-byte boundary (offset 1), and the results match either way."""
+    packed only where the view starts off a 64-byte boundary (offset 1), and the results match either way (on a
+    host where packing pays: ``packing_pays``)."""
+    monkeypatch.setattr(gemm, "packing_pays", lambda: True)
     m, k, n = 64, 96, 128
     x, w, bias = _rand(rng, (m, k)), _rand(rng, (k, n + 16)), _rand(rng, (n,))
     whole = device("cpu").tensor(w)

@@ -300,7 +300,8 @@ def _build_matmul(
 WS_DOC = (
     f"microkernel: P * align64(min({gemm.KC}, K) * {gemm.NR} * 4) (P parts, each packing b's panels of "
     f"{gemm.NR} columns, K rows of b) when every part has {gemm.PACK_MIN_ROWS} rows or more, b's rows are not "
-    "all 64-byte aligned (row stride or offset not a multiple of 16 floats) and the limit allows, else 0; "
+    "all 64-byte aligned (row stride or offset not a multiple of 16 floats), the host is not an AMD Zen (where b is "
+    "read in place: faster there) and the limit allows, else 0; "
     "gemm_folded, batch_loop, blas: 0 bytes; packed: align64(numel(a) * itemsize) if a is packed + "
     "align64(numel(b) * itemsize) if b is packed + align64(numel(out) * itemsize) if out is packed"
 )
@@ -320,7 +321,8 @@ matmul = register(
             "fastest first: microkernel (float32, b one matrix with unit column stride, "
             f"{MICRO_MIN_ROWS}-{MICRO_MAX_ROWS} folded rows, a with any strides, at least {gemm.MIN_COLS} columns: "
             "a register-blocked GEMM reading a in place, and b in place or, from "
-            f"{gemm.PACK_MIN_ROWS} rows when its rows are not 64-byte aligned, its column panels copied contiguous; "
+            f"{gemm.PACK_MIN_ROWS} rows when its rows are not 64-byte aligned (not on AMD Zen), its column panels "
+            "copied contiguous; "
             "bias fused, column panels split over the cores), gemm_folded (b shared "
             "by the whole batch: one GEMM over batch*M rows, workspace 0), batch_loop (one folded GEMM per index of "
             "the batch dims b varies over, workspace 0), blas (np.matmul on "

@@ -48,6 +48,7 @@ __all__ = [
     "panel_bytes",
     "PACK_MIN_ROWS",
     "packs_panels",
+    "packing_pays",
     "row_ranges",
     "ymm_available",
     "gemm_f32_ymm",
@@ -85,10 +86,20 @@ UNIT_STEP_LOOP = True  # the microkernels' k loop specialised for a's unit step 
 
 
 def packs_panels(rows: int, row_stride: int, offset: int) -> bool:
-    """Whether ``gemm_f32`` runs faster over packed copies of b's panels (phase 1 asks): every part has
-    ``PACK_MIN_ROWS`` rows and b's rows, ``row_stride`` floats apart from float ``offset`` of a 64-byte-aligned
-    allocation, do not all start on a 64-byte boundary."""
-    return rows >= PACK_MIN_ROWS and (row_stride % LANES != 0 or offset % LANES != 0)
+    """Whether ``gemm_f32`` runs faster over packed copies of b's panels (phase 1 asks): on a host where packing
+    pays (``packing_pays``), every part has ``PACK_MIN_ROWS`` rows and b's rows, ``row_stride`` floats apart from
+    float ``offset`` of a 64-byte-aligned allocation, do not all start on a 64-byte boundary."""
+    return packing_pays() and rows >= PACK_MIN_ROWS and (row_stride % LANES != 0 or offset % LANES != 0)
+
+
+@functools.cache
+def packing_pays() -> bool:
+    """Whether packed copies of b's unaligned rows beat reading them in place on this host: not on AMD Zen (LLVM's
+    ``znver`` CPUs), where the 64-column panels in place ran 1.015-1.12x as fast as the packed 32-column copies
+    (through the op, two threads, 11 interleaved rounds, AMD Zen 4, /tmp/w50/packab.py of the fiftieth session:
+    128 x 384 x 1000 1.11x, 64 x 768 x 3000 1.12x, 256 x 2304 x 200 1.04x, 512 x 1000 x 777 1.02x, 1024 x 1000 x
+    1000 1.015x; 1.05-1.13x with the k blocks of 256 of before), unlike the Intel Xeon above."""
+    return not llvm.get_host_cpu_name().startswith("znver")
 
 
 def panel_bytes(k: int) -> int:
