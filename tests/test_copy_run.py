@@ -1,6 +1,7 @@
 """``jit.copy_run``: a run of adjacent elements copied by ``llvm.memcpy``, exactly that run, for each dtype;
-``jit.copy_even``: every other element of a run, and ``jit.copy_where``: a run with the elements a mask drops
-written 0, both by masked vector loads that read nothing else."""
+``jit.copy_even``: every other element of a run, ``jit.copy_phases``: a row's even and odd elements to two places
+in one pass, and ``jit.copy_where``: a run with the elements a mask drops written 0, all by masked vector loads that
+read nothing else."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twophase.kernels.cpu.jit import copy_even, copy_run, copy_where
+from twophase.kernels.cpu.jit import copy_even, copy_phases, copy_run, copy_where
 
 
 @numba.njit(nogil=True)
@@ -77,6 +78,27 @@ def test_copy_even_copies_every_other_element_exactly(dtype: Any, d0: int, s0: i
 
 
 @numba.njit(nogil=True)
+def _phases(dst: Any, d0: int, d1: int, src: Any) -> None:
+    copy_phases(dst, d0, d1, src, (src.size + 1) // 2, src.size // 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(dtype=_RUNS["dtype"], d0=st.integers(0, 20), gap=st.integers(0, 40), width=st.integers(0, 140))
+def test_copy_phases_splits_a_row_into_its_even_and_odd_elements(dtype: Any, d0: int, gap: int, width: int) -> None:
+    """A row of every width around two 64-byte steps: its even elements from d0, its odd ones from d0 + ceil(width
+    / 2) + gap, bit for bit (NaN payloads included), and nothing written before, between or after them."""
+    src, bits = _any_bits(width * 1000 + gap * 31 + d0, dtype, width)
+    evens, odds = src[0::2], src[1::2]
+    d1 = d0 + evens.size + gap
+    dst = np.full(d1 + odds.size + 17, 7, dtype)
+    _phases(dst, d0, d1, src)
+    expected = np.full_like(dst, 7)
+    expected[d0 : d0 + evens.size] = evens
+    expected[d1 : d1 + odds.size] = odds
+    np.testing.assert_array_equal(dst.view(bits), expected.view(bits))
+
+
+@numba.njit(nogil=True)
 def _where(dst: Any, d0: int, src: Any, s0: int, n: int, keep: Any, k0: int) -> None:
     copy_where(dst, d0, src, s0, n, keep, k0)
 
@@ -96,11 +118,15 @@ def test_copy_where_copies_the_kept_elements_and_zeroes_the_rest(dtype: Any, d0:
 _GUARD_PAGE = """
 import ctypes, mmap, sys
 import numba, numpy as np
-from twophase.kernels.cpu.jit import copy_even, copy_where
+from twophase.kernels.cpu.jit import copy_even, copy_phases, copy_where
 
 @numba.njit
 def evens(dst, src, s0, n):
     copy_even(dst, 0, src, s0, n)
+
+@numba.njit
+def phases(dst, src, w):
+    copy_phases(dst, 0, (w + 1) // 2, src, (w + 1) // 2, w // 2)
 
 page = mmap.PAGESIZE
 buf = mmap.mmap(-1, 2 * page)
@@ -117,6 +143,11 @@ for dtype in (np.float32, np.float64):
         s0 = src.size - (2 * n - 1)  # the last element read is the page's last
         evens(dst, src, s0, n)
         assert (dst == src[s0::2]).all(), (dtype, n)
+    for w in (1, 2, 5, 16, 31, 32, 33, 64, 67):  # a row whose last element is the page's last
+        row = src[src.size - w :]
+        dst = np.zeros(w, dtype)
+        phases(dst, row, w)
+        assert (dst == np.concatenate([row[0::2], row[1::2]])).all(), (dtype, w)
 @numba.njit
 def where(dst, src, s0, n, keep):
     copy_where(dst, 0, src, s0, n, keep, 0)
@@ -136,7 +167,7 @@ print("ok")
 """
 
 
-def test_copy_even_and_copy_where_read_nothing_past_their_last_element() -> None:
+def test_copy_even_copy_phases_and_copy_where_read_nothing_past_their_last_element() -> None:
     """The masked loads touch only the elements read: a run ending at the last element before an unreadable page,
     or running past it where the mask drops the elements, copies (a full-width load would fault: run in a child
     process, where a crash is a failure, not a lost run)."""

@@ -2,7 +2,7 @@
 
 A stride-2 window reads every other input column, and an unfolded row of a 14-wide output map is 14 short,
 strided copies, each costing more than the elements it moves. Split first (``split``): each dense input row goes
-to its row phase ``a`` = row % 2 as two column phases ``b`` (its even and odd elements, ``jit.copy_even``), each
+to its row phase ``a`` = row % 2 as two column phases ``b`` (its even and odd elements, ``jit.copy_phases``), each
 stored ``OW`` wide. Then output (r, ow) of tap (kh, kw) reads phase (a, b) at (r + dr, ow + dc), with
 ``a = (kh - ph) % 2, dr = (kh - ph - a) // 2`` (``b``, ``dc`` alike along the columns): one flat run per
 unfolded row of the tile (``unfold``), the columns that wrap around a phase row (``ow + dc`` outside
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import jit as _jit
-from .jit import copy_even, copy_run, copy_where, row_of, span_of
+from .jit import copy_phases, copy_run, copy_where, row_of, span_of
 
 jit_inline: Callable[[Callable[..., Any]], Any] = _jit.jit_inline
 
@@ -141,10 +141,9 @@ def split(x: Any, n: int, c0: int, c1: int, i_base: int, prows: int, ow_n: int, 
             for i in range(max(0, i_base), min(rows_in, i_base + prows)):
                 xr = row_of(xp, 2 * i + a, True)
                 at = GUARD + ((c - c0) * 2 + a) * 2 * plane + (i - i_base) * ow_n
+                copy_phases(buf, at, at + plane, xr, (width + 1) // 2, width // 2)
                 for b in range(2):
-                    cols = (width - b + 1) // 2
-                    copy_even(buf, at, xr, b, cols)
-                    for j in range(at + cols, at + ow_n):
+                    for j in range(at + (width - b + 1) // 2, at + ow_n):
                         buf[j] = 0.0
                     at += plane
 

@@ -35,6 +35,7 @@ __all__ = [
     "wide_vectors",
     "copy_run",
     "copy_even",
+    "copy_phases",
     "copy_where",
     "emit_prefetch",
     "emit_splat",
@@ -267,6 +268,54 @@ def _copy_even_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: A
 
 
 copy_even: Any = intrinsic(_copy_even_typing)
+
+
+def _copy_phases_typing(typingctx: Any, dst: Any, d0: Any, d1: Any, src: Any, n0: Any, n1: Any) -> Any:
+    """``dst[d0:d0 + n0] = src[0:2 n0:2]`` and ``dst[d1:d1 + n1] = src[1:2 n1:2]`` (n0 - 1 <= n1 <= n0) for dense
+    1-D float32 / float64 arrays of one dtype: a row's even and odd elements (its two column phases) in one pass,
+    16 of each a step from the same two masked vector loads, where two ``copy_even`` calls load the row twice."""
+    if not _float_rows(dst, src):
+        return None
+    sig = types.void(dst, d0, d1, src, n0, n1)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        item = as_dtype(signature.args[0].dtype).itemsize
+        lanes = 64 // item
+        vec = ir.VectorType(context.get_value_type(signature.args[0].dtype), lanes)
+        load, store = masked_memory(builder, vec)
+        i64 = ir.IntType(64)
+        align = ir.Constant(ir.IntType(32), item)
+        zero = ir.Constant(vec, [0.0] * lanes)
+        dst_a = context.make_array(signature.args[0])(context, builder, args[0])
+        src_a = context.make_array(signature.args[3])(context, builder, args[3])
+
+        def arg(k: int) -> Any:
+            return context.cast(builder, args[k], signature.args[k], types.int64)
+
+        d_even, d_odd, n_even, n_odd = arg(1), arg(2), arg(4), arg(5)
+        evens = ir.Constant(ir.VectorType(ir.IntType(32), lanes), list(range(0, 2 * lanes, 2)))
+        odds = ir.Constant(ir.VectorType(ir.IntType(32), lanes), list(range(1, 2 * lanes, 2)))
+        steps = builder.udiv(builder.add(n_even, ir.Constant(i64, lanes - 1)), ir.Constant(i64, lanes))
+        with cgutils.for_range(builder, steps) as loop:
+            u0 = builder.mul(loop.index, ir.Constant(i64, lanes))
+            reads = builder.sub(builder.add(n_even, n_odd), builder.add(u0, u0))  # src elements left from 2 u0
+            sp = builder.gep(src_a.data, [builder.add(u0, u0)])
+            lo = builder.call(
+                load, [builder.bitcast(sp, vec.as_pointer()), align, emit_lanes_below(builder, reads, lanes), zero]
+            )
+            hp = builder.gep(sp, [ir.Constant(i64, lanes)])
+            high = emit_lanes_below(builder, builder.sub(reads, ir.Constant(i64, lanes)), lanes)
+            hi = builder.call(load, [builder.bitcast(hp, vec.as_pointer()), align, high, zero])
+            for at, count, picks in ((d_even, n_even, evens), (d_odd, n_odd, odds)):
+                dp = builder.bitcast(builder.gep(dst_a.data, [builder.add(at, u0)]), vec.as_pointer())
+                mask = emit_lanes_below(builder, builder.sub(count, u0), lanes)
+                builder.call(store, [builder.shuffle_vector(lo, hi, picks), dp, align, mask])
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+copy_phases: Any = intrinsic(_copy_phases_typing)
 
 
 def _copy_where_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: Any, keep: Any, k0: Any) -> Any:
