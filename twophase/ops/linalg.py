@@ -36,7 +36,7 @@ IMPLEMENTATIONS = ("microkernel", "gemm_folded", "batch_loop", "blas", "packed")
 # against blas through the op, two threads, 11 interleaved rounds, two runs (AMD Zen 4, /tmp/w50/mmimpl.py of the
 # fiftieth session), it is as fast or faster on every shape measured: 1024^3 1.05 / 1.05x, 2048^3 1.02 / 1.02x,
 # 4096 x 1024 x 1024 1.01 / 1.06x, 1024 x 4096 x 1024 1.13 / 1.04x, 2048 x 384 x 1536 1.05 / 1.05x, 600 x 1000 x
-# 1000 1.04x, 8192 x 256 x 256 1.12x, 2048 x 1024 x 4096 1.01x, 1.04-1.15x on five others
+# 1000 1.04x, 8192 x 256 x 256 1.12x, 2048 x 1024 x 4096 1.01x, 1.01-1.15x on nine others
 MICRO_MAX_ROWS = 8192
 MICRO_MIN_ROWS = 3  # one or two rows: OpenBLAS's GEMV-like kernels are faster (1 x 384 x 1536: 36 against 70 us)
 MICRO_PART_FLOPS = 6_000_000  # below this a GEMM runs as one part (4 x 384 x 1536: 60 us in one, 70 in two)

@@ -70,8 +70,8 @@ WIDE = 4 * LANES
 # rows and stream from L2 either way, and deeper blocks store and reload the accumulators less often. 512 against
 # 256, through the matmul op, two threads, 15 interleaved rounds (AMD Zen 4, /tmp/w50/mmab.py of the fiftieth
 # session): MiniLM's 128 x 384 x 384, x 1536, 128 x 1536 x 384 1.01-1.05x, 512 x 2304 x 392 1.01x, 512 x 1152 x
-# 784 1.02x, 1024 x 384 x 1536 1.03x; packed b (rows not 64-byte aligned) 128 x 384 x 1000 1.09x, 256 x 2304 x
-# 200 1.08x, 1.02-1.05x on three others. 768 and 1024 measured the same as 512 (0.99-1.11x against 256)
+# 784 1.02x, 1024 x 384 x 1536 1.03x; b's rows not 64-byte aligned (then packed) 128 x 384 x 1000 1.09x, 256 x
+# 2304 x 200 1.08x, 1.02-1.05x on three others. 768 and 1024 measured the same as 512 (0.99-1.11x against 256)
 KC = 512
 MC = 240  # row block: MC x KC floats of a (480 KiB) stay in L2 across the panels
 # rows from which gemm_f32 packs b's panels when b's rows are not 64-byte aligned (``packs_panels``): the copy is
