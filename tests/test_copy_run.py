@@ -79,7 +79,7 @@ def test_copy_even_copies_every_other_element_exactly(dtype: Any, d0: int, s0: i
 
 @numba.njit(nogil=True)
 def _phases(dst: Any, d0: int, d1: int, src: Any) -> None:
-    copy_phases(dst, d0, d1, src, (src.size + 1) // 2, src.size // 2)
+    copy_phases(dst, d0, src, 0, (src.size + 1) // 2, d1, src.size // 2)
 
 
 @settings(max_examples=60, deadline=None)
@@ -126,7 +126,7 @@ def evens(dst, src, s0, n):
 
 @numba.njit
 def phases(dst, src, w):
-    copy_phases(dst, 0, (w + 1) // 2, src, (w + 1) // 2, w // 2)
+    copy_phases(dst, 0, src, 0, (w + 1) // 2, (w + 1) // 2, w // 2)
 
 page = mmap.PAGESIZE
 buf = mmap.mmap(-1, 2 * page)

@@ -141,7 +141,7 @@ def split(x: Any, n: int, c0: int, c1: int, i_base: int, prows: int, ow_n: int, 
             for i in range(max(0, i_base), min(rows_in, i_base + prows)):
                 xr = row_of(xp, 2 * i + a, True)
                 at = GUARD + ((c - c0) * 2 + a) * 2 * plane + (i - i_base) * ow_n
-                copy_phases(buf, at, at + plane, xr, (width + 1) // 2, width // 2)
+                copy_phases(buf, at, xr, 0, (width + 1) // 2, at + plane, width // 2)
                 for b in range(2):
                     for j in range(at + (width - b + 1) // 2, at + ow_n):
                         buf[j] = 0.0

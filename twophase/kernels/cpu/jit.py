@@ -237,6 +237,29 @@ def _float_rows(*arrays: Any) -> bool:
     )
 
 
+def _pair_at(builder: Any, v: _Lines, u0: Any, reads: Any) -> tuple[Any, Any]:
+    """The two masked 64-byte loads from ``src + s0 + 2 u0`` that hold the next ``lanes`` even and odd elements,
+    only the first ``reads`` elements loaded (the rest 0): what ``copy_even`` and ``copy_phases`` shuffle."""
+    i64 = ir.IntType(64)
+    sp = builder.gep(v.src, [builder.add(u0, u0)])
+    low = emit_lanes_below(builder, reads, v.lanes)
+    lo = builder.call(v.load, [builder.bitcast(sp, v.vec.as_pointer()), v.align, low, v.zero])
+    hp = builder.gep(sp, [ir.Constant(i64, v.lanes)])
+    high = emit_lanes_below(builder, builder.sub(reads, ir.Constant(i64, v.lanes)), v.lanes)
+    hi = builder.call(v.load, [builder.bitcast(hp, v.vec.as_pointer()), v.align, high, v.zero])
+    return lo, hi
+
+
+def _store_picked(builder: Any, v: _Lines, lo: Any, hi: Any, first: int, at: Any, count: Any) -> None:
+    """Store lanes ``first``, ``first + 2``, ... of the pair ``lo, hi`` at element pointer ``at``, the first
+    ``count`` of them (masked)."""
+    picks = ir.Constant(ir.VectorType(ir.IntType(32), v.lanes), list(range(first, 2 * v.lanes, 2)))
+    dp = builder.bitcast(at, v.vec.as_pointer())
+    builder.call(
+        v.store, [builder.shuffle_vector(lo, hi, picks), dp, v.align, emit_lanes_below(builder, count, v.lanes)]
+    )
+
+
 def _copy_even_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: Any) -> Any:
     """``dst[d0:d0 + n] = src[s0:s0 + 2n:2]`` for dense 1-D float32 / float64 arrays of one dtype, 64 bytes of
     ``dst`` a step: two masked vector loads of ``src`` (only the elements read), a shuffle taking their even
@@ -247,20 +270,10 @@ def _copy_even_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: A
     sig = types.void(dst, d0, src, s0, n)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        i64 = ir.IntType(64)
-
         def step(v: _Lines, u0: Any, rest: Any) -> None:
-            evens = ir.Constant(ir.VectorType(ir.IntType(32), v.lanes), list(range(0, 2 * v.lanes, 2)))
-            reads = builder.sub(builder.add(rest, rest), ir.Constant(i64, 1))  # src elements up to the last read
-            sp = builder.gep(v.src, [builder.add(u0, u0)])
-            low = emit_lanes_below(builder, reads, v.lanes)
-            lo = builder.call(v.load, [builder.bitcast(sp, v.vec.as_pointer()), v.align, low, v.zero])
-            hp = builder.gep(sp, [ir.Constant(i64, v.lanes)])
-            high = emit_lanes_below(builder, builder.sub(reads, ir.Constant(i64, v.lanes)), v.lanes)
-            hi = builder.call(v.load, [builder.bitcast(hp, v.vec.as_pointer()), v.align, high, v.zero])
-            picked = builder.shuffle_vector(lo, hi, evens)
-            dp = builder.bitcast(builder.gep(v.dst, [u0]), v.vec.as_pointer())
-            builder.call(v.store, [picked, dp, v.align, emit_lanes_below(builder, rest, v.lanes)])
+            reads = builder.sub(builder.add(rest, rest), ir.Constant(ir.IntType(64), 1))  # up to the last read
+            lo, hi = _pair_at(builder, v, u0, reads)
+            _store_picked(builder, v, lo, hi, 0, builder.gep(v.dst, [u0]), rest)
 
         return _by_lines(context, builder, signature, args, step)
 
@@ -270,47 +283,30 @@ def _copy_even_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: A
 copy_even: Any = intrinsic(_copy_even_typing)
 
 
-def _copy_phases_typing(typingctx: Any, dst: Any, d0: Any, d1: Any, src: Any, n0: Any, n1: Any) -> Any:
-    """``dst[d0:d0 + n0] = src[0:2 n0:2]`` and ``dst[d1:d1 + n1] = src[1:2 n1:2]`` (n0 - 1 <= n1 <= n0) for dense
-    1-D float32 / float64 arrays of one dtype: a row's even and odd elements (its two column phases) in one pass,
-    16 of each a step from the same two masked vector loads, where two ``copy_even`` calls load the row twice."""
+def _copy_phases_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n0: Any, d1: Any, n1: Any) -> Any:
+    """``dst[d0:d0 + n0] = src[s0:s0 + 2 n0:2]`` and ``dst[d1:d1 + n1] = src[s0 + 1:s0 + 1 + 2 n1:2]``
+    (n0 - 1 <= n1 <= n0) for dense 1-D float32 / float64 arrays of one dtype: a row's even and odd elements (its
+    two column phases) in one pass, both stores of a step fed by ``copy_even``'s two masked loads, where two
+    ``copy_even`` calls load the row twice."""
     if not _float_rows(dst, src):
         return None
-    sig = types.void(dst, d0, d1, src, n0, n1)
+    sig = types.void(dst, d0, src, s0, n0, d1, n1)
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        item = as_dtype(signature.args[0].dtype).itemsize
-        lanes = 64 // item
-        vec = ir.VectorType(context.get_value_type(signature.args[0].dtype), lanes)
-        load, store = masked_memory(builder, vec)
-        i64 = ir.IntType(64)
-        align = ir.Constant(ir.IntType(32), item)
-        zero = ir.Constant(vec, [0.0] * lanes)
-        dst_a = context.make_array(signature.args[0])(context, builder, args[0])
-        src_a = context.make_array(signature.args[3])(context, builder, args[3])
+        arr = context.make_array(signature.args[0])(context, builder, args[0])
+        d_odd = builder.gep(arr.data, [context.cast(builder, args[5], signature.args[5], types.int64)])
+        behind = builder.sub(  # how many fewer odd elements there are: 0 or 1
+            context.cast(builder, args[4], signature.args[4], types.int64),
+            context.cast(builder, args[6], signature.args[6], types.int64),
+        )
 
-        def arg(k: int) -> Any:
-            return context.cast(builder, args[k], signature.args[k], types.int64)
+        def step(v: _Lines, u0: Any, rest: Any) -> None:
+            odd_rest = builder.sub(rest, behind)
+            lo, hi = _pair_at(builder, v, u0, builder.add(rest, odd_rest))
+            _store_picked(builder, v, lo, hi, 0, builder.gep(v.dst, [u0]), rest)
+            _store_picked(builder, v, lo, hi, 1, builder.gep(d_odd, [u0]), odd_rest)
 
-        d_even, d_odd, n_even, n_odd = arg(1), arg(2), arg(4), arg(5)
-        evens = ir.Constant(ir.VectorType(ir.IntType(32), lanes), list(range(0, 2 * lanes, 2)))
-        odds = ir.Constant(ir.VectorType(ir.IntType(32), lanes), list(range(1, 2 * lanes, 2)))
-        steps = builder.udiv(builder.add(n_even, ir.Constant(i64, lanes - 1)), ir.Constant(i64, lanes))
-        with cgutils.for_range(builder, steps) as loop:
-            u0 = builder.mul(loop.index, ir.Constant(i64, lanes))
-            reads = builder.sub(builder.add(n_even, n_odd), builder.add(u0, u0))  # src elements left from 2 u0
-            sp = builder.gep(src_a.data, [builder.add(u0, u0)])
-            lo = builder.call(
-                load, [builder.bitcast(sp, vec.as_pointer()), align, emit_lanes_below(builder, reads, lanes), zero]
-            )
-            hp = builder.gep(sp, [ir.Constant(i64, lanes)])
-            high = emit_lanes_below(builder, builder.sub(reads, ir.Constant(i64, lanes)), lanes)
-            hi = builder.call(load, [builder.bitcast(hp, vec.as_pointer()), align, high, zero])
-            for at, count, picks in ((d_even, n_even, evens), (d_odd, n_odd, odds)):
-                dp = builder.bitcast(builder.gep(dst_a.data, [builder.add(at, u0)]), vec.as_pointer())
-                mask = emit_lanes_below(builder, builder.sub(count, u0), lanes)
-                builder.call(store, [builder.shuffle_vector(lo, hi, picks), dp, align, mask])
-        return context.get_dummy_value()
+        return _by_lines(context, builder, signature, args, step)
 
     return sig, codegen
 
