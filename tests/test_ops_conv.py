@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from threads import num_threads
 
-from twophase import Format, TensorDesc, device, one_shot, plan
+from twophase import Format, TensorDesc, clear_cache, device, one_shot, plan
 from twophase.errors import ParamError
 from twophase.kernels.cpu import conv as conv_kernels
 from twophase.kernels.cpu import gemm, winograd4
@@ -663,29 +663,78 @@ def test_conv2d_winograd_ranks_first_from_32_tiles(shape: tuple[int, ...], first
     ex.destroy()
 
 
+@pytest.fixture(params=[False, True], ids=["full_width_fma", "half_width_fma"])
+def half_width(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
+    """Plans as on a host whose zmm FMA takes one pass (an Intel Xeon) or two (AMD Zen 4): ``gemm.half_width_fma``,
+    so both are tested on either; the executor cache emptied around the test (its plans carry the other's choice)."""
+    monkeypatch.setattr(gemm, "half_width_fma", lambda: request.param)
+    clear_cache()
+    yield request.param
+    clear_cache()
+
+
 @pytest.mark.parametrize(
-    ("shape", "order", "constant"),
+    ("shape", "constant", "order", "order_half"),
     [
-        ((1, 4, 13, 13), ("im2col_tiles", "winograd", "im2col"), False),  # 49 2x2 tiles: after the tiles
-        ((2, 4, 13, 13), ("winograd", "im2col_tiles", "im2col"), False),  # 98
-        ((1, 4, 7, 7), ("im2col", "im2col_tiles", "winograd"), False),  # 16 tiles: after im2col and the tiles
-        ((2, 4, 7, 7), ("winograd", "im2col", "im2col_tiles"), False),  # 32 tiles; 49 pixels fill 0.77 of the panels
-        ((1, 4, 13, 13), ("winograd", "im2col_tiles", "im2col"), True),  # constant weights: first from 32 tiles
-        ((1, 4, 7, 7), ("im2col", "im2col_tiles", "winograd"), True),  # 16 tiles: as without
+        # 49 2x2 tiles of 4 -> 8 channels: after the tiles
+        ((1, 4, 13, 13), False, ("im2col_tiles", "winograd", "im2col"), None),
+        # 98 tiles, but narrow (``WINOGRAD_FIRST``): after the tiles
+        ((2, 4, 13, 13), False, ("im2col_tiles", "winograd", "im2col"), None),
+        # 16 tiles: last; 49 pixels fill 0.77 of the panels (0.875 where a zmm FMA is two passes: the tiles first)
+        ((1, 4, 7, 7), False, ("im2col", "im2col_tiles", "winograd"), ("im2col_tiles", "im2col", "winograd")),
+        # 32 tiles: just ahead of im2col, after the tiles when those rank ahead of it
+        ((2, 4, 7, 7), False, ("winograd", "im2col", "im2col_tiles"), ("im2col_tiles", "winograd", "im2col")),
+        ((1, 4, 13, 13), True, ("winograd", "im2col_tiles", "im2col"), None),  # constant weights: first from 32 tiles
+        ((1, 4, 7, 7), True, ("im2col", "im2col_tiles", "winograd"), ("im2col_tiles", "im2col", "winograd")),
     ],
 )
-def test_conv2d_winograd_ranks_just_ahead_of_im2col_below_64_tiles(
-    shape: tuple[int, ...], order: tuple[str, ...], constant: bool
+def test_conv2d_winograd_ranks_just_ahead_of_im2col_below_its_first_tiles(
+    half_width: bool,
+    shape: tuple[int, ...],
+    constant: bool,
+    order: tuple[str, ...],
+    order_half: tuple[str, ...] | None,
 ) -> None:
     if not tiles_available(np.float32):
         pytest.skip("im2col_tiles needs the register-blocked GEMM (AVX-512)")
     dev = device("cpu")
     x, w = dev.tensor(np.ones(shape, np.float32)), dev.tensor(np.ones((8, 4, 3, 3), np.float32))
-    for k in range(len(order)):  # the first of the rest is chosen: the ranking, one step at a time
-        with forced(*order[k:]):
+    want = order_half if half_width and order_half else order
+    for k in range(len(want)):  # the first of the rest is chosen: the ranking, one step at a time
+        with forced(*want[k:]):
             _, ex = conv2d.get_workspace_size(x, w, padding=1, constant_weight=constant)
-        assert ex.implementation == order[k]
+        assert ex.implementation == want[k]
         ex.destroy()
+
+
+@pytest.mark.parametrize(
+    ("n", "c", "oc", "first"),
+    [
+        (1, 256, 256, False),  # 49 tiles
+        (2, 256, 256, True),  # 98 tiles, 256 channels: first from 64
+        (2, 256, 512, True),
+        (2, 128, 128, False),  # 128-255 channels: first from 196 tiles
+        (4, 128, 128, True),
+        (4, 256, 128, True),  # the lesser of C and OC counts
+        (4, 128, 512, True),
+        (8, 64, 64, False),  # 392 tiles of 64 channels: never first
+        (8, 256, 64, False),
+        (8, 64, 256, False),
+    ],
+)
+def test_conv2d_winograd_ranks_first_by_channels_and_tiles(
+    half_width: bool, n: int, c: int, oc: int, first: bool
+) -> None:
+    """On 14x14 maps (49 2x2 tiles an image), where the tiles rank ahead of im2col on any host: winograd first from
+    the tiles ``WINOGRAD_FIRST`` gives the lesser of its channel counts, else after the tiles."""
+    if not tiles_available(np.float32):
+        pytest.skip("im2col_tiles needs the register-blocked GEMM (AVX-512)")
+    dev = device("cpu")
+    x, w = dev.empty((n, c, 14, 14), np.float32), dev.empty((oc, c, 3, 3), np.float32)
+    with forced("winograd", "im2col_tiles", "im2col"):
+        _, ex = conv2d.get_workspace_size(x, w, padding=1)
+    assert ex.implementation == ("winograd" if first else "im2col_tiles")
+    ex.destroy()
 
 
 @given(st.integers(0, 1 << 22), st.integers(1, 64))
@@ -835,22 +884,26 @@ def test_tiles_grid_splits(n: int, oh: int, ow: int, oc: int, parts: int, c: int
 @pytest.mark.parametrize(
     ("c", "hw", "k", "stride", "pad", "chunk"),
     [
-        (3, (64, 64), (7, 7), (2, 2), (3, 3), 27),  # 147-row k blocks: 891 pixels, 27 of 32 rows 32 wide
-        (3, (40, 200), (7, 7), (2, 2), (3, 3), 8),  # 100-wide output rows: 8 of them (800 pixels), 3 tiles
-        (64, (30, 30), (3, 3), (1, 1), (1, 1), 11),  # 2 blocks of 288 rows: 455 pixels, 11 rows of 30
+        (3, (64, 64), (7, 7), (2, 2), (3, 3), (27, 27)),  # 147-row k blocks: 891 pixels, 27 of 32 rows 32 wide
+        (3, (40, 200), (7, 7), (2, 2), (3, 3), (8, 8)),  # 100-wide output rows: 8 of them (800 pixels), 3 tiles
+        # 2 blocks of 288 rows: 455 pixels, 11 rows of 30; 8 (and a last tile of 6 rows: 180 pixels, 184 columns'
+        # work) where a zmm FMA is two passes
+        (64, (30, 30), (3, 3), (1, 1), (1, 1), (11, 8)),
     ],
 )
 def test_conv2d_im2col_tiles_budget(
+    half_width: bool,
     c: int,
     hw: tuple[int, int],
     k: tuple[int, int],
     stride: tuple[int, int],
     pad: tuple[int, int],
-    chunk: int,
+    chunk: tuple[int, int],
     rng: np.random.Generator,
 ) -> None:
     """A tile holds up to ``TILE_FLOATS`` floats: the fewer unfolded rows a k block has, the more output rows a tile
-    takes (a stem's 147 rows: 891 pixels, where 256 used to be the most), and the workspace follows."""
+    takes (a stem's 147 rows: 891 pixels, where 256 used to be the most), and the workspace follows; the rows are
+    the count that wastes the least of the GEMM's panels (``tile_rows``), which depends on the host's FMA width."""
     x = _x(rng, (1, c) + hw, False)
     w = (rng.standard_normal((16, c) + k) * 0.2).astype(np.float32)
     b = rng.standard_normal(16).astype(np.float32)
@@ -859,7 +912,7 @@ def test_conv2d_im2col_tiles_budget(
     with num_threads(1):
         r = _run("im2col_tiles", x, w, b, **attrs)
     t = r.tiling
-    assert t.chunk == chunk == tile_rows(t.oh, t.ow, conv_op.TILE_FLOATS // t.kblock)
+    assert t.chunk == chunk[half_width] == tile_rows(t.oh, t.ow, conv_op.TILE_FLOATS // t.kblock)
     assert t.chunk * t.ow * t.kblock <= conv_op.TILE_FLOATS
     assert r.workspace_size >= t.kblock * t.chunk * t.ow * 4  # one tile (the phases' area after it)
     _check(r, ref)
@@ -923,17 +976,20 @@ def test_conv2d_im2col_tiles_planes_in_place_only_when_flat(rng: np.random.Gener
         ((1, 64, 56, 56), 3, 2, True),  # 28x28 outputs: 4-row tiles of 112 pixels fill 7 panels
         ((1, 128, 28, 28), 3, 2, True),  # 14x14 outputs: 196 pixels of 208 columns' work (a last panel of 16)
         ((1, 256, 14, 14), 3, 2, True),  # 7x7 outputs: 49 pixels of 64 columns' work, but one image of 58 M
-        ((2, 256, 14, 14), 3, 2, False),  # (a masked 32-wide last panel): two images rank im2col first
+        # two images: 56 columns' work where a zmm FMA is two passes (0.875: the tiles first), else 64 (im2col first)
+        ((2, 256, 14, 14), 3, 2, None),
         ((1, 8, 5, 5), 3, 2, False),  # 3x3 outputs: 9 of 16 columns, 10 K multiply-adds: im2col + BLAS ranks first
         ((1, 64, 56, 56), 1, 2, True),
     ],
 )
-def test_conv2d_im2col_tiles_rank(shape: tuple[int, ...], k: int, stride: int, first: bool) -> None:
+def test_conv2d_im2col_tiles_rank(
+    half_width: bool, shape: tuple[int, ...], k: int, stride: int, first: bool | None
+) -> None:
     oc = 2 * shape[1]
     x = device("cpu").empty(shape, np.float32)
     w = device("cpu").empty((oc, shape[1], k, k), np.float32)
     _, ex = conv2d.get_workspace_size(x, w, None, stride=stride, padding=k // 2)
-    assert (ex.implementation == "im2col_tiles") == first
+    assert (ex.implementation == "im2col_tiles") == (half_width if first is None else first)
     ex.destroy()
 
 

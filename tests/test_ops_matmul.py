@@ -440,7 +440,21 @@ def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Gener
             np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
             c[1 : m + 1, 3 : 3 + n] = np.nan
             assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
-    assert [gemm.columns_computed(n) for n in (49, 57, 48, 40, 33, 32, 8)] == [64, 64, 48, 48, 48, 32, 16]
+
+
+@pytest.mark.parametrize(
+    ("half", "want"),
+    [
+        (False, [64, 64, 64, 48, 48, 48, 32, 32, 32, 16, 16, 128, 128]),
+        (True, [56, 56, 64, 48, 48, 48, 32, 24, 24, 16, 16, 120, 128]),  # ymm-tailed panels cost by their columns
+    ],
+)
+def test_columns_computed_counts_the_panels_work(monkeypatch: pytest.MonkeyPatch, half: bool, want: list[int]) -> None:
+    """The columns' worth of work of ``gemm_tile``'s panels: 49-56 and 17-24 (a ymm last vector) count as 56 and 24
+    where a zmm FMA is two 256-bit passes (``half_width_fma``), else as 64 and 32."""
+    monkeypatch.setattr(gemm, "half_width_fma", lambda: half)
+    cols = (49, 56, 57, 48, 40, 33, 32, 24, 17, 16, 8, 120, 121)
+    assert [gemm.columns_computed(n) for n in cols] == want
 
 
 @needs_micro

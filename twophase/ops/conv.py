@@ -8,9 +8,9 @@ output rows unfolded and multiplied by each helper thread in its own workspace a
 of a tile of whole images or output rows in the workspace, then one GEMM per tile; the tile shrinks to fit
 ``workspace_limit``), winograd4 (F(4x4, 3x3), float32: 36 GEMMs on transformed 6x6 tiles; ranked first on maps
 of 7 tile columns or more and 32 tiles, else after winograd), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated
-single-group convolutions: 16 GEMMs on transformed tiles; ranked first from 64 output tiles, just ahead of im2col
-from 32, after winograd4 on wider maps) and direct (a numba loop nest, workspace 0; ranked first for depthwise
-convolutions).
+single-group convolutions: 16 GEMMs on transformed tiles; ranked first from 64 output tiles with 256 channels
+or more, from 196 with 128-255, just ahead of im2col from 32, after winograd4 on wider maps) and direct (a numba
+loop nest, workspace 0; ranked first for depthwise convolutions).
 """
 
 from __future__ import annotations
@@ -288,7 +288,8 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         constant = bool(attrs.get("constant_weight", False))
         wino = _winograd_candidate(t, item, limit, constant)
         if wino is not None:
-            cands.insert(_winograd_rank(t.n * ((oh + 1) // 2) * ((ow + 1) // 2), cands, constant), wino)
+            tiles = t.n * ((oh + 1) // 2) * ((ow + 1) // 2)
+            cands.insert(_winograd_rank(tiles, min(t.c, t.oc), cands, constant), wino)
         if x.dtype is DType.float32:
             th4, tw4, _ = winograd4.geometry(oh, ow)
             if tw4 >= WINOGRAD4_MIN_TILE_COLUMNS and t.n * th4 * tw4 >= WINOGRAD_MIN_TILES:
@@ -481,7 +482,11 @@ def grid_kblock(grid: tuple[tuple[int, int, int, int, int, int], ...], kc: int) 
 # im2col. 7x7 maps (49 pixels: 64 columns' work, 0.77) rank im2col first: 8 images of 256 -> 512 14^2 s2 ran
 # 1.11x and 1.6x faster by im2col + OpenBLAS than by the tiles in two runs, 512^2 7^2 1.35x; one image even
 # (0.99-1.03x; Intel Xeon, 9-15 alternating rounds, /tmp/w24/rank7.py, rank_all.py of the twenty-fourth
-# session). 14x14 maps (0.94) keep the tiles
+# session). 14x14 maps (0.94) keep the tiles. Where a zmm FMA takes two passes (``gemm.half_width_fma``), 49
+# pixels are 56 columns' work (0.875): there the tiles ran 1.05-1.53x faster than im2col on every 7x7-output
+# shape measured, 256 -> 512 14^2 s2 at 1, 2, 4 and 8 images 1.30, 1.24, 1.08, 1.05x, 128 -> 256 s2 at 2 and 4
+# 1.53, 1.21x, 512^2 7^2 at 2 and 4 1.33, 1.17x (AMD Zen 4, 2 threads, 11-13 alternating rounds, /tmp/w51/rk.py
+# of the fifty-first session)
 TILES_MIN_USE = 0.85
 # multiply-adds from which one image ranks im2col_tiles ahead of im2col whatever the tiles' use (one OpenBLAS GEMM
 # a few dozen columns wide): 1 x 512 -> 512 7^2 ran 1.03-1.46x faster by the tiles in five runs, 1 x 256 -> 512
@@ -554,6 +559,15 @@ def _tiles_fit(
 # the twenty-sixth session).
 WINOGRAD_MIN_TILES = 32
 WINOGRAD_FIRST_TILES = 64
+# (channels, tiles): with at least that many input and output channels, winograd ranks first from that many tiles
+# (the first pair that applies); with fewer than the last pair's channels, never first. Its input and output
+# transforms cost per channel and tile what the GEMMs save over OC or C of them, so narrow layers lose: against
+# im2col_tiles, through the op (AMD Zen 4, 2 threads, 9 alternating rounds, /tmp/w51/rk.py of the fifty-first
+# session; t(tiles) / t(winograd), > 1: winograd faster), 3x3 on 14^2 maps of 64 channels 0.65-0.85 at 1-8
+# images (49-392 tiles), 128 channels 0.59-0.70 at 1-2 images, 1.32-1.41 at 4-8 (196-392 tiles), 256 channels
+# 1.10-1.63 at 1-8; on 7^2 maps (16 tiles an image) 64 and 128 channels 0.47-0.63 at 1-8 images, 256 and 512
+# channels 0.95 at 2 images, 1.14-1.33 at 4-8 (64-128 tiles)
+WINOGRAD_FIRST = ((256, WINOGRAD_FIRST_TILES), (128, 196))
 
 
 def winograd_workspace(
@@ -599,13 +613,14 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: b
     return Candidate("winograd", tw, size(chunk))
 
 
-def _winograd_rank(tiles: int, cands: list[Candidate], constant: bool = False) -> int:
-    """Where winograd (``tiles`` 2x2 output tiles) goes among the ranked candidates: first from
-    ``WINOGRAD_FIRST_TILES``, or from ``WINOGRAD_MIN_TILES`` with ``constant`` (``constant_weight``: no weight
-    transform per launch; one image of 256 -> 256 14^2, 49 tiles, ran 0.67-0.71 ms against the tiles' 0.73-1.18,
-    three side-by-side runs, /tmp/w40/rank2.py of the fortieth session), just ahead of im2col_parts / im2col from
-    ``WINOGRAD_MIN_TILES``, else last."""
-    if tiles >= WINOGRAD_FIRST_TILES or (constant and tiles >= WINOGRAD_MIN_TILES):
+def _winograd_rank(tiles: int, channels: int, cands: list[Candidate], constant: bool = False) -> int:
+    """Where winograd (``tiles`` 2x2 output tiles, ``channels`` the lesser of C and OC) goes among the ranked
+    candidates: first from the tiles ``WINOGRAD_FIRST`` gives its channels, or from ``WINOGRAD_MIN_TILES`` with
+    ``constant`` (``constant_weight``: no weight transform per launch; one image of 256 -> 256 14^2, 49 tiles, ran
+    0.67-0.71 ms against the tiles' 0.73-1.18, three side-by-side runs, /tmp/w40/rank2.py of the fortieth
+    session), just ahead of im2col_parts / im2col from ``WINOGRAD_MIN_TILES``, else last."""
+    first = next((need for least, need in WINOGRAD_FIRST if channels >= least), None)
+    if (first is not None and tiles >= first) or (constant and tiles >= WINOGRAD_MIN_TILES):
         return 0
     if tiles >= WINOGRAD_MIN_TILES:
         return next((i for i, c in enumerate(cands) if c.implementation in ("im2col_parts", "im2col")), 0)
@@ -803,7 +818,8 @@ conv2d = register(
             "partial sums the launch adds into out; else over output channels), each unfolding tiles of KB unfolded "
             "rows x R output rows into its own workspace slice and multiplying the weight's k block by them with the "
             "register-blocked GEMM into out (bias added per tile); ranked ahead of im2col when R*OW fills at least "
-            "0.85 of the GEMM columns computed (16-wide panels, the last one 8 wide when at most 8 columns are left), "
+            "0.85 of the GEMM columns computed (16-wide panels, the last one 8 wide when at most 8 columns are left; "
+            "a last 17-24 columns count 24 where a zmm FMA takes two 256-bit passes, as on AMD Zen 4, else 32), "
             "for one image of 2^21 multiply-adds or more, or when a limit makes im2col tile output rows. "
             "winograd4 F(4x4, 3x3) (float32, 3x3, stride 1, dilation 1, groups 1): weights, input tiles (6x6, 4 "
             "apart; each row of tiles one dummy tile longer, so the transforms run flat over bands of tile rows) and "
@@ -814,8 +830,9 @@ conv2d = register(
             "x (C, chunk) in the workspace (chunk: all tiles that fit workspace_limit, else 32 MiB), output transform "
             "adds the bias; transforms in channel ranges and the GEMMs in batch ranges (one BLAS thread each, or "
             "the float32 microkernel for round widths matmul would give it: tiling.micro) on "
-            "helper threads; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 64, just ahead "
-            "of im2col_parts and im2col from 32, else after im2col. "
+            "helper threads; see workspace_formula; ranked first when N*ceil(OH/2)*ceil(OW/2) >= 64 tiles and "
+            "min(C, OC) >= 256, or >= 196 tiles and min(C, OC) >= 128, just ahead of im2col_parts and im2col from "
+            "32 tiles, else after im2col. "
             "direct: shifted row updates per kernel tap (3x3 undilated windows of one input channel: each output row "
             "written once with its nine taps; with stride 1 and padding 1 the inner rows of a dense plane as one "
             "flat loop, with column stride 2 dense rows read as element pairs), ranges of (N, OC) planes on helper "

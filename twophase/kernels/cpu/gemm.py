@@ -35,6 +35,7 @@ __all__ = [
     "host_has",
     "columns_computed",
     "columns_fit",
+    "half_width_fma",
     "gemm_f32",
     "gemm_f32_heads",
     "gemm_tile",
@@ -150,12 +151,23 @@ def columns_computed(n: int) -> int:
     """Columns' worth of work ``gemm_tile`` does for ``n``: whole panels (64 wide, ``panel_width``), then the rest
     as a masked 64 (49-63 left), 32 + 16 (33-48), a masked 32 (17-31) or 16 (1-16; the 8-wide ymm panel of 1-8
     costs a 16-wide one's time per row of ``b``: the same loads and FMAs, on half-width registers). The same
-    counts as whole 32-wide panels and a last one of 32 or 16, which the formula computes. (49-56 and 17-24 take
-    panels whose last vector is a ymm: 56 and 24 columns' work where a zmm FMA is two 256-bit passes, as on AMD
-    Zen 4, 64 and 32 where it is one; counted as 64 and 32, so that a plan does not depend on which.)"""
+    counts as whole 32-wide panels and a last one of 32, 24 or 16, which the formula computes: 49-56 and 17-24
+    take panels whose last vector is a ymm, 56 and 24 columns' work where a zmm FMA is two 256-bit passes
+    (``half_width_fma``), 64 and 32 where it is one."""
     full = n // NR * NR
     rest = n - full
-    return full + (0 if rest == 0 else LANES if rest <= LANES else NR)
+    if rest == 0:
+        return full
+    if rest <= LANES:
+        return full + LANES
+    return full + (LANES + HALF if rest <= LANES + HALF and half_width_fma() else NR)
+
+
+@functools.cache
+def half_width_fma() -> bool:
+    """Whether this host runs a zmm FMA as two 256-bit passes (AMD Zen 4, LLVM's ``znver4``), so that a ymm FMA
+    takes half its time: a panel whose last vector is a ymm then costs by its columns (``columns_computed``)."""
+    return bool(llvm.get_host_cpu_name() == "znver4")
 
 
 _I64 = ir.IntType(64)
