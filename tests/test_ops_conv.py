@@ -975,7 +975,7 @@ def test_conv2d_im2col_tiles_planes_in_place_only_when_flat(rng: np.random.Gener
     [
         ((1, 64, 56, 56), 3, 2, True),  # 28x28 outputs: 4-row tiles of 112 pixels fill 7 panels
         ((1, 128, 28, 28), 3, 2, True),  # 14x14 outputs: 196 pixels of 208 columns' work (a last panel of 16)
-        ((1, 256, 14, 14), 3, 2, True),  # 7x7 outputs: 49 pixels of 64 columns' work, but one image of 58 M
+        ((1, 256, 14, 14), 3, 2, True),  # 7x7 outputs: 49 pixels of 64 (or 56) columns' work, but one image of 58 M
         # two images: 56 columns' work where a zmm FMA is two passes (0.875: the tiles first), else 64 (im2col first)
         ((2, 256, 14, 14), 3, 2, None),
         ((1, 8, 5, 5), 3, 2, False),  # 3x3 outputs: 9 of 16 columns, 10 K multiply-adds: im2col + BLAS ranks first
