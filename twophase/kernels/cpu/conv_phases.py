@@ -131,6 +131,7 @@ def split(x: Any, n: int, c0: int, c1: int, i_base: int, prows: int, ow_n: int, 
     columns past the row) for channels ``c0 <= c < c1`` and the phase rows ``i_base <= i < i_base + prows``
     inside the image; the area's last ``GUARD`` floats 0."""
     height, width = x.shape[2], x.shape[3]
+    evens, odds = (width + 1) // 2, width // 2  # a row's elements in its column phases 0 and 1
     plane = prows * ow_n
     for j in range(buf.size - GUARD, buf.size):  # never read unmasked; written so the whole area is touched
         buf[j] = 0.0
@@ -141,11 +142,11 @@ def split(x: Any, n: int, c0: int, c1: int, i_base: int, prows: int, ow_n: int, 
             for i in range(max(0, i_base), min(rows_in, i_base + prows)):
                 xr = row_of(xp, 2 * i + a, True)
                 at = GUARD + ((c - c0) * 2 + a) * 2 * plane + (i - i_base) * ow_n
-                copy_phases(buf, at, xr, 0, (width + 1) // 2, at + plane, width // 2)
-                for b in range(2):
-                    for j in range(at + (width - b + 1) // 2, at + ow_n):
-                        buf[j] = 0.0
-                    at += plane
+                copy_phases(buf, at, xr, 0, evens, at + plane, odds)
+                for j in range(at + evens, at + ow_n):
+                    buf[j] = 0.0
+                for j in range(at + plane + odds, at + plane + ow_n):
+                    buf[j] = 0.0
 
 
 @jit_inline

@@ -32,6 +32,7 @@ from .jit import emit_lanes_below, emit_prefetch, emit_splat, masked_memory
 
 __all__ = [
     "available",
+    "host_cpu_name",
     "host_has",
     "columns_computed",
     "columns_fit",
@@ -100,12 +101,19 @@ def packing_pays() -> bool:
     (through the op, two threads, 11 interleaved rounds, AMD Zen 4, /tmp/w50/packab.py of the fiftieth session:
     128 x 384 x 1000 1.11x, 64 x 768 x 3000 1.12x, 256 x 2304 x 200 1.04x, 512 x 1000 x 777 1.02x, 1024 x 1000 x
     1000 1.015x; 1.05-1.13x with the k blocks of 256 of before), unlike the Intel Xeon above."""
-    return not llvm.get_host_cpu_name().startswith("znver")
+    return not host_cpu_name().startswith("znver")
 
 
 def panel_bytes(k: int) -> int:
     """The scratch ``gemm_f32`` packs a panel of b into, for ``k`` rows of b: one k block of 32 columns."""
     return min(KC, k) * NR * 4
+
+
+@functools.cache
+def host_cpu_name() -> str:
+    """LLVM's name for this host's CPU (``znver4``, ``sapphirerapids``, ...), read once: what the per-host tunings
+    (``packing_pays``, ``half_width_fma``) go by."""
+    return str(llvm.get_host_cpu_name())
 
 
 @functools.cache
@@ -167,7 +175,7 @@ def columns_computed(n: int) -> int:
 def half_width_fma() -> bool:
     """Whether this host runs a zmm FMA as two 256-bit passes (AMD Zen 4, LLVM's ``znver4``), so that a ymm FMA
     takes half its time: a panel whose last vector is a ymm then costs by its columns (``columns_computed``)."""
-    return bool(llvm.get_host_cpu_name() == "znver4")
+    return host_cpu_name() == "znver4"
 
 
 _I64 = ir.IntType(64)
