@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from threads import num_threads
 
@@ -919,10 +919,109 @@ def test_conv2d_im2col_tiles_budget(
 
 
 @needs_tiles
+@pytest.mark.parametrize(
+    "n, c, oc, hw, k, stride, pad, threads, most, images, bias",
+    [
+        (8, 16, 24, (14, 14), 3, 2, 1, 2, 256, 4, True),  # 7x7 outputs, phases: 4 images a part, one tile each
+        (7, 16, 24, (7, 7), 3, 1, 1, 2, 256, 3, True),  # planes; parts of 25 and 24 rows: 3 whole images, a crop
+        (3, 5, 20, (6, 6), 3, 1, 0, 1, 256, 3, False),  # row-by-row unfold (OW < W), one part of 3 images
+        (6, 5, 18, (16, 16), 3, 2, 0, 2, 256, 3, True),  # stride 2, ceil(W/2) > OW: no phases, 3 images a part
+        (4, 64, 40, (7, 7), 3, 1, 1, 2, 256, 4, True),  # input channels split: partial outputs of 4-image tiles
+        (4, 6, 48, (5, 5), 3, 1, 1, 2, 256, 4, True),  # output channels split: stages of 24 rows
+        (10, 7, 12, (5, 5), 3, 1, 1, 1, 256, 4, True),  # at most TILE_IMAGES: tiles of 4, 4 and 2 images
+        (8, 16, 24, (14, 14), 3, 2, 1, 2, 120, 2, False),  # 120 pixels a tile: 2 images, twice a part
+    ],
+)
+def test_conv2d_im2col_tiles_of_several_images(
+    n: int,
+    c: int,
+    oc: int,
+    hw: tuple[int, int],
+    k: int,
+    stride: int,
+    pad: int,
+    threads: int,
+    most: int,
+    images: int,
+    bias: bool,
+    rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Tiles of whole images take as many as a part's rows hold (up to the tile's pixels and ``TILE_IMAGES``):
+    one GEMM into the part's stage, then copied into each image's output with the bias; crops of an image in a
+    part's range go straight to out. Every output is written once and checked; the workspace is the parts' phase
+    areas, tiles and stages (then the partial outputs), all touched, nothing past it."""
+    x = _x(rng, (n, c) + hw, False)
+    w = (rng.standard_normal((oc, c, k, k)) * 0.2).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32) if bias else None
+    attrs = dict(stride=stride, padding=pad)
+    ref = reference(x, w, b, **attrs)
+    oh, ow = ((hw[i] + 2 * pad - k) // stride + 1 for i in (0, 1))
+    kc = c * k * k
+    grid = tiles_grid(n, oh, ow, oc, threads, kc, k * k)
+    kblock = grid_kblock(grid, kc)
+    monkeypatch.setattr(conv_op, "TILE_FLOATS", most * kblock)
+    with num_threads(threads):
+        r = _run("im2col_tiles", x, w, b, **attrs)
+    t = r.tiling
+    assert (t.chunk, t.tile_n, t.grid) == (oh, images, grid)
+    width = -(-images * oh * ow // 16) * 16
+    stage = max(i1 - i0 for _, _, i0, i1, _, _ in grid) * width
+    steps = min(c, max(1, 64 // (k * k)))  # unfold_images' channels a step
+    area = images * -(-(32 + 4 * steps * (oh + (k - 1 - pad) // 2 - (-pad) // 2) * ow) // 16) * 16 if t.phases else 0
+    sums = sum(1 for *_, k0, _ in grid if k0 > 0) * -(-n * oc * oh * ow * 4 // 64) * 64
+    assert r.workspace_size == t.parts * (t.kblock * width + stage + area) * 4 + sums
+    _check(r, ref)
+
+
+@needs_tiles
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(1, 9),
+    c=st.integers(1, 40),
+    oc=st.integers(1, 30),
+    h=st.integers(2, 9),
+    k=st.sampled_from([1, 2, 3]),
+    stride=st.integers(1, 2),
+    threads=st.integers(1, 3),
+    most=st.sampled_from([16, 50, 100, 256]),
+    seed=st.integers(0, 2**31),
+)
+def test_conv2d_im2col_tiles_of_any_images_and_parts(
+    n: int,
+    c: int,
+    oc: int,
+    h: int,
+    k: int,
+    stride: int,
+    threads: int,
+    most: int,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Any batch, parts and tile budget: the parts' ranges of output rows start and end anywhere in an image, and
+    each tile is whole images (up to ``tile_n``) or rows of one; every output written once, as the reference."""
+    rng = np.random.default_rng(seed)
+    x = _x(rng, (n, c, h, h + 1), False)
+    w = (rng.standard_normal((oc, c, k, k)) * 0.2).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32)
+    attrs = dict(stride=stride, padding=k // 2)
+    oh, ow = ((size + 2 * (k // 2) - k) // stride + 1 for size in (h, h + 1))
+    kblock = grid_kblock(tiles_grid(n, oh, ow, oc, threads, c * k * k, k * k), c * k * k)
+    monkeypatch.setattr(conv_op, "TILE_FLOATS", most * kblock)
+    clear_cache()
+    with num_threads(threads):
+        r = _run("im2col_tiles", x, w, b, **attrs)
+    assert r.tiling.tile_n == 1 or r.tiling.chunk == oh
+    _check(r, reference(x, w, b, **attrs))
+
+
+@needs_tiles
 def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) -> None:
     """An input whose rows are not dense (every other column of a wider array) takes the row-by-row unfold, no
-    phases. A dense one takes the phases; a limit just below them drops the phases and keeps the tiles' width, one
-    below the tiles narrows them, one below a tile of one output row leaves the tiles out."""
+    phases. A dense one takes the phases; a limit just below them drops the phases and keeps the tiles' width, lower
+    ones take one image a tile, then fewer output rows, and one below a tile of one output row leaves the tiles
+    out."""
     wide = _x(rng, (2, 6, 14, 30), False)
     xt = wide[:, :, :, ::2]  # run_checked keeps a numpy view's strides
     x = np.ascontiguousarray(xt)
@@ -940,9 +1039,15 @@ def test_conv2d_im2col_tiles_strided_input_and_limits(rng: np.random.Generator) 
         assert not tiles.tiling.phases and tiles.tiling.chunk == full.tiling.chunk
         assert tiles.workspace_size == strided.workspace_size < full.workspace_size
         _check(tiles, ref)
-        narrow = _run("im2col_tiles", x, w, None, limit=tiles.workspace_size - 1, **attrs)
-        assert narrow.tiling.chunk < full.tiling.chunk and narrow.workspace_size < tiles.workspace_size
-        _check(narrow, ref)
+        assert full.tiling.tile_n == tiles.tiling.tile_n == 2  # each part holds both images' output rows
+        narrow = tiles
+        while narrow.tiling.chunk == full.tiling.chunk:  # lower limits: one image a tile, then fewer rows
+            smaller = _run("im2col_tiles", x, w, None, limit=narrow.workspace_size - 1, **attrs)
+            assert smaller.workspace_size < narrow.workspace_size
+            assert smaller.tiling.tile_n == 1 or smaller.tiling.chunk == full.tiling.chunk
+            _check(smaller, ref)
+            narrow = smaller
+        assert narrow.tiling.tile_n == 1
         one_row = 2 * 54 * 16 * 4  # 2 parts x 54 unfolded rows x one 8-pixel output row padded to 16
         with pytest.raises(ParamError):
             _run("im2col_tiles", x, w, None, limit=one_row - 1, **attrs)
@@ -976,8 +1081,11 @@ def test_conv2d_im2col_tiles_planes_in_place_only_when_flat(rng: np.random.Gener
         ((1, 64, 56, 56), 3, 2, True),  # 28x28 outputs: 4-row tiles of 112 pixels fill 7 panels
         ((1, 128, 28, 28), 3, 2, True),  # 14x14 outputs: 196 pixels of 208 columns' work (a last panel of 16)
         ((1, 256, 14, 14), 3, 2, True),  # 7x7 outputs: 49 pixels of 64 (or 56) columns' work, but one image of 58 M
-        # two images: 56 columns' work where a zmm FMA is two passes (0.875: the tiles first), else 64 (im2col first)
-        ((2, 256, 14, 14), 3, 2, None),
+        # two images, each part half the input channels of both: tiles of two images, 98 pixels of 112 columns' work
+        ((2, 256, 14, 14), 3, 2, True),
+        # one image of 225 K multiply-adds: 49 pixels of 56 columns' work where a zmm FMA is two passes (0.875: the
+        # tiles first), else 64 (im2col first)
+        ((1, 16, 14, 14), 3, 2, None),
         ((1, 8, 5, 5), 3, 2, False),  # 3x3 outputs: 9 of 16 columns, 10 K multiply-adds: im2col + BLAS ranks first
         ((1, 64, 56, 56), 1, 2, True),
     ],

@@ -1,16 +1,16 @@
 """conv2d, NCHW or NHWC (``Format.NHWC``: shape (N, H, W, C)); weight (OC, C/groups, KH, KW) as PyTorch.
 
 Implementations, ranked: gemm_1x1 (1x1, stride 1, no padding: GEMM on the operands, workspace 0), im2col_tiles
-(float32, one group, NCHW out, AVX-512: per part, tiles of a k block x a few output rows unfolded into the
-workspace and multiplied there by the register-blocked GEMM; ahead of im2col when its tiles fill the GEMM's
-16-column panels or a limit makes im2col tile output rows), im2col_parts (maps of 512 pixels or more: runs of
-output rows unfolded and multiplied by each helper thread in its own workspace area), im2col (the unfolded input
-of a tile of whole images or output rows in the workspace, then one GEMM per tile; the tile shrinks to fit
-``workspace_limit``), winograd4 (F(4x4, 3x3), float32: 36 GEMMs on transformed 6x6 tiles; ranked first on maps
-of 7 tile columns or more and 32 tiles, else after winograd), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated
-single-group convolutions: 16 GEMMs on transformed tiles; ranked first from 64 output tiles with 256 channels
-or more, from 196 with 128-255, just ahead of im2col from 32, after winograd4 on wider maps) and direct (a numba
-loop nest, workspace 0; ranked first for depthwise convolutions).
+(float32, one group, NCHW out, AVX-512: per part, tiles of a k block x a few output rows, or up to 4 whole images,
+unfolded into the workspace and multiplied there by the register-blocked GEMM; ahead of im2col when its tiles fill
+the GEMM's 16-column panels or a limit makes im2col tile output rows), im2col_parts (maps of 512 pixels or more:
+runs of output rows unfolded and multiplied by each helper thread in its own workspace area), im2col (the unfolded
+input of a tile of whole images or output rows in the workspace, then one GEMM per tile; the tile shrinks to fit
+``workspace_limit``), winograd4 (F(4x4, 3x3), float32: 36 GEMMs on transformed 6x6 tiles; ranked first on maps of 7
+tile columns or more and 32 tiles, else after winograd), winograd (F(2x2, 3x3) for 3x3 stride-1 undilated
+single-group convolutions: 16 GEMMs on transformed tiles; ranked first from 64 output tiles with 256 channels or
+more, from 196 with 128-255, just ahead of im2col from 32, after winograd4 on wider maps) and direct (a numba loop
+nest, workspace 0; ranked first for depthwise convolutions).
 """
 
 from __future__ import annotations
@@ -36,19 +36,15 @@ from ..kernels.cpu.conv import (
     unfold_parts,
     winograd_parts,
 )
-from ..kernels.cpu.conv_phases import area_floats as phase_area
 from ..kernels.cpu.conv_phases import images_area_floats as images_phase_area
-from ..kernels.cpu.conv_phases import plane_usable, tile_channels
+from ..kernels.cpu.conv_phases import plane_usable
 from ..kernels.cpu.conv_phases import usable as phases_usable
 from ..kernels.cpu.conv_tiles import available as tiles_available
 from ..kernels.cpu.conv_tiles import (
     build_im2col_tiles,
-    partial_bytes,
     partial_parts,
-    tile_stride,
-    tile_width,
-    widest_tile,
 )
+from ..kernels.cpu.conv_tiles import workspace_bytes as tiles_workspace
 from ..layout import align, merge_dims, spread_stride
 from ..op import PRIVATE_STATE, Attr, OpDef, Plan, register
 from ..runtime.fanout import fanout_parts, split_range
@@ -87,7 +83,8 @@ class ConvTiling:
     winograd4: ``chunk`` whole images per round, ``parts`` for helper threads (a scratch row set each), ``flat``:
     the input transform splits whole planes into phases (``winograd4.flat_phases``).
     im2col_parts: ``parts`` ranges of output rows, in runs of at most ``tile_rows``.
-    im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part; ``grid`` the parts'
+    im2col_tiles: tiles of ``kblock`` unfolded rows x ``chunk`` output rows, one per part (``tile_n`` > 1: up to
+    that many whole images a tile, ``chunk`` = OH, its GEMM staged in the part's workspace); ``grid`` the parts'
     blocks of the output (first, past-last output row of all images stacked; first, past-last output channel;
     first, past-last unfolded row: a part whose range starts past 0 sums into a partial output, ``tiles_grid``);
     ``phases``: a stride-2 unfold reads the input split into its row and column phases, in an area per part;
@@ -442,8 +439,11 @@ def tile_rows(oh: int, ow: int, most: int) -> int:
     return best
 
 
-def tiles_use(oh: int, ow: int, rows: int) -> float:
-    """Pixels / GEMM columns computed (``gemm.columns_computed``), over an image's tiles of ``rows`` output rows."""
+def tiles_use(oh: int, ow: int, rows: int, images: int = 1) -> float:
+    """Pixels / GEMM columns computed (``gemm.columns_computed``), over an image's tiles of ``rows`` output rows,
+    or over a tile of ``images`` whole images."""
+    if images > 1:
+        return images * oh * ow / gemm.columns_computed(images * oh * ow)
     rest = oh % rows
     computed = (oh // rows) * gemm.columns_computed(rows * ow) + (gemm.columns_computed(rest * ow) if rest else 0)
     return oh * ow / computed
@@ -501,7 +501,7 @@ def tiles_first(tiles: ConvTiling, im2col: ConvTiling) -> bool:
     image of ``TILES_ONE_IMAGE_MACS`` or more."""
     return (
         im2col.tile_rows < im2col.oh
-        or tiles_use(tiles.oh, tiles.ow, tiles.chunk) >= TILES_MIN_USE
+        or tiles_use(tiles.oh, tiles.ow, tiles.chunk, tiles.tile_n) >= TILES_MIN_USE
         or (tiles.n == 1 and tiles.ocg * tiles.kc * tiles.oh * tiles.ow >= TILES_ONE_IMAGE_MACS)
     )
 
@@ -526,27 +526,45 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
 def _tiles_fit(
     t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None, grid: tuple[tuple[int, int, int, int, int, int], ...]
 ) -> Candidate | None:
-    """``_tiles_candidate`` on the parts of ``grid``: None when even tiles of one output row do not fit ``limit``."""
-    taps = t.kh * t.kw
+    """``_tiles_candidate`` on the parts of ``grid``: None when even tiles of one output row do not fit ``limit``.
+    Tiles of whole images take as many images as ``tile_images`` allows that fit."""
     kblock = grid_kblock(grid, t.kc)
     item = x.dtype.itemsize
     phased = phases_usable(t, dense)
-    ranges = [k1 - k0 for *_, k0, k1 in grid] or [t.kc]
-    channels = max(tile_channels(length, kblock, taps) for length in ranges)  # (each k range starts a channel)
     most = tile_pixels(kblock)
-    sums = partial_parts(grid) * partial_bytes(t, item)
     while True:
         rows = tile_rows(t.oh, t.ow, most)
         tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
-        tiles = tile_stride(kblock, tile_width(widest_tile(grid, rows, t.oh), t.ow), item)
-        size = len(grid) * (tiles + (phase_area(tt, rows, channels) * item if phased else 0)) + sums
-        if limit is None or size <= limit:
-            return Candidate("im2col_tiles", tt, size)
-        if phased and len(grid) * tiles + sums <= limit:  # the tiles fit without the phases: unfold row by row
-            return Candidate("im2col_tiles", replace(tt, phases=False), len(grid) * tiles + sums)
+        for images in range(tile_images(tt, most), 0, -1):
+            ti = replace(tt, tile_n=images)
+            size = tiles_workspace(ti, item)
+            if limit is None or size <= limit:
+                return Candidate("im2col_tiles", ti, size)
+            plain = replace(ti, phases=False)  # the tiles fit without the phases: unfold row by row
+            if phased and tiles_workspace(plain, item) <= limit:
+                return Candidate("im2col_tiles", plain, tiles_workspace(plain, item))
         if rows == 1:
             return None
         most = rows * t.ow - 1
+
+
+# whole images per im2col_tiles tile at most (``tile_images``). 4 against 1 (one image a tile, straight into out),
+# forced im2col_tiles through the op, two threads, 11 interleaved rounds (AMD Zen 4, /tmp/w52/tnab.py of the
+# fifty-second session): 8 x 256->512 14^2 s2 1.08x, 4 x 1.10x, 16 x 1.07x, 2 x (2 images a tile) 1.04x; 8 x
+# 128->256 14^2 s2 1.07-1.13x; 8 x 512^2 7^2 1.07x, 2 x 1.04x; 4 x 256^2 7^2 1.08x; 4 x 64^2 7^2 1.11x. The
+# register-blocked GEMM of 512 x 2304 in k blocks of 461 ran 93.7 GFLOP/s on 49 columns, 103 on 196 (one thread,
+# /tmp/w52/gw.py). 8 x 256->512 s2 at 2, 3 and 6 (then 4: a part's images) against 4: 0.96-0.97, 0.97-0.98, 1.01x
+TILE_IMAGES = 4
+
+
+def tile_images(t: ConvTiling, most: int) -> int:
+    """Whole images per im2col tile: for tiles of whole images (``t.chunk`` = OH), up to ``most`` pixels, the
+    most whole images a part's output rows hold and ``TILE_IMAGES``; else 1. A tile of several images is one
+    wider GEMM (its panels filled better, the weight's k block read once for them) into a stage, then copied."""
+    if t.chunk != t.oh or t.oh * t.ow == 0:
+        return 1
+    held = max(((r1 - r0) // t.oh for r0, r1, *_ in t.grid), default=1)
+    return max(1, min(held, most // (t.oh * t.ow), TILE_IMAGES))
 
 
 # 2x2 output tiles from which winograd ranks ahead of im2col. Measured side by side (make-bench shapes and
@@ -786,16 +804,22 @@ conv2d = register(
             "64 // (KH*KW))) channels per step]; im2col_parts: the sum over parts of "
             "align64(C/groups*KH*KW * R*OW * itemsize), R = the part's longest run of output rows "
             "(at most tile_rows), parts = the fan-out count, at most N*groups*OH; "
-            "im2col_tiles: P * (KB * ceil16(R*OW) + A) * itemsize + (P - 1) * align64(N*OC*OH*OW * itemsize) "
+            "im2col_tiles: P * (KB * Q + A + S) * itemsize + (P - 1) * align64(N*OC*OH*OW * itemsize) "
             "when the parts split the input channels (else no second term), "
+            "Q = ceil16(T*OH*OW) for tiles of T > 1 whole images, else ceil16(R*OW), "
+            "S = OCP * Q for T > 1 (the stage of a tile's GEMM; OCP = the most output channels a part computes), "
+            "else 0, "
             "A = ceil16(32 + 4 * CB * (R + (KH-1-PH)//2 - (-PH)//2) * OW) (the phase planes of a tile of the "
-            "CB input channels the widest k block reaches, and their guards) for stride 2, dilation 1, KH and KW "
-            ">= 2, dense input rows and ceil(W/2) <= OW when it fits workspace_limit, else 0, "
+            "CB input channels the widest k block reaches, and their guards; for T > 1, T * ceil16(32 + 4 * S' * "
+            "(OH + (KH-1-PH)//2 - (-PH)//2) * OW), S' = min(C, max(1, 64 // (KH*KW))) channels a step) for "
+            "stride 2, dilation 1, KH and KW >= 2, dense input rows and ceil(W/2) <= OW when it fits "
+            "workspace_limit, else 0, "
             "P = parts (the fan-out count, fewer when N*OH is smaller), "
-            "KB = ceil(L / ceil(L / 256)) unfolded rows per k block, L = C*KH*KW (split input channels: the "
+            "KB = ceil(L / ceil(L / 512)) unfolded rows per k block, L = C*KH*KW (split input channels: the "
             "most unfolded rows a part takes, whole channels of ceil or floor(C / P) each), "
             "R = output rows per tile (up to 2^17 / KB pixels: a tile of 512 KiB of float32; the count filling "
-            "the GEMM's panels best); "
+            "the GEMM's panels best), T = whole images per tile when R = OH: as many as a part's output rows hold, "
+            "up to 2^17 / KB pixels and 4, fewer to fit workspace_limit; "
             "direct: 0"
         ),
         doc=(
@@ -817,7 +841,9 @@ conv2d = register(
             "there are fewer than 128 pixels a part, over input channels, at least 256 unfolded rows each, whose "
             "partial sums the launch adds into out; else over output channels), each unfolding tiles of KB unfolded "
             "rows x R output rows into its own workspace slice and multiplying the weight's k block by them with the "
-            "register-blocked GEMM into out (bias added per tile); ranked ahead of im2col when R*OW fills at least "
+            "register-blocked GEMM into out (bias added per tile; tiles of whole images take up to 4 images, one "
+            "GEMM into a stage of the workspace, then copied into out with the bias); ranked ahead of im2col when "
+            "the tile's pixels fill at least "
             "0.85 of the GEMM columns computed (16-wide panels, the last one 8 wide when at most 8 columns are left; "
             "a last 17-24 columns count 24 where a zmm FMA takes two 256-bit passes, as on AMD Zen 4, else 32), "
             "for one image of 2^21 multiply-adds or more, or when a limit makes im2col tile output rows. "

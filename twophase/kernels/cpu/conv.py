@@ -587,7 +587,7 @@ def _plane_unfold(t: Any, x: Any) -> tuple[Any, Any]:
     """The compiled ``conv_phases.unfold_planes`` for these operands and its column masks for tiles of
     ``t.tile_rows`` output rows: the unfold of a tiling with ``flat``."""
     masks = conv_phases.plane_masks(t, t.tile_rows)
-    return entry(conv_phases.unfold_planes, x, 0, 1, 0, 0, 1, _geo(t), masks, np.empty((2, 2), x.dtype), 0, 0), masks
+    return entry(conv_phases.unfold_planes, x, 0, 1, 0, 0, 1, _geo(t), masks, np.empty((2, 2), x.dtype), 0, 0, 0), masks
 
 
 def _out_matrix_area(ws: Any, off: int, ocg: int, p: int, dt: Any, cm: bool) -> Any:
@@ -665,7 +665,7 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         areas = [(t.phase_offset + i * area, t.phase_offset + (i + 1) * area) for i in range(len(ranges))]
         masks = conv_phases.masks(t, t.tile_rows)
         sample = np.empty((2, 2), dt)
-        k_im2col = entry(conv_phases.unfold_images, x, 0, 1, 0, 0, 1, _geo(t), sample[0], masks, sample, 0, 0)
+        k_im2col = entry(conv_phases.unfold_images, x, 0, 1, 0, 0, 1, _geo(t), sample[0], masks, sample, 0, 0, 0)
     elif t.flat:  # each range reads the input planes in place
         k_im2col, masks = _plane_unfold(t, x)
     else:
@@ -677,10 +677,10 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             nn = cols.shape[1] // (rows * ow)
             head = (x, n0, nn, c0, oh0, rows, geo)
             if t.flat:
-                calls = [functools.partial(k_im2col, *head, masks, cols, lo, hi) for lo, hi in ranges]
+                calls = [functools.partial(k_im2col, *head, masks, cols, lo, hi, 0) for lo, hi in ranges]
             else:
                 calls = [
-                    functools.partial(k_im2col, *head, ws[a:b].view(dt), masks, cols, lo, hi)
+                    functools.partial(k_im2col, *head, ws[a:b].view(dt), masks, cols, lo, hi, 0)
                     for (lo, hi), (a, b) in zip(ranges, areas)
                 ]
             run_parts(calls)
@@ -763,7 +763,7 @@ def build_im2col_parts(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         k_planes, masks = _plane_unfold(t, x)
 
         def unfold(n0: int, c0: int, oh0: int, rows: int, cols: Any) -> Callable[[], None]:
-            return functools.partial(k_planes, x, n0, 1, c0, oh0, rows, geo, masks, cols, 0, kc)
+            return functools.partial(k_planes, x, n0, 1, c0, oh0, rows, geo, masks, cols, 0, kc, 0)
     else:
         k_im2col = _unfold_kernel(t, x)
 

@@ -242,12 +242,13 @@ def unfold_plane(
 
 @_jit.jit
 def unfold_planes(
-    x: Any, n0: int, nn: int, c0: int, oh0: int, nr: int, geo: Any, m: Any, cols: Any, k0: int, k1: int
+    x: Any, n0: int, nn: int, c0: int, oh0: int, nr: int, geo: Any, m: Any, cols: Any, k0: int, k1: int, kbase: int
 ) -> None:
-    """cols[k, (i*nr + r)*OW + ow] = ``unfold_plane`` of image n0 + i from channel c0 (the group's first), output
-    rows oh0 + r, for ``k0 <= k < k1`` and ``nn`` images (im2col's tile, a k range per helper thread)."""
+    """cols[k - kbase, (i*nr + r)*OW + ow] = ``unfold_plane`` of image n0 + i from channel c0 (the group's first),
+    output rows oh0 + r, for ``k0 <= k < k1`` and ``nn`` images (im2col's tile, a k range per helper thread; or
+    a k block of im2col_tiles' tile of several images, ``kbase`` = k0)."""
     for i in range(nn):
-        unfold_plane(x[n0 + i], c0, cols, i * nr * geo[8], geo, oh0, nr, k0, k1, m, 0)
+        unfold_plane(x[n0 + i], c0, cols, i * nr * geo[8], geo, oh0, nr, k0, k1, m, kbase)
 
 
 STEP_ROWS = 64  # unfolded rows per step of ``unfold_images`` (whole channels): the rows it writes stay in L2
@@ -266,11 +267,24 @@ def images_area_floats(t: Any, rows: int, images: int) -> int:
 
 @_jit.jit
 def unfold_images(
-    x: Any, n0: int, nn: int, cg0: int, oh0: int, nr: int, geo: Any, buf: Any, m: Any, cols: Any, k0: int, k1: int
+    x: Any,
+    n0: int,
+    nn: int,
+    cg0: int,
+    oh0: int,
+    nr: int,
+    geo: Any,
+    buf: Any,
+    m: Any,
+    cols: Any,
+    k0: int,
+    k1: int,
+    kbase: int,
 ) -> None:
-    """cols[k, (i*nr + r)*OW + ow] = the unfolded input of image n0 + i, output row oh0 + r, column ow (channel
-    cg0 + k // (KH*KW), the group's first plus k's), for ``k0 <= k < k1`` and ``nn`` images (im2col's tiles, a k
-    range per helper thread). In steps of ``step_channels`` whole channels: ``split`` each image's into its
+    """cols[k - kbase, (i*nr + r)*OW + ow] = the unfolded input of image n0 + i, output row oh0 + r, column ow
+    (channel cg0 + k // (KH*KW), the group's first plus k's), for ``k0 <= k < k1`` and ``nn`` images (im2col's
+    tiles, a k range per helper thread; or a k block of im2col_tiles' tile of several images, ``kbase`` = k0). In
+    steps of ``step_channels`` whole channels: ``split`` each image's into its
     share of ``buf``, then ``unfold`` the step's rows of all the images (they stay in L2)."""
     kk = geo[0] * geo[1]
     prows = plane_rows(nr, geo[4], geo[0])
@@ -282,4 +296,4 @@ def unfold_images(
         c0, c1 = lo // kk, (hi - 1) // kk + 1
         for i in range(nn):
             split(x, n0 + i, cg0 + c0, cg0 + c1, oh0 + dr_lo, prows, geo[8], buf[i * share : (i + 1) * share])
-        unfold(buf, cols, geo, x.shape[2], oh0, nr, prows, c0, lo, hi, m, 0, nn, share)
+        unfold(buf, cols, geo, x.shape[2], oh0, nr, prows, c0, lo, hi, m, kbase, nn, share)

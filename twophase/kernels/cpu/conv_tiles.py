@@ -1,6 +1,8 @@
 """conv2d as im2col tiles fed straight to the register-blocked GEMM (``gemm.gemm_tile``): each part unfolds a
-tile (a k block of the unfolded rows x a few output rows' pixels) into its own slice of the workspace, small
-enough to stay in L2, and multiplies the weight's k block by it into ``out``. The unfolded input is never
+tile (a k block of the unfolded rows x a few output rows' pixels, or up to ``tile_n`` whole small images' pixels)
+into its own slice of the workspace, small enough to stay in L2, and multiplies the weight's k block by it into
+``out`` (a tile of several images into the part's stage, copied into each image's output after its last k block:
+their pixels fill the GEMM's panels better than one 7x7 image's 49). The unfolded input is never
 written whole: the workspace is one tile per part whatever the batch and image size, and the GEMM reads the tile
 back from cache."""
 
@@ -40,7 +42,7 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
         bias: Any,
         has_bias: bool,
         out: Any,
-        geo: Any,
+        geos: Any,
         tile: Any,
         kc: int,
         rows: int,
@@ -53,6 +55,8 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
         phases: Any,
         masks: Any,
         planes: bool,
+        images: int,
+        stage: Any,
     ) -> None:
         """out[n, i, oh*OW + ow] = sum_k w[i, k] * unfolded(n)[k, oh*OW + ow] (+ bias[i]) over the unfolded rows
         ``k_lo <= k < k_hi``, for the rows ``i0 <= i < i1`` and the output rows ``r0 <= r < r1`` of all images
@@ -60,8 +64,12 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
         (from ``k_lo`` on), ``conv.im2col`` into the tile
         (or, given a phase area ``phases``, ``conv_phases.split`` then ``conv_phases.unfold`` with the column
         masks ``masks``; with ``planes``, ``conv_phases.unfold_plane`` with them), then ``gemm.gemm_tile`` into
-        out (the part's first k block stores, the later ones add)."""
+        out (the part's first k block stores, the later ones add). With ``images`` > 1 (tiles of whole images), a
+        tile takes up to that many whole images (``conv_phases.unfold_images`` or ``unfold_planes`` with phases or
+        planes); the GEMM of a tile of several goes to ``stage`` (its rows ``i0 <= i < i1``), then one copy per
+        row and image into out adds the bias. ``geos[g]``: the geometry (``conv._geo``) of g images."""
         item = 4
+        geo = geos[1]
         ow_n = geo[8]
         oh_n = out.shape[2] // ow_n
         lda, sak = w.strides[0] // item, w.strides[1] // item
@@ -75,19 +83,25 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
             n = r // oh_n
             oh0 = r - n * oh_n
             nr = min(rows, oh_n - oh0, r1 - r)
-            width = nr * ow_n
-            pc = out[n].ctypes.data + (i0 * ldc + oh0 * ow_n) * item
+            g = max(1, min(images, (r1 - r) // oh_n)) if oh0 == 0 else 1  # whole images from r
+            width = g * nr * ow_n
+            if g > 1:
+                pc, ldo = stage.ctypes.data, stage.strides[0] // item
+            else:
+                pc, ldo = out[n].ctypes.data + (i0 * ldc + oh0 * ow_n) * item, ldc
             for k0 in range(k_lo, k_hi, kc):
                 kl = min(kc, k_hi - k0)
-                if PHASES and phases.size:
+                if PHASES and phases.size and images > 1:
+                    conv_phases.unfold_images(x, n, g, 0, oh0, nr, geos[g], phases, masks, tile, k0, k0 + kl, k0)
+                elif PHASES and phases.size:
                     c0 = k0 // taps
                     c1 = (k0 + kl - 1) // taps + 1
                     conv_phases.split(x, n, c0, c1, oh0 + dr_lo, prows, ow_n, phases)
                     conv_phases.unfold(phases, tile, geo, x.shape[2], oh0, nr, prows, c0, k0, k0 + kl, masks, k0, 1, 0)
                 elif PLANES and planes:
-                    conv_phases.unfold_plane(x[n], 0, tile, 0, geo, oh0, nr, k0, k0 + kl, masks, k0)
+                    conv_phases.unfold_planes(x, n, g, 0, oh0, nr, geo, masks, tile, k0, k0 + kl, k0)
                 else:
-                    _im2col(variant, x, n, 0, oh0, geo, tile[:kl, :width], k0, k0 + kl, k0)
+                    _im2col(variant, x, n, 0, oh0, geos[g], tile[:kl, :width], k0, k0 + kl, k0)
                 if k0 == k_lo:  # the masked panel reads the tile's columns up to the next 16: keep them finite
                     read = -(-width // gemm.LANES) * gemm.LANES  # (within ldt: the widest tile's, rounded alike)
                     for kk in range(kl):  # (the first k block is the deepest; the unfold never writes them)
@@ -101,7 +115,7 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                     pt,
                     ldt,
                     pc,
-                    ldc,
+                    ldo,
                     kl,
                     i1 - i0,
                     width,
@@ -109,13 +123,22 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                     0,
                     0,
                 )
-            if has_bias:
+            if g > 1:
+                pixels = nr * ow_n
+                for i in range(i0, i1):
+                    srow = row_of(stage, i - i0, True)
+                    b0 = bias[i] if has_bias else np.float32(0.0)
+                    for q in range(g):
+                        orow = out[n + q, i]
+                        for j in range(pixels):
+                            orow[j] = srow[q * pixels + j] + b0
+            elif has_bias:
                 for i in range(i0, i1):
                     orow = out[n, i]
                     b0 = bias[i]
                     for j in range(oh0 * ow_n, oh0 * ow_n + width):
                         orow[j] += b0
-            r += nr
+            r += g * nr
 
     return conv_tiles
 
@@ -123,26 +146,28 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
 CONV_TILES = {key: _conv_kernel(i, *key) for i, key in enumerate(IM2COL)}  # i: the key's variant in _im2col
 _NO_PHASES = np.zeros(0, np.float32)
 _NO_MASKS = np.zeros((1, 1), np.bool_)
+_NO_STAGE = np.zeros((1, 1), np.float32)
 
 
 def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """The launch of ``len(t.grid)`` parts: part i takes the output block ``t.grid[i]`` (output rows of all images
     stacked, output channels, unfolded rows) with its own tile in the workspace, ``t.kblock`` unfolded rows by the
-    columns of the widest tile any part runs (``widest_tile``, ``tile_width``), after the parts' phase areas when
-    ``t.phases`` (``conv_phases``); ``t.flat``: the unfold reads the input planes as their one phase
-    (``unfold_plane``). A part whose unfolded rows start past 0 sums into a partial output of its own, after the
-    tiles (``partial_bytes``), which the launch adds into out once every part is done."""
+    columns of the widest tile any part runs (``tile_columns``), after the parts' phase areas when ``t.phases``
+    (``conv_phases``); ``t.flat``: the unfold reads the input planes as their one phase (``unfold_plane``). With
+    ``t.tile_n`` > 1, tiles of up to that many whole images, whose GEMM goes to the part's stage area after the
+    tiles, then into out. A part whose unfolded rows start past 0 sums into a partial output of its own, after
+    the tiles and stages (``partial_bytes``), which the launch adds into out once every part is done."""
     item = x.itemsize
     so = [s // item for s in out.strides]
     o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
     wmat = _wmat(t, w, 0)
     has = bias is not None
     b = bias if has else np.zeros(1, x.dtype)
-    geo = _geo(t)
-    shape = (t.kblock, tile_width(widest_tile(t.grid, t.chunk, t.oh), t.ow))
+    images = t.tile_n
+    geos = np.stack([_geo(t, g) for g in range(images + 1)])
+    shape = (t.kblock, tile_columns(t))
     size = tile_stride(*shape, item)
-    channels = conv_phases.tile_channels(t.kc, t.kblock, t.kh * t.kw)
-    area = conv_phases.area_floats(t, t.chunk, channels) * item if t.phases else 0
+    area = phase_floats(t) * item
     if t.phases:
         masks = conv_phases.masks(t, t.chunk)
     elif t.flat:
@@ -151,29 +176,36 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         masks = _NO_MASKS
     sample = np.empty(1 if t.phases else 0, x.dtype)
     kernel = CONV_TILES[rows_dense(x), step_key(t.sw)]
-    rest = (geo, np.empty(shape, x.dtype), 0, 0, 0, 0, 0, 0, 0, 0, sample, masks, t.flat)
+    blank = np.empty(shape, x.dtype)
+    rest = (geos, blank, 0, 0, 0, 0, 0, 0, 0, 0, sample, masks, t.flat, images, blank)
     k = entry(kernel, x, wmat, b, has, o3, *rest)
     sums_shape = (t.n, t.oc, t.oh * t.ow)
     k_sum = entry(kernel, x, wmat, b, False, np.empty((1, 1, 1), x.dtype), *rest) if partial_parts(t.grid) else k
     dt, grid, kb, rows, flat = x.dtype, t.grid, t.kblock, t.chunk, t.flat
     tiles_at = len(grid) * area
-    sums_at, sum_stride, sum_bytes = tiles_at + len(grid) * size, partial_bytes(t, item), math.prod(sums_shape) * item
+    stages_at, stage_bytes = tiles_at + len(grid) * size, stage_stride(t, item)
+    sums_at = stages_at + len(grid) * stage_bytes
+    sum_stride, sum_bytes = partial_bytes(t, item), math.prod(sums_shape) * item
 
     def bind(ws: Any) -> Callable[[], None]:
-        """The parts' calls on the workspace ``ws`` (their tile, phase area and partial output views), made once
-        per workspace (``workspace_launcher``), not on every launch."""
+        """The parts' calls on the workspace ``ws`` (their tile, phase area, stage and partial output views), made
+        once per workspace (``workspace_launcher``), not on every launch."""
         parts = []
         sums: list[Any] = []
         for i, block in enumerate(grid):
             tile = ws[tiles_at + i * size : tiles_at + (i + 1) * size].view(dt).reshape(shape)
             phases = ws[i * area : (i + 1) * area].view(dt) if area else _NO_PHASES
+            at = stages_at + i * stage_bytes
+            stage = ws[at : at + stage_bytes].view(dt).reshape(-1, shape[1]) if stage_bytes else _NO_STAGE
             fn, dst, with_bias = k, o3, has
             if block[4]:  # unfolded rows past 0: into a partial output
                 at = sums_at + len(sums) * sum_stride
                 fn, dst, with_bias = k_sum, ws[at : at + sum_bytes].view(dt).reshape(sums_shape), False
                 sums.append(dst)
             parts.append(
-                functools.partial(fn, x, wmat, b, with_bias, dst, geo, tile, kb, rows, *block, phases, masks, flat)
+                functools.partial(
+                    fn, x, wmat, b, with_bias, dst, geos, tile, kb, rows, *block, phases, masks, flat, images, stage
+                )
             )
 
         def run() -> None:
@@ -184,6 +216,42 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         return run
 
     return workspace_launcher(bind)
+
+
+def tile_columns(t: Any) -> int:
+    """Columns of each part's tile: ``t.tile_n`` whole images' pixels (when more than one), else the widest tile's
+    (``widest_tile``), rounded up to 16 (``tile_width``)."""
+    if t.tile_n > 1:
+        return tile_width(t.tile_n * t.oh, t.ow)
+    return tile_width(widest_tile(t.grid, t.chunk, t.oh), t.ow)
+
+
+def phase_floats(t: Any) -> int:
+    """Floats of each part's phase area: with ``t.phases``, a k block's channels of one image
+    (``conv_phases.area_floats``), or, for tiles of several images, ``conv_phases.unfold_images``' steps of
+    ``t.tile_n`` images (``images_area_floats``); else 0."""
+    if not t.phases:
+        return 0
+    if t.tile_n > 1:
+        return int(conv_phases.images_area_floats(t, t.chunk, t.tile_n))
+    ranges = [k1 - k0 for *_, k0, k1 in t.grid] or [t.kc]  # (each part's k range starts a channel)
+    channels = max(conv_phases.tile_channels(n, t.kblock, t.kh * t.kw) for n in ranges)
+    return int(conv_phases.area_floats(t, t.chunk, channels))
+
+
+def stage_stride(t: Any, item: int) -> int:
+    """Bytes of each part's stage: for tiles of several images, the most output channels a part computes by
+    ``tile_columns``; else 0."""
+    if t.tile_n <= 1:
+        return 0
+    return int(max(i1 - i0 for _, _, i0, i1, _, _ in t.grid) * tile_columns(t) * item)
+
+
+def workspace_bytes(t: Any, item: int) -> int:
+    """The workspace of tiling ``t``: per part a phase area (``phase_floats``), a tile (``tile_columns``) and a
+    stage (``stage_stride``), then a partial output per part whose unfolded rows start past 0."""
+    per_part = phase_floats(t) * item + tile_stride(t.kblock, tile_columns(t), item) + stage_stride(t, item)
+    return len(t.grid) * per_part + partial_parts(t.grid) * partial_bytes(t, item)
 
 
 def widest_tile(grid: Any, rows: int, oh: int) -> int:
