@@ -549,11 +549,12 @@ def _tiles_fit(
 
 
 # whole images per im2col_tiles tile at most (``tile_images``). 4 against 1 (one image a tile, straight into out),
-# forced im2col_tiles through the op, two threads, 11 interleaved rounds (AMD Zen 4, /tmp/w52/tnab.py of the
-# fifty-second session): 8 x 256->512 14^2 s2 1.08x, 4 x 1.10x, 16 x 1.07x, 2 x (2 images a tile) 1.04x; 8 x
-# 128->256 14^2 s2 1.07-1.13x; 8 x 512^2 7^2 1.07x, 2 x 1.04x; 4 x 256^2 7^2 1.08x; 4 x 64^2 7^2 1.11x. The
-# register-blocked GEMM of 512 x 2304 in k blocks of 461 ran 93.7 GFLOP/s on 49 columns, 103 on 196 (one thread,
-# /tmp/w52/gw.py). 8 x 256->512 s2 at 2, 3 and 6 (then 4: a part's images) against 4: 0.96-0.97, 0.97-0.98, 1.01x
+# forced im2col_tiles through the op, two threads, 13-15 interleaved rounds, each plan twice after a discarded first
+# one (the first executor a process makes ran 3-15% slower in these scripts; AMD Zen 4, /tmp/w52/multi.py of the
+# fifty-second session): 8 x 256->512 14^2 s2 1.05-1.07x, 4 x 1.06-1.07x; 8 x 128->256 14^2 s2 1.06-1.08x; 8 x
+# 512^2 7^2 1.05-1.08x; 4 x 64^2 7^2 1.02-1.10x. The register-blocked GEMM of 512 x 2304 in k blocks of 461 ran
+# 93.7 GFLOP/s on 49 columns, 103 on 196 (one thread, /tmp/w52/gw.py). 2 and 3 images against 4 on 8 x 256->512
+# s2: 0.96-0.97x, 0.97-0.98x (/tmp/w52/tnab.py)
 TILE_IMAGES = 4
 
 
