@@ -486,7 +486,11 @@ def grid_kblock(grid: tuple[tuple[int, int, int, int, int, int], ...], kc: int) 
 # pixels are 56 columns' work (0.875): there the tiles ran 1.05-1.53x faster than im2col on every 7x7-output
 # shape measured, 256 -> 512 14^2 s2 at 1, 2, 4 and 8 images 1.30, 1.24, 1.08, 1.05x, 128 -> 256 s2 at 2 and 4
 # 1.53, 1.21x, 512^2 7^2 at 2 and 4 1.33, 1.17x (AMD Zen 4, 2 threads, 11-13 alternating rounds, /tmp/w51/rk.py
-# of the fifty-first session)
+# of the fifty-first session). A tile of several whole images (``tile_images``) counts their pixels together: 4 x
+# 49 = 196 of 208 columns' work (0.94) on either host. With them, against im2col on Zen 4 (11 rounds, each order of
+# building the two, /tmp/w52/rk2.py of the fifty-second session): 8 x 256->512 14^2 s2 1.09-1.13x, 4 x 512^2 7^2
+# 1.15-1.17x, 8 x 128->256 14^2 s2 1.21-1.26x faster by the tiles. (Not measured on a host of full-width FMAs,
+# where one-image tiles lost to im2col.)
 TILES_MIN_USE = 0.85
 # multiply-adds from which one image ranks im2col_tiles ahead of im2col whatever the tiles' use (one OpenBLAS GEMM
 # a few dozen columns wide): 1 x 512 -> 512 7^2 ran 1.03-1.46x faster by the tiles in five runs, 1 x 256 -> 512
