@@ -544,9 +544,11 @@ def _tiles_fit(
             size = tiles_workspace(ti, item)
             if limit is None or size <= limit:
                 return Candidate("im2col_tiles", ti, size)
-            plain = replace(ti, phases=False)  # the tiles fit without the phases: unfold row by row
-            if phased and tiles_workspace(plain, item) <= limit:
-                return Candidate("im2col_tiles", plain, tiles_workspace(plain, item))
+            if phased:  # the tiles may fit without the phases: unfold row by row
+                plain = replace(ti, phases=False)
+                size = tiles_workspace(plain, item)
+                if size <= limit:
+                    return Candidate("im2col_tiles", plain, size)
         if rows == 1:
             return None
         most = rows * t.ow - 1
@@ -568,7 +570,7 @@ def tile_images(t: ConvTiling, most: int) -> int:
     wider GEMM (its panels filled better, the weight's k block read once for them) into a stage, then copied."""
     if t.chunk != t.oh or t.oh * t.ow == 0:
         return 1
-    held = max(((r1 - r0) // t.oh for r0, r1, *_ in t.grid), default=1)
+    held = max((r1 // t.oh + r0 // -t.oh for r0, r1, *_ in t.grid), default=1)  # whole images in [r0, r1)
     return max(1, min(held, most // (t.oh * t.ow), TILE_IMAGES))
 
 
