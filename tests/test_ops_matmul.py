@@ -442,6 +442,45 @@ def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Gener
             assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
 
 
+@needs_micro
+@pytest.mark.parametrize("accumulate", [0, 1])
+def test_gemm_table_reads_b_rows_at_their_offsets(rng: np.random.Generator, accumulate: int) -> None:
+    """``gemm_table`` (conv2d's implicit GEMM): row k of b starts at ``table[k]`` floats, any alignment, in any
+    order, rows overlapping; every column count 1-140 (each panel width, masked or whole) on rows off the 6-row
+    kernel and a strided ``a``; the block of a poisoned ``c`` is written (or added to) exactly, nothing around it."""
+    k = 19
+    for n in range(1, 141):
+        for m in (1, 5, 13):
+            a = _rand(rng, (m, 2 * k))[:, ::2]
+            pool = _rand(rng, (4 * n + 64,))
+            table = np.zeros(k + gemm.TABLE_AHEAD, np.int64)  # (the microkernel reads TABLE_AHEAD entries ahead)
+            table[:k] = rng.integers(0, pool.size - n - 16, k)  # (a masked panel reads up to 15 floats past a row)
+            b = np.stack([pool[o : o + n] for o in table[:k]])
+            old = _rand(rng, (m, n))
+            c = np.full((m + 2, n + 19), np.nan, np.float32)
+            if accumulate:
+                c[1 : m + 1, 3 : 3 + n] = old
+            block = c[1 : m + 1, 3 : 3 + n]
+            lda, sak = a.strides[0] // 4, a.strides[1] // 4
+            gemm.gemm_table(
+                a.ctypes.data,
+                lda,
+                sak,
+                pool.ctypes.data,
+                table.ctypes.data,
+                block.ctypes.data,
+                c.strides[0] // 4,
+                k,
+                m,
+                n,
+                accumulate,
+            )
+            ref = a.astype(np.float64) @ b.astype(np.float64) + (old if accumulate else 0.0)
+            np.testing.assert_allclose(block, ref, rtol=2e-5, atol=1e-4)
+            c[1 : m + 1, 3 : 3 + n] = np.nan
+            assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
+
+
 @pytest.mark.parametrize(
     ("half", "want"),
     [

@@ -40,6 +40,7 @@ __all__ = [
     "gemm_f32",
     "gemm_f32_heads",
     "gemm_tile",
+    "gemm_table",
     "MIN_COLS",
     "MR",
     "NR",
@@ -84,6 +85,7 @@ MC = 240  # row block: MC x KC floats of a (480 KiB) stay in L2 across the panel
 # 1.07 / 1.14x, 128 x 384 x 384 1.07 / 1.15x, 512^3 1.12 / 1.06x, 0.95-1.39x on eight others; rows 383 floats
 # apart 0.88 / 0.87x). Copying 64-wide panels instead measured 0.89-1.28x the 32-wide ones: not taken.
 PACK_MIN_ROWS = 32
+TABLE_AHEAD = 8  # rows of b ahead whose lines the table's microkernels prefetch
 UNIT_STEP_LOOP = True  # the microkernels' k loop specialised for a's unit step (False: one loop; to measure)
 
 
@@ -199,6 +201,7 @@ def _emit_block(
     ncols: Any = None,
     width: int = LANES,
     tail: int = 0,
+    table: bool = False,
 ) -> None:
     """IR for the block ``c = a[:, :k] @ b[:k, :]`` of ``rows`` rows and ``nv`` vectors of columns, plus, when
     ``accumulate``, the old ``c``, else plus the bias row at address ``bias`` when it is not 0 (addresses in bytes,
@@ -206,7 +209,8 @@ def _emit_block(
     are read and written (masked), while ``b``'s rows are still read whole vectors wide. ``width``: floats per
     vector (16: zmm; 8: ymm, for a last panel of at most 8 columns, which then computes 8 lanes instead of 16);
     ``tail``: floats of the last vector when it is narrower (a ymm after zmm vectors: last panels of 49-56 and 17-24
-    columns)."""
+    columns). With ``table``, ``ldb`` is the address of int64 offsets: row k of ``b`` starts ``table[k]`` floats
+    past ``b`` (an implicit GEMM's rows, read where they lie in the input)."""
     widths = [width] * (nv - 1) + [tail or width]
     vecs = [ir.VectorType(_F32, w) for w in widths]
     fptr = _F32.as_pointer()
@@ -244,6 +248,7 @@ def _emit_block(
         return builder.bitcast(p, vecs[v].as_pointer())
 
     cp, ap, bp = (builder.inttoptr(x, fptr) for x in (c, a, b))
+    offsets = builder.inttoptr(ldb, _I64.as_pointer()) if table else None
     # write-prefetch the block of c: its lines arrive while the k loop runs (c is cold when it is a
     # large output, or attention's scores of many heads: 8-10% there)
     for r in range(rows):
@@ -258,7 +263,20 @@ def _emit_block(
     def k_loop(step: Any) -> None:
         with cgutils.for_range(builder, k) as loop:
             kk = loop.index
-            b_row = builder.gep(bp, [builder.mul(kk, ldb)])
+            if offsets is None:
+                b_row = builder.gep(bp, [builder.mul(kk, ldb)])
+            else:
+                b_row = builder.gep(bp, [builder.load(builder.gep(offsets, [kk]), align=8)])
+                # the rows lie at irregular offsets, which the hardware prefetchers do not follow: fetch the
+                # lines of row k + TABLE_AHEAD into L1 (the table holds TABLE_AHEAD more entries)
+                ahead = builder.gep(
+                    bp, [builder.load(builder.gep(offsets, [builder.add(kk, const(TABLE_AHEAD))]), align=8)]
+                )
+                for v in range(nv):
+                    emit_prefetch(builder, builder.gep(ahead, [const(width * v)]), write=False, locality=3)
+                emit_prefetch(
+                    builder, builder.gep(ahead, [const(width * (nv - 1) + widths[-1] - 1)]), write=False, locality=3
+                )
             bv = [builder.load(vec_at(b_row, 0, const(0), v), align=4) for v in range(nv)]
             ak = kk if step is None else builder.mul(kk, step)
             for r in range(rows):
@@ -314,7 +332,7 @@ def _low_lanes(builder: Any, v: Any, lanes: int) -> Any:
     )
 
 
-def _microkernel(nv: int, masked: bool = False, width: int = LANES, tail: int = 0) -> Any:
+def _microkernel(nv: int, masked: bool = False, width: int = LANES, tail: int = 0, table: bool = False) -> Any:
     """An intrinsic ``(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias[, ncols])``: ``_emit_block`` for 16 nv
     columns (``masked``: the last vector's first ``ncols``; ``tail``: floats of a narrower last vector) and ``rows``
     (1..MR) rows, one specialised block per row count behind a switch (the accumulators must be known when
@@ -346,6 +364,7 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES, tail: int = 
                 argv[11] if masked else None,
                 width,
                 tail,
+                table,
             )
             builder.branch(done)
         builder.position_at_end(done)
@@ -388,18 +407,12 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES, tail: int = 
 
     typing: Any = typing_masked if masked else typing_plain  # numba types the intrinsic by its parameters
     cols = (nv - 1) * width + (tail or width)
-    typing.__name__ = typing.__qualname__ = f"_microkernel_{cols}{'_masked' if masked else ''}"
+    typing.__name__ = typing.__qualname__ = (
+        f"_microkernel_{cols}{'_masked' if masked else ''}{'_table' if table else ''}"
+    )
     return intrinsic(typing)
 
 
-# one intrinsic per panel width: numba's jit sees them as module globals
-_K16, _K32, _K16M, _K32M = _microkernel(1), _microkernel(2), _microkernel(1, masked=True), _microkernel(2, masked=True)
-_K64, _K64M = _microkernel(4), _microkernel(4, masked=True)
-# 49-56 columns: 3 zmm + a masked ymm. Where a zmm FMA takes two 256-bit passes (AMD Zen 4) this is 56 columns'
-# work, not 64: 7^2 conv tiles (49 pixels)
-_K56M = _microkernel(4, masked=True, tail=HALF)
-_K24M = _microkernel(2, masked=True, tail=HALF)  # 17-24 columns: a zmm + a masked ymm, likewise
-_K8M = _microkernel(1, masked=True, width=8)
 YMM = 8  # floats per ymm vector: the 8-lane kernels' panels are 2 * YMM and YMM columns wide
 _Y16, _Y8 = _microkernel(2, width=YMM), _microkernel(1, width=YMM)
 
@@ -448,43 +461,72 @@ _jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"contra
 _inline = numba.njit(nogil=True, cache=True, inline="always")
 
 
-@_inline
-def _panel(
-    rows: int,
-    w: int,
-    c: int,
-    ldc: int,
-    a: int,
-    lda: int,
-    sak: int,
-    b: int,
-    ldb: int,
-    k: int,
-    accumulate: int,
-    bias: int,
-) -> None:
-    """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..64) columns: 64, 32 or 16 whole, 57-63 as
-    64 with the fourth vector masked, 49-56 as 56 (a masked ymm fourth vector), 25-31 as 32 with the second vector
-    masked, 17-24 as 24 (a masked ymm second vector), 9-15 as a masked 16, 1-8 as a masked 8 (ymm); masked panels
-    read ``b``'s rows that wide (56 and 24 for the ymm-tailed ones). (33-48 are not one panel: ``panel_width``.)"""
-    if w == WIDE:
-        _K64(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif w > WIDE - HALF:
-        _K64M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - (WIDE - LANES))
-    elif w > WIDE - LANES:
-        _K56M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - (WIDE - LANES))
-    elif w == NR:
-        _K32(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif w > LANES + HALF:
-        _K32M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - LANES)
-    elif w > LANES:
-        _K24M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - LANES)
-    elif w == LANES:
-        _K16(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
-    elif w > HALF:
-        _K16M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w)
-    else:
-        _K8M(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w)
+def _panels(k64: Any, k64m: Any, k56m: Any, k32: Any, k32m: Any, k24m: Any, k16: Any, k16m: Any, k8m: Any) -> Any:
+    """``_panel`` over one family of microkernels (``b``'s rows by stride, or by a table of offsets). Not cached
+    on its own: it closes over the intrinsics, and numba keys a cached function on a pickle of its closure; it is
+    only ever inlined into the cached kernels that call it, whose keys do not include it."""
+
+    @numba.njit(nogil=True, inline="always")
+    def panel(
+        rows: int,
+        w: int,
+        c: int,
+        ldc: int,
+        a: int,
+        lda: int,
+        sak: int,
+        b: int,
+        ldb: int,
+        k: int,
+        accumulate: int,
+        bias: int,
+    ) -> None:
+        """The microkernel for ``rows`` (1..MR) rows and a panel of ``w`` (1..64) columns: 64, 32 or 16 whole,
+        57-63 as 64 with the fourth vector masked, 49-56 as 56 (a masked ymm fourth vector), 25-31 as 32 with the
+        second vector masked, 17-24 as 24 (a masked ymm second vector), 9-15 as a masked 16, 1-8 as a masked 8
+        (ymm); masked panels read ``b``'s rows that wide (56 and 24 for the ymm-tailed ones). (33-48 are not one
+        panel: ``panel_width``.)"""
+        if w == WIDE:
+            k64(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        elif w > WIDE - HALF:
+            k64m(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - (WIDE - LANES))
+        elif w > WIDE - LANES:
+            k56m(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - (WIDE - LANES))
+        elif w == NR:
+            k32(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        elif w > LANES + HALF:
+            k32m(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - LANES)
+        elif w > LANES:
+            k24m(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w - LANES)
+        elif w == LANES:
+            k16(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        elif w > HALF:
+            k16m(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w)
+        else:
+            k8m(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w)
+
+    return panel
+
+
+def _family(table: bool) -> tuple[Any, ...]:
+    """The nine microkernels ``_panel`` picks from (``_microkernel``; ``table``: b's rows by offsets)."""
+    return (
+        _microkernel(4, table=table),
+        _microkernel(4, masked=True, table=table),
+        # 49-56 columns: 3 zmm + a masked ymm. Where a zmm FMA takes two 256-bit passes (AMD Zen 4) this is 56
+        # columns' work, not 64: 7^2 conv tiles (49 pixels)
+        _microkernel(4, masked=True, tail=HALF, table=table),
+        _microkernel(2, table=table),
+        _microkernel(2, masked=True, table=table),
+        _microkernel(2, masked=True, tail=HALF, table=table),  # 17-24 columns: a zmm + a masked ymm, likewise
+        _microkernel(1, table=table),
+        _microkernel(1, masked=True, table=table),
+        _microkernel(1, masked=True, width=8, table=table),
+    )
+
+
+_panel = _panels(*_family(False))
+_panel_table = _panels(*_family(True))
 
 
 @_inline
@@ -547,6 +589,38 @@ def gemm_tile(
                     bias + j * item if bias else 0,
                 )
             j = nxt
+
+
+@_inline
+def gemm_table(
+    pa: int, lda: int, sak: int, pb: int, table: int, pc: int, ldc: int, kl: int, m: int, n: int, accumulate: int
+) -> None:
+    """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` (plus the old ``c`` when ``accumulate``) where row k of ``b`` starts
+    ``offsets[k]`` floats past address ``pb``, the int64 offsets at address ``table``: an implicit GEMM, whose rows
+    of ``b`` are runs of the input read where they lie. Panels as ``gemm_tile`` (each row of ``b`` readable up to
+    the next multiple of 16 columns); no prefetch: the rows sit in cache, written just before."""
+    item = 4
+    for ic in range(0, m, MC):
+        ie = min(ic + MC, m)
+        j = 0
+        while j < n:
+            w = panel_width(n - j)
+            for i in range(ic, ie, MR):
+                _panel_table(
+                    min(MR, ie - i),
+                    w,
+                    pc + (i * ldc + j) * item,
+                    ldc,
+                    pa + i * lda * item,
+                    lda,
+                    sak,
+                    pb + j * item,
+                    table,
+                    kl,
+                    accumulate,
+                    0,
+                )
+            j += w
 
 
 @_inline
