@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -24,6 +25,7 @@ from twophase.ops import conv as conv_op
 from twophase.ops import conv2d
 from twophase.ops.conv import SPLIT_K_MIN, grid_kblock, reference, tile_rows, tiles_grid
 from twophase.ops.selection import forced
+from twophase.runtime.fanout import split_range
 from twophase.testing import run_checked
 
 
@@ -129,6 +131,14 @@ def test_conv2d_matches_reference_for_every_implementation(
         _check(_run("winograd4", _input(x, nhwc), wt, b, **attrs), ref)
     if groups == 1 and not nhwc and tiles_available(np.float32):
         _check(_run("im2col_tiles", _input(x, nhwc), wt, b, **attrs), ref)
+        if max(stride) <= 2:
+            implicit = _run("implicit", x, wt, b, **attrs)
+            _check(implicit, ref)
+            least = replace(implicit.tiling, chunk=1, kblock=k[0] * k[1])  # chunks of one row of one channel
+            one = _implicit_workspace(*ref.shape[2:], k, stride, pad, dil, least)
+            smallest = _run("implicit", x, wt, b, limit=one, **attrs)
+            assert smallest.workspace_size <= one
+            _check(smallest, ref)
 
 
 @pytest.mark.parametrize("n, c, hw, oc", [(2, 0, 16, 4), (2, 3, 16, 0), (1, 0, 32, 4), (1, 3, 32, 0), (0, 3, 32, 4)])
@@ -1098,6 +1108,170 @@ def test_conv2d_im2col_tiles_rank(
     w = device("cpu").empty((oc, shape[1], k, k), np.float32)
     _, ex = conv2d.get_workspace_size(x, w, None, stride=stride, padding=k // 2)
     assert (ex.implementation == "im2col_tiles") == (half_width if first is None else first)
+    ex.destroy()
+
+
+def _implicit_workspace(
+    oh: int, ow: int, k: tuple[int, int], stride: tuple[int, int], pad: tuple[int, int], dil: tuple[int, int], t: Any
+) -> int:
+    """The implicit GEMM's workspace by its formula: per part, the planes of a k block's channels (sh x sw each, of
+    chunk + the window's row reach rows by OW + its column reach) and 16 guard floats, a multiple of 16 floats."""
+    reach = []  # phase rows (columns) a window reaches beyond its output row's (column's)
+    for i in (0, 1):
+        offs = [(j * dil[i] - pad[i]) // stride[i] for j in range(k[i])]
+        reach.append(max(offs) - min(offs))
+    channels = t.kblock // (k[0] * k[1])
+    floats = channels * stride[0] * stride[1] * (t.chunk + reach[0]) * (ow + reach[1]) + 16
+    return len(t.grid) * -(-floats // 16) * 16 * 4
+
+
+@needs_tiles
+@pytest.mark.parametrize(
+    "n, c, oc, hw, k, stride, pad, dil, threads, budget, bias",
+    [
+        (1, 3, 8, (32, 32), (7, 7), (2, 2), (3, 3), (1, 1), 2, 1 << 16, True),  # a stem: 4 phases a channel
+        (3, 5, 7, (11, 13), (3, 3), (2, 1), (1, 0), (1, 2), 2, 600, False),  # short chunks, parts split images
+        (1, 70, 13, (9, 9), (3, 3), (2, 2), (1, 1), (1, 1), 1, 1 << 16, True),  # k blocks of 56 and 14 channels
+        (2, 4, 20, (7, 40), (2, 5), (1, 1), (0, 2), (1, 1), 3, 300, True),  # 3 parts, a wide window, 1 phase
+        (2, 6, 9, (12, 12), (3, 3), (1, 1), (2, 2), (2, 2), 2, 1 << 16, False),  # dilated
+        (1, 2, 70, (6, 150), (3, 3), (1, 2), (1, 1), (1, 1), 2, 1 << 16, True),  # 75 columns: a 64 and a masked 16
+    ],
+)
+def test_conv2d_implicit(
+    n: int,
+    c: int,
+    oc: int,
+    hw: tuple[int, int],
+    k: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int],
+    dil: tuple[int, int],
+    threads: int,
+    budget: int,
+    bias: bool,
+    rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The implicit GEMM: parts over the output rows of all images stacked, chunks of the most output rows whose
+    planes fit ``IMPLICIT_FLOATS``, k blocks of whole channels (at most 512 unfolded rows); each output row one GEMM
+    reading its unfolded rows from the planes by offset. Every output written once and checked; the workspace is
+    the formula's, all touched, nothing past it."""
+    x = _x(rng, (n, c) + hw, False)
+    w = (rng.standard_normal((oc, c) + k) * 0.2).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32) if bias else None
+    attrs = dict(stride=stride, padding=pad, dilation=dil)
+    ref = reference(x, w, b, **attrs)
+    oh, ow = ref.shape[2:]
+    monkeypatch.setattr(conv_op, "IMPLICIT_FLOATS", budget)
+    with num_threads(threads):
+        r = _run("implicit", x, w, b, **attrs)
+    t = r.tiling
+    taps = k[0] * k[1]
+    assert t.kblock == min(c, 512 // taps) * taps
+    assert [(r0, r1) for r0, r1, *_ in t.grid] == [(r0, r1) for r0, r1 in split_range(n * oh, threads)]
+    assert 1 <= t.chunk <= oh
+    assert r.workspace_size == _implicit_workspace(oh, ow, k, stride, pad, dil, t)
+    if t.chunk > 1:  # the most rows within the budget (one row whatever it is)
+        assert r.workspace_size // len(t.grid) <= budget * 4
+    _check(r, ref)
+
+
+@needs_tiles
+def test_conv2d_implicit_fits_workspace_limit(rng: np.random.Generator) -> None:
+    """Lower limits take chunks of fewer output rows, then k blocks of fewer channels; one below a row of one
+    channel leaves the implicit GEMM out."""
+    x = _x(rng, (2, 9, 20, 24), False)
+    w = rng.standard_normal((12, 9, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(12).astype(np.float32)
+    attrs = dict(stride=2, padding=1)
+    ref = reference(x, w, b, **attrs)
+    with num_threads(2):
+        r = _run("implicit", x, w, b, **attrs)
+        seen = [(r.tiling.kblock, r.tiling.chunk)]
+        _check(r, ref)
+        while (r.tiling.kblock, r.tiling.chunk) != (9, 1):
+            smaller = _run("implicit", x, w, b, limit=r.workspace_size - 1, **attrs)
+            assert smaller.workspace_size < r.workspace_size
+            assert smaller.tiling.kblock <= r.tiling.kblock
+            _check(smaller, ref)
+            r = smaller
+            seen.append((r.tiling.kblock, r.tiling.chunk))
+        assert seen[0] == (81, 10) and seen[-1] == (9, 1) and len(seen) > 4
+        one = 2 * -(-(4 * 2 * 13 + 16) // 16) * 16 * 4  # 2 parts x one channel's 4 planes of 2 rows x 13 columns
+        assert r.workspace_size == one
+        with pytest.raises(ParamError):
+            _run("implicit", x, w, b, limit=one - 1, **attrs)
+
+
+@needs_tiles
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    n=st.integers(1, 4),
+    c=st.integers(1, 12),
+    oc=st.integers(1, 20),
+    h=st.integers(1, 12),
+    w=st.integers(1, 40),
+    k=st.tuples(st.integers(1, 5), st.integers(1, 5)),
+    stride=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    pad=st.tuples(st.integers(0, 3), st.integers(0, 3)),
+    dil=st.tuples(st.integers(1, 2), st.integers(1, 2)),
+    threads=st.integers(1, 3),
+    budget=st.sampled_from([64, 500, 1 << 16]),
+    seed=st.integers(0, 2**31),
+)
+def test_conv2d_implicit_any_geometry(
+    n: int,
+    c: int,
+    oc: int,
+    h: int,
+    w: int,
+    k: tuple[int, int],
+    stride: tuple[int, int],
+    pad: tuple[int, int],
+    dil: tuple[int, int],
+    threads: int,
+    budget: int,
+    seed: int,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Any window, stride 1 or 2 per dim, padding and dilation, batch, parts and chunk budget: the planes' reach
+    and the offsets cover every tap, padding read as 0; every output written once, as the reference."""
+    if h + 2 * pad[0] < dil[0] * (k[0] - 1) + 1 or w + 2 * pad[1] < dil[1] * (k[1] - 1) + 1:
+        return
+    rng = np.random.default_rng(seed)
+    x = _x(rng, (n, c, h, w), False)
+    wt = (rng.standard_normal((oc, c) + k) * 0.2).astype(np.float32)
+    b = rng.standard_normal(oc).astype(np.float32)
+    attrs = dict(stride=stride, padding=pad, dilation=dil)
+    monkeypatch.setattr(conv_op, "IMPLICIT_FLOATS", budget)
+    clear_cache()
+    with num_threads(threads):
+        r = _run("implicit", x, wt, b, **attrs)
+    ref = reference(x, wt, b, **attrs)
+    assert r.workspace_size == _implicit_workspace(*ref.shape[2:], k, stride, pad, dil, r.tiling)
+    _check(r, ref)
+
+
+@needs_tiles
+@pytest.mark.parametrize(
+    "shape, oc, k, stride, want",
+    [
+        ((1, 3, 224, 224), 64, 7, 2, "implicit"),  # ResNet's stem: 112-pixel rows, 147 unfolded rows
+        ((2, 16, 112, 112), 32, 3, 2, "implicit"),  # 56-pixel rows: one 56-column panel on Zen 4, else 0.875
+        ((1, 64, 56, 56), 128, 3, 2, "im2col_tiles"),  # 28-pixel rows: a masked 32-column panel each
+        ((1, 64, 112, 112), 128, 1, 2, "im2col_tiles"),  # a 1x1 window reads one of the four phases
+        ((1, 64, 56, 56), 64, 3, 1, "winograd4"),
+    ],
+)
+def test_conv2d_implicit_rank(
+    half_width: bool, shape: tuple[int, ...], oc: int, k: int, stride: int, want: str
+) -> None:
+    x = device("cpu").empty(shape, np.float32)
+    w = device("cpu").empty((oc, shape[1], k, k), np.float32)
+    _, ex = conv2d.get_workspace_size(x, w, None, stride=stride, padding=k // 2)
+    if shape[1] == 16 and not half_width:
+        want = "im2col_tiles"
+    assert ex.implementation == want
     ex.destroy()
 
 

@@ -1,6 +1,10 @@
 """conv2d, NCHW or NHWC (``Format.NHWC``: shape (N, H, W, C)); weight (OC, C/groups, KH, KW) as PyTorch.
 
-Implementations, ranked: gemm_1x1 (1x1, stride 1, no padding: GEMM on the operands, workspace 0), im2col_tiles
+Implementations, ranked: gemm_1x1 (1x1, stride 1, no padding: GEMM on the operands, workspace 0), implicit
+(float32, one group, NCHW, strides 1-2, AVX-512: no unfold; per part, chunks of output rows' input copied into
+zero-padded phase planes, and one register-blocked GEMM per output row reading its unfolded rows there by offset;
+first for output rows of 48 pixels or more that fill the GEMM's panels and windows of two taps or more, else
+after im2col), im2col_tiles
 (float32, one group, NCHW out, AVX-512: per part, tiles of a k block x a few output rows, or up to 4 whole images,
 unfolded into the workspace and multiplied there by the register-blocked GEMM; ahead of im2col when its tiles fill
 the GEMM's 16-column panels or a limit makes im2col tile output rows), im2col_parts (maps of 512 pixels or more:
@@ -23,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu import gemm, winograd4
+from ..kernels.cpu import conv_implicit, gemm, winograd4
 from ..kernels.cpu.conv import (
     build_direct,
     build_gemm_1x1,
@@ -43,6 +47,7 @@ from ..kernels.cpu.conv_tiles import available as tiles_available
 from ..kernels.cpu.conv_tiles import (
     build_im2col_tiles,
     partial_parts,
+    widest_tile,
 )
 from ..kernels.cpu.conv_tiles import workspace_bytes as tiles_workspace
 from ..layout import align, merge_dims, spread_stride
@@ -276,11 +281,14 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         whole = _im2col_candidate(tu, os_, item, limit, orient == "cm" and phases_usable(t, dense))
         tiled = _tiles_candidate(tu, x, dense, limit)
         in_parts = _parts_candidate(tu, item, limit)
+        implicit = _implicit_candidate(t, x, dense, limit)
         cands.append(whole)
         if tiled is not None:
             cands.insert(len(cands) - 1 if tiles_first(tiled.tiling, whole.tiling) else len(cands), tiled)
         if in_parts is not None:
             cands.insert(cands.index(whole), in_parts)
+        if implicit is not None:
+            cands.insert(0 if implicit_first(implicit.tiling) else cands.index(whole) + 1, implicit)
     if (kh, kw, sh, sw, dh, dw, g) == (3, 3, 1, 1, 1, 1, 1) and t.n and t.c and t.oc:  # not on an empty GEMM
         constant = bool(attrs.get("constant_weight", False))
         wino = _winograd_candidate(t, item, limit, constant)
@@ -554,6 +562,55 @@ def _tiles_fit(
         most = rows * t.ow - 1
 
 
+# floats of an implicit GEMM's planes per part at most (a chunk of output rows' input, a k block of whole
+# channels): a quarter of an L2. The stem 3->64 224^2 k7 s2 ran the same at 2^16, 2^14 and 2^12 (within 1%)
+IMPLICIT_FLOATS = 1 << 16
+# output columns from which the implicit GEMM ranks ahead of im2col_tiles, when an output row fills the GEMM's
+# panels (``IMPLICIT_MIN_USE``) and the window has more than one tap. Forced, through the op, two threads, 11
+# interleaved rounds, AMD Zen 4 (/tmp/w53/rk3.py, rk4.py of the fifty-third session), tiles / implicit: 1 x 3->64
+# 224^2 k7 s2 (OW 112) 1.07-1.18x, 8 x 1.12-1.17x; 3->32 224^2 k3 s2 1.26-1.38x; 16->32 112^2 s2 (OW 56) 1.13-1.18x;
+# 8->16 64^2 k5 1.43x; 32->32 56^2 dilation 2 1.11x; 256->256 112^2 s2 1.01x. Narrower rows lost: 64->128 56^2 s2
+# (OW 28, a masked 32-column panel per row) 0.85-0.93x, 128->256 28^2 s2 (OW 14) 0.63-0.81x; and 1x1 windows (one
+# phase read of the four copied): 64->128 112^2 1x1 s2 0.79x. (3x3 stride-1 layers rank winograd4 first: 1.5-1.8x
+# faster than either here.)
+IMPLICIT_MIN_OW = 48
+IMPLICIT_MIN_USE = 0.9
+
+
+def implicit_first(t: ConvTiling) -> bool:
+    """Whether the implicit GEMM ranks first (else right after im2col): output rows of ``IMPLICIT_MIN_OW`` or more
+    pixels filling ``IMPLICIT_MIN_USE`` of the GEMM columns computed for them, and a window of two or more taps."""
+    return t.kh * t.kw > 1 and t.ow >= IMPLICIT_MIN_OW and t.ow / gemm.columns_computed(t.ow) >= IMPLICIT_MIN_USE
+
+
+def _implicit_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None) -> Candidate | None:
+    """implicit (``conv_implicit``) for float32 on a CPU with the register-blocked GEMM where ``usable``: parts over
+    the output rows of all images stacked, k blocks of whole channels (up to ``TILE_K`` unfolded rows), chunks of
+    the most output rows whose planes stay within ``IMPLICIT_FLOATS``; fewer rows, then fewer channels, to fit
+    ``limit``. None when even one row of one channel does not fit."""
+    if not (conv_implicit.available(x.dtype.np) and conv_implicit.usable(t, dense)):
+        return None
+    taps = t.kh * t.kw
+    grid = tuple((r0, r1, 0, t.oc, 0, t.kc) for r0, r1 in split_range(t.n * t.oh, fanout_parts()))
+    channels = min(t.c, max(1, TILE_K // taps))
+    while True:
+        rows = 1
+        while rows < t.oh and conv_implicit.planes_floats(t, rows + 1, channels) <= IMPLICIT_FLOATS:
+            rows += 1
+        while True:
+            chunk = widest_tile(grid, rows, t.oh)
+            ti = replace(t, chunk=chunk, kblock=channels * taps, parts=len(grid), grid=grid)
+            size = conv_implicit.workspace_bytes(ti, x.dtype.itemsize)
+            if limit is None or size <= limit:
+                return Candidate("implicit", ti, size)
+            if rows == 1:
+                break
+            rows //= 2
+        if channels == 1:
+            return None
+        channels = (channels + 1) // 2
+
+
 # whole images per im2col_tiles tile at most (``tile_images``). 4 against 1 (one image a tile, straight into out),
 # forced im2col_tiles through the op, two threads, 13-15 interleaved rounds, each plan twice after a discarded first
 # one (the first executor a process makes ran 3-15% slower in these scripts; AMD Zen 4, /tmp/w52/multi.py of the
@@ -710,6 +767,8 @@ def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[
     xv, ov = logical(x, t.nhwc), logical(outs[0], t.nhwc)
     if plan.implementation == "im2col_tiles":
         return build_im2col_tiles(t, xv, w, bias, ov)
+    if plan.implementation == "implicit":
+        return conv_implicit.build_implicit(t, xv, w, bias, ov)
     if plan.implementation in ("winograd", "winograd4"):
         store, blocks = attrs.get(PRIVATE_STATE, (None, (None, None)))  # set for own_weights (private launches)
         keep = functools.partial(kept_weights, store, blocks[1])
@@ -786,7 +845,16 @@ conv2d = register(
         infer=_infer,
         select=_select,
         kernels={"cpu": _build},
-        implementations=("gemm_1x1", "winograd4", "winograd", "im2col_tiles", "im2col_parts", "im2col", "direct"),
+        implementations=(
+            "gemm_1x1",
+            "winograd4",
+            "winograd",
+            "implicit",
+            "im2col_tiles",
+            "im2col_parts",
+            "im2col",
+            "direct",
+        ),
         workspace_formula=(
             "gemm_1x1: 0; winograd4: 36*(spread36(OC*C*4) + spread36(C*NT*4) + spread36(OC*NT*4)) + "
             "P*(align64(24*(B*(TW4+1)+1)*4) + align64(28*B*(TW4+1)*4) + align64(27*C*4) [+ "
@@ -827,6 +895,12 @@ conv2d = register(
             "R = output rows per tile (up to 2^17 / KB pixels: a tile of 512 KiB of float32; the count filling "
             "the GEMM's panels best), T = whole images per tile when R = OH: as many as a part's output rows hold, "
             "up to 2^17 / KB pixels and 4, fewer to fit workspace_limit; "
+            "implicit: P * ceil16(CB*SH*SW*(R + RH)*(OW + RW) + 16) * 4 (per part, the zero-padded phase planes "
+            "of a chunk's input and 16 guard floats), CB = min(C, max(1, 512 // (KH*KW))) channels per k block, R "
+            "= output rows per chunk (the most whose planes take at most 2^16 floats, at least 1, at most the "
+            "longest run of output rows a part takes in one image), RH = max - min of (i*DH - PH) // SH over 0 <= "
+            "i < KH (RW alike over KW), P = parts (the fan-out count, fewer when N*OH is smaller); lower limits "
+            "take fewer rows (R halved), then fewer channels (CB halved, rounded up); "
             "direct: 0"
         ),
         doc=(
@@ -854,6 +928,14 @@ conv2d = register(
             "0.85 of the GEMM columns computed (16-wide panels, the last one 8 wide when at most 8 columns are left; "
             "a last 17-24 columns count 24 where a zmm FMA takes two 256-bit passes, as on AMD Zen 4, else 32), "
             "for one image of 2^21 multiply-adds or more, or when a limit makes im2col tile output rows. "
+            "implicit (float32, groups 1, NCHW input rows dense and output, strides 1 or 2, any padding and "
+            "dilation, on CPUs with AVX-512): parts over the output rows of all images stacked; per chunk of output "
+            "rows and k block of whole channels, the input rows the chunk reads are copied into SH x SW zero-padded "
+            "phase planes per channel in the part's workspace slice, and one register-blocked GEMM per output row "
+            "reads each unfolded row (channel, kh, kw) as a run of OW floats at its offset in the planes (an "
+            "implicit GEMM: nothing unfolded), straight into out; bias added per chunk; ranked first when OW >= 48 "
+            "fills at least 0.9 of the GEMM columns computed for it and the window has two taps or more (ResNet's "
+            "stem), else right after im2col. "
             "winograd4 F(4x4, 3x3) (float32, 3x3, stride 1, dilation 1, groups 1): weights, input tiles (6x6, 4 "
             "apart; each row of tiles one dummy tile longer, so the transforms run flat over bands of tile rows) and "
             "36 GEMMs of (OC, C) x (C, NT) in the workspace, rounds of whole images (as many as fit workspace_limit, "
@@ -875,8 +957,8 @@ conv2d = register(
             "weights beyond ~1e37 (float32; ~1e36 for winograd4, whose transforms scale by up to 8 and 25) can "
             "overflow to inf or NaN where the convolution itself is finite (as any "
             "Winograd convolution, cuDNN's included); direct skips the taps that fall on padding rather than "
-            "multiplying them by 0, so an inf weight gives inf, not NaN, at the borders. im2col, im2col_tiles and "
-            "gemm_1x1 follow the reference's inf / NaN."
+            "multiplying them by 0, so an inf weight gives inf, not NaN, at the borders. im2col, im2col_tiles, "
+            "implicit and gemm_1x1 follow the reference's inf / NaN."
         ),
         reference=reference,
     )

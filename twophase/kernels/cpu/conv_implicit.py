@@ -1,0 +1,218 @@
+"""conv2d as an implicit GEMM: no unfolded input. Each part copies a chunk of output rows' input, per k block of
+whole channels, into zero-padded phase planes in its slice of the workspace (for stride s, s x s planes per
+channel: phase (a, b) holds the input rows a, a + s, ... and columns b, b + s, ..., so every window of a stride-s
+convolution reads a stride-1 run), and the register-blocked GEMM reads each unfolded row straight from them:
+unfolded row k = (channel, kh, kw) of output row r is the run of OW floats at a fixed offset (``offsets``) past
+the plane row of r, and ``gemm.gemm_table`` takes those offsets as a table. One GEMM per output row (its OW
+pixels are one run of every plane row and one run of out), so nothing is staged: the GEMM writes out.
+
+What it saves over im2col_tiles is the unfold, which writes KH * KW floats per input float and feeds each only
+2 x OC flops: most of the cost beyond the GEMM where the input has few channels and big maps (ResNet's stem:
+3 -> 64, 224^2, 7x7 stride 2, 147 unfolded rows of 12544 pixels)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+from numpy.lib.stride_tricks import as_strided
+
+from ...runtime.fanout import run_parts, workspace_launcher
+from . import gemm
+from . import jit as _jit
+from .conv import _wmat
+from .jit import copy_phases, copy_run, entry, row_of
+
+Launch = Callable[[Any], None]
+jit: Callable[[Callable[..., Any]], Any] = _jit.jit
+
+# floats after a part's planes: a masked last panel reads a b row up to the next multiple of 16 columns, at most
+# 15 floats past the last plane (``workspace_floats``); zeroed every launch, so the whole area is written
+GUARD = 16
+
+
+def usable(t: Any, rows_dense: bool) -> bool:
+    """Whether the implicit GEMM serves tiling ``t``: one group, a channel-major NCHW output, strides 1 or 2 (the
+    phase split copies a row's phases with ``copy_run`` / ``copy_phases``), dense input rows, and something to
+    compute (channels, pixels)."""
+    return (
+        t.groups == 1
+        and t.orient == "cm"
+        and not t.nhwc
+        and t.sh in (1, 2)
+        and t.sw in (1, 2)
+        and rows_dense
+        and min(t.n, t.c, t.oc, t.oh, t.ow) > 0
+    )
+
+
+def row_offsets(k: int, d: int, p: int, s: int) -> tuple[int, int]:
+    """(least, greatest) phase-row offset ``(i*d - p - a) / s`` over the window positions ``0 <= i < k`` (``a`` =
+    their phase ``(i*d - p) % s``): output row r reads phase rows r + least ... r + greatest."""
+    offs = [(i * d - p) // s for i in range(k)]
+    return min(offs), max(offs)
+
+
+def geometry(t: Any, chunk: int, channels: int) -> np.ndarray:
+    """The kernel's int64 geometry for chunks of ``chunk`` output rows and k blocks of ``channels`` channels:
+    (sh, sw, ph, pw, dh, dw, KH, KW, OH, OW, least row offset, least column offset, PR, PW, chunk, channels), PR x
+    PW the planes' rows and columns: a chunk's rows and its window's reach, OW columns and the window's."""
+    lo, hi = row_offsets(t.kh, t.dh, t.ph, t.sh)
+    clo, chi = row_offsets(t.kw, t.dw, t.pw, t.sw)
+    pr, pw = chunk + hi - lo, t.ow + chi - clo
+    return np.array(
+        [t.sh, t.sw, t.ph, t.pw, t.dh, t.dw, t.kh, t.kw, t.oh, t.ow, lo, clo, pr, pw, chunk, channels], np.int64
+    )
+
+
+def planes_floats(t: Any, chunk: int, channels: int) -> int:
+    """Floats of one part's planes: ``channels`` x sh x sw planes of PR x PW, then ``GUARD``, a multiple of 16."""
+    g = geometry(t, chunk, channels)
+    return int(-(-(channels * t.sh * t.sw * int(g[12]) * int(g[13]) + GUARD) // 16) * 16)
+
+
+def workspace_bytes(t: Any, item: int) -> int:
+    """The workspace of tiling ``t``: one part's planes (``planes_floats`` for ``t.chunk`` rows and ``t.kblock``
+    / (KH * KW) channels) per part of ``t.grid``."""
+    return len(t.grid) * planes_floats(t, t.chunk, t.kblock // (t.kh * t.kw)) * item
+
+
+def offsets(t: Any, chunk: int, channels: int) -> np.ndarray:
+    """``table[k]``: where unfolded row k = (c, kh, kw) of a k block's first output row starts in the planes,
+    for the block's ``channels`` channels (c relative to its first): plane (c, a, b) of the row's phases, at its
+    row offset less the least and column offset less the least."""
+    g = geometry(t, chunk, channels)
+    lo, clo, pr, pw = (int(v) for v in g[10:14])
+    table = np.zeros(channels * t.kh * t.kw + gemm.TABLE_AHEAD, np.int64)  # (the microkernel reads ahead)
+    k = 0
+    for c in range(channels):
+        for kh in range(t.kh):
+            a, dr = (kh * t.dh - t.ph) % t.sh, (kh * t.dh - t.ph) // t.sh
+            for kw in range(t.kw):
+                b, dc = (kw * t.dw - t.pw) % t.sw, (kw * t.dw - t.pw) // t.sw
+                table[k] = ((c * t.sh + a) * t.sw + b) * pr * pw + (dr - lo) * pw + dc - clo
+                k += 1
+    return table
+
+
+@_jit.jit_inline
+def fill(x: Any, n: int, c0: int, c1: int, oh0: int, rows: int, geo: Any, planes: Any) -> None:
+    """planes[(((c - c0)*sh + a)*sw + b)*PR*PW + q*PW + p] = x[n, c, (oh0 + lo + q)*sh + a, (clo + p)*sw + b] (0
+    outside the image) for channels ``c0 <= c < c1`` and the ``rows`` plane rows q a chunk reads; then the guard
+    after the area zeroed."""
+    sh, sw, lo, clo, pr, pw = geo[0], geo[1], geo[10], geo[11], geo[12], geo[13]
+    height, width = x.shape[2], x.shape[3]
+    plane = pr * pw
+    first = -clo  # the plane column of input column 0 (clo <= 0: the padding is not negative)
+    counts = (
+        (min(pw - first, (width + 1) // 2), min(pw - first, width // 2)) if sw == 2 else (min(pw - first, width), 0)
+    )
+    for c in range(c0, c1):
+        xp = x[n, c]
+        for a in range(sh):
+            for q in range(rows):
+                ih = (oh0 + lo + q) * sh + a
+                at = (((c - c0) * sh + a) * sw) * plane + q * pw
+                if ih < 0 or ih >= height:
+                    for b in range(sw):
+                        for p in range(at + b * plane, at + b * plane + pw):
+                            planes[p] = 0.0
+                    continue
+                xr = row_of(xp, ih, True)
+                if sw == 2:
+                    copy_phases(planes, at + first, xr, 0, counts[0], at + plane + first, counts[1])
+                else:
+                    copy_run(planes, at + first, xr, 0, counts[0])
+                for b in range(sw):
+                    base = at + b * plane
+                    for p in range(base, base + first):
+                        planes[p] = 0.0
+                    for p in range(base + first + counts[b], base + pw):
+                        planes[p] = 0.0
+    for p in range(planes.size - GUARD, planes.size):
+        planes[p] = 0.0
+
+
+@jit
+def conv_implicit(
+    x: Any,
+    w: Any,
+    bias: Any,
+    has_bias: bool,
+    out: Any,
+    planes: Any,
+    table: Any,
+    geo: Any,
+    r0: int,
+    r1: int,
+    i0: int,
+    i1: int,
+) -> None:
+    """out[n, i, oh*OW + ow] = sum_k w[i, k] * unfolded(n)[k, oh*OW + ow] (+ bias[i]) for the rows ``i0 <= i <
+    i1`` and the output rows ``r0 <= r < r1`` of all images stacked (r = n*OH + oh): per chunk of output rows of
+    one image and k block of whole channels, ``fill`` the planes, then one ``gemm.gemm_table`` per output row
+    (the first k block stores, the later ones add); the bias added to the chunk's rows after its last block."""
+    item = 4
+    oh_n, ow_n, pr, pw, chunk, channels = geo[8], geo[9], geo[12], geo[13], geo[14], geo[15]
+    hi_lo = pr - chunk  # plane rows a chunk reads beyond its own count
+    taps = geo[6] * geo[7]
+    nc = x.shape[1]
+    lda, sak = w.strides[0] // item, w.strides[1] // item
+    ldc = out.strides[1] // item
+    pp, pt = planes.ctypes.data, table.ctypes.data
+    r = r0
+    while r < r1:
+        n = r // oh_n
+        oh0 = r - n * oh_n
+        nr = min(chunk, oh_n - oh0, r1 - r)
+        po = out[n].ctypes.data
+        for c0 in range(0, nc, channels):
+            c1 = min(nc, c0 + channels)
+            fill(x, n, c0, c1, oh0, nr + hi_lo, geo, planes)
+            pa = w.ctypes.data + (i0 * lda + c0 * taps * sak) * item
+            for rr in range(nr):
+                pc = po + (i0 * ldc + (oh0 + rr) * ow_n) * item
+                gemm.gemm_table(
+                    pa, lda, sak, pp + rr * pw * item, pt, pc, ldc, (c1 - c0) * taps, i1 - i0, ow_n, 1 if c0 > 0 else 0
+                )
+        if has_bias:
+            for i in range(i0, i1):
+                orow = out[n, i]
+                b0 = bias[i]
+                for j in range(oh0 * ow_n, (oh0 + nr) * ow_n):
+                    orow[j] += b0
+        r += nr
+
+
+def build_implicit(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
+    """The launch of ``len(t.grid)`` parts: part i computes the output block ``t.grid[i]`` (output rows of all
+    images stacked, output channels) with its own planes in the workspace (``workspace_bytes``)."""
+    item = x.itemsize
+    so = [s // item for s in out.strides]
+    o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
+    wmat = _wmat(t, w, 0)
+    has = bias is not None
+    b = bias if has else np.zeros(1, x.dtype)
+    channels = t.kblock // (t.kh * t.kw)
+    geo = geometry(t, t.chunk, channels)
+    table = offsets(t, t.chunk, channels)
+    floats = planes_floats(t, t.chunk, channels)
+    dt, grid = x.dtype, t.grid
+    k = entry(conv_implicit, x, wmat, b, has, o3, np.empty(floats, dt), table, geo, 0, 0, 0, 0)
+
+    def bind(ws: Any) -> Callable[[], None]:
+        """The parts' calls on the workspace ``ws`` (their planes), made once per workspace."""
+        parts = []
+        for i, (r0, r1, i0, i1, _, _) in enumerate(grid):
+            planes = ws[i * floats * item : (i + 1) * floats * item].view(dt)
+            parts.append(functools.partial(k, x, wmat, b, has, o3, planes, table, geo, r0, r1, i0, i1))
+        return functools.partial(run_parts, parts)
+
+    return workspace_launcher(bind)
+
+
+def available(dtype: Any) -> bool:
+    """Whether the implicit GEMM can run: float32 on a CPU with the register-blocked GEMM."""
+    return np.dtype(dtype) == np.float32 and gemm.available()
