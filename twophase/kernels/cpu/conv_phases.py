@@ -186,7 +186,7 @@ def unfold(
         hi = max(lo, min(nr, rows_in - oh0 - dr) * ow_n)
         crow = row_of(tile, k - kbase, True)
         src = GUARD + (((c - c0) * 2 + a) * 2 + b) * plane + (dr - dr_lo) * ow_n + dc + lo
-        keep = m[dc - dc_lo]
+        keep = row_of(m, dc - dc_lo, True)  # (a bare view: m[...] would take a reference per row)
         for i in range(images):
             d = i * end
             for p in range(d, d + lo):
@@ -236,7 +236,7 @@ def unfold_plane(
             if dc == 0:
                 copy_run(crow, d0 + lo, plane, src, hi - lo)
             else:
-                copy_where(crow, d0 + lo, plane, src, hi - lo, m[kw], lo)
+                copy_where(crow, d0 + lo, plane, src, hi - lo, row_of(m, kw, True), lo)
         c, kh, kw = next_tap(c, kh, kw, kh_n, kw_n)
 
 
