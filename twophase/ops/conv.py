@@ -569,7 +569,9 @@ IMPLICIT_FLOATS = 1 << 16
 # panels (``IMPLICIT_MIN_USE``) and the window has more than one tap. Forced, through the op, two threads, 11
 # interleaved rounds, AMD Zen 4 (/tmp/w53/rk3.py, rk4.py of the fifty-third session), tiles / implicit: 1 x 3->64
 # 224^2 k7 s2 (OW 112) 1.07-1.18x, 8 x 1.12-1.17x; 3->32 224^2 k3 s2 1.26-1.38x; 16->32 112^2 s2 (OW 56) 1.13-1.18x;
-# 8->16 64^2 k5 1.43x; 32->32 56^2 dilation 2 1.11x; 256->256 112^2 s2 1.01x. Narrower rows lost: 64->128 56^2 s2
+# 8->16 64^2 k5 1.43x, 32->32 64^2 k5 1.23x, 2 x 64->64 64^2 k5 1.12x; 32->32 56^2 dilation 2 1.11x, 256->256 56^2
+# dilation 2 1.05x; 64->64 224^2 s2 1.06x; 56-pixel rows of 32-256 channels, stride 2, were mixed: 64->128 112^2
+# 1.03-1.11x, 256->256 112^2 1.01x, 128->128 112^2 0.93x, 8 x 32->64 112^2 0.94x. Narrower rows lost: 64->128 56^2 s2
 # (OW 28, a masked 32-column panel per row) 0.85-0.93x, 128->256 28^2 s2 (OW 14) 0.63-0.81x; and 1x1 windows (one
 # phase read of the four copied): 64->128 112^2 1x1 s2 0.79x. (3x3 stride-1 layers rank winograd4 first: 1.5-1.8x
 # faster than either here.)
