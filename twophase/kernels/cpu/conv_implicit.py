@@ -29,7 +29,7 @@ Launch = Callable[[Any], None]
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 
 # floats after a part's planes: a masked last panel reads a b row up to the next multiple of 16 columns, at most
-# 15 floats past the last plane (``workspace_floats``); zeroed every launch, so the whole area is written
+# 15 floats past the last plane (``planes_floats``); zeroed every launch, so the whole area is written
 GUARD = 16
 
 
