@@ -17,12 +17,11 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-from numpy.lib.stride_tricks import as_strided
 
 from ...runtime.fanout import run_parts, workspace_launcher
 from . import gemm
 from . import jit as _jit
-from .conv import _wmat
+from .conv_tiles import channel_major_operands
 from .jit import copy_phases, copy_run, entry, row_of
 
 Launch = Callable[[Any], None]
@@ -190,11 +189,7 @@ def build_implicit(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     """The launch of ``len(t.grid)`` parts: part i computes the output block ``t.grid[i]`` (output rows of all
     images stacked, output channels) with its own planes in the workspace (``workspace_bytes``)."""
     item = x.itemsize
-    so = [s // item for s in out.strides]
-    o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
-    wmat = _wmat(t, w, 0)
-    has = bias is not None
-    b = bias if has else np.zeros(1, x.dtype)
+    o3, wmat, b, has = channel_major_operands(t, x, w, bias, out)
     channels = t.kblock // (t.kh * t.kw)
     geo = geometry(t, t.chunk, channels)
     table = offsets(t, t.chunk, channels)

@@ -158,11 +158,7 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     tiles, then into out. A part whose unfolded rows start past 0 sums into a partial output of its own, after
     the tiles and stages (``partial_bytes``), which the launch adds into out once every part is done."""
     item = x.itemsize
-    so = [s // item for s in out.strides]
-    o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
-    wmat = _wmat(t, w, 0)
-    has = bias is not None
-    b = bias if has else np.zeros(1, x.dtype)
+    o3, wmat, b, has = channel_major_operands(t, x, w, bias, out)
     images = t.tile_n
     geos = np.stack([_geo(t, g) for g in range(images + 1)])
     shape = (t.kblock, tile_columns(t))
@@ -216,6 +212,16 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         return run
 
     return workspace_launcher(bind)
+
+
+def channel_major_operands(t: Any, x: Any, w: Any, bias: Any, out: Any) -> tuple[Any, Any, Any, bool]:
+    """What a channel-major GEMM kernel of tiling ``t`` takes: out as (N, OC, OH*OW) (its planes dense), the weight
+    as its (OC, KC) matrix, the bias (a dummy one when None) and whether there is one."""
+    item = x.itemsize
+    so = [s // item for s in out.strides]
+    o3 = as_strided(out, (t.n, t.oc, t.oh * t.ow), (so[0] * item, so[1] * item, item))
+    has = bias is not None
+    return o3, _wmat(t, w, 0), bias if has else np.zeros(1, x.dtype), has
 
 
 def tile_columns(t: Any) -> int:
