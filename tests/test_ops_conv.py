@@ -1253,6 +1253,22 @@ def test_conv2d_implicit_any_geometry(
 
 
 @needs_tiles
+def test_conv2d_implicit_reads_views_with_dense_rows(rng: np.random.Generator) -> None:
+    """The planes are copied from the input's rows where they lie: a channel slice, a crop of wider rows or of
+    fewer rows of a wider tensor, each checked at stride 1 and 2; rows not dense leave the implicit GEMM out."""
+    wide = _x(rng, (2, 10, 13, 30), False)
+    w = rng.standard_normal((9, 6, 3, 3)).astype(np.float32)
+    b = rng.standard_normal(9).astype(np.float32)
+    with num_threads(2):
+        for x in (wide[:, 2:8], wide[:, 2:8, :, 3:20], wide[:, 2:8, 1:12]):
+            for stride in (1, 2):
+                r = _run("implicit", x, w, b, stride=stride, padding=1)
+                _check(r, reference(np.ascontiguousarray(x), w, b, stride=stride, padding=1))
+        with pytest.raises(ParamError, match="implementation"):
+            _run("implicit", wide[:, 2:8, :, ::2], w, b, stride=1, padding=1)
+
+
+@needs_tiles
 @pytest.mark.parametrize(
     "shape, oc, k, stride, want",
     [
@@ -1276,7 +1292,8 @@ def test_conv2d_implicit_rank(
 
 
 @needs_tiles
-def test_conv2d_im2col_tiles_into_a_channel_slice(dev: Any, rng: np.random.Generator) -> None:
+@pytest.mark.parametrize("impl", ["im2col_tiles", "implicit"])
+def test_conv2d_im2col_tiles_into_a_channel_slice(dev: Any, rng: np.random.Generator, impl: str) -> None:
     """The output a range of channels of a wider NCHW tensor (a concat target): written through its image and
     channel strides, the channels around it untouched."""
     x = _x(rng, (2, 8, 13, 13), False)
@@ -1284,9 +1301,9 @@ def test_conv2d_im2col_tiles_into_a_channel_slice(dev: Any, rng: np.random.Gener
     b = rng.standard_normal(40).astype(np.float32)
     big = dev.tensor(np.full((2, 45, 7, 7), 7.0, np.float32))
     out = big.strided((2, 40, 7, 7), (45 * 49, 49, 7, 1), 2 * 49)
-    with forced("im2col_tiles"):
+    with forced(impl):
         r = run_checked(conv2d, x, w, b, out=out, stride=2, padding=1)
-    assert r.implementation == "im2col_tiles"
+    assert r.implementation == impl
     full = big.numpy()
     np.testing.assert_allclose(full[:, 2:42], reference(x, w, b, stride=2, padding=1), rtol=1e-4, atol=1e-4)
     assert (full[:, :2] == 7.0).all() and (full[:, 42:] == 7.0).all()
