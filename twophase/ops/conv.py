@@ -596,9 +596,7 @@ def _implicit_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | 
     grid = tuple((r0, r1, 0, t.oc, 0, t.kc) for r0, r1 in split_range(t.n * t.oh, fanout_parts()))
     channels = min(t.c, max(1, TILE_K // taps))
     while True:
-        rows = 1
-        while rows < t.oh and conv_implicit.planes_floats(t, rows + 1, channels) <= IMPLICIT_FLOATS:
-            rows += 1
+        rows = conv_implicit.most_rows(t, channels, IMPLICIT_FLOATS)
         while True:
             chunk = widest_tile(grid, rows, t.oh)
             ti = replace(t, chunk=chunk, kblock=channels * taps, parts=len(grid), grid=grid)

@@ -48,19 +48,25 @@ def usable(t: Any, rows_dense: bool) -> bool:
 
 
 def row_offsets(k: int, d: int, p: int, s: int) -> tuple[int, int]:
-    """(least, greatest) phase-row offset ``(i*d - p - a) / s`` over the window positions ``0 <= i < k`` (``a`` =
-    their phase ``(i*d - p) % s``): output row r reads phase rows r + least ... r + greatest."""
+    """(least, greatest) phase-row offset ``(i*d - p) // s`` over the window positions ``0 <= i < k``: output row r
+    reads phase rows r + least ... r + greatest of its phase."""
     offs = [(i * d - p) // s for i in range(k)]
     return min(offs), max(offs)
 
 
-def geometry(t: Any, chunk: int, channels: int) -> np.ndarray:
-    """The kernel's int64 geometry for chunks of ``chunk`` output rows and k blocks of ``channels`` channels:
-    (sh, sw, ph, pw, dh, dw, KH, KW, OH, OW, least row offset, least column offset, PR, PW, chunk, channels), PR x
-    PW the planes' rows and columns: a chunk's rows and its window's reach, OW columns and the window's."""
+def planes_shape(t: Any, chunk: int) -> tuple[int, int]:
+    """(PR, PW): rows and columns of each plane for chunks of ``chunk`` output rows, the chunk's rows and OW
+    columns plus the window's reach."""
     lo, hi = row_offsets(t.kh, t.dh, t.ph, t.sh)
     clo, chi = row_offsets(t.kw, t.dw, t.pw, t.sw)
-    pr, pw = chunk + hi - lo, t.ow + chi - clo
+    return chunk + hi - lo, t.ow + chi - clo
+
+
+def geometry(t: Any, chunk: int, channels: int) -> np.ndarray:
+    """The kernel's int64 geometry for chunks of ``chunk`` output rows and k blocks of ``channels`` channels:
+    (sh, sw, ph, pw, dh, dw, KH, KW, OH, OW, least row offset, least column offset, PR, PW, chunk, channels)."""
+    lo, clo = row_offsets(t.kh, t.dh, t.ph, t.sh)[0], row_offsets(t.kw, t.dw, t.pw, t.sw)[0]
+    pr, pw = planes_shape(t, chunk)
     return np.array(
         [t.sh, t.sw, t.ph, t.pw, t.dh, t.dw, t.kh, t.kw, t.oh, t.ow, lo, clo, pr, pw, chunk, channels], np.int64
     )
@@ -68,8 +74,15 @@ def geometry(t: Any, chunk: int, channels: int) -> np.ndarray:
 
 def planes_floats(t: Any, chunk: int, channels: int) -> int:
     """Floats of one part's planes: ``channels`` x sh x sw planes of PR x PW, then ``GUARD``, a multiple of 16."""
-    g = geometry(t, chunk, channels)
-    return int(-(-(channels * t.sh * t.sw * int(g[12]) * int(g[13]) + GUARD) // 16) * 16)
+    pr, pw = planes_shape(t, chunk)
+    return int(-(-(channels * t.sh * t.sw * pr * pw + GUARD) // 16) * 16)
+
+
+def most_rows(t: Any, channels: int, floats: int) -> int:
+    """The most output rows (at most OH) a chunk takes with planes (``planes_floats``) of at most ``floats``
+    floats; 1 when even one row's take more."""
+    reach, pw = planes_shape(t, 0)
+    return int(max(1, min(t.oh, (floats // 16 * 16 - GUARD) // (channels * t.sh * t.sw * pw) - reach)))
 
 
 def workspace_bytes(t: Any, item: int) -> int:
