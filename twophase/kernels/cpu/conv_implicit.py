@@ -21,7 +21,7 @@ import numpy as np
 from ...runtime.fanout import run_parts, workspace_launcher
 from . import gemm
 from . import jit as _jit
-from .conv_tiles import channel_major_operands
+from .conv_tiles import add_bias, channel_major_operands
 from .jit import copy_phases, copy_run, entry, row_of
 
 Launch = Callable[[Any], None]
@@ -190,11 +190,7 @@ def conv_implicit(
                     pa, lda, sak, pp + rr * pw * item, pt, pc, ldc, (c1 - c0) * taps, i1 - i0, ow_n, 1 if c0 > 0 else 0
                 )
         if has_bias:
-            for i in range(i0, i1):
-                orow = out[n, i]
-                b0 = bias[i]
-                for j in range(oh0 * ow_n, (oh0 + nr) * ow_n):
-                    orow[j] += b0
+            add_bias(out, n, i0, i1, bias, oh0 * ow_n, (oh0 + nr) * ow_n)
         r += nr
 
 

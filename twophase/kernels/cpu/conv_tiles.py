@@ -30,6 +30,19 @@ jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 _im2col = variant_call(tuple(IM2COL.values()))
 
 
+@_jit.jit_inline
+def add_bias(out: Any, n: int, i0: int, i1: int, bias: Any, j0: int, j1: int) -> None:
+    """out[n, i, j0:j1] += bias[i] for the output channels ``i0 <= i < i1`` of a channel-major out (N, OC, OH*OW)
+    whose pixels are dense (``channel_major_operands``): a tile's or chunk's pixels, added while they are in cache.
+    Rows as bare views (``row_of``): ``out[n, i]`` would take a reference on out per row."""
+    img = out[n]
+    for i in range(i0, i1):
+        orow = row_of(img, i, True)
+        b0 = bias[i]
+        for j in range(j0, j1):
+            orow[j] += b0
+
+
 def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
     # closure constants: the other variants compile neither the phase path nor the plane path
     PHASES = dense and step == 2  # noqa: N806
@@ -125,19 +138,16 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                 )
             if g > 1:
                 pixels = nr * ow_n
-                for i in range(i0, i1):
-                    srow = row_of(stage, i - i0, True)
-                    b0 = bias[i] if has_bias else np.float32(0.0)
-                    for q in range(g):
-                        orow = out[n + q, i]
+                for q in range(g):
+                    img = out[n + q]
+                    for i in range(i0, i1):
+                        srow = row_of(stage, i - i0, True)
+                        orow = row_of(img, i, True)
+                        b0 = bias[i] if has_bias else np.float32(0.0)
                         for j in range(pixels):
                             orow[j] = srow[q * pixels + j] + b0
             elif has_bias:
-                for i in range(i0, i1):
-                    orow = out[n, i]
-                    b0 = bias[i]
-                    for j in range(oh0 * ow_n, oh0 * ow_n + width):
-                        orow[j] += b0
+                add_bias(out, n, i0, i1, bias, oh0 * ow_n, oh0 * ow_n + width)
             r += g * nr
 
     return conv_tiles

@@ -598,7 +598,8 @@ def gemm_table(
     """``c[:m, :n] = a[:m, :kl] @ b[:kl, :n]`` (plus the old ``c`` when ``accumulate``) where row k of ``b`` starts
     ``offsets[k]`` floats past address ``pb``, the int64 offsets at address ``table``: an implicit GEMM, whose rows
     of ``b`` are runs of the input read where they lie. Panels as ``gemm_tile`` (each row of ``b`` readable up to
-    the next multiple of 16 columns); no prefetch: the rows sit in cache, written just before."""
+    the next multiple of 16 columns), without its prefetch of the next panel into L2 (the rows sit there, written
+    just before); the microkernels fetch the lines of row k + ``TABLE_AHEAD`` into L1 as they go."""
     item = 4
     for ic in range(0, m, MC):
         ie = min(ic + MC, m)
