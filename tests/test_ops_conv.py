@@ -857,6 +857,30 @@ def test_conv2d_im2col_tiles_splits_output_channels_where_partials_do_not_fit(rn
     _check(tight, ref)
 
 
+@needs_tiles
+def test_conv2d_im2col_tiles_splits_output_channels_for_larger_tiles(rng: np.random.Generator) -> None:
+    """Under 256 KiB, two parts over one 14x14 image's 256 input channels would share the limit with a partial
+    output of 256 x 196 floats and fit tiles of one output row only (two rows: 2 x 384 unfolded rows x 32 columns
+    + the partial, over the limit); split by output channels instead, each part's tiles take 4 rows. Unlimited,
+    the tiles are as large either way and the input channels stay split."""
+    x = _x(rng, (1, 256, 14, 14), False)
+    w = (rng.standard_normal((256, 256, 3, 3)) * 0.05).astype(np.float32)
+    b = rng.standard_normal(256).astype(np.float32)
+    attrs = dict(stride=(1, 1), padding=(1, 1))
+    ref = reference(x, w, b, **attrs)
+    limit = 256 * 1024
+    assert 2 * 384 * 32 * 4 + align(256 * 196 * 4) > limit  # the input channels' split: tiles of one row at most
+    with num_threads(2):
+        free = _run("im2col_tiles", x, w, b, **attrs)
+        tight = _run("im2col_tiles", x, w, b, limit, **attrs)
+    assert [(k0, k1) for *_, k0, k1 in free.tiling.grid] == [(0, 1152), (1152, 2304)]
+    assert [(k0, k1) for *_, k0, k1 in tight.tiling.grid] == [(0, 2304)] * 2
+    assert [(i0, i1) for _, _, i0, i1, _, _ in tight.tiling.grid] == list(gemm.row_ranges(256, 2))
+    assert tight.tiling.chunk == 4 and tight.workspace_size <= limit
+    _check(free, ref)
+    _check(tight, ref)
+
+
 @pytest.mark.parametrize(
     "n, oh, ow, oc, parts, c, taps, split",
     [
