@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from ops_layouts import on_device
+from threads import num_threads
 
 import twophase
 from twophase import device
@@ -650,3 +651,118 @@ def test_causal_block_is_wider_where_heads_run_on_the_avx512_kernel() -> None:
     assert causal_block(np.float32) == (CAUSAL_BLOCK_WIDE if gemm.available() else CAUSAL_BLOCK)
     assert causal_block(np.float64) == CAUSAL_BLOCK
     assert CAUSAL_BLOCK_WIDE > CAUSAL_BLOCK
+
+
+needs_fused = pytest.mark.skipif(not gemm.available(), reason="the fused tiles run on the register-blocked GEMM")
+
+
+def _fused_workspace(b: int, h: int, lq: int, lk: int, d: int, tq: int, parts: int, causal: bool) -> int:
+    """The fused tiles' workspace, by its formula: parts x align64((keys + D + 2) x width floats), width = 8 up to
+    8 queries a tile, else whole 16s; causal tiles see min(Lk, Lq) keys at most."""
+    keys = min(lk, lq) if causal else lk
+    width = 8 if tq <= 8 else -(-tq // 16) * 16
+    tiles = b * h * -(-lq // tq)
+    return min(parts, tiles) * align((keys + d + 2) * width * 4)
+
+
+@needs_fused
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    lq=st.integers(1, 70),
+    lk=st.integers(1, 40),
+    d=st.integers(1, 9),
+    dv=st.sampled_from([16, 32]),
+    causal=st.booleans(),
+    scale=st.sampled_from([None, 0.3]),
+    threads=st.sampled_from([1, 2, 3]),
+    tight=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_sdpa_fused_any_shape(
+    b: int, h: int, lq: int, lk: int, d: int, dv: int, causal: bool, scale: Any, threads: int, tight: bool, seed: int
+) -> None:
+    """Tiles of up to 64 queries (a last one shorter), against every key or, causal, the keys up to their last
+    query (Lk above and below Lq); one to three parts; the workspace by its formula; the largest tile unlimited,
+    tiles of 8 queries at the smallest limit that takes every part."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _qkv(rng, b, h, lq, lk, d, dv)
+    ref = reference(q, k, v, is_causal=causal, scale=scale)
+    size = _fused_workspace(b, h, lq, lk, d, min(lq, 8), threads, causal)
+    with num_threads(threads), forced("fused"):
+        r = run_checked(sdpa, q, k, v, None, is_causal=causal, scale=scale, workspace_limit=size if tight else None)
+    t = r.tiling
+    assert r.implementation == "fused"
+    assert r.workspace_size == _fused_workspace(b, h, lq, lk, d, t.block_q, t.parts, causal)
+    keys = min(lk, lq) if causal else lk
+    many = b * h * lq * keys >= attention_kernels.FANOUT_MIN  # fewer scores run in one part
+    assert t.parts == (min(threads, b * h * -(-lq // t.block_q)) if many else 1)
+    if tight:  # 8 queries a tile, or more where fewer tiles than threads take no more room
+        assert r.workspace_size <= size and min(lq, 8) <= t.block_q
+    else:
+        assert t.block_q == min(lq, 64)
+    _check(r, ref)
+
+
+@needs_fused
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("threads, tight", [(2, False), (3, False), (2, True)])
+def test_sdpa_fused_parts(rng: np.random.Generator, causal: bool, threads: int, tight: bool) -> None:
+    """From 2^16 scores, one part a thread, each taking every third (second) tile in its own area: causal tiles of
+    64 queries then differ in their keys, the last part's tiles are fewer."""
+    b, h, lq, lk, d = 1, 3, 150, 170, 24
+    q, k, v = _qkv(rng, b, h, lq, lk, d, 32)
+    ref = reference(q, k, v, is_causal=causal)
+    limit = _fused_workspace(b, h, lq, lk, d, 8, threads, causal) if tight else None
+    with num_threads(threads), forced("fused"):
+        r = run_checked(sdpa, q, k, v, None, is_causal=causal, workspace_limit=limit)
+    tq = 8 if tight else 64
+    assert (r.implementation, r.tiling.parts, r.tiling.block_q) == ("fused", threads, tq)
+    assert r.workspace_size == _fused_workspace(b, h, lq, lk, d, tq, threads, causal)
+    _check(r, ref)
+
+
+@needs_fused
+@pytest.mark.parametrize("causal", [False, True])
+def test_sdpa_fused_reads_views(rng: np.random.Generator, causal: bool) -> None:
+    """q and k at any strides (q's tile is packed, k's rows are the GEMM's broadcast operand: every other column,
+    keys reversed), v rows inside wider rows; out a slice of a wider array's rows."""
+    q0, k0, v0 = _qkv(rng, 2, 2, 21, 19, 10, 48)
+    q, k, v = q0[..., ::2], k0[:, :, ::-1, ::2], v0[..., :32]
+    ref = reference(q, k, v, is_causal=causal)
+    with forced("fused"):
+        r = run_checked(sdpa, q, k, v, None, is_causal=causal)
+    assert r.implementation == "fused"
+    _check(r, ref)
+    big = device("cpu").tensor(np.full((2, 2, 21, 48), 7.0, np.float32))
+    out = big.strided((2, 2, 21, 32), (2 * 21 * 48, 21 * 48, 48, 1), 8)
+    with forced("fused"):
+        r = run_checked(sdpa, q, k, v, None, out=out, is_causal=causal)
+    assert r.implementation == "fused"
+    full = big.numpy()
+    np.testing.assert_allclose(full[..., 8:40], ref, rtol=1e-4, atol=1e-5)
+    assert (full[..., :8] == 7.0).all() and (full[..., 40:] == 7.0).all()
+
+
+def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:
+    """float32 without a mask (causal or not) and values of whole 16-float vectors: fused first; a mask, float64,
+    values of 5 or a value row that is not dense: the others."""
+    q, k, v = _qkv(rng, 1, 2, 12, 12, 8, 16)
+    picks = {
+        "plain": run_checked(sdpa, q, k, v, None).implementation,
+        "causal": run_checked(sdpa, q, k, v, None, is_causal=True).implementation,
+        "mask": run_checked(sdpa, q, k, v, np.ones((12, 12), bool)).implementation,
+        "float64": run_checked(sdpa, *(a.astype(np.float64) for a in (q, k, v)), None).implementation,
+        "dv5": run_checked(sdpa, q, k, v[..., :5], None).implementation,
+        "strided v": run_checked(sdpa, q, k, np.repeat(v, 2, axis=-1)[..., ::2], None).implementation,
+    }
+    fused = "fused" if gemm.available() else "materialized"
+    assert picks == {
+        "plain": fused,
+        "causal": fused,
+        "mask": "materialized",
+        "float64": "materialized",
+        "dv5": "materialized",
+        "strided v": "materialized",
+    }

@@ -1,5 +1,5 @@
-"""scaled_dot_product_attention on (B, H, L, D) operands: materialized scores, tiles of whole score rows, or an
-online softmax over key tiles."""
+"""scaled_dot_product_attention on (B, H, L, D) operands: fused query tiles (one compiled loop per helper thread),
+materialized scores, tiles of whole score rows, or an online softmax over key tiles."""
 
 from __future__ import annotations
 
@@ -11,9 +11,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import ParamError
-from ..kernels.cpu.attention import build_online, build_rows
+from ..kernels.cpu import attention_fused as fused
+from ..kernels.cpu.attention import FANOUT_MIN, build_online, build_rows
 from ..layout import align, broadcast_shape
 from ..op import Attr, OpDef, Plan, register
+from ..runtime.fanout import fanout_parts
 from ..tensor import DType, TensorDesc
 from .checks import as_bool, as_finite, check_dtype, need, optional
 from .linalg import matrix_ok
@@ -32,7 +34,8 @@ class AttentionTiling:
 
     materialized / tiled (whole key rows): ``offsets`` of the workspace areas (scores, k^T, q, v, out), -1 for
     an operand used in place (k^T is packed unless the limit leaves no room: BLAS runs the plain layout faster). online:
-    ``offsets`` of scores, pv, m, m_new, alpha, l, rowsum (unused areas of size 0)."""
+    ``offsets`` of scores, pv, m, m_new, alpha, l, rowsum (unused areas of size 0). fused: tiles of ``block_q``
+    queries against every key (``block_k``), ``parts`` areas of ``area`` bytes (``kernels.cpu.attention_fused``)."""
 
     block_q: int
     block_k: int
@@ -41,6 +44,8 @@ class AttentionTiling:
     workspace: int
     block_b: int = 1
     block_h: int = 1
+    parts: int = 1  # fused: parts (helper threads), each with an area of ``area`` bytes
+    area: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,7 @@ class Dims:
     pack_o: bool = False
     k_ok: bool = True
     causal: bool = False
+    fused_ok: bool = False  # float32, no mask, v / out rows as ``attention_fused.available`` takes them
 
 
 def tile_scores(p: Dims, tq: int) -> int:
@@ -129,6 +135,23 @@ def tiled_layout(bq: int, bk: int, lk: int, dv: int, item: int) -> AttentionTili
     return AttentionTiling(bq, bk, online, tuple(offsets), off if lk else 0)
 
 
+def fused_tiling(p: Dims, budget: int) -> AttentionTiling | None:
+    """The fused tiles: the most parts (up to the helper threads and the tiles; one below ``FANOUT_MIN`` scores in
+    all, as the other implementations cut theirs), then the most queries a tile (64, 48, 32, 16, else 8 or Lq if
+    fewer: whole vectors of the score GEMM), whose areas fit ``budget`` bytes; None when not even one part of one
+    query fits. Causal tiles see min(Lk, Lq) keys at most (``p.lk``)."""
+    sizes = sorted({min(p.lq, tq) for tq in (fused.TQ_MAX, 48, 32, 16, 8)}, reverse=True)
+    most = fanout_parts() if p.b * p.h * p.lq * p.lk >= FANOUT_MIN else 1
+    for parts in range(max(1, most), 0, -1):
+        for tq in sizes:
+            tiles = p.b * p.h * -(-p.lq // tq)
+            used = max(1, min(parts, tiles))
+            area = align(fused.area_floats(p.lk, p.d, tq) * p.item)
+            if used * area <= budget:
+                return AttentionTiling(tq, p.lk, False, (), used * area, parts=used, area=area)
+    return None
+
+
 def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
     """Candidates: materialized (first while its scores take <= 32 MiB), tiled (whole key rows, the largest tile
     that fits the limit, at most 4 MiB of workspace when the materialized form is too big), then online tiles
@@ -159,6 +182,10 @@ def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
             t = tiled_layout(bq, bk, lk_all, p.dv, p.item)
             online.append(Candidate("online", t, t.workspace))
     cands = tiled + [mat] + online if big else [mat] + tiled + online
+    if p.fused_ok and p.lq and p.lk:
+        ft = fused_tiling(p, TILE_TARGET if lim is None else min(TILE_TARGET, lim))
+        if ft is not None:
+            cands.insert(0, Candidate("fused", ft, ft.workspace))
     return choose(OP, cands, lim)
 
 
@@ -209,6 +236,7 @@ def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Pl
         not matrix_ok(out.shape, out.strides, out=True),
         matrix_ok(k.shape, k.strides),
         attrs["is_causal"],
+        ins[3] is None and fused.available(q.dtype.np, v.shape[3], v.strides, out.strides),
     )
     return plan_attention(p, limit, k.shape[2])
 
@@ -221,9 +249,11 @@ def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[
     if mask is not None:
         kind = "bool" if mask.dtype == np.bool_ else "additive"
         mask = np.broadcast_to(mask, q.shape[:3] + (k.shape[2],))
-    build = build_online if plan.implementation == "online" else build_rows
     if out.size == 0:
         return lambda _: None
+    if plan.implementation == "fused":
+        return fused.build_fused(q, k, v, out, attrs["is_causal"], scale, plan.tiling)
+    build = build_online if plan.implementation == "online" else build_rows
     return build(q, k, v, out, mask, kind, attrs["is_causal"], scale, plan.tiling)
 
 
@@ -259,8 +289,10 @@ scaled_dot_product_attention = register(
         infer=_infer,
         select=_select,
         kernels={"cpu": _build},
-        implementations=("materialized", "tiled", "online"),
+        implementations=("fused", "materialized", "tiled", "online"),
         workspace_formula=(
+            "fused (P parts, tq queries a tile): P*align64((K + D + 2)*W*item), K = Lk (causal: min(Lk, Lq)), "
+            "W = 8 for tq <= 8, else tq rounded up to 16; "
             "materialized: the tiled formula with one tile (tb, th, tq) = (B, H, Lq); tiled (tb x th x tq "
             "rows): align64(tb*th*S*item), S = tq*Lk (causal: Lk = min(Lk, Lq), and for tiles of tq < Lq "
             "rows of one head S = max(tq*min(Lk, F), (Lq - F)*Lk), F = Lq - Lq % tq: the scores of the "
@@ -273,7 +305,13 @@ scaled_dot_product_attention = register(
         ),
         doc=(
             "softmax(scale * q @ k^T + mask) @ v for (B, H, L, D) operands, float32 / float64; attn_mask is boolean "
-            "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. materialized:"
+            "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. fused "
+            "(float32 without attn_mask, causal or not, Dv a multiple of 16 with v and out rows dense, on CPUs with "
+            "AVX-512): each of P parts (helper threads; one below 2^16 scores) takes every P-th tile of tq queries of "
+            "one head (64, else the most of 48, 32, 16, 8 whose P areas fit workspace_limit) in one compiled loop: "
+            "S^T = k @ (scale q)^T by the register-blocked GEMM, a softmax down S^T's columns, out = P @ v with P "
+            "read from S^T, rows divided by their sums; causal tiles run only the keys up to their last query. "
+            "materialized:"
             " the whole score matrix in the workspace, with k^T packed (and q, v, out when BLAS cannot take them): "
             "one batched GEMM for the scores, one fused pass over the rows (scale, mask, max, exp, sum, "
             "normalize), one batched GEMM into out; from 2^16 scores a tile is cut into parts (batch entries, heads "
@@ -289,7 +327,8 @@ scaled_dot_product_attention = register(
             "the last one a tile (online: a head) keeps, rounded up to 16 (a bool mask whose rows in the tile all keep "
             "the same keys: exactly those, without the mask), and never reads k / v past them (a "
             "padded tile touches less of the workspace; NaN in a skipped key's k / v does not reach the output, "
-            "unlike PyTorch). Ranked: materialized first while its "
+            "unlike PyTorch). Ranked: fused first where it runs, its tiles taking at most 4 MiB; then materialized "
+            "first while its "
             "scores take <= 32 MiB (else after tiled, whose tiles then take at most 4 MiB), then online tiles from "
             "(128, 1024) down to (1, 1); the first that fits workspace_limit wins."
         ),
