@@ -16,7 +16,7 @@ import twophase
 from twophase import device
 from twophase.errors import ParamError
 from twophase.kernels.cpu import attention as attention_kernels
-from twophase.kernels.cpu import gemm
+from twophase.kernels.cpu import attention_fused, gemm
 from twophase.layout import align
 from twophase.ops import scaled_dot_product_attention as sdpa
 from twophase.ops.attention import Dims, reference, rows_layout, tiled_layout
@@ -709,8 +709,8 @@ def test_sdpa_fused_any_shape(
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("threads, tight", [(2, False), (3, False), (2, True)])
 def test_sdpa_fused_parts(rng: np.random.Generator, causal: bool, threads: int, tight: bool) -> None:
-    """From 2^16 scores, one part a thread, each taking every third (second) tile in its own area: causal tiles of
-    64 queries then differ in their keys, the last part's tiles are fewer."""
+    """From 2^16 scores, one part a thread, each running its share of the tiles in its own area (causal tiles of
+    64 queries differ in their keys: the shares differ in their counts)."""
     b, h, lq, lk, d = 1, 3, 150, 170, 24
     q, k, v = _qkv(rng, b, h, lq, lk, d, 32)
     ref = reference(q, k, v, is_causal=causal)
@@ -721,6 +721,18 @@ def test_sdpa_fused_parts(rng: np.random.Generator, causal: bool, threads: int, 
     assert (r.implementation, r.tiling.parts, r.tiling.block_q) == ("fused", threads, tq)
     assert r.workspace_size == _fused_workspace(b, h, lq, lk, d, tq, threads, causal)
     _check(r, ref)
+
+
+def test_sdpa_fused_shares_balance_causal_tiles() -> None:
+    """A causal head's tiles see 64, 128, 192 and 256 keys: the two parts take the first and last, the middle two
+    (equal work); every tile once, each part's in order. Without causality: the full tiles alternate, then the
+    two short ones (2 queries each) one a part."""
+    tiles, bounds = attention_fused.shares(1, 1, 256, 256, 64, True, 2)
+    assert bounds == [0, 2, 4]
+    assert tiles.tolist() == [[0, 0, 0], [0, 0, 192], [0, 0, 64], [0, 0, 128]]
+    tiles, bounds = attention_fused.shares(1, 2, 130, 40, 64, False, 2)  # 3 tiles a head, the last of 2 queries
+    assert bounds == [0, 3, 6]
+    assert tiles.tolist() == [[0, 0, 0], [0, 0, 128], [0, 1, 0], [0, 0, 64], [0, 1, 64], [0, 1, 128]]
 
 
 @needs_fused

@@ -6,8 +6,8 @@ A tile of ``tq`` queries of one head against every key it sees: ``S^T = K @ (sca
 softmax down the columns of S^T (each key row's loop runs across the tile's queries, so it vectorizes however few
 keys there are), then ``out = P @ V`` with P read as S^T transposed (the register-blocked GEMM broadcasts its left
 operand at any strides), normalized by the column sums. Causal tiles run only the keys up to their last query
-(top-left aligned, as PyTorch). Each part (helper thread) takes every P-th tile (causal tiles grow with their
-queries: interleaving balances them) and has its own area of the workspace (``area_floats``).
+(top-left aligned, as PyTorch). Each part (helper thread) takes a share of the tiles balanced by their work (causal
+tiles grow with their queries, ``shares``) and has its own area of the workspace (``area_floats``).
 
 Against the materialized implementation (the whole score matrix, batched GEMMs, a fused row pass), both through
 the op, two threads, AMD Zen 4 (/tmp/w54/fused_proto.py of the fifty-fourth session), 7 rounds: (1, 12, 512, 64)
@@ -70,14 +70,14 @@ def fused_tiles(
     out: Any,
     area: Any,
     tiles: Any,
-    first: int,
-    step: int,
+    t0: int,
+    t1: int,
     tq: int,
     width: int,
     scale: float,
     causal: bool,
 ) -> None:
-    """out[b, h, q0:q0 + n] for the tiles ``tiles[first::step]`` (rows (b, h, q0)), ``tq`` queries each, in the
+    """out[b, h, q0:q0 + n] for the tiles ``tiles[t0:t1]`` (rows (b, h, q0)), ``tq`` queries each, in the
     float32 ``area`` (``area_floats``; ``width`` = ``row_width(tq)``): S^T = K @ (scale Q)^T, a softmax down its
     columns (causal: key j masked for the queries before it), out = P @ V, each row divided by its column's sum."""
     wide_vectors()
@@ -90,7 +90,7 @@ def fused_tiles(
     colsum = area[(keys + d + 1) * width : (keys + d + 2) * width]
     sc = np.float32(scale)
     item = 4
-    for ti in range(first, tiles.shape[0], step):
+    for ti in range(t0, t1):
         b, h, q0 = tiles[ti, 0], tiles[ti, 1], tiles[ti, 2]
         n = min(tq, nq - q0)
         kend = min(nk, q0 + n) if causal else nk
@@ -157,21 +157,32 @@ def fused_tiles(
                 orow[c] *= inv
 
 
-def tile_list(nb: int, nh: int, nq: int, tq: int) -> Any:
-    """(b, h, q0) of every tile, head by head."""
-    return np.array([(b, h, q0) for b in range(nb) for h in range(nh) for q0 in range(0, nq, tq)], np.int64).reshape(
-        -1, 3
-    )
+def shares(nb: int, nh: int, nq: int, nk: int, tq: int, causal: bool, parts: int) -> tuple[Any, list[int]]:
+    """The tiles (rows (b, h, q0)) ordered part by part, and where each part's run starts (``parts`` + 1 bounds):
+    each tile, the most work first (its queries x the keys it sees), goes to the part with the least work so far,
+    so that a causal head's late tiles, which see the most keys, do not all fall to one part."""
+    tiles = [(b, h, q0) for b in range(nb) for h in range(nh) for q0 in range(0, nq, tq)]
+    work = [min(tq, nq - q0) * (min(nk, q0 + tq) if causal else nk) for _, _, q0 in tiles]
+    load = [0] * parts
+    runs: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    for i in sorted(range(len(tiles)), key=lambda i: -work[i]):  # (stable: equal work keeps the tiles' order)
+        p = load.index(min(load))
+        load[p] += work[i]
+        runs[p].append(tiles[i])
+    bounds = [0]
+    for run in runs:
+        bounds.append(bounds[-1] + len(run))
+    return np.array([t for run in runs for t in sorted(run)], np.int64).reshape(-1, 3), bounds
 
 
 def build_fused(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float, t: Any) -> Callable[[Any], None]:
-    """The launch of ``t.parts`` parts of ``fused_tiles`` on tiles of ``t.block_q`` queries, part i in the
-    workspace's i-th area of ``t.area`` bytes; zeros when there are no keys."""
+    """The launch of ``t.parts`` parts of ``fused_tiles`` on tiles of ``t.block_q`` queries (``shares``), part i in
+    the workspace's i-th area of ``t.area`` bytes; zeros when there are no keys."""
     nb, nh, nq, d = q.shape
     nk = k.shape[2]
     if nk == 0:
         return lambda _: out.fill(0)
-    tiles = tile_list(nb, nh, nq, t.block_q)
+    tiles, bounds = shares(nb, nh, nq, nk, t.block_q, causal, t.parts)
     keys = min(nk, nq) if causal else nk
     floats = area_floats(keys, d, t.block_q)
     sample = np.empty(floats, np.float32)
@@ -190,8 +201,8 @@ def build_fused(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float, t:
                 out,
                 ws[i * stride : i * stride + floats * 4].view(np.float32),
                 tiles,
-                i,
-                parts,
+                bounds[i],
+                bounds[i + 1],
                 t.block_q,
                 width,
                 scale,
