@@ -524,7 +524,7 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     the parts' phase areas where ``conv_phases.usable``, else, or when those do not fit, without; ``t.flat``: the
     unfold reads the input planes in place); parts split as ``tiles_grid``, or over output channels instead where
     the partial outputs of a split of the input channels leave too little of ``limit`` for tiles as large
-    (``tile_pixels_of``). None without input channels (nothing to unfold: the others write the bias)."""
+    (``pixels_per_tile``). None without input channels (nothing to unfold: the others write the bias)."""
     if t.groups != 1 or t.orient != "cm" or t.kc == 0 or not tiles_available(x.dtype.np):
         return None
     shape = (t.n, t.oh, t.ow, t.oc, fanout_parts(), t.kc, t.kh * t.kw)
@@ -532,7 +532,7 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
     found = _tiles_fit(t, x, dense, limit, grid)
     if partial_parts(grid) and limit is not None:
         by_channels = _tiles_fit(t, x, dense, limit, tiles_grid(*shape, split_k=False))
-        if found is None or (by_channels is not None and tile_pixels_of(by_channels) > tile_pixels_of(found)):
+        if found is None or (by_channels is not None and pixels_per_tile(by_channels) > pixels_per_tile(found)):
             found = by_channels
     return found
 
@@ -542,7 +542,7 @@ def _tiles_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | Non
 # fifty-fourth session), split by input channels / by output channels: 256->256 14^2 (tiles of 1 row / 4 rows)
 # 1.29x, 128->256 28^2 s2 (1 / 4) 1.15x, 256->512 14^2 s2 (4 / 7) 1.05x, 512->512 7^2 (4 / 7) 1.08x faster split
 # by output channels. With tiles as large, the input channels' split stays (1.02-1.08x faster: ``tiles_grid``).
-def tile_pixels_of(c: Candidate) -> int:
+def pixels_per_tile(c: Candidate) -> int:
     """Output pixels of a tiles candidate's tile: ``chunk`` rows of OW, times ``tile_n`` whole images."""
     t = c.tiling
     return int(t.chunk * t.ow * max(1, t.tile_n))

@@ -9,10 +9,11 @@ operand at any strides), normalized by the column sums. Causal tiles run only th
 (top-left aligned, as PyTorch). Each part (helper thread) takes a share of the tiles balanced by their work (causal
 tiles grow with their queries, ``shares``) and has its own area of the workspace (``area_floats``).
 
-Against the materialized implementation (the whole score matrix, batched GEMMs, a fused row pass), both through
-the op, two threads, AMD Zen 4 (/tmp/w54/fused_proto.py of the fifty-fourth session), 7 rounds: (1, 12, 512, 64)
-tiles of 64 queries 4.7 ms against 5.7, causal tiles of 32 3.2 against 5.0; (8, 12, 128, 32) 1.75 against 2.16,
-causal 1.44 against 2.35; (1, 4, 4096, 64) 93 against 109 ms; and in 1/40 of the workspace.
+Against the materialized implementation (the whole score matrix, batched GEMMs, a fused row pass), both forced
+through the op, two threads, 9 interleaved rounds, AMD Zen 4 (/tmp/w54/sdr.py of the fifty-fourth session),
+t(materialized) / t(fused): (2, 8, 1024, 64) 1.10, (32, 4, 64, 16) 1.14, (1, 12, 512, 64) 1.06, (8, 12, 128, 32)
+1.05, (1, 12, 128, 32) 1.01-1.03, (1, 1, 2048, 128) 0.99, (4, 4, 32, 32) 0.99; causal (1, 12, 512, 64) 1.36-1.41,
+(8, 12, 128, 32) 1.07, (1, 12, 128, 32) 1.11; in 1/48 of the workspace at (1, 12, 512, 64).
 """
 
 from __future__ import annotations
