@@ -1260,18 +1260,14 @@ def test_conv2d_implicit_any_geometry(
 ) -> None:
     """Any window, stride 1 or 2 per dim, padding and dilation, batch, parts and chunk budget: the planes' reach
     and the offsets cover every tap, padding read as 0; every output written once, as the reference."""
-    if h + 2 * pad[0] < dil[0] * (k[0] - 1) + 1 or w + 2 * pad[1] < dil[1] * (k[1] - 1) + 1:
+    case = _case(seed, n, c, oc, 1, h, w, k, stride, pad, dil, True, False)
+    if case is None:
         return
-    rng = np.random.default_rng(seed)
-    x = _x(rng, (n, c, h, w), False)
-    wt = (rng.standard_normal((oc, c) + k) * 0.2).astype(np.float32)
-    b = rng.standard_normal(oc).astype(np.float32)
-    attrs = dict(stride=stride, padding=pad, dilation=dil)
+    x, wt, b, attrs, ref = case
     monkeypatch.setattr(conv_op, "IMPLICIT_FLOATS", budget)
     clear_cache()
     with num_threads(threads):
         r = _run("implicit", x, wt, b, **attrs)
-    ref = reference(x, wt, b, **attrs)
     assert r.workspace_size == _implicit_workspace(*ref.shape[2:], k, stride, pad, dil, r.tiling)
     _check(r, ref)
 

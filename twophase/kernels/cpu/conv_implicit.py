@@ -215,8 +215,3 @@ def build_implicit(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         return functools.partial(run_parts, parts)
 
     return workspace_launcher(bind)
-
-
-def available(dtype: Any) -> bool:
-    """Whether the implicit GEMM can run: float32 on a CPU with the register-blocked GEMM."""
-    return np.dtype(dtype) == np.float32 and gemm.available()
