@@ -19,7 +19,7 @@ from twophase.kernels.cpu import attention as attention_kernels
 from twophase.kernels.cpu import attention_fused, gemm
 from twophase.layout import align
 from twophase.ops import scaled_dot_product_attention as sdpa
-from twophase.ops.attention import Dims, reference, rows_layout, tiled_layout
+from twophase.ops.attention import Dims, fused_tiling, reference, rows_layout, tiled_layout
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
@@ -656,52 +656,61 @@ def test_causal_block_is_wider_where_heads_run_on_the_avx512_kernel() -> None:
 needs_fused = pytest.mark.skipif(not gemm.available(), reason="the fused tiles run on the register-blocked GEMM")
 
 
-def _fused_workspace(b: int, h: int, lq: int, lk: int, d: int, tq: int, parts: int, causal: bool) -> int:
-    """The fused tiles' workspace, by its formula: parts x align64((keys + D + 2) x width floats), width = 8 up to
-    8 queries a tile, else whole 16s; causal tiles see min(Lk, Lq) keys at most."""
+def _fused_workspace(b: int, h: int, lq: int, lk: int, d: int, tq: int, bk: int, parts: int, causal: bool) -> int:
+    """The fused tiles' workspace, by its formula: parts x align64((keys + D + 2) x width floats) for tiles that take
+    every key at once, parts x align64((bk + D + 3) x width floats) for blocks of ``bk`` keys, width = 8 up to 8
+    queries a tile, else whole 16s; causal tiles see min(Lk, Lq) keys at most."""
     keys = min(lk, lq) if causal else lk
     width = 8 if tq <= 8 else -(-tq // 16) * 16
     tiles = b * h * -(-lq // tq)
-    return min(parts, tiles) * align((keys + d + 2) * width * 4)
+    rows = keys + d + 2 if bk >= keys else bk + d + 3
+    return min(parts, tiles) * align(rows * width * 4)
 
 
 @needs_fused
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(
     b=st.integers(1, 2),
     h=st.integers(1, 3),
     lq=st.integers(1, 70),
-    lk=st.integers(1, 40),
+    lk=st.integers(1, 300),
     d=st.integers(1, 9),
     dv=st.sampled_from([16, 32]),
     causal=st.booleans(),
-    scale=st.sampled_from([None, 0.3]),
+    scale=st.sampled_from([None, 0.3, 3.0]),
     threads=st.sampled_from([1, 2, 3]),
-    tight=st.booleans(),
+    limit=st.sampled_from([None, "whole keys", "key blocks"]),
     seed=st.integers(0, 2**31),
 )
 def test_sdpa_fused_any_shape(
-    b: int, h: int, lq: int, lk: int, d: int, dv: int, causal: bool, scale: Any, threads: int, tight: bool, seed: int
+    b: int, h: int, lq: int, lk: int, d: int, dv: int, causal: bool, scale: Any, threads: int, limit: Any, seed: int
 ) -> None:
-    """Tiles of up to 64 queries (a last one shorter), against every key or, causal, the keys up to their last
-    query (Lk above and below Lq); one to three parts; the workspace by its formula; the largest tile unlimited,
-    tiles of 8 queries at the smallest limit that takes every part."""
+    """Tiles of up to 64 queries (a last one shorter) against every key or, causal, the keys up to their last query
+    (Lk above and below Lq), at once or in blocks (a last one shorter); one to three parts; the workspace by its
+    formula. Unlimited: the largest tiles, every key at once up to 256 (else even blocks of at most 256); at the
+    smallest limit of 8-query tiles with every key, or of 16-query tiles with blocks of 16 keys: what fits."""
     rng = np.random.default_rng(seed)
     q, k, v = _qkv(rng, b, h, lq, lk, d, dv)
     ref = reference(q, k, v, is_causal=causal, scale=scale)
-    size = _fused_workspace(b, h, lq, lk, d, min(lq, 8), threads, causal)
+    keys = min(lk, lq) if causal else lk
+    size = None
+    if limit == "whole keys":
+        size = _fused_workspace(b, h, lq, lk, d, min(lq, 8), keys, threads, causal)
+    elif limit == "key blocks":
+        size = _fused_workspace(b, h, lq, lk, d, min(lq, 16), min(16, keys), threads, causal)
     with num_threads(threads), forced("fused"):
-        r = run_checked(sdpa, q, k, v, None, is_causal=causal, scale=scale, workspace_limit=size if tight else None)
+        r = run_checked(sdpa, q, k, v, None, is_causal=causal, scale=scale, workspace_limit=size)
     t = r.tiling
     assert r.implementation == "fused"
-    assert r.workspace_size == _fused_workspace(b, h, lq, lk, d, t.block_q, t.parts, causal)
-    keys = min(lk, lq) if causal else lk
+    assert r.workspace_size == _fused_workspace(b, h, lq, lk, d, t.block_q, t.block_k, t.parts, causal)
     many = b * h * lq * keys >= attention_kernels.FANOUT_MIN  # fewer scores run in one part
     assert t.parts == (min(threads, b * h * -(-lq // t.block_q)) if many else 1)
-    if tight:  # 8 queries a tile, or more where fewer tiles than threads take no more room
-        assert r.workspace_size <= size and min(lq, 8) <= t.block_q
+    assert t.block_k == keys or 8 < t.block_k < keys  # every key, or even blocks where 16 or more fit: > 8 each
+    if size is None:
+        blocks = -(-keys // 256)
+        assert (t.block_q, t.block_k) == (min(lq, 64), -(-keys // blocks))
     else:
-        assert t.block_q == min(lq, 64)
+        assert r.workspace_size <= size
     _check(r, ref)
 
 
@@ -710,17 +719,40 @@ def test_sdpa_fused_any_shape(
 @pytest.mark.parametrize("threads, tight", [(2, False), (3, False), (2, True)])
 def test_sdpa_fused_parts(rng: np.random.Generator, causal: bool, threads: int, tight: bool) -> None:
     """From 2^16 scores, one part a thread, each running its share of the tiles in its own area (causal tiles of
-    64 queries differ in their keys: the shares differ in their counts)."""
+    64 queries differ in their keys: the shares differ in their counts); under a limit, in blocks of keys."""
     b, h, lq, lk, d = 1, 3, 150, 170, 24
     q, k, v = _qkv(rng, b, h, lq, lk, d, 32)
     ref = reference(q, k, v, is_causal=causal)
-    limit = _fused_workspace(b, h, lq, lk, d, 8, threads, causal) if tight else None
+    keys = min(lk, lq) if causal else lk
+    limit = _fused_workspace(b, h, lq, lk, d, 64, 32, threads, causal) if tight else None
     with num_threads(threads), forced("fused"):
         r = run_checked(sdpa, q, k, v, None, is_causal=causal, workspace_limit=limit)
-    tq = 8 if tight else 64
-    assert (r.implementation, r.tiling.parts, r.tiling.block_q) == ("fused", threads, tq)
-    assert r.workspace_size == _fused_workspace(b, h, lq, lk, d, tq, threads, causal)
+    t = r.tiling
+    assert (r.implementation, t.parts) == ("fused", threads)
+    assert (t.block_q, t.block_k) != (64, keys) if tight else (t.block_q, t.block_k) == (64, keys)
+    assert r.workspace_size == _fused_workspace(b, h, lq, lk, d, t.block_q, t.block_k, threads, causal)
     _check(r, ref)
+
+
+@pytest.mark.parametrize(
+    "shape, limit, plan",
+    [
+        ((1, 12, 512, 64), None, (2, 64, 256)),  # blocks of 256 keys
+        ((1, 12, 512, 64), 1 << 16, (2, 48, 103)),  # 5 blocks of 103 keys: 1/48 + 1/103 is the least
+        ((1, 12, 512, 64), 8 << 10, (2, 8, 57)),  # 9 blocks of 57: only 8 queries fit
+        ((8, 12, 128, 32), None, (2, 64, 128)),  # every key at once
+        ((8, 12, 128, 32), 1 << 16, (2, 48, 128)),  # every key: 1/48 + 1/128 beats 1/64 + 1/64
+        ((1, 1, 300, 64), None, (2, 64, 150)),  # two even blocks
+        ((1, 1, 40, 64), 1 << 10, None),  # not a block of 16 keys of 8 queries fits
+    ],
+)
+def test_sdpa_fused_plans_key_blocks(shape: tuple[int, ...], limit: Any, plan: Any) -> None:
+    """The fused planner: the most parts, then the tile size and key blocks of the least 1/queries + 1/keys."""
+    b, h, lq, d = shape
+    p = Dims(b, h, lq, lq, d, d, 4, fused_ok=True)
+    with num_threads(2):
+        t = fused_tiling(p, limit if limit is not None else 4 << 20)
+    assert (t and (t.parts, t.block_q, t.block_k)) == plan
 
 
 def test_sdpa_fused_shares_balance_causal_tiles() -> None:

@@ -35,7 +35,8 @@ class AttentionTiling:
     materialized / tiled (whole key rows): ``offsets`` of the workspace areas (scores, k^T, q, v, out), -1 for
     an operand used in place (k^T is packed unless the limit leaves no room: BLAS runs the plain layout faster). online:
     ``offsets`` of scores, pv, m, m_new, alpha, l, rowsum (unused areas of size 0). fused: tiles of ``block_q``
-    queries against every key (``block_k``), ``parts`` areas of ``area`` bytes (``kernels.cpu.attention_fused``)."""
+    queries against key blocks of ``block_k`` (every key the tiles see, or fewer: an online softmax), ``parts`` areas of
+    ``area`` bytes (``kernels.cpu.attention_fused``)."""
 
     block_q: int
     block_k: int
@@ -135,20 +136,40 @@ def tiled_layout(bq: int, bk: int, lk: int, dv: int, item: int) -> AttentionTili
     return AttentionTiling(bq, bk, online, tuple(offsets), off if lk else 0)
 
 
+def fused_keys(p: Dims, tq: int, room: int) -> int:
+    """Keys per block of the fused tiles of ``tq`` queries whose area fits ``room`` bytes: every key the tiles see
+    while there are at most ``fused.BK_MAX`` and they fit, else the fewest blocks of at most ``fused.BK_MAX`` keys
+    that fit, the keys shared evenly between them; 0 when neither every key nor blocks of 16 fit."""
+    width = fused.row_width(tq)
+    if p.lk <= fused.BK_MAX and align(fused.area_floats(p.lk, p.d, tq, p.lk) * p.item) <= room:
+        return p.lk
+    most = min(room // 64 * 64 // p.item // width - p.d - 3, fused.BK_MAX, p.lk - 1)
+    if most < 16:
+        return 0
+    return -(-p.lk // -(-p.lk // most))
+
+
 def fused_tiling(p: Dims, budget: int) -> AttentionTiling | None:
     """The fused tiles: the most parts (up to the helper threads and the tiles; one below ``FANOUT_MIN`` scores in
-    all, as the other implementations cut theirs), then the most queries a tile (64, 48, 32, 16, else 8 or Lq if
-    fewer: whole vectors of the score GEMM), whose areas fit ``budget`` bytes; None when not even one part of one
-    query fits. Causal tiles see min(Lk, Lq) keys at most (``p.lk``)."""
+    all, as the other implementations cut theirs), then of the tiles of 64, 48, 32, 16 or 8 queries (or Lq if
+    fewer: whole vectors of the score GEMM), each with the largest key blocks (``fused_keys``) whose areas fit
+    ``budget`` bytes, the one with the least 1/queries + 1/keys (both cost in proportion: a k row's load is shared
+    by the tile's queries, a block's rescale of the sums and out by its keys); None when none fits. Causal tiles
+    see min(Lk, Lq) keys at most (``p.lk``)."""
     sizes = sorted({min(p.lq, tq) for tq in (fused.TQ_MAX, 48, 32, 16, 8)}, reverse=True)
     most = fanout_parts() if p.b * p.h * p.lq * p.lk >= FANOUT_MIN else 1
     for parts in range(max(1, most), 0, -1):
+        best: tuple[float, AttentionTiling] | None = None
         for tq in sizes:
-            tiles = p.b * p.h * -(-p.lq // tq)
-            used = max(1, min(parts, tiles))
-            area = align(fused.area_floats(p.lk, p.d, tq) * p.item)
-            if used * area <= budget:
-                return AttentionTiling(tq, p.lk, False, (), used * area, parts=used, area=area)
+            used = max(1, min(parts, p.b * p.h * -(-p.lq // tq)))
+            bk = fused_keys(p, tq, budget // used)
+            if bk:
+                area = align(fused.area_floats(p.lk, p.d, tq, bk) * p.item)
+                cost = 1 / tq + 1 / bk
+                if best is None or cost < best[0]:
+                    best = cost, AttentionTiling(tq, bk, False, (), used * area, parts=used, area=area)
+        if best is not None:
+            return best[1]
     return None
 
 
@@ -291,7 +312,8 @@ scaled_dot_product_attention = register(
         kernels={"cpu": _build},
         implementations=("fused", "materialized", "tiled", "online"),
         workspace_formula=(
-            "fused (P parts, tq queries a tile): P*align64((K + D + 2)*W*item), K = Lk (causal: min(Lk, Lq)), "
+            "fused (P parts, tq queries a tile): P*align64((K + D + 2)*W*item) with every key at once, "
+            "P*align64((bk + D + 3)*W*item) with blocks of bk keys, K = Lk (causal: min(Lk, Lq)), "
             "W = 8 for tq <= 8, else tq rounded up to 16; "
             "materialized: the tiled formula with one tile (tb, th, tq) = (B, H, Lq); tiled (tb x th x tq "
             "rows): align64(tb*th*S*item), S = tq*Lk (causal: Lk = min(Lk, Lq), and for tiles of tq < Lq "
@@ -308,10 +330,12 @@ scaled_dot_product_attention = register(
             "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. fused "
             "(float32 without attn_mask, causal or not, Dv a multiple of 16 with v and out rows dense, on CPUs with "
             "AVX-512): each of P parts (helper threads; one below 2^16 scores) runs its share of the tiles of tq "
-            "queries of one head (64, else the most of 48, 32, 16, 8 whose P areas fit workspace_limit; shares "
-            "balanced by each tile's queries x keys) in one compiled loop: "
+            "queries of one head (shares balanced by each tile's queries x keys) in one compiled loop: "
             "S^T = k @ (scale q)^T by the register-blocked GEMM, a softmax down S^T's columns, out = P @ v with P "
             "read from S^T, rows divided by their sums; causal tiles run only the keys up to their last query. "
+            "Past 256 keys, or where every key does not fit the limit, the keys run in even blocks of bk (16 at "
+            "least) with an online softmax. Unlimited: tq = 64 and every key up to 256; under workspace_limit the "
+            "tq of 64, 48, 32, 16, 8 and the largest bk whose P areas fit with the least 1/tq + 1/bk. "
             "materialized:"
             " the whole score matrix in the workspace, with k^T packed (and q, v, out when BLAS cannot take them): "
             "one batched GEMM for the scores, one fused pass over the rows (scale, mask, max, exp, sum, "

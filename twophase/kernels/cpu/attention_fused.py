@@ -5,7 +5,9 @@ A tile of ``tq`` queries of one head against every key it sees: ``S^T = K @ (sca
 ``gemm.gemm_tile`` with k's rows broadcast, any strides, and the tile's scaled queries packed as the panel), a
 softmax down the columns of S^T (each key row's loop runs across the tile's queries, so it vectorizes however few
 keys there are), then ``out = P @ V`` with P read as S^T transposed (the register-blocked GEMM broadcasts its left
-operand at any strides), normalized by the column sums. Causal tiles run only the keys up to their last query
+operand at any strides), normalized by the column sums. Past ``BK_MAX`` keys, or where the workspace limit leaves no
+room for every key, the keys run in blocks with an online softmax (the column maxima move from block to block, and
+what the sums and out rows hold so far is rescaled). Causal tiles run only the keys up to their last query
 (top-left aligned, as PyTorch). Each part (helper thread) takes a share of the tiles balanced by their work (causal
 tiles grow with their queries, ``shares``) and has its own area of the workspace (``area_floats``).
 
@@ -13,7 +15,8 @@ Against the materialized implementation (the whole score matrix, batched GEMMs, 
 through the op, two threads, 9 interleaved rounds, AMD Zen 4 (/tmp/w54/sdr.py of the fifty-fourth session),
 t(materialized) / t(fused): (2, 8, 1024, 64) 1.10, (32, 4, 64, 16) 1.14, (1, 12, 512, 64) 1.06, (8, 12, 128, 32)
 1.05, (1, 12, 128, 32) 1.01-1.03, (1, 1, 2048, 128) 0.99, (4, 4, 32, 32) 0.99; causal (1, 12, 512, 64) 1.36-1.41,
-(8, 12, 128, 32) 1.07, (1, 12, 128, 32) 1.11; in 1/48 of the workspace at (1, 12, 512, 64).
+(8, 12, 128, 32) 1.07, (1, 12, 128, 32) 1.11; in 1/48 of the workspace at (1, 12, 512, 64) (every key at once; blocks
+of 256 keys ran 0.97-1.04x that on 512-4096 keys, /tmp/w55p.py of the fifty-fifth session).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from .jit import entry, row_of, wide_vectors
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 
 TQ_MAX = 64  # queries per tile at most: a 64-wide panel of the score GEMM (wider ran no faster)
+BK_MAX = 256  # keys per block at most: whole rows of 512-4096 keys ran no faster, in up to 13x the area
 
 
 def row_width(tq: int) -> int:
@@ -41,10 +45,11 @@ def row_width(tq: int) -> int:
     return 8 if tq <= 8 else -(-tq // gemm.LANES) * gemm.LANES
 
 
-def area_floats(keys: int, d: int, tq: int) -> int:
-    """Floats of one part's area: S^T (``keys`` x width), the packed queries (D x width) and the tile's column
-    maxima and sums (2 x width), width = ``row_width(tq)``."""
-    return (keys + d + 2) * row_width(tq)
+def area_floats(keys: int, d: int, tq: int, bk: int) -> int:
+    """Floats of one part's area: S^T of a key block (``bk`` of the ``keys`` x width), the packed queries
+    (D x width), the tile's column maxima and sums, and with more than one block the block's maxima (2 or 3 x
+    width), width = ``row_width(tq)``."""
+    return (min(bk, keys) + d + (2 if bk >= keys else 3)) * row_width(tq)
 
 
 def available(dtype: Any, dv: int, v_strides: tuple[int, ...], out_strides: tuple[int, ...]) -> bool:
@@ -75,20 +80,23 @@ def fused_tiles(
     t1: int,
     tq: int,
     width: int,
+    bk: int,
     scale: float,
     causal: bool,
 ) -> None:
     """out[b, h, q0:q0 + n] for the tiles ``tiles[t0:t1]`` (rows (b, h, q0)), ``tq`` queries each, in the
-    float32 ``area`` (``area_floats``; ``width`` = ``row_width(tq)``): S^T = K @ (scale Q)^T, a softmax down its
-    columns (causal: key j masked for the queries before it), out = P @ V, each row divided by its column's sum."""
+    float32 ``area`` (``area_floats``; ``width`` = ``row_width(tq)``), key blocks of ``bk`` keys: per block
+    S^T = K @ (scale Q)^T, a softmax down its columns (causal: key j masked for the queries before it), out += P @ V;
+    from the second block on, the column maxima move and what out and the sums hold so far is rescaled (an online
+    softmax); at the end each row is divided by its column's sum."""
     wide_vectors()
     nq, d = q.shape[2], q.shape[3]
     nk, dv = k.shape[2], v.shape[3]
-    keys = min(nk, nq) if causal else nk
-    st = area[: keys * width].reshape(keys, width)
-    qt = area[keys * width : (keys + d) * width].reshape(d, width)
-    colmax = area[(keys + d) * width : (keys + d + 1) * width]
-    colsum = area[(keys + d + 1) * width : (keys + d + 2) * width]
+    st = area[: bk * width].reshape(bk, width)
+    qt = area[bk * width : (bk + d) * width].reshape(d, width)
+    colmax = area[(bk + d) * width : (bk + d + 1) * width]
+    colsum = area[(bk + d + 1) * width : (bk + d + 2) * width]
+    blockmax = area[(bk + d + 2) * width : (bk + d + 3) * width]  # only with more than one block
     sc = np.float32(scale)
     item = 4
     for ti in range(t0, t1):
@@ -102,55 +110,69 @@ def fused_tiles(
                 row[i] = qb[q0 + i, dd] * sc
             for i in range(n, width):
                 row[i] = 0.0
-        kb = k[b, h]
-        # all ``width`` columns: those past n are 0 (the packed zeros), so the whole area is written
-        gemm.gemm_tile(
-            kb.ctypes.data,
-            kb.strides[0] // item,
-            kb.strides[1] // item,
-            qt.ctypes.data,
-            width,
-            st.ctypes.data,
-            width,
-            d,
-            kend,
-            width,
-            0,
-            0,
-            0,
-        )
-        for i in range(width):
-            colmax[i] = -np.inf
-            colsum[i] = 0.0
-        for j in range(kend):
-            row = row_of(st, j, True)
-            if causal and j > q0:  # queries q0 .. j - 1 come before key j
-                for i in range(min(n, j - q0)):
-                    row[i] = -np.inf
-            for i in range(n):
-                colmax[i] = vm.maximum(colmax[i], row[i])
-        for j in range(kend):
-            row = row_of(st, j, True)
-            for i in range(n):
-                e = vm.exp_nonpos_f32(row[i] - colmax[i])
-                row[i] = e
-                colsum[i] += e
-        ob, vb = out[b, h], v[b, h]
-        gemm.gemm_tile(
-            st.ctypes.data,
-            1,
-            width,
-            vb.ctypes.data,
-            vb.strides[0] // item,
-            ob.ctypes.data + q0 * ob.strides[0],
-            ob.strides[0] // item,
-            kend,
-            n,
-            dv,
-            0,
-            0,
-            0,
-        )
+        kh, ob, vb = k[b, h], out[b, h], v[b, h]
+        for j0 in range(0, kend, bk):
+            m = min(bk, kend - j0)
+            # all ``width`` columns: those past n are 0 (the packed zeros), so the whole area is written
+            gemm.gemm_tile(
+                kh.ctypes.data + j0 * kh.strides[0],
+                kh.strides[0] // item,
+                kh.strides[1] // item,
+                qt.ctypes.data,
+                width,
+                st.ctypes.data,
+                width,
+                d,
+                m,
+                width,
+                0,
+                0,
+                0,
+            )
+            mx = colmax if j0 == 0 else blockmax
+            for i in range(width):
+                mx[i] = -np.inf
+            for jj in range(m):
+                j = j0 + jj
+                row = row_of(st, jj, True)
+                if causal and j > q0:  # queries q0 .. j - 1 come before key j
+                    for i in range(min(n, j - q0)):
+                        row[i] = -np.inf
+                for i in range(n):
+                    mx[i] = vm.maximum(mx[i], row[i])
+            if j0 == 0:
+                for i in range(width):
+                    colsum[i] = 0.0
+            else:  # blockmax becomes the factor on what the earlier blocks gave
+                for i in range(n):
+                    top = vm.maximum(colmax[i], blockmax[i])
+                    alpha = vm.exp_nonpos_f32(colmax[i] - top)
+                    colmax[i] = top
+                    colsum[i] *= alpha
+                    orow = row_of(ob, q0 + i, True)
+                    for c in range(dv):
+                        orow[c] *= alpha
+            for jj in range(m):
+                row = row_of(st, jj, True)
+                for i in range(n):
+                    e = vm.exp_nonpos_f32(row[i] - colmax[i])
+                    row[i] = e
+                    colsum[i] += e
+            gemm.gemm_tile(
+                st.ctypes.data,
+                1,
+                width,
+                vb.ctypes.data + j0 * vb.strides[0],
+                vb.strides[0] // item,
+                ob.ctypes.data + q0 * ob.strides[0],
+                ob.strides[0] // item,
+                m,
+                n,
+                dv,
+                0 if j0 == 0 else 1,
+                0,
+                0,
+            )
         for i in range(n):
             inv = np.float32(1.0) / colsum[i]
             orow = row_of(ob, q0 + i, True)
@@ -185,9 +207,10 @@ def build_fused(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float, t:
         return lambda _: out.fill(0)
     tiles, bounds = shares(nb, nh, nq, nk, t.block_q, causal, t.parts)
     keys = min(nk, nq) if causal else nk
-    floats = area_floats(keys, d, t.block_q)
+    bk = min(t.block_k, keys)
+    floats = area_floats(keys, d, t.block_q, bk)
     sample = np.empty(floats, np.float32)
-    kernel = entry(fused_tiles, q, k, v, out, sample, tiles, 0, 1, 1, 8, 0.0, False)
+    kernel = entry(fused_tiles, q, k, v, out, sample, tiles, 0, 1, 1, 8, 1, 0.0, False)
     width = row_width(t.block_q)
     parts, stride = t.parts, t.area
 
@@ -206,6 +229,7 @@ def build_fused(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float, t:
                 bounds[i + 1],
                 t.block_q,
                 width,
+                bk,
                 scale,
                 causal,
             )
