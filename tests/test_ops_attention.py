@@ -687,7 +687,7 @@ def test_sdpa_fused_any_shape(
 ) -> None:
     """Tiles of up to 64 queries (a last one shorter) against every key or, causal, the keys up to their last query
     (Lk above and below Lq), at once or in blocks (a last one shorter); one to three parts; the workspace by its
-    formula. Unlimited: the largest tiles, every key at once up to 256 (else even blocks of at most 256); at the
+    formula. Unlimited: the largest tiles, every key at once up to 512 (else even blocks of at most 512); at the
     smallest limit of 8-query tiles with every key, or of 16-query tiles with blocks of 16 keys: what fits."""
     rng = np.random.default_rng(seed)
     q, k, v = _qkv(rng, b, h, lq, lk, d, dv)
@@ -707,7 +707,7 @@ def test_sdpa_fused_any_shape(
     assert t.parts == (min(threads, b * h * -(-lq // t.block_q)) if many else 1)
     assert t.block_k == keys or 8 < t.block_k < keys  # every key, or even blocks where 16 or more fit: > 8 each
     if size is None:
-        blocks = -(-keys // 256)
+        blocks = -(-keys // attention_fused.BK_MAX)
         assert (t.block_q, t.block_k) == (min(lq, 64), -(-keys // blocks))
     else:
         assert r.workspace_size <= size
@@ -737,12 +737,12 @@ def test_sdpa_fused_parts(rng: np.random.Generator, causal: bool, threads: int, 
 @pytest.mark.parametrize(
     "shape, limit, plan",
     [
-        ((1, 12, 512, 64), None, (2, 64, 256)),  # blocks of 256 keys
+        ((1, 12, 512, 64), None, (2, 64, 512)),  # every key
+        ((1, 1, 1100, 64), None, (2, 64, 367)),  # three even blocks
         ((1, 12, 512, 64), 1 << 16, (2, 48, 103)),  # 5 blocks of 103 keys: 1/48 + 1/103 is the least
         ((1, 12, 512, 64), 8 << 10, (2, 8, 57)),  # 9 blocks of 57: only 8 queries fit
         ((8, 12, 128, 32), None, (2, 64, 128)),  # every key at once
         ((8, 12, 128, 32), 1 << 16, (2, 48, 128)),  # every key: 1/48 + 1/128 beats 1/64 + 1/64
-        ((1, 1, 300, 64), None, (2, 64, 150)),  # two even blocks
         ((1, 1, 40, 64), 1 << 10, None),  # not a block of 16 keys of 8 queries fits
     ],
 )

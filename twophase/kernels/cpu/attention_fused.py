@@ -15,8 +15,7 @@ Against the materialized implementation (the whole score matrix, batched GEMMs, 
 through the op, two threads, 9 interleaved rounds, AMD Zen 4 (/tmp/w54/sdr.py of the fifty-fourth session),
 t(materialized) / t(fused): (2, 8, 1024, 64) 1.10, (32, 4, 64, 16) 1.14, (1, 12, 512, 64) 1.06, (8, 12, 128, 32)
 1.05, (1, 12, 128, 32) 1.01-1.03, (1, 1, 2048, 128) 0.99, (4, 4, 32, 32) 0.99; causal (1, 12, 512, 64) 1.36-1.41,
-(8, 12, 128, 32) 1.07, (1, 12, 128, 32) 1.11; in 1/48 of the workspace at (1, 12, 512, 64) (every key at once; blocks
-of 256 keys ran 0.97-1.04x that on 512-4096 keys, /tmp/w55p.py of the fifty-fifth session).
+(8, 12, 128, 32) 1.07, (1, 12, 128, 32) 1.11; in 1/48 of the workspace at (1, 12, 512, 64).
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ from .jit import entry, row_of, wide_vectors
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 
 TQ_MAX = 64  # queries per tile at most: a 64-wide panel of the score GEMM (wider ran no faster)
-BK_MAX = 256  # keys per block at most: whole rows of 512-4096 keys ran no faster, in up to 13x the area
+BK_MAX = 512  # keys per block at most: as fast as whole rows of 1024-4096 keys (blocks of 256: 0.96x), in less area
 
 
 def row_width(tq: int) -> int:
