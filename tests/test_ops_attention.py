@@ -19,7 +19,7 @@ from twophase.kernels.cpu import attention as attention_kernels
 from twophase.kernels.cpu import attention_fused, gemm
 from twophase.layout import align
 from twophase.ops import scaled_dot_product_attention as sdpa
-from twophase.ops.attention import Dims, fused_tiling, reference, rows_layout, tiled_layout
+from twophase.ops.attention import Dims, fused_tiling, plan_attention, reference, rows_layout, tiled_layout
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
@@ -768,6 +768,69 @@ def test_sdpa_fused_shares_balance_causal_tiles() -> None:
 
 
 @needs_fused
+@settings(max_examples=25, deadline=None)
+@given(
+    b=st.integers(1, 2),
+    h=st.integers(1, 3),
+    lq=st.integers(1, 70),
+    lk=st.integers(1, 120),
+    d=st.integers(1, 9),
+    kind=st.sampled_from(["bool", "additive"]),
+    rows=st.sampled_from(["padding", "padding per head", "general"]),
+    limit=st.sampled_from([None, "key blocks"]),
+    threads=st.sampled_from([1, 2]),
+    seed=st.integers(0, 2**31),
+)
+def test_sdpa_fused_masks(
+    b: int, h: int, lq: int, lk: int, d: int, kind: str, rows: str, limit: Any, threads: int, seed: int
+) -> None:
+    """Bool and additive masks: key padding (per batch entry or per head, rows of any length, none included), whose
+    tiles run only the keys up to the last their head keeps (NaN in the k / v rows after every row's last kept key
+    stays out), and masks whose rows differ between queries (a fully masked one included); every key at once or in
+    blocks of at least 16 (a block may be masked whole for some queries)."""
+    rng = np.random.default_rng(seed)
+    q, k, v = _qkv(rng, b, h, lq, lk, d, 16)
+    if rows == "general":
+        keep = rng.random((b, 1, lq, lk)) < 0.6
+        keep[0, 0, rng.integers(lq)] = False
+        mask = keep if kind == "bool" else np.where(keep, rng.standard_normal(keep.shape), -np.inf).astype(np.float32)
+    else:
+        lengths = rng.integers(0, lk + 1, (b, h) if rows == "padding per head" else (b, 1))
+        mask = _padding_mask(lengths, lk, kind, rng)
+    ref = reference(q, k, v, mask)
+    if rows != "general":
+        k[:, :, int(lengths.max()) :] = np.nan
+        v[:, :, int(lengths.max()) :] = np.nan
+    size = _fused_workspace(b, h, lq, lk, d, min(lq, 16), min(16, lk), threads, False) if limit else None
+    with num_threads(threads), forced("fused"):
+        r = run_checked(sdpa, q, k, v, mask, workspace_limit=size)
+    assert r.implementation == "fused"
+    assert r.workspace_size == _fused_workspace(
+        b, h, lq, lk, d, r.tiling.block_q, r.tiling.block_k, r.tiling.parts, False
+    )
+    _check(r, ref, padded=rows != "general" or lq == 1)  # one query: its mask row is key padding
+
+
+@pytest.mark.parametrize(
+    "shape, limit, first",
+    [
+        ((1, 12, 512, 64), None, "materialized"),
+        ((1, 12, 512, 64), 1 << 16, "fused"),  # tiles of 32 whole rows read 1.5-2x slower
+        ((4, 16, 1024, 64), None, "tiled"),  # 256 MiB of scores: 4 MiB tiles
+        ((4, 16, 1024, 64), 1 << 20, "fused"),
+    ],
+)
+def test_sdpa_fused_with_a_general_mask_ranks_after_whole_heads(shape: tuple[int, ...], limit: Any, first: str) -> None:
+    """A mask whose rows differ between queries: the materialized form or 4 MiB tiles first, then fused; under a
+    smaller limit fused first. Without a mask, or with key padding, fused is first at every limit."""
+    b, h, lq, d = shape
+    with num_threads(2):
+        for general, want in ((True, first), (False, "fused")):
+            p = Dims(b, h, lq, lq, d, d, 4, fused_ok=True, general_mask=general)
+            assert plan_attention(p, limit).implementation == want
+
+
+@needs_fused
 @pytest.mark.parametrize("causal", [False, True])
 def test_sdpa_fused_reads_views(rng: np.random.Generator, causal: bool) -> None:
     """q and k at any strides (q's tile is packed, k's rows are the GEMM's broadcast operand: every other column,
@@ -790,13 +853,15 @@ def test_sdpa_fused_reads_views(rng: np.random.Generator, causal: bool) -> None:
 
 
 def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:
-    """float32 without a mask (causal or not) and values of whole 16-float vectors: fused first; a mask, float64,
-    values of 5 or a value row that is not dense: the others."""
+    """float32 without a mask (causal or not) or with key padding, and values of whole 16-float vectors: fused first;
+    a mask whose rows differ between queries: materialized first; float64, values of 5 or a value row that is not
+    dense: the others."""
     q, k, v = _qkv(rng, 1, 2, 12, 12, 8, 16)
     picks = {
         "plain": run_checked(sdpa, q, k, v, None).implementation,
         "causal": run_checked(sdpa, q, k, v, None, is_causal=True).implementation,
         "mask": run_checked(sdpa, q, k, v, np.ones((12, 12), bool)).implementation,
+        "padding": run_checked(sdpa, q, k, v, np.ones((1, 1, 1, 12), bool)).implementation,
         "float64": run_checked(sdpa, *(a.astype(np.float64) for a in (q, k, v)), None).implementation,
         "dv5": run_checked(sdpa, q, k, v[..., :5], None).implementation,
         "strided v": run_checked(sdpa, q, k, np.repeat(v, 2, axis=-1)[..., ::2], None).implementation,
@@ -806,6 +871,7 @@ def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:
         "plain": fused,
         "causal": fused,
         "mask": "materialized",
+        "padding": fused,
         "float64": "materialized",
         "dv5": "materialized",
         "strided v": "materialized",

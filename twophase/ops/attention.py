@@ -66,7 +66,8 @@ class Dims:
     pack_o: bool = False
     k_ok: bool = True
     causal: bool = False
-    fused_ok: bool = False  # float32, no mask, v / out rows as ``attention_fused.available`` takes them
+    fused_ok: bool = False  # float32, v / out rows as ``attention_fused.available`` takes them
+    general_mask: bool = False  # a mask whose rows differ between queries (not key padding)
 
 
 def tile_scores(p: Dims, tq: int) -> int:
@@ -174,9 +175,11 @@ def fused_tiling(p: Dims, budget: int) -> AttentionTiling | None:
 
 
 def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
-    """Candidates: materialized (first while its scores take <= 32 MiB), tiled (whole key rows, the largest tile
-    that fits the limit, at most 4 MiB of workspace when the materialized form is too big), then online tiles
-    largest first (``lk_all``: every key, for the online layout; default ``p.lk``)."""
+    """Candidates: fused first where it runs (``fused_tiling``; with a mask that differs between queries, after the
+    materialized form, and when that is too big after 4 MiB tiles too, unless the limit is below 4 MiB), then
+    materialized (first while its scores take <= 32 MiB), tiled (whole key rows, the largest tile that fits the
+    limit, at most 4 MiB of workspace when the materialized form is too big), then online tiles largest first
+    (``lk_all``: every key, for the online layout; default ``p.lk``)."""
     lim = effective_limit(OP, limit)
     lk_all = p.lk if lk_all is None else lk_all
     full = rows_layout(p, p.b, p.h, p.lq)
@@ -206,7 +209,10 @@ def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
     if p.fused_ok and p.lq and p.lk:
         ft = fused_tiling(p, TILE_TARGET if lim is None else min(TILE_TARGET, lim))
         if ft is not None:
-            cands.insert(0, Candidate("fused", ft, ft.workspace))
+            ahead = 0
+            if p.general_mask:  # read across the queries, one load per score: behind whole heads or 4 MiB tiles
+                ahead = 1 if not big else len(tiled) + 1 if budget >= TILE_TARGET else 0
+            cands.insert(ahead, Candidate("fused", ft, ft.workspace))
     return choose(OP, cands, lim)
 
 
@@ -241,7 +247,7 @@ def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[T
 
 
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
-    q, k, v, out = ins[0], ins[1], ins[2], outs[0]
+    q, k, v, mask, out = ins[0], ins[1], ins[2], ins[3], outs[0]
     b, h, lq, d = q.shape
     lk = min(k.shape[2], lq) if attrs["is_causal"] else k.shape[2]  # causal: no query sees a later key
     p = Dims(
@@ -257,7 +263,8 @@ def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Pl
         not matrix_ok(out.shape, out.strides, out=True),
         matrix_ok(k.shape, k.strides),
         attrs["is_causal"],
-        ins[3] is None and fused.available(q.dtype.np, v.shape[3], v.strides, out.strides),
+        fused.available(q.dtype.np, v.shape[3], v.strides, out.strides),
+        mask is not None and not (lq == 1 or mask.ndim < 2 or mask.shape[-2] == 1 or mask.strides[-2] == 0),
     )
     return plan_attention(p, limit, k.shape[2])
 
@@ -273,7 +280,7 @@ def _build(plan: Plan, attrs: dict[str, Any], ins: tuple[Any, ...], outs: tuple[
     if out.size == 0:
         return lambda _: None
     if plan.implementation == "fused":
-        return fused.build_fused(q, k, v, out, attrs["is_causal"], scale, plan.tiling)
+        return fused.build_fused(q, k, v, out, mask, kind, attrs["is_causal"], scale, plan.tiling)
     build = build_online if plan.implementation == "online" else build_rows
     return build(q, k, v, out, mask, kind, attrs["is_causal"], scale, plan.tiling)
 
@@ -328,11 +335,12 @@ scaled_dot_product_attention = register(
         doc=(
             "softmax(scale * q @ k^T + mask) @ v for (B, H, L, D) operands, float32 / float64; attn_mask is boolean "
             "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. fused "
-            "(float32 without attn_mask, causal or not, Dv a multiple of 16 with v and out rows dense, on CPUs with "
+            "(float32, Dv a multiple of 16 with v and out rows dense, on CPUs with "
             "AVX-512): each of P parts (helper threads; one below 2^16 scores) runs its share of the tiles of tq "
             "queries of one head (shares balanced by each tile's queries x keys) in one compiled loop: "
             "S^T = k @ (scale q)^T by the register-blocked GEMM, a softmax down S^T's columns, out = P @ v with P "
-            "read from S^T, rows divided by their sums; causal tiles run only the keys up to their last query. "
+            "read from S^T, rows divided by their sums; causal tiles run only the keys up to their last query, tiles "
+            "under a key-padding mask only those up to the last its head keeps (exactly). "
             "Past 512 keys, or where every key does not fit the limit, the keys run in even blocks of bk (16 at "
             "least) with an online softmax. Unlimited: tq = 64 and every key up to 512; under workspace_limit the "
             "tq of 64, 48, 32, 16, 8 and the largest bk whose P areas fit with the least 1/tq + 1/bk. "
@@ -352,8 +360,9 @@ scaled_dot_product_attention = register(
             "the last one a tile (online: a head) keeps, rounded up to 16 (a bool mask whose rows in the tile all keep "
             "the same keys: exactly those, without the mask), and never reads k / v past them (a "
             "padded tile touches less of the workspace; NaN in a skipped key's k / v does not reach the output, "
-            "unlike PyTorch). Ranked: fused first where it runs, its tiles taking at most 4 MiB; then materialized "
-            "first while its "
+            "unlike PyTorch). Ranked: fused first where it runs, its tiles taking at most 4 MiB (with a mask whose "
+            "rows differ between queries, read one score at a time across the queries: after materialized, and when "
+            "that is too big after 4 MiB tiles unless the limit is below 4 MiB); then materialized first while its "
             "scores take <= 32 MiB (else after tiled, whose tiles then take at most 4 MiB), then online tiles from "
             "(128, 1024) down to (1, 1); the first that fits workspace_limit wins."
         ),

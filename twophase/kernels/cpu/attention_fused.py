@@ -30,11 +30,13 @@ from ...runtime.fanout import run_parts, workspace_launcher
 from . import gemm
 from . import jit as _jit
 from . import vmath as vm
-from .jit import entry, row_of, wide_vectors
+from .attention import ADDITIVE, BOOL, NONE
+from .jit import any_layout, entry, row_of, wide_vectors
 
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 
 TQ_MAX = 64  # queries per tile at most: a 64-wide panel of the score GEMM (wider ran no faster)
+LOWEST = float(-np.finfo(np.float32).max)
 BK_MAX = 512  # keys per block at most: as fast as whole rows of 1024-4096 keys (blocks of 256: 0.96x), in less area
 
 
@@ -82,12 +84,17 @@ def fused_tiles(
     bk: int,
     scale: float,
     causal: bool,
+    mask: Any,
+    kind: int,
+    padding: bool,
 ) -> None:
     """out[b, h, q0:q0 + n] for the tiles ``tiles[t0:t1]`` (rows (b, h, q0)), ``tq`` queries each, in the
     float32 ``area`` (``area_floats``; ``width`` = ``row_width(tq)``), key blocks of ``bk`` keys: per block
     S^T = K @ (scale Q)^T, a softmax down its columns (causal: key j masked for the queries before it), out += P @ V;
     from the second block on, the column maxima move and what out and the sums hold so far is rescaled (an online
-    softmax); at the end each row is divided by its column's sum."""
+    softmax); at the end each row is divided by its column's sum (0 for a query with no key: its output row is 0).
+    ``mask`` (B, H, Lq, Lk)-indexable at any strides, ``kind`` NONE / BOOL / ADDITIVE; ``padding``: the same mask
+    row for every query, and a tile then runs only the keys up to the last one its head's row keeps."""
     wide_vectors()
     nq, d = q.shape[2], q.shape[3]
     nk, dv = k.shape[2], v.shape[3]
@@ -97,11 +104,29 @@ def fused_tiles(
     colsum = area[(bk + d + 1) * width : (bk + d + 2) * width]
     blockmax = area[(bk + d + 2) * width : (bk + d + 3) * width]  # only with more than one block
     sc = np.float32(scale)
+    lowest = np.float32(LOWEST)  # the maxima start here, not at -inf: a fully masked column stays finite
     item = 4
+    mb = mask[0, 0]
     for ti in range(t0, t1):
         b, h, q0 = tiles[ti, 0], tiles[ti, 1], tiles[ti, 2]
         n = min(tq, nq - q0)
         kend = min(nk, q0 + n) if causal else nk
+        kh, ob, vb = k[b, h], out[b, h], v[b, h]
+        if kind != NONE:
+            mb = mask[b, h]
+            if padding:
+                last = 0
+                for j in range(kend - 1, -1, -1):
+                    if (mb[q0, j] != 0) if kind == BOOL else (mb[q0, j] != -np.inf):
+                        last = j + 1
+                        break
+                kend = last
+        if kend == 0:  # every key masked: rows of 0 (as the row pass gives them)
+            for i in range(n):
+                orow = row_of(ob, q0 + i, True)
+                for c in range(dv):
+                    orow[c] = 0.0
+            continue
         qb = q[b, h]
         for dd in range(d):
             row = row_of(qt, dd, True)
@@ -109,7 +134,6 @@ def fused_tiles(
                 row[i] = qb[q0 + i, dd] * sc
             for i in range(n, width):
                 row[i] = 0.0
-        kh, ob, vb = k[b, h], out[b, h], v[b, h]
         for j0 in range(0, kend, bk):
             m = min(bk, kend - j0)
             # all ``width`` columns: those past n are 0 (the packed zeros), so the whole area is written
@@ -130,13 +154,30 @@ def fused_tiles(
             )
             mx = colmax if j0 == 0 else blockmax
             for i in range(width):
-                mx[i] = -np.inf
+                mx[i] = lowest
             for jj in range(m):
                 j = j0 + jj
                 row = row_of(st, jj, True)
                 if causal and j > q0:  # queries q0 .. j - 1 come before key j
                     for i in range(min(n, j - q0)):
                         row[i] = -np.inf
+                if kind == BOOL:
+                    if padding:
+                        if not mb[q0, j]:
+                            for i in range(n):
+                                row[i] = -np.inf
+                    else:
+                        for i in range(n):
+                            if not mb[q0 + i, j]:
+                                row[i] = -np.inf
+                elif kind == ADDITIVE:
+                    if padding:
+                        add = mb[q0, j]
+                        for i in range(n):
+                            row[i] += add
+                    else:
+                        for i in range(n):
+                            row[i] += mb[q0 + i, j]
                 for i in range(n):
                     mx[i] = vm.maximum(mx[i], row[i])
             if j0 == 0:
@@ -173,7 +214,7 @@ def fused_tiles(
                 0,
             )
         for i in range(n):
-            inv = np.float32(1.0) / colsum[i]
+            inv = np.float32(1.0) / colsum[i] if colsum[i] > 0 else np.float32(0.0)
             orow = row_of(ob, q0 + i, True)
             for c in range(dv):
                 orow[c] *= inv
@@ -197,9 +238,12 @@ def shares(nb: int, nh: int, nq: int, nk: int, tq: int, causal: bool, parts: int
     return np.array([t for run in runs for t in sorted(run)], np.int64).reshape(-1, 3), bounds
 
 
-def build_fused(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float, t: Any) -> Callable[[Any], None]:
+def build_fused(
+    q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: bool, scale: float, t: Any
+) -> Callable[[Any], None]:
     """The launch of ``t.parts`` parts of ``fused_tiles`` on tiles of ``t.block_q`` queries (``shares``), part i in
-    the workspace's i-th area of ``t.area`` bytes; zeros when there are no keys."""
+    the workspace's i-th area of ``t.area`` bytes; zeros when there are no keys. ``mask``: None, or bool / additive
+    (``kind``) broadcast to (B, H, Lq, Lk); a key-padding mask (one row for every query) is read at each launch."""
     nb, nh, nq, d = q.shape
     nk = k.shape[2]
     if nk == 0:
@@ -209,7 +253,12 @@ def build_fused(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float, t:
     bk = min(t.block_k, keys)
     floats = area_floats(keys, d, t.block_q, bk)
     sample = np.empty(floats, np.float32)
-    kernel = entry(fused_tiles, q, k, v, out, sample, tiles, 0, 1, 1, 8, 1, 0.0, False)
+    mkind = {"none": NONE, "bool": BOOL, "additive": ADDITIVE}[kind]
+    if mask is None:
+        mask = np.zeros((1, 1, 1, 1), np.float32)
+    padding = mkind != NONE and (mask.strides[2] == 0 or nq == 1)
+    msample = mask if mkind == NONE else any_layout(mask.dtype, 4)
+    kernel = entry(fused_tiles, q, k, v, out, sample, tiles, 0, 1, 1, 8, 1, 0.0, False, msample, 0, False)
     width = row_width(t.block_q)
     parts, stride = t.parts, t.area
 
@@ -231,6 +280,9 @@ def build_fused(q: Any, k: Any, v: Any, out: Any, causal: bool, scale: float, t:
                 bk,
                 scale,
                 causal,
+                mask,
+                mkind,
+                padding,
             )
             for i in range(parts)
         ]
