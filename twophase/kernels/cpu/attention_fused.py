@@ -8,8 +8,12 @@ keys there are), then ``out = P @ V`` with P read as S^T transposed (the registe
 operand at any strides), normalized by the column sums. Past ``BK_MAX`` keys, or where the workspace limit leaves no
 room for every key, the keys run in blocks with an online softmax (the column maxima move from block to block, and
 what the sums and out rows hold so far is rescaled). Causal tiles run only the keys up to their last query
-(top-left aligned, as PyTorch). Each part (helper thread) takes a share of the tiles balanced by their work (causal
-tiles grow with their queries, ``shares``) and has its own area of the workspace (``area_floats``).
+(top-left aligned, as PyTorch). A mask is added to (additive) or applied on (bool) each key row of S^T: a
+key-padding mask (the same row for every query) as one value per key row, its tiles running only the keys up to the
+last one their head keeps; any other mask one load per score, across its rows (the op ranks that case after the
+materialized form). A query with no key left gives a row of 0. Each part (helper thread) takes a share of the tiles
+balanced by their work (causal tiles grow with their queries, ``shares``) and has its own area of the workspace
+(``area_floats``).
 
 Against the materialized implementation (the whole score matrix, batched GEMMs, a fused row pass), both forced
 through the op, two threads, 9 interleaved rounds, AMD Zen 4 (/tmp/w54/sdr.py of the fifty-fourth session),
