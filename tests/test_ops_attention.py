@@ -776,7 +776,7 @@ def test_sdpa_fused_shares_balance_causal_tiles() -> None:
     lk=st.integers(1, 120),
     d=st.integers(1, 9),
     kind=st.sampled_from(["bool", "additive"]),
-    rows=st.sampled_from(["padding", "padding per head", "general"]),
+    rows=st.sampled_from(["padding", "padding per head", "general", "shared"]),
     limit=st.sampled_from([None, "key blocks"]),
     threads=st.sampled_from([1, 2]),
     seed=st.integers(0, 2**31),
@@ -786,29 +786,82 @@ def test_sdpa_fused_masks(
 ) -> None:
     """Bool and additive masks: key padding (per batch entry or per head, rows of any length, none included), whose
     tiles run only the keys up to the last their head keeps (NaN in the k / v rows after every row's last kept key
-    stays out), and masks whose rows differ between queries (a fully masked one included); every key at once or in
-    blocks of at least 16 (a block may be masked whole for some queries)."""
+    stays out), and masks whose rows differ between queries (a fully masked one included), per batch entry (read
+    across the queries) or shared by every head (copied transposed after the parts' areas where that fits, else read
+    across the queries); every key at once or in blocks of at least 16 (a block may be masked whole for some
+    queries)."""
     rng = np.random.default_rng(seed)
     q, k, v = _qkv(rng, b, h, lq, lk, d, 16)
-    if rows == "general":
-        keep = rng.random((b, 1, lq, lk)) < 0.6
-        keep[0, 0, rng.integers(lq)] = False
+    if rows in ("general", "shared"):
+        keep = rng.random((b, 1, lq, lk) if rows == "general" else (lq, lk)) < 0.6
+        keep[..., rng.integers(lq), :] = False
         mask = keep if kind == "bool" else np.where(keep, rng.standard_normal(keep.shape), -np.inf).astype(np.float32)
     else:
         lengths = rng.integers(0, lk + 1, (b, h) if rows == "padding per head" else (b, 1))
         mask = _padding_mask(lengths, lk, kind, rng)
     ref = reference(q, k, v, mask)
-    if rows != "general":
+    if rows.startswith("padding"):
         k[:, :, int(lengths.max()) :] = np.nan
         v[:, :, int(lengths.max()) :] = np.nan
     size = _fused_workspace(b, h, lq, lk, d, min(lq, 16), min(16, lk), threads, False) if limit else None
     with num_threads(threads), forced("fused"):
         r = run_checked(sdpa, q, k, v, mask, workspace_limit=size)
+    t = r.tiling
+    areas = _fused_workspace(b, h, lq, lk, d, t.block_q, t.block_k, t.parts, False)
     assert r.implementation == "fused"
-    assert r.workspace_size == _fused_workspace(
-        b, h, lq, lk, d, r.tiling.block_q, r.tiling.block_k, r.tiling.parts, False
-    )
-    _check(r, ref, padded=rows != "general" or lq == 1)  # one query: its mask row is key padding
+    if t.mask_t >= 0:  # copied transposed: a shared mask (one query makes it key padding), always when unlimited
+        assert t.mask_t == areas and r.workspace_size == areas + align(lq * lk * 4)
+    else:
+        assert r.workspace_size == areas
+    shared = rows == "shared" or (rows == "general" and b == 1)  # one (Lq, Lk) mask for every head
+    assert (t.mask_t >= 0) == (shared and lq > 1) or (limit is not None and t.mask_t < 0)
+    _check(r, ref, padded=rows.startswith("padding") or lq == 1)  # one query: its mask row is key padding
+
+
+@pytest.mark.parametrize(
+    "limit, mask_t",
+    [
+        (None, 2 * 147968),  # after two areas of (512 + 64 + 2) x 64 floats
+        ((1 << 20) + (1 << 16), 2 * 32640),  # the 1 MiB copy, then two areas of (103 + 64 + 3) x 48 floats in 64 KiB
+        (1 << 20, -1),  # no room beside the copy: read across the queries (the materialized form does not fit)
+    ],
+)
+def test_sdpa_fused_copies_a_mask_shared_by_every_head(limit: Any, mask_t: int) -> None:
+    """(1, 12, 512, 64) with a mask whose rows differ between queries but which every head shares: copied
+    transposed after the parts' areas, which get what the limit leaves; ranked first."""
+    p = Dims(1, 12, 512, 512, 64, 64, 4, fused_ok=True, general_mask=True, shared_mask=True)
+    with num_threads(2):
+        plan = plan_attention(p, limit)
+    assert (plan.implementation, plan.tiling.mask_t) == ("fused", mask_t)
+    if mask_t >= 0:
+        assert plan.workspace_size == mask_t + align(512 * 512 * 4)
+
+
+@needs_fused
+@pytest.mark.parametrize("kind", ["bool", "additive"])
+def test_sdpa_fused_copies_the_shared_mask_at_every_launch(rng: np.random.Generator, kind: str) -> None:
+    """A repeatable executor whose shared mask changes between launches: each launch copies what the mask holds."""
+    dev = device("cpu")
+    s = dev.stream()
+    q, k, v = _qkv(rng, 2, 3, 20, 33, 8, 16)
+    ins = [dev.tensor(x, stream=s) for x in (q, k, v)]
+    first = rng.random((20, 33)) < 0.5 if kind == "bool" else rng.standard_normal((20, 33)).astype(np.float32)
+    mt = dev.tensor(first, stream=s)
+    s.synchronize()
+    with twophase.plan(sdpa, *ins, mt, stream=s) as call:
+        assert call.executor.implementation == "fused" and call.executor.tiling.mask_t >= 0
+        for _ in range(3):
+            if kind == "bool":
+                mask = rng.random((20, 33)) < 0.5
+                mask[3] = False  # a fully masked row
+            else:
+                mask = np.where(rng.random((20, 33)) < 0.7, rng.standard_normal((20, 33)), -np.inf).astype(np.float32)
+            mt.view()[...] = mask
+            got = call().numpy()
+            np.testing.assert_allclose(got, reference(q, k, v, mask), rtol=1e-4, atol=1e-5)
+    mt.free(s)
+    for x in ins:
+        x.free(s)
 
 
 @pytest.mark.parametrize(
@@ -853,14 +906,15 @@ def test_sdpa_fused_reads_views(rng: np.random.Generator, causal: bool) -> None:
 
 
 def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:
-    """float32 without a mask (causal or not) or with key padding, and values of whole 16-float vectors: fused first;
-    a mask whose rows differ between queries: materialized first; float64, values of 5 or a value row that is not
-    dense: the others."""
+    """float32 without a mask (causal or not), with key padding or with one mask for every head, and values of whole
+    16-float vectors: fused first; a mask whose rows differ between queries and between heads: materialized first;
+    float64, values of 5 or a value row that is not dense: the others."""
     q, k, v = _qkv(rng, 1, 2, 12, 12, 8, 16)
     picks = {
         "plain": run_checked(sdpa, q, k, v, None).implementation,
         "causal": run_checked(sdpa, q, k, v, None, is_causal=True).implementation,
         "mask": run_checked(sdpa, q, k, v, np.ones((12, 12), bool)).implementation,
+        "mask per head": run_checked(sdpa, q, k, v, np.ones((1, 2, 12, 12), bool)).implementation,
         "padding": run_checked(sdpa, q, k, v, np.ones((1, 1, 1, 12), bool)).implementation,
         "float64": run_checked(sdpa, *(a.astype(np.float64) for a in (q, k, v)), None).implementation,
         "dv5": run_checked(sdpa, q, k, v[..., :5], None).implementation,
@@ -870,7 +924,8 @@ def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:
     assert picks == {
         "plain": fused,
         "causal": fused,
-        "mask": "materialized",
+        "mask": fused,
+        "mask per head": "materialized",
         "padding": fused,
         "float64": "materialized",
         "dv5": "materialized",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -47,6 +47,7 @@ class AttentionTiling:
     block_h: int = 1
     parts: int = 1  # fused: parts (helper threads), each with an area of ``area`` bytes
     area: int = 0
+    mask_t: int = -1  # fused: offset of the mask's transposed copy (a mask shared by every head), -1 for none
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class Dims:
     causal: bool = False
     fused_ok: bool = False  # float32, v / out rows as ``attention_fused.available`` takes them
     general_mask: bool = False  # a mask whose rows differ between queries (not key padding)
+    shared_mask: bool = False  # ... and the same for every batch entry and head
 
 
 def tile_scores(p: Dims, tq: int) -> int:
@@ -175,8 +177,9 @@ def fused_tiling(p: Dims, budget: int) -> AttentionTiling | None:
 
 
 def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
-    """Candidates: fused first where it runs (``fused_tiling``; with a mask that differs between queries, after the
-    materialized form, and when that is too big after 4 MiB tiles too, unless the limit is below 4 MiB), then
+    """Candidates: fused first where it runs (``fused_tiling``; a mask that differs between queries but not between
+    heads copied transposed after the parts' areas where that leaves room for them, else such a mask ranks fused
+    after the materialized form, and when that is too big after 4 MiB tiles too, unless the limit is below 4 MiB), then
     materialized (first while its scores take <= 32 MiB), tiled (whole key rows, the largest tile that fits the
     limit, at most 4 MiB of workspace when the materialized form is too big), then online tiles largest first
     (``lk_all``: every key, for the online layout; default ``p.lk``)."""
@@ -207,8 +210,13 @@ def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
             online.append(Candidate("online", t, t.workspace))
     cands = tiled + [mat] + online if big else [mat] + tiled + online
     if p.fused_ok and p.lq and p.lk:
-        ft = fused_tiling(p, TILE_TARGET if lim is None else min(TILE_TARGET, lim))
-        if ft is not None:
+        room = TILE_TARGET if lim is None else min(TILE_TARGET, lim)
+        copy = align(p.lq * lk_all * 4) if p.shared_mask else 0
+        ft = fused_tiling(p, room - copy) if copy and copy < room else None
+        if ft is not None:  # the shared mask copied transposed: each score reads it from a dense row
+            ft = replace(ft, workspace=ft.workspace + copy, mask_t=ft.workspace)
+            cands.insert(0, Candidate("fused", ft, ft.workspace))
+        elif (ft := fused_tiling(p, room)) is not None:
             ahead = 0
             if p.general_mask:  # read across the queries, one load per score: behind whole heads or 4 MiB tiles
                 ahead = 1 if not big else len(tiled) + 1 if budget >= TILE_TARGET else 0
@@ -249,6 +257,7 @@ def _infer(ins: tuple[TensorDesc | None, ...], attrs: dict[str, Any]) -> tuple[T
 def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Plan:
     q, k, v, mask, out = ins[0], ins[1], ins[2], ins[3], outs[0]
     b, h, lq, d = q.shape
+    general = mask is not None and not (lq == 1 or mask.ndim < 2 or mask.shape[-2] == 1 or mask.strides[-2] == 0)
     lk = min(k.shape[2], lq) if attrs["is_causal"] else k.shape[2]  # causal: no query sees a later key
     p = Dims(
         b,
@@ -264,7 +273,8 @@ def _select(ins: Any, outs: Any, attrs: dict[str, Any], limit: int | None) -> Pl
         matrix_ok(k.shape, k.strides),
         attrs["is_causal"],
         fused.available(q.dtype.np, v.shape[3], v.strides, out.strides),
-        mask is not None and not (lq == 1 or mask.ndim < 2 or mask.shape[-2] == 1 or mask.strides[-2] == 0),
+        general,
+        general and all(n == 1 or st == 0 for n, st in zip(mask.shape[:-2], mask.strides[:-2])),
     )
     return plan_attention(p, limit, k.shape[2])
 
@@ -321,7 +331,8 @@ scaled_dot_product_attention = register(
         workspace_formula=(
             "fused (P parts, tq queries a tile): P*align64((K + D + 2)*W*item) with every key at once, "
             "P*align64((bk + D + 3)*W*item) with blocks of bk keys, K = Lk (causal: min(Lk, Lq)), "
-            "W = 8 for tq <= 8, else tq rounded up to 16; "
+            "W = 8 for tq <= 8, else tq rounded up to 16, + align64(Lq*Lk*4) for the transposed copy of a mask "
+            "whose rows differ between queries but which every head shares, where it fits; "
             "materialized: the tiled formula with one tile (tb, th, tq) = (B, H, Lq); tiled (tb x th x tq "
             "rows): align64(tb*th*S*item), S = tq*Lk (causal: Lk = min(Lk, Lq), and for tiles of tq < Lq "
             "rows of one head S = max(tq*min(Lk, F), (Lq - F)*Lk), F = Lq - Lq % tq: the scores of the "
@@ -360,9 +371,10 @@ scaled_dot_product_attention = register(
             "the last one a tile (online: a head) keeps, rounded up to 16 (a bool mask whose rows in the tile all keep "
             "the same keys: exactly those, without the mask), and never reads k / v past them (a "
             "padded tile touches less of the workspace; NaN in a skipped key's k / v does not reach the output, "
-            "unlike PyTorch). Ranked: fused first where it runs, its tiles taking at most 4 MiB (with a mask whose "
-            "rows differ between queries, read one score at a time across the queries: after materialized, and when "
-            "that is too big after 4 MiB tiles unless the limit is below 4 MiB); then materialized first while its "
+            "unlike PyTorch). Ranked: fused first where it runs, its tiles taking at most 4 MiB (a mask whose rows "
+            "differ between queries: copied transposed at each launch when every head shares it and the copy leaves "
+            "room, else read one score at a time across the queries and ranked after materialized, and when that is "
+            "too big after 4 MiB tiles unless the limit is below 4 MiB); then materialized first while its "
             "scores take <= 32 MiB (else after tiled, whose tiles then take at most 4 MiB), then online tiles from "
             "(128, 1024) down to (1, 1); the first that fits workspace_limit wins."
         ),
