@@ -192,7 +192,7 @@ def fused_tiles(
             if j0 == 0:
                 for i in range(width):
                     colsum[i] = 0.0
-            else:  # blockmax becomes the factor on what the earlier blocks gave
+            else:  # the maxima move to cover the block; what the earlier blocks gave is rescaled to them
                 for i in range(n):
                     top = vm.maximum(colmax[i], blockmax[i])
                     alpha = vm.exp_nonpos_f32(colmax[i] - top)
