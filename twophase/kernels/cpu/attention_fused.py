@@ -40,7 +40,7 @@ from .jit import any_layout, entry, row_of, wide_vectors
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 
 TQ_MAX = 64  # queries per tile at most: a 64-wide panel of the score GEMM (wider ran no faster)
-LOWEST = float(-np.finfo(np.float32).max)
+LOWEST = float(-np.finfo(np.float32).max)  # where column maxima start: a fully masked column's stays finite
 BK_MAX = 512  # keys per block at most: as fast as whole rows of 1024-4096 keys (blocks of 256: 0.96x), in less area
 
 
