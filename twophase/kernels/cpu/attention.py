@@ -72,7 +72,7 @@ HEAD_CHUNK_BYTES = 1 << 19
 KEY_GRAIN = 16  # a padded tile's keys are rounded up to this: fewer bound variants, GEMM widths the kernels take
 
 
-def _is_key_padding(mask: Any, kind: int, nq: int) -> bool:
+def is_key_padding(mask: Any, kind: int, nq: int) -> bool:
     """Whether ``mask`` (broadcast to (B, H, Lq, Lk)) is a key-padding mask, the same row for every query: then
     each launch runs only the keys it keeps (masks and is_causal never come together)."""
     return kind != NONE and (mask.strides[2] == 0 or nq == 1)
@@ -292,7 +292,8 @@ def _finfo(dtype: Any) -> tuple[float, float]:
     return float(-fi.max), float(fi.tiny)
 
 
-def _mask_arg(mask: Any, kind: str, dtype: Any) -> tuple[Any, int]:
+def mask_arg(mask: Any, kind: str, dtype: Any) -> tuple[Any, int]:
+    """The mask as the kernels take it and its kind code: a (1, 1, 1, 1) zeros stand-in (never read) for "none"."""
     if kind == "none":
         return np.zeros((1, 1, 1, 1), dtype), NONE
     return mask, (BOOL if kind == "bool" else ADDITIVE)
@@ -354,10 +355,10 @@ def build_rows(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal: b
     if nk == 0:
         return lambda _: out.fill(0)
     lowest, tiny = _finfo(dt)
-    marr, mkind = _mask_arg(mask, kind, dt)
+    marr, mkind = mask_arg(mask, kind, dt)
     # a key-padding mask: each launch reads which keys a tile's rows keep, and the tile runs only those (its row
     # pass then compiled for masks of any layout, since the tile's mask is cut to them)
-    padding = _is_key_padding(marr, mkind, nq)
+    padding = is_key_padding(marr, mkind, nq)
     kt = k.swapaxes(-1, -2)
     tb, th, tq = t.block_b, t.block_h, t.block_q
     o_s, o_k, o_q, o_v, o_o = t.offsets
@@ -590,8 +591,8 @@ def build_online(q: Any, k: Any, v: Any, out: Any, mask: Any, kind: str, causal:
     def vec(ws: Any, i: int, n: int) -> Any:
         return ws[offs[i] : offs[i] + n * item].view(dt)
 
-    mkind = _mask_arg(mask, kind, dt)[1]
-    padding = _is_key_padding(mask, mkind, nq)  # as build_rows: the keys kept, per head (per batch entry when
+    mkind = mask_arg(mask, kind, dt)[1]
+    padding = is_key_padding(mask, mkind, nq)  # as build_rows: the keys kept, per head (per batch entry when
     per_head = padding and mask.strides[1] != 0  # every head shares its row)
 
     def launch(ws: Any) -> None:

@@ -34,7 +34,7 @@ from ...runtime.fanout import run_parts, workspace_launcher
 from . import gemm
 from . import jit as _jit
 from . import vmath as vm
-from .attention import ADDITIVE, BOOL, NONE
+from .attention import ADDITIVE, BOOL, NONE, is_key_padding, mask_arg
 from .jit import any_layout, entry, row_of, wide_vectors
 
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
@@ -287,10 +287,8 @@ def build_fused(
     bk = min(t.block_k, keys)
     floats = area_floats(keys, d, t.block_q, bk)
     sample = np.empty(floats, np.float32)
-    mkind = {"none": NONE, "bool": BOOL, "additive": ADDITIVE}[kind]
-    if mask is None:
-        mask = np.zeros((1, 1, 1, 1), np.float32)
-    padding = mkind != NONE and (mask.strides[2] == 0 or nq == 1)
+    mask, mkind = mask_arg(mask, kind, np.float32)
+    padding = is_key_padding(mask, mkind, nq)
     msample = mask if mkind == NONE else any_layout(np.float32 if t.mask_t >= 0 else mask.dtype, 4)
     kernel = entry(fused_tiles, q, k, v, out, sample, tiles, 0, 1, 1, 8, 1, 0.0, False, msample, 0, False)
     width = row_width(t.block_q)
