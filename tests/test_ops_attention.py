@@ -653,7 +653,9 @@ def test_causal_block_is_wider_where_heads_run_on_the_avx512_kernel() -> None:
     assert CAUSAL_BLOCK_WIDE > CAUSAL_BLOCK
 
 
-needs_fused = pytest.mark.skipif(not gemm.available(), reason="the fused tiles run on the register-blocked GEMM")
+needs_fused = pytest.mark.skipif(
+    not (gemm.available() or gemm.ymm_available()), reason="the fused tiles run on the register-blocked GEMM"
+)
 
 
 def _fused_workspace(b: int, h: int, lq: int, lk: int, d: int, tq: int, bk: int, parts: int, causal: bool) -> int:
@@ -818,6 +820,14 @@ def test_sdpa_fused_masks(
     _check(r, ref, padded=rows.startswith("padding") or lq == 1)  # one query: its mask row is key padding
 
 
+@pytest.fixture(params=[True, False], ids=["zmm", "ymm"])
+def zmm(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Phase 1 ranking the fused tiles as on a CPU with AVX-512 (zmm) or with AVX2 and FMA only (ymm), whichever
+    this one has: the plans differ, the kernels' results do not."""
+    monkeypatch.setattr(attention_fused, "on_zmm", lambda: request.param)
+    return bool(request.param)
+
+
 @pytest.mark.parametrize(
     "limit, mask_t",
     [
@@ -826,12 +836,16 @@ def test_sdpa_fused_masks(
         (1 << 20, -1),  # no room beside the copy: read across the queries (the materialized form does not fit)
     ],
 )
-def test_sdpa_fused_copies_a_mask_shared_by_every_head(limit: Any, mask_t: int) -> None:
+def test_sdpa_fused_copies_a_mask_shared_by_every_head(zmm: bool, limit: Any, mask_t: int) -> None:
     """(1, 12, 512, 64) with a mask whose rows differ between queries but which every head shares: copied
-    transposed after the parts' areas, which get what the limit leaves; ranked first."""
+    transposed after the parts' areas, which get what the limit leaves; ranked first (on the 8-lane kernels after
+    the materialized form, where that fits)."""
     p = Dims(1, 12, 512, 512, 64, 64, 4, fused_ok=True, general_mask=True, shared_mask=True)
     with num_threads(2):
         plan = plan_attention(p, limit)
+    if limit is None and not zmm:
+        assert plan.implementation == "materialized"
+        return
     assert (plan.implementation, plan.tiling.mask_t) == ("fused", mask_t)
     if mask_t >= 0:
         assert plan.workspace_size == mask_t + align(512 * 512 * 4)
@@ -848,7 +862,7 @@ def test_sdpa_fused_copies_the_shared_mask_at_every_launch(rng: np.random.Genera
     first = rng.random((20, 33)) < 0.5 if kind == "bool" else rng.standard_normal((20, 33)).astype(np.float32)
     mt = dev.tensor(first, stream=s)
     s.synchronize()
-    with twophase.plan(sdpa, *ins, mt, stream=s) as call:
+    with forced("fused"), twophase.plan(sdpa, *ins, mt, stream=s) as call:
         assert call.executor.implementation == "fused" and call.executor.tiling.mask_t >= 0
         for _ in range(3):
             if kind == "bool":
@@ -873,14 +887,19 @@ def test_sdpa_fused_copies_the_shared_mask_at_every_launch(rng: np.random.Genera
         ((4, 16, 1024, 64), 1 << 20, "fused"),
     ],
 )
-def test_sdpa_fused_with_a_general_mask_ranks_after_whole_heads(shape: tuple[int, ...], limit: Any, first: str) -> None:
+def test_sdpa_fused_with_a_general_mask_ranks_after_whole_heads(
+    zmm: bool, shape: tuple[int, ...], limit: Any, first: str
+) -> None:
     """A mask whose rows differ between queries: the materialized form or 4 MiB tiles first, then fused; under a
-    smaller limit fused first. Without a mask, or with key padding, fused is first at every limit."""
+    smaller limit fused first. Without a mask, or with key padding, fused is first at every limit, except on the
+    8-lane kernels, where the materialized form goes first where it fits (not causal) and is not too big."""
     b, h, lq, d = shape
     with num_threads(2):
-        for general, want in ((True, first), (False, "fused")):
-            p = Dims(b, h, lq, lq, d, d, 4, fused_ok=True, general_mask=general)
-            assert plan_attention(p, limit).implementation == want
+        for general, want in ((True, first), (False, "fused" if zmm or first != "materialized" else first)):
+            for causal in (False, True):
+                p = Dims(b, h, lq, lq, d, d, 4, causal=causal, fused_ok=True, general_mask=general)
+                got = plan_attention(p, limit).implementation
+                assert got == ("fused" if causal and not general and want == "materialized" else want)
 
 
 @needs_fused
@@ -907,8 +926,9 @@ def test_sdpa_fused_reads_views(rng: np.random.Generator, causal: bool) -> None:
 
 def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:
     """float32 without a mask (causal or not), with key padding or with one mask for every head, and values of whole
-    16-float vectors: fused first; a mask whose rows differ between queries and between heads: materialized first;
-    float64, values of 5 or a value row that is not dense: the others."""
+    16-float vectors: fused first (on the 8-lane kernels only if causal, else materialized); a mask whose rows
+    differ between queries and between heads: materialized first; float64, values of 5 or a value row that is not
+    dense: the others."""
     q, k, v = _qkv(rng, 1, 2, 12, 12, 8, 16)
     picks = {
         "plain": run_checked(sdpa, q, k, v, None).implementation,
@@ -920,13 +940,14 @@ def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:
         "dv5": run_checked(sdpa, q, k, v[..., :5], None).implementation,
         "strided v": run_checked(sdpa, q, k, np.repeat(v, 2, axis=-1)[..., ::2], None).implementation,
     }
-    fused = "fused" if gemm.available() else "materialized"
+    fused = "fused" if attention_fused.available(np.float32, 16, (16, 1), (16, 1)) else "materialized"
+    first = fused if attention_fused.on_zmm() else "materialized"  # the 8-lane kernels: fused first if causal
     assert picks == {
-        "plain": fused,
+        "plain": first,
         "causal": fused,
-        "mask": fused,
+        "mask": first,
         "mask per head": "materialized",
-        "padding": fused,
+        "padding": first,
         "float64": "materialized",
         "dv5": "materialized",
         "strided v": "materialized",

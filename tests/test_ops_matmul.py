@@ -442,6 +442,50 @@ def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Gener
             assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
 
 
+@numba.njit(nogil=True)
+def _tile_gemm_ymm(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int, bias: Any) -> None:
+    gemm.gemm_tile_ymm(
+        a.ctypes.data,
+        a.strides[0] // 4,
+        a.strides[1] // 4,
+        b.ctypes.data,
+        b.strides[0] // 4,
+        c.ctypes.data,
+        c.strides[0] // 4,
+        kl,
+        m,
+        n,
+        accumulate,
+        bias.ctypes.data if bias.shape[0] else 0,
+        0,
+    )
+
+
+@pytest.mark.skipif(not gemm.ymm_available(), reason="the 8-lane GEMM kernels need AVX2 and FMA")
+@pytest.mark.parametrize("mode", ["plain", "accumulate", "bias"])
+def test_gemm_tile_ymm_for_every_column_count(rng: np.random.Generator, mode: str) -> None:
+    """``gemm_tile_ymm`` (the fused attention tiles' GEMMs without AVX-512): every column count 1-80, so each
+    remainder takes the 8-column panel, the masked one (1-7 left) or both, alone or after 16-column panels, on rows
+    off the 6-row kernel, a strided ``a`` and k of 1 to 300; the block of a NaN-poisoned ``c`` is written (added to,
+    or with the bias row added) exactly, nothing around it."""
+    for k in (1, 21, 300):
+        for n in range(1, 81):
+            for m in (1, 4, 6, 13):
+                a = _rand(rng, (m, 2 * k))[:, ::2]
+                b = _rand(rng, (k, -(-n // 8) * 8))  # rows readable to the next multiple of 8 columns
+                old = _rand(rng, (m, n))
+                bias = _rand(rng, (n,)) if mode == "bias" else np.zeros(0, np.float32)
+                c = np.full((m + 2, n + 19), np.nan, np.float32)
+                if mode == "accumulate":
+                    c[1 : m + 1, 3 : 3 + n] = old
+                _tile_gemm_ymm(a, b, c[1 : m + 1, 3 : 3 + n], k, m, n, int(mode == "accumulate"), bias)
+                ref = a.astype(np.float64) @ b[:, :n].astype(np.float64)
+                ref += old if mode == "accumulate" else bias if mode == "bias" else 0.0
+                np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
+                c[1 : m + 1, 3 : 3 + n] = np.nan
+                assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
+
+
 @needs_micro
 @pytest.mark.parametrize("accumulate", [0, 1])
 def test_gemm_table_reads_b_rows_at_their_offsets(rng: np.random.Generator, accumulate: int) -> None:

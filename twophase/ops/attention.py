@@ -177,7 +177,8 @@ def fused_tiling(p: Dims, budget: int) -> AttentionTiling | None:
 
 
 def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
-    """Candidates: fused first where it runs (``fused_tiling``; a mask that differs between queries but not between
+    """Candidates: fused first where it runs (``fused_tiling``; on the 8-lane kernels, not causal: after the
+    materialized form when that is not too big; a mask that differs between queries but not between
     heads copied transposed after the parts' areas where that leaves room for them, else such a mask ranks fused
     after the materialized form, and when that is too big after 4 MiB tiles too, unless the limit is below 4 MiB), then
     materialized (first while its scores take <= 32 MiB), tiled (whole key rows, the largest tile that fits the
@@ -212,12 +213,13 @@ def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
     if p.fused_ok and p.lq and p.lk:
         room = TILE_TARGET if lim is None else min(TILE_TARGET, lim)
         copy = align(p.lq * lk_all * 4) if p.shared_mask else 0
+        # on the 8-lane kernels (AVX2) the materialized form's batched GEMMs ran faster unless causal
+        ahead = 1 if not big and not p.causal and not fused.on_zmm() else 0
         ft = fused_tiling(p, room - copy) if copy and copy < room else None
         if ft is not None:  # the shared mask copied transposed: each score reads it from a dense row
             ft = replace(ft, workspace=ft.workspace + copy, mask_t=ft.workspace)
-            cands.insert(0, Candidate("fused", ft, ft.workspace))
+            cands.insert(ahead, Candidate("fused", ft, ft.workspace))
         elif (ft := fused_tiling(p, room)) is not None:
-            ahead = 0
             if p.general_mask:  # read across the queries, one load per score: behind whole heads or 4 MiB tiles
                 ahead = 1 if not big else len(tiled) + 1 if budget >= TILE_TARGET else 0
             cands.insert(ahead, Candidate("fused", ft, ft.workspace))
@@ -346,8 +348,9 @@ scaled_dot_product_attention = register(
         doc=(
             "softmax(scale * q @ k^T + mask) @ v for (B, H, L, D) operands, float32 / float64; attn_mask is boolean "
             "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. fused "
-            "(float32, Dv a multiple of 16 with v and out rows dense, on CPUs with "
-            "AVX-512): each of P parts (helper threads; one below 2^16 scores) runs its share of the tiles of tq "
+            "(float32, Dv a multiple of 16 with v and out rows dense, on CPUs with AVX-512, or AVX2 and FMA, where "
+            "it ranks after materialized unless causal): each of P parts (helper threads; one below 2^16 scores) "
+            "runs its share of the tiles of tq "
             "queries of one head (shares balanced by each tile's queries x keys) in one compiled loop: "
             "S^T = k @ (scale q)^T by the register-blocked GEMM, a softmax down S^T's columns, out = P @ v with P "
             "read from S^T, rows divided by their sums; causal tiles run only the keys up to their last query, tiles "

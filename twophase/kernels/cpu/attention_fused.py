@@ -57,13 +57,22 @@ def area_floats(keys: int, d: int, tq: int, bk: int) -> int:
     return (min(bk, keys) + d + (2 if bk >= keys else 3)) * row_width(tq)
 
 
+def on_zmm() -> bool:
+    """Whether the tiles' GEMMs run on the AVX-512 kernels (else on the 8-lane ones, ``gemm.gemm_tile_ymm``)."""
+    return gemm.available()
+
+
+# the tiles' two GEMMs: on zmm registers where the CPU has AVX-512, else on the 8-lane (AVX2 and FMA) kernels
+_gemm_tile = gemm.gemm_tile if on_zmm() else gemm.gemm_tile_ymm
+
+
 def available(dtype: Any, dv: int, v_strides: tuple[int, ...], out_strides: tuple[int, ...]) -> bool:
-    """Whether the fused tiles can run: float32 on a CPU with the register-blocked GEMM, value rows of whole
-    16-float vectors (the GEMM reads b's rows to the next 16) whose elements are adjacent in v and out, rows at
-    positive strides (``v_strides``, ``out_strides`` in elements)."""
+    """Whether the fused tiles can run: float32 on a CPU with the register-blocked GEMM (AVX-512, or AVX2 and
+    FMA), value rows of whole 16-float vectors (the GEMM reads b's rows to the next 16) whose elements are adjacent
+    in v and out, rows at positive strides (``v_strides``, ``out_strides`` in elements)."""
     return (
         np.dtype(dtype) == np.float32
-        and gemm.available()
+        and (gemm.available() or gemm.ymm_available())
         and dv > 0
         and dv % gemm.LANES == 0
         and v_strides[-1] == 1
@@ -142,7 +151,7 @@ def fused_tiles(
         for j0 in range(0, kend, bk):
             m = min(bk, kend - j0)
             # all ``width`` columns: those past n are 0 (the packed zeros), so the whole area is written
-            gemm.gemm_tile(
+            _gemm_tile(
                 kh.ctypes.data + j0 * kh.strides[0],
                 kh.strides[0] // item,
                 kh.strides[1] // item,
@@ -207,7 +216,7 @@ def fused_tiles(
                     e = vm.exp_nonpos_f32(row[i] - colmax[i])
                     row[i] = e
                     colsum[i] += e
-            gemm.gemm_tile(
+            _gemm_tile(
                 st.ctypes.data,
                 1,
                 width,

@@ -11,8 +11,9 @@ every call (OpenBLAS packs both operands per call). The bias, when given, is add
 stored, so it costs no pass over ``c``.
 
 Without AVX-512, ``gemm_f32_ymm`` runs the same IR with 8-float vectors (6 x 16 blocks in 12 of AVX2's 16 ymm
-registers) for the small products of attention's heads, where it beats OpenBLAS's per-call cost; the linear
-layers and convolutions stay with OpenBLAS there (the 8-lane kernel measured 0.55-0.97x OpenBLAS on them).
+registers) for the small products of attention's heads, where it beats OpenBLAS's per-call cost, and
+``gemm_tile_ymm`` for the fused attention tiles' products; the linear layers and convolutions stay with OpenBLAS
+there (the 8-lane kernel measured 0.55-0.97x OpenBLAS on them).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ __all__ = [
     "gemm_f32",
     "gemm_f32_heads",
     "gemm_tile",
+    "gemm_tile_ymm",
     "gemm_table",
     "MIN_COLS",
     "MR",
@@ -415,6 +417,7 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES, tail: int = 
 
 YMM = 8  # floats per ymm vector: the 8-lane kernels' panels are 2 * YMM and YMM columns wide
 _Y16, _Y8 = _microkernel(2, width=YMM), _microkernel(1, width=YMM)
+_Y8M = _microkernel(1, masked=True, width=YMM)
 
 
 def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
@@ -760,6 +763,43 @@ def gemm_f32_ymm(a: Any, b: Any, c: Any) -> None:
             j += YMM
         if j < n:
             _Y8(rows, ci + (n - YMM) * item, ldc, ai, lda, sak, pb + (n - YMM) * item, ldb, kdim, 0, 0)
+
+
+@_inline
+def gemm_tile_ymm(
+    pa: int,
+    lda: int,
+    sak: int,
+    pb: int,
+    ldb: int,
+    pc: int,
+    ldc: int,
+    kl: int,
+    m: int,
+    n: int,
+    accumulate: int,
+    bias: int,
+    pnext: int,
+) -> None:
+    """``gemm_tile`` (same arguments and contract; ``pnext`` unused) on the 8-lane kernels, for AVX2: MR-row blocks
+    of 16-column panels, then one of 8 and a masked one for the rest, over the whole k (the fused attention tiles'
+    products, whose k is a head's width or a block of at most ``attention_fused.BK_MAX`` keys). Reads ``b``'s rows
+    up to the next multiple of 8 columns."""
+    item = 4
+    wide = n // (2 * YMM) * (2 * YMM)
+    for i in range(0, m, MR):
+        rows, ci, ai = min(MR, m - i), pc + i * ldc * item, pa + i * lda * item
+        for j in range(0, wide, 2 * YMM):
+            bj = bias + j * item if bias else 0
+            _Y16(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj)
+        j = wide
+        if j + YMM <= n:
+            bj = bias + j * item if bias else 0
+            _Y8(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj)
+            j += YMM
+        if j < n:
+            bj = bias + j * item if bias else 0
+            _Y8M(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj, n - j)
 
 
 @_jit
