@@ -62,6 +62,7 @@ def in_child(body: Callable[[], Any]) -> Any:
     return value
 
 
+@pytest.mark.usefixtures("microkernel")  # matmul in parts on the helpers (with only AVX2, BLAS's threads run it)
 def test_a_child_runs_ops_on_the_parents_streams_helpers_and_tensors(
     dev: twophase.Device, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
