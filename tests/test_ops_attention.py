@@ -19,7 +19,15 @@ from twophase.kernels.cpu import attention as attention_kernels
 from twophase.kernels.cpu import attention_fused, gemm
 from twophase.layout import align
 from twophase.ops import scaled_dot_product_attention as sdpa
-from twophase.ops.attention import Dims, fused_tiling, plan_attention, reference, rows_layout, tiled_layout
+from twophase.ops.attention import (
+    YMM_FUSED_CAUSAL_KEYS,
+    Dims,
+    fused_tiling,
+    plan_attention,
+    reference,
+    rows_layout,
+    tiled_layout,
+)
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
 
@@ -899,9 +907,30 @@ def test_sdpa_fused_with_a_general_mask_ranks_after_whole_heads(
             for causal in (False, True):
                 want = first if general else "fused"
                 if not (general or causal or zmm) and first == "materialized":
-                    want = "materialized"  # on the 8-lane kernels it goes first where it fits, unless causal
+                    want = "materialized"  # on the 8-lane kernels first where it fits, unless causal (512 keys)
                 p = Dims(b, h, lq, lq, d, d, 4, causal=causal, fused_ok=True, general_mask=general)
                 assert plan_attention(p, limit).implementation == want, (general, causal)
+
+
+@pytest.mark.parametrize(
+    "lk, causal, ymm_first",
+    [
+        (64, True, "materialized"),
+        (YMM_FUSED_CAUSAL_KEYS - 1, True, "materialized"),
+        (YMM_FUSED_CAUSAL_KEYS, True, "fused"),
+        (1024, False, "materialized"),
+        (4096, False, "fused"),  # 256 MiB of scores: the materialized form ranks after 4 MiB tiles, fused before
+    ],
+)
+def test_sdpa_fused_on_the_8_lane_kernels_ranks_first_only_causal_from_512_keys(
+    zmm: bool, lk: int, causal: bool, ymm_first: str
+) -> None:
+    """Without AVX-512 the materialized form goes first where it is not too big, except causal from 512 keys (a
+    causal query's most: min(Lq, Lk)); with AVX-512 fused is first every time."""
+    p = Dims(1, 4, lk, lk, 64, 64, 4, causal=causal, fused_ok=True)
+    with num_threads(2):
+        got = plan_attention(p, None).implementation
+    assert got == ("fused" if zmm else ymm_first)
 
 
 @needs_fused
@@ -928,7 +957,7 @@ def test_sdpa_fused_reads_views(rng: np.random.Generator, causal: bool) -> None:
 
 def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:
     """float32 without a mask (causal or not), with key padding or with one mask for every head, and values of whole
-    16-float vectors: fused first (on the 8-lane kernels only if causal, else materialized); a mask whose rows
+    16-float vectors: fused first (on the 8-lane kernels materialized, with 12 keys); a mask whose rows
     differ between queries and between heads: materialized first; float64, values of 5 or a value row that is not
     dense: the others."""
     q, k, v = _qkv(rng, 1, 2, 12, 12, 8, 16)
@@ -943,10 +972,10 @@ def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:
         "strided v": run_checked(sdpa, q, k, np.repeat(v, 2, axis=-1)[..., ::2], None).implementation,
     }
     fused = "fused" if attention_fused.available(np.float32, 16, (16, 1), (16, 1)) else "materialized"
-    first = fused if attention_fused.on_zmm() else "materialized"  # the 8-lane kernels: fused first if causal
+    first = fused if attention_fused.on_zmm() else "materialized"  # the 8-lane kernels: causal from 512 keys
     assert picks == {
         "plain": first,
-        "causal": fused,
+        "causal": first,
         "mask": first,
         "mask per head": "materialized",
         "padding": first,

@@ -176,14 +176,22 @@ def fused_tiling(p: Dims, budget: int) -> AttentionTiling | None:
     return None
 
 
+# keys (a causal query's most) from which the fused tiles on the 8-lane kernels (AVX2) rank ahead of the materialized
+# form, whose batched GEMMs ran faster on fewer, and on any not causal. Both forced, through the op, two threads, 11
+# interleaved rounds, AMD Zen 3 (/tmp/w56/fc.py, ftq.py, fab.py of the fifty-sixth session), t(materialized) /
+# t(fused), causal: (8, 12, 128, 32) 0.77, (8, 12, 128, 64) 0.83, (2, 12, 256, 64) 0.97, (1, 12, 512, 64) 1.07,
+# (1, 8, 1024, 64) 1.15; not causal (8, 12, 128, 32) 0.84-0.88, (1, 12, 512, 64) 0.80-0.87
+YMM_FUSED_CAUSAL_KEYS = 512
+
+
 def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
-    """Candidates: fused first where it runs (``fused_tiling``; on the 8-lane kernels, not causal: after the
-    materialized form when that is not too big; a mask that differs between queries but not between
-    heads copied transposed after the parts' areas where that leaves room for them, else such a mask ranks fused
-    after the materialized form, and when that is too big after 4 MiB tiles too, unless the limit is below 4 MiB), then
-    materialized (first while its scores take <= 32 MiB), tiled (whole key rows, the largest tile that fits the
-    limit, at most 4 MiB of workspace when the materialized form is too big), then online tiles largest first
-    (``lk_all``: every key, for the online layout; default ``p.lk``)."""
+    """Candidates: fused first where it runs (``fused_tiling``; on the 8-lane kernels after the materialized form
+    where that is not too big, unless causal with ``YMM_FUSED_CAUSAL_KEYS`` keys or more; a mask that differs
+    between queries but not between heads copied transposed after the parts' areas where that leaves room for them,
+    else such a mask ranks fused after the materialized form, and when that is too big after 4 MiB tiles too, unless
+    the limit is below 4 MiB), then materialized (first while its scores take <= 32 MiB), tiled (whole key rows, the
+    largest tile that fits the limit, at most 4 MiB of workspace when the materialized form is too big), then online
+    tiles largest first (``lk_all``: every key, for the online layout; default ``p.lk``)."""
     lim = effective_limit(OP, limit)
     lk_all = p.lk if lk_all is None else lk_all
     full = rows_layout(p, p.b, p.h, p.lq)
@@ -213,8 +221,8 @@ def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
     if p.fused_ok and p.lq and p.lk:
         room = TILE_TARGET if lim is None else min(TILE_TARGET, lim)
         copy = align(p.lq * lk_all * 4) if p.shared_mask else 0
-        # on the 8-lane kernels (AVX2) the materialized form's batched GEMMs ran faster unless causal
-        ahead = 1 if not big and not p.causal and not fused.on_zmm() else 0
+        ymm_later = not (fused.on_zmm() or (p.causal and p.lk >= YMM_FUSED_CAUSAL_KEYS))
+        ahead = 1 if ymm_later and not big else 0
         ft = fused_tiling(p, room - copy) if copy and copy < room else None
         if ft is not None:  # the shared mask copied transposed: each score reads it from a dense row
             ft = replace(ft, workspace=ft.workspace + copy, mask_t=ft.workspace)
@@ -349,8 +357,8 @@ scaled_dot_product_attention = register(
             "softmax(scale * q @ k^T + mask) @ v for (B, H, L, D) operands, float32 / float64; attn_mask is boolean "
             "(True = attend) or additive, broadcast to (B, H, Lq, Lk); rows with no allowed key give 0. fused "
             "(float32, Dv a multiple of 16 with v and out rows dense, on CPUs with AVX-512, or AVX2 and FMA, where "
-            "it ranks after materialized unless causal): each of P parts (helper threads; one below 2^16 scores) "
-            "runs its share of the tiles of tq "
+            "it ranks after materialized unless causal with 512 keys or more): each of P parts (helper threads; one "
+            "below 2^16 scores) runs its share of the tiles of tq "
             "queries of one head (shares balanced by each tile's queries x keys) in one compiled loop: "
             "S^T = k @ (scale q)^T by the register-blocked GEMM, a softmax down S^T's columns, out = P @ v with P "
             "read from S^T, rows divided by their sums; causal tiles run only the keys up to their last query, tiles "
