@@ -399,23 +399,33 @@ def test_8_lane_gemm_writes_exactly_its_block_for_every_column_count(rng: np.ran
     assert (c == -7.0).all()
 
 
-@numba.njit(nogil=True)
-def _tile_gemm(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int) -> None:
-    gemm.gemm_tile(
-        a.ctypes.data,
-        a.strides[0] // 4,
-        a.strides[1] // 4,
-        b.ctypes.data,
-        b.strides[0] // 4,
-        c.ctypes.data,
-        c.strides[0] // 4,
-        kl,
-        m,
-        n,
-        accumulate,
-        0,
-        0,
-    )
+def _tile_caller(tile: Any) -> Any:
+    """A jitted ``(a, b, c, kl, m, n, accumulate, bias)`` calling ``tile`` (``gemm.gemm_tile`` or ``gemm_tile_ymm``,
+    which take addresses and element strides) on arrays; an empty ``bias`` passes no bias."""
+
+    @numba.njit(nogil=True)
+    def call(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int, bias: Any) -> None:
+        tile(
+            a.ctypes.data,
+            a.strides[0] // 4,
+            a.strides[1] // 4,
+            b.ctypes.data,
+            b.strides[0] // 4,
+            c.ctypes.data,
+            c.strides[0] // 4,
+            kl,
+            m,
+            n,
+            accumulate,
+            bias.ctypes.data if bias.shape[0] else 0,
+            0,
+        )
+
+    return call
+
+
+_tile_gemm, _tile_gemm_ymm = _tile_caller(gemm.gemm_tile), _tile_caller(gemm.gemm_tile_ymm)
+_NO_BIAS = np.zeros(0, np.float32)
 
 
 @needs_micro
@@ -435,30 +445,11 @@ def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Gener
             c = np.full((m + 2, n + 19), np.nan, np.float32)
             if accumulate:
                 c[1 : m + 1, 3 : 3 + n] = old
-            _tile_gemm(a, b, c[1 : m + 1, 3 : 3 + n], k, m, n, accumulate)
+            _tile_gemm(a, b, c[1 : m + 1, 3 : 3 + n], k, m, n, accumulate, _NO_BIAS)
             ref = a.astype(np.float64) @ b[:, :n].astype(np.float64) + (old if accumulate else 0.0)
             np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
             c[1 : m + 1, 3 : 3 + n] = np.nan
             assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
-
-
-@numba.njit(nogil=True)
-def _tile_gemm_ymm(a: Any, b: Any, c: Any, kl: int, m: int, n: int, accumulate: int, bias: Any) -> None:
-    gemm.gemm_tile_ymm(
-        a.ctypes.data,
-        a.strides[0] // 4,
-        a.strides[1] // 4,
-        b.ctypes.data,
-        b.strides[0] // 4,
-        c.ctypes.data,
-        c.strides[0] // 4,
-        kl,
-        m,
-        n,
-        accumulate,
-        bias.ctypes.data if bias.shape[0] else 0,
-        0,
-    )
 
 
 @pytest.mark.skipif(not gemm.ymm_available(), reason="the 8-lane GEMM kernels need AVX2 and FMA")
@@ -474,7 +465,7 @@ def test_gemm_tile_ymm_for_every_column_count(rng: np.random.Generator, mode: st
                 a = _rand(rng, (m, 2 * k))[:, ::2]
                 b = _rand(rng, (k, -(-n // 8) * 8))  # rows readable to the next multiple of 8 columns
                 old = _rand(rng, (m, n))
-                bias = _rand(rng, (n,)) if mode == "bias" else np.zeros(0, np.float32)
+                bias = _rand(rng, (n,)) if mode == "bias" else _NO_BIAS
                 c = np.full((m + 2, n + 19), np.nan, np.float32)
                 if mode == "accumulate":
                     c[1 : m + 1, 3 : 3 + n] = old
