@@ -66,7 +66,7 @@ def microkernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     code and results), so that CI on either kind of machine checks it; skipped elsewhere. The executor cache is
     emptied around the test: plans made with the other setting must not be reused."""
     if not gemm.available():
-        if not gemm.host_has("avx2", "fma"):
+        if not gemm.ymm_available():
             pytest.skip("the register-blocked GEMM needs AVX2 and FMA at least (AVX-512 to be picked)")
         monkeypatch.setattr(gemm, "available", lambda: True)
     twophase.clear_cache()

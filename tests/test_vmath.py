@@ -284,6 +284,28 @@ def test_nan_propagating_max_and_min_in_both_lowerings(
         assert all(np.isnan(v) for v in extremes(withnan)), at
 
 
+def test_the_select_form_keeps_a_running_maximum_off_masked_stores(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``a[i] = maximum_stored(a[i], x)`` (fused SDPA's column maxima) in the select form (``STORE_SELECT``, CPUs
+    without AVX-512) compiles to plain vector stores: llvm.maximum's expansion let LLVM fold it into vmaskmovps,
+    microcoded on AMD's AVX2 CPUs."""
+    monkeypatch.setattr(vm, "STORE_SELECT", True)
+
+    @numba.njit(nogil=True, fastmath={"contract", "arcp", "nsz"})
+    def running(hi: Any, x: Any) -> None:
+        for i in range(hi.shape[0]):
+            hi[i] = vm.maximum_stored(hi[i], x[i])
+
+    rng = np.random.default_rng(3)
+    hi, x = rng.standard_normal((2, 1000)).astype(np.float32)
+    x[[5, 900]] = np.nan
+    want = np.maximum(hi, x)
+    running(hi, x)
+    np.testing.assert_array_equal(hi, want)
+    asm = "\n".join(running.inspect_asm().values())
+    assert "maxps" in asm  # the loop is vectorized
+    assert "vmaskmov" not in asm and "{%k" not in asm
+
+
 def _rsqrt_op(x: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
     from twophase import ops
     from twophase.testing import run_checked

@@ -8,8 +8,7 @@ import numba
 import numpy as np
 import pytest
 
-from twophase.kernels.cpu.gemm import host_has
-from twophase.kernels.cpu.jit import FAST, wide_vectors
+from twophase.kernels.cpu.jit import FAST, host_has, wide_vectors
 
 _k = numba.njit(nogil=True, error_model="numpy", fastmath=FAST)
 _ATTR = '"prefer-vector-width"="512"'

@@ -23,18 +23,15 @@ from typing import Any
 
 import numba
 import numpy as np
-from llvmlite import binding as llvm
 from llvmlite import ir
 from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from ...runtime.fanout import split_range
-from .jit import emit_lanes_below, emit_prefetch, emit_splat, masked_memory
+from .jit import emit_lanes_below, emit_prefetch, emit_splat, host_cpu_name, host_has, masked_memory
 
 __all__ = [
     "available",
-    "host_cpu_name",
-    "host_has",
     "columns_computed",
     "columns_fit",
     "half_width_fma",
@@ -111,23 +108,6 @@ def packing_pays() -> bool:
 def panel_bytes(k: int) -> int:
     """The scratch ``gemm_f32`` packs a panel of b into, for ``k`` rows of b: one k block of 32 columns."""
     return min(KC, k) * NR * 4
-
-
-@functools.cache
-def host_cpu_name() -> str:
-    """LLVM's name for this host's CPU (``znver4``, ``sapphirerapids``, ...), read once: what the per-host tunings
-    (``packing_pays``, ``half_width_fma``) go by."""
-    return str(llvm.get_host_cpu_name())
-
-
-@functools.cache
-def host_has(*features: str) -> bool:
-    """Whether numba compiles for this host (``NUMBA_CPU_NAME`` unset or ``host``) and it has every one of
-    ``features`` (LLVM's names: ``avx512f``, ``avx2``, ``fma``, ...)."""
-    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):
-        return False
-    found = llvm.get_host_cpu_features()
-    return all(found.get(f) for f in features)
 
 
 def available() -> bool:
@@ -783,7 +763,7 @@ def gemm_tile_ymm(
 ) -> None:
     """``gemm_tile`` (same arguments and contract; ``pnext`` unused) on the 8-lane kernels, for AVX2: MR-row blocks
     of 16-column panels, then one of 8 and a masked one for the rest, over the whole k (the fused attention tiles'
-    products, whose k is a head's width or a block of at most ``attention_fused.BK_MAX`` keys). Reads ``b``'s rows
+    products, whose k is a head's width or a block of at most ``attention_fused.keys_max()`` keys). Reads ``b``'s rows
     up to the next multiple of 8 columns."""
     item = 4
     wide = n // (2 * YMM) * (2 * YMM)

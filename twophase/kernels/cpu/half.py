@@ -23,8 +23,7 @@ from numba.extending import intrinsic
 from ...layout import flat2d, matrix2d
 from ...runtime.fanout import bound, fanout_parts, pieces
 from . import jit as _jit
-from .gemm import host_has
-from .jit import by_density, entry, row_of, rows_dense
+from .jit import by_density, entry, host_has, row_of, rows_dense
 from .streaming import CODES, apply_op, flat_launch
 
 __all__ = ["available", "binary_launch", "cast_copy", "copier", "MIN_ELEMENTS", "FANOUT_ELEMENTS"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -42,6 +43,8 @@ __all__ = [
     "emit_lanes_below",
     "masked_memory",
     "TYPED_POINTERS",
+    "host_cpu_name",
+    "host_has",
 ]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
@@ -50,6 +53,23 @@ REDUCE = FAST | {"reassoc"}  # reductions may reorder sums (accumulators are wid
 jit = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST)
 jit_reduce = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=REDUCE)
 jit_inline = numba.njit(nogil=True, cache=True, error_model="numpy", fastmath=FAST, inline="always")
+
+
+@functools.cache
+def host_cpu_name() -> str:
+    """LLVM's name for this host's CPU (``znver4``, ``sapphirerapids``, ...), read once: what the per-host tunings
+    (``packing_pays``, ``half_width_fma``) go by."""
+    return str(llvm.get_host_cpu_name())
+
+
+@functools.cache
+def host_has(*features: str) -> bool:
+    """Whether numba compiles for this host (``NUMBA_CPU_NAME`` unset or ``host``) and it has every one of
+    ``features`` (LLVM's names: ``avx512f``, ``avx2``, ``fma``, ...)."""
+    if getattr(numba.config, "CPU_NAME", None) not in (None, "host"):
+        return False
+    found = llvm.get_host_cpu_features()
+    return all(found.get(f) for f in features)
 
 
 # pointer types in intrinsic names: "p0" + the pointee in LLVMs with typed pointers (LLVM 15: llvmlite 0.44, under
