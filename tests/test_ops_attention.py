@@ -20,7 +20,6 @@ from twophase.kernels.cpu import attention_fused, gemm
 from twophase.layout import align
 from twophase.ops import scaled_dot_product_attention as sdpa
 from twophase.ops.attention import (
-    YMM_FUSED_CAUSAL_KEYS,
     Dims,
     fused_tiling,
     plan_attention,
@@ -697,7 +696,8 @@ def test_sdpa_fused_any_shape(
 ) -> None:
     """Tiles of up to 64 queries (a last one shorter) against every key or, causal, the keys up to their last query
     (Lk above and below Lq), at once or in blocks (a last one shorter); one to three parts; the workspace by its
-    formula. Unlimited: the largest tiles, every key at once up to 512 (else even blocks of at most 512); at the
+    formula. Unlimited: the largest tiles, every key at once up to ``keys_max()`` (512; 64 on the 8-lane kernels),
+    else even blocks of at most that many; at the
     smallest limit of 8-query tiles with every key, or of 16-query tiles with blocks of 16 keys: what fits."""
     rng = np.random.default_rng(seed)
     q, k, v = _qkv(rng, b, h, lq, lk, d, dv)
@@ -717,11 +717,38 @@ def test_sdpa_fused_any_shape(
     assert t.parts == (min(threads, b * h * -(-lq // t.block_q)) if many else 1)
     assert t.block_k == keys or 8 < t.block_k < keys  # every key, or even blocks where 16 or more fit: > 8 each
     if size is None:
-        blocks = -(-keys // attention_fused.BK_MAX)
-        assert (t.block_q, t.block_k) == (min(lq, 64), -(-keys // blocks))
+        assert (t.block_q, t.block_k) == (min(lq, 64), _unlimited_keys(keys))
     else:
         assert r.workspace_size <= size
     _check(r, ref)
+
+
+@needs_fused
+@pytest.mark.parametrize("limit", [None, "key blocks"])
+def test_sdpa_fused_a_key_far_above_the_rest_at_every_position(rng: np.random.Generator, limit: Any) -> None:
+    """One key scores 100 above the others for every query (exp(100) overflows float32): at each of 37 positions,
+    so at each place in the passes that take the column maxima several key rows at a time, the last one shorter;
+    also in three blocks of 13, 13 and 11 keys. A key left out of a column's maximum would give inf, then NaN."""
+    lq, lk, d = 5, 37, 4
+    _, k, v = _qkv(rng, 1, 1, lq, lk, d, 16)
+    q = np.full((1, 1, lq, d), 5.0, np.float32)
+    k *= 0.1
+    size = _fused_workspace(1, 1, lq, lk, d, lq, 16, 1, False) if limit else None
+    for top in range(lk):
+        kt = k.copy()
+        kt[0, 0, top] = 10.0  # score 5 * 10 * 4 / 2 = 100
+        ref = reference(q, kt, v)
+        with forced("fused"):
+            r = run_checked(sdpa, q, kt, v, None, workspace_limit=size)
+        assert (r.implementation, r.tiling.block_k) == ("fused", 13 if limit else lk)
+        _check(r, ref)
+        np.testing.assert_allclose(r.outputs[0][0, 0], np.broadcast_to(v[0, 0, top], (lq, 16)), rtol=1e-4, atol=1e-5)
+
+
+def _unlimited_keys(keys: int) -> int:
+    """Keys per block of unlimited fused tiles: every key up to ``keys_max()``, else even blocks of at most that."""
+    blocks = -(-keys // attention_fused.keys_max())
+    return -(-keys // blocks)
 
 
 @needs_fused
@@ -739,30 +766,36 @@ def test_sdpa_fused_parts(rng: np.random.Generator, causal: bool, threads: int, 
         r = run_checked(sdpa, q, k, v, None, is_causal=causal, workspace_limit=limit)
     t = r.tiling
     assert (r.implementation, t.parts) == ("fused", threads)
-    assert (t.block_q, t.block_k) != (64, keys) if tight else (t.block_q, t.block_k) == (64, keys)
+    full = (64, _unlimited_keys(keys))
+    assert (t.block_q, t.block_k) != full if tight else (t.block_q, t.block_k) == full
     assert r.workspace_size == _fused_workspace(b, h, lq, lk, d, t.block_q, t.block_k, threads, causal)
     _check(r, ref)
 
 
 @pytest.mark.parametrize(
-    "shape, limit, plan",
+    "shape, limit, on_zmm, on_ymm",
     [
-        ((1, 12, 512, 64), None, (2, 64, 512)),  # every key
-        ((1, 1, 1100, 64), None, (2, 64, 367)),  # three even blocks
-        ((1, 12, 512, 64), 1 << 16, (2, 48, 103)),  # 5 blocks of 103 keys: 1/48 + 1/103 is the least
-        ((1, 12, 512, 64), 8 << 10, (2, 8, 57)),  # 9 blocks of 57: only 8 queries fit
-        ((8, 12, 128, 32), None, (2, 64, 128)),  # every key at once
-        ((8, 12, 128, 32), 1 << 16, (2, 48, 128)),  # every key: 1/48 + 1/128 beats 1/64 + 1/64
-        ((1, 1, 40, 64), 1 << 10, None),  # not a block of 16 keys of 8 queries fits
+        # every key; on the 8-lane kernels 8 blocks of 64
+        ((1, 12, 512, 64), None, (2, 64, 512), (2, 64, 64)),
+        # three even blocks; eighteen
+        ((1, 1, 1100, 64), None, (2, 64, 367), (2, 64, 62)),
+        # 5 blocks of 103 keys: 1/48 + 1/103 is the least; at most 64 keys: 9 blocks of 57 (1/64 + 1/57)
+        ((1, 12, 512, 64), 1 << 16, (2, 48, 103), (2, 64, 57)),
+        ((1, 12, 512, 64), 8 << 10, (2, 8, 57), (2, 8, 57)),  # 9 blocks of 57: only 8 queries fit
+        ((8, 12, 128, 32), None, (2, 64, 128), (2, 64, 64)),  # every key at once; two blocks
+        # every key: 1/48 + 1/128 beats 1/64 + 1/64; at most 64 keys: 1/64 + 1/64 beats 1/48 + 1/64
+        ((8, 12, 128, 32), 1 << 16, (2, 48, 128), (2, 64, 64)),
+        ((1, 1, 40, 64), 1 << 10, None, None),  # not a block of 16 keys of 8 queries fits
     ],
 )
-def test_sdpa_fused_plans_key_blocks(shape: tuple[int, ...], limit: Any, plan: Any) -> None:
-    """The fused planner: the most parts, then the tile size and key blocks of the least 1/queries + 1/keys."""
+def test_sdpa_fused_plans_key_blocks(zmm: bool, shape: tuple[int, ...], limit: Any, on_zmm: Any, on_ymm: Any) -> None:
+    """The fused planner: the most parts, then the tile size and key blocks (of at most ``keys_max()`` keys) of the
+    least 1/queries + 1/keys."""
     b, h, lq, d = shape
     p = Dims(b, h, lq, lq, d, d, 4, fused_ok=True)
     with num_threads(2):
         t = fused_tiling(p, limit if limit is not None else 4 << 20)
-    assert (t and (t.parts, t.block_q, t.block_k)) == plan
+    assert (t and (t.parts, t.block_q, t.block_k)) == (on_zmm if zmm else on_ymm)
 
 
 def test_sdpa_fused_shares_balance_causal_tiles() -> None:
@@ -837,14 +870,15 @@ def zmm(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool
 
 
 @pytest.mark.parametrize(
-    "limit, mask_t",
+    "limit, on_zmm, on_ymm",
     [
-        (None, 2 * 147968),  # after two areas of (512 + 64 + 2) x 64 floats
-        ((1 << 20) + (1 << 16), 2 * 32640),  # the 1 MiB copy, then two areas of (103 + 64 + 3) x 48 floats in 64 KiB
-        (1 << 20, -1),  # no room beside the copy: read across the queries (the materialized form does not fit)
+        (None, 2 * 147968, None),  # after two areas of (512 + 64 + 2) x 64 floats; materialized on the 8 lanes
+        # the 1 MiB copy, then two areas in 64 KiB: of (103 + 64 + 3) x 48 floats; of (57 + 64 + 3) x 64
+        ((1 << 20) + (1 << 16), 2 * 32640, 2 * 31744),
+        (1 << 20, -1, -1),  # no room beside the copy: read across the queries (the materialized form does not fit)
     ],
 )
-def test_sdpa_fused_copies_a_mask_shared_by_every_head(zmm: bool, limit: Any, mask_t: int) -> None:
+def test_sdpa_fused_copies_a_mask_shared_by_every_head(zmm: bool, limit: Any, on_zmm: int, on_ymm: Any) -> None:
     """(1, 12, 512, 64) with a mask whose rows differ between queries but which every head shares: copied
     transposed after the parts' areas, which get what the limit leaves; ranked first (on the 8-lane kernels after
     the materialized form, where that fits)."""
@@ -854,6 +888,7 @@ def test_sdpa_fused_copies_a_mask_shared_by_every_head(zmm: bool, limit: Any, ma
     if limit is None and not zmm:
         assert plan.implementation == "materialized"
         return
+    mask_t = on_zmm if zmm else on_ymm
     assert (plan.implementation, plan.tiling.mask_t) == ("fused", mask_t)
     if mask_t >= 0:
         assert plan.workspace_size == mask_t + align(512 * 512 * 4)
@@ -915,18 +950,19 @@ def test_sdpa_fused_with_a_general_mask_ranks_after_whole_heads(
 @pytest.mark.parametrize(
     "lk, causal, ymm_first",
     [
-        (64, True, "materialized"),
-        (YMM_FUSED_CAUSAL_KEYS - 1, True, "materialized"),
-        (YMM_FUSED_CAUSAL_KEYS, True, "fused"),
+        (64, True, "materialized"),  # 4 x 64 x 64 scores: below FANOUT_MIN
+        (127, True, "materialized"),
+        (128, True, "fused"),  # 4 x 128 x 128 = FANOUT_MIN
         (1024, False, "materialized"),
         (4096, False, "fused"),  # 256 MiB of scores: the materialized form ranks after 4 MiB tiles, fused before
     ],
 )
-def test_sdpa_fused_on_the_8_lane_kernels_ranks_first_only_causal_from_512_keys(
+def test_sdpa_fused_on_the_8_lane_kernels_ranks_first_only_causal_from_fanout_min_scores(
     zmm: bool, lk: int, causal: bool, ymm_first: str
 ) -> None:
-    """Without AVX-512 the materialized form goes first where it is not too big, except causal from 512 keys (a
-    causal query's most: min(Lq, Lk)); with AVX-512 fused is first every time."""
+    """Without AVX-512 the materialized form goes first where it is not too big, except causal from ``FANOUT_MIN``
+    scores (B x H x Lq x a causal query's most keys, min(Lq, Lk)); with AVX-512 fused is first every time."""
+    assert 4 * 128 * 128 == attention_kernels.FANOUT_MIN
     p = Dims(1, 4, lk, lk, 64, 64, 4, causal=causal, fused_ok=True)
     with num_threads(2):
         got = plan_attention(p, None).implementation

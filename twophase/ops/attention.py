@@ -141,12 +141,13 @@ def tiled_layout(bq: int, bk: int, lk: int, dv: int, item: int) -> AttentionTili
 
 def fused_keys(p: Dims, tq: int, room: int) -> int:
     """Keys per block of the fused tiles of ``tq`` queries whose area fits ``room`` bytes: every key the tiles see
-    while there are at most ``fused.BK_MAX`` and they fit, else the fewest blocks of at most ``fused.BK_MAX`` keys
+    while there are at most ``fused.keys_max()`` and they fit, else the fewest blocks of at most that many keys
     that fit, the keys shared evenly between them; 0 when neither every key nor blocks of 16 fit."""
     width = fused.row_width(tq)
-    if p.lk <= fused.BK_MAX and align(fused.area_floats(p.lk, p.d, tq, p.lk) * p.item) <= room:
+    cap = fused.keys_max()
+    if p.lk <= cap and align(fused.area_floats(p.lk, p.d, tq, p.lk) * p.item) <= room:
         return p.lk
-    most = min(room // 64 * 64 // p.item // width - p.d - 3, fused.BK_MAX, p.lk - 1)
+    most = min(room // 64 * 64 // p.item // width - p.d - 3, cap, p.lk - 1)
     if most < 16:
         return 0
     return -(-p.lk // -(-p.lk // most))
@@ -176,17 +177,18 @@ def fused_tiling(p: Dims, budget: int) -> AttentionTiling | None:
     return None
 
 
-# keys (a causal query's most) from which the fused tiles on the 8-lane kernels (AVX2) rank ahead of the materialized
-# form, whose batched GEMMs ran faster on fewer, and on any not causal. Both forced, through the op, two threads, 11
-# interleaved rounds, AMD Zen 3 (/tmp/w56/fc.py, ftq.py, fab.py of the fifty-sixth session), t(materialized) /
-# t(fused), causal: (8, 12, 128, 32) 0.77, (8, 12, 128, 64) 0.83, (2, 12, 256, 64) 0.97, (1, 12, 512, 64) 1.07,
-# (1, 8, 1024, 64) 1.15; not causal (8, 12, 128, 32) 0.84-0.88, (1, 12, 512, 64) 0.80-0.87
-YMM_FUSED_CAUSAL_KEYS = 512
+# On the 8-lane kernels (AVX2) the fused tiles rank ahead of the materialized form only causal, from ``FANOUT_MIN``
+# scores (where they run in parts); the materialized form's batched GEMMs ran as fast or faster on the rest. Both
+# forced, through the op, two threads, 11 interleaved rounds, AMD Zen 3 (/tmp/w57/fc.py of the fifty-seventh
+# session), t(materialized) / t(fused): causal (4, 4, 32, 32) 0.86, (1, 4, 64, 64) 0.90, (1, 12, 128, 32) 1.14,
+# (32, 4, 64, 16) 1.19, (8, 12, 128, 32) 1.05-1.07, (8, 12, 128, 64) 1.13, (2, 12, 256, 64) 1.15, (1, 12, 512, 64)
+# 1.21; not causal, within 11% either way: (8, 12, 128, 32) 0.94-0.98, (1, 12, 512, 64) 0.89-0.98, (2, 12, 256, 64)
+# 1.01, (8, 12, 128, 64) 1.03, (1, 8, 1024, 64) 1.09
 
 
 def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
     """Candidates: fused first where it runs (``fused_tiling``; on the 8-lane kernels after the materialized form
-    where that is not too big, unless causal with ``YMM_FUSED_CAUSAL_KEYS`` keys or more; a mask that differs
+    where that is not too big, unless causal with ``FANOUT_MIN`` scores or more; a mask that differs
     between queries but not between heads copied transposed after the parts' areas where that leaves room for them,
     else such a mask ranks fused after the materialized form, and when that is too big after 4 MiB tiles too, unless
     the limit is below 4 MiB), then materialized (first while its scores take <= 32 MiB), tiled (whole key rows, the
@@ -221,7 +223,7 @@ def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:
     if p.fused_ok and p.lq and p.lk:
         room = TILE_TARGET if lim is None else min(TILE_TARGET, lim)
         copy = align(p.lq * lk_all * 4) if p.shared_mask else 0
-        ymm_later = not (fused.on_zmm() or (p.causal and p.lk >= YMM_FUSED_CAUSAL_KEYS))
+        ymm_later = not (fused.on_zmm() or (p.causal and p.b * p.h * p.lq * p.lk >= FANOUT_MIN))
         ahead = 1 if ymm_later and not big else 0
         ft = fused_tiling(p, room - copy) if copy and copy < room else None
         if ft is not None:  # the shared mask copied transposed: each score reads it from a dense row

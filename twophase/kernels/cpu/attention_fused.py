@@ -2,24 +2,28 @@
 no Python between them.
 
 A tile of ``tq`` queries of one head against every key it sees: ``S^T = K @ (scale * Q)^T`` (keys x queries,
-``gemm.gemm_tile`` with k's rows broadcast, any strides, and the tile's scaled queries packed as the panel), a
-softmax down the columns of S^T (each key row's loop runs across the tile's queries, so it vectorizes however few
-keys there are), then ``out = P @ V`` with P read as S^T transposed (the register-blocked GEMM broadcasts its left
-operand at any strides), normalized by the column sums. Past ``BK_MAX`` keys, or where the workspace limit leaves no
-room for every key, the keys run in blocks with an online softmax (the column maxima move from block to block, and
-what the sums and out rows hold so far is rescaled). Causal tiles run only the keys up to their last query
-(top-left aligned, as PyTorch). A mask is added to (additive) or applied on (bool) each key row of S^T: a
-key-padding mask (the same row for every query) as one value per key row, its tiles running only the keys up to the
+``gemm.gemm_tile`` with k's rows broadcast, any strides, and the tile's scaled queries packed as the panel), a softmax
+down the columns of S^T (each key row's loop runs across the tile's queries, so it vectorizes however few keys there
+are), then ``out = P @ V`` with P read as S^T transposed (the register-blocked GEMM broadcasts its left operand at any
+strides), normalized by the column sums. Past ``keys_max()`` keys (``BK_MAX``; ``BK_MAX_YMM`` on the 8-lane kernels), or
+where the workspace limit leaves no room for every key, the keys run in blocks with an online softmax (the column maxima
+move from block to block, and what the sums and out rows hold so far is rescaled). Causal tiles run only the keys up to
+their last query (top-left aligned, as PyTorch). A mask is added to (additive) or applied on (bool) each key row of S^T:
+a key-padding mask (the same row for every query) as one value per key row, its tiles running only the keys up to the
 last one their head keeps; any other mask one load per score, across its rows (the op ranks that case after the
 materialized form). A query with no key left gives a row of 0. Each part (helper thread) takes a share of the tiles
 balanced by their work (causal tiles grow with their queries, ``shares``) and has its own area of the workspace
 (``area_floats``).
 
-Against the materialized implementation (the whole score matrix, batched GEMMs, a fused row pass), both forced
-through the op, two threads, 9 interleaved rounds, AMD Zen 4 (/tmp/w54/sdr.py of the fifty-fourth session),
-t(materialized) / t(fused): (2, 8, 1024, 64) 1.10, (32, 4, 64, 16) 1.14, (1, 12, 512, 64) 1.06, (8, 12, 128, 32)
-1.05, (1, 12, 128, 32) 1.01-1.03, (1, 1, 2048, 128) 0.99, (4, 4, 32, 32) 0.99; causal (1, 12, 512, 64) 1.36-1.41,
-(8, 12, 128, 32) 1.07, (1, 12, 128, 32) 1.11; in 1/48 of the workspace at (1, 12, 512, 64).
+Against the materialized implementation (the whole score matrix, batched GEMMs, a fused row pass), both forced through
+the op, two threads, 9 interleaved rounds, AMD Zen 4 (/tmp/w54/sdr.py of the fifty-fourth session), t(materialized) /
+t(fused): (2, 8, 1024, 64) 1.10, (32, 4, 64, 16) 1.14, (1, 12, 512, 64) 1.06, (8, 12, 128, 32) 1.05, (1, 12, 128, 32)
+1.01-1.03, (1, 1, 2048, 128) 0.99, (4, 4, 32, 32) 0.99; causal (1, 12, 512, 64) 1.36-1.41, (8, 12, 128, 32) 1.07, (1,
+12, 128, 32) 1.11; in 1/48 of the workspace at (1, 12, 512, 64).
+
+On AMD Zen 3 (AVX2, the 8-lane kernels; /tmp/w57/fc.py of the fifty-seventh session): causal (1, 12, 512, 64) 1.21, (8,
+12, 128, 32) 1.05-1.07, (1, 12, 128, 32) 1.14; not causal (8, 12, 128, 32) 0.94-0.98, (1, 12, 512, 64) 0.89-0.98
+(``ops.attention`` ranks them by that).
 """
 
 from __future__ import annotations
@@ -42,6 +46,10 @@ jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 TQ_MAX = 64  # queries per tile at most: a 64-wide panel of the score GEMM (wider ran no faster)
 LOWEST = float(-np.finfo(np.float32).max)  # where column maxima start: a fully masked column's stays finite
 BK_MAX = 512  # keys per block at most: as fast as whole rows of 1024-4096 keys (blocks of 256: 0.96x), in less area
+# on the 8-lane kernels: 64 keys, whose block of S^T stays in L1 (AMD Zen 3, one thread, 11 interleaved rounds,
+# /tmp/w57/cmp.py of the fifty-seventh session, t(64) / t(bk): (1, 12, 512, 64) 0.90 at 256, 0.96 at 128, 1.01 at
+# 96, 0.95 at 32; (1, 8, 1024, 64) 0.86 at 512, 0.92 at 128; (8, 12, 128, 32) 1.01 at 128)
+BK_MAX_YMM = 64
 
 
 def row_width(tq: int) -> int:
@@ -60,6 +68,11 @@ def area_floats(keys: int, d: int, tq: int, bk: int) -> int:
 def on_zmm() -> bool:
     """Whether the tiles' GEMMs run on the AVX-512 kernels (else on the 8-lane ones, ``gemm.gemm_tile_ymm``)."""
     return gemm.available()
+
+
+def keys_max() -> int:
+    """Keys per block at most: ``BK_MAX`` on the AVX-512 kernels, ``BK_MAX_YMM`` on the 8-lane ones."""
+    return BK_MAX if on_zmm() else BK_MAX_YMM
 
 
 # the tiles' two GEMMs: on zmm registers where the CPU has AVX-512, else on the 8-lane (AVX2 and FMA) kernels
@@ -142,10 +155,11 @@ def fused_tiles(
                     orow[c] = 0.0
             continue
         qb = q[b, h]
-        for dd in range(d):
+        for dd in range(d):  # (through a column view: q indexed per element took 9% of the tiles' time)
             row = row_of(qt, dd, True)
+            col = qb[q0 : q0 + n, dd]
             for i in range(n):
-                row[i] = qb[q0 + i, dd] * sc
+                row[i] = col[i] * sc
             for i in range(n, width):
                 row[i] = 0.0
         for j0 in range(0, kend, bk):
@@ -169,7 +183,7 @@ def fused_tiles(
             mx = colmax if j0 == 0 else blockmax
             for i in range(width):
                 mx[i] = lowest
-            for jj in range(m):
+            for jj in range(m if causal or kind != NONE else 0):  # the masks first, then the maxima
                 j = j0 + jj
                 row = row_of(st, jj, True)
                 if causal and j > q0:  # queries q0 .. j - 1 come before key j
@@ -196,14 +210,18 @@ def fused_tiles(
                     mrow = row_of(mb, j, True)[q0:]  # (indexed from 0: mrow[q0 + i] checks for wraparound, 5x slower)
                     for i in range(n):
                         row[i] += mrow[i]
+            for jj in range(0, m, 4):  # four key rows a pass over mx (the last repeats rows: max is idempotent)
+                r0, r1 = row_of(st, jj, True), row_of(st, min(jj + 1, m - 1), True)
+                r2, r3 = row_of(st, min(jj + 2, m - 1), True), row_of(st, min(jj + 3, m - 1), True)
                 for i in range(n):
-                    mx[i] = vm.maximum(mx[i], row[i])
+                    top = vm.maximum(vm.maximum(r0[i], r1[i]), vm.maximum(r2[i], r3[i]))
+                    mx[i] = vm.maximum_stored(mx[i], top)
             if j0 == 0:
                 for i in range(width):
                     colsum[i] = 0.0
             else:  # the maxima move to cover the block; what the earlier blocks gave is rescaled to them
                 for i in range(n):
-                    top = vm.maximum(colmax[i], blockmax[i])
+                    top = vm.maximum_stored(colmax[i], blockmax[i])
                     alpha = vm.exp_nonpos_f32(colmax[i] - top)
                     colmax[i] = top
                     colsum[i] *= alpha
