@@ -599,11 +599,11 @@ def implicit_first(t: ConvTiling) -> bool:
 
 
 def _implicit_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None) -> Candidate | None:
-    """implicit (``conv_implicit``) for float32 on a CPU with the register-blocked GEMM where ``usable``: parts over
+    """implicit (``conv_implicit``) for float32 on a CPU with AVX-512 where ``usable``: parts over
     the output rows of all images stacked, k blocks of whole channels (up to ``TILE_K`` unfolded rows), chunks of
     the most output rows whose planes stay within ``IMPLICIT_FLOATS``; fewer rows, then fewer channels, to fit
     ``limit``. None when even one row of one channel does not fit."""
-    if not (tiles_available(x.dtype.np) and conv_implicit.usable(t, dense)):  # (the tiles' kernel and dtype)
+    if not (conv_implicit.available(x.dtype.np) and conv_implicit.usable(t, dense)):
         return None
     taps = t.kh * t.kw
     grid = tuple((r0, r1, 0, t.oc, 0, t.kc) for r0, r1 in split_range(t.n * t.oh, fanout_parts()))

@@ -32,6 +32,12 @@ jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 GUARD = 16
 
 
+def available(dtype: Any) -> bool:
+    """Whether the implicit GEMM can run: float32 on a CPU with AVX-512 (its table GEMM, ``gemm.gemm_table``, has no
+    8-lane form: the 16-float IR forced onto AVX2 spilled, 0.40x torch on the stem there)."""
+    return np.dtype(dtype) == np.float32 and gemm.available()
+
+
 def usable(t: Any, rows_dense: bool) -> bool:
     """Whether the implicit GEMM serves tiling ``t``: one group, a channel-major NCHW output, strides 1 or 2 (the
     phase split copies a row's phases with ``copy_run`` / ``copy_phases``), dense input rows, and something to
