@@ -178,12 +178,12 @@ def fused_tiling(p: Dims, budget: int) -> AttentionTiling | None:
 
 
 # On the 8-lane kernels (AVX2) the fused tiles rank ahead of the materialized form only causal, from ``FANOUT_MIN``
-# scores (where they run in parts); the materialized form's batched GEMMs ran as fast or faster on the rest. Both
-# forced, through the op, two threads, 11 interleaved rounds, AMD Zen 3 (/tmp/w57/fc.py of the fifty-seventh
-# session), t(materialized) / t(fused): causal (4, 4, 32, 32) 0.86, (1, 4, 64, 64) 0.90, (1, 12, 128, 32) 1.14,
-# (32, 4, 64, 16) 1.19, (8, 12, 128, 32) 1.05-1.07, (8, 12, 128, 64) 1.13, (2, 12, 256, 64) 1.15, (1, 12, 512, 64)
-# 1.21; not causal, within 11% either way: (8, 12, 128, 32) 0.94-0.98, (1, 12, 512, 64) 0.89-0.98, (2, 12, 256, 64)
-# 1.01, (8, 12, 128, 64) 1.03, (1, 8, 1024, 64) 1.09
+# scores (where they run in parts); below those the materialized form's batched GEMMs ran faster, and not causal the two
+# ran within 11% of each other either way. Both forced, through the op, two threads, 11 interleaved rounds, AMD Zen 3
+# (/tmp/w57/fc.py of the fifty-seventh session), t(materialized) / t(fused): causal (4, 4, 32, 32) 0.86, (1, 4, 64, 64)
+# 0.90, (1, 12, 128, 32) 1.14, (32, 4, 64, 16) 1.19, (8, 12, 128, 32) 1.05-1.07, (8, 12, 128, 64) 1.13, (2, 12, 256, 64)
+# 1.15, (1, 12, 512, 64) 1.21; not causal (8, 12, 128, 32) 0.94-0.98, (1, 12, 512, 64) 0.89-0.98, (2, 12, 256, 64) 1.01,
+# (8, 12, 128, 64) 1.03, (1, 8, 1024, 64) 1.09
 
 
 def plan_attention(p: Dims, limit: Any, lk_all: int | None = None) -> Plan:

@@ -541,10 +541,10 @@ def gelu_erf_f32(x: Any) -> Any:
 # True where LLVM's x86 back end selects llvm.maximum / llvm.minimum. LLVM 15 (llvmlite 0.44, under numba 0.61)
 # aborts the process with "Cannot select: fmaximum"; llvmlite 0.45 and later bring LLVM 20 and up.
 NAN_MAX_INTRINSICS = llvm_version_info >= (17,)
-# Whether ``maximum_stored`` takes the select form: on CPUs without AVX-512, where LLVM
-# expands llvm.maximum into a select that keeps a NaN first operand and folds ``a[i] = maximum(a[i], x)`` into a
-# masked store, a microcoded vmaskmovps on AVX2 (AMD Zen 3: fused SDPA's column maxima of 48 queries, one thread,
-# (8, 12, 128, 32): 1.96 ms against 1.37 in the select form). With AVX-512 it is a cheap k-masked store.
+# Whether ``maximum_stored`` takes the select form: on CPUs without AVX-512, where LLVM expands llvm.maximum into a
+# select that keeps a NaN first operand and folds ``a[i] = maximum(a[i], x)`` into a masked store, a microcoded
+# vmaskmovps on AVX2 (AMD Zen 3: fused SDPA's column maxima of 48 queries, one thread, (8, 12, 128, 32): 1.96 ms
+# against 1.37 in the select form). With AVX-512 it is a cheap k-masked store.
 STORE_SELECT = not host_has("avx512f")
 
 
