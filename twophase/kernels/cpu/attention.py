@@ -271,7 +271,7 @@ def _products(dtype: Any) -> Callable[[Any, Any, Any], Product]:
     from 128 x 128 x 64 on, equal at 128 x 128 x 32); with AVX2 and FMA only, ``gemm.gemm_f32_heads_ymm`` (8-lane
     panels, from 8 columns; one thread, per head: 18-19 against OpenBLAS's 22-23 us at 128 x 32 x 128 and 128 x
     128 x 32, /tmp/w17/g8.py of the seventeenth session)."""
-    if np.dtype(dtype) != np.float32 or not (gemm.available() or gemm.ymm_available()):
+    if np.dtype(dtype) != np.float32 or not gemm.blocked_available():
         return lambda a, b, out: _blas_product
     strided = any_layout(np.float32, 4)  # compiled once: it takes every layout
     if _heads_on_zmm(dtype):

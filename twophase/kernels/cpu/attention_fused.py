@@ -76,17 +76,13 @@ def keys_max() -> int:
     return BK_MAX if on_zmm() else BK_MAX_YMM
 
 
-# the tiles' two GEMMs: on zmm registers where the CPU has AVX-512, else on the 8-lane (AVX2 and FMA) kernels
-_gemm_tile = gemm.gemm_tile if on_zmm() else gemm.gemm_tile_ymm
-
-
 def available(dtype: Any, dv: int, v_strides: tuple[int, ...], out_strides: tuple[int, ...]) -> bool:
     """Whether the fused tiles can run: float32 on a CPU with the register-blocked GEMM (AVX-512, or AVX2 and
     FMA), value rows of whole 16-float vectors (the GEMM reads b's rows to the next 16) whose elements are adjacent
     in v and out, rows at positive strides (``v_strides``, ``out_strides`` in elements)."""
     return (
         np.dtype(dtype) == np.float32
-        and (gemm.available() or gemm.ymm_available())
+        and gemm.blocked_available()
         and dv > 0
         and dv % gemm.LANES == 0
         and v_strides[-1] == 1
@@ -166,7 +162,7 @@ def fused_tiles(
         for j0 in range(0, kend, bk):
             m = min(bk, kend - j0)
             # all ``width`` columns: those past n are 0 (the packed zeros), so the whole area is written
-            _gemm_tile(
+            gemm.host_gemm_tile(
                 kh.ctypes.data + j0 * kh.strides[0],
                 kh.strides[0] // item,
                 kh.strides[1] // item,
@@ -235,7 +231,7 @@ def fused_tiles(
                     e = vm.exp_nonpos_f32(row[i] - colmax[i])
                     row[i] = e
                     colsum[i] += e
-            _gemm_tile(
+            gemm.host_gemm_tile(
                 st.ctypes.data,
                 1,
                 width,

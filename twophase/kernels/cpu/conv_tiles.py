@@ -1,10 +1,10 @@
-"""conv2d as im2col tiles fed straight to the register-blocked GEMM (``gemm.gemm_tile``, or ``gemm.gemm_tile_ymm`` on
-AVX2): each part unfolds a tile (a k block of the unfolded rows x a few output rows' pixels, or up to ``tile_n``
-whole small images' pixels) into its own slice of the workspace, small enough to stay in L2, and multiplies the
-weight's k block by it into ``out`` (a tile of several images into the part's stage, copied into each image's output
-after its last k block: their pixels fill the GEMM's panels better than one 7x7 image's 49). The unfolded input is
-never written whole: the workspace is one tile per part whatever the batch and image size, and the GEMM reads the
-tile back from cache."""
+"""conv2d as im2col tiles fed straight to the register-blocked GEMM (``gemm.host_gemm_tile``: ``gemm_tile``, or
+``gemm_tile_ymm`` on AVX2): each part unfolds a tile (a k block of the unfolded rows x a few output rows' pixels, or
+up to ``tile_n`` whole small images' pixels) into its own slice of the workspace, small enough to stay in L2, and
+multiplies the weight's k block by it into ``out`` (a tile of several images into the part's stage, copied into each
+image's output after its last k block: their pixels fill the GEMM's panels better than one 7x7 image's 49). The
+unfolded input is never written whole: the workspace is one tile per part whatever the batch and image size, and the
+GEMM reads the tile back from cache."""
 
 from __future__ import annotations
 
@@ -41,14 +41,6 @@ def add_bias(out: Any, n: int, i0: int, i1: int, bias: Any, j0: int, j1: int) ->
         b0 = bias[i]
         for j in range(j0, j1):
             orow[j] += b0
-
-
-# the tiles' GEMM: on zmm registers where the CPU has AVX-512, else on the 8-lane kernels (AVX2 and FMA). Forced
-# through the op against im2col_parts / im2col (OpenBLAS), two threads, 11 interleaved rounds, AMD Zen 3
-# (/tmp/w57/ctab.py of the fifty-seventh session), torch / ours: stem 3->64 224^2 k7 s2 1.51 against 1.34, 128->256
-# 28^2 s2 1.17 against 0.90, 64->128 56^2 s2 0.93 against 0.83, 256->512 14^2 s2 1.18 against 1.09, 512->512 7^2
-# 1.30 against 1.10 (im2col), n8 64->128 56^2 s2 0.87 against 0.79; at 256 KiB 0.65-1.54 against 0.36-0.70
-_gemm_tile = gemm.gemm_tile if gemm.available() else gemm.gemm_tile_ymm
 
 
 def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
@@ -129,7 +121,7 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
                         trow = row_of(tile, kk, True)
                         for j in range(width, read):
                             trow[j] = 0.0
-                _gemm_tile(
+                gemm.host_gemm_tile(
                     w.ctypes.data + (i0 * lda + k0 * sak) * item,
                     lda,
                     sak,
@@ -313,6 +305,11 @@ def tile_stride(kblock: int, width: int, item: int) -> int:
     return kblock * width * item
 
 
+# the tiles' GEMM (``gemm.host_gemm_tile``) on AVX2 too: the 8-lane kernels. Forced through the op against im2col_parts
+# / im2col (OpenBLAS), two threads, 11 interleaved rounds, AMD Zen 3 (/tmp/w57/ctab.py of the fifty-seventh session),
+# torch / ours: stem 3->64 224^2 k7 s2 1.51 against 1.34, 128->256 28^2 s2 1.17 against 0.90, 64->128 56^2 s2 0.93
+# against 0.83, 256->512 14^2 s2 1.18 against 1.09, 512->512 7^2 1.30 against 1.10 (im2col), n8 64->128 56^2 s2 0.87
+# against 0.79; at 256 KiB 0.65-1.54 against 0.36-0.70
 def available(dtype: Any) -> bool:
     """Whether the tiles can run: float32 on a CPU with the register-blocked GEMM (AVX-512, or AVX2 and FMA)."""
-    return np.dtype(dtype) == np.float32 and (gemm.available() or gemm.ymm_available())
+    return np.dtype(dtype) == np.float32 and gemm.blocked_available()

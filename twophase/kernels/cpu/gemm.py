@@ -12,8 +12,8 @@ stored, so it costs no pass over ``c``.
 
 Without AVX-512, ``gemm_f32_ymm`` runs the same IR with 8-float vectors (6 x 16 blocks in 12 of AVX2's 16 ymm
 registers) for the small products of attention's heads, where it beats OpenBLAS's per-call cost, and
-``gemm_tile_ymm`` for the fused attention tiles' products; the linear layers and convolutions stay with OpenBLAS
-there (the 8-lane kernel measured 0.55-0.97x OpenBLAS on them).
+``gemm_tile_ymm`` for the fused attention tiles' and im2col_tiles' products (``host_gemm_tile``); the linear layers
+and the other convolutions stay with OpenBLAS there (the 8-lane kernel measured 0.55-0.97x OpenBLAS on them).
 """
 
 from __future__ import annotations
@@ -39,6 +39,8 @@ __all__ = [
     "gemm_f32_heads",
     "gemm_tile",
     "gemm_tile_ymm",
+    "host_gemm_tile",
+    "blocked_available",
     "gemm_table",
     "MIN_COLS",
     "MR",
@@ -121,6 +123,11 @@ def ymm_available() -> bool:
     """Whether numba compiles for a CPU with AVX2 and FMA: the 8-lane kernels (``gemm_f32_ymm``) then keep a 6 x 16
     block of ``c`` in 12 of the 16 ymm registers."""
     return host_has("avx2", "fma")
+
+
+def blocked_available() -> bool:
+    """Whether one of the register-blocked kernels runs here: the AVX-512 ones or the 8-lane ones."""
+    return available() or ymm_available()
 
 
 MIN_COLS = 32  # at least one full panel
@@ -780,6 +787,11 @@ def gemm_tile_ymm(
         if j < n:
             bj = bias + j * item if bias else 0
             _Y8M(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj, n - j)
+
+
+# ``gemm_tile`` on this CPU's kernels: zmm registers where it has AVX-512, else the 8-lane kernels (AVX2 and FMA);
+# bound at import, so the callers' compiled loops (fused attention, im2col_tiles) call it directly
+host_gemm_tile = gemm_tile if available() else gemm_tile_ymm
 
 
 @_jit
