@@ -477,6 +477,33 @@ def test_gemm_tile_ymm_for_every_column_count(rng: np.random.Generator, mode: st
                 assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
 
 
+@pytest.mark.skipif(not gemm.ymm_available(), reason="the 8-lane GEMM kernels need AVX2 and FMA")
+@pytest.mark.parametrize("mode", ["plain", "accumulate", "bias"])
+def test_gemm_tile_ymm_panels_outermost_on_a_large_b(rng: np.random.Generator, mode: str) -> None:
+    """``gemm_tile_ymm`` on a ``b`` above ``YMM_PANELS_OUTER_FLOATS`` (im2col_tiles' GEMMs), whose 16-column
+    panels go outermost over blocks of rows: every column remainder of a panel, one block of rows or several (the
+    last one shorter), a strided ``a``; the block of a NaN-poisoned ``c`` is written (added to, or with the bias
+    row added) exactly, nothing around it."""
+    k = 300
+    rows_per_block = gemm.YMM_MC_FLOATS // k // gemm.MR * gemm.MR
+    for n in range(gemm.YMM_PANELS_OUTER_FLOATS // k + 1, gemm.YMM_PANELS_OUTER_FLOATS // k + 18):
+        assert k * n > gemm.YMM_PANELS_OUTER_FLOATS
+        for m in (13, rows_per_block + 1, 2 * rows_per_block + 5):
+            a = _rand(rng, (m, 2 * k))[:, ::2]
+            b = _rand(rng, (k, -(-n // 8) * 8))
+            old = _rand(rng, (m, n))
+            bias = _rand(rng, (n,)) if mode == "bias" else _NO_BIAS
+            c = np.full((m + 2, n + 19), np.nan, np.float32)
+            if mode == "accumulate":
+                c[1 : m + 1, 3 : 3 + n] = old
+            _tile_gemm_ymm(a, b, c[1 : m + 1, 3 : 3 + n], k, m, n, int(mode == "accumulate"), bias)
+            ref = a.astype(np.float64) @ b[:, :n].astype(np.float64)
+            ref += old if mode == "accumulate" else bias if mode == "bias" else 0.0
+            np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
+            c[1 : m + 1, 3 : 3 + n] = np.nan
+            assert np.isnan(c).all(), f"wrote outside the block at {n} columns, {m} rows"
+
+
 @needs_micro
 @pytest.mark.parametrize("accumulate", [0, 1])
 def test_gemm_table_reads_b_rows_at_their_offsets(rng: np.random.Generator, accumulate: int) -> None:

@@ -752,6 +752,55 @@ def gemm_f32_ymm(a: Any, b: Any, c: Any) -> None:
             _Y8(rows, ci + (n - YMM) * item, ldc, ai, lda, sak, pb + (n - YMM) * item, ldb, kdim, 0, 0)
 
 
+# floats of ``b`` (k x columns) up to which ``gemm_tile_ymm`` runs each MR-row block over all its columns (``b``
+# stays in L2, the row block in L1); above, 16-column panels go outermost, over blocks of rows of ``a`` of up to
+# YMM_MC_FLOATS (the panel stays in L1, the rows in L2). One thread, t(rows outer) / t(panels outer), AMD Zen 3,
+# 7 interleaved rounds (/tmp/w58/gv.py of the fifty-eighth session): 128 x 288 x 392 (8 images of 64 -> 128 3x3 s2)
+# 1.2-1.25x, 128 x 576 x 196 1.3x, 128 x 512 x 256 1.05-1.16x, 512 x 512 x 256 1.1-1.3x; with b small the rows
+# outermost stay faster: 256 x 576 x 98 0.9x, 512 x 512 x 49 0.93x (56 K and 25 K floats of b). Two threads, each
+# its own product as im2col_tiles' parts, 9 interleaved rounds (gv2.py), medians: 128 x 288 x 392 1.30x, 256 x 461 x
+# 196 (one image of 256^2 14^2) 1.17x, 64 x 147 x 448 (the stem) 1.16x, 128 x 64 x 784 1.02x. Through the op the
+# conv layers' times moved by more from process to process than that (/tmp/w58/ab.sh)
+YMM_PANELS_OUTER_FLOATS = 1 << 16
+YMM_MC_FLOATS = 1 << 16
+
+
+@_inline
+def _ymm_rows(
+    pa: int,
+    lda: int,
+    sak: int,
+    pb: int,
+    ldb: int,
+    pc: int,
+    ldc: int,
+    kl: int,
+    i0: int,
+    i1: int,
+    j0: int,
+    j1: int,
+    accumulate: int,
+    bias: int,
+) -> None:
+    """``gemm_tile_ymm`` on the block of rows [i0, i1) and columns [j0, j1): MR-row blocks, each over 16-column
+    panels, then one of 8 and a masked one for the rest."""
+    item = 4
+    wide = j0 + (j1 - j0) // (2 * YMM) * (2 * YMM)
+    for i in range(i0, i1, MR):
+        rows, ci, ai = min(MR, i1 - i), pc + i * ldc * item, pa + i * lda * item
+        for j in range(j0, wide, 2 * YMM):
+            bj = bias + j * item if bias else 0
+            _Y16(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj)
+        j = wide
+        if j + YMM <= j1:
+            bj = bias + j * item if bias else 0
+            _Y8(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj)
+            j += YMM
+        if j < j1:
+            bj = bias + j * item if bias else 0
+            _Y8M(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj, j1 - j)
+
+
 @_inline
 def gemm_tile_ymm(
     pa: int,
@@ -768,25 +817,19 @@ def gemm_tile_ymm(
     bias: int,
     pnext: int,
 ) -> None:
-    """``gemm_tile`` (same arguments and contract; ``pnext`` unused) on the 8-lane kernels, for AVX2: MR-row blocks
-    of 16-column panels, then one of 8 and a masked one for the rest, over the whole k (the fused attention tiles'
-    products, whose k is a head's width or a block of at most ``attention_fused.keys_max()`` keys). Reads ``b``'s rows
-    up to the next multiple of 8 columns."""
-    item = 4
-    wide = n // (2 * YMM) * (2 * YMM)
-    for i in range(0, m, MR):
-        rows, ci, ai = min(MR, m - i), pc + i * ldc * item, pa + i * lda * item
-        for j in range(0, wide, 2 * YMM):
-            bj = bias + j * item if bias else 0
-            _Y16(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj)
-        j = wide
-        if j + YMM <= n:
-            bj = bias + j * item if bias else 0
-            _Y8(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj)
-            j += YMM
-        if j < n:
-            bj = bias + j * item if bias else 0
-            _Y8M(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj, n - j)
+    """``gemm_tile`` (same arguments and contract; ``pnext`` unused) on the 8-lane kernels, for AVX2 (the fused
+    attention tiles' products, im2col_tiles' GEMMs): MR-row blocks of 16-column panels, then one of 8 and a masked
+    one for the rest, over the whole k; the panels outermost when ``b`` is larger than
+    ``YMM_PANELS_OUTER_FLOATS``. Reads ``b``'s rows up to the next multiple of 8 columns."""
+    if kl * n <= YMM_PANELS_OUTER_FLOATS:
+        _ymm_rows(pa, lda, sak, pb, ldb, pc, ldc, kl, 0, m, 0, n, accumulate, bias)
+        return
+    blocks = max(1, -(-m // max(MR, YMM_MC_FLOATS // kl // MR * MR)))
+    mc = max(MR, -(-m // blocks // MR) * MR)  # rows per block: as even as whole MR-row blocks make them
+    for i0 in range(0, m, mc):
+        i1 = min(m, i0 + mc)
+        for j0 in range(0, n, 2 * YMM):
+            _ymm_rows(pa, lda, sak, pb, ldb, pc, ldc, kl, i0, i1, j0, min(n, j0 + 2 * YMM), accumulate, bias)
 
 
 # ``gemm_tile`` on this CPU's kernels: zmm registers where it has AVX-512, else the 8-lane kernels (AVX2 and FMA);
