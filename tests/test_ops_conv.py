@@ -1009,6 +1009,24 @@ def test_conv2d_im2col_tiles_of_several_images(
 
 
 @needs_tiles
+@pytest.mark.parametrize("side", [44, 46])
+def test_conv2d_im2col_tiles_wide_images_one_a_tile(side: int, rng: np.random.Generator) -> None:
+    """Whole images of ``IM2COL_WIDE_IMAGE`` pixels or more take one image a tile (the GEMM writes out, no stage),
+    however many the tile's pixels would hold; smaller ones up to ``TILE_IMAGES``: 4 images of 1x1 stride 2, whose
+    output is 22^2 = 484 or 23^2 = 529 pixels."""
+    x = _x(rng, (4, 8, side, side), False)
+    w = rng.standard_normal((16, 8, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(16).astype(np.float32)
+    attrs = dict(stride=2, padding=0)
+    with num_threads(1):
+        r = _run("im2col_tiles", x, w, b, **attrs)
+    pixels = (side // 2) ** 2
+    assert r.tiling.chunk == side // 2
+    assert r.tiling.tile_n == (1 if pixels >= conv_op.IM2COL_WIDE_IMAGE else conv_op.TILE_IMAGES)
+    _check(r, reference(x, w, b, **attrs))
+
+
+@needs_tiles
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     n=st.integers(1, 9),

@@ -630,15 +630,21 @@ def _implicit_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | 
 # fifty-second session): 8 x 256->512 14^2 s2 1.05-1.07x, 4 x 1.06-1.07x; 8 x 128->256 14^2 s2 1.06-1.08x; 8 x
 # 512^2 7^2 1.05-1.08x; 4 x 64^2 7^2 1.02-1.10x. The register-blocked GEMM of 512 x 2304 in k blocks of 461 ran
 # 93.7 GFLOP/s on 49 columns, 103 on 196 (one thread, /tmp/w52/gw.py). 2 and 3 images against 4 on 8 x 256->512
-# s2: 0.96-0.97x, 0.97-0.98x (/tmp/w52/tnab.py)
+# s2: 0.96-0.97x, 0.97-0.98x (/tmp/w52/tnab.py). Images of IM2COL_WIDE_IMAGE pixels or more take one a tile: their
+# pixels fill the panels alone, and the GEMM writes out without the stage's copy. One image a tile against 2 to 4
+# (AMD Zen 3, through the op, 15 interleaved rounds, in one process, /tmp/w58/e4.py of the fifty-eighth session):
+# 8 x 64->128 56^2 1x1 s2 (784 pixels) 1.12x faster on one thread, 1.08-1.18x on two; 4 images 1.13x; 8 x 32->64
+# 48^2 1x1 s2 (576 pixels) 1.09x
 TILE_IMAGES = 4
 
 
 def tile_images(t: ConvTiling, most: int) -> int:
-    """Whole images per im2col tile: for tiles of whole images (``t.chunk`` = OH), up to ``most`` pixels, the
-    most whole images a part's output rows hold and ``TILE_IMAGES``; else 1. A tile of several images is one
-    wider GEMM (its panels filled better, the weight's k block read once for them) into a stage, then copied."""
-    if t.chunk != t.oh or t.oh * t.ow == 0:
+    """Whole images per im2col tile: for tiles of whole images (``t.chunk`` = OH) of fewer than
+    ``IM2COL_WIDE_IMAGE`` pixels, up to ``most`` pixels, the most whole images a part's output rows hold and
+    ``TILE_IMAGES``; else 1. A tile of several images is one wider GEMM (its panels filled better, the weight's
+    k block read once for them) into a stage, then copied: for wider images the copy costs more than that gains,
+    as for im2col."""
+    if t.chunk != t.oh or t.oh * t.ow == 0 or t.oh * t.ow >= IM2COL_WIDE_IMAGE:
         return 1
     held = max((r1 // t.oh + r0 // -t.oh for r0, r1, *_ in t.grid), default=1)  # whole images in [r0, r1)
     return max(1, min(held, most // (t.oh * t.ow), TILE_IMAGES))
