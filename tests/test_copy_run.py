@@ -5,6 +5,7 @@ read nothing else."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from twophase.kernels.cpu import jit
 from twophase.kernels.cpu.jit import copy_even, copy_phases, copy_run, copy_where
 
 
@@ -173,3 +175,53 @@ def test_copy_even_copy_phases_and_copy_where_read_nothing_past_their_last_eleme
     process, where a crash is a failure, not a lost run)."""
     done = subprocess.run([sys.executable, "-c", _GUARD_PAGE], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+_MASKED_STORE = re.compile(r"vmaskmovp[sd]\s+%\w+,\s*%\w+,\s*\S*\(")  # AT&T: the memory operand last
+
+
+@pytest.mark.parametrize("piecewise", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_the_last_line_of_each_length_in_pieces_or_masked(
+    piecewise: bool, dtype: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every run length from 0 to three 64-byte lines, so the last step stores each count of lanes, both by the
+    pieces of ``PIECEWISE_TAIL`` (CPUs without AVX-512) and by a masked store: ``copy_even``, ``copy_phases`` and
+    ``copy_where`` bit for bit, nothing written outside their runs. In pieces, the compiled code has no masked
+    store (a microcoded vmaskmovps on AMD's AVX2 CPUs)."""
+    monkeypatch.setattr(jit, "PIECEWISE_TAIL", piecewise)
+
+    @numba.njit(nogil=True)  # compiled here, under the flag set above
+    def evens(dst: Any, d0: int, src: Any, s0: int, n: int) -> None:
+        copy_even(dst, d0, src, s0, n)
+
+    @numba.njit(nogil=True)
+    def phases(dst: Any, d0: int, d1: int, src: Any) -> None:
+        copy_phases(dst, d0, src, 0, (src.size + 1) // 2, d1, src.size // 2)
+
+    @numba.njit(nogil=True)
+    def where(dst: Any, d0: int, src: Any, s0: int, n: int, keep: Any, k0: int) -> None:
+        copy_where(dst, d0, src, s0, n, keep, k0)
+
+    lanes = 64 // np.dtype(dtype).itemsize
+    for n in range(3 * lanes + 1):
+        for d0 in (0, 3):
+            src, bits = _any_bits(n * 7 + d0, dtype, 2 * n + 5)
+            dst = np.full(d0 + n + 17, 7, dtype)
+            evens(dst, d0, src, 1, n)
+            _check_run(dst, d0, src[1 : 1 + 2 * n : 2], bits)
+            keep = np.random.default_rng(n).integers(0, 2, n + 2).astype(np.bool_)
+            dst = np.full(d0 + n + 17, 7, dtype)
+            where(dst, d0, src, 2, n, keep, 1)
+            _check_run(dst, d0, np.where(keep[1 : n + 1], src[2 : n + 2], dtype(0)), bits)
+            row = src[: 2 * n + 1 - d0 % 2]  # widths of both parities
+            evens_, odds = row[0::2], row[1::2]
+            dst = np.full(d0 + row.size + 20, 7, dtype)
+            phases(dst, d0, d0 + evens_.size + 2, row)
+            expected = np.full_like(dst, 7)
+            expected[d0 : d0 + evens_.size] = evens_
+            expected[d0 + evens_.size + 2 : d0 + evens_.size + 2 + odds.size] = odds
+            np.testing.assert_array_equal(dst.view(bits), expected.view(bits))
+    if piecewise:
+        for fn in (evens, phases, where):
+            assert not _MASKED_STORE.search("\n".join(fn.inspect_asm().values())), fn.__name__

@@ -227,7 +227,7 @@ def _by_lines(
     src, s0, n``), rest = n - u0: the loop of ``copy_even`` and ``copy_where``. ``full``: more than ``lanes``
     elements are left, so the step may load and store whole lines unmasked (a masked store is a microcoded
     vmaskmovps on AMD's AVX2 CPUs: these copies ran 1.45-1.6 ns a float there, 15x a plain copy); the last step, of
-    1 to ``lanes`` elements, is masked."""
+    1 to ``lanes`` elements, loads masked and stores masked or in pieces (``PIECEWISE_TAIL``)."""
     item = as_dtype(signature.args[0].dtype).itemsize
     lanes = 64 // item
     vec = ir.VectorType(context.get_value_type(signature.args[0].dtype), lanes)
@@ -289,19 +289,56 @@ def _store_picked(builder: Any, v: _Lines, lo: Any, hi: Any, first: int, at: Any
     _store_line(builder, v, builder.shuffle_vector(lo, hi, picks), at, count, full)
 
 
+# Whether the copies' last, partial line is stored in pieces instead of by a masked store: on CPUs without AVX-512,
+# where the masked store is a vmaskmovps, microcoded on AMD's AVX2 CPUs. One thread, AMD Zen 3 (/tmp/w57/cw.py, ns a
+# float, masked -> pieces): copy_even of 14 / 28 / 49 floats 0.58 / 0.33 / 0.22 -> 0.14 / 0.12 / 0.09, copy_where
+# 0.90 / 0.47 / 0.30 -> 0.42 / 0.27 / 0.16; the unfold of 8 images of 64 -> 128 56^2 1x1 s2 0.47 -> 0.19 ms
+# (/tmp/w58/uf.py). Default conv plans (im2col_tiles), two threads, 3 alternating pairs of processes, t(masked) /
+# t(pieces) (/tmp/w58/dp.py of the fifty-eighth session): 8 x 64->128 1x1 s2 1.11-1.39, 8 x 64->128 s2 1.08-1.23,
+# the stem 1.10-1.13 (8 images 1.06-1.18), 1 x 64->128 s2 1.04-1.11
+PIECEWISE_TAIL = not host_has("avx512f")
+
+
 def _store_line(builder: Any, v: _Lines, x: Any, at: Any, count: Any, full: bool) -> None:
-    """Store the line ``x`` at element pointer ``at``: its first ``count`` lanes (masked), or all (``full``)."""
+    """Store the line ``x`` at element pointer ``at``: its first ``count`` lanes (masked, or in pieces where
+    ``PIECEWISE_TAIL``), or all (``full``)."""
     dp = builder.bitcast(at, v.vec.as_pointer())
     if full:
         builder.store(x, dp, align=v.align.constant)
+    elif PIECEWISE_TAIL:
+        _store_pieces(builder, v, x, at, count)
     else:
         builder.call(v.store, [x, dp, v.align, emit_lanes_below(builder, count, v.lanes)])
 
 
+def _store_pieces(builder: Any, v: _Lines, x: Any, at: Any, count: Any) -> None:
+    """Store the first ``count`` (1 to ``lanes``) lanes of ``x`` at element pointer ``at`` by plain stores: the
+    whole line when ``count`` is ``lanes``, else ``x`` to a stack slot and from there a piece of ``lanes / 2``,
+    ``lanes / 4``, ..., 1 elements for each bit of ``count``, each after the pieces of its higher bits."""
+    i64 = ir.IntType(64)
+    with builder.if_else(builder.icmp_signed("==", count, ir.Constant(i64, v.lanes))) as (whole, part):
+        with whole:
+            builder.store(x, builder.bitcast(at, v.vec.as_pointer()), align=v.align.constant)
+        with part:
+            slot = cgutils.alloca_once(builder, v.vec)  # type: ignore[no-untyped-call]
+            builder.store(x, slot)
+            line = builder.bitcast(slot, v.vec.element.as_pointer())
+            b = v.lanes // 2
+            while b:
+                with builder.if_then(
+                    builder.icmp_signed("!=", builder.and_(count, ir.Constant(i64, b)), ir.Constant(i64, 0))
+                ):
+                    pos = builder.and_(count, ir.Constant(i64, -2 * b))  # the lanes the higher bits' pieces hold
+                    piece = (ir.VectorType(v.vec.element, b) if b > 1 else v.vec.element).as_pointer()
+                    val = builder.load(builder.bitcast(builder.gep(line, [pos]), piece), align=v.align.constant)
+                    builder.store(val, builder.bitcast(builder.gep(at, [pos]), piece), align=v.align.constant)
+                b //= 2
+
+
 def _copy_even_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: Any) -> Any:
     """``dst[d0:d0 + n] = src[s0:s0 + 2n:2]`` for dense 1-D float32 / float64 arrays of one dtype, 64 bytes of
-    ``dst`` a step: two masked vector loads of ``src`` (only the elements read), a shuffle taking their even
-    elements, a masked store. A column-stride-2 unfolded row of a 14-wide map is one step, where numba's loop,
+    ``dst`` a step: two vector loads of ``src`` (the last step's masked: only the elements read), a shuffle taking
+    their even elements, a store (``_by_lines``). A column-stride-2 unfolded row of a 14-wide map is one step, where numba's loop,
     too short for its vector body, copied it one element at a time."""
     if not _float_rows(dst, src):
         return None
