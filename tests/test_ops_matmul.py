@@ -438,18 +438,8 @@ def test_gemm_tile_masked_last_panel_for_every_column_count(rng: np.random.Gener
     strided ``a``; the block of a poisoned ``c`` is written (or added to) exactly, nothing around it."""
     k = 21
     for n in range(1, 141):
-        for m in (1, 4, 6, 13):
-            a = _rand(rng, (m, 2 * k))[:, ::2]
-            b = _rand(rng, (k, -(-n // 16) * 16 + 16))  # rows padded past a multiple of 16, as a tile's
-            old = _rand(rng, (m, n))
-            c = np.full((m + 2, n + 19), np.nan, np.float32)
-            if accumulate:
-                c[1 : m + 1, 3 : 3 + n] = old
-            _tile_gemm(a, b, c[1 : m + 1, 3 : 3 + n], k, m, n, accumulate, _NO_BIAS)
-            ref = a.astype(np.float64) @ b[:, :n].astype(np.float64) + (old if accumulate else 0.0)
-            np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
-            c[1 : m + 1, 3 : 3 + n] = np.nan
-            assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
+        for m in (1, 4, 6, 13):  # b's rows padded past a multiple of 16, as a tile's
+            _check_tile(_tile_gemm, rng, k, m, n, "accumulate" if accumulate else "plain", -(-n // 16) * 16 + 16)
 
 
 @pytest.mark.skipif(not gemm.ymm_available(), reason="the 8-lane GEMM kernels need AVX2 and FMA")
@@ -462,19 +452,26 @@ def test_gemm_tile_ymm_for_every_column_count(rng: np.random.Generator, mode: st
     for k in (1, 21, 300):
         for n in range(1, 81):
             for m in (1, 4, 6, 13):
-                a = _rand(rng, (m, 2 * k))[:, ::2]
-                b = _rand(rng, (k, -(-n // 8) * 8))  # rows readable to the next multiple of 8 columns
-                old = _rand(rng, (m, n))
-                bias = _rand(rng, (n,)) if mode == "bias" else _NO_BIAS
-                c = np.full((m + 2, n + 19), np.nan, np.float32)
-                if mode == "accumulate":
-                    c[1 : m + 1, 3 : 3 + n] = old
-                _tile_gemm_ymm(a, b, c[1 : m + 1, 3 : 3 + n], k, m, n, int(mode == "accumulate"), bias)
-                ref = a.astype(np.float64) @ b[:, :n].astype(np.float64)
-                ref += old if mode == "accumulate" else bias if mode == "bias" else 0.0
-                np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
-                c[1 : m + 1, 3 : 3 + n] = np.nan
-                assert np.isnan(c).all(), f"wrote outside the block at {n} columns"
+                _check_tile(_tile_gemm_ymm, rng, k, m, n, mode, -(-n // 8) * 8)
+
+
+def _check_tile(call: Any, rng: np.random.Generator, k: int, m: int, n: int, mode: str, b_cols: int) -> None:
+    """``call`` (``_tile_caller``) on an (m, k) strided ``a`` and a (k, n) ``b`` whose rows are readable to
+    ``b_cols`` columns, into the block of a NaN-poisoned ``c``: written (added to, or with the bias row added)
+    exactly, nothing around it."""
+    a = _rand(rng, (m, 2 * k))[:, ::2]
+    b = _rand(rng, (k, b_cols))
+    old = _rand(rng, (m, n))
+    bias = _rand(rng, (n,)) if mode == "bias" else _NO_BIAS
+    c = np.full((m + 2, n + 19), np.nan, np.float32)
+    if mode == "accumulate":
+        c[1 : m + 1, 3 : 3 + n] = old
+    call(a, b, c[1 : m + 1, 3 : 3 + n], k, m, n, int(mode == "accumulate"), bias)
+    ref = a.astype(np.float64) @ b[:, :n].astype(np.float64)
+    ref += old if mode == "accumulate" else bias if mode == "bias" else 0.0
+    np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
+    c[1 : m + 1, 3 : 3 + n] = np.nan
+    assert np.isnan(c).all(), f"wrote outside the block at {n} columns, {m} rows"
 
 
 @pytest.mark.skipif(not gemm.ymm_available(), reason="the 8-lane GEMM kernels need AVX2 and FMA")
@@ -489,19 +486,7 @@ def test_gemm_tile_ymm_panels_outermost_on_a_large_b(rng: np.random.Generator, m
     for n in range(gemm.YMM_PANELS_OUTER_FLOATS // k + 1, gemm.YMM_PANELS_OUTER_FLOATS // k + 18):
         assert k * n > gemm.YMM_PANELS_OUTER_FLOATS
         for m in (13, rows_per_block + 1, 2 * rows_per_block + 5):
-            a = _rand(rng, (m, 2 * k))[:, ::2]
-            b = _rand(rng, (k, -(-n // 8) * 8))
-            old = _rand(rng, (m, n))
-            bias = _rand(rng, (n,)) if mode == "bias" else _NO_BIAS
-            c = np.full((m + 2, n + 19), np.nan, np.float32)
-            if mode == "accumulate":
-                c[1 : m + 1, 3 : 3 + n] = old
-            _tile_gemm_ymm(a, b, c[1 : m + 1, 3 : 3 + n], k, m, n, int(mode == "accumulate"), bias)
-            ref = a.astype(np.float64) @ b[:, :n].astype(np.float64)
-            ref += old if mode == "accumulate" else bias if mode == "bias" else 0.0
-            np.testing.assert_allclose(c[1 : m + 1, 3 : 3 + n], ref, rtol=2e-5, atol=1e-4)
-            c[1 : m + 1, 3 : 3 + n] = np.nan
-            assert np.isnan(c).all(), f"wrote outside the block at {n} columns, {m} rows"
+            _check_tile(_tile_gemm_ymm, rng, k, m, n, mode, -(-n // 8) * 8)
 
 
 @needs_micro
