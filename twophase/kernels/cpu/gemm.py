@@ -821,15 +821,13 @@ def gemm_tile_ymm(
     attention tiles' products, im2col_tiles' GEMMs): MR-row blocks of 16-column panels, then one of 8 and a masked
     one for the rest, over the whole k; the panels outermost when ``b`` is larger than
     ``YMM_PANELS_OUTER_FLOATS``. Reads ``b``'s rows up to the next multiple of 8 columns."""
-    if kl * n <= YMM_PANELS_OUTER_FLOATS:
-        _ymm_rows(pa, lda, sak, pb, ldb, pc, ldc, kl, 0, m, 0, n, accumulate, bias)
-        return
-    blocks = max(1, -(-m // max(MR, YMM_MC_FLOATS // kl // MR * MR)))
-    mc = max(MR, -(-m // blocks // MR) * MR)  # rows per block: as even as whole MR-row blocks make them
-    for i0 in range(0, m, mc):
-        i1 = min(m, i0 + mc)
-        for j0 in range(0, n, 2 * YMM):
-            _ymm_rows(pa, lda, sak, pb, ldb, pc, ldc, kl, i0, i1, j0, min(n, j0 + 2 * YMM), accumulate, bias)
+    mc, panel = max(m, 1), max(n, 1)  # one block of all rows and columns: each row block runs over every column
+    if kl * n > YMM_PANELS_OUTER_FLOATS:
+        blocks = -(-m // max(MR, YMM_MC_FLOATS // kl // MR * MR))
+        mc, panel = max(MR, -(-m // blocks // MR) * MR), 2 * YMM  # row blocks as even as whole MR rows make them
+    for i0 in range(0, m, mc):  # (one call site: the microkernels' code is inlined once)
+        for j0 in range(0, n, panel):
+            _ymm_rows(pa, lda, sak, pb, ldb, pc, ldc, kl, i0, min(m, i0 + mc), j0, min(n, j0 + panel), accumulate, bias)
 
 
 # ``gemm_tile`` on this CPU's kernels: zmm registers where it has AVX-512, else the 8-lane kernels (AVX2 and FMA);

@@ -338,8 +338,8 @@ def _store_pieces(builder: Any, v: _Lines, x: Any, at: Any, count: Any) -> None:
 def _copy_even_typing(typingctx: Any, dst: Any, d0: Any, src: Any, s0: Any, n: Any) -> Any:
     """``dst[d0:d0 + n] = src[s0:s0 + 2n:2]`` for dense 1-D float32 / float64 arrays of one dtype, 64 bytes of
     ``dst`` a step: two vector loads of ``src`` (the last step's masked: only the elements read), a shuffle taking
-    their even elements, a store (``_by_lines``). A column-stride-2 unfolded row of a 14-wide map is one step, where numba's loop,
-    too short for its vector body, copied it one element at a time."""
+    their even elements, a store (``_by_lines``). A column-stride-2 unfolded row of a 14-wide map is one step,
+    where numba's loop, too short for its vector body, copied it one element at a time."""
     if not _float_rows(dst, src):
         return None
     sig = types.void(dst, d0, src, s0, n)
