@@ -185,11 +185,11 @@ _MASKED_STORE = re.compile(r"vmaskmovp[sd]\s+%\w+,\s*%\w+,\s*\S*\(")  # AT&T: th
 def test_the_last_line_of_each_length_in_pieces_or_masked(
     piecewise: bool, dtype: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Every run length from 0 to three 64-byte lines, so the last step stores each count of lanes, both by the
-    pieces of ``PIECEWISE_TAIL`` (CPUs without AVX-512) and by a masked store: ``copy_even``, ``copy_phases`` and
-    ``copy_where`` bit for bit, nothing written outside their runs. In pieces, the compiled code has no masked
-    store (a microcoded vmaskmovps on AMD's AVX2 CPUs)."""
-    monkeypatch.setattr(jit, "PIECEWISE_TAIL", piecewise)
+    """Every run length from 0 to three 64-byte lines, so the last step stores each count of lanes, both in the
+    pieces taken where ``SLOW_MASKED_STORES`` (CPUs without AVX-512) and by a masked store: ``copy_even``,
+    ``copy_phases`` and ``copy_where`` bit for bit, nothing written outside their runs. In pieces, the compiled
+    code has no masked store (a microcoded vmaskmovps on AMD's AVX2 CPUs)."""
+    monkeypatch.setattr(jit, "SLOW_MASKED_STORES", piecewise)
 
     @numba.njit(nogil=True)  # compiled here, under the flag set above
     def evens(dst: Any, d0: int, src: Any, s0: int, n: int) -> None:

@@ -10,6 +10,7 @@ import numba
 import numpy as np
 import pytest
 
+from twophase.kernels.cpu import jit as jit_module
 from twophase.kernels.cpu import vmath as vm
 from twophase.kernels.cpu.elementwise import span_loops
 
@@ -285,10 +286,10 @@ def test_nan_propagating_max_and_min_in_both_lowerings(
 
 
 def test_the_select_form_keeps_a_running_maximum_off_masked_stores(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``a[i] = maximum_stored(a[i], x)`` (fused SDPA's column maxima) in the select form (``STORE_SELECT``, CPUs
-    without AVX-512) compiles to plain vector stores: llvm.maximum's expansion let LLVM fold it into vmaskmovps,
+    """``a[i] = maximum_stored(a[i], x)`` (fused SDPA's column maxima) in the select form (``jit.SLOW_MASKED_STORES``,
+    CPUs without AVX-512) compiles to plain vector stores: llvm.maximum's expansion let LLVM fold it into vmaskmovps,
     microcoded on AMD's AVX2 CPUs."""
-    monkeypatch.setattr(vm, "STORE_SELECT", True)
+    monkeypatch.setattr(jit_module, "SLOW_MASKED_STORES", True)
 
     @numba.njit(nogil=True, fastmath={"contract", "arcp", "nsz"})
     def running(hi: Any, x: Any) -> None:

@@ -45,6 +45,7 @@ __all__ = [
     "TYPED_POINTERS",
     "host_cpu_name",
     "host_has",
+    "SLOW_MASKED_STORES",
 ]
 
 FAST = {"contract", "arcp", "nsz"}  # no nnan/ninf: NaN and inf must propagate
@@ -227,7 +228,7 @@ def _by_lines(
     src, s0, n``), rest = n - u0: the loop of ``copy_even`` and ``copy_where``. ``full``: more than ``lanes``
     elements are left, so the step may load and store whole lines unmasked (a masked store is a microcoded
     vmaskmovps on AMD's AVX2 CPUs: these copies ran 1.45-1.6 ns a float there, 15x a plain copy); the last step, of
-    1 to ``lanes`` elements, loads masked and stores masked or in pieces (``PIECEWISE_TAIL``)."""
+    1 to ``lanes`` elements, loads masked and stores masked or in pieces (``SLOW_MASKED_STORES``)."""
     item = as_dtype(signature.args[0].dtype).itemsize
     lanes = 64 // item
     vec = ir.VectorType(context.get_value_type(signature.args[0].dtype), lanes)
@@ -289,23 +290,25 @@ def _store_picked(builder: Any, v: _Lines, lo: Any, hi: Any, first: int, at: Any
     _store_line(builder, v, builder.shuffle_vector(lo, hi, picks), at, count, full)
 
 
-# Whether the copies' last, partial line is stored in pieces instead of by a masked store: on CPUs without AVX-512,
-# where the masked store is a vmaskmovps, microcoded on AMD's AVX2 CPUs. One thread, AMD Zen 3 (/tmp/w57/cw.py, ns a
-# float, masked -> pieces): copy_even of 14 / 28 / 49 floats 0.58 / 0.33 / 0.22 -> 0.14 / 0.12 / 0.09, copy_where
-# 0.90 / 0.47 / 0.30 -> 0.42 / 0.27 / 0.16; the unfold of 8 images of 64 -> 128 56^2 1x1 s2 0.47 -> 0.19 ms
-# (/tmp/w58/uf.py). Default conv plans (im2col_tiles), two threads, 3 alternating pairs of processes, t(masked) /
-# t(pieces) (/tmp/w58/dp.py of the fifty-eighth session): 8 x 64->128 1x1 s2 1.11-1.39, 8 x 64->128 s2 1.08-1.23,
-# the stem 1.10-1.13 (8 images 1.06-1.18), 1 x 64->128 s2 1.04-1.11
-PIECEWISE_TAIL = not host_has("avx512f")
+# Whether a masked vector store is slow here: on CPUs without AVX-512 it is a vmaskmovps, microcoded on AMD's AVX2
+# CPUs (with AVX-512, a cheap k-masked store). Where it is, the kernels that would store masked take another form:
+# the copies store their last, partial line in pieces (``_store_line``), and ``vmath.maximum_stored`` takes the select
+# form LLVM does not fold into a masked store. One thread, AMD Zen 3 (/tmp/w57/cw.py, ns a float, masked -> pieces):
+# copy_even of 14 / 28 / 49 floats 0.58 / 0.33 / 0.22 -> 0.14 / 0.12 / 0.09, copy_where 0.90 / 0.47 / 0.30 -> 0.42 /
+# 0.27 / 0.16; the unfold of 8 images of 64 -> 128 56^2 1x1 s2 0.47 -> 0.19 ms (/tmp/w58/uf.py). Default conv plans
+# (im2col_tiles), two threads, 3 alternating pairs of processes, t(masked) / t(pieces) (/tmp/w58/dp.py of the
+# fifty-eighth session): 8 x 64->128 1x1 s2 1.11-1.39, 8 x 64->128 s2 1.08-1.23, the stem 1.10-1.13 (8 images
+# 1.06-1.18), 1 x 64->128 s2 1.04-1.11
+SLOW_MASKED_STORES = not host_has("avx512f")
 
 
 def _store_line(builder: Any, v: _Lines, x: Any, at: Any, count: Any, full: bool) -> None:
     """Store the line ``x`` at element pointer ``at``: its first ``count`` lanes (masked, or in pieces where
-    ``PIECEWISE_TAIL``), or all (``full``)."""
+    ``SLOW_MASKED_STORES``), or all (``full``)."""
     dp = builder.bitcast(at, v.vec.as_pointer())
     if full:
         builder.store(x, dp, align=v.align.constant)
-    elif PIECEWISE_TAIL:
+    elif SLOW_MASKED_STORES:
         _store_pieces(builder, v, x, at, count)
     else:
         builder.call(v.store, [x, dp, v.align, emit_lanes_below(builder, count, v.lanes)])

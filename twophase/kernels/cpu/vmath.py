@@ -26,7 +26,8 @@ from numba.extending import intrinsic, overload
 from numpy.polynomial import Chebyshev, Polynomial
 from numpy.polynomial import chebyshev as cheb
 
-from .jit import FAST, REDUCE, host_has
+from . import jit as jit_module
+from .jit import FAST, REDUCE
 
 jit = numba.njit(nogil=True, cache=True, fastmath=FAST, inline="always")  # inlined into the calling kernel
 
@@ -541,18 +542,17 @@ def gelu_erf_f32(x: Any) -> Any:
 # True where LLVM's x86 back end selects llvm.maximum / llvm.minimum. LLVM 15 (llvmlite 0.44, under numba 0.61)
 # aborts the process with "Cannot select: fmaximum"; llvmlite 0.45 and later bring LLVM 20 and up.
 NAN_MAX_INTRINSICS = llvm_version_info >= (17,)
-# Whether ``maximum_stored`` takes the select form: on CPUs without AVX-512, where LLVM expands llvm.maximum into a
-# select that keeps a NaN first operand and folds ``a[i] = maximum(a[i], x)`` into a masked store, a microcoded
-# vmaskmovps on AVX2 (AMD Zen 3: fused SDPA's column maxima of 48 queries, one thread, (8, 12, 128, 32): 1.96 ms
-# against 1.37 in the select form). With AVX-512 it is a cheap k-masked store.
-STORE_SELECT = not host_has("avx512f")
+# ``maximum_stored`` takes the select form where masked stores are slow (``jit.SLOW_MASKED_STORES``, read when a
+# kernel compiles): LLVM expands llvm.maximum into a select that keeps a NaN first operand and folds ``a[i] =
+# maximum(a[i], x)`` into a masked store (AMD Zen 3: fused SDPA's column maxima of 48 queries, one thread, (8, 12, 128,
+# 32): 1.96 ms against 1.37 in the select form).
 
 
 def _llvm_binary(float_name: str, int_name: str, stored: bool = False) -> Any:
     """An intrinsic calling ``float_name`` on floats, ``int_name`` on integers (both operands of one type). Where
     the back end cannot select ``float_name``, or for a result ``stored`` back where its first operand was loaded
-    while ``STORE_SELECT``, floats get the same NaN-propagating result from ``maxnum`` / ``minnum`` and a select:
-    NaN (``a + b``) where either operand is NaN. That form may order -0.0 and +0.0 either way, and a reduction
+    while ``jit.SLOW_MASKED_STORES``, floats get the same NaN-propagating result from ``maxnum`` / ``minnum`` and a
+    select: NaN (``a + b``) where either operand is NaN. That form may order -0.0 and +0.0 either way, and a reduction
     through it does not vectorize (llvm.maximum's does)."""
     fallback = float_name.replace("imum", "num")  # llvm.maximum -> llvm.maxnum, llvm.minimum -> llvm.minnum
 
@@ -566,7 +566,7 @@ def _llvm_binary(float_name: str, int_name: str, stored: bool = False) -> Any:
             fnty = ir.FunctionType(ty, [ty, ty])
             if not isinstance(sig.return_type, types.Float):
                 return builder.call(builder.module.declare_intrinsic(int_name, [ty], fnty), args)
-            if NAN_MAX_INTRINSICS and not (stored and STORE_SELECT):
+            if NAN_MAX_INTRINSICS and not (stored and jit_module.SLOW_MASKED_STORES):
                 return builder.call(builder.module.declare_intrinsic(float_name, [ty], fnty), args)
             x, y = args
             num = builder.call(builder.module.declare_intrinsic(fallback, [ty], fnty), args)
