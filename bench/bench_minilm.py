@@ -570,9 +570,9 @@ VARIANTS = {
         0,
     ),
     "openblas_spin": (
-        "numpy's OpenBLAS left at its default spin (OPENBLAS_THREAD_TIMEOUT=28: twophase then leaves "
-        "it alone): its workers spin ~0.1 s after every threaded GEMM, which slows whatever runs next, "
-        "torch and ONNX Runtime in this process included",
+        "numpy's OpenBLAS at its default spin (OPENBLAS_THREAD_TIMEOUT=28, what twophase leaves in force; "
+        "the other tables run with 4, set by the bench harness): its workers spin ~0.1 s after every threaded "
+        "GEMM, into whatever runs next, torch and ONNX Runtime in this process included",
         {"OPENBLAS_THREAD_TIMEOUT": "28"},
         0,
     ),
@@ -634,7 +634,7 @@ def _variant(name: str) -> None:
     if torch is not None and threads:
         torch.set_num_threads(threads)
     res = run(ort_threads=threads, cases=tuple(c for c in CASES if c[2] == "full"))
-    res["notes"].insert(0, openblas_state())  # this variant's own: OPENBLAS_THREAD_TIMEOUT=28 makes twophase leave it
+    res["notes"].insert(0, openblas_state())  # this variant's own: OPENBLAS_THREAD_TIMEOUT=28
     _print(res, title)
 
 

@@ -108,8 +108,8 @@ def _blas_call(names: tuple[str, ...], restype: Any) -> Any:
 
 
 def openblas_state() -> str:
-    """numpy's OpenBLAS as it runs in this process after ``twophase.device("cpu")``, which sets its thread
-    timeout (``blas.quiet_threads``) without touching the environment: numpy's baselines run with this too."""
+    """numpy's OpenBLAS as it runs in this process (numpy's baselines and twophase's BLAS calls alike): its core,
+    threads, and the thread timeout read from the library (``bench/__init__.py`` sets 4 unless it was set)."""
     import twophase as tp
 
     tp.device("cpu")
@@ -124,10 +124,9 @@ def openblas_state() -> str:
         return "numpy's OpenBLAS: state not readable (not numpy's bundled OpenBLAS)"
     by_user = [v for v in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT") if v in os.environ]
     who = (
-        f"as {by_user[0]} sets it"
+        f"as {by_user[0]}={os.environ[by_user[0]]} sets it: the bench harness sets 4 unless it was set "
+        "(bench/__init__.py); OpenBLAS's default, which twophase leaves in force, is 28"
         if by_user
-        else "set in-process by twophase.device('cpu'); OpenBLAS's default is 28"
-        if timeout == 4
         else "0 = OpenBLAS's default, 28"
         if timeout == 0
         else ""
@@ -140,8 +139,8 @@ def openblas_state() -> str:
 
 
 def header(title: str) -> str:
-    """Machine, ISA, versions, the OPENBLAS_* variables and the OpenBLAS state in force (twophase sets numpy's
-    OpenBLAS thread timeout in-process), and the commit measured."""
+    """Machine, ISA, versions, the OPENBLAS_* variables and the OpenBLAS state in force (the harness sets its
+    thread timeout), and the commit measured."""
     import numba
 
     lines = [

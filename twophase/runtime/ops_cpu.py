@@ -19,12 +19,6 @@ class CpuDevice(Device):
 
     kind = "cpu"
 
-    def __init__(self, name: str) -> None:
-        from ..kernels.cpu.blas import quiet_threads
-
-        quiet_threads()  # before this device's first stream exists: no BLAS call of ours can be running
-        super().__init__(name)
-
     def _reserve(self, nbytes: int, policy: str) -> Segment:
         huge = policy == "huge_first" and nbytes >= HUGE_PAGE and hasattr(mmap, "MADV_HUGEPAGE")
         pad = HUGE_PAGE if huge else 0  # over-reserve so the segment can start on a 2 MiB boundary

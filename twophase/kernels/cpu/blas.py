@@ -22,7 +22,7 @@ import numpy as np
 from ...runtime import forking
 from ...runtime.fanout import run_parts
 
-__all__ = ["gemm_for", "fused_gemm", "quiet_threads", "serial_calls", "run_blas_parts"]
+__all__ = ["gemm_for", "fused_gemm", "serial_calls", "run_blas_parts"]
 
 ROW_MAJOR, NO_TRANS, TRANS = 101, 111, 112
 _SYMBOLS = {
@@ -57,40 +57,6 @@ def gemm_for(dtype: Any) -> Gemm | None:
         if _agrees(fn, dt):
             return fn  # type: ignore[no-any-return]
     return None
-
-
-TIMEOUT_VARS = ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT")
-QUIET_TIMEOUT = "4"  # OpenBLAS's minimum: idle workers go to sleep after 2^4 cycles
-
-
-@functools.cache
-def quiet_threads() -> bool:
-    """Make the worker threads of numpy's OpenBLAS sleep as soon as a threaded call ends; True if done.
-
-    By default they spin for 2^28 cycles (~0.1 s) after every threaded GEMM: a whole core taken from the kernels
-    that follow (twophase's helper threads, another stream, torch or ONNX Runtime in the same process). With
-    the minimum timeout the next GEMM wakes them through a condition variable instead (measured: 2-5% on a
-    0.2 ms GEMM called back to back, nothing on large ones). OpenBLAS reads the timeout when it starts its
-    threads, so this sets it, has OpenBLAS re-read its environment, and stops the threads; the next threaded
-    call starts them again with the new timeout. Left alone when the user set ``OPENBLAS_THREAD_TIMEOUT`` or
-    ``GOTO_THREAD_TIMEOUT``. Call it before any thread runs a BLAS call concurrently (the CPU device does, when
-    it is created)."""
-    if any(v in os.environ for v in TIMEOUT_VARS):
-        return False
-    found = _functions("openblas_read_env", "openblas_thread_timeout", "blas_thread_shutdown_")
-    if found is None:
-        return False
-    read_env, timeout, shutdown = found
-    timeout.restype = ctypes.c_int
-    os.environ[TIMEOUT_VARS[0]] = QUIET_TIMEOUT
-    try:
-        read_env()
-    finally:
-        del os.environ[TIMEOUT_VARS[0]]  # child processes keep the user's environment
-    if timeout() != int(QUIET_TIMEOUT):
-        return False
-    shutdown()
-    return True
 
 
 def _functions(*names: str) -> tuple[Any, ...] | None:
