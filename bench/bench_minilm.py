@@ -569,11 +569,11 @@ VARIANTS = {
         {"OMP_WAIT_POLICY": "PASSIVE"},
         0,
     ),
-    "openblas_spin": (
-        "numpy's OpenBLAS at its default spin (OPENBLAS_THREAD_TIMEOUT=28, what twophase leaves in force; "
-        "the other tables run with 4, set by the bench harness): its workers spin ~0.1 s after every threaded "
-        "GEMM, into whatever runs next, torch and ONNX Runtime in this process included",
-        {"OPENBLAS_THREAD_TIMEOUT": "28"},
+    "openblas_sleep": (
+        "numpy's OpenBLAS workers asleep as soon as a call ends (OPENBLAS_THREAD_TIMEOUT=4, what twophase "
+        "set in-process before 787d8eb; the other tables run at OpenBLAS's default, 28: ~0.1 s of spin after "
+        "every threaded GEMM, which each timing's pause waits out)",
+        {"OPENBLAS_THREAD_TIMEOUT": "4"},
         0,
     ),
     "single": (
@@ -634,7 +634,7 @@ def _variant(name: str) -> None:
     if torch is not None and threads:
         torch.set_num_threads(threads)
     res = run(ort_threads=threads, cases=tuple(c for c in CASES if c[2] == "full"))
-    res["notes"].insert(0, openblas_state())  # this variant's own: OPENBLAS_THREAD_TIMEOUT=28
+    res["notes"].insert(0, openblas_state())  # this variant's own OpenBLAS state
     _print(res, title)
 
 

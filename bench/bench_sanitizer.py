@@ -7,7 +7,6 @@ Run: ``.venv/bin/python -m bench.bench_sanitizer``
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 import numpy as np
@@ -16,7 +15,7 @@ import twophase as tp
 from twophase import hooks, sanitizer
 from twophase.op import Op
 
-from .common import SETTLE_S, header, median_ratio, parked
+from .common import header, median_ratio, parked, pause
 
 N = 20000
 
@@ -62,7 +61,7 @@ def main() -> None:
         f"  a no-op phase-2 hook installed:{t_hook * 1e9:8.0f} ns/call (ratio hook / plain {r_hook:.3f}, "
         "< 1: hooked faster; above 1 is why off swaps it out)"
     )
-    time.sleep(SETTLE_S)  # paused like the timings above
+    pause()  # paused like the timings above
     with sanitizer.sanitize():
         t_on = parked(s, lambda: op(None, size, ex, s), 2000)
     print(f"  sanitizer on (for reference):  {t_on * 1e9:8.0f} ns/call")

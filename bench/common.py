@@ -109,7 +109,7 @@ def _blas_call(names: tuple[str, ...], restype: Any) -> Any:
 
 def openblas_state() -> str:
     """numpy's OpenBLAS as it runs in this process (numpy's baselines and twophase's BLAS calls alike): its core,
-    threads, and the thread timeout read from the library (``bench/__init__.py`` sets 4 unless it was set)."""
+    threads, and the thread timeout read from the library."""
     import twophase as tp
 
     tp.device("cpu")
@@ -124,8 +124,7 @@ def openblas_state() -> str:
         return "numpy's OpenBLAS: state not readable (not numpy's bundled OpenBLAS)"
     by_user = [v for v in ("OPENBLAS_THREAD_TIMEOUT", "GOTO_THREAD_TIMEOUT") if v in os.environ]
     who = (
-        f"as {by_user[0]}={os.environ[by_user[0]]} sets it: the bench harness sets 4 unless it was set "
-        "(bench/__init__.py); OpenBLAS's default, which twophase leaves in force, is 28"
+        f"as {by_user[0]}={os.environ[by_user[0]]} sets it; OpenBLAS's default, which twophase leaves in force, is 28"
         if by_user
         else "0 = OpenBLAS's default, 28"
         if timeout == 0
@@ -139,8 +138,8 @@ def openblas_state() -> str:
 
 
 def header(title: str) -> str:
-    """Machine, ISA, versions, the OPENBLAS_* variables and the OpenBLAS state in force (the harness sets its
-    thread timeout), and the commit measured."""
+    """Machine, ISA, versions, the OPENBLAS_* variables and the OpenBLAS state in force, and the commit
+    measured."""
     import numba
 
     lines = [
@@ -155,13 +154,48 @@ def header(title: str) -> str:
 
 
 SETTLE_S = 0.02  # longer than libgomp's spin after a parallel region on these machines (measured: 3-10 ms)
+# numpy's OpenBLAS at its default timeout spins 2^28 cycles (~0.1 s) after a threaded GEMM: a settle waits for
+# such a thread up to this long in all
+SETTLE_MAX_S = 0.25
+_POLL_S = 0.002
+
+
+def others_running() -> bool:
+    """Whether a thread of this process other than the caller is running or runnable (state R in
+    /proc/self/task: a worker spinning for its next job, sched_yield or not); False where /proc cannot say."""
+    me = str(threading.get_native_id())
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tids:
+        if tid == me:
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                state = f.read().rpartition(")")[2].split()[0]
+        except (OSError, IndexError):
+            continue  # the thread ended
+        if state == "R":
+            return True
+    return False
+
+
+def pause() -> None:
+    """The pause before a timing: ``SETTLE_S``, and then as long as another thread of the process still runs
+    (at most ``SETTLE_MAX_S`` in all), so that no library's idle workers spin into the next one's timing."""
+    t0 = time.perf_counter()
+    time.sleep(SETTLE_S)
+    while others_running() and time.perf_counter() - t0 < SETTLE_MAX_S:
+        time.sleep(_POLL_S)
 
 
 def settle(fn: Callable[[], object]) -> None:
     """Start a timing from the same state for every library: a pause in which other libraries' idle workers
-    stop spinning (torch's OpenMP and ONNX Runtime's pools spin for milliseconds after each call, on the cores
-    the next library needs), then one untimed call of ``fn`` that wakes its own workers."""
-    time.sleep(SETTLE_S)
+    stop spinning (torch's OpenMP and ONNX Runtime's pools spin for milliseconds after each call, numpy's
+    OpenBLAS ~0.1 s, on the cores the next library needs), then one untimed call of ``fn`` that wakes its own
+    workers."""
+    pause()
     fn()
 
 
@@ -217,7 +251,7 @@ def median_ratio(a: Callable[[], float], b: Callable[[], float], rounds: int = 7
     for r in range(rounds):
         got: dict[int, float] = {}
         for i in (0, 1) if r % 2 == 0 else (1, 0):
-            time.sleep(SETTLE_S)
+            pause()
             got[i] = (a, b)[i]()
         ra.append(got[0])
         rb.append(got[1])

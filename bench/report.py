@@ -211,8 +211,10 @@ def run_suite(modules: Sequence[str], out_dir: Path = RESULTS) -> Path:
         "Written by `make bench` (`python -m bench`); every ratio is measured "
         "side by side in one process, runs interleaved, the order rotating between rounds. Timings that compare "
         "libraries (or ways of calling one) start after a pause in which the other libraries' spinning worker "
-        "threads go idle and one untimed call (`bench.common.settle`); the twophase-only microbenchmarks timed "
-        "by `bench.common.median_ratio` (bench_core's phase-1/phase-2, cache and counter rows, bench_sanitizer) "
+        "threads go idle (20 ms, then until no other thread of the process runs, at most 0.25 s: numpy's "
+        "OpenBLAS spins ~0.1 s after a threaded GEMM) and one untimed call (`bench.common.settle`); the "
+        "twophase-only microbenchmarks timed by `bench.common.median_ratio` (bench_core's phase-1/phase-2, "
+        "cache and counter rows, bench_sanitizer) "
         'start after the pause alone, each timing being hundreds of calls; bench_minilm\'s "after idle" line '
         "has a longer pause and no untimed call, on purpose.",
         "",

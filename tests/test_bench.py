@@ -4,6 +4,8 @@ report formatting, the header's provenance, round rotation, and the same-result 
 from __future__ import annotations
 
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -57,6 +59,34 @@ def test_the_report_names_the_code_the_machine_and_a_skipped_module(tmp_path: Pa
 def test_header_names_the_processor_and_the_openblas_state() -> None:
     head = common.header("t")
     assert common.cpu_model() in head and "ISA " in head and "numpy's OpenBLAS" in head
+
+
+def test_the_pause_waits_for_a_spinning_thread_and_not_for_a_sleeping_one() -> None:
+    stop = threading.Event()
+    ended: list[float] = []
+
+    def spin(seconds: float) -> None:
+        t_end = time.perf_counter() + seconds
+        while time.perf_counter() < t_end and not stop.is_set():
+            pass
+        ended.append(time.perf_counter())
+
+    spinner = threading.Thread(target=spin, args=(common.SETTLE_S * 4,))
+    spinner.start()
+    common.pause()
+    returned = time.perf_counter()
+    spinner.join()
+    assert returned >= ended[0]  # not before the spinner stopped
+    sleeper = threading.Thread(target=stop.wait)
+    sleeper.start()
+    try:
+        time.sleep(common.SETTLE_S)  # until it blocks
+        t0 = time.perf_counter()
+        common.pause()
+        assert time.perf_counter() - t0 < common.SETTLE_MAX_S  # a blocked thread does not hold it up
+    finally:
+        stop.set()
+        sleeper.join()
 
 
 def test_each_round_starts_one_side_later() -> None:
