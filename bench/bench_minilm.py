@@ -15,6 +15,7 @@ import functools
 import importlib.util
 import math
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -498,6 +499,7 @@ def run(rounds: int = ROUNDS, ort_threads: int = 0, cases: tuple[tuple[int, int,
                 )
     finally:
         model.close()
+        shutil.rmtree(tmp, ignore_errors=True)
     return {"rows": rows, "notes": notes}
 
 
