@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 from typing import Any
 
 import numpy as np
 from hypothesis import strategies as st
+from numba.core.dispatcher import Dispatcher
 
 from twophase import device
 from twophase.tensor import Tensor
@@ -72,3 +74,9 @@ def dense_at(base: np.ndarray[Any, Any], shape: tuple[int, ...], offset: int) ->
     whole.synchronize()
     strides = tuple(int(np.prod(shape[i + 1 :])) for i in range(len(shape)))
     return whole, whole.strided(shape, strides, offset)
+
+
+def specializations() -> int:
+    """How many specializations the process's numba kernels hold, compiled or loaded from numba's cache: a kernel
+    whose code does not depend on its operands' layout should add none for another layout."""
+    return sum(len(d.overloads) for d in gc.get_objects() if isinstance(d, Dispatcher))

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from ops_layouts import on_device
+from ops_layouts import on_device, specializations
 
 from twophase import ops
 from twophase.layout import as_rows, rows_split
@@ -42,6 +42,40 @@ def test_row_ops_on_padded_rows(name: str, shape: tuple[int, ...], where: str) -
     r = run_checked(op, xin, out=out, **attrs)
     assert r.unwritten == (0,) and r.inputs_changed == ()
     np.testing.assert_allclose(r.outputs[0], op.spec.reference(x.astype(np.float64), **attrs), rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", [*sorted(ROW_OPS), "layer_norm"])
+def test_padded_and_contiguous_rows_share_one_compiled_kernel(name: str) -> None:
+    """The row kernels take dense rows through ``row_of``, whatever the matrix's layout type: one specialization
+    serves a contiguous matrix and one whose rows are padded, in and out (each another compile before, seconds
+    each, at a user's first call too). The layouts run after the contiguous one add none."""
+    x = _x((33, 129))
+    if name == "layer_norm":
+        w, b = _x((2, 129))
+
+        def run(xin: Any, out: Any) -> Any:
+            return run_checked(ops.layer_norm, xin, w, b, normalized_shape=(129,), out=out)
+
+    else:
+        op, attrs = ROW_OPS[name]
+
+        def run(xin: Any, out: Any) -> Any:
+            return run_checked(op, xin, out=out, **attrs)
+
+    def padded_out() -> Any:
+        out = on_device(np.zeros(x.shape, np.float32), "padded")
+        if name != "layer_norm":
+            return out
+        return (out, *(on_device(np.zeros((33, 1), np.float32)) for _ in range(2)))
+
+    want = run(on_device(x), None).outputs[0]
+    before = specializations()
+    padded = on_device(x, "padded")
+    for xin, out in ((padded, None), (on_device(x), padded_out()), (padded, padded_out())):
+        r = run(xin, out)
+        assert all(u == 0 for u in r.unwritten)
+        np.testing.assert_array_equal(r.outputs[0], want)  # the same code: the same bits
+    assert specializations() == before
 
 
 @pytest.mark.parametrize("shape", SHAPES)

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_layouts import on_device
+from ops_layouts import on_device, specializations
 from threads import num_threads
 
 import twophase
@@ -989,6 +989,20 @@ def test_sdpa_fused_reads_views(rng: np.random.Generator, causal: bool) -> None:
     full = big.numpy()
     np.testing.assert_allclose(full[..., 8:40], ref, rtol=1e-4, atol=1e-5)
     assert (full[..., :8] == 7.0).all() and (full[..., 40:] == 7.0).all()
+
+
+@needs_fused
+def test_sdpa_fused_is_compiled_once_for_any_layout(rng: np.random.Generator) -> None:
+    """The fused kernel reads q, k, v and out through pointers, strides and dense rows: contiguous operands and the
+    views of ``test_sdpa_fused_reads_views`` run one specialization (each layout another compile of ~10 s before)."""
+    q0, k0, v0 = _qkv(rng, 2, 2, 21, 19, 10, 48)
+    q, k, v = q0[..., ::2], k0[:, :, ::-1, ::2], v0[..., :32]
+    ref = reference(q, k, v)
+    with forced("fused"):
+        _check(run_checked(sdpa, *map(np.ascontiguousarray, (q, k, v)), None), ref)
+        before = specializations()
+        _check(run_checked(sdpa, q, k, v, None), ref)
+    assert specializations() == before
 
 
 def test_sdpa_fused_ranks_first_where_it_runs(rng: np.random.Generator) -> None:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from ops_layouts import specializations
 from threads import num_threads
 
 from twophase import device
@@ -575,6 +576,26 @@ def test_microkernel_matches_numpy_over_tails_strides_and_parts(
     with num_threads(threads), forced("microkernel"):
         r = run_checked(matmul, a_t, b_t)
     _check(r, ref)
+
+
+@needs_micro
+def test_microkernel_is_compiled_once_for_any_layout(rng: np.random.Generator) -> None:
+    """The microkernel reads its matrices through pointers and strides, so one specialization serves contiguous
+    operands, a transposed a, b's rows padded and a strided out (each another compile of ~17 s before)."""
+    m, k, n = 20, 40, 48
+    a, b_mem = _rand(rng, (m, k)), _rand(rng, (k, n + 3))
+    b = b_mem[:, :n]
+    ref = a.astype(np.float64) @ b.astype(np.float64)
+    dev = device("cpu")
+    with forced("microkernel"):
+        _check(run_checked(matmul, a, np.ascontiguousarray(b)), ref)
+        before = specializations()
+        a_t = dev.tensor(np.ascontiguousarray(a.T)).transpose()
+        b_t = dev.tensor(b_mem).strided((k, n), (n + 3, 1), 0)
+        _check(run_checked(matmul, a_t, b_t), ref)
+        out = dev.tensor(np.zeros((m, n + 5), np.float32)).strided((m, n), (n + 5, 1), 2)
+        _check(run_checked(matmul, a, b_t, out=out), ref)
+    assert specializations() == before
 
 
 @needs_micro

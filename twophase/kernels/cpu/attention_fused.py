@@ -40,7 +40,7 @@ from . import gemm
 from . import jit as _jit
 from . import vmath as vm
 from .attention import ADDITIVE, BOOL, NONE, is_key_padding, mask_arg
-from .jit import any_layout, entry, row_of, wide_vectors
+from .jit import any_layout, entry, row_of, strided, wide_vectors
 
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 
@@ -314,7 +314,8 @@ def build_fused(
     mask, mkind = mask_arg(mask, kind, np.float32)
     padding = is_key_padding(mask, mkind, nq)
     msample = mask if mkind == NONE else any_layout(np.float32 if t.mask_t >= 0 else mask.dtype, 4)
-    kernel = entry(fused_tiles, q, k, v, out, sample, tiles, 0, 1, 1, 8, 1, 0.0, False, msample, 0, False)
+    operands = map(strided, (q, k, v, out))  # read through pointers, strides and dense rows: any layout, one compile
+    kernel = entry(fused_tiles, *operands, sample, tiles, 0, 1, 1, 8, 1, 0.0, False, msample, 0, False)
     width = row_width(t.block_q)
     parts, stride = t.parts, t.area
     flip = None

@@ -15,7 +15,7 @@ from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, wo
 from . import conv_phases, gemm
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import by_density, copy_even, entry, pairs_of, row_of, rows_dense, span_of
+from .jit import by_density, copy_even, entry, pairs_of, row_of, rows_dense, span_of, strided
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -607,19 +607,20 @@ def _group_bias(bias: Any, g: int, ocg: int, cm: bool) -> Any:
 
 _NO_PACK = np.zeros(0, np.float32)
 _NO_BIAS = np.zeros(1, np.float32)
-_COLS_SAMPLE = np.zeros((2, 2), np.float32)  # what a channel-major unfold is: a C-contiguous float32 matrix
+_COLS_SAMPLE = np.zeros((2, 2), np.float32)  # what a channel-major unfold is: a float32 matrix
 
 
 def _plain_gemm(a: Any, b: Any, c: Any) -> Callable[[Any, Any, Any, int, int, int, int], None]:
     """``(a, b, c, i0, i1, j0, j1)``: ``c[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1]`` by the register-blocked float32
-    GEMM (no bias, b read in place), compiled for the layouts of the samples ``a``, ``b``, ``c``."""
-    fn = entry(gemm.gemm_f32, a, b, c, _NO_BIAS, False, 0, 0, 0, 0, _NO_PACK)
+    GEMM (no bias, b read in place), compiled once for any layouts of ``a``, ``b``, ``c`` (it reads them through
+    pointers and strides)."""
+    fn = entry(gemm.gemm_f32, strided(a), strided(b), strided(c), _NO_BIAS, False, 0, 0, 0, 0, _NO_PACK)
     return lambda a, b, c, i0, i1, j0, j1: fn(a, b, c, _NO_BIAS, False, i0, i1, j0, j1, _NO_PACK)
 
 
 def _micro_gemm(wm: Any, res: Any, parts: tuple[tuple[int, int, int, int], ...]) -> Callable[[Any, Any], None] | None:
     """``(cols, res) -> res = wm @ cols`` by the register-blocked float32 GEMM, one call per part of ``parts``
-    (blocks of res), on helper threads; compiled for ``res``'s layout (a sample of it); None for no parts."""
+    (blocks of res), on helper threads (``res`` here a sample of it); None for no parts."""
     if not parts:
         return None
     mm = _plain_gemm(wm, _COLS_SAMPLE, res)

@@ -21,7 +21,7 @@ from ...layout import align, flat2d, matrix2d, same_view
 from ...runtime.fanout import fanout_parts, launcher, pieces, run_parts, split_range
 from . import vmath as vm
 from .half import cast_copy
-from .jit import FAST, by_density, entry, jit_inline, row_of, rows_dense, wide_vectors
+from .jit import FAST, by_density, entry, jit_inline, row_of, rows_dense, strided, wide_vectors
 from .streaming import LINE_BYTES, aligned_head, flat_launch, put_streaming, sfence, takes
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
@@ -323,7 +323,7 @@ def activation_kernel(name: str, sample: Any) -> Callable[[Any], None] | None:
         zero = sample.dtype.type(0)
         return lambda block: np.maximum(block, zero, out=block)
     fn = function_for("gelu_erf" if name == "gelu" else name, sample.dtype)
-    return entry(IN_PLACE[fn][rows_dense(sample)], sample)
+    return entry(IN_PLACE[fn][rows_dense(sample)], strided(sample))
 
 
 def activation_in_place(name: str, block: Any) -> Callable[[], None] | None:
@@ -371,8 +371,9 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any, stream: b
 
 
 def _rows_call(fn_name: str, a: Any, o: Any) -> Callable[[], None]:
-    """``o = f(a)`` on (rows, cols) views, compiled for their types; the in-place kernel when they are one view."""
+    """``o = f(a)`` on (rows, cols) views (the rows kernels take rows through ``row_of`` only: one compile for
+    any layout); the in-place kernel when they are one view."""
     dense = rows_dense(a, o)
     if same_view(a, o):
-        return functools.partial(entry(IN_PLACE[fn_name][dense], o), o)
-    return functools.partial(entry(KERNELS[fn_name][dense], a, o), a, o)
+        return functools.partial(entry(IN_PLACE[fn_name][dense], strided(o)), o)
+    return functools.partial(entry(KERNELS[fn_name][dense], strided(a), strided(o)), a, o)

@@ -21,6 +21,7 @@ from ...errors import InternalError
 __all__ = [
     "entry",
     "any_layout",
+    "strided",
     "CHECK_LAYOUT",
     "jit",
     "jit_inline",
@@ -543,6 +544,13 @@ def any_layout(dtype: Any, ndim: int) -> Any:
     sample = np.empty((2,) * (ndim - 1) + (4,), dtype)[..., ::2] if ndim else np.empty((), dtype)
     assert ndim == 0 or not sample.flags.c_contiguous
     return sample
+
+
+def strided(a: Any) -> Any:
+    """A sample of ``a``'s dtype and rank that ``entry`` types 'A', for an argument the kernel reads only through
+    pointers and strides, or by dense rows through ``row_of``: there a 'C' type changes no loop, and would only
+    cost one more compile (seconds to tens of seconds each) for contiguous operands next to strided ones."""
+    return any_layout(a.dtype, a.ndim)
 
 
 def _layout_checked(kernel: Any, fn: Callable[..., Any], dense: tuple[int, ...]) -> Callable[..., Any]:

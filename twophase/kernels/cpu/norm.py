@@ -14,7 +14,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .half import cast_copy
-from .jit import FAST, by_density, entry, row_of, rows_dense, wide_vectors
+from .jit import FAST, by_density, entry, row_of, rows_dense, strided, wide_vectors
 from .span_ir import span_moments, span_sum
 from .streaming import LINE_BYTES, VECTOR_BYTES, aligned_head, element_aligned, sfence, store_normalized
 from .vmath import corrected_moments, deviation_sums
@@ -159,7 +159,7 @@ def build_norm(
         )
     )
     kernel = LAYER_NORM_ROWS_STREAMING[terms] if stream else LAYER_NORM_ROWS[terms][pack or rows_dense(src, dst)]
-    fn = entry(kernel, sample, w, b, eps, rms, sample if pack else dst, mean, rstd)
+    fn = entry(kernel, strided(sample), w, b, eps, rms, strided(sample if pack else dst), mean, rstd)  # rows: row_of
     ranges = split_range(k, fanout_parts() if k * n >= FANOUT_MIN else 1)
 
     def parts(x: Any, out: Any) -> list[Callable[[], None]]:

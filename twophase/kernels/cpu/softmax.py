@@ -28,7 +28,7 @@ from ...runtime.fanout import launcher, run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
 from .half import cast_copy
-from .jit import by_density, entry, row_of, rows_dense, wide_vectors
+from .jit import by_density, entry, row_of, rows_dense, strided, wide_vectors
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
 LOG_SOFTMAX_IN_OUT = 2  # log-softmax whose out does not overlap x: its exps go to out, as softmax's do
@@ -430,6 +430,7 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
         own = [line_array((rows_needed, row), compute_dt) for _ in range(t.threads)]
     part_sample = np.empty((1, 1, 2), np.float64)
     dense = rows_dense(sample, out_sample)
+    sample, out_sample = strided(sample), strided(out_sample)  # the kernels take rows through ``row_of`` only
     if split == 1:
         fn = entry(ROWS[rows_key(mode, n)][dense], sample, out_sample, own[0])
     elif t.by_rows:
