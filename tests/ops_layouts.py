@@ -79,4 +79,4 @@ def dense_at(base: np.ndarray[Any, Any], shape: tuple[int, ...], offset: int) ->
 def specializations() -> int:
     """How many specializations the process's numba kernels hold, compiled or loaded from numba's cache: a kernel
     whose code does not depend on its operands' layout should add none for another layout."""
-    return sum(len(d.overloads) for d in gc.get_objects() if isinstance(d, Dispatcher))
+    return sum(len(d.overloads) for d in gc.get_objects() if issubclass(type(d), Dispatcher))  # not a weak proxy's

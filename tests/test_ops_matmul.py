@@ -17,6 +17,7 @@ from threads import num_threads
 from twophase import device
 from twophase.errors import ParamError
 from twophase.kernels.cpu import gemm
+from twophase.kernels.cpu.jit import any_layout, entry
 from twophase.layout import align
 from twophase.ops import baddbmm, linear, matmul
 from twophase.ops.selection import forced
@@ -596,6 +597,16 @@ def test_microkernel_is_compiled_once_for_any_layout(rng: np.random.Generator) -
         out = dev.tensor(np.zeros((m, n + 5), np.float32)).strided((m, n), (n + 5, 1), 2)
         _check(run_checked(matmul, a, b_t, out=out), ref)
     assert specializations() == before
+
+
+@needs_micro
+def test_attention_heads_run_the_microkernel_specialization_of_matmul() -> None:
+    """``gemm_f32_heads`` calls ``gemm_f32`` with no literal-typed argument, so it runs the specialization matmul
+    and conv2d compile instead of compiling one of its own (~15 s)."""
+    strided = any_layout(np.float32, 4)
+    entry(gemm.gemm_f32_heads, strided, strided, strided)
+    assert gemm.gemm_f32.signatures
+    assert not [s for s in gemm.gemm_f32.signatures if any(isinstance(t, numba.types.Literal) for t in s)]
 
 
 @needs_micro

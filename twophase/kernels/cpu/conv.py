@@ -502,7 +502,8 @@ def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             and t.h * t.w <= SAME3_MAX_PLANE
         )
         masks = same3_masks(t.h, t.w) if same and dense else (np.zeros(0, np.bool_),) * 2
-        k = entry(CONV_DW3X3[dense, step_key(t.sw)], x, w, b, has, out, geo, t.groups, 0, 0, *masks)
+        # planes read through row_of, pairs_of and span_of only: one compile for x and out at any layout
+        k = entry(CONV_DW3X3[dense, step_key(t.sw)], strided(x), w, b, has, strided(out), geo, t.groups, 0, 0, *masks)
         extra: tuple[Any, ...] = masks
         least, weight = DW3X3_PARALLEL_MIN, DW3X3_STRIDED_WEIGHT
     else:

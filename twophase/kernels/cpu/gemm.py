@@ -719,9 +719,12 @@ def gemm_f32_heads(a: Any, b: Any, c: Any) -> None:
     by :func:`gemm_f32` (same stride rules, per matrix)."""
     none = np.zeros(1, np.float32)
     m, n = c.shape[2], c.shape[3]
+    # no bias and 0 typed bool and int64, not as literals: the specialization matmul and conv2d compile (for 'A'
+    # matrices) then runs here too, where the literals False and 0 compiled another (~15 s)
+    no_bias, zero = m < 0, m - m
     for i in range(c.shape[0]):
         for h in range(c.shape[1]):
-            gemm_f32(a[i, h], b[i, h], c[i, h], none, False, 0, m, 0, n, none[:0])
+            gemm_f32(a[i, h], b[i, h], c[i, h], none, no_bias, zero, m, zero, n, none[:0])
 
 
 @_jit
