@@ -605,8 +605,8 @@ def test_microkernel_is_compiled_once_for_any_layout(rng: np.random.Generator) -
 def test_attention_heads_run_the_microkernel_specialization_of_matmul() -> None:
     """``gemm_f32_heads`` calls ``gemm_f32`` with no literal-typed argument, so it runs the specialization matmul
     and conv2d compile instead of compiling one of its own (~15 s)."""
-    strided = any_layout(np.float32, 4)
-    entry(gemm.gemm_f32_heads, strided, strided, strided)
+    stack = any_layout(np.float32, 4)
+    entry(gemm.gemm_f32_heads, stack, stack, stack)
     assert gemm.gemm_f32.signatures
     assert not [s for s in gemm.gemm_f32.signatures if any(isinstance(t, numba.types.Literal) for t in s)]
 
