@@ -17,7 +17,7 @@ from threads import num_threads
 from twophase import device
 from twophase.errors import ParamError
 from twophase.kernels.cpu import gemm
-from twophase.kernels.cpu.jit import any_layout, entry, strided
+from twophase.kernels.cpu.jit import any_layout, entry
 from twophase.layout import align
 from twophase.ops import baddbmm, linear, matmul
 from twophase.ops.selection import forced
@@ -356,7 +356,7 @@ def test_gemm_kernel_writes_exactly_its_block_for_every_column_tail(
     a, b = _rand(rng, (30, k)), _rand(rng, (k, 90))
     bias = _rand(rng, (90,))
     pack = np.full(gemm.panel_bytes(k) // 4 if packed else 0, np.nan, np.float32)
-    kernel = entry(gemm.gemm_f32, *map(strided, (a, b, a)), bias, has_bias, 0, 0, 0, 0, pack)
+    kernel = gemm.gemm_f32_entry()
     for i0, i1, j0, j1 in [
         (0, 30, 0, 90),
         (3, 20, 5, 21),

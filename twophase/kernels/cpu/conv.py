@@ -608,23 +608,21 @@ def _group_bias(bias: Any, g: int, ocg: int, cm: bool) -> Any:
 
 _NO_PACK = np.zeros(0, np.float32)
 _NO_BIAS = np.zeros(1, np.float32)
-_COLS_SAMPLE = np.zeros((2, 2), np.float32)  # what a channel-major unfold is: a float32 matrix
 
 
-def _plain_gemm(a: Any, b: Any, c: Any) -> Callable[[Any, Any, Any, int, int, int, int], None]:
+def _plain_gemm() -> Callable[[Any, Any, Any, int, int, int, int], None]:
     """``(a, b, c, i0, i1, j0, j1)``: ``c[i0:i1, j0:j1] = a[i0:i1] @ b[:, j0:j1]`` by the register-blocked float32
-    GEMM (no bias, b read in place), compiled once for any layouts of ``a``, ``b``, ``c`` (it reads them through
-    pointers and strides)."""
-    fn = entry(gemm.gemm_f32, strided(a), strided(b), strided(c), _NO_BIAS, False, 0, 0, 0, 0, _NO_PACK)
+    GEMM (no bias, b read in place)."""
+    fn = gemm.gemm_f32_entry()
     return lambda a, b, c, i0, i1, j0, j1: fn(a, b, c, _NO_BIAS, False, i0, i1, j0, j1, _NO_PACK)
 
 
-def _micro_gemm(wm: Any, res: Any, parts: tuple[tuple[int, int, int, int], ...]) -> Callable[[Any, Any], None] | None:
+def _micro_gemm(wm: Any, parts: tuple[tuple[int, int, int, int], ...]) -> Callable[[Any, Any], None] | None:
     """``(cols, res) -> res = wm @ cols`` by the register-blocked float32 GEMM, one call per part of ``parts``
-    (blocks of res), on helper threads (``res`` here a sample of it); None for no parts."""
+    (blocks of res), on helper threads; None for no parts."""
     if not parts:
         return None
-    mm = _plain_gemm(wm, _COLS_SAMPLE, res)
+    mm = _plain_gemm()
 
     def run(cols: Any, res: Any) -> None:
         run_parts([functools.partial(mm, wm, cols, res, *p) for p in parts])
@@ -693,8 +691,7 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     o_off = t.out_offset
     ocg = t.ocg
     micro = dict(t.micro)
-    # a staged result's area is cut from the workspace at launch: a C-contiguous matrix, as the sample
-    gemms = [_micro_gemm(s[5], _COLS_SAMPLE if s[8] else s[6], micro.get(s[4], ())) for s in steps]
+    gemms = [_micro_gemm(s[5], micro.get(s[4], ())) for s in steps]
 
     def launch(ws: Any) -> None:
         for (n0, nn, c0, oh0, p, wm, o, bv, stage), mk in zip(steps, gemms):
@@ -988,7 +985,7 @@ def gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> list[Pa
 
 def micro_gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> list[Part]:
     """``gemm_parts`` by the register-blocked float32 GEMM: each part multiplies its range of the matrices."""
-    mm = _plain_gemm(u[0], v[0], m[0])
+    mm = _plain_gemm()
     rows, cols = u.shape[1], v.shape[2]
 
     def run(lo: int, hi: int) -> None:

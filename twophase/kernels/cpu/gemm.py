@@ -28,7 +28,7 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from ...runtime.fanout import split_range
-from .jit import emit_lanes_below, emit_prefetch, emit_splat, host_cpu_name, host_has, masked_memory
+from .jit import any_layout, emit_lanes_below, emit_prefetch, emit_splat, entry, host_cpu_name, host_has, masked_memory
 
 __all__ = [
     "available",
@@ -36,6 +36,7 @@ __all__ = [
     "columns_fit",
     "half_width_fma",
     "gemm_f32",
+    "gemm_f32_entry",
     "gemm_f32_heads",
     "gemm_tile",
     "gemm_tile_ymm",
@@ -713,14 +714,22 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int
             c[i, j] = s
 
 
+def gemm_f32_entry() -> Any:
+    """``gemm_f32``'s entry point for every caller (matmul, linear, conv2d): its one specialization, for float32
+    matrices typed any layout, as it reads them through pointers and strides (contiguous, transposed and padded
+    operands share one compile, ~15 s; attention's ``gemm_f32_heads`` runs it too)."""
+    matrix, vector = any_layout(np.float32, 2), np.zeros(1, np.float32)
+    return entry(gemm_f32, matrix, matrix, matrix, vector, False, 0, 0, 0, 0, vector[:0])
+
+
 @_jit
 def gemm_f32_heads(a: Any, b: Any, c: Any) -> None:
     """``c[i, h] = a[i, h] @ b[i, h]`` for every (i, h) of 4-D float32 stacks (attention's heads), each product
     by :func:`gemm_f32` (same stride rules, per matrix)."""
     none = np.zeros(1, np.float32)
     m, n = c.shape[2], c.shape[3]
-    # no bias and 0 typed bool and int64, not as literals: the specialization matmul and conv2d compile (for 'A'
-    # matrices) then runs here too, where the literals False and 0 compiled another (~15 s)
+    # no bias and 0 typed bool and int64, not as literals: ``gemm_f32_entry``'s specialization then runs here too,
+    # where the literals False and 0 compiled another (~15 s)
     no_bias, zero = m < 0, m - m
     for i in range(c.shape[0]):
         for h in range(c.shape[1]):

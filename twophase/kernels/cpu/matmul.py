@@ -15,7 +15,6 @@ from ...runtime.fanout import bound, launcher, workspace_launcher
 from . import gemm
 from .blas import fused_gemm
 from .elementwise import activation_in_place, activation_kernel
-from .jit import entry, strided
 
 Launch = Callable[[Any], None]
 
@@ -169,7 +168,7 @@ def _build_micro(
         return _then_activate(_build_micro(t, a2, b2, o2, out, addend), activation, out)
     post: Launch = (lambda _: None) if fused else _epilogue_or_nothing(out, addend)
     no_pack = np.zeros(0, np.float32)
-    fn = entry(gemm.gemm_f32, strided(a2), strided(b2), strided(o2), bias, fused, 0, 0, 0, 0, no_pack)
+    fn = gemm.gemm_f32_entry()
     acts = [activation_in_place(activation, o2[p[0] : p[1], p[2] : p[3]]) for p in t.parts]
 
     def parts(packs: list[Any]) -> list[Callable[[], None]]:
