@@ -5,6 +5,7 @@ too, with shapes of several rows and widths that are not multiples of a vector."
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -13,7 +14,9 @@ from ops_layouts import on_device, specializations
 
 from twophase import ops
 from twophase.layout import as_rows, rows_split
+from twophase.ops.selection import forced
 from twophase.testing import run_checked
+from twophase.testing.checked import view_of
 
 SHAPES = [(33, 129), (3, 11, 70), (97, 13)]  # rows of 13: staged in batches of whole rows (elementwise.SHORT_ROW)
 LONG = (3, 40000)  # softmax splits rows this long into blocks (ops.normalization.LONG_ROW)
@@ -68,6 +71,15 @@ def test_padded_and_contiguous_rows_share_one_compiled_kernel(name: str) -> None
             return out
         return (out, *(on_device(np.zeros((33, 1), np.float32)) for _ in range(2)))
 
+    _compiled_once(run, x, padded_out)
+
+
+def _compiled_once(
+    run: Callable[[Any, Any], Any], x: np.ndarray[Any, Any], padded_out: Callable[[], Any]
+) -> np.ndarray[Any, Any]:
+    """``run(x, out)`` on a contiguous x and its own output, then on a padded x, into a padded output
+    (``padded_out()``), and both: the same bits each time, and no kernel compiled after the first run. Returns
+    the first output."""
     want = run(on_device(x), None).outputs[0]
     before = specializations()
     padded = on_device(x, "padded")
@@ -76,6 +88,7 @@ def test_padded_and_contiguous_rows_share_one_compiled_kernel(name: str) -> None
         assert all(u == 0 for u in r.unwritten)
         np.testing.assert_array_equal(r.outputs[0], want)  # the same code: the same bits
     assert specializations() == before
+    return want  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -110,6 +123,17 @@ def test_reductions_of_padded_rows(name: str, shape: tuple[int, ...]) -> None:
     assert r.inputs_changed == ()
     want = op.spec.reference(x.astype(np.float64) if name != "argmax" else x, **attrs)
     np.testing.assert_allclose(r.outputs[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", REDUCTIONS)
+@pytest.mark.parametrize("shape, dim", [((5, 9000), -1), ((300, 70), 0)])
+def test_reductions_are_compiled_once_for_any_layout(name: str, shape: tuple[int, ...], dim: int) -> None:
+    """The level kernels read their input, the data or the partials, through ``row_of`` only: one specialization
+    serves a contiguous input, a padded one and the partials of the next level (rows of 9000: two levels; dim 0:
+    the column-wise kernels). The output is a new 1-D array each run: contiguous whatever the input's layout."""
+    op = getattr(ops, name)
+    attrs: dict[str, Any] = {"dim": dim} if name == "argmax" else {"dims": (dim,)}
+    _compiled_once(lambda xin, out: run_checked(op, xin, **attrs), _x(shape), lambda: None)
 
 
 @pytest.mark.parametrize("name", ["reduce_sum", "reduce_max", "reduce_min"])
@@ -171,12 +195,50 @@ def test_direct_conv_on_image_crops(groups: int, stride: int, where: str) -> Non
     np.testing.assert_allclose(r.outputs[0], want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("shape", [(2, 6, 7, 9), (2, 4, 300, 120)])  # groups of 126, and of 72000: in blocks
+def test_group_norm_is_compiled_once_for_any_layout(shape: tuple[int, ...]) -> None:
+    """Group norm reads and writes its groups' rows through ``row_of`` only: image crops in and out run the
+    kernel compiled for contiguous images (each layout was another compile of 3-5 s before)."""
+    x = _x(shape) + 3
+    rng = np.random.default_rng(9)
+    w, b = rng.standard_normal(shape[1]).astype(np.float32), rng.standard_normal(shape[1]).astype(np.float32)
+    _compiled_once(
+        lambda xin, out: run_checked(ops.group_norm, xin, w, b, out=out, num_groups=2),
+        x,
+        lambda: on_device(np.zeros(shape, np.float32), "padded"),
+    )
+
+
+@pytest.mark.usefixtures("microkernel")  # im2col_tiles and implicit run on the register-blocked GEMMs
+@pytest.mark.parametrize("impl, stride", [("im2col_tiles", 1), ("im2col_tiles", 2), ("im2col", 2), ("implicit", 2)])
+def test_unfolding_conv_is_compiled_once_for_any_layout(impl: str, stride: int) -> None:
+    """The unfolding convolutions read the input by rows (``row_of``) or planes (``span_of``) and write the
+    output's planes through pointers: a crop of wider images in, a channel slice of a wider output out, run the
+    kernels compiled for contiguous ones (each layout was another compile of up to 8 s before)."""
+    x = _x((2, 8, 9, 13))
+    w = np.random.default_rng(7).standard_normal((16, 8, 3, 3)).astype(np.float32)
+    attrs = {"stride": stride, "padding": 1}
+    ref = ops.conv2d.spec.reference(x.astype(np.float64), w.astype(np.float64), None, **attrs)
+
+    def run(xin: Any, out: Any) -> Any:
+        with forced(impl):
+            r = run_checked(ops.conv2d, xin, w, None, out=out, **attrs)
+        assert r.implementation == impl
+        return r
+
+    def channel_slice() -> Any:
+        wide = np.zeros((2, 20, *ref.shape[2:]), np.float32)
+        return view_of(on_device(wide), wide, wide[:, 2:18])
+
+    np.testing.assert_allclose(_compiled_once(run, x, channel_slice), ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize(
     "shape, groups, where",
     [
         *(((2, 6, 7, 9), 3, where) for where in ("input", "output", "both")),
         ((2, 6, 5), 2, "both"),
-        ((2, 4, 300, 120), 2, "input"),  # one layout only: each compiles the parallel kernel anew (~5 s)
+        ((2, 4, 300, 120), 2, "input"),
     ],
 )
 def test_group_norm_on_image_crops(shape: tuple[int, ...], groups: int, where: str) -> None:

@@ -581,14 +581,15 @@ def _unfold_kernel(t: Any, x: Any) -> Any:
     sample = np.empty((2, 2), x.dtype)  # C-contiguous cols (channel-major) or a transposed view (pixel-major)
     cm = t.orient == "cm"
     kernel = IM2COL[cm and rows_dense(x), step_key(t.sw)]
-    return entry(kernel, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0, 0)
+    return entry(kernel, strided(x), 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0, 0)
 
 
 def _plane_unfold(t: Any, x: Any) -> tuple[Any, Any]:
     """The compiled ``conv_phases.unfold_planes`` for these operands and its column masks for tiles of
     ``t.tile_rows`` output rows: the unfold of a tiling with ``flat``."""
     masks = conv_phases.plane_masks(t, t.tile_rows)
-    return entry(conv_phases.unfold_planes, x, 0, 1, 0, 0, 1, _geo(t), masks, np.empty((2, 2), x.dtype), 0, 0, 0), masks
+    cols = np.empty((2, 2), x.dtype)
+    return entry(conv_phases.unfold_planes, strided(x), 0, 1, 0, 0, 1, _geo(t), masks, cols, 0, 0, 0), masks
 
 
 def _out_matrix_area(ws: Any, off: int, ocg: int, p: int, dt: Any, cm: bool) -> Any:
@@ -664,8 +665,8 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         area = conv_phases.images_area_floats(t, t.tile_rows, tn) * item
         areas = [(t.phase_offset + i * area, t.phase_offset + (i + 1) * area) for i in range(len(ranges))]
         masks = conv_phases.masks(t, t.tile_rows)
-        sample = np.empty((2, 2), dt)
-        k_im2col = entry(conv_phases.unfold_images, x, 0, 1, 0, 0, 1, _geo(t), sample[0], masks, sample, 0, 0, 0)
+        sample, geo = np.empty((2, 2), dt), _geo(t)
+        k_im2col = entry(conv_phases.unfold_images, strided(x), 0, 1, 0, 0, 1, geo, sample[0], masks, sample, 0, 0, 0)
     elif t.flat:  # each range reads the input planes in place
         k_im2col, masks = _plane_unfold(t, x)
     else:

@@ -21,7 +21,7 @@ from ...runtime.fanout import run_parts, workspace_launcher
 from . import conv_phases, gemm
 from . import jit as _jit
 from .conv import IM2COL, _geo, _wmat, step_key
-from .jit import entry, row_of, rows_dense, variant_call
+from .jit import entry, row_of, rows_dense, strided, variant_call
 
 Launch = Callable[[Any], None]
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
@@ -184,9 +184,10 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     kernel = CONV_TILES[rows_dense(x), step_key(t.sw)]
     blank = np.empty(shape, x.dtype)
     rest = (geos, blank, 0, 0, 0, 0, 0, 0, 0, 0, sample, masks, t.flat, images, blank)
-    k = entry(kernel, x, wmat, b, has, o3, *rest)
+    # x and out read through row_of, span_of and pointers only: one compile for every layout, the parts' partial
+    # outputs (dense, in the workspace) included
+    k = entry(kernel, strided(x), wmat, b, has, strided(o3), *rest)
     sums_shape = (t.n, t.oc, t.oh * t.ow)
-    k_sum = entry(kernel, x, wmat, b, False, np.empty((1, 1, 1), x.dtype), *rest) if partial_parts(t.grid) else k
     dt, grid, kb, rows, flat = x.dtype, t.grid, t.kblock, t.chunk, t.flat
     tiles_at = len(grid) * area
     stages_at, stage_bytes = tiles_at + len(grid) * size, stage_stride(t, item)
@@ -203,14 +204,14 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             phases = ws[i * area : (i + 1) * area].view(dt) if area else _NO_PHASES
             at = stages_at + i * stage_bytes
             stage = ws[at : at + stage_bytes].view(dt).reshape(-1, shape[1]) if stage_bytes else _NO_STAGE
-            fn, dst, with_bias = k, o3, has
+            dst, with_bias = o3, has
             if block[4]:  # unfolded rows past 0: into a partial output
                 at = sums_at + len(sums) * sum_stride
-                fn, dst, with_bias = k_sum, ws[at : at + sum_bytes].view(dt).reshape(sums_shape), False
+                dst, with_bias = ws[at : at + sum_bytes].view(dt).reshape(sums_shape), False
                 sums.append(dst)
             parts.append(
                 functools.partial(
-                    fn, x, wmat, b, with_bias, dst, geos, tile, kb, rows, *block, phases, masks, flat, images, stage
+                    k, x, wmat, b, with_bias, dst, geos, tile, kb, rows, *block, phases, masks, flat, images, stage
                 )
             )
 

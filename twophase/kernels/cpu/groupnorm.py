@@ -22,7 +22,7 @@ from ...runtime.fanout import bound, fanout_parts, launcher, run_parts, split_ra
 from . import jit as _jit
 from . import vmath as vm
 from .half import cast_copy
-from .jit import by_density, entry, row_of, rows_dense
+from .jit import by_density, entry, row_of, rows_dense, strided
 from .norm import FANOUT_MIN, _affine
 
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -230,10 +230,12 @@ def build_group_norm(
         return lambda _: None
     n = src.shape[0]
     shape4 = (n, t.groups, 1, src.size // (n * t.groups))
+    # x and out read by groups' rows through row_of only: one compile for every layout of src and dst
     if t.pack:
-        sample, p_sample = np.empty((1, 1, 1, 1), compute), np.empty(1, compute)
+        sample = out_sample = strided(np.empty((1, 1, 1, 1), compute))
+        p_sample = np.empty(1, compute)
     else:
-        sample, p_sample = src, w
+        sample, out_sample, p_sample = strided(src), strided(dst), w
     part_sample = np.empty((1, 1, 3), np.float64)
     dense = t.pack or rows_dense(src, dst)
     rows = n * t.groups
@@ -247,7 +249,7 @@ def build_group_norm(
             t.n_sp,
             t.block,
             part_sample,
-            sample if t.pack else dst,
+            out_sample,
             0,
             0,
             False,
@@ -270,9 +272,7 @@ def build_group_norm(
 
             return two_passes
     else:
-        fn = entry(
-            GROUP_ROWS[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, eps, sample if t.pack else dst, 0, 0
-        )
+        fn = entry(GROUP_ROWS[dense], sample, p_sample, p_sample if t.pack else b, t.n_sp, eps, out_sample, 0, 0)
         groups = split_range(rows, parts)
 
         def calls(x: Any, wv: Any, bv: Any, out: Any) -> list[Callable[[], None]]:

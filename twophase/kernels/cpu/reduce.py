@@ -23,7 +23,7 @@ import numpy as np
 
 from ...runtime.fanout import fanout_parts, run_parts, split_range
 from .half import cast_copy
-from .jit import REDUCE, by_density, entry, row_of, rows_dense, span_of, wide_vectors
+from .jit import REDUCE, by_density, entry, row_of, rows_dense, span_of, strided, wide_vectors
 from .jit import jit_reduce as _jit_reduce
 from .span_ir import bulk_column_extrema, bulk_column_sums, bulk_extremum, bulk_first, span_moments, span_sum
 from .vmath import corrected_moments, deviation_sums
@@ -225,7 +225,7 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int, den
     j = t // nk
     c0 = (t - j * nk) * kc
     w = min(kk, c0 + kc) - c0
-    acc = x[j * block, c0 : c0 + w].copy()
+    acc = row_of(x, j * block, dense)[c0 : c0 + w].copy()  # (x[j * block, ...] would copy by x's layout type)
     u0 = np.uint64(c0)
     last = min(n, (j + 1) * block) - 1
     if dense and _whole_rows_packed(x, w):  # narrow rows back to back: accumulators in registers
@@ -337,11 +337,11 @@ def build_tree(
     prev = np.empty((1, 1), pack_dtype) if tiling.pack else first
     for n in levels:
         dst = np.empty(shaped(n), acc)
-        steps.append(entry(kern[rows_dense(prev)], prev, block, zero, dst, *extra, 0, 0))
+        steps.append(entry(kern[rows_dense(prev)], strided(prev), block, zero, dst, *extra, 0, 0))
         prev = dst  # partials in the workspace: dense rows
     stage = getattr(tiling, "stage_offset", -1)
     final_out = np.empty(shaped(1), acc) if stage >= 0 else dst_out
-    final = entry(kern[rows_dense(prev)], prev, block, zero, final_out, *extra, 0, 0)
+    final = entry(kern[rows_dense(prev)], strided(prev), block, zero, final_out, *extra, 0, 0)
 
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * pack_dtype.itemsize
 
@@ -416,10 +416,10 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
     prev_i = no_idx
     for n in tiling.levels:
         dv, di = np.empty((1, n), value_dtype), np.empty((1, n), np.int64)
-        steps.append(entry(ARGMAX_LEVEL[rows_dense(prev_v)], prev_v, prev_i, block, dv, di, 0, 0))
+        steps.append(entry(ARGMAX_LEVEL[rows_dense(prev_v)], strided(prev_v), prev_i, block, dv, di, 0, 0))
         prev_v, prev_i = dv, di
     final_v = np.empty((k_rows, 1), value_dtype)  # the maxima themselves are not an output
-    final = entry(ARGMAX_LEVEL[rows_dense(prev_v)], prev_v, prev_i, block, final_v, out2d, 0, 0)
+    final = entry(ARGMAX_LEVEL[rows_dense(prev_v)], strided(prev_v), prev_i, block, final_v, out2d, 0, 0)
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * value_dtype.itemsize
     parts = tiling.part_offsets
 
@@ -529,7 +529,7 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
             write(out2d)
 
     if not tiling.levels:
-        direct = entry(VAR_ROWS[rows_dense(x_t)], x_t, corr, wide_t, 0, 0)
+        direct = entry(VAR_ROWS[rows_dense(x_t)], strided(x_t), corr, wide_t, 0, 0)
 
         def launch_rows(ws: Any) -> None:
             x = source(ws)
@@ -538,7 +538,7 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
         return launch_rows
     counts = tiling.levels + (1,)
     p_t = np.empty((1, 1, 3))
-    steps = [entry(MOMENTS_LEVEL[rows_dense(x_t)], x_t, block, p_t, 0, 0)] + [
+    steps = [entry(MOMENTS_LEVEL[rows_dense(x_t)], strided(x_t), block, p_t, 0, 0)] + [
         entry(merge_level, p_t, block, p_t, 0, 0)
     ] * len(tiling.levels)
     fin = entry(var_final, p_t, corr, wide_t)
