@@ -209,6 +209,30 @@ def test_group_norm_is_compiled_once_for_any_layout(shape: tuple[int, ...]) -> N
     )
 
 
+@pytest.mark.parametrize("name", ["max_pool2d", "avg_pool2d", "batch_norm", "batch_norm_rows"])
+def test_pools_and_batch_norm_are_compiled_once_for_any_layout(name: str) -> None:
+    """Pools and batch norm read and write their planes' rows (or an (N, C) input's rows) through ``row_of``
+    only: crops of wider images in and out run the kernels compiled for contiguous ones."""
+    x = _x((2, 6, 9, 13) if name != "batch_norm_rows" else (7, 6))  # (N, C): rows of channels
+    rng = np.random.default_rng(5)
+    stats = [rng.standard_normal(6).astype(np.float32) for _ in range(3)]
+    var = rng.uniform(0.5, 2.0, 6).astype(np.float32)
+    oshape = (2, 6, 5, 7) if name.endswith("pool2d") else x.shape
+
+    def run(xin: Any, out: Any) -> Any:
+        if name.endswith("pool2d"):
+            return run_checked(getattr(ops, name), xin, out=out, kernel_size=3, stride=2, padding=1)
+        return run_checked(ops.batch_norm, xin, stats[0], var, stats[1], stats[2], out=out)
+
+    want = _compiled_once(run, x, lambda: on_device(np.zeros(oshape, np.float32), "padded"))
+    x64 = x.astype(np.float64)
+    if name.endswith("pool2d"):
+        ref = getattr(ops, name).spec.reference(x64, kernel_size=3, stride=2, padding=1)
+    else:
+        ref = ops.batch_norm.spec.reference(x64, stats[0], var, stats[1], stats[2])
+    np.testing.assert_allclose(want, ref, rtol=2e-5, atol=2e-5)
+
+
 @pytest.mark.usefixtures("microkernel")  # im2col_tiles and implicit run on the register-blocked GEMMs
 @pytest.mark.parametrize("impl, stride", [("im2col_tiles", 1), ("im2col_tiles", 2), ("im2col", 2), ("implicit", 2)])
 def test_unfolding_conv_is_compiled_once_for_any_layout(impl: str, stride: int) -> None:

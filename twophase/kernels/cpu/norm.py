@@ -243,7 +243,7 @@ def _batch_norm_parts(x: Any, out: Any, params: tuple[Any, ...], eps: float, par
         kernel, tasks = BATCH_NORM_ROWS[rows_dense(x, out)], n
     else:
         kernel, tasks = BATCH_NORM_PLANES[rows_dense(x, out)], n * c
-    fn = entry(kernel, x, *params, eps, out, 0, 0)
+    fn = entry(kernel, strided(x), *params, eps, strided(out), 0, 0)  # rows through row_of: any layout
     return [functools.partial(fn, x, *params, eps, out, lo, hi) for lo, hi in split_range(tasks, parts)]
 
 

@@ -12,7 +12,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, split_range
 from . import vmath as vm
 from .conv import ow_range
-from .jit import by_density, entry, jit_inline, row_of, rows_dense
+from .jit import by_density, entry, jit_inline, row_of, rows_dense, strided
 from .jit import jit as _jit
 
 Launch = Callable[[Any], None]
@@ -142,10 +142,10 @@ def build_pool(kind: str, x: Any, out: Any, geo: tuple[int, ...], include_pad: b
         window = -(-x.shape[2] // out.shape[2]) * -(-x.shape[3] // out.shape[3])
     ranges = split_range(planes, fanout_parts() if out.size * window >= PARALLEL_MIN else 1)
     if kind == "max":
-        k = entry(MAX_POOL[rows_dense(x, out)], x, out, g, 0, 0)
+        k = entry(MAX_POOL[rows_dense(x, out)], strided(x), strided(out), g, 0, 0)  # planes' rows: row_of
         return launcher([functools.partial(k, x, out, g, lo, hi) for lo, hi in ranges])
     if kind == "avg":
-        k = entry(AVG_POOL[rows_dense(x, out)], x, out, g, include_pad, 0, 0)
+        k = entry(AVG_POOL[rows_dense(x, out)], strided(x), strided(out), g, include_pad, 0, 0)
         return launcher([functools.partial(k, x, out, g, include_pad, lo, hi) for lo, hi in ranges])
     k = entry(adaptive_avg_pool, x, out, 0, 0)
     return launcher([functools.partial(k, x, out, lo, hi) for lo, hi in ranges])
