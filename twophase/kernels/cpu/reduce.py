@@ -330,7 +330,8 @@ def build_tree(
     def shaped(n: int) -> tuple[int, int]:
         return (n, k_rows) if cols else (k_rows, n)
 
-    # compile every level's signature now (phase 1), never in phase 2
+    # compile every level's signature now (phase 1), never in phase 2; the level kernels read x by rows only
+    # (row_of, span_of), so one strided specialization serves the data in any layout and the partials
     fans = level_fans(tiling, (r,) + levels)
     extra = (cols_chunk(k_rows, max(fans)),) if cols else ()  # cols kernels take their chunk width
     steps = []
