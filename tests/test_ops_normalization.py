@@ -699,10 +699,10 @@ def test_short_rows_stream_only_from_cache_lines(offset: int, n: int, streams: b
 @pytest.mark.skipif(not streaming.AVAILABLE, reason="streaming stores are x86 only")
 def test_streaming_norm_kernel_stores_whole_vectors_past_the_cache() -> None:
     """The 'rows_streaming' kernel, recompiled uncached (cached code has no assembly), writes rows with aligned
-    non-temporal vector stores, then an sfence."""
+    non-temporal vector stores, then an sfence. Typed as phase 1 compiles it: x and out of any layout."""
     kernel = norm_kernels.LAYER_NORM_ROWS_STREAMING[norm_kernels.AFFINE]
     fresh = numba.njit(nogil=True, error_model="numpy", fastmath=norm_kernels.FAST | {"reassoc"})(kernel.py_func)
-    m = numba.types.Array(numba.float32, 2, "C")
+    m = numba.types.Array(numba.float32, 2, "A")
     v = numba.types.Array(numba.float32, 1, "C")
     sig = (m, v, v, numba.float64, numba.boolean, m, v, v)
     fresh.compile(sig)

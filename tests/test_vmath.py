@@ -367,13 +367,13 @@ def test_rsqrt_float32_within_1ulp_over_whole_domain() -> None:
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_rsqrt_kernel_is_vectorized_without_the_rsqrt_estimate(dtype: Any) -> None:
-    """The unary rsqrt rows kernel, recompiled uncached (cached code has no assembly), divides packed square roots
-    and has no rsqrtps / vrsqrt14ps estimate."""
+    """The unary rsqrt rows kernel, recompiled uncached (cached code has no assembly) for any layout (as phase 1
+    compiles it), divides packed square roots and has no rsqrtps / vrsqrt14ps estimate."""
     from twophase.kernels.cpu.elementwise import KERNELS
     from twophase.kernels.cpu.jit import FAST
 
     fresh = numba.njit(nogil=True, fastmath=FAST, error_model="numpy")(KERNELS["rsqrt"][True].py_func)
-    arr = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 2, "C")
+    arr = numba.types.Array(numba.from_dtype(np.dtype(dtype)), 2, "A")
     fresh.compile((arr, arr))
     asm = fresh.inspect_asm((arr, arr))
     assert re.search(r"vsqrtp[sd]\s+[^\n]*%[yz]mm", asm) and re.search(r"vdivp[sd]\s+[^\n]*%[yz]mm", asm)

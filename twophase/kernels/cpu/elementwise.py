@@ -355,8 +355,7 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any, stream: b
         xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))
         # compiled per piece: a column range of a C-contiguous matrix is not C-contiguous itself
         return launcher([_rows_call(fn_name, a, o) for o, a in pieces(om, (xm,), parts, grain)])
-    sample = np.empty((1, 1), compute)
-    fn = entry(IN_PLACE[fn_name][True], sample)
+    fn = entry(IN_PLACE[fn_name][True], strided(np.empty((1, 1), compute)))  # the in-place views' specialization
     n, nbytes = x.size, x.size * compute.itemsize
     spans = split_range(n, parts, grain)
 
