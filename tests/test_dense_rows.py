@@ -234,14 +234,18 @@ def test_pools_and_batch_norm_are_compiled_once_for_any_layout(name: str) -> Non
 
 
 @pytest.mark.usefixtures("microkernel")  # im2col_tiles and implicit run on the register-blocked GEMMs
-@pytest.mark.parametrize("impl, stride", [("im2col_tiles", 1), ("im2col_tiles", 2), ("im2col", 2), ("implicit", 2)])
-def test_unfolding_conv_is_compiled_once_for_any_layout(impl: str, stride: int) -> None:
+@pytest.mark.parametrize(
+    "impl, stride, groups",
+    [("im2col_tiles", 1, 1), ("im2col_tiles", 2, 1), ("im2col", 2, 1), ("implicit", 2, 1), ("direct", 1, 2)],
+)
+def test_conv_is_compiled_once_for_any_layout(impl: str, stride: int, groups: int) -> None:
     """The unfolding convolutions read the input by rows (``row_of``) or planes (``span_of``) and write the
-    output's planes through pointers: a crop of wider images in, a channel slice of a wider output out, run the
-    kernels compiled for contiguous ones (each layout was another compile of up to 8 s before)."""
+    output's planes through pointers, the direct one by rows: a crop of wider images in, a channel slice of a
+    wider output out, run the kernels compiled for contiguous ones (each layout was another compile of up to 8 s
+    before)."""
     x = _x((2, 8, 9, 13))
-    w = np.random.default_rng(7).standard_normal((16, 8, 3, 3)).astype(np.float32)
-    attrs = {"stride": stride, "padding": 1}
+    w = np.random.default_rng(7).standard_normal((16, 8 // groups, 3, 3)).astype(np.float32)
+    attrs = {"stride": stride, "padding": 1, "groups": groups}
     ref = ops.conv2d.spec.reference(x.astype(np.float64), w.astype(np.float64), None, **attrs)
 
     def run(xin: Any, out: Any) -> Any:

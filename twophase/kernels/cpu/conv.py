@@ -181,7 +181,10 @@ def _direct_kernel(dense: bool) -> Any:
             g = oc // ocg
             b0 = bias[oc] if has_bias else 0.0
             op = out[n, oc]
-            op[:, :] = b0
+            for oh in range(op.shape[0]):  # by rows (row_of): the same code for out of any layout type
+                orow = row_of(op, oh, dense)
+                for j in range(ow_n):
+                    orow[j] = b0
             for cg in range(cg_n):
                 xp = x[n, g * cg_n + cg]
                 for kh in range(kh_n):
@@ -507,7 +510,7 @@ def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         extra: tuple[Any, ...] = masks
         least, weight = DW3X3_PARALLEL_MIN, DW3X3_STRIDED_WEIGHT
     else:
-        k = entry(CONV_DIRECT[dense], x, w, b, has, out, geo, t.groups, 0, 0)
+        k = entry(CONV_DIRECT[dense], strided(x), w, b, has, strided(out), geo, t.groups, 0, 0)  # rows: row_of
         extra = ()
         least, weight = PARALLEL_MIN, STRIDED_WEIGHT
     planes = t.n * t.oc
