@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -80,3 +82,11 @@ def specializations() -> int:
     """How many specializations the process's numba kernels hold, compiled or loaded from numba's cache: a kernel
     whose code does not depend on its operands' layout should add none for another layout."""
     return sum(len(d.overloads) for d in gc.get_objects() if issubclass(type(d), Dispatcher))  # not a weak proxy's
+
+
+@contextlib.contextmanager
+def compiles_nothing() -> Iterator[None]:
+    """Asserts that the block adds no specialization to the process's numba kernels (``specializations``)."""
+    before = specializations()
+    yield
+    assert specializations() == before

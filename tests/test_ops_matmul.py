@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from ops_layouts import specializations
+from ops_layouts import compiles_nothing
 from threads import num_threads
 
 from twophase import device
@@ -592,13 +592,12 @@ def test_microkernel_is_compiled_once_for_any_layout(rng: np.random.Generator) -
     dev = device("cpu")
     with forced("microkernel"):
         _check(run_checked(matmul, a, np.ascontiguousarray(b)), ref)
-        before = specializations()
-        a_t = dev.tensor(np.ascontiguousarray(a.T)).transpose()
-        b_t = dev.tensor(b_mem).strided((k, n), (n + 3, 1), 0)
-        _check(run_checked(matmul, a_t, b_t), ref)
-        out = dev.tensor(np.zeros((m, n + 5), np.float32)).strided((m, n), (n + 5, 1), 2)
-        _check(run_checked(matmul, a, b_t, out=out), ref)
-    assert specializations() == before
+        with compiles_nothing():
+            a_t = dev.tensor(np.ascontiguousarray(a.T)).transpose()
+            b_t = dev.tensor(b_mem).strided((k, n), (n + 3, 1), 0)
+            _check(run_checked(matmul, a_t, b_t), ref)
+            out = dev.tensor(np.zeros((m, n + 5), np.float32)).strided((m, n), (n + 5, 1), 2)
+            _check(run_checked(matmul, a, b_t, out=out), ref)
 
 
 @needs_micro

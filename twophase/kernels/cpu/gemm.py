@@ -714,6 +714,7 @@ def gemm_f32(a: Any, b: Any, c: Any, bias: Any, has_bias: bool, i0: int, i1: int
             c[i, j] = s
 
 
+@functools.cache  # its samples made once: phase 1 of every matmul, linear and conv part asks for it
 def gemm_f32_entry() -> Any:
     """``gemm_f32``'s entry point for every caller (matmul, linear, conv2d): its one specialization, for float32
     matrices typed any layout, as it reads them through pointers and strides (contiguous, transposed and padded

@@ -22,7 +22,7 @@ from ...runtime.fanout import bound, fanout_parts, launcher, run_parts, split_ra
 from . import jit as _jit
 from . import vmath as vm
 from .half import cast_copy
-from .jit import by_density, entry, row_of, rows_dense, strided
+from .jit import any_layout, by_density, entry, row_of, rows_dense, strided
 from .norm import FANOUT_MIN, _affine
 
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -232,7 +232,7 @@ def build_group_norm(
     shape4 = (n, t.groups, 1, src.size // (n * t.groups))
     # x and out read by groups' rows through row_of only: one compile for every layout of src and dst
     if t.pack:
-        sample = out_sample = strided(np.empty((1, 1, 1, 1), compute))
+        sample = out_sample = any_layout(compute, 4)
         p_sample = np.empty(1, compute)
     else:
         sample, out_sample, p_sample = strided(src), strided(dst), w
