@@ -6,8 +6,9 @@ Every row is timed in interleaved rounds (``bench.common.interleaved_ratios``: o
 the order rotating), and each ratio is the median over rounds of the two times taken in the same round, so machine
 drift and load hit both sides alike. Like ours, torch writes into an output allocated once (its ``out=``
 variants), except for layer_norm and rms_norm, which have none that does: those rows say so. Before timing, each
-row checks that ours, naive numpy and torch compute the same result. ``python -m bench.bench_ops1 gelu silu``
-runs only the named kernels.
+row checks that ours, naive numpy and torch compute the same result. add's rows are followed by the least time
+any add can take, reading its input once, measured in the same rounds (``_floor_note``): naive numpy's ``x + x``
+is one pass too, so 5x naive can be below it. ``python -m bench.bench_ops1 gelu silu`` runs only the named kernels.
 """
 
 from __future__ import annotations
@@ -184,6 +185,7 @@ def table() -> None:
     )
     dev = device("cpu")
     rng = np.random.default_rng(0)
+    notes: list[str] = []
     for shape in SHAPES:
         x = rng.standard_normal(shape).astype(np.float32)
         xi = x.view(np.int32).reshape(-1)
@@ -208,6 +210,9 @@ def table() -> None:
             fns: dict[str, Callable[[], Any]] = {"ours": run, "copyto": copy}
             if name in REDUCTIONS:
                 fns["read"] = read
+            floor_release = None
+            if name == "add":  # the fastest read of x measured here: add's floor (``_floor_note``)
+                fns["floor"], floor_release, _ = ours(ops.reduce_sum, [xt], dims=(-1,))
             call = "n/a"
             to = t_ref = None
             if torch is not None:
@@ -246,6 +251,24 @@ def table() -> None:
                 f"{r['copyto']:7.2f} {r.get('read', nan):7.2f} {r['naive']:7.2f} {r.get('torch', nan):7.2f}  "
                 f"{call}"
             )
+            if floor_release is not None:
+                floor_release()
+                notes.append(_floor_note(shape, t, r))
+    for note in notes:
+        print(note)
+
+
+def _floor_note(shape: tuple[int, ...], t: dict[str, float], r: dict[str, float]) -> str:
+    """add's row against the least time any add can take: reading its input once, timed as twophase's reduce_sum
+    over it (two threads; the fastest read of the input this table measures) in the same rounds. Where 5x naive
+    numpy (``x + x``, itself one pass) asks for less than that, the target is below the memory's speed."""
+    floor = t["floor"] / CALLS
+    naive = t["ours"] / CALLS * r["naive"]  # the naive time per call the row's ratio stands for
+    return (
+        f"add {'x'.join(map(str, shape))}: 5x naive numpy means {naive / 5 * 1e3:.2f} ms a call; reading the "
+        f"input once takes {floor * 1e3:.2f} ms (twophase reduce_sum, same rounds), and add also writes the output: "
+        f"ours takes {1 / r['floor']:.2f}x that read"
+    )
 
 
 def _wider(shape: tuple[int, ...], pad: int, seed: int) -> tuple[Any, Any]:

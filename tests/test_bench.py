@@ -132,6 +132,17 @@ def test_ops1_torch_out_variants_equal_the_functional_forms() -> None:
         assert torch.equal(got, want), name
 
 
+def test_ops1_add_floor_note_compares_5x_naive_with_one_read_of_the_input() -> None:
+    ops1 = pytest.importorskip("bench.bench_ops1")
+    calls = ops1.CALLS
+    # per call: ours 3 ms, reduce_sum's read 2.5 ms, naive 9 ms (its ratio, as the table scales it: 3)
+    t = {"ours": calls * 3e-3, "floor": calls * 2.5e-3}
+    r = {"naive": 3.0, "floor": 2.5 / 3}
+    note = ops1._floor_note((4, 8), t, r)
+    assert note.startswith("add 4x8: 5x naive numpy means 1.80 ms a call;"), note
+    assert "reading the input once takes 2.50 ms" in note and note.endswith("ours takes 1.20x that read"), note
+
+
 def test_minilm_gemm_floor_counts_every_linear_weight_and_both_attention_products() -> None:
     """The GEMM work the MiniLM report's floor line divides by the best GEMM rate: 2 x tokens x the weights of
     the 6 layers' linears (counted from their shapes here), plus q @ k^T and P @ v of every head."""
