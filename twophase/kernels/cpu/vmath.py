@@ -531,10 +531,10 @@ def silu_f32(x: Any) -> Any:
 @jit
 def gelu_erf_f32(x: Any) -> Any:
     """x * Phi(x) in float32, one formula for every x: Phi(-|x|) = exp(-x^2/2) t H(t), t = 1/(1 + |x|/(2 sqrt 2)),
-    and Phi(|x|) = 1 - Phi(-|x|) (no cancellation: Phi(-|x|) <= 1/2). x^2 is never rounded on its own, the
-    exponent being large and its rounding not (``_exp_half_neg_sq_2p64_f32``); the exp is scaled by 2^64 and H by
-    2^-64, so that intermediates stay normal down to Phi's underflow (|x| > 13.2). NaN propagates through the
-    arithmetic."""
+    and Phi(|x|) = 1 - Phi(-|x|) (no cancellation: Phi(-|x|) <= 1/2). x^2 enters the exp's reduction unrounded
+    (``_exp_half_neg_sq_2p64_f32``; its rounded value only picks n), the exponent being large and its rounding
+    not; the exp is scaled by 2^64 and H by 2^-64, so that intermediates stay normal down to Phi's underflow
+    (|x| > 13.2). NaN propagates through the arithmetic."""
     a = abs(x)
     ac = _F_GELU_CLAMP if a > _F_GELU_CLAMP else a
     t = _F1 / (_F1 + ac * _F_SQRT1_2_HALF)
