@@ -40,7 +40,7 @@ from . import gemm
 from . import jit as _jit
 from . import vmath as vm
 from .attention import ADDITIVE, BOOL, NONE, is_key_padding, mask_arg
-from .jit import any_layout, entry, row_of, strided, wide_vectors
+from .jit import any_layout, entry, row_of, rows_only, wide_vectors
 
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 
@@ -92,6 +92,7 @@ def available(dtype: Any, dv: int, v_strides: tuple[int, ...], out_strides: tupl
     )
 
 
+@rows_only("q", "k", "v", "out")  # read through pointers, strides and dense rows
 @jit
 def fused_tiles(
     q: Any,
@@ -314,8 +315,7 @@ def build_fused(
     mask, mkind = mask_arg(mask, kind, np.float32)
     padding = is_key_padding(mask, mkind, nq)
     msample = mask if mkind == NONE else any_layout(np.float32 if t.mask_t >= 0 else mask.dtype, 4)
-    operands = map(strided, (q, k, v, out))  # read through pointers, strides and dense rows: any layout, one compile
-    kernel = entry(fused_tiles, *operands, sample, tiles, 0, 1, 1, 8, 1, 0.0, False, msample, 0, False)
+    kernel = entry(fused_tiles, q, k, v, out, sample, tiles, 0, 1, 1, 8, 1, 0.0, False, msample, 0, False)
     width = row_width(t.block_q)
     parts, stride = t.parts, t.area
     flip = None

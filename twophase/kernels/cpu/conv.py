@@ -15,7 +15,7 @@ from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, wo
 from . import conv_phases, gemm
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import by_density, copy_even, entry, pairs_of, row_of, rows_dense, span_of, strided
+from .jit import by_density, copy_even, entry, pairs_of, row_of, rows_dense, rows_only, span_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -94,6 +94,7 @@ def step_key(sw: int) -> int:
 def _im2col_kernel(dense: bool, fixed_step: int) -> Any:
     PAIRS = dense and fixed_step == 2  # noqa: N806  (closure constant: the other variants compile no pair path)
 
+    @rows_only("x")
     @jit
     def im2col(x: Any, n0: int, c0: int, oh0: int, geo: Any, cols: Any, k0: int, k1: int, kbase: int) -> None:
         """cols[k - kbase, (i*rows + r)*OW + ow] = x[n0 + i, c0 + c, (oh0 + r)*sh - ph + kh*dh, ow*sw - pw + kw*dw]
@@ -161,6 +162,7 @@ def _tap(xp: Any, op: Any, wv: Any, lo: Any, s0: Any, cnt: Any, u_sw: Any, kh: i
 
 
 def _direct_kernel(dense: bool) -> Any:
+    @rows_only("x", "out")
     @jit
     def conv_direct(
         x: Any, w: Any, bias: Any, has_bias: bool, out: Any, geo: Any, groups: int, t0: int, t1: int
@@ -362,6 +364,7 @@ def _dw3x3_kernel(dense: bool, fixed_step: int) -> Any:
     FLAT = dense and fixed_step == 1  # noqa: N806  (closure constants: the other variants compile neither path)
     PAIRS = dense and fixed_step == 2  # noqa: N806
 
+    @rows_only("x", "out")
     @jit
     def conv_dw3x3(
         x: Any,
@@ -505,12 +508,11 @@ def build_direct(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
             and t.h * t.w <= SAME3_MAX_PLANE
         )
         masks = same3_masks(t.h, t.w) if same and dense else (np.zeros(0, np.bool_),) * 2
-        # planes read through row_of, pairs_of and span_of only: one compile for x and out at any layout
-        k = entry(CONV_DW3X3[dense, step_key(t.sw)], strided(x), w, b, has, strided(out), geo, t.groups, 0, 0, *masks)
+        k = entry(CONV_DW3X3[dense, step_key(t.sw)], x, w, b, has, out, geo, t.groups, 0, 0, *masks)
         extra: tuple[Any, ...] = masks
         least, weight = DW3X3_PARALLEL_MIN, DW3X3_STRIDED_WEIGHT
     else:
-        k = entry(CONV_DIRECT[dense], strided(x), w, b, has, strided(out), geo, t.groups, 0, 0)  # rows: row_of
+        k = entry(CONV_DIRECT[dense], x, w, b, has, out, geo, t.groups, 0, 0)
         extra = ()
         least, weight = PARALLEL_MIN, STRIDED_WEIGHT
     planes = t.n * t.oc
@@ -584,7 +586,7 @@ def _unfold_kernel(t: Any, x: Any) -> Any:
     sample = np.empty((2, 2), x.dtype)  # C-contiguous cols (channel-major) or a transposed view (pixel-major)
     cm = t.orient == "cm"
     kernel = IM2COL[cm and rows_dense(x), step_key(t.sw)]
-    return entry(kernel, strided(x), 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0, 0)
+    return entry(kernel, x, 0, 0, 0, _geo(t), sample if cm else sample.T, 0, 0, 0)
 
 
 def _plane_unfold(t: Any, x: Any) -> tuple[Any, Any]:
@@ -592,7 +594,7 @@ def _plane_unfold(t: Any, x: Any) -> tuple[Any, Any]:
     ``t.tile_rows`` output rows: the unfold of a tiling with ``flat``."""
     masks = conv_phases.plane_masks(t, t.tile_rows)
     cols = np.empty((2, 2), x.dtype)
-    return entry(conv_phases.unfold_planes, strided(x), 0, 1, 0, 0, 1, _geo(t), masks, cols, 0, 0, 0), masks
+    return entry(conv_phases.unfold_planes, x, 0, 1, 0, 0, 1, _geo(t), masks, cols, 0, 0, 0), masks
 
 
 def _out_matrix_area(ws: Any, off: int, ocg: int, p: int, dt: Any, cm: bool) -> Any:
@@ -669,7 +671,7 @@ def build_im2col(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         areas = [(t.phase_offset + i * area, t.phase_offset + (i + 1) * area) for i in range(len(ranges))]
         masks = conv_phases.masks(t, t.tile_rows)
         sample, geo = np.empty((2, 2), dt), _geo(t)
-        k_im2col = entry(conv_phases.unfold_images, strided(x), 0, 1, 0, 0, 1, geo, sample[0], masks, sample, 0, 0, 0)
+        k_im2col = entry(conv_phases.unfold_images, x, 0, 1, 0, 0, 1, geo, sample[0], masks, sample, 0, 0, 0)
     elif t.flat:  # each range reads the input planes in place
         k_im2col, masks = _plane_unfold(t, x)
     else:

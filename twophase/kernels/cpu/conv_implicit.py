@@ -22,7 +22,7 @@ from ...runtime.fanout import run_parts, workspace_launcher
 from . import gemm
 from . import jit as _jit
 from .conv_tiles import add_bias, channel_major_operands
-from .jit import copy_phases, copy_run, entry, row_of, strided
+from .jit import copy_phases, copy_run, entry, row_of, rows_only
 
 Launch = Callable[[Any], None]
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
@@ -153,6 +153,7 @@ def fill(x: Any, n: int, c0: int, c1: int, oh0: int, rows: int, geo: Any, planes
         planes[p] = 0.0
 
 
+@rows_only("x", "out")
 @jit
 def conv_implicit(
     x: Any,
@@ -210,7 +211,7 @@ def build_implicit(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     table = offsets(t, t.chunk, channels)
     floats = planes_floats(t, t.chunk, channels)
     dt, grid = x.dtype, t.grid
-    k = entry(conv_implicit, strided(x), wmat, b, has, strided(o3), np.empty(floats, dt), table, geo, 0, 0, 0, 0)
+    k = entry(conv_implicit, x, wmat, b, has, o3, np.empty(floats, dt), table, geo, 0, 0, 0, 0)
 
     def bind(ws: Any) -> Callable[[], None]:
         """The parts' calls on the workspace ``ws`` (their planes), made once per workspace."""

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from . import jit as _jit
-from .jit import copy_phases, copy_run, copy_where, row_of, span_of
+from .jit import copy_phases, copy_run, copy_where, row_of, rows_only, span_of
 
 jit_inline: Callable[[Callable[..., Any]], Any] = _jit.jit_inline
 
@@ -240,6 +240,7 @@ def unfold_plane(
         c, kh, kw = next_tap(c, kh, kw, kh_n, kw_n)
 
 
+@rows_only("x")
 @_jit.jit
 def unfold_planes(
     x: Any, n0: int, nn: int, c0: int, oh0: int, nr: int, geo: Any, m: Any, cols: Any, k0: int, k1: int, kbase: int
@@ -265,6 +266,7 @@ def images_area_floats(t: Any, rows: int, images: int) -> int:
     return images * area_floats(t, rows, step_channels(t.kh * t.kw, t.cg))
 
 
+@rows_only("x")
 @_jit.jit
 def unfold_images(
     x: Any,

@@ -21,7 +21,7 @@ from ...runtime.fanout import run_parts, workspace_launcher
 from . import conv_phases, gemm
 from . import jit as _jit
 from .conv import IM2COL, _geo, _wmat, step_key
-from .jit import entry, row_of, rows_dense, strided, variant_call
+from .jit import entry, row_of, rows_dense, rows_only, variant_call
 
 Launch = Callable[[Any], None]
 jit: Callable[[Callable[..., Any]], Any] = _jit.jit
@@ -48,6 +48,7 @@ def _conv_kernel(variant: int, dense: bool, step: int) -> Any:
     PHASES = dense and step == 2  # noqa: N806
     PLANES = dense and step == 1  # noqa: N806
 
+    @rows_only("x", "out")
     @jit
     def conv_tiles(
         x: Any,
@@ -184,9 +185,8 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     kernel = CONV_TILES[rows_dense(x), step_key(t.sw)]
     blank = np.empty(shape, x.dtype)
     rest = (geos, blank, 0, 0, 0, 0, 0, 0, 0, 0, sample, masks, t.flat, images, blank)
-    # x and out read through row_of, span_of and pointers only: one compile for every layout, the parts' partial
-    # outputs (dense, in the workspace) included
-    k = entry(kernel, strided(x), wmat, b, has, strided(o3), *rest)
+    # x and out are ``rows_only``: one compile for every layout, the parts' partial outputs (dense) included
+    k = entry(kernel, x, wmat, b, has, o3, *rest)
     sums_shape = (t.n, t.oc, t.oh * t.ow)
     dt, grid, kb, rows, flat = x.dtype, t.grid, t.kblock, t.chunk, t.flat
     tiles_at = len(grid) * area

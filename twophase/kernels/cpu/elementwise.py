@@ -21,7 +21,7 @@ from ...layout import align, flat2d, matrix2d, same_view
 from ...runtime.fanout import fanout_parts, launcher, pieces, run_parts, split_range
 from . import vmath as vm
 from .half import cast_copy
-from .jit import FAST, by_density, entry, jit_inline, row_of, rows_dense, strided, wide_vectors
+from .jit import FAST, by_density, entry, jit_inline, row_of, rows_dense, rows_only, wide_vectors
 from .streaming import LINE_BYTES, aligned_head, flat_launch, put_streaming, sfence, takes
 
 # error_model="numpy": no ZeroDivisionError branch in divisions, so the loops vectorize
@@ -244,6 +244,7 @@ def _rows(code: int) -> dict[bool, Any]:
     per-process id, so its caller would never load from the cache."""
 
     def make(dense: bool) -> Any:
+        @rows_only("x", "out")
         @kern
         def rows(x: Any, out: Any) -> None:
             if not dense:
@@ -269,6 +270,7 @@ def _in_place(code: int) -> dict[bool, Any]:
     """In-place rows kernels (by density) of function ``code`` (``_span_in_place``; short rows ``_short_rows``)."""
 
     def make(dense: bool) -> Any:
+        @rows_only("x")
         @kern
         def rows_in_place(x: Any) -> None:
             if not dense:
@@ -323,7 +325,7 @@ def activation_kernel(name: str, sample: Any) -> Callable[[Any], None] | None:
         zero = sample.dtype.type(0)
         return lambda block: np.maximum(block, zero, out=block)
     fn = function_for("gelu_erf" if name == "gelu" else name, sample.dtype)
-    return entry(IN_PLACE[fn][rows_dense(sample)], strided(sample))
+    return entry(IN_PLACE[fn][rows_dense(sample)], sample)
 
 
 def activation_in_place(name: str, block: Any) -> Callable[[], None] | None:
@@ -355,7 +357,7 @@ def build_unary(name: str, x: Any, out: Any, pack: bool, compute: Any, stream: b
         xm, om = (flat2d(x), flat2d(out)) if both else (matrix2d(x), matrix2d(out))
         # compiled per piece: a column range of a C-contiguous matrix is not C-contiguous itself
         return launcher([_rows_call(fn_name, a, o) for o, a in pieces(om, (xm,), parts, grain)])
-    fn = entry(IN_PLACE[fn_name][True], strided(np.empty((1, 1), compute)))  # the in-place views' specialization
+    fn = entry(IN_PLACE[fn_name][True], np.empty((1, 1), compute))  # the in-place views' specialization
     n, nbytes = x.size, x.size * compute.itemsize
     spans = split_range(n, parts, grain)
 
@@ -374,5 +376,5 @@ def _rows_call(fn_name: str, a: Any, o: Any) -> Callable[[], None]:
     any layout); the in-place kernel when they are one view."""
     dense = rows_dense(a, o)
     if same_view(a, o):
-        return functools.partial(entry(IN_PLACE[fn_name][dense], strided(o)), o)
-    return functools.partial(entry(KERNELS[fn_name][dense], strided(a), strided(o)), a, o)
+        return functools.partial(entry(IN_PLACE[fn_name][dense], o), o)
+    return functools.partial(entry(KERNELS[fn_name][dense], a, o), a, o)

@@ -22,7 +22,7 @@ from ...runtime.fanout import bound, fanout_parts, launcher, run_parts, split_ra
 from . import jit as _jit
 from . import vmath as vm
 from .half import cast_copy
-from .jit import any_layout, by_density, entry, row_of, rows_dense, strided
+from .jit import any_layout, by_density, entry, row_of, rows_dense, rows_only
 from .norm import FANOUT_MIN, _affine
 
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -125,6 +125,7 @@ def _rows_kernel(dense: bool) -> Any:
     """Whole groups t0 <= t < t1 of an (N, G, R, S) view (R > 1: a crop of a wider image, row by row);
     ``dense`` (a closure constant: one variant compiled per kernel) says the rows' elements are adjacent."""
 
+    @rows_only("x", "out")
     @jit
     def group_norm_rows(x: Any, w: Any, b: Any, n_sp: int, eps: float, out: Any, t0: int, t1: int) -> None:
         for t in range(t0, t1):
@@ -205,6 +206,7 @@ def _split_kernel(dense: bool) -> Any:
     """Huge groups: block tasks t0 <= t < t1, each its Welford partial or (``write``, once the groups are merged)
     its output; ``dense`` as in ``_rows_kernel``."""
 
+    @rows_only("x", "out")
     @jit
     def group_norm_blocks(
         x: Any, w: Any, b: Any, n_sp: int, block: int, part: Any, out: Any, t0: int, t1: int, write: bool
@@ -230,12 +232,11 @@ def build_group_norm(
         return lambda _: None
     n = src.shape[0]
     shape4 = (n, t.groups, 1, src.size // (n * t.groups))
-    # x and out read by groups' rows through row_of only: one compile for every layout of src and dst
     if t.pack:
         sample = out_sample = any_layout(compute, 4)
         p_sample = np.empty(1, compute)
     else:
-        sample, out_sample, p_sample = strided(src), strided(dst), w
+        sample, out_sample, p_sample = src, dst, w
     part_sample = np.empty((1, 1, 3), np.float64)
     dense = t.pack or rows_dense(src, dst)
     rows = n * t.groups

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ __all__ = [
     "entry",
     "any_layout",
     "strided",
+    "rows_only",
     "CHECK_LAYOUT",
     "jit",
     "jit_inline",
@@ -527,6 +529,9 @@ def entry(kernel: Any, *args: Any) -> Callable[..., Any]:
     views, and with a :func:`strided` one where the kernel's loops do not depend on the type (one compile). With
     ``CHECK_LAYOUT`` on (``TWOPHASE_CHECK_KERNEL_LAYOUT=1``, as the test suite runs) every call is checked and a
     mismatch raises ``InternalError``."""
+    free = getattr(kernel, "rows_only", ())
+    if free:
+        args = tuple(strided(a) if i in free and isinstance(a, np.ndarray) else a for i, a in enumerate(args))
     key = (kernel, *map(_short_key, args))
     fn = _entries.get(key)
     if fn is None:
@@ -550,8 +555,23 @@ def any_layout(dtype: Any, ndim: int) -> Any:
 def strided(a: Any) -> Any:
     """A sample of ``a``'s dtype and rank that ``entry`` types 'A', for an argument the kernel reads only through
     pointers and strides, or by dense rows through ``row_of``: there a 'C' type changes no loop, and would only
-    cost one more compile (seconds to tens of seconds each) for contiguous operands next to strided ones."""
+    cost one more compile (seconds to tens of seconds each) for contiguous operands next to strided ones. (A
+    kernel marks such parameters with :func:`rows_only`; ``entry`` applies this to them.)"""
     return any_layout(a.dtype, a.ndim)
+
+
+def rows_only(*names: str) -> Callable[[Any], Any]:
+    """Marks a kernel's array parameters ``names`` as read and written only by rows (``row_of``), spans
+    (``span_of``), pointers and strides: code that is the same whatever their layout type, so :func:`entry` types
+    them 'A' (``strided``) for every sample, and one compile serves contiguous operands and views alike. Where
+    the kernel is defined: it is its indexing that makes the layout irrelevant."""
+
+    def mark(kernel: Any) -> Any:
+        params = list(inspect.signature(kernel.py_func).parameters)
+        kernel.rows_only = frozenset(params.index(name) for name in names)  # ValueError for a name it lacks
+        return kernel
+
+    return mark
 
 
 def _layout_checked(kernel: Any, fn: Callable[..., Any], dense: tuple[int, ...]) -> Callable[..., Any]:

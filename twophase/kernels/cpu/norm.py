@@ -14,7 +14,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, workspace_launcher
 from . import jit as _jit
 from .half import cast_copy
-from .jit import FAST, by_density, entry, row_of, rows_dense, strided, wide_vectors
+from .jit import FAST, by_density, entry, row_of, rows_dense, rows_only, wide_vectors
 from .span_ir import span_moments, span_sum
 from .streaming import LINE_BYTES, VECTOR_BYTES, aligned_head, element_aligned, sfence, store_normalized
 from .vmath import corrected_moments, deviation_sums
@@ -39,6 +39,7 @@ AFFINE = WEIGHT | BIAS
 
 
 def _layer_norm_kernel(dense: bool, stream: bool = False, terms: int = AFFINE) -> Any:
+    @rows_only("x", "out")
     @kern
     def layer_norm_rows(x: Any, w: Any, b: Any, eps: float, rms: bool, out: Any, mean: Any, rstd: Any) -> None:
         """Per row: mean (0 for RMS), rstd = 1/sqrt(mean((x - mean)^2) + eps), out = (x - mean) * rstd * w + b
@@ -159,7 +160,7 @@ def build_norm(
         )
     )
     kernel = LAYER_NORM_ROWS_STREAMING[terms] if stream else LAYER_NORM_ROWS[terms][pack or rows_dense(src, dst)]
-    fn = entry(kernel, strided(sample), w, b, eps, rms, strided(sample if pack else dst), mean, rstd)  # rows: row_of
+    fn = entry(kernel, sample, w, b, eps, rms, sample if pack else dst, mean, rstd)
     ranges = split_range(k, fanout_parts() if k * n >= FANOUT_MIN else 1)
 
     def parts(x: Any, out: Any) -> list[Callable[[], None]]:
@@ -200,6 +201,7 @@ def _batch_norm_planes_kernel(dense: bool) -> Any:
     elements each (R > 1: a crop of a wider image), vectorized along the rows (typed dense when ``dense``, a
     closure constant: ``jit.by_density``)."""
 
+    @rows_only("x", "out")
     @jit
     def batch_norm_planes(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any, k0: int, k1: int) -> None:
         n_ch = x.shape[1]
@@ -216,6 +218,7 @@ def _batch_norm_rows_kernel(dense: bool) -> Any:
     """One fused pass over the rows k0 <= k < k1 of an (N, C) input, vectorized over the channels, each
     channel's w / sqrt(var + eps) worked out once per call; rows typed dense when ``dense``."""
 
+    @rows_only("x", "out")
     @jit
     def batch_norm_rows(x: Any, mean: Any, var: Any, w: Any, b: Any, eps: float, out: Any, k0: int, k1: int) -> None:
         n_ch = x.shape[1]
@@ -243,7 +246,7 @@ def _batch_norm_parts(x: Any, out: Any, params: tuple[Any, ...], eps: float, par
         kernel, tasks = BATCH_NORM_ROWS[rows_dense(x, out)], n
     else:
         kernel, tasks = BATCH_NORM_PLANES[rows_dense(x, out)], n * c
-    fn = entry(kernel, strided(x), *params, eps, strided(out), 0, 0)  # rows through row_of: any layout
+    fn = entry(kernel, x, *params, eps, out, 0, 0)
     return [functools.partial(fn, x, *params, eps, out, lo, hi) for lo, hi in split_range(tasks, parts)]
 
 

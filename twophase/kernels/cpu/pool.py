@@ -12,7 +12,7 @@ import numpy as np
 from ...runtime.fanout import fanout_parts, launcher, split_range
 from . import vmath as vm
 from .conv import ow_range
-from .jit import by_density, entry, jit_inline, row_of, rows_dense, strided
+from .jit import by_density, entry, jit_inline, row_of, rows_dense, rows_only
 from .jit import jit as _jit
 
 Launch = Callable[[Any], None]
@@ -45,6 +45,7 @@ def _max_plane(xp: Any, op: Any, geo: Any, dense: bool) -> None:
 
 
 def _max_pool_kernel(dense: bool) -> Any:
+    @rows_only("x", "out")
     @jit
     def max_pool(x: Any, out: Any, geo: Any, t0: int, t1: int) -> None:
         """Max over each window (``geo`` = KH, KW, sh, sw, ph, pw, dh, dw), planes t0 <= t = n * C + c < t1; NaN
@@ -90,6 +91,7 @@ def _avg_plane(xp: Any, op: Any, geo: Any, include_pad: bool, dense: bool) -> No
 
 
 def _avg_pool_kernel(dense: bool) -> Any:
+    @rows_only("x", "out")
     @jit
     def avg_pool(x: Any, out: Any, geo: Any, include_pad: bool, t0: int, t1: int) -> None:
         """Mean over each window, PyTorch's divisor (window clipped to the padded input, or to the input),
@@ -142,10 +144,10 @@ def build_pool(kind: str, x: Any, out: Any, geo: tuple[int, ...], include_pad: b
         window = -(-x.shape[2] // out.shape[2]) * -(-x.shape[3] // out.shape[3])
     ranges = split_range(planes, fanout_parts() if out.size * window >= PARALLEL_MIN else 1)
     if kind == "max":
-        k = entry(MAX_POOL[rows_dense(x, out)], strided(x), strided(out), g, 0, 0)  # planes' rows: row_of
+        k = entry(MAX_POOL[rows_dense(x, out)], x, out, g, 0, 0)
         return launcher([functools.partial(k, x, out, g, lo, hi) for lo, hi in ranges])
     if kind == "avg":
-        k = entry(AVG_POOL[rows_dense(x, out)], strided(x), strided(out), g, include_pad, 0, 0)
+        k = entry(AVG_POOL[rows_dense(x, out)], x, out, g, include_pad, 0, 0)
         return launcher([functools.partial(k, x, out, g, include_pad, lo, hi) for lo, hi in ranges])
     k = entry(adaptive_avg_pool, x, out, 0, 0)
     return launcher([functools.partial(k, x, out, lo, hi) for lo, hi in ranges])

@@ -23,7 +23,7 @@ import numpy as np
 
 from ...runtime.fanout import fanout_parts, run_parts, split_range
 from .half import cast_copy
-from .jit import REDUCE, by_density, entry, row_of, rows_dense, span_of, strided, wide_vectors
+from .jit import REDUCE, by_density, entry, row_of, rows_dense, rows_only, span_of, wide_vectors
 from .jit import jit_reduce as _jit_reduce
 from .span_ir import bulk_column_extrema, bulk_column_sums, bulk_extremum, bulk_first, span_moments, span_sum
 from .vmath import corrected_moments, deviation_sums
@@ -152,6 +152,7 @@ def _next(k: int, j: int, nb: int) -> tuple[int, int]:
 def _level_kernel(kind: str, dense: bool) -> Any:
     total = kind == "sum"  # a closure constant: the other branch folds away
 
+    @rows_only("x")
     @jit_reduce
     def level(x: Any, block: int, scalar: Any, out: Any, t0: int, t1: int) -> None:
         """out[k, j] = the sum (``scalar``: the zero of the accumulator's type) or the max (``scalar`` 1) / min
@@ -208,6 +209,7 @@ def _sum_cols_task(x: Any, block: int, zero: Any, out: Any, kc: int, t: int, den
 
 
 def _sum_cols_kernel(dense: bool) -> Any:
+    @rows_only("x")
     @jit_reduce
     def sum_cols(x: Any, block: int, zero: Any, out: Any, kc: int, t0: int, t1: int) -> None:
         """out[j, :] = sum of rows x[j*block:(j+1)*block, :] (vectorized along the contiguous kept dim), tasks
@@ -248,6 +250,7 @@ def _max_cols_task(x: Any, block: int, sign: Any, out: Any, kc: int, t: int, den
 
 
 def _max_cols_kernel(dense: bool) -> Any:
+    @rows_only("x")
     @jit_reduce
     def max_cols(x: Any, block: int, sign: Any, out: Any, kc: int, t0: int, t1: int) -> None:
         for t in range(t0, t1):
@@ -330,19 +333,19 @@ def build_tree(
     def shaped(n: int) -> tuple[int, int]:
         return (n, k_rows) if cols else (k_rows, n)
 
-    # compile every level's signature now (phase 1), never in phase 2; the level kernels read x by rows only
-    # (row_of, span_of), so one strided specialization serves the data in any layout and the partials
+    # compile every level's signature now (phase 1), never in phase 2; the level kernels' x is ``rows_only``, so
+    # one specialization serves the data in any layout and the partials
     fans = level_fans(tiling, (r,) + levels)
     extra = (cols_chunk(k_rows, max(fans)),) if cols else ()  # cols kernels take their chunk width
     steps = []
     prev = np.empty((1, 1), pack_dtype) if tiling.pack else first
     for n in levels:
         dst = np.empty(shaped(n), acc)
-        steps.append(entry(kern[rows_dense(prev)], strided(prev), block, zero, dst, *extra, 0, 0))
+        steps.append(entry(kern[rows_dense(prev)], prev, block, zero, dst, *extra, 0, 0))
         prev = dst  # partials in the workspace: dense rows
     stage = getattr(tiling, "stage_offset", -1)
     final_out = np.empty(shaped(1), acc) if stage >= 0 else dst_out
-    final = entry(kern[rows_dense(prev)], strided(prev), block, zero, final_out, *extra, 0, 0)
+    final = entry(kern[rows_dense(prev)], prev, block, zero, final_out, *extra, 0, 0)
 
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * pack_dtype.itemsize
 
@@ -383,6 +386,7 @@ def _argmax_block(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, k: int, 
 
 
 def _argmax_level_kernel(dense: bool) -> Any:
+    @rows_only("x")
     @jit_reduce
     def argmax_level(x: Any, idx: Any, block: int, out_v: Any, out_i: Any, t0: int, t1: int) -> None:
         """(out_v, out_i)[k, j] = first max of x[k, block j] and its index (positions, or ``idx`` of the
@@ -417,10 +421,10 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
     prev_i = no_idx
     for n in tiling.levels:
         dv, di = np.empty((1, n), value_dtype), np.empty((1, n), np.int64)
-        steps.append(entry(ARGMAX_LEVEL[rows_dense(prev_v)], strided(prev_v), prev_i, block, dv, di, 0, 0))
+        steps.append(entry(ARGMAX_LEVEL[rows_dense(prev_v)], prev_v, prev_i, block, dv, di, 0, 0))
         prev_v, prev_i = dv, di
     final_v = np.empty((k_rows, 1), value_dtype)  # the maxima themselves are not an output
-    final = entry(ARGMAX_LEVEL[rows_dense(prev_v)], strided(prev_v), prev_i, block, final_v, out2d, 0, 0)
+    final = entry(ARGMAX_LEVEL[rows_dense(prev_v)], prev_v, prev_i, block, final_v, out2d, 0, 0)
     pack, pack_offset, pack_bytes = tiling.pack, tiling.pack_offset, k_rows * r * value_dtype.itemsize
     parts = tiling.part_offsets
 
@@ -442,6 +446,7 @@ def build_argmax(src: Any, out2d: Any, tiling: Any, value_dtype: Any) -> Callabl
 
 # ---------------------------------------------------------------- var: (count, mean, M2) partials
 def _moments_level_kernel(dense: bool) -> Any:
+    @rows_only("x")
     @jit_reduce
     def moments_level(x: Any, block: int, out: Any, t0: int, t1: int) -> None:
         """out[k, j] = (count, mean, M2) of the data block x[k, j*block:(j+1)*block], tasks t0 <= t < t1."""
@@ -484,6 +489,7 @@ def _var_of(n: float, m2: float, correction: float) -> float:
 
 
 def _var_rows_kernel(dense: bool) -> Any:
+    @rows_only("x")
     @jit_reduce
     def var_rows(x: Any, correction: float, out: Any, t0: int, t1: int) -> None:
         """out[k, 0] = the variance of row k (one block: no partials), rows t0 <= k < t1."""
@@ -530,7 +536,7 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
             write(out2d)
 
     if not tiling.levels:
-        direct = entry(VAR_ROWS[rows_dense(x_t)], strided(x_t), corr, wide_t, 0, 0)
+        direct = entry(VAR_ROWS[rows_dense(x_t)], x_t, corr, wide_t, 0, 0)
 
         def launch_rows(ws: Any) -> None:
             x = source(ws)
@@ -539,7 +545,7 @@ def build_var(src: Any, out2d: Any, tiling: Any, pack_dtype: Any, correction: fl
         return launch_rows
     counts = tiling.levels + (1,)
     p_t = np.empty((1, 1, 3))
-    steps = [entry(MOMENTS_LEVEL[rows_dense(x_t)], strided(x_t), block, p_t, 0, 0)] + [
+    steps = [entry(MOMENTS_LEVEL[rows_dense(x_t)], x_t, block, p_t, 0, 0)] + [
         entry(merge_level, p_t, block, p_t, 0, 0)
     ] * len(tiling.levels)
     fin = entry(var_final, p_t, corr, wide_t)

@@ -28,7 +28,7 @@ from ...runtime.fanout import launcher, run_parts, split_range
 from . import jit as _jit
 from . import vmath as vm
 from .half import cast_copy
-from .jit import by_density, entry, row_of, rows_dense, strided, wide_vectors
+from .jit import by_density, entry, row_of, rows_dense, rows_only, wide_vectors
 
 SOFTMAX, LOG_SOFTMAX = 0, 1
 LOG_SOFTMAX_IN_OUT = 2  # log-softmax whose out does not overlap x: its exps go to out, as softmax's do
@@ -233,6 +233,7 @@ def _rows_kernel(mode: int, order: int, dense: bool) -> Any:
     ``scratch_rows`` (a (R, N) array; its rows, not slices of it: a slice types as 'A', whose loops vectorize
     worse). ``dense``: rows taken as dense vectors (``jit.row_of``)."""
 
+    @rows_only("x", "out")
     @jit
     def rows(x: Any, out: Any, scratch: Any) -> None:
         wide_vectors()
@@ -345,6 +346,7 @@ def _write(x: Any, out: Any, block: int, part: Any, k: int, j: int, mode: int, d
 
 
 def _split_rows_kernel(dense: bool) -> Any:
+    @rows_only("x", "out")
     @jit
     def split_rows(x: Any, out: Any, block: int, part: Any, mode: int, step: int, scratch: Any) -> None:
         """Long rows, one after the other: a row's block partials, their merge, its writes (the row stays in
@@ -365,6 +367,7 @@ def _split_rows(x: Any, out: Any, block: int, part: Any, mode: int, step: int, t
 
 
 def _split_partials_kernel(dense: bool) -> Any:
+    @rows_only("x", "out")
     @jit
     def split_partials(
         x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int, step: int, scratch: Any
@@ -383,6 +386,7 @@ def split_merge(part: Any, mode: int) -> None:
 
 
 def _split_writes_kernel(dense: bool) -> Any:
+    @rows_only("x", "out")
     @jit
     def split_writes(x: Any, out: Any, block: int, part: Any, mode: int, t0: int, t1: int) -> None:
         nb = part.shape[1]
@@ -430,7 +434,6 @@ def build_softmax(src: Any, dst: Any, tiling: Any, mode: int = SOFTMAX) -> Calla
         own = [line_array((rows_needed, row), compute_dt) for _ in range(t.threads)]
     part_sample = np.empty((1, 1, 2), np.float64)
     dense = rows_dense(sample, out_sample)
-    sample, out_sample = strided(sample), strided(out_sample)  # the kernels take rows through ``row_of`` only
     if split == 1:
         fn = entry(ROWS[rows_key(mode, n)][dense], sample, out_sample, own[0])
     elif t.by_rows:
