@@ -8,11 +8,13 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import numba
 import numpy as np
 import pytest
 from ops_layouts import compiles_nothing, on_device
 
 from twophase import ops
+from twophase.kernels.cpu.jit import entry, rows_only
 from twophase.layout import as_rows, rows_split
 from twophase.ops.selection import forced
 from twophase.testing import run_checked
@@ -304,3 +306,22 @@ def test_pools_on_image_crops(name: str, attrs: dict[str, Any], where: str) -> N
     r = run_checked(op, xin, out=out, **attrs)
     assert r.unwritten == (0,) and r.inputs_changed == ()
     np.testing.assert_allclose(r.outputs[0], want, rtol=1e-5, atol=1e-5)
+
+
+@rows_only("x")
+@numba.njit(nogil=True)
+def _first_row_sum(x: Any, y: Any) -> float:
+    return float(x[0].sum() + y[0].sum())
+
+
+def test_rows_only_parameters_are_typed_any_layout_whatever_the_sample() -> None:
+    """``entry`` types a ``rows_only`` parameter 'A' for a contiguous sample too (one compile for every layout),
+    the kernel's other arrays by their sample; the returned entry runs views of either kind; a name the kernel
+    lacks is refused when it is marked."""
+    a = np.arange(6, dtype=np.float32).reshape(2, 3)
+    fn = entry(_first_row_sum, a, a)
+    (sig,) = _first_row_sum.signatures
+    assert (sig[0].layout, sig[1].layout) == ("A", "C")
+    assert fn(a[:, ::2], a) == 0 + 2 + 0 + 1 + 2
+    with pytest.raises(ValueError):
+        rows_only("z")(_first_row_sum)
