@@ -526,7 +526,7 @@ def entry(kernel: Any, *args: Any) -> Callable[..., Any]:
 
     The entry point does not check its arguments: an array typed 'C' must be C-contiguous at every call, or the
     kernel indexes it with the wrong strides. Compile with an :func:`any_layout` sample where later calls may pass
-    views, and with a :func:`strided` one where the kernel's loops do not depend on the type (one compile). With
+    views; the parameters a kernel marks :func:`rows_only` are typed 'A' whatever the sample (one compile). With
     ``CHECK_LAYOUT`` on (``TWOPHASE_CHECK_KERNEL_LAYOUT=1``, as the test suite runs) every call is checked and a
     mismatch raises ``InternalError``."""
     free = getattr(kernel, "rows_only", ())

@@ -118,6 +118,20 @@ GROUPED_MAX = 48  # log-softmax rows up to this long take their logs by groups (
 GROUP_FLOATS = 1024  # elements of a group of such rows (at most GROUP_ROWS rows)
 GROUP_ROWS = 64
 
+# Tried and left out (AMD Zen 3, 9-15 interleaved rounds in one process: through the op on two threads, or for the
+# grouped logs the rows kernel alone on one thread; /tmp/w63/smab.py, lsab.py, logg.py of the sixty-third session;
+# the streaming kernels written then are not kept):
+# - non-temporal stores for the results, as layer / RMS norm's 'rows_streaming' (which ran 1.26x faster than its
+#   plain rows at 4096 x 4096 in the same session): softmax 0.91x at 262144 x 64 and 0.92x at 4096 x 4096, log-softmax
+#   0.84x and 0.98x, log-softmax's split rows 1.02x; softmax's split rows, their exps then recomputed for the write,
+#   0.62x. On one thread at 4096 x 4096 softmax took 10.7 ms plain and 11.6 streamed, layer norm 9.3 and 7.6
+#   (smab1.py): the exps bound softmax, not memory.
+# - log-softmax's rows of 64 run 1.13-1.17x softmax's time, the difference the libm log a row (with s - 1 in its
+#   place, for timing only: 0.95x). The log inlined (``vmath.log``: a division and 11 dependent steps) ran 1.3x
+#   softmax's time; the logs of 4, 8 or 16 rows at a time in one vector loop, each row finished a group later,
+#   1.1-1.3x slower than the call; finishing rows two behind instead of one, no faster. ``logf`` of float32(s) would
+#   cost the accuracy of the results near 0 (log s near 0 where one element dominates a row).
+
 
 @jit_inline
 def _row_exps(x: Any, e: Any, k: int, m: float, dense: bool, apart: bool) -> tuple[float, float]:
