@@ -13,7 +13,7 @@ import numpy as np
 from ..errors import ParamError
 from ..kernels.cpu import streaming
 from ..kernels.cpu.half import cast_copy
-from ..kernels.cpu.jit import any_layout, entry
+from ..kernels.cpu.jit import entry
 from ..kernels.cpu.norm import AFFINE, LAYER_NORM_ROWS, SHORT_ROW_BYTES, build_norm
 from ..kernels.cpu.softmax import LOG_SOFTMAX, SOFTMAX, build_softmax, packed_scratch_len
 from ..layout import align, as_matrix, as_rows, merge_dims, rows_split
@@ -341,7 +341,7 @@ def _norm_build(rms: bool) -> Any:
         if w is None and b is None:
             return inner
         k = x.size // max(n, 1)
-        rows = any_layout(compute, 2)  # as build_norm compiles the rows kernel: one compile serves both
+        rows = np.empty((1, 1), compute)  # x, out: ``rows_only``, so the specialization build_norm compiles
         ones, zeros = np.ones(n, compute), np.zeros(n, compute)  # constants for an absent weight or bias
         fn = entry(LAYER_NORM_ROWS[AFFINE][True], rows, ones, zeros, attrs["eps"], rms, rows, mean1, rstd1)
 

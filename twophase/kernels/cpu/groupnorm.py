@@ -22,7 +22,7 @@ from ...runtime.fanout import bound, fanout_parts, launcher, run_parts, split_ra
 from . import jit as _jit
 from . import vmath as vm
 from .half import cast_copy
-from .jit import any_layout, by_density, entry, row_of, rows_dense, rows_only
+from .jit import by_density, entry, row_of, rows_dense, rows_only
 from .norm import FANOUT_MIN, _affine
 
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -233,7 +233,7 @@ def build_group_norm(
     n = src.shape[0]
     shape4 = (n, t.groups, 1, src.size // (n * t.groups))
     if t.pack:
-        sample = out_sample = any_layout(compute, 4)
+        sample = out_sample = np.empty((1, 1, 1, 1), compute)  # x, out: ``rows_only``
         p_sample = np.empty(1, compute)
     else:
         sample, out_sample, p_sample = src, dst, w

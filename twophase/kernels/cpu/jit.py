@@ -22,7 +22,6 @@ from ...errors import InternalError
 __all__ = [
     "entry",
     "any_layout",
-    "strided",
     "rows_only",
     "CHECK_LAYOUT",
     "jit",
@@ -531,7 +530,9 @@ def entry(kernel: Any, *args: Any) -> Callable[..., Any]:
     mismatch raises ``InternalError``."""
     free = getattr(kernel, "rows_only", ())
     if free:
-        args = tuple(strided(a) if i in free and isinstance(a, np.ndarray) else a for i, a in enumerate(args))
+        args = tuple(
+            any_layout(a.dtype, a.ndim) if i in free and isinstance(a, np.ndarray) else a for i, a in enumerate(args)
+        )
     key = (kernel, *map(_short_key, args))
     fn = _entries.get(key)
     if fn is None:
@@ -552,19 +553,13 @@ def any_layout(dtype: Any, ndim: int) -> Any:
     return sample
 
 
-def strided(a: Any) -> Any:
-    """A sample of ``a``'s dtype and rank that ``entry`` types 'A', for an argument the kernel reads only through
-    pointers and strides, or by dense rows through ``row_of``: there a 'C' type changes no loop, and would only
-    cost one more compile (seconds to tens of seconds each) for contiguous operands next to strided ones. (A
-    kernel marks such parameters with :func:`rows_only`; ``entry`` applies this to them.)"""
-    return any_layout(a.dtype, a.ndim)
-
-
 def rows_only(*names: str) -> Callable[[Any], Any]:
     """Marks a kernel's array parameters ``names`` as read and written only by rows (``row_of``), spans
     (``span_of``), pointers and strides: code that is the same whatever their layout type, so :func:`entry` types
-    them 'A' (``strided``) for every sample, and one compile serves contiguous operands and views alike. Where
-    the kernel is defined: it is its indexing that makes the layout irrelevant."""
+    them 'A' (an :func:`any_layout` sample of theirs) for every sample. A 'C' type there would change no loop and
+    only cost one more compile (seconds to tens of seconds each) for contiguous operands next to views; this way
+    one compile serves both. Marked where the kernel is defined: it is its indexing that makes the layout
+    irrelevant."""
 
     def mark(kernel: Any) -> Any:
         params = list(inspect.signature(kernel.py_func).parameters)
