@@ -31,6 +31,21 @@ jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 # 15 floats past the last plane (``planes_floats``); zeroed every launch, so the whole area is written
 GUARD = 16
 
+# Where AVX2 runs the stem (3 -> 64, 224^2, 7x7 stride 2, one image) by im2col_tiles instead, three ways to
+# cut its time were built and measured against that op, interleaved in one process, and left out (AMD EPYC Zen 3,
+# /tmp/w64 of the sixty-fourth session):
+# - this module's scheme on an 8-lane table microkernel (``gemm._microkernel(2, width=8, table=True)``, 6 x 16
+#   blocks), the phase planes zero-padded so one table serves every output row: one thread 1.03-1.16x as fast
+#   as the op over five loop orders with the table's prefetches off, 0.95-1.15x with them; two threads, halves
+#   of the output rows after a one-thread split, 0.87-0.88x (2.42 against 2.11 ms, 2.66 against 2.33);
+# - Winograd F(3x3, 4x4) on the 2 x 2 input phases (12 channels of 4x4 sub-kernels; 36 GEMMs of 64 x 12 by
+#   12 x tiles): relative error 1.9e-6 against the direct sum's 4.6e-7. Its GEMMs took 1.1-1.45 ms against the
+#   im2col GEMM's 2.8, but its transforms took 1.6-2.0 ms more. One thread 1.05-1.19x as fast as the op (bands
+#   of 4-13 tile rows); two threads 0.92-1.01x;
+# - a 4 x 24 microkernel for the stem's GEMM (64 x 147 by 147 x 768): 0.99-1.01x the 6 x 16 one.
+# The 6 x 16 microkernel ran at 92-100 GFLOP/s with its operands in L1 and at 60-85 on the stem's tiles; the
+# same L1 loop (k = 256) ran at 92 in one process and at 73 in another.
+
 
 def available(dtype: Any) -> bool:
     """Whether the implicit GEMM can run: float32 on a CPU with AVX-512 (its table GEMM, ``gemm.gemm_table``, has no
