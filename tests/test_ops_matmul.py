@@ -495,10 +495,13 @@ def test_gemm_tile_ymm_panels_outermost_on_a_large_b(rng: np.random.Generator, m
 
 @needs_micro
 @pytest.mark.parametrize("accumulate", [0, 1])
-def test_gemm_table_reads_b_rows_at_their_offsets(rng: np.random.Generator, accumulate: int) -> None:
-    """``gemm_table`` (conv2d's implicit GEMM): row k of b starts at ``table[k]`` floats, any alignment, in any
-    order, rows overlapping; every column count 1-140 (each panel width, masked or whole) on rows off the 6-row
-    kernel and a strided ``a``; the block of a poisoned ``c`` is written (or added to) exactly, nothing around it."""
+@pytest.mark.parametrize("name", ["gemm_table", "gemm_table_ymm"])
+def test_gemm_table_reads_b_rows_at_their_offsets(rng: np.random.Generator, accumulate: int, name: str) -> None:
+    """``gemm_table`` (conv2d's implicit GEMM) and its 8-lane form: row k of b starts at ``table[k]`` floats, any
+    alignment, in any order, rows overlapping; every column count 1-140 (each panel width, masked or whole) on rows
+    off the 6-row kernel and a strided ``a``; the block of a poisoned ``c`` is written (or added to) exactly,
+    nothing around it."""
+    table_gemm = getattr(gemm, name)
     k = 19
     for n in range(1, 141):
         for m in (1, 5, 13):
@@ -513,7 +516,7 @@ def test_gemm_table_reads_b_rows_at_their_offsets(rng: np.random.Generator, accu
                 c[1 : m + 1, 3 : 3 + n] = old
             block = c[1 : m + 1, 3 : 3 + n]
             lda, sak = a.strides[0] // 4, a.strides[1] // 4
-            gemm.gemm_table(
+            table_gemm(
                 a.ctypes.data,
                 lda,
                 sak,

@@ -12,8 +12,9 @@ stored, so it costs no pass over ``c``.
 
 Without AVX-512, ``gemm_f32_ymm`` runs the same IR with 8-float vectors (6 x 16 blocks in 12 of AVX2's 16 ymm
 registers) for the small products of attention's heads, where it beats OpenBLAS's per-call cost, and
-``gemm_tile_ymm`` for the fused attention tiles' and im2col_tiles' products (``host_gemm_tile``); the linear layers
-and the other convolutions stay with OpenBLAS there (the 8-lane kernel measured 0.55-0.97x OpenBLAS on them).
+``gemm_tile_ymm`` for the fused attention tiles' and im2col_tiles' products (``host_gemm_tile``), ``gemm_table_ymm``
+for conv2d's implicit GEMM (``host_gemm_table``); the linear layers and the other convolutions stay with OpenBLAS
+there (the 8-lane kernel measured 0.55-0.97x OpenBLAS on them).
 """
 
 from __future__ import annotations
@@ -40,9 +41,11 @@ __all__ = [
     "gemm_f32_heads",
     "gemm_tile",
     "gemm_tile_ymm",
+    "host_gemm_table",
     "host_gemm_tile",
     "blocked_available",
     "gemm_table",
+    "gemm_table_ymm",
     "MIN_COLS",
     "MR",
     "NR",
@@ -192,6 +195,7 @@ def _emit_block(
     width: int = LANES,
     tail: int = 0,
     table: bool = False,
+    fetch: bool = True,
 ) -> None:
     """IR for the block ``c = a[:, :k] @ b[:k, :]`` of ``rows`` rows and ``nv`` vectors of columns, plus, when
     ``accumulate``, the old ``c``, else plus the bias row at address ``bias`` when it is not 0 (addresses in bytes,
@@ -200,7 +204,8 @@ def _emit_block(
     vector (16: zmm; 8: ymm, for a last panel of at most 8 columns, which then computes 8 lanes instead of 16);
     ``tail``: floats of the last vector when it is narrower (a ymm after zmm vectors: last panels of 49-56 and 17-24
     columns). With ``table``, ``ldb`` is the address of int64 offsets: row k of ``b`` starts ``table[k]`` floats
-    past ``b`` (an implicit GEMM's rows, read where they lie in the input)."""
+    past ``b`` (an implicit GEMM's rows, read where they lie in the input), and with ``fetch`` the lines of row
+    k + ``TABLE_AHEAD`` are prefetched as row k is read."""
     widths = [width] * (nv - 1) + [tail or width]
     vecs = [ir.VectorType(_F32, w) for w in widths]
     fptr = _F32.as_pointer()
@@ -257,6 +262,7 @@ def _emit_block(
                 b_row = builder.gep(bp, [builder.mul(kk, ldb)])
             else:
                 b_row = builder.gep(bp, [builder.load(builder.gep(offsets, [kk]), align=8)])
+            if offsets is not None and fetch:
                 # the rows lie at irregular offsets, which the hardware prefetchers do not follow: fetch the
                 # lines of row k + TABLE_AHEAD into L1 (the table holds TABLE_AHEAD more entries)
                 ahead = builder.gep(
@@ -322,9 +328,12 @@ def _low_lanes(builder: Any, v: Any, lanes: int) -> Any:
     )
 
 
-def _microkernel(nv: int, masked: bool = False, width: int = LANES, tail: int = 0, table: bool = False) -> Any:
+def _microkernel(
+    nv: int, masked: bool = False, width: int = LANES, tail: int = 0, table: bool = False, fetch: bool = True
+) -> Any:
     """An intrinsic ``(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias[, ncols])``: ``_emit_block`` for 16 nv
-    columns (``masked``: the last vector's first ``ncols``; ``tail``: floats of a narrower last vector) and ``rows``
+    columns (``masked``: the last vector's first ``ncols``; ``tail``: floats of a narrower last vector; ``table``
+    and ``fetch`` as there) and ``rows``
     (1..MR) rows, one specialised block per row count behind a switch (the accumulators must be known when
     compiling)."""
     nargs = 12 if masked else 11
@@ -355,6 +364,7 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES, tail: int = 
                 width,
                 tail,
                 table,
+                fetch,
             )
             builder.branch(done)
         builder.position_at_end(done)
@@ -398,7 +408,7 @@ def _microkernel(nv: int, masked: bool = False, width: int = LANES, tail: int = 
     typing: Any = typing_masked if masked else typing_plain  # numba types the intrinsic by its parameters
     cols = (nv - 1) * width + (tail or width)
     typing.__name__ = typing.__qualname__ = (
-        f"_microkernel_{cols}{'_masked' if masked else ''}{'_table' if table else ''}"
+        f"_microkernel_{cols}{'_masked' if masked else ''}{'_table' if table else ''}{'' if fetch else '_nofetch'}"
     )
     return intrinsic(typing)
 
@@ -846,6 +856,43 @@ def gemm_tile_ymm(
 # ``gemm_tile`` on this CPU's kernels: zmm registers where it has AVX-512, else the 8-lane kernels (AVX2 and FMA);
 # bound at import, so the callers' compiled loops (fused attention, im2col_tiles) call it directly
 host_gemm_tile = gemm_tile if available() else gemm_tile_ymm
+
+# the 8-lane table microkernels, without the zmm family's prefetch of row k + TABLE_AHEAD
+_T16 = _microkernel(2, width=YMM, table=True, fetch=False)
+_T8 = _microkernel(1, width=YMM, table=True, fetch=False)
+_T8M = _microkernel(1, masked=True, width=YMM, table=True, fetch=False)
+
+
+@_inline
+def gemm_table_ymm(
+    pa: int, lda: int, sak: int, pb: int, table: int, pc: int, ldc: int, kl: int, m: int, n: int, accumulate: int
+) -> None:
+    """``gemm_table`` (same arguments and contract) on the 8-lane kernels, for AVX2: each 16-column panel over every
+    MR-row block (the block of ``a`` streams past the panel's rows, which stay in L1), then one of 8 and a masked
+    one for the rest. Reads ``b``'s rows up to the next multiple of 8 columns. Its microkernels do not prefetch
+    row k + ``TABLE_AHEAD`` as the zmm ones do: on the stem's implicit GEMM (AMD Zen 3, one thread, five loop
+    orders, /tmp/w64/direct2.py of the sixty-fourth session) they ran 1.03-1.16x as fast as im2col_tiles without
+    the prefetches and 0.95-1.15x with them."""
+    item = 4
+    wide = n // (2 * YMM) * (2 * YMM)
+    for j in range(0, wide, 2 * YMM):
+        for i in range(0, m, MR):
+            ci, ai = pc + (i * ldc + j) * item, pa + i * lda * item
+            _T16(min(MR, m - i), ci, ldc, ai, lda, sak, pb + j * item, table, kl, accumulate, 0)
+    j = wide
+    if j + YMM <= n:
+        for i in range(0, m, MR):
+            ci, ai = pc + (i * ldc + j) * item, pa + i * lda * item
+            _T8(min(MR, m - i), ci, ldc, ai, lda, sak, pb + j * item, table, kl, accumulate, 0)
+        j += YMM
+    if j < n:
+        for i in range(0, m, MR):
+            ci, ai = pc + (i * ldc + j) * item, pa + i * lda * item
+            _T8M(min(MR, m - i), ci, ldc, ai, lda, sak, pb + j * item, table, kl, accumulate, 0, n - j)
+
+
+# ``gemm_table`` on this CPU's kernels, bound at import as ``host_gemm_tile`` is (conv2d's implicit GEMM)
+host_gemm_table = gemm_table if available() else gemm_table_ymm
 
 
 @_jit
