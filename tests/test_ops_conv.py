@@ -1329,6 +1329,27 @@ def test_conv2d_implicit_rank(
     ex.destroy()
 
 
+@pytest.mark.usefixtures("ymm_heads")  # the 8-lane kernels, as phase 1 has them on AVX2
+@pytest.mark.parametrize(
+    "shape, oc, k, stride, want",
+    [
+        ((1, 3, 224, 224), 64, 7, 2, "implicit"),  # ResNet's stem
+        ((1, 32, 64, 64), 32, 5, 1, "implicit"),  # 32 channels: still first
+        ((1, 64, 224, 224), 64, 3, 2, "im2col_tiles"),  # 112-pixel rows, but 64 channels
+        ((1, 64, 56, 56), 128, 3, 2, "im2col_tiles"),
+    ],
+)
+def test_conv2d_implicit_rank_on_8_lanes(shape: tuple[int, ...], oc: int, k: int, stride: int, want: str) -> None:
+    """On the 8-lane kernels the implicit GEMM ranks first only for inputs of ``IMPLICIT_YMM_MAX_C`` channels or
+    fewer, and last otherwise: a limit that im2col_tiles fits still takes im2col_tiles."""
+    x = device("cpu").empty(shape, np.float32)
+    w = device("cpu").empty((oc, shape[1], k, k), np.float32)
+    for limit in (None, 256 << 10):
+        _, ex = conv2d.get_workspace_size(x, w, None, stride=stride, padding=k // 2, workspace_limit=limit)
+        assert ex.implementation == want, limit
+        ex.destroy()
+
+
 @needs_tiles
 @pytest.mark.parametrize("impl", ["im2col_tiles", "implicit"])
 def test_conv2d_im2col_tiles_into_a_channel_slice(dev: Any, rng: np.random.Generator, impl: str) -> None:

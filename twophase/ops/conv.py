@@ -1,10 +1,10 @@
 """conv2d, NCHW or NHWC (``Format.NHWC``: shape (N, H, W, C)); weight (OC, C/groups, KH, KW) as PyTorch.
 
 Implementations, ranked: gemm_1x1 (1x1, stride 1, no padding: GEMM on the operands, workspace 0), implicit
-(float32, one group, NCHW, strides 1-2, AVX-512: no unfold; per part, chunks of output rows' input copied into
-zero-padded phase planes, and one register-blocked GEMM per output row reading its unfolded rows there by offset;
-first for output rows of 48 pixels or more that fill the GEMM's panels and windows of two taps or more, else
-after im2col), im2col_tiles
+(float32, one group, NCHW, strides 1-2, AVX-512 or AVX2: no unfold; per part, chunks of output rows' input copied
+into zero-padded phase planes, and one register-blocked GEMM per output row reading its unfolded rows there by
+offset; first for output rows of 48 pixels or more that fill the GEMM's panels and windows of two taps or more, on
+AVX2 only for inputs of at most 32 channels; else after im2col, last on AVX2), im2col_tiles
 (float32, one group, NCHW out, AVX-512: per part, tiles of a k block x a few output rows, or up to 4 whole images,
 unfolded into the workspace and multiplied there by the register-blocked GEMM; ahead of im2col when its tiles fill
 the GEMM's 16-column panels or a limit makes im2col tile output rows), im2col_parts (maps of 512 pixels or more:
@@ -288,7 +288,7 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         if in_parts is not None:
             cands.insert(cands.index(whole), in_parts)
         if implicit is not None:
-            cands.insert(0 if implicit_first(implicit.tiling) else cands.index(whole) + 1, implicit)
+            cands.insert(implicit_rank(implicit.tiling, cands, whole), implicit)
     if (kh, kw, sh, sw, dh, dw, g) == (3, 3, 1, 1, 1, 1, 1) and t.n and t.c and t.oc:  # not on an empty GEMM
         constant = bool(attrs.get("constant_weight", False))
         wino = _winograd_candidate(t, item, limit, constant)
@@ -590,16 +590,38 @@ IMPLICIT_FLOATS = 1 << 16
 # faster than either here.)
 IMPLICIT_MIN_OW = 48
 IMPLICIT_MIN_USE = 0.9
+# input channels up to which the implicit GEMM ranks first on the 8-lane kernels (AVX2), where its rows are read
+# by ``gemm.gemm_table_ymm``; with more it ranks last. Forced, through the op, two threads, 21 interleaved rounds,
+# AMD Zen 3 (/tmp/w64/impab.py of the sixty-fourth session), tiles / implicit: 1 x 3->64 224^2 k7 s2 1.07-1.18x
+# (four runs), 8 x 1.09x; 3->32 224^2 k3 s2 1.41x; 8->16 64^2 k5 1.22x; 32->32 64^2 k5 1.24x; but 2 x 64->64 64^2
+# k5 1.03x, 64->64 224^2 k3 s2 (OW 112) 0.88x, and with 56-pixel rows or fewer 0.65-0.87x (64->128 and 128->128
+# 112^2 s2, 8 x 32->64 112^2 s2, 64->128 56^2 s2)
+IMPLICIT_YMM_MAX_C = 32
 
 
 def implicit_first(t: ConvTiling) -> bool:
-    """Whether the implicit GEMM ranks first (else right after im2col): output rows of ``IMPLICIT_MIN_OW`` or more
-    pixels filling ``IMPLICIT_MIN_USE`` of the GEMM columns computed for them, and a window of two or more taps."""
-    return t.kh * t.kw > 1 and t.ow >= IMPLICIT_MIN_OW and t.ow / gemm.columns_computed(t.ow) >= IMPLICIT_MIN_USE
+    """Whether the implicit GEMM ranks first: output rows of ``IMPLICIT_MIN_OW`` or more pixels filling
+    ``IMPLICIT_MIN_USE`` of the GEMM columns computed for them, a window of two or more taps, and on the 8-lane
+    kernels at most ``IMPLICIT_YMM_MAX_C`` input channels."""
+    return (
+        t.kh * t.kw > 1
+        and t.ow >= IMPLICIT_MIN_OW
+        and t.ow / gemm.columns_computed(t.ow) >= IMPLICIT_MIN_USE
+        and (gemm.available() or t.c <= IMPLICIT_YMM_MAX_C)
+    )
+
+
+def implicit_rank(t: ConvTiling, cands: list[Candidate], whole: Candidate) -> int:
+    """Where the implicit GEMM goes among the ranked candidates: first (``implicit_first``), else right after
+    im2col with the zmm kernels (AVX-512) and last with the 8-lane ones, where it lost to im2col_tiles on every
+    layer of many channels measured."""
+    if implicit_first(t):
+        return 0
+    return cands.index(whole) + 1 if gemm.available() else len(cands)
 
 
 def _implicit_candidate(t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None) -> Candidate | None:
-    """implicit (``conv_implicit``) for float32 on a CPU with AVX-512 where ``usable``: parts over
+    """implicit (``conv_implicit``) for float32 on a CPU with AVX-512 or AVX2 and FMA where ``usable``: parts over
     the output rows of all images stacked, k blocks of whole channels (up to ``TILE_K`` unfolded rows), chunks of
     the most output rows whose planes stay within ``IMPLICIT_FLOATS``; fewer rows, then fewer channels, to fit
     ``limit``. None when even one row of one channel does not fit."""
@@ -950,13 +972,15 @@ conv2d = register(
             "a last 17-24 columns count 24 where a zmm FMA takes two 256-bit passes, as on AMD Zen 4, else 32), "
             "for one image of 2^21 multiply-adds or more, or when a limit makes im2col tile output rows. "
             "implicit (float32, groups 1, NCHW input rows dense and output, strides 1 or 2, any padding and "
-            "dilation, on CPUs with AVX-512): parts over the output rows of all images stacked; per chunk of output "
+            "dilation, on CPUs with AVX-512 or AVX2 and FMA): parts over the output rows of all images stacked; per "
+            "chunk of output "
             "rows and k block of whole channels, the input rows the chunk reads are copied into SH x SW zero-padded "
             "phase planes per channel in the part's workspace slice, and one register-blocked GEMM per output row "
             "reads each unfolded row (channel, kh, kw) as a run of OW floats at its offset in the planes (an "
             "implicit GEMM: nothing unfolded), straight into out; bias added per chunk; ranked first when OW >= 48 "
             "fills at least 0.9 of the GEMM columns computed for it and the window has two taps or more (ResNet's "
-            "stem), else right after im2col. "
+            "stem), on AVX2 only for inputs of 32 channels or fewer, else right after im2col (AVX-512) or last "
+            "(AVX2). "
             "winograd4 F(4x4, 3x3) (float32, 3x3, stride 1, dilation 1, groups 1): weights, input tiles (6x6, 4 "
             "apart; each row of tiles one dummy tile longer, so the transforms run flat over bands of tile rows) and "
             "36 GEMMs of (OC, C) x (C, NT) in the workspace, rounds of whole images (as many as fit workspace_limit, "

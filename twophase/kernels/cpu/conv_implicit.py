@@ -31,13 +31,9 @@ jit: Callable[[Callable[..., Any]], Any] = _jit.jit
 # 15 floats past the last plane (``planes_floats``); zeroed every launch, so the whole area is written
 GUARD = 16
 
-# Where AVX2 runs the stem (3 -> 64, 224^2, 7x7 stride 2, one image) by im2col_tiles instead, three ways to
-# cut its time were built and measured against that op, interleaved in one process, and left out (AMD EPYC Zen 3,
-# /tmp/w64 of the sixty-fourth session):
-# - this module's scheme on an 8-lane table microkernel (``gemm._microkernel(2, width=8, table=True)``, 6 x 16
-#   blocks), the phase planes zero-padded so one table serves every output row: one thread 1.03-1.16x as fast
-#   as the op over five loop orders with the table's prefetches off, 0.95-1.15x with them; two threads, halves
-#   of the output rows after a one-thread split, 0.87-0.88x (2.42 against 2.11 ms, 2.66 against 2.33);
+# Where AVX2 runs the stem (3 -> 64, 224^2, 7x7 stride 2, one image), two other ways to cut its time were built and
+# measured against im2col_tiles, through the op, interleaved in one process, and left out (AMD EPYC Zen 3, /tmp/w64
+# of the sixty-fourth session):
 # - Winograd F(3x3, 4x4) on the 2 x 2 input phases (12 channels of 4x4 sub-kernels; 36 GEMMs of 64 x 12 by
 #   12 x tiles): relative error 1.9e-6 against the direct sum's 4.6e-7. Its GEMMs took 1.1-1.45 ms against the
 #   im2col GEMM's 2.8, but its transforms took 1.6-2.0 ms more. One thread 1.05-1.19x as fast as the op (bands
@@ -48,9 +44,10 @@ GUARD = 16
 
 
 def available(dtype: Any) -> bool:
-    """Whether the implicit GEMM can run: float32 on a CPU with AVX-512 (its table GEMM, ``gemm.gemm_table``, has no
-    8-lane form: the 16-float IR forced onto AVX2 spilled, 0.40x torch on the stem there)."""
-    return np.dtype(dtype) == np.float32 and gemm.available()
+    """Whether the implicit GEMM can run: float32 on a CPU with AVX-512 or with AVX2 and FMA (its table GEMM,
+    ``gemm.host_gemm_table``: 16-float panels, or 8-float ones where the 16-float IR would spill: that ran the stem
+    at 0.40x torch on AVX2)."""
+    return np.dtype(dtype) == np.float32 and gemm.blocked_available()
 
 
 def usable(t: Any, rows_dense: bool) -> bool:
@@ -208,7 +205,7 @@ def conv_implicit(
             pa = w.ctypes.data + (i0 * lda + c0 * taps * sak) * item
             for rr in range(nr):
                 pc = po + (i0 * ldc + (oh0 + rr) * ow_n) * item
-                gemm.gemm_table(
+                gemm.host_gemm_table(
                     pa, lda, sak, pp + rr * pw * item, pt, pc, ldc, (c1 - c0) * taps, i1 - i0, ow_n, 1 if c0 > 0 else 0
                 )
         if has_bias:
