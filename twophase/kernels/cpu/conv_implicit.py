@@ -3,8 +3,9 @@ whole channels, into zero-padded phase planes in its slice of the workspace (for
 channel: phase (a, b) holds the input rows a, a + s, ... and columns b, b + s, ..., so every window of a stride-s
 convolution reads a stride-1 run), and the register-blocked GEMM reads each unfolded row straight from them:
 unfolded row k = (channel, kh, kw) of output row r is the run of OW floats at a fixed offset (``offsets``) past
-the plane row of r, and ``gemm.gemm_table`` takes those offsets as a table. One GEMM per output row (its OW
-pixels are one run of every plane row and one run of out), so nothing is staged: the GEMM writes out.
+the plane row of r, and ``gemm.host_gemm_table`` (``gemm_table``; ``gemm_table_ymm`` without AVX-512) takes those
+offsets as a table. One GEMM per output row (its OW pixels are one run of every plane row and one run of out), so
+nothing is staged: the GEMM writes out.
 
 What it saves over im2col_tiles is the unfold, which writes KH * KW floats per input float and feeds each only
 2 x OC flops: most of the cost beyond the GEMM where the input has few channels and big maps (ResNet's stem:

@@ -870,9 +870,9 @@ def gemm_table_ymm(
     """``gemm_table`` (same arguments and contract) on the 8-lane kernels, for AVX2: each 16-column panel over every
     MR-row block (the block of ``a`` streams past the panel's rows, which stay in L1), then one of 8 and a masked
     one for the rest. Reads ``b``'s rows up to the next multiple of 8 columns. Its microkernels do not prefetch
-    row k + ``TABLE_AHEAD`` as the zmm ones do: on the stem's implicit GEMM (AMD Zen 3, one thread, five loop
-    orders, /tmp/w64/direct2.py of the sixty-fourth session) they ran 1.03-1.16x as fast as im2col_tiles without
-    the prefetches and 0.95-1.15x with them."""
+    row k + ``TABLE_AHEAD`` as the zmm ones do: a prototype of this loop on the stem's implicit GEMM (AMD Zen 3,
+    one thread, five loop orders, /tmp/w64/direct2.py of the sixty-fourth session) ran 1.03-1.16x as fast as
+    im2col_tiles without the prefetches and 0.95-1.15x with them."""
     item = 4
     wide = n // (2 * YMM) * (2 * YMM)
     for j in range(0, wide, 2 * YMM):
