@@ -76,9 +76,10 @@ def microkernel(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
 
 @pytest.fixture
 def ymm_heads(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """The 8-lane kernels (``gemm.gemm_f32_heads_ymm``) for SDPA's head products, as phase 1 picks them on a CPU
-    with AVX2 and FMA but not AVX-512; on one with AVX-512 (which has AVX2 too) by turning the 16-lane kernel off;
-    skipped elsewhere. The executor cache is emptied around the test, as for ``microkernel``."""
+    """The 8-lane kernels (``gemm.gemm_f32_heads_ymm`` for SDPA's head products, and the rules that rank
+    conv2d's implicit GEMM by them), as phase 1 picks them on a CPU with AVX2 and FMA but not AVX-512; on one
+    with AVX-512 (which has AVX2 too) by turning the 16-lane kernel off; skipped elsewhere. The executor cache is
+    emptied around the test, as for ``microkernel``."""
     if not gemm.ymm_available():
         pytest.skip("the 8-lane GEMM kernels need AVX2 and FMA")
     monkeypatch.setattr(gemm, "available", lambda: False)

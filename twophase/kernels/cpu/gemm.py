@@ -530,6 +530,52 @@ _panel = _panels(*_family(False))
 _panel_table = _panels(*_family(True))
 
 
+def _ymm_panels(k16: Any, k8: Any, k8m: Any) -> Any:
+    """``_panels`` for one family of the 8-lane microkernels (``b``'s rows by stride, or by a table of offsets):
+    a panel of ``w`` columns, 16 or 8 whole, 1-7 a masked 8 (``ymm_panel_width``). Not cached, as ``_panels``."""
+
+    @numba.njit(nogil=True, inline="always")
+    def panel(
+        rows: int,
+        w: int,
+        c: int,
+        ldc: int,
+        a: int,
+        lda: int,
+        sak: int,
+        b: int,
+        ldb: int,
+        k: int,
+        accumulate: int,
+        bias: int,
+    ) -> None:
+        if w == 2 * YMM:
+            k16(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        elif w == YMM:
+            k8(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias)
+        else:
+            k8m(rows, c, ldc, a, lda, sak, b, ldb, k, accumulate, bias, w)
+
+    return panel
+
+
+_ymm_panel = _ymm_panels(_Y16, _Y8, _Y8M)
+# the 8-lane table microkernels, without the zmm family's prefetch of row k + TABLE_AHEAD
+_ymm_panel_table = _ymm_panels(
+    _microkernel(2, width=YMM, table=True, fetch=False),
+    _microkernel(1, width=YMM, table=True, fetch=False),
+    _microkernel(1, masked=True, width=YMM, table=True, fetch=False),
+)
+
+
+@_inline
+def ymm_panel_width(left: int) -> int:
+    """Columns of the next 8-lane panel with ``left`` columns to go: 16, else 8, else the rest (masked)."""
+    if left >= 2 * YMM:
+        return 2 * YMM
+    return YMM if left >= YMM else left
+
+
 @_inline
 def gemm_tile(
     pa: int,
@@ -808,20 +854,14 @@ def _ymm_rows(
     """``gemm_tile_ymm`` on the block of rows [i0, i1) and columns [j0, j1): MR-row blocks, each over 16-column
     panels, then one of 8 and a masked one for the rest."""
     item = 4
-    wide = j0 + (j1 - j0) // (2 * YMM) * (2 * YMM)
     for i in range(i0, i1, MR):
         rows, ci, ai = min(MR, i1 - i), pc + i * ldc * item, pa + i * lda * item
-        for j in range(j0, wide, 2 * YMM):
+        j = j0
+        while j < j1:
+            w = ymm_panel_width(j1 - j)
             bj = bias + j * item if bias else 0
-            _Y16(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj)
-        j = wide
-        if j + YMM <= j1:
-            bj = bias + j * item if bias else 0
-            _Y8(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj)
-            j += YMM
-        if j < j1:
-            bj = bias + j * item if bias else 0
-            _Y8M(rows, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj, j1 - j)
+            _ymm_panel(rows, w, ci + j * item, ldc, ai, lda, sak, pb + j * item, ldb, kl, accumulate, bj)
+            j += w
 
 
 @_inline
@@ -857,11 +897,6 @@ def gemm_tile_ymm(
 # bound at import, so the callers' compiled loops (fused attention, im2col_tiles) call it directly
 host_gemm_tile = gemm_tile if available() else gemm_tile_ymm
 
-# the 8-lane table microkernels, without the zmm family's prefetch of row k + TABLE_AHEAD
-_T16 = _microkernel(2, width=YMM, table=True, fetch=False)
-_T8 = _microkernel(1, width=YMM, table=True, fetch=False)
-_T8M = _microkernel(1, masked=True, width=YMM, table=True, fetch=False)
-
 
 @_inline
 def gemm_table_ymm(
@@ -874,21 +909,13 @@ def gemm_table_ymm(
     one thread, five loop orders, /tmp/w64/direct2.py of the sixty-fourth session) ran 1.03-1.16x as fast as
     im2col_tiles without the prefetches and 0.95-1.15x with them."""
     item = 4
-    wide = n // (2 * YMM) * (2 * YMM)
-    for j in range(0, wide, 2 * YMM):
+    j = 0
+    while j < n:
+        w = ymm_panel_width(n - j)
         for i in range(0, m, MR):
             ci, ai = pc + (i * ldc + j) * item, pa + i * lda * item
-            _T16(min(MR, m - i), ci, ldc, ai, lda, sak, pb + j * item, table, kl, accumulate, 0)
-    j = wide
-    if j + YMM <= n:
-        for i in range(0, m, MR):
-            ci, ai = pc + (i * ldc + j) * item, pa + i * lda * item
-            _T8(min(MR, m - i), ci, ldc, ai, lda, sak, pb + j * item, table, kl, accumulate, 0)
-        j += YMM
-    if j < n:
-        for i in range(0, m, MR):
-            ci, ai = pc + (i * ldc + j) * item, pa + i * lda * item
-            _T8M(min(MR, m - i), ci, ldc, ai, lda, sak, pb + j * item, table, kl, accumulate, 0, n - j)
+            _ymm_panel_table(min(MR, m - i), w, ci, ldc, ai, lda, sak, pb + j * item, table, kl, accumulate, 0)
+        j += w
 
 
 # ``gemm_table`` on this CPU's kernels, bound at import as ``host_gemm_tile`` is (conv2d's implicit GEMM)
