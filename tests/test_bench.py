@@ -156,3 +156,11 @@ def test_minilm_gemm_floor_counts_every_linear_weight_and_both_attention_product
     assert linears == 2 * 8 * 128 * sum(o * i for o, i in weights)
     assert attention == 6 * 2 * (2 * 8 * 12 * 128 * 128 * 32)
     assert np.isfinite(best_gemm_rate(size=64, tries=2))  # a rate, whatever this machine's speed
+
+
+def test_ops2_ratio_cells_give_the_median_and_the_middle_half_of_the_rounds() -> None:
+    ops2 = pytest.importorskip("bench.bench_ops2")
+    # 11 rounds, out of order: median 1.0, first and third quartiles (inclusive) 0.9 and 1.1
+    ratios = [1.1, 0.5, 1.0, 0.9, 2.0, 0.95, 1.05, 0.9, 1.1, 1.2, 0.8]
+    assert ops2.ratio_cells(ratios) == "1.00 | 0.90-1.10"
+    assert ops2.ratio_cells([0.8, 1.2]) == "1.00 | 0.90-1.10"  # two rounds: the quartiles interpolate
