@@ -264,6 +264,11 @@ def _blas_product(a: Any, b: Any, out: Any) -> None:
     np.matmul(a, b, out=out)
 
 
+# Measured and left out (/tmp/w65/full*.py, opab.py of the sixty-fifth session, AMD Zen 3): k^T and v packed
+# panel-major for the 8-lane kernel (16-column panels of k x 16 floats, so that no b row 2 KiB from the next shares
+# its L1 set). One thread, a part's 6 heads of (512, 64): 1.16-1.21x as fast on numpy's buffers (4 KiB pages), but
+# 1.03x on huge pages, which the pool's workspace has; through the op 0.97-1.05x on two threads (four runs), 1.02-1.05x
+# on one. On huge pages the heads' GEMMs already ran at 84-91 GFLOP/s a core (peak ~101).
 def _products(dtype: Any) -> Callable[[Any, Any, Any], Product]:
     """``pick(a, b, out)``: the function that computes ``out = a @ b`` for these 4-D stacks of heads, chosen once
     when a launch binds its views: the register-blocked float32 kernel where its rules hold, else
