@@ -804,7 +804,9 @@ def test_conv2d_im2col_tiles(
     channels, stride 2 through the input's phases where they hold a whole phase row: every output written once
     with the bias, the workspace exactly the parts' phase areas and tiles (the tiles last, their padding columns
     zeroed, so all of it is touched), nothing past it. Tiles of at most 256 pixels, so that these small images
-    take several (the default budget: ``test_conv2d_im2col_tiles_budget``)."""
+    take several (the default budget: ``test_conv2d_im2col_tiles_budget``), k blocks of at most ``TILE_K`` rows
+    (deeper ones: ``test_conv2d_im2col_tiles_deeper_k_blocks_only_where_the_limit_leaves_tiles_whole``)."""
+    monkeypatch.setattr(conv_op, "TILE_K_WHOLE", conv_op.TILE_K)
     x = _x(rng, (n, c) + hw, False)
     w = (rng.standard_normal((oc, c) + k) * 0.2).astype(np.float32)
     b = rng.standard_normal(oc).astype(np.float32)
@@ -915,14 +917,40 @@ def test_tiles_grid_splits(n: int, oh: int, ow: int, oc: int, parts: int, c: int
 
 
 @needs_tiles
+@pytest.mark.parametrize("c, stride", [(64, 2), (128, 1)])
+def test_conv2d_im2col_tiles_deeper_k_blocks_only_where_the_limit_leaves_tiles_whole(
+    c: int, stride: int, rng: np.random.Generator
+) -> None:
+    """k blocks of up to ``TILE_K_WHOLE`` unfolded rows (64 x 9 = 576 whole, 128 x 9 = 1152 in two of 576) where the
+    tiles fit the limit as wide as unlimited; under a limit that would make them narrower, blocks of up to
+    ``TILE_K`` (288, 384) and tiles as wide as fit. Correct either way, every byte reported touched."""
+    x = _x(rng, (1, c, 24, 24), False)
+    w = (rng.standard_normal((20, c, 3, 3)) * 0.1).astype(np.float32)
+    b = rng.standard_normal(20).astype(np.float32)
+    attrs = dict(stride=stride, padding=1)
+    ref = reference(x, w, b, **attrs)
+    kc = c * 9
+    with num_threads(1):
+        whole = _run("im2col_tiles", x, w, b, **attrs)
+        assert whole.tiling.kblock == 576 and whole.tiling.grid == ((0, whole.tiling.oh, 0, 20, 0, kc),)
+        _check(whole, ref)
+        at_limit = _run("im2col_tiles", x, w, b, limit=whole.workspace_size, **attrs)
+        assert at_limit.tiling == whole.tiling
+        tight = _run("im2col_tiles", x, w, b, limit=whole.workspace_size - 1, **attrs)
+    t = tight.tiling
+    assert t.kblock == {576: 288, 1152: 384}[kc] and tight.workspace_size < whole.workspace_size
+    assert t.chunk * t.ow * t.kblock <= conv_op.TILE_FLOATS
+    _check(tight, ref)
+
+
+@needs_tiles
 @pytest.mark.parametrize(
     ("c", "hw", "k", "stride", "pad", "chunk"),
     [
         (3, (64, 64), (7, 7), (2, 2), (3, 3), (27, 27)),  # 147-row k blocks: 891 pixels, 27 of 32 rows 32 wide
         (3, (40, 200), (7, 7), (2, 2), (3, 3), (8, 8)),  # 100-wide output rows: 8 of them (800 pixels), 3 tiles
-        # 2 blocks of 288 rows: 455 pixels, 11 rows of 30; 8 (and a last tile of 6 rows: 180 pixels, 184 columns'
-        # work) where a zmm FMA is two passes
-        (64, (30, 30), (3, 3), (1, 1), (1, 1), (11, 8)),
+        # 576 rows in one k block (``TILE_K_WHOLE``): 227 pixels, 7 rows of 30; 4 where a zmm FMA is two passes
+        (64, (30, 30), (3, 3), (1, 1), (1, 1), (7, 4)),
     ],
 )
 def test_conv2d_im2col_tiles_budget(

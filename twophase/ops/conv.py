@@ -418,6 +418,15 @@ def _parts_candidate(t: ConvTiling, item: int, limit: int | None) -> Candidate |
 # s2 1.06x, 128->256 28^2 s2 1.03x, 256^2 14^2 1.03x, 256->512 14^2 s2 1.02x, 512^2 7^2 1.02x, n8 64->128 s2 1.02x,
 # 128->256 s2 1.02x (the stem's 147 rows: 1.00x). 1024 measured the same; 512 with tiles of 2^18 floats 1.02-1.05x
 TILE_K = 512
+# unfolded rows a k block takes at most where the limit leaves its tiles as wide as ``tile_pixels`` makes them
+# (``_tiles_fit``): 576 (64 channels x 9 taps) then runs whole, not in two blocks of 288, 1152 in two of 576, not
+# three of 384. 640 against 512, unlimited, forced im2col_tiles, two threads, 15 interleaved rounds, three runs, AMD
+# Zen 3 (/tmp/w65/tf.py, tfab.py of the sixty-fifth session): 8 x 64->128 56^2 s2 1.05 / 1.07 / 1.06x (1024: 1.06 /
+# 1.07x), 8 x 128->256 28^2 s2 1.02 / 1.01 / 1.05x, 8 x 256->512 14^2 s2 1.01 / 1.02 / 0.99x (1024: 0.95 / 0.94x),
+# 1 x 128->256 s2 1.04 / 1.02 / 1.05x, 256^2 14^2 1.02 / 1.03 / 1.05x, 256->512 s2 1.03 / 0.99 / 1.01x, 512^2 7^2
+# 0.99 / 1.00 / 1.02x, 64->128 s2 1.02 / 0.99 / 0.95x. Under 256 KiB the deeper blocks left tiles of fewer output
+# rows and ran 0.59-0.81x: there the blocks stay at TILE_K
+TILE_K_WHOLE = 640
 SPLIT_K_MIN = 256  # unfolded rows a part at least, where the parts split the input channels (``tiles_grid``)
 # floats of an im2col tile at most (a k block's unfolded rows x its pixels, whole output rows; one row when wider):
 # half an L2, whatever the block's depth. Against the 256 pixels it had (measured 5-10% faster than 128 on
@@ -479,11 +488,11 @@ def tiles_grid(
     return tuple((a, b, 0, oc, 0, kc) for a, b in split_range(rows, parts))
 
 
-def grid_kblock(grid: tuple[tuple[int, int, int, int, int, int], ...], kc: int) -> int:
+def grid_kblock(grid: tuple[tuple[int, int, int, int, int, int], ...], kc: int, deepest: int = 0) -> int:
     """Unfolded rows per k block: the k ranges of ``grid``'s parts (the longest one's; ``kc`` for no parts) in
-    blocks of nearly equal depth, at most ``TILE_K``."""
+    blocks of nearly equal depth, at most ``deepest`` (default ``TILE_K``)."""
     most = max((k1 - k0 for *_, k0, k1 in grid), default=kc)
-    return -(-most // -(-most // TILE_K))
+    return -(-most // -(-most // (deepest or TILE_K)))
 
 
 # pixels / GEMM columns computed (``gemm.columns_computed``) from which im2col_tiles ranks ahead of whole-image
@@ -552,8 +561,26 @@ def _tiles_fit(
     t: ConvTiling, x: TensorDesc, dense: bool, limit: int | None, grid: tuple[tuple[int, int, int, int, int, int], ...]
 ) -> Candidate | None:
     """``_tiles_candidate`` on the parts of ``grid``: None when even tiles of one output row do not fit ``limit``.
-    Tiles of whole images take as many images as ``tile_images`` allows that fit."""
+    Tiles of whole images take as many images as ``tile_images`` allows that fit. k blocks of up to
+    ``TILE_K_WHOLE`` rows where their tiles fit ``limit`` as they would unlimited, else of up to ``TILE_K``."""
     kblock = grid_kblock(grid, t.kc)
+    deep = grid_kblock(grid, t.kc, TILE_K_WHOLE)
+    if deep != kblock:
+        whole = _tiles_at(t, x, dense, None, grid, deep)
+        if whole is not None and (limit is None or whole.workspace <= limit):
+            return whole
+    return _tiles_at(t, x, dense, limit, grid, kblock)
+
+
+def _tiles_at(
+    t: ConvTiling,
+    x: TensorDesc,
+    dense: bool,
+    limit: int | None,
+    grid: tuple[tuple[int, int, int, int, int, int], ...],
+    kblock: int,
+) -> Candidate | None:
+    """``_tiles_fit`` with k blocks of ``kblock`` rows."""
     item = x.dtype.itemsize
     phased = phases_usable(t, dense)
     most = tile_pixels(kblock)
@@ -931,7 +958,8 @@ conv2d = register(
             "stride 2, dilation 1, KH and KW >= 2, dense input rows and ceil(W/2) <= OW when it fits "
             "workspace_limit, else 0, "
             "P = parts (the fan-out count, fewer when N*OH is smaller), "
-            "KB = ceil(L / ceil(L / 512)) unfolded rows per k block, L = C*KH*KW (split input channels: the "
+            "KB = ceil(L / ceil(L / 640)) unfolded rows per k block where those tiles fit workspace_limit as "
+            "unlimited, else ceil(L / ceil(L / 512)), L = C*KH*KW (split input channels: the "
             "most unfolded rows a part takes, whole channels of ceil or floor(C / P) each), "
             "R = output rows per tile (up to 2^17 / KB pixels: a tile of 512 KiB of float32; the count filling "
             "the GEMM's panels best), T = whole images per tile when R = OH: as many as a part's output rows hold, "
