@@ -990,6 +990,8 @@ def test_conv2d_im2col_tiles_budget(
         (6, 5, 18, (16, 16), 3, 2, 0, 2, 256, 3, True),  # stride 2, ceil(W/2) > OW: no phases, 3 images a part
         (4, 64, 40, (7, 7), 3, 1, 1, 2, 256, 4, True),  # input channels split: partial outputs of 4-image tiles
         (4, 6, 48, (5, 5), 3, 1, 1, 2, 256, 4, True),  # output channels split: stages of 24 rows
+        (4, 6, 34, (5, 5), 3, 1, 1, 2, 256, 4, True),  # split 18 / 16: the last stage ends with its last row
+        (2, 52, 34, (5, 5), 3, 2, 1, 2, 256, 2, False),  # the same through the phases
         (10, 7, 12, (5, 5), 3, 1, 1, 1, 256, 4, True),  # at most TILE_IMAGES: tiles of 4, 4 and 2 images
         (8, 16, 24, (14, 14), 3, 2, 1, 2, 120, 2, False),  # 120 pixels a tile: 2 images, twice a part
     ],
@@ -1028,11 +1030,11 @@ def test_conv2d_im2col_tiles_of_several_images(
     t = r.tiling
     assert (t.chunk, t.tile_n, t.grid) == (oh, images, grid)
     width = -(-images * oh * ow // 16) * 16
-    stage = max(i1 - i0 for _, _, i0, i1, _, _ in grid) * width
+    stages = sum(i1 - i0 for _, _, i0, i1, _, _ in grid) * width  # each part's own output channels
     steps = min(c, max(1, 64 // (k * k)))  # unfold_images' channels a step
     area = images * -(-(32 + 4 * steps * (oh + (k - 1 - pad) // 2 - (-pad) // 2) * ow) // 16) * 16 if t.phases else 0
     sums = sum(1 for *_, k0, _ in grid if k0 > 0) * -(-n * oc * oh * ow * 4 // 64) * 64
-    assert r.workspace_size == t.parts * (t.kblock * width + stage + area) * 4 + sums
+    assert r.workspace_size == (t.parts * (t.kblock * width + area) + stages) * 4 + sums
     _check(r, ref)
 
 

@@ -166,8 +166,9 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     columns of the widest tile any part runs (``tile_columns``), after the parts' phase areas when ``t.phases``
     (``conv_phases``); ``t.flat``: the unfold reads the input planes as their one phase (``unfold_plane``). With
     ``t.tile_n`` > 1, tiles of up to that many whole images, whose GEMM goes to the part's stage area after the
-    tiles, then into out. A part whose unfolded rows start past 0 sums into a partial output of its own, after
-    the tiles and stages (``partial_bytes``), which the launch adds into out once every part is done."""
+    tiles (``stage_bytes``: its output channels), then into out. A part whose unfolded rows start past 0 sums
+    into a partial output of its own, after the tiles and stages (``partial_bytes``), which the launch adds into
+    out once every part is done."""
     item = x.itemsize
     o3, wmat, b, has = channel_major_operands(t, x, w, bias, out)
     images = t.tile_n
@@ -190,8 +191,9 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     sums_shape = (t.n, t.oc, t.oh * t.ow)
     dt, grid, kb, rows, flat = x.dtype, t.grid, t.kblock, t.chunk, t.flat
     tiles_at = len(grid) * area
-    stages_at, stage_bytes = tiles_at + len(grid) * size, stage_stride(t, item)
-    sums_at = stages_at + len(grid) * stage_bytes
+    stages = [stage_bytes(t, block, item) for block in grid]
+    stages_at = tiles_at + len(grid) * size
+    sums_at = stages_at + sum(stages)
     sum_stride, sum_bytes = partial_bytes(t, item), math.prod(sums_shape) * item
 
     def bind(ws: Any) -> Callable[[], None]:
@@ -202,8 +204,8 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         for i, block in enumerate(grid):
             tile = ws[tiles_at + i * size : tiles_at + (i + 1) * size].view(dt).reshape(shape)
             phases = ws[i * area : (i + 1) * area].view(dt) if area else _NO_PHASES
-            at = stages_at + i * stage_bytes
-            stage = ws[at : at + stage_bytes].view(dt).reshape(-1, shape[1]) if stage_bytes else _NO_STAGE
+            at = stages_at + sum(stages[:i])
+            stage = ws[at : at + stages[i]].view(dt).reshape(-1, shape[1]) if stages[i] else _NO_STAGE
             dst, with_bias = o3, has
             if block[4]:  # unfolded rows past 0: into a partial output
                 at = sums_at + len(sums) * sum_stride
@@ -256,19 +258,21 @@ def phase_floats(t: Any) -> int:
     return int(conv_phases.area_floats(t, t.chunk, channels))
 
 
-def stage_stride(t: Any, item: int) -> int:
-    """Bytes of each part's stage: for tiles of several images, the most output channels a part computes by
-    ``tile_columns``; else 0."""
+def stage_bytes(t: Any, block: Any, item: int) -> int:
+    """Bytes of the stage of the part of ``t.grid`` entry ``block``: for tiles of several images, its output
+    channels by ``tile_columns`` (whole 64-byte lines); else 0. Each part's is its own size, so that the last one
+    ends where its GEMM's last row does."""
     if t.tile_n <= 1:
         return 0
-    return int(max(i1 - i0 for _, _, i0, i1, _, _ in t.grid) * tile_columns(t) * item)
+    return int((block[3] - block[2]) * tile_columns(t) * item)
 
 
 def workspace_bytes(t: Any, item: int) -> int:
-    """The workspace of tiling ``t``: per part a phase area (``phase_floats``), a tile (``tile_columns``) and a
-    stage (``stage_stride``), then a partial output per part whose unfolded rows start past 0."""
-    per_part = phase_floats(t) * item + tile_stride(t.kblock, tile_columns(t), item) + stage_stride(t, item)
-    return len(t.grid) * per_part + partial_parts(t.grid) * partial_bytes(t, item)
+    """The workspace of tiling ``t``: per part a phase area (``phase_floats``) and a tile (``tile_columns``), then
+    each part's stage (``stage_bytes``), then a partial output per part whose unfolded rows start past 0."""
+    per_part = phase_floats(t) * item + tile_stride(t.kblock, tile_columns(t), item)
+    stages = sum(stage_bytes(t, block, item) for block in t.grid)
+    return len(t.grid) * per_part + stages + partial_parts(t.grid) * partial_bytes(t, item)
 
 
 def widest_tile(grid: Any, rows: int, oh: int) -> int:
