@@ -435,7 +435,11 @@ SPLIT_K_MIN = 256  # unfolded rows a part at least, where the parts split the in
 # output rows per tile) n1 1.07 / 1.05x, n8 1.04 / 1.03x; 64->128 56^2 s2 (192 rows, 8 -> 24) n1 1.00 / 1.11x,
 # n8 1.04 / 1.05x; 64->128 1x1 s2 (whole images) n1 1.00 / 1.02x, n8 1.05 / 1.06x; 64->64 56^2 (4 -> 12)
 # 1.01-1.04x; 128->128 28^2 (8 -> 20) 1.02-1.05x. 2^16 floats gained less (0.96-1.07x), 3 x 2^16 no more
-# (0.93-1.10x)
+# (0.93-1.10x). On AMD Zen 3 (512 KiB of L2; sixty-sixth session, /tmp/w66/tf.py, unf.py, 11-15 interleaved rounds)
+# 2^17 against tiles small enough that the tile and the weight's k block share the L2 (55000 floats: 3 output rows)
+# ran 8 x 64->128 56^2 s2 1.12x and 8 x 128->256 28^2 s2 1.10x faster (medians); against 2^16 and 3 x 2^15
+# 1.00-1.01x and 1.09x. The unfold alone (6 output channels, one thread) was no faster in smaller tiles: 2.94 ms at
+# 2^17, 3.16 at 2^16, 4.10 at 2^15 for 8 images of 64 x 56^2, so its time is its copies', not a tile spilling from L2
 TILE_FLOATS = 1 << 17
 
 

@@ -68,6 +68,9 @@ def causal_block(dtype: Any) -> int:
 # (8, 12, 128, 32), parts of 48 heads, 0.99-1.07x as fast over four runs; (1, 12, 512, 64), one head a chunk,
 # 1.07-1.09x over two.
 # Chunks of 256 KiB also cut MiniLM's parts of 6 heads (384 KiB of scores), which then ran 0.96-0.98x as fast.
+# One head cut further into chunks of query rows (scores, softmax and P @ v per chunk, 256 or 128 KiB of scores)
+# ran (1, 12, 512, 64) 0.99x and 1.00x as fast (AMD Zen 3, two threads, 15 interleaved rounds, /tmp/w66/rcab.py of
+# the sixty-sixth session), though the row pass alone ran 1.09-1.16x faster on 256 KiB blocks than on 12 MiB.
 HEAD_CHUNK_BYTES = 1 << 19
 KEY_GRAIN = 16  # a padded tile's keys are rounded up to this: fewer bound variants, GEMM widths the kernels take
 

@@ -40,6 +40,14 @@ GUARD = 16
 #   im2col GEMM's 2.8, but its transforms took 1.6-2.0 ms more. One thread 1.05-1.19x as fast as the op (bands
 #   of 4-13 tile rows); two threads 0.92-1.01x;
 # - a 4 x 24 microkernel for the stem's GEMM (64 x 147 by 147 x 768): 0.99-1.01x the 6 x 16 one.
+# Where output rows are narrow (ResNet's stride-2 layers, OW 28 down to 7), a variant that ran one GEMM over a chunk's
+# output rows at once was built and measured, left out (the sixty-sixth session, /tmp/w66/ab.py): the planes' rows
+# read as one run across the chunk (PW columns an output row, its PW - OW past the row computed and dropped), the
+# GEMM into a stage, then copied into out with the bias; k blocks of up to 640 rows. Forced, through the op, two
+# threads, 15 interleaved rounds, AMD Zen 3, t(im2col_tiles) / t(staged implicit): 8 x 64->128 56^2 s2 0.76x,
+# 1 x 0.78x, 8 x 128->256 28^2 s2 0.77x, 1 x 0.86x, 8 x 256->512 14^2 s2 0.72x, 1 x 0.68x, 8 x 64^2 56^2 0.84x,
+# 1 x 256^2 14^2 0.79x. Its b rows lie across the planes (576 rows of a 16-column panel touch up to 1152 lines),
+# where im2col_tiles' panel rows are one stride apart in a dense tile.
 # The 6 x 16 microkernel ran at 92-100 GFLOP/s with its operands in L1 and at 60-85 on the stem's tiles; the
 # same L1 loop (k = 256) ran at 92 in one process and at 73 in another.
 

@@ -829,7 +829,10 @@ def gemm_f32_ymm(a: Any, b: Any, c: Any) -> None:
 # outermost stay faster: 256 x 576 x 98 0.9x, 512 x 512 x 49 0.93x (56 K and 25 K floats of b). Two threads, each
 # its own product as im2col_tiles' parts, 9 interleaved rounds (gv2.py), medians: 128 x 288 x 392 1.30x, 256 x 461 x
 # 196 (one image of 256^2 14^2) 1.17x, 64 x 147 x 448 (the stem) 1.16x, 128 x 64 x 784 1.02x. Through the op the
-# conv layers' times moved by more from process to process than that (/tmp/w58/ab.sh)
+# conv layers' times moved by more from process to process than that (/tmp/w58/ab.sh). With panels outermost,
+# prefetching the next panel's rows into L2 a slice per row block (as ``gemm_tile`` does on zmm) was measured and
+# left out: forced im2col_tiles, two threads, 15 interleaved rounds, AMD Zen 3 (/tmp/w66/pfab.py of the sixty-sixth
+# session), t(plain) / t(prefetch) over nine ResNet-18 layers 0.95-1.02x
 YMM_PANELS_OUTER_FLOATS = 1 << 16
 YMM_MC_FLOATS = 1 << 16
 
