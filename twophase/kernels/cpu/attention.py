@@ -251,6 +251,11 @@ def _exps(row: Any, m: Any) -> None:
         row[j] = vmath.exp_shifted(row[j], m)
 
 
+# Normalizing the rows of P @ v instead of P's (Dv products a row instead of Lk; the rows' inverse sums kept in a
+# workspace area after the scores) was built and measured, left out (/tmp/w66/defab.py, defer.diff of the
+# sixty-sixth session; AMD Zen 3, two threads, 21 interleaved rounds, two runs): t(here) / t(deferred)
+# (1, 12, 512, 64) 0.98 and 1.02x, (8, 12, 128, 32) 0.99 and 1.00x. A row pass with neither the sum nor the
+# normalization (wrong results: the most any change to them could gain) ran 1.035x and 1.055x (nonorm.py).
 @jit_inline
 def _normalize(row: Any, tiny: float) -> None:
     """row /= its float64 sum (reassociated in ``vmath.fsum``, never in the exps); a sum of 0 (every exp
