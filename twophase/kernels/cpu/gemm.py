@@ -29,7 +29,17 @@ from numba.core import cgutils, types
 from numba.extending import intrinsic
 
 from ...runtime.fanout import split_range
-from .jit import any_layout, emit_lanes_below, emit_prefetch, emit_splat, entry, host_cpu_name, host_has, masked_memory
+from .jit import (
+    any_layout,
+    emit_lanes_below,
+    emit_prefetch,
+    emit_splat,
+    entry,
+    host_cpu_name,
+    host_has,
+    masked_memory,
+    prefetch_l2,
+)
 
 __all__ = [
     "available",
@@ -418,20 +428,6 @@ _Y16, _Y8 = _microkernel(2, width=YMM), _microkernel(1, width=YMM)
 _Y8M = _microkernel(1, masked=True, width=YMM)
 
 
-def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
-    """Prefetch the line at address ``addr`` into L2 (``llvm.prefetch``, read, locality 2)."""
-    sig = types.void(types.int64)
-
-    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
-        emit_prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), write=False, locality=2)
-        return context.get_dummy_value()
-
-    return sig, codegen
-
-
-_prefetch: Any = intrinsic(_prefetch_typing)
-
-
 def _copy_panel_typing(typingctx: Any, dst: Any, src: Any, ld: Any, rows: Any, nv: Any) -> Any:
     """Copy ``rows`` rows of ``16 * nv`` floats (nv 1 or 2), ``ld`` floats apart at address ``src``, to consecutive
     rows at address ``dst``: one panel of b packed, two (or one) vector loads and stores per row."""
@@ -615,12 +611,12 @@ def gemm_tile(
                 if target:
                     for kk in range(bi * step, min(kl, (bi + 1) * step)):
                         row = target + kk * ldb * item
-                        _prefetch(row)
-                        _prefetch(row + 64)
+                        prefetch_l2(row)
+                        prefetch_l2(row + 64)
                         if tw > NR:
-                            _prefetch(row + 128)
-                            _prefetch(row + 192)
-                        _prefetch(row + tw * item - item)  # the row's last line when it is not 64-byte aligned
+                            prefetch_l2(row + 128)
+                            prefetch_l2(row + 192)
+                        prefetch_l2(row + tw * item - item)  # the row's last line when it is not 64-byte aligned
                 _panel(
                     min(MR, ie - i),
                     w,

@@ -41,6 +41,7 @@ __all__ = [
     "copy_phases",
     "copy_where",
     "emit_prefetch",
+    "prefetch_l2",
     "emit_splat",
     "emit_lanes_below",
     "masked_memory",
@@ -91,6 +92,20 @@ def emit_prefetch(builder: Any, ptr: Any, write: bool, locality: int) -> None:
     builder.call(
         fn, [builder.bitcast(ptr, i8p), ir.Constant(i32, int(write)), ir.Constant(i32, locality), ir.Constant(i32, 1)]
     )
+
+
+def _prefetch_typing(typingctx: Any, addr: Any) -> Any:
+    """Prefetch the line at address ``addr`` into L2 (``llvm.prefetch``, read, locality 2)."""
+    sig = types.void(types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        emit_prefetch(builder, builder.inttoptr(args[0], ir.IntType(8).as_pointer()), write=False, locality=2)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+prefetch_l2: Any = intrinsic(_prefetch_typing)
 
 
 def emit_splat(builder: Any, value: Any, vec: Any) -> Any:
