@@ -1039,17 +1039,24 @@ def test_conv2d_im2col_tiles_of_several_images(
 
 
 @needs_tiles
+@pytest.mark.parametrize("half_width", [False, True])
 @pytest.mark.parametrize("side", [44, 46])
-def test_conv2d_im2col_tiles_wide_images_one_a_tile(side: int, rng: np.random.Generator) -> None:
+def test_conv2d_im2col_tiles_wide_images_one_a_tile(
+    side: int, half_width: bool, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Whole images of ``IM2COL_WIDE_IMAGE`` pixels or more take one image a tile (the GEMM writes out, no stage),
     however many the tile's pixels would hold; smaller ones up to ``TILE_IMAGES``: 4 images of 1x1 stride 2, whose
-    output is 22^2 = 484 or 23^2 = 529 pixels."""
+    output is 22^2 = 484 or 23^2 = 529 pixels. Whether or not a zmm FMA is two passes (``half_width``): there
+    ``tile_rows`` alone prefers 21 rows of 22 (``conv._tile_chunk``)."""
+    monkeypatch.setattr(gemm, "half_width_fma", lambda: half_width)
+    clear_cache()  # plans made under the other width must not be reused
     x = _x(rng, (4, 8, side, side), False)
     w = rng.standard_normal((16, 8, 1, 1)).astype(np.float32)
     b = rng.standard_normal(16).astype(np.float32)
     attrs = dict(stride=2, padding=0)
     with num_threads(1):
         r = _run("im2col_tiles", x, w, b, **attrs)
+    clear_cache()
     pixels = (side // 2) ** 2
     assert r.tiling.chunk == side // 2
     assert r.tiling.tile_n == (1 if pixels >= conv_op.IM2COL_WIDE_IMAGE else conv_op.TILE_IMAGES)

@@ -589,8 +589,8 @@ def _tiles_at(
     phased = phases_usable(t, dense)
     most = tile_pixels(kblock)
     while True:
-        rows = tile_rows(t.oh, t.ow, most)
-        tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
+        tt = replace(t, chunk=_tile_chunk(t, grid, most), kblock=kblock, parts=len(grid), grid=grid, phases=phased)
+        rows = tt.chunk
         for images in range(tile_images(tt, most), 0, -1):
             ti = replace(tt, tile_n=images)
             size = tiles_workspace(ti, item)
@@ -604,6 +604,19 @@ def _tiles_at(
         if rows == 1:
             return None
         most = rows * t.ow - 1
+
+
+def _tile_chunk(t: ConvTiling, grid: tuple[tuple[int, int, int, int, int, int], ...], most: int) -> int:
+    """Output rows per im2col tile of up to ``most`` pixels: ``tile_rows``' count, or the whole image (OH) when
+    tiles of several whole images (``tile_images``) fill the GEMM's panels at least as well. Where a zmm FMA is
+    two passes (``gemm.half_width_fma``), ``tile_rows`` alone cut a 22^2 map into tiles of 21 rows and 1 row (488
+    columns' work for 484 pixels, against 496 for the whole image), which left no tile of whole images: 4 images
+    of 22^2 are 1936 columns' work, none wasted."""
+    rows = tile_rows(t.oh, t.ow, most)
+    if rows == t.oh:
+        return rows
+    images = tile_images(replace(t, chunk=t.oh, grid=grid), most)
+    return t.oh if images > 1 and tiles_use(t.oh, t.ow, t.oh, images) >= tiles_use(t.oh, t.ow, rows) else rows
 
 
 # floats of an implicit GEMM's planes per part at most (a chunk of output rows' input, a k block of whole
@@ -966,7 +979,8 @@ conv2d = register(
             "unlimited, else ceil(L / ceil(L / 512)), L = C*KH*KW (split input channels: the "
             "most unfolded rows a part takes, whole channels of ceil or floor(C / P) each), "
             "R = output rows per tile (up to 2^17 / KB pixels: a tile of 512 KiB of float32; the count filling "
-            "the GEMM's panels best), T = whole images per tile when R = OH: as many as a part's output rows hold, "
+            "the GEMM's panels best, or OH when tiles of T > 1 whole images fill them at least as well), "
+            "T = whole images per tile when R = OH: as many as a part's output rows hold, "
             "up to 2^17 / KB pixels and 4, fewer to fit workspace_limit; "
             "implicit: P * ceil16(CB*SH*SW*(R + RH)*(OW + RW) + 16) * 4 (per part, the zero-padded phase planes "
             "of a chunk's input and 16 guard floats), CB = min(C, max(1, 512 // (KH*KW))) channels per k block, R "
