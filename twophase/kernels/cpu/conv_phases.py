@@ -131,7 +131,7 @@ def next_tap(c: int, kh: int, kw: int, kh_n: int, kw_n: int) -> tuple[int, int, 
 # 0.25 of its 1 ms. Through the op, forced im2col_tiles, AMD Zen 4 (/tmp/w67/ab.py of the sixty-seventh session),
 # t(no prefetch) / t(4 ahead): one thread, 15 interleaved rounds, 8 x 64->128 56^2 s2 1.035x, 8 x 128->256 28^2
 # s2 1.017x, 8 x 256->512 14^2 s2 0.99x; two threads, 11 rounds, 1.01-1.04x, 1.00-1.01x, 0.99x, 1 x 128->256 s2
-# 0.98x, 1 x 64->128 s2 0.99x. A first prototype's run (9 rounds) put 1, 2, 4 and 8 ahead at 0.97-1.07x.
+# 0.98-1.00x, 1 x 64->128 s2 0.99x. A first prototype's run (9 rounds) put 1, 2, 4 and 8 ahead at 0.97-1.07x.
 SPLIT_AHEAD = 4
 
 
