@@ -425,7 +425,9 @@ TILE_K = 512
 # 1.07x), 8 x 128->256 28^2 s2 1.02 / 1.01 / 1.05x, 8 x 256->512 14^2 s2 1.01 / 1.02 / 0.99x (1024: 0.95 / 0.94x),
 # 1 x 128->256 s2 1.04 / 1.02 / 1.05x, 256^2 14^2 1.02 / 1.03 / 1.05x, 256->512 s2 1.03 / 0.99 / 1.01x, 512^2 7^2
 # 0.99 / 1.00 / 1.02x, 64->128 s2 1.02 / 0.99 / 0.95x. Under 256 KiB the deeper blocks left tiles of fewer output
-# rows and ran 0.59-0.81x: there the blocks stay at TILE_K
+# rows and ran 0.59-0.81x: there the blocks stay at TILE_K. On AMD Zen 4 (two threads, 9 interleaved rounds, one run,
+# /tmp/w67/kab.py of the sixty-seventh session) 640 against 512: 8 x 64->128 s2 1.03x, 128->256 s2 1.00x, 256->512
+# s2 1.03x, 1 x 256^2 14^2 1.03x, 1 x 128->256 s2 0.98x, 1 x 64->128 s2 0.91x; 1024 ran 0.93-1.04x against 640
 TILE_K_WHOLE = 640
 SPLIT_K_MIN = 256  # unfolded rows a part at least, where the parts split the input channels (``tiles_grid``)
 # floats of an im2col tile at most (a k block's unfolded rows x its pixels, whole output rows; one row when wider):
@@ -481,7 +483,8 @@ def tiles_grid(
     the same tiles).
     One image of 256 -> 256 14^2, 512 -> 512 7^2, 128 -> 256 28^2 s2 and 256 -> 512 14^2 s2 ran 1.02-1.08x faster
     split by input channels than by output channels (through the op, two threads, 15 interleaved rounds, two runs,
-    /tmp/w48/convab.py of the forty-eighth session)."""
+    /tmp/w48/convab.py of the forty-eighth session); on AMD Zen 4, 256 -> 256 14^2 1.00x and 128 -> 256 28^2 s2
+    1.06x (11 rounds, /tmp/w67/kab.py of the sixty-seventh session)."""
     rows = n * oh
     if parts > 1 and rows * ow < parts * 128:
         channels = kc // taps
@@ -611,7 +614,9 @@ def _tile_chunk(t: ConvTiling, grid: tuple[tuple[int, int, int, int, int, int], 
     tiles of several whole images (``tile_images``) fill the GEMM's panels at least as well. Where a zmm FMA is
     two passes (``gemm.half_width_fma``), ``tile_rows`` alone cut a 22^2 map into tiles of 21 rows and 1 row (488
     columns' work for 484 pixels, against 496 for the whole image), which left no tile of whole images: 4 images
-    of 22^2 are 1936 columns' work, none wasted."""
+    of 22^2 are 1936 columns' work, none wasted. For one image of 14^2 (13 + 1 rows), one tile of all 14 ran
+    0.98x as fast, at 256 -> 256 and 128 -> 256 s2 alike (AMD Zen 4, 11 rounds, /tmp/w67/kab.py of the
+    sixty-seventh session)."""
     rows = tile_rows(t.oh, t.ow, most)
     if rows == t.oh:
         return rows

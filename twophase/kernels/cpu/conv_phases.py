@@ -132,6 +132,8 @@ def next_tap(c: int, kh: int, kw: int, kh_n: int, kw_n: int) -> tuple[int, int, 
 # t(no prefetch) / t(4 ahead): one thread, 15 interleaved rounds, 8 x 64->128 56^2 s2 1.035x, 8 x 128->256 28^2
 # s2 1.017x, 8 x 256->512 14^2 s2 0.99x; two threads, 11 rounds, 1.01-1.04x, 1.00-1.01x, 0.99x, 1 x 128->256 s2
 # 0.98-1.00x, 1 x 64->128 s2 0.99x. A first prototype's run (9 rounds) put 1, 2, 4 and 8 ahead at 0.97-1.07x.
+# Prefetching the next tile's input rows all at once before a tile's GEMM instead gained nothing (1.01x, 0.99x:
+# the prefetches wait on each other, and the GEMM's tile and weights push the lines out of L2 before the split).
 SPLIT_AHEAD = 4
 
 

@@ -310,6 +310,14 @@ def tile_stride(kblock: int, width: int, item: int) -> int:
     return kblock * width * item
 
 
+# Where the time goes on AMD Zen 4 (sixty-seventh session, /tmp/w67): with the unfold and split skipped (wrong
+# results), the tiles' GEMM alone ran 0.97-0.98x torch's whole convolution on 8 x 128->256 28^2 s2 and 256->512 14^2
+# s2 (two threads, 7 rounds; 1.15x on 64->128 56^2 s2, whose split was then 10% of the time): in place it runs ~106
+# GFLOP/s a core, against 110-115 for the same tiles hot in L2 (gt.py) and torch's ~108 for its whole convolution.
+# A direct convolution on phase planes (the input broadcast, the weights' [tap][c][oc] rows the vector operand, one
+# gemm_tile per tap over the planes into a pixel-major stage, then transposed into out; direct.py) was prototyped:
+# its GEMMs alone ran 96-103 GFLOP/s on one thread on 8 x 64->128 and 128->256 s2, 84-93 on 256->512 (torch
+# 92-106), and its split and transposition as written took the whole to 71-88: not built.
 # the tiles' GEMM (``gemm.host_gemm_tile``) on AVX2 too: the 8-lane kernels. Forced through the op against im2col_parts
 # / im2col (OpenBLAS), two threads, 11 interleaved rounds, AMD Zen 3 (/tmp/w57/ctab.py of the fifty-seventh session),
 # torch / ours: stem 3->64 224^2 k7 s2 1.51 against 1.34, 128->256 28^2 s2 1.17 against 0.90, 64->128 56^2 s2 0.93

@@ -91,7 +91,11 @@ WIDE = 4 * LANES
 # 784 1.02x, 1024 x 384 x 1536 1.03x; b's rows not 64-byte aligned (then packed) 128 x 384 x 1000 1.09x, 256 x
 # 2304 x 200 1.08x, 1.02-1.05x on three others. 768 and 1024 measured the same as 512 (0.99-1.11x against 256)
 KC = 512
-MC = 240  # row block: MC x KC floats of a (480 KiB) stay in L2 across the panels
+# row block: MC x KC floats of a (480 KiB) stay in L2 across the panels. 120 against 240, where a conv tile (up to
+# 512 KiB) shares Zen 4's 1 MiB L2 with the block: forced im2col_tiles, one thread, 15 interleaved rounds
+# (/tmp/w67/ab.py of the sixty-seventh session), t(240) / t(120) 8 x 64->128 56^2 s2 0.97, 128->256 28^2 s2 0.99,
+# 256->512 14^2 s2 1.00, 1 x 256^2 14^2 0.995: kept
+MC = 240
 # rows from which gemm_f32 packs b's panels when b's rows are not 64-byte aligned (``packs_panels``): the copy is
 # read by every MR-row block after it, and rows in place would span an extra line per 64 columns (twenty-second
 # session: 1.2-1.45x packed, /tmp/w22/packproto.py; 24 rows 0.8-1.1x). Aligned rows are read in place: with the
