@@ -1047,7 +1047,7 @@ def test_conv2d_im2col_tiles_wide_images_one_a_tile(
     """Whole images of ``IM2COL_WIDE_IMAGE`` pixels or more take one image a tile (the GEMM writes out, no stage),
     however many the tile's pixels would hold; smaller ones up to ``TILE_IMAGES``: 4 images of 1x1 stride 2, whose
     output is 22^2 = 484 or 23^2 = 529 pixels. Whether or not a zmm FMA is two passes (``half_width``): there
-    ``tile_rows`` alone prefers 21 rows of 22 (``conv._tile_chunk``)."""
+    ``tile_rows`` alone prefers 21 rows of 22 (``conv._tile_choices``)."""
     monkeypatch.setattr(gemm, "half_width_fma", lambda: half_width)
     clear_cache()  # plans made under the other width must not be reused
     x = _x(rng, (4, 8, side, side), False)
@@ -1060,6 +1060,27 @@ def test_conv2d_im2col_tiles_wide_images_one_a_tile(
     pixels = (side // 2) ** 2
     assert r.tiling.chunk == side // 2
     assert r.tiling.tile_n == (1 if pixels >= conv_op.IM2COL_WIDE_IMAGE else conv_op.TILE_IMAGES)
+    _check(r, reference(x, w, b, **attrs))
+
+
+@needs_tiles
+def test_conv2d_im2col_tiles_whole_images_that_do_not_fit_leave_the_row_count(
+    rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where a zmm FMA is two passes, 4 images of 22^2 a tile rank ahead of ``tile_rows``' 21 rows; under a limit
+    that no tile of 2 or more whole images fits, the tiles are of those 21 rows (14.8 KB), not one whole image of 22
+    (15.9 KB, more columns wasted), though both fit."""
+    monkeypatch.setattr(gemm, "half_width_fma", lambda: True)
+    clear_cache()
+    x = _x(rng, (4, 8, 44, 44), False)
+    w = rng.standard_normal((16, 8, 1, 1)).astype(np.float32)
+    b = rng.standard_normal(16).astype(np.float32)
+    attrs = dict(stride=2, padding=0)
+    with num_threads(1):
+        r = _run("im2col_tiles", x, w, b, 20000, **attrs)
+    clear_cache()
+    assert (r.tiling.chunk, r.tiling.tile_n) == (21, 1)
+    assert r.workspace_size == 8 * 464 * 4
     _check(r, reference(x, w, b, **attrs))
 
 

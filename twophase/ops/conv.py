@@ -592,10 +592,9 @@ def _tiles_at(
     phased = phases_usable(t, dense)
     most = tile_pixels(kblock)
     while True:
-        tt = replace(t, chunk=_tile_chunk(t, grid, most), kblock=kblock, parts=len(grid), grid=grid, phases=phased)
-        rows = tt.chunk
-        for images in range(tile_images(tt, most), 0, -1):
-            ti = replace(tt, tile_n=images)
+        rows = tile_rows(t.oh, t.ow, most)
+        tt = replace(t, chunk=rows, kblock=kblock, parts=len(grid), grid=grid, phases=phased)
+        for ti in _tile_choices(tt, most):
             size = tiles_workspace(ti, item)
             if limit is None or size <= limit:
                 return Candidate("im2col_tiles", ti, size)
@@ -609,19 +608,23 @@ def _tiles_at(
         most = rows * t.ow - 1
 
 
-def _tile_chunk(t: ConvTiling, grid: tuple[tuple[int, int, int, int, int, int], ...], most: int) -> int:
-    """Output rows per im2col tile of up to ``most`` pixels: ``tile_rows``' count, or the whole image (OH) when
-    tiles of several whole images (``tile_images``) fill the GEMM's panels at least as well. Where a zmm FMA is
-    two passes (``gemm.half_width_fma``), ``tile_rows`` alone cut a 22^2 map into tiles of 21 rows and 1 row (488
-    columns' work for 484 pixels, against 496 for the whole image), which left no tile of whole images: 4 images
-    of 22^2 are 1936 columns' work, none wasted. For one image of 14^2 (13 + 1 rows), one tile of all 14 ran
-    0.98x as fast, at 256 -> 256 and 128 -> 256 s2 alike (AMD Zen 4, 11 rounds, /tmp/w67/kab.py of the
-    sixty-seventh session)."""
-    rows = tile_rows(t.oh, t.ow, most)
-    if rows == t.oh:
-        return rows
-    images = tile_images(replace(t, chunk=t.oh, grid=grid), most)
-    return t.oh if images > 1 and tiles_use(t.oh, t.ow, t.oh, images) >= tiles_use(t.oh, t.ow, rows) else rows
+def _tile_choices(tt: ConvTiling, most: int) -> list[ConvTiling]:
+    """A tiling's tiles of up to ``most`` pixels, best first: tiles of several whole images (``tile_images``,
+    from the most down to two), first when they fill the GEMM's panels at least as well as ``tt.chunk`` rows
+    (``tile_rows``' count); then ``tt``'s own (when ``tt.chunk`` = OH, its whole images from the most down to one).
+    Where a zmm FMA is two passes (``gemm.half_width_fma``), ``tile_rows`` cuts a 22^2 map into tiles of 21 rows
+    and 1 row (488 columns' work for 484 pixels, against 496 for the whole image), which left 1x1 layers of 22^2
+    outputs no tile of whole images: 4 of them are 1936 columns' work, none wasted. For one image of 14^2 (13 + 1
+    rows), one tile of all 14 ran 0.98x as fast, at 256 -> 256 and 128 -> 256 s2 alike (AMD Zen 4, 11 rounds,
+    /tmp/w67/kab.py of the sixty-seventh session)."""
+    own = [replace(tt, tile_n=images) for images in range(tile_images(tt, most), 0, -1)]
+    if tt.chunk == tt.oh:
+        return own
+    whole = replace(tt, chunk=tt.oh)
+    most_images = tile_images(whole, most)
+    if most_images < 2 or tiles_use(tt.oh, tt.ow, tt.oh, most_images) < tiles_use(tt.oh, tt.ow, tt.chunk):
+        return own
+    return [replace(whole, tile_n=images) for images in range(most_images, 1, -1)] + own
 
 
 # floats of an implicit GEMM's planes per part at most (a chunk of output rows' input, a k block of whole
