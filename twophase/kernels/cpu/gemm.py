@@ -94,7 +94,8 @@ KC = 512
 # row block: MC x KC floats of a (480 KiB) stay in L2 across the panels. 120 against 240, where a conv tile (up to
 # 512 KiB) shares Zen 4's 1 MiB L2 with the block: forced im2col_tiles, one thread, 15 interleaved rounds
 # (/tmp/w67/ab.py of the sixty-seventh session), t(240) / t(120) 8 x 64->128 56^2 s2 0.97, 128->256 28^2 s2 0.99,
-# 256->512 14^2 s2 1.00, 1 x 256^2 14^2 0.995: kept
+# 256->512 14^2 s2 1.00, 1 x 256^2 14^2 0.995: kept. Prefetching the next row block's rows of a into L2 as each block
+# starts (gemm_tile, a's unit step) ran 0.96-0.98x on the same and two more layers (two threads, 11 rounds)
 MC = 240
 # rows from which gemm_f32 packs b's panels when b's rows are not 64-byte aligned (``packs_panels``): the copy is
 # read by every MR-row block after it, and rows in place would span an extra line per 64 columns (twenty-second
