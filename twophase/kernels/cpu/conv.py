@@ -816,6 +816,11 @@ def _wino_w_row(u: Any, i: int, at: int, a0: float, a1: float, a2: float) -> Non
     u[4 * i + 3, at] = a2
 
 
+# Not vectorized: each (oc, c) reads its 9 taps 9 floats from the next c's and writes one float to each of 16 rows
+# of u, which LLVM does not vectorize (16 store streams that may alias w). For 512 x 512 x 3 x 3 it took 1.94 ms on
+# one thread, against 0.41 ms to fill u's 16 MiB (AMD Zen 4, /tmp/w67/ww.py of the sixty-seventh session): with 8 x
+# 512^2 7^2 at 8.3-9.3 ms a launch on two threads (0.96-0.99x torch; 6.8 with constant_weight), a transform running
+# near the fill's speed (16 c at a time: the 9 taps gathered, or w's block transposed into a scratch) is the lever.
 @jit
 def wino_weights(w: Any, u: Any, oc0: int, oc1: int) -> None:
     """u[4*i + j, oc*C + c] = (G g G^T)[i, j] for g = w[oc, c], G = [[1, 0, 0], [.5, .5, .5], [.5, -.5, .5],
