@@ -1690,3 +1690,24 @@ def test_winograd4_runs_its_gemms_on_the_microkernel_where_phase1_planned_it(mon
     th_n, tw_n, _ = winograd4.geometry(14, 17)
     width = 3 * th_n * (tw_n + 1)  # all three images in one round
     assert r.tiling.chunk == 3 and dict(r.tiling.micro) == {width: ((0, 7, 0, width),)} and blas_rounds == []
+
+
+@pytest.mark.parametrize("oc, c", [(1, 1), (3, 7), (5, 13), (16, 16), (7, 40)])
+@pytest.mark.parametrize("dense", [True, False])
+def test_wino_weights_against_g_g_gt(oc: int, c: int, dense: bool, rng: np.random.Generator) -> None:
+    """The weight transform (16 pairs at a time where the weight is dense float32, the rest pair by pair) against
+    G g G^T in float64, over two ranges of output channels as helper threads take them: every element of u written
+    once, nothing past OC*C of a row touched, inf taps carried through."""
+    g = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]])
+    big = rng.standard_normal((oc, 2 * c, 3, 3)).astype(np.float32)
+    w = big[:, ::2] if not dense else np.ascontiguousarray(big[:, ::2])
+    want = np.einsum("ia,ocab,jb->ijoc", g, w.astype(np.float64), g).reshape(16, oc * c)
+    w[0, 0, 1, 1] = np.inf  # the centre tap reaches the outputs (i, j) with i, j in {1, 2}: k = 5, 6, 9, 10
+    u = np.full((16, oc * c + 20), np.nan, np.float32)
+    for lo, hi in split_range(oc, 2):
+        conv_kernels.wino_weights(w, u, lo, hi)
+    centre = [5, 6, 9, 10]
+    assert np.isinf(u[centre, 0]).all()
+    np.testing.assert_allclose(np.delete(u[:, 0], centre), np.delete(want[:, 0], centre), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(u[:, 1 : oc * c], want[:, 1:], rtol=1e-6, atol=1e-6)
+    assert np.isnan(u[:, oc * c :]).all()

@@ -8,6 +8,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from llvmlite import ir
+from numba.core import cgutils, types
+from numba.extending import intrinsic
 from numpy.lib.stride_tricks import as_strided
 
 from ...layout import align, spread_stride
@@ -15,7 +18,7 @@ from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, wo
 from . import conv_phases, gemm
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import by_density, copy_even, entry, pairs_of, row_of, rows_dense, rows_only, span_of
+from .jit import by_density, copy_even, entry, host_has, pairs_of, row_of, rows_dense, rows_only, span_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -816,26 +819,85 @@ def _wino_w_row(u: Any, i: int, at: int, a0: float, a1: float, a2: float) -> Non
     u[4 * i + 3, at] = a2
 
 
-# Not vectorized: each (oc, c) reads its 9 taps 9 floats from the next c's and writes one float to each of 16 rows
-# of u, which LLVM does not vectorize (16 store streams that may alias w). For 512 x 512 x 3 x 3 it took 1.94 ms on
-# one thread, against 0.41 ms to fill u's 16 MiB (AMD Zen 4, /tmp/w67/ww.py of the sixty-seventh session): with 8 x
-# 512^2 7^2 at 8.3-9.3 ms a launch on two threads (0.96-0.99x torch; 6.8 with constant_weight), a transform running
-# near the fill's speed (16 c at a time: the 9 taps gathered, or w's block transposed into a scratch) is the lever.
+def _wino_weight_blocks_typing(typingctx: Any, w: Any, u: Any, su: Any, at: Any, blocks: Any) -> Any:
+    """``wino_weights`` for ``blocks`` runs of 16 (oc, c) pairs from flat pair ``at`` on (pair p's taps the 9 floats
+    from float 9p of the float32 weight at address ``w``; output k of pair p at float ``k * su + p`` of ``u``), as
+    vectors: the 16 pairs' 144 floats in one load, each tap's 16 picked by a shuffle, the sums in the scalar form's
+    precisions (float32 where it adds float32, float64 after its 0.5 *), 16 stores of 16 floats."""
+    sig = types.void(types.int64, types.int64, types.int64, types.int64, types.int64)
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        w_addr, u_addr, su_n, at0, count = args
+        i32, i64 = ir.IntType(32), ir.IntType(64)
+        f32, f64 = ir.FloatType(), ir.DoubleType()
+        wide, v32, v64 = ir.VectorType(f32, 144), ir.VectorType(f32, 16), ir.VectorType(f64, 16)
+        wp, up = builder.inttoptr(w_addr, f32.as_pointer()), builder.inttoptr(u_addr, f32.as_pointer())
+        half = ir.Constant(v64, [0.5] * 16)
+
+        def widen(x: Any) -> Any:
+            return builder.fpext(x, v64) if x.type == v32 else x
+
+        def out_row(a0: Any, a1: Any, a2: Any) -> list[Any]:
+            # _wino_w_row: a0, 0.5 * (a0 + a1 + a2), 0.5 * (a0 - a1 + a2), a2, its sums in its arguments' type
+            plus = builder.fadd(builder.fadd(a0, a1), a2)
+            minus = builder.fadd(builder.fsub(a0, a1), a2)
+            return [a0, builder.fmul(half, widen(plus)), builder.fmul(half, widen(minus)), a2]
+
+        with cgutils.for_range(builder, count) as loop:
+            at = builder.add(at0, builder.mul(loop.index, ir.Constant(i64, 16)))
+            src = builder.gep(wp, [builder.mul(at, ir.Constant(i64, 9))])
+            taps = builder.load(builder.bitcast(src, wide.as_pointer()), align=4)
+            g = [
+                builder.shuffle_vector(
+                    taps, ir.Constant(wide, None), ir.Constant(ir.VectorType(i32, 16), [t + 9 * p for p in range(16)])
+                )
+                for t in range(9)
+            ]
+            col = [out_row(g[j], g[3 + j], g[6 + j])[1:3] for j in range(3)]  # G's middle rows, per tap column
+            rows = [(g[0], g[1], g[2]), tuple(c[0] for c in col), tuple(c[1] for c in col), (g[6], g[7], g[8])]
+            for i, (a0, a1, a2) in enumerate(rows):
+                for j, val in enumerate(out_row(a0, a1, a2)):
+                    dst = builder.gep(up, [builder.add(builder.mul(ir.Constant(i64, 4 * i + j), su_n), at)])
+                    x = builder.fptrunc(val, v32) if val.type == v64 else val
+                    builder.store(x, builder.bitcast(dst, v32.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+_wino_weight_blocks: Any = intrinsic(_wino_weight_blocks_typing)
+# where the weight transform goes 16 pairs at a time: measured on AVX-512 only (AMD Zen 4; there the 144-float
+# load and its shuffles are 9 zmm loads and permutes); elsewhere pair by pair, as before
+WINO_WEIGHT_BLOCKS = host_has("avx512f")
+
+
 @jit
 def wino_weights(w: Any, u: Any, oc0: int, oc1: int) -> None:
     """u[4*i + j, oc*C + c] = (G g G^T)[i, j] for g = w[oc, c], G = [[1, 0, 0], [.5, .5, .5], [.5, -.5, .5],
-    [0, 0, 1]], output channels ``oc0 <= oc < oc1`` (a range per helper thread)."""
+    [0, 0, 1]], output channels ``oc0 <= oc < oc1`` (a range per helper thread). A dense float32 weight goes 16
+    (oc, c) pairs at a time (``_wino_weight_blocks``, the same bits; ``WINO_WEIGHT_BLOCKS``), the rest pair by
+    pair: each pair reads its 9 taps 9 floats from the next pair's and writes one float to each of 16 rows of u,
+    which LLVM left scalar (16 store streams that may alias w). One thread, AMD Zen 4 (/tmp/w67/ww.py, ww2.py of
+    the sixty-seventh session): 512 x 512 x 3 x 3 1.27-1.31 against 1.90-2.00 ms (0.41 ms to fill u's 16 MiB),
+    256 x 256 0.16 against 0.40; through the op, 11 interleaved rounds, 8 x 512^2 7^2 (winograd) 1.04x faster on
+    two threads, 1.03x on one, 8 x 256^2 14^2 1.00x and 1.01x."""
     c_n = w.shape[1]
-    for oc in range(oc0, oc1):
-        for c in range(c_n):
-            at = oc * c_n + c
-            g00, g01, g02 = w[oc, c, 0, 0], w[oc, c, 0, 1], w[oc, c, 0, 2]
-            g10, g11, g12 = w[oc, c, 1, 0], w[oc, c, 1, 1], w[oc, c, 1, 2]
-            g20, g21, g22 = w[oc, c, 2, 0], w[oc, c, 2, 1], w[oc, c, 2, 2]
-            _wino_w_row(u, 0, at, g00, g01, g02)
-            _wino_w_row(u, 1, at, 0.5 * (g00 + g10 + g20), 0.5 * (g01 + g11 + g21), 0.5 * (g02 + g12 + g22))
-            _wino_w_row(u, 2, at, 0.5 * (g00 - g10 + g20), 0.5 * (g01 - g11 + g21), 0.5 * (g02 - g12 + g22))
-            _wino_w_row(u, 3, at, g20, g21, g22)
+    p, end = oc0 * c_n, oc1 * c_n
+    dense = w.strides[3] == 4 and w.strides[2] == 12 and w.strides[1] == 36 and w.strides[0] == 36 * c_n
+    if WINO_WEIGHT_BLOCKS and w.itemsize == 4 and u.itemsize == 4 and u.strides[1] == 4 and dense:
+        blocks = (end - p) // 16
+        _wino_weight_blocks(w.ctypes.data, u.ctypes.data, u.strides[0] // 4, p, blocks)
+        p += 16 * blocks
+    for at in range(p, end):
+        oc = at // c_n
+        c = at - oc * c_n
+        g00, g01, g02 = w[oc, c, 0, 0], w[oc, c, 0, 1], w[oc, c, 0, 2]
+        g10, g11, g12 = w[oc, c, 1, 0], w[oc, c, 1, 1], w[oc, c, 1, 2]
+        g20, g21, g22 = w[oc, c, 2, 0], w[oc, c, 2, 1], w[oc, c, 2, 2]
+        _wino_w_row(u, 0, at, g00, g01, g02)
+        _wino_w_row(u, 1, at, 0.5 * (g00 + g10 + g20), 0.5 * (g01 + g11 + g21), 0.5 * (g02 + g12 + g22))
+        _wino_w_row(u, 2, at, 0.5 * (g00 - g10 + g20), 0.5 * (g01 - g11 + g21), 0.5 * (g02 - g12 + g22))
+        _wino_w_row(u, 3, at, g20, g21, g22)
 
 
 @jit_inline
