@@ -882,22 +882,21 @@ def wino_weights(w: Any, u: Any, oc0: int, oc1: int) -> None:
     256 x 256 0.16 against 0.40; through the op, 11 interleaved rounds, 8 x 512^2 7^2 (winograd) 1.04x faster on
     two threads, 1.03x on one, 8 x 256^2 14^2 1.00x and 1.01x."""
     c_n = w.shape[1]
-    p, end = oc0 * c_n, oc1 * c_n
-    dense = w.strides[3] == 4 and w.strides[2] == 12 and w.strides[1] == 36 and w.strides[0] == 36 * c_n
-    if WINO_WEIGHT_BLOCKS and w.itemsize == 4 and u.itemsize == 4 and u.strides[1] == 4 and dense:
-        blocks = (end - p) // 16
+    p = oc0 * c_n  # the first pair left to the scalar loop
+    if WINO_WEIGHT_BLOCKS and w.itemsize == 4 and u.itemsize == 4 and u.strides[1] == 4 and w.flags.c_contiguous:
+        blocks = (oc1 * c_n - p) // 16
         _wino_weight_blocks(w.ctypes.data, u.ctypes.data, u.strides[0] // 4, p, blocks)
         p += 16 * blocks
-    for at in range(p, end):
-        oc = at // c_n
-        c = at - oc * c_n
-        g00, g01, g02 = w[oc, c, 0, 0], w[oc, c, 0, 1], w[oc, c, 0, 2]
-        g10, g11, g12 = w[oc, c, 1, 0], w[oc, c, 1, 1], w[oc, c, 1, 2]
-        g20, g21, g22 = w[oc, c, 2, 0], w[oc, c, 2, 1], w[oc, c, 2, 2]
-        _wino_w_row(u, 0, at, g00, g01, g02)
-        _wino_w_row(u, 1, at, 0.5 * (g00 + g10 + g20), 0.5 * (g01 + g11 + g21), 0.5 * (g02 + g12 + g22))
-        _wino_w_row(u, 2, at, 0.5 * (g00 - g10 + g20), 0.5 * (g01 - g11 + g21), 0.5 * (g02 - g12 + g22))
-        _wino_w_row(u, 3, at, g20, g21, g22)
+    for oc in range(p // c_n if c_n else oc1, oc1):
+        for c in range(max(0, p - oc * c_n), c_n):
+            at = oc * c_n + c
+            g00, g01, g02 = w[oc, c, 0, 0], w[oc, c, 0, 1], w[oc, c, 0, 2]
+            g10, g11, g12 = w[oc, c, 1, 0], w[oc, c, 1, 1], w[oc, c, 1, 2]
+            g20, g21, g22 = w[oc, c, 2, 0], w[oc, c, 2, 1], w[oc, c, 2, 2]
+            _wino_w_row(u, 0, at, g00, g01, g02)
+            _wino_w_row(u, 1, at, 0.5 * (g00 + g10 + g20), 0.5 * (g01 + g11 + g21), 0.5 * (g02 + g12 + g22))
+            _wino_w_row(u, 2, at, 0.5 * (g00 - g10 + g20), 0.5 * (g01 - g11 + g21), 0.5 * (g02 - g12 + g22))
+            _wino_w_row(u, 3, at, g20, g21, g22)
 
 
 @jit_inline

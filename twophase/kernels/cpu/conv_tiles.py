@@ -9,6 +9,7 @@ GEMM reads the tile back from cache."""
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -192,8 +193,8 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
     dt, grid, kb, rows, flat = x.dtype, t.grid, t.kblock, t.chunk, t.flat
     tiles_at = len(grid) * area
     stages = [stage_bytes(t, block, item) for block in grid]
-    stages_at = tiles_at + len(grid) * size
-    sums_at = stages_at + sum(stages)
+    stage_at = list(itertools.accumulate(stages, initial=tiles_at + len(grid) * size))  # each part's, then the end
+    sums_at = stage_at[-1]
     sum_stride, sum_bytes = partial_bytes(t, item), math.prod(sums_shape) * item
 
     def bind(ws: Any) -> Callable[[], None]:
@@ -204,7 +205,7 @@ def build_im2col_tiles(t: Any, x: Any, w: Any, bias: Any, out: Any) -> Launch:
         for i, block in enumerate(grid):
             tile = ws[tiles_at + i * size : tiles_at + (i + 1) * size].view(dt).reshape(shape)
             phases = ws[i * area : (i + 1) * area].view(dt) if area else _NO_PHASES
-            at = stages_at + sum(stages[:i])
+            at = stage_at[i]
             stage = ws[at : at + stages[i]].view(dt).reshape(-1, shape[1]) if stages[i] else _NO_STAGE
             dst, with_bias = o3, has
             if block[4]:  # unfolded rows past 0: into a partial output
