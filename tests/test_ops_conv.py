@@ -1674,6 +1674,98 @@ def test_winograd_runs_its_gemms_on_the_microkernel_where_phase1_planned_it(
         assert micro[tiles % chunk] == () and blas_rounds == [tiles % chunk]  # 72 = 48 + 24
 
 
+@pytest.mark.usefixtures("microkernel")
+@pytest.mark.parametrize(
+    ("threads", "most_rows", "oc", "nhwc", "rows"),
+    [
+        (1, 48, 100, False, 48),  # one part: blocks of 48, 48 and 4 output channels
+        (3, 48, 100, False, 34),  # three parts of 34, 33, 33 channels: a block each
+        (3, 12, 100, True, 12),  # blocks of 12 and a tail in each part; NHWC
+        (2, 6, 7, False, 4),  # parts of 4 and 3 channels
+    ],
+)
+def test_conv2d_winograd_one_round_transforms_the_weights_block_by_block_before_their_gemms(
+    threads: int,
+    most_rows: int,
+    oc: int,
+    nhwc: bool,
+    rows: int,
+    rng: np.random.Generator,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One round on the microkernel, weights not kept: no U in the workspace, each part transforms ``fused_rows``
+    output channels at a time (at most its share) into scratch of its own before their 16 GEMMs; the workspace is
+    exactly that (``winograd_workspace``), smaller than with U whole where the blocks are, and the result the
+    reference's."""
+    monkeypatch.setattr(conv_op, "WINO_FUSED_ROWS", most_rows)
+    monkeypatch.setattr(conv_kernels, "PARALLEL_MIN", 1)  # parts for helper threads even on this small problem
+    n, c, h, w = 2, 9, 12, 11
+    tiles = n * 6 * 6
+    x = _x(rng, (n, c, h, w), nhwc)
+    wt, b = rng.standard_normal((oc, c, 3, 3)).astype(np.float32), rng.standard_normal(oc).astype(np.float32)
+    with num_threads(threads):
+        r = _run("winograd", _input(x, nhwc), wt, b, padding=1)
+    t = r.tiling
+    parts = min(threads, oc, c, 16)
+    assert (t.chunk, t.parts, t.fused_rows, t.own_weights) == (tiles, parts, rows, False)
+    assert r.workspace_size == conv_op.winograd_workspace(oc, c, tiles, 4, w, parts, fused_rows=rows)
+    if parts * rows < oc:  # blocks of fewer channels than U's
+        assert r.workspace_size < conv_op.winograd_workspace(oc, c, tiles, 4, w, parts)
+    _check(r, reference(x, wt, b, padding=1, nhwc=nhwc))
+
+
+@pytest.mark.usefixtures("microkernel")
+@pytest.mark.parametrize("why", ["constant_weight", "float64", "tiles", "limit", "no_microkernel"])
+def test_conv2d_winograd_transforms_all_of_u_first_where_it_does_not_fuse(
+    why: str, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept weights, float64, more than ``WINO_FUSED_MAX_TILES`` tiles, a limit that only rounds of fewer tiles fit
+    or a GEMM width the microkernel does not take (fewer than 32 tiles): U whole in the workspace (or kept by the
+    binding), transformed before the GEMMs, and the same results."""
+    n, c, oc, h, w = 2, 5, 8, 12, 12
+    if why == "no_microkernel":
+        h, w = 6, 16  # 48 tiles a round, a width the microkernel takes (so it would fuse), unless ...
+        monkeypatch.setattr(gemm, "columns_fit", lambda cols: False)  # ... it does not
+    tiles = n * (h // 2) * (w // 2)
+    dtype = np.float64 if why == "float64" else np.float32
+    item = np.dtype(dtype).itemsize
+    x = _x(rng, (n, c, h, w), False).astype(dtype)
+    wt, b = rng.standard_normal((oc, c, 3, 3)).astype(dtype), rng.standard_normal(oc).astype(dtype)
+    attrs: dict[str, Any] = {"padding": 1}
+    limit, chunk = None, tiles
+    if why == "constant_weight":
+        attrs["constant_weight"] = True
+    if why == "tiles":
+        monkeypatch.setattr(conv_op, "WINO_FUSED_MAX_TILES", tiles - 1)
+    if why == "limit":
+        chunk = 40
+        limit = conv_op.winograd_workspace(oc, c, chunk, item, w)
+        assert limit < conv_op.winograd_workspace(oc, c, tiles, item, w, fused_rows=oc)
+    r = _run("winograd", x, wt, b, limit=limit, **attrs)
+    t = r.tiling
+    assert (t.chunk, t.fused_rows, t.own_weights) == (chunk, 0, why == "constant_weight")
+    assert r.workspace_size == conv_op.winograd_workspace(oc, c, chunk, item, w, 1, why == "constant_weight")
+    _check(r, reference(x, wt, b, **attrs))
+
+
+def test_wino_fused_gemms_against_the_transformed_weights_matmul(rng: np.random.Generator) -> None:
+    """The kernel alone, over the output channels of one part (oc0 > 0, a tail block): M's rows of that range equal
+    U @ V with U from ``wino_weights``, every other row of M untouched, the scratch rows no wider than ``rows``
+    channels' weights."""
+    oc, c, nt, rows, (oc0, oc1) = 20, 7, 40, 6, (5, 18)
+    w = rng.standard_normal((oc, c, 3, 3)).astype(np.float32)
+    u = np.empty((16, oc * c), np.float32)
+    conv_kernels.wino_weights(w, u, 0, oc)
+    v = rng.standard_normal((16, c, nt)).astype(np.float32)
+    m = np.full((16, oc, nt), np.nan, np.float32)
+    us = np.full((16, rows * c + 16), np.nan, np.float32)
+    conv_kernels.wino_fused_gemms(w, us, conv_kernels.matrices(us, rows, c), v, m, oc0, oc1, rows)
+    want = np.einsum("koc,kct->kot", u.reshape(16, oc, c).astype(np.float64), v.astype(np.float64))
+    np.testing.assert_allclose(m[:, oc0:oc1], want[:, oc0:oc1], rtol=1e-5, atol=1e-5)
+    assert np.isnan(m[:, :oc0]).all() and np.isnan(m[:, oc1:]).all()
+    assert np.isnan(us[:, rows * c :]).all()
+
+
 @pytest.mark.skipif(not gemm.available(), reason="the float32 microkernel needs AVX-512")
 def test_winograd4_runs_its_gemms_on_the_microkernel_where_phase1_planned_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """F(4x4, 3x3)'s 36 GEMMs per round of images take the float32 microkernel where ``tiling.micro`` says."""

@@ -29,6 +29,8 @@ import numpy as np
 from ..errors import ParamError
 from ..kernels.cpu import conv_implicit, gemm, winograd4
 from ..kernels.cpu.conv import (
+    WINO_FUSED_MAX_TILES,
+    WINO_FUSED_ROWS,
     build_direct,
     build_gemm_1x1,
     build_im2col,
@@ -101,7 +103,9 @@ class ConvTiling:
     ``micro`` pairs (round width in tiles, the block each of its 16 or 36 GEMMs computes on the microkernel, or ()
     for BLAS);
     ``own_weights`` (``constant_weight``): the transformed weights live in memory the binding owns, made by its
-    first launch, instead of the workspace, made by every launch."""
+    first launch, instead of the workspace, made by every launch. winograd: ``fused_rows`` > 0 (one round on the
+    microkernel, weights not kept): each part transforms that many output channels' weights at a time into a
+    scratch area of its own, just before their 16 GEMMs, instead of all of U into the workspace first."""
 
     n: int
     c: int
@@ -136,6 +140,7 @@ class ConvTiling:
     flat: bool = False
     micro: tuple[tuple[int, tuple[tuple[int, int, int, int], ...]], ...] = ()
     own_weights: bool = False  # winograd, winograd4 with constant_weight: transformed weights kept by the binding
+    fused_rows: int = 0  # winograd: output channels a part transforms at a time, just before their GEMMs
     phases: bool = False  # im2col_tiles, im2col: stride 2 unfolded through the input's phases (``conv_phases``)
     phase_offset: int = 0  # im2col with phases: where the parts' phase areas start in the workspace
 
@@ -746,15 +751,19 @@ WINOGRAD_FIRST = ((256, WINOGRAD_FIRST_TILES), (128, 196))
 
 
 def winograd_workspace(
-    oc: int, c: int, chunk: int, item: int, ow: int, parts: int = 1, own_weights: bool = False
+    oc: int, c: int, chunk: int, item: int, ow: int, parts: int = 1, own_weights: bool = False, fused_rows: int = 0
 ) -> int:
-    """16 * (spread(OC*C*item) + spread(C*chunk*item) + spread(OC*chunk*item)) for the transformed weights (not
-    with ``own_weights``: the binding keeps them), the transformed input and the GEMM result (16 matrices each,
-    ``spread_stride`` apart) + P * (align64(8*(TW + 1)*item) + align64(8*TW*item)) scratch rows of the transforms
-    (one set per part, on cache lines of their own), TW = ceil(OW/2), P = parts (helper threads: 1 below 2^20
-    elements moved, else the fan-out count capped by C and OC)."""
+    """16 * (U + spread(C*chunk*item) + spread(OC*chunk*item)) for the transformed weights, the transformed input
+    and the GEMM result (16 matrices each, ``spread_stride`` apart) + P * (align64(8*(TW + 1)*item) +
+    align64(8*TW*item)) scratch rows of the transforms (one set per part, on cache lines of their own), TW =
+    ceil(OW/2), P = parts (helper threads: 1 below 2^20 elements moved, else the fan-out count capped by C and OC).
+    U: spread(OC*C*item), all the weights; 0 with ``own_weights`` (the binding keeps them); with ``fused_rows``
+    > 0, P * spread(fused_rows*C*item): each part's ``fused_rows`` output channels at a time."""
     tw = (ow + 1) // 2
-    weights = 0 if own_weights else spread_stride(oc * c * item)
+    if fused_rows:
+        weights = parts * spread_stride(fused_rows * c * item)
+    else:
+        weights = 0 if own_weights else spread_stride(oc * c * item)
     return 16 * (weights + spread_stride(c * chunk * item) + spread_stride(oc * chunk * item)) + parts * (
         align(8 * (tw + 1) * item) + align(8 * tw * item)
     )
@@ -762,15 +771,21 @@ def winograd_workspace(
 
 def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: bool) -> Candidate | None:
     """Winograd F(2x2, 3x3) with the most 2x2 output tiles per round that fit ``limit`` (else 32 MiB, at least
-    one tile); ``constant`` (``constant_weight``): the binding keeps the transformed weights."""
+    one tile); ``constant`` (``constant_weight``): the binding keeps the transformed weights. All tiles in one
+    round on the microkernel, weights not kept: the weight transform fused with the GEMMs (``_fused_rows``),
+    where that fits."""
     tiles = t.n * ((t.oh + 1) // 2) * ((t.ow + 1) // 2)
     parts = winograd_parts(t.oc, t.c, tiles)
 
-    def size(chunk: int) -> int:
-        return winograd_workspace(t.oc, t.c, chunk, item, t.ow, parts, constant)
+    def size(chunk: int, rows: int = 0) -> int:
+        return winograd_workspace(t.oc, t.c, chunk, item, t.ow, parts, constant, rows)
 
-    chunk = tiles
     budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
+    rows = _fused_rows(t, item, tiles, parts, constant)
+    if rows and size(tiles, rows) <= budget:
+        fused = replace(t, chunk=tiles, parts=parts, fused_rows=rows, micro=_winograd_micro(t, {tiles}, 1))
+        return Candidate("winograd", fused, size(tiles, rows))
+    chunk = tiles
     if size(chunk) > budget:
         lo, hi = 0, tiles
         while lo < hi:
@@ -786,6 +801,16 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: b
     if item == 4:
         tw = replace(tw, micro=_winograd_micro(t, {chunk, tiles % chunk or chunk}, 1))
     return Candidate("winograd", tw, size(chunk))
+
+
+def _fused_rows(t: ConvTiling, item: int, tiles: int, parts: int, constant: bool) -> int:
+    """Output channels a part of a one-round winograd transforms at a time, just before their GEMMs
+    (``WINO_FUSED_ROWS``, at most its share of OC), or 0 where U is transformed whole first: kept weights
+    (``constant``), float64, more than ``WINO_FUSED_MAX_TILES`` tiles, or GEMMs of all ``tiles`` that would not
+    take the microkernel."""
+    if constant or item != 4 or tiles > WINO_FUSED_MAX_TILES or not _winograd_micro(t, {tiles}, 1):
+        return 0
+    return min(WINO_FUSED_ROWS, -(-t.oc // parts))
 
 
 def _winograd_rank(tiles: int, channels: int, cands: list[Candidate], constant: bool = False) -> int:

@@ -18,7 +18,7 @@ from ...runtime.fanout import fanout_parts, launcher, run_parts, split_range, wo
 from . import conv_phases, gemm
 from . import jit as _jit
 from .blas import run_blas_parts
-from .jit import by_density, copy_even, entry, host_has, pairs_of, row_of, rows_dense, rows_only, span_of
+from .jit import any_layout, by_density, copy_even, entry, host_has, pairs_of, row_of, rows_dense, rows_only, span_of
 
 Launch = Callable[[Any], None]
 Kernel = Callable[[Callable[..., Any]], Any]
@@ -899,6 +899,37 @@ def wino_weights(w: Any, u: Any, oc0: int, oc1: int) -> None:
             _wino_w_row(u, 3, at, g20, g21, g22)
 
 
+# wino_fused_gemms: output channels a part transforms at a time (a multiple of gemm.MR; 16 * 48 * C floats of
+# scratch, 1.5 MiB at C = 512), and the most tiles of a round it takes: each block of rows reads all of V again,
+# so the wider V, the less the fusion saves. AMD Zen 4, two threads, forced winograd, 9-15 interleaved rounds
+# against the unfused code (/tmp/w68/abf.py, ab.py of the sixty-eighth session), t(unfused) / t(fused): 2 x 512^2
+# 7^2 (32 tiles) 1.17x, 4 x 512^2 7^2 (64) 1.13x, 8 x 512^2 7^2 (128) 1.06-1.12x (one thread 1.06x), 1 x 256^2
+# 14^2 (49) 1.02x, 2 x 256^2 14^2 (98) 1.04x, 1 x 512^2 14^2 (49) 1.00x; past 128 tiles: 4 x 256^2 14^2 (196)
+# 1.00x, 16 x 512^2 7^2 (256) 0.98x, 8 x 256^2 14^2 (392) 0.98-1.02x, 8 x 128^2 28^2 (1568) 0.91x. Rows 24, 36
+# and 96 ran within 2.5% of 48 on 8 x 512^2 7^2 (11 rounds, fab2.py), workspace 10.0, 10.8 and 14.7 against
+# 11.5 MiB (25.2 unfused)
+WINO_FUSED_ROWS = 48
+WINO_FUSED_MAX_TILES = 128
+
+
+@jit
+def wino_fused_gemms(w: Any, us: Any, um: Any, v: Any, m: Any, oc0: int, oc1: int, rows: int) -> None:
+    """M[k, oc] = U[k, oc] @ V[k] for output channels ``oc0 <= oc < oc1``, ``rows`` at a time: their weights
+    transformed (``wino_weights``) into the part's own 16 scratch rows ``us`` (``um``: the same memory as 16
+    (rows, C) matrices), then their 16 GEMMs on the float32 microkernel while those weights are still in cache.
+    U never goes through memory whole: written, then read back by the GEMMs, its 16 * OC * C floats did (16 MiB
+    at 512 -> 512)."""
+    none = np.zeros(1, np.float32)
+    nt = v.shape[2]
+    # no bias and 0 typed bool and int64, not literals: gemm_f32_entry's specialization (see gemm_f32_heads)
+    no_bias, zero = rows < 0, rows - rows
+    for b0 in range(oc0, oc1, rows):
+        nb = min(oc1, b0 + rows) - b0
+        wino_weights(w[b0 : b0 + nb], us, 0, nb)
+        for k in range(16):
+            gemm.gemm_f32(um[k], v[k], m[k, b0 : b0 + nb], none, no_bias, zero, nb, zero, nt, none[:0])
+
+
 @jit_inline
 def _tile_run(t: int, end: int, per_img: int, tw_n: int) -> tuple[int, int, int, int]:
     """(image, tile row, first and past-last tile column) of the run of tiles from tile t that stays in one row of
@@ -1134,18 +1165,21 @@ def build_winograd(
     of a round whose width ``t.micro`` gives blocks for run on the float32 microkernel, else on BLAS. With
     ``t.parts`` > 1 the weight and input transforms run as channel ranges, the 16 GEMMs as batch ranges (one BLAS
     thread each) and the output transform as channel ranges, on helper threads. (Tile ranges, each part doing
-    its own transforms and GEMM columns in one hand-off, measured 10-20% slower on ResNet-18 shapes.)"""
+    its own transforms and GEMM columns in one hand-off, measured 10-20% slower on ResNet-18 shapes.) With
+    ``t.fused_rows`` (one round): no U in the workspace; the GEMMs run as output-channel ranges, each part
+    transforming its weights ``t.fused_rows`` channels at a time into scratch of its own (``wino_fused_gemms``)."""
     dt = x.dtype
     item = dt.itemsize
     th_n, tw_n = (t.oh + 1) // 2, (t.ow + 1) // 2
     tiles = t.n * th_n * tw_n
-    chunk, parts = t.chunk, t.parts
+    chunk, parts, rows = t.chunk, t.parts, t.fused_rows
     geo = np.array([t.ph, t.pw, th_n, tw_n], np.int64)
     b = bias if bias is not None else np.zeros(1, dt)
     has = bias is not None
     su, sv, sm = (spread_stride(n * item) for n in (t.oc * t.c, t.c * chunk, t.oc * chunk))
+    sf = spread_stride(rows * t.c * item)  # fused: a part's scratch row, ``rows`` output channels' weights
     kept = keep(16, su, dt) if t.own_weights else None
-    o_v = 0 if kept is not None else 16 * su
+    o_v = 16 * parts * sf if rows else 0 if kept is not None else 16 * su
     o_m = o_v + 16 * sv
     o_si = o_m + 16 * sm  # per-part scratch rows of the two transforms, on lines of their own (no false sharing)
     si_b, so_b = align(8 * (tw_n + 1) * item), align(8 * tw_n * item)
@@ -1155,12 +1189,15 @@ def build_winograd(
     k_w = entry(wino_weights, w, s2, 0, 0)
     k_in = entry(wino_input, x, s2, 0, 0, geo, s2, 0, 0)
     k_out = entry(wino_output, s2, b, has, out, 0, 0, geo, s2, 0, 0)
+    if rows:
+        mats = any_layout(dt, 3)
+        k_fused = entry(wino_fused_gemms, w, s2, mats, mats, mats, 0, 0, 0)
     rounds_at = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
     c, oc = t.c, t.oc
     micro = {width for width, blocks in t.micro if blocks}  # round widths whose GEMMs take the microkernel
 
     def rounds(ws: Any) -> list[Round]:
-        u = weight_rows(ws, kept, su, dt, 16)
+        u = None if rows else weight_rows(ws, kept, su, dt, 16)
         v, m = spread_rows(ws, o_v, sv, dt), spread_rows(ws, o_m, sm, dt)
         s_in = [
             ws[o_si + i * si_b : o_si + i * si_b + 8 * (tw_n + 1) * item].view(dt).reshape(8, tw_n + 1)
@@ -1169,12 +1206,21 @@ def build_winograd(
         s_out = [
             ws[o_so + i * so_b : o_so + i * so_b + 8 * tw_n * item].view(dt).reshape(8, tw_n) for i in range(parts)
         ]
+
+        def gemms(nt: int) -> list[Part]:
+            vm, mm = matrices(v, c, nt), matrices(m, oc, nt)
+            if rows:  # the one round: weights transformed by the GEMM parts, into their scratch
+                us = [spread_rows(ws, i * 16 * sf, sf, dt) for i in range(parts)]
+                return [
+                    functools.partial(k_fused, w, us[i], matrices(us[i], rows, c), vm, mm, *oc_ranges[i], rows)
+                    for i in range(parts)
+                ]
+            return (micro_gemm_parts if nt in micro else gemm_parts)(matrices(u, oc, c), vm, mm, k_ranges)
+
         return [
             (
-                [functools.partial(transform_in, u, v, t0, nt, r == 0, s_in[i], i) for i in range(parts)],
-                (micro_gemm_parts if nt in micro else gemm_parts)(
-                    matrices(u, oc, c), matrices(v, c, nt), matrices(m, oc, nt), k_ranges
-                ),
+                [functools.partial(transform_in, u, v, t0, nt, r == 0 and not rows, s_in[i], i) for i in range(parts)],
+                gemms(nt),
                 [functools.partial(k_out, m, b, has, out, t0, nt, geo, s_out[i], *oc_ranges[i]) for i in range(parts)],
             )
             for r, (t0, nt) in enumerate(rounds_at)
