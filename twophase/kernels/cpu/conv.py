@@ -1177,9 +1177,9 @@ def build_winograd(
     b = bias if bias is not None else np.zeros(1, dt)
     has = bias is not None
     su, sv, sm = (spread_stride(n * item) for n in (t.oc * t.c, t.c * chunk, t.oc * chunk))
-    sf = spread_stride(rows * t.c * item)  # fused: a part's scratch row, ``rows`` output channels' weights
+    sf = spread_stride(rows * t.c * item) if rows else 0  # fused: a part's scratch row, ``rows`` channels' weights
     kept = keep(16, su, dt) if t.own_weights else None
-    o_v = 16 * parts * sf if rows else 0 if kept is not None else 16 * su
+    o_v = 16 * parts * sf if rows else (0 if kept is not None else 16 * su)  # where V starts: after U or the scratch
     o_m = o_v + 16 * sv
     o_si = o_m + 16 * sm  # per-part scratch rows of the two transforms, on lines of their own (no false sharing)
     si_b, so_b = align(8 * (tw_n + 1) * item), align(8 * tw_n * item)
