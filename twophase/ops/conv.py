@@ -781,9 +781,10 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: b
         return winograd_workspace(t.oc, t.c, chunk, item, t.ow, parts, constant, rows)
 
     budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
-    rows = _fused_rows(t, item, tiles, parts, constant)
+    one_round = _winograd_micro(t, {tiles}, 1) if item == 4 else ()  # all tiles' GEMMs on the microkernel
+    rows = _fused_rows(t, tiles, parts, constant, one_round)
     if rows and size(tiles, rows) <= budget:
-        fused = replace(t, chunk=tiles, parts=parts, fused_rows=rows, micro=_winograd_micro(t, {tiles}, 1))
+        fused = replace(t, chunk=tiles, parts=parts, fused_rows=rows, micro=one_round)
         return Candidate("winograd", fused, size(tiles, rows))
     chunk = tiles
     if size(chunk) > budget:
@@ -803,12 +804,12 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: b
     return Candidate("winograd", tw, size(chunk))
 
 
-def _fused_rows(t: ConvTiling, item: int, tiles: int, parts: int, constant: bool) -> int:
+def _fused_rows(t: ConvTiling, tiles: int, parts: int, constant: bool, one_round: tuple[tuple[int, Any], ...]) -> int:
     """Output channels a part of a one-round winograd transforms at a time, just before their GEMMs
     (``WINO_FUSED_ROWS``, at most its share of OC), or 0 where U is transformed whole first: kept weights
-    (``constant``), float64, more than ``WINO_FUSED_MAX_TILES`` tiles, or GEMMs of all ``tiles`` that would not
-    take the microkernel."""
-    if constant or item != 4 or tiles > WINO_FUSED_MAX_TILES or not _winograd_micro(t, {tiles}, 1):
+    (``constant``), more than ``WINO_FUSED_MAX_TILES`` tiles, or GEMMs of all ``tiles`` that would not take the
+    microkernel (``one_round``, ``_winograd_micro``'s plan for them: () for float64 too)."""
+    if constant or tiles > WINO_FUSED_MAX_TILES or not one_round:
         return 0
     return min(WINO_FUSED_ROWS, -(-t.oc // parts))
 
