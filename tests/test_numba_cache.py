@@ -123,3 +123,77 @@ def test_a_unary_kernel_compiled_in_one_process_loads_in_the_next(tmp_path: Path
     ]
     assert "data saved" in runs[0].stdout
     assert "data loaded" in runs[1].stdout and "data saved" not in runs[1].stdout, runs[1].stdout
+
+
+# two variants of one kernel, told apart by a closure constant only (as ``jit.by_density_and_step`` makes them):
+# numba keeps them in one index, under keys of the same signature
+_KERNEL = """import numba
+
+
+def make(step):
+    @numba.njit(cache=True)
+    def total(x):
+        s = 0.0
+        for i in range(0, x.size, step):
+            s += x[i]
+        return s
+
+    return total
+
+
+TOTALS = {1: make(1), 2: make(2)}
+"""
+
+# Saves the variant of ``total`` for step ``argv[2]`` into the cache of the module in folder ``argv[1]``, slowed so
+# that two such processes interleave as they can when their compiles end together: both read the index before
+# either writes it; step 1 writes its index first and its data file last (its _load_index sleeps less, its
+# _save_data sleeps); ``argv[3]`` == "1": with ``guard_saves`` on that cache folder.
+_SAVER = """import sys, time
+from pathlib import Path
+from numba.core import caching
+from twophase.kernels.cpu import numba_cache
+sys.path.insert(0, sys.argv[1])
+step, guard = int(sys.argv[2]), sys.argv[3] == "1"
+if guard:
+    numba_cache.guard_saves(numba_cache.cache_dir(Path(sys.argv[1]) / "kmod.py"))
+cls = caching.IndexDataCacheFile
+load_index, save_data = cls._load_index, cls._save_data
+cls._load_index = lambda self: (load_index(self), time.sleep(0.6 if step == 1 else 1.0))[0]
+if step == 1:
+    cls._save_data = lambda self, name, data: (time.sleep(1.2), save_data(self, name, data))[1]
+import numpy as np
+import kmod
+print(kmod.TOTALS[step](np.arange(10.0)))
+"""
+
+
+def test_concurrent_saves_of_two_kernel_variants_keep_the_cache_consistent(tmp_path: Path) -> None:
+    """Two processes save two variants of one kernel (same signature, another closure constant) at once,
+    interleaved as above. Unguarded (numba's own saves), the index ends up mapping one variant's key to the other's
+    machine code, which a later process loads and runs: a wrong sum, no error. With ``guard_saves`` the second
+    save waits for the first: each variant is found with its own code."""
+    loader = (
+        "import sys; sys.path.insert(0, sys.argv[1]); import numpy as np, kmod; "
+        "print(kmod.TOTALS[1](np.arange(10.0)), kmod.TOTALS[2](np.arange(10.0)))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    got = {}
+    for guard in ("0", "1"):
+        folder = tmp_path / guard
+        folder.mkdir()
+        (folder / "kmod.py").write_text(_KERNEL)
+        savers = [
+            subprocess.Popen(
+                [sys.executable, "-c", _SAVER, str(folder), step, guard], env=env, stdout=subprocess.PIPE, text=True
+            )
+            for step in ("1", "2")
+        ]
+        outs = [p.communicate(timeout=120)[0].split() for p in savers]
+        assert [p.returncode for p in savers] == [0, 0]
+        assert outs == [["45.0"], ["20.0"]]  # each right in the process that compiled it
+        run = subprocess.run(
+            [sys.executable, "-c", loader, str(folder)], env=env, capture_output=True, text=True, check=True
+        )
+        got[guard] = run.stdout.split()
+    assert got["1"] == ["45.0", "20.0"]
+    assert got["0"] != ["45.0", "20.0"], "the forced interleaving no longer corrupts numba's own saves"

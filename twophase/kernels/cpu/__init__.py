@@ -2,7 +2,9 @@
 
 from pathlib import Path
 
-from .numba_cache import cache_dir, drop_if_stale, source_digest
+from .numba_cache import cache_dir, drop_if_stale, guard_saves, source_digest
 
 _HERE = Path(__file__).parent
-drop_if_stale(cache_dir(_HERE / "jit.py"), source_digest(_HERE))
+_CACHE = cache_dir(_HERE / "jit.py")
+drop_if_stale(_CACHE, source_digest(_HERE))
+guard_saves(_CACHE)

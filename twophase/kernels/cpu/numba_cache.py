@@ -1,22 +1,42 @@
-"""Keep numba's on-disk cache honest: drop it when any kernel source changes.
+"""Keep numba's on-disk cache honest: drop it when any kernel source changes, and write it one process at a time.
 
 numba keys a cached kernel on its own file's timestamp only, but our kernels inline functions from other
 modules (``vmath``, ``jit``, ``layout``), so editing those would leave stale machine code in the cache
 (numba issue #1833). A digest of every kernel source, stored next to the cache, decides instead. The cache is
 where numba puts it: beside the sources, under ``NUMBA_CACHE_DIR`` when that is set, or in a user-wide folder when
 the package's own folder is read-only.
+
+numba saves a kernel's new specialization by reading the kernel's index, naming a data file after the ones it
+lists, then writing the index and the data file. Two processes that compile two specializations of one kernel at
+once (pytest-xdist workers on a fresh cache, or an application's worker processes) can both take the same name:
+the index then maps one specialization to the other's machine code, and every later process that loads it runs
+the wrong code (a kernel compiled for contiguous rows reading strided ones: wrong results, not an error).
+``guard_saves`` makes those saves take an exclusive lock on a file in the cache folder (``flock``, where there
+is one).
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from numba.core import caching
 
-__all__ = ["cache_dir", "source_digest", "drop_if_stale"]
+try:
+    import fcntl
+except ImportError:  # not on a POSIX system: saves go unlocked, as numba leaves them
+    fcntl = None  # type: ignore[assignment]
+
+__all__ = ["cache_dir", "source_digest", "drop_if_stale", "guard_saves"]
 
 _STAMP = "twophase-kernels.digest"
+_LOCK = "twophase-kernels.lock"
+_GUARDED: set[str] = set()  # the cache folders whose saves take the lock (their real paths)
 
 
 def source_digest(*dirs: Path) -> str:
@@ -64,3 +84,47 @@ def drop_if_stale(folder: Path, digest: str) -> bool:
     except OSError:
         pass
     return dropped
+
+
+def guard_saves(folder: Path) -> None:
+    """From now on, numba's saves of cache entries into ``folder`` (by this process) hold an exclusive ``flock`` on
+    its lock file while they read the index, name the data file and write both, so that processes doing the same
+    cannot interleave (module docstring). Loads need no lock: numba writes each file whole, by a rename."""
+    _GUARDED.add(os.path.realpath(folder))
+    _install_guard()
+
+
+@functools.cache
+def _install_guard() -> None:
+    cls: Any = caching.IndexDataCacheFile
+    plain: Any = cls.save
+
+    @functools.wraps(plain)
+    def save(self: Any, key: Any, data: Any) -> None:
+        folder = self._cache_path
+        if os.path.realpath(folder) not in _GUARDED:
+            plain(self, key, data)
+            return
+        with _locked(Path(folder) / _LOCK):
+            plain(self, key, data)
+
+    cls.save = save
+
+
+@contextlib.contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path`` (created if need be) while the block runs; none where the folder is
+    read-only or the system has no ``flock`` (numba then saves as it would)."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
