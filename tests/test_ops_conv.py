@@ -720,30 +720,38 @@ def test_conv2d_winograd_ranks_just_ahead_of_im2col_below_its_first_tiles(
 @pytest.mark.parametrize(
     ("n", "c", "oc", "first"),
     [
-        (1, 256, 256, False),  # 49 tiles
-        (2, 256, 256, True),  # 98 tiles, 256 channels: first from 64
-        (2, 256, 512, True),
-        (2, 128, 128, False),  # 128-255 channels: first from 196 tiles
-        (4, 128, 128, True),
-        (4, 256, 128, True),  # the lesser of C and OC counts
-        (4, 128, 512, True),
-        (8, 64, 64, False),  # 392 tiles of 64 channels: never first
-        (8, 256, 64, False),
-        (8, 64, 256, False),
+        (1, 256, 256, "fused"),  # 49 tiles, 256 channels: first where the weight transform is fused (from 32)
+        (1, 256, 512, "fused"),
+        (1, 512, 512, "fused"),
+        (1, 128, 256, "never"),  # 128-255 channels: the fusion does not move them
+        (2, 256, 256, "always"),  # 98 tiles, 256 channels: first from 64
+        (2, 256, 512, "always"),
+        (2, 128, 128, "never"),  # 128-255 channels: first from 196 tiles
+        (4, 128, 128, "always"),
+        (4, 256, 128, "always"),  # the lesser of C and OC counts
+        (4, 128, 512, "always"),
+        (8, 64, 64, "never"),  # 392 tiles of 64 channels: never first
+        (8, 256, 64, "never"),
+        (8, 64, 256, "never"),
     ],
 )
 def test_conv2d_winograd_ranks_first_by_channels_and_tiles(
-    half_width: bool, n: int, c: int, oc: int, first: bool
+    half_width: bool, n: int, c: int, oc: int, first: str
 ) -> None:
     """On 14x14 maps (49 2x2 tiles an image), where the tiles rank ahead of im2col on any host: winograd first from
-    the tiles ``WINOGRAD_FIRST`` gives the lesser of its channel counts, else after the tiles."""
+    the tiles ``WINOGRAD_FIRST`` gives the lesser of its channel counts, or from ``WINOGRAD_MIN_TILES`` with
+    ``WINOGRAD_FUSED_FIRST`` channels where its weight transform is fused (the zmm kernels) on a host whose zmm
+    FMA takes two passes, else after the tiles."""
     if not tiles_available(np.float32):
         pytest.skip("im2col_tiles needs the register-blocked GEMM (AVX-512)")
     dev = device("cpu")
     x, w = dev.empty((n, c, 14, 14), np.float32), dev.empty((oc, c, 3, 3), np.float32)
     with forced("winograd", "im2col_tiles", "im2col"):
         _, ex = conv2d.get_workspace_size(x, w, padding=1)
-    assert ex.implementation == ("winograd" if first else "im2col_tiles")
+    fused_first = first == "fused" and half_width and gemm.available()
+    assert ex.implementation == ("winograd" if first == "always" or fused_first else "im2col_tiles")
+    if fused_first:
+        assert ex.tiling.fused_rows == conv_op.WINO_FUSED_ROWS
     ex.destroy()
 
 
@@ -1648,8 +1656,9 @@ def test_winograd_runs_its_gemms_on_the_microkernel_where_phase1_planned_it(
     limit_tiles: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """F(2x2, 3x3)'s 16 GEMMs per round take the float32 microkernel for the round widths ``tiling.micro`` gives
-    blocks for, BLAS for the others (a last round of 2 tiles has no full panel); checked against the reference
-    with guard bytes around the workspace."""
+    blocks for, BLAS for the others (a last round of 24 tiles has no full panel); one round of all the tiles fuses
+    the weight transform with its GEMMs instead (``fused_rows``). Checked against the reference with guard bytes
+    around the workspace."""
     case = _case(11, 2, 6, 8, 1, 11, 12, (3, 3), (1, 1), (1, 1), (1, 1), True, False)
     assert case is not None
     x, wt, b, attrs, ref = case
@@ -1667,10 +1676,10 @@ def test_winograd_runs_its_gemms_on_the_microkernel_where_phase1_planned_it(
     chunk = r.tiling.chunk
     assert chunk == (tiles if limit_tiles is None else limit_tiles)
     micro = dict(r.tiling.micro)
-    assert micro[chunk] == ((0, 8, 0, chunk),)
-    if limit_tiles is None:
-        assert blas_rounds == []
+    if limit_tiles is None:  # one round: the fused kernel's GEMMs (gemm_tile), ``micro`` unused
+        assert r.tiling.fused_rows > 0 and micro == {} and blas_rounds == []
     else:
+        assert micro[chunk] == ((0, 8, 0, chunk),)
         assert micro[tiles % chunk] == () and blas_rounds == [tiles % chunk]  # 72 = 48 + 24
 
 
@@ -1720,12 +1729,11 @@ def test_conv2d_winograd_transforms_all_of_u_first_where_it_does_not_fuse(
     why: str, rng: np.random.Generator, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Kept weights, float64, more than ``WINO_FUSED_MAX_TILES`` tiles, a limit that only rounds of fewer tiles fit
-    or a GEMM width the microkernel does not take (fewer than 32 tiles): U whole in the workspace (or kept by the
-    binding), transformed before the GEMMs, and the same results."""
+    or a CPU without the zmm kernels (``gemm.available``): U whole in the workspace (or kept by the binding),
+    transformed before the GEMMs, and the same results."""
     n, c, oc, h, w = 2, 5, 8, 12, 12
     if why == "no_microkernel":
-        h, w = 6, 16  # 48 tiles a round, a width the microkernel takes (so it would fuse), unless ...
-        monkeypatch.setattr(gemm, "columns_fit", lambda cols: False)  # ... it does not
+        monkeypatch.setattr(gemm, "available", lambda: False)
     tiles = n * (h // 2) * (w // 2)
     dtype = np.float64 if why == "float64" else np.float32
     item = np.dtype(dtype).itemsize
@@ -1748,19 +1756,23 @@ def test_conv2d_winograd_transforms_all_of_u_first_where_it_does_not_fuse(
     _check(r, reference(x, wt, b, **attrs))
 
 
-def test_wino_fused_gemms_against_the_transformed_weights_matmul(rng: np.random.Generator) -> None:
+@pytest.mark.usefixtures("microkernel")
+@pytest.mark.parametrize("nt", [40, 45, 49])
+def test_wino_fused_gemms_against_the_transformed_weights_matmul(nt: int, rng: np.random.Generator) -> None:
     """The kernel alone, over the output channels of one part (oc0 > 0, a tail block): M's rows of that range equal
     U @ V with U from ``wino_weights``, every other row of M untouched, the scratch rows no wider than ``rows``
-    channels' weights."""
-    oc, c, nt, rows, (oc0, oc1) = 20, 7, 40, 6, (5, 18)
+    channels' weights. V lies in a larger buffer as in the workspace (``gemm_tile`` may read its rows up to the
+    next multiple of 16 columns), the floats past it NaN: none of them reaches M."""
+    oc, c, rows, (oc0, oc1) = 20, 7, 6, (5, 18)
     w = rng.standard_normal((oc, c, 3, 3)).astype(np.float32)
     u = np.empty((16, oc * c), np.float32)
     conv_kernels.wino_weights(w, u, 0, oc)
-    v = rng.standard_normal((16, c, nt)).astype(np.float32)
+    area = np.full(16 * c * nt + 16, np.nan, np.float32)
+    v = area[: 16 * c * nt].reshape(16, c, nt)
+    v[:] = rng.standard_normal((16, c, nt))
     m = np.full((16, oc, nt), np.nan, np.float32)
     us = np.full((16, rows * c + 16), np.nan, np.float32)
-    none, no_pack = np.zeros(1, np.float32), np.zeros(0, np.float32)
-    conv_kernels.wino_fused_gemms(w, us, conv_kernels.matrices(us, rows, c), v, m, oc0, oc1, rows, none, no_pack)
+    conv_kernels.wino_fused_gemms(w, us, conv_kernels.matrices(us, rows, c), v, m, oc0, oc1, rows)
     want = np.einsum("koc,kct->kot", u.reshape(16, oc, c).astype(np.float64), v.astype(np.float64))
     np.testing.assert_allclose(m[:, oc0:oc1], want[:, oc0:oc1], rtol=1e-5, atol=1e-5)
     assert np.isnan(m[:, :oc0]).all() and np.isnan(m[:, oc1:]).all()

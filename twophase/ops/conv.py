@@ -103,9 +103,10 @@ class ConvTiling:
     ``micro`` pairs (round width in tiles, the block each of its 16 or 36 GEMMs computes on the microkernel, or ()
     for BLAS);
     ``own_weights`` (``constant_weight``): the transformed weights live in memory the binding owns, made by its
-    first launch, instead of the workspace, made by every launch. winograd: ``fused_rows`` > 0 (one round on the
-    microkernel, weights not kept): each part transforms that many output channels' weights at a time into a
-    scratch area of its own, just before their 16 GEMMs, instead of all of U into the workspace first."""
+    first launch, instead of the workspace, made by every launch. winograd: ``fused_rows`` > 0 (one float32 round,
+    weights not kept, the zmm kernels): each part transforms that many output channels' weights at a time into a
+    scratch area of its own, just before their 16 GEMMs (``gemm.gemm_tile``; ``micro`` then ()), instead of all of
+    U into the workspace first."""
 
     n: int
     c: int
@@ -299,7 +300,8 @@ def plan_conv(x: TensorDesc, w: TensorDesc, out: TensorDesc, attrs: dict[str, An
         wino = _winograd_candidate(t, item, limit, constant)
         if wino is not None:
             tiles = t.n * ((oh + 1) // 2) * ((ow + 1) // 2)
-            cands.insert(_winograd_rank(tiles, min(t.c, t.oc), cands, constant), wino)
+            rank = _winograd_rank(tiles, min(t.c, t.oc), cands, constant, wino.tiling.fused_rows > 0)
+            cands.insert(rank, wino)
         if x.dtype is DType.float32:
             th4, tw4, _ = winograd4.geometry(oh, ow)
             if tw4 >= WINOGRAD4_MIN_TILE_COLUMNS and t.n * th4 * tw4 >= WINOGRAD_MIN_TILES:
@@ -748,6 +750,17 @@ WINOGRAD_FIRST_TILES = 64
 # 1.10-1.63 at 1-8; on 7^2 maps (16 tiles an image) 64 and 128 channels 0.47-0.63 at 1-8 images, 256 and 512
 # channels 0.95 at 2 images, 1.14-1.33 at 4-8 (64-128 tiles)
 WINOGRAD_FIRST = ((256, WINOGRAD_FIRST_TILES), (128, 196))
+# input and output channels at least from which a fused winograd (``_fused_rows``: the weight transform block by
+# block before its GEMMs, on the register-blocked kernel) ranks first from WINOGRAD_MIN_TILES tiles. Against
+# im2col_tiles, both forced, through the op, bench_ops2's timing (settled, then its repetitions), two threads, 9
+# interleaved rounds, AMD Zen 4 (/tmp/w69/bo2.py of the sixty-ninth session), torch / ours winograd against
+# tiles: 1 x 256^2 14^2 (49 tiles) 1.08-1.12 / 0.89-0.97 (four runs), 1 x 512^2 14^2 1.47 / 1.06, 1 x 384^2
+# 14^2 1.35 / 0.97, 256->512 and 512->256 14^2 1.23 / 0.94-0.95, 2 x 512^2 7^2 (32) 1.04 / 0.99, 3 x (48) 1.05 /
+# 0.92, 2 x 256^2 7^2 0.93 / 0.86, 3 x 0.89 / 0.83. With 128-192 channels the transforms outweigh the GEMMs'
+# savings: 1 x 128^2 14^2 0.64 / 1.02, 2 x 0.62 / 0.93, 8 x 128^2 7^2 0.41 / 0.75, 1 x 192^2 14^2 0.74 / 0.92,
+# 1 x 128->256 14^2 0.73 / 1.00. Only where a zmm FMA is two passes (``gemm.half_width_fma``): not measured where
+# it is one, and the tiles' GEMMs then take half the time while the transforms do not
+WINOGRAD_FUSED_FIRST = 256
 
 
 def winograd_workspace(
@@ -772,8 +785,8 @@ def winograd_workspace(
 def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: bool) -> Candidate | None:
     """Winograd F(2x2, 3x3) with the most 2x2 output tiles per round that fit ``limit`` (else 32 MiB, at least
     one tile); ``constant`` (``constant_weight``): the binding keeps the transformed weights. All tiles in one
-    round on the microkernel, weights not kept: the weight transform fused with the GEMMs (``_fused_rows``),
-    where that fits."""
+    round, float32, weights not kept: the weight transform fused with the GEMMs (``_fused_rows``), where that
+    fits."""
     tiles = t.n * ((t.oh + 1) // 2) * ((t.ow + 1) // 2)
     parts = winograd_parts(t.oc, t.c, tiles)
 
@@ -781,10 +794,9 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: b
         return winograd_workspace(t.oc, t.c, chunk, item, t.ow, parts, constant, rows)
 
     budget = limit if limit is not None else max(IM2COL_TARGET, size(1))
-    one_round = _winograd_micro(t, {tiles}, 1) if item == 4 else ()  # all tiles' GEMMs on the microkernel
-    rows = _fused_rows(t, tiles, parts, constant, one_round)
+    rows = _fused_rows(t, tiles, parts, constant) if item == 4 else 0
     if rows and size(tiles, rows) <= budget:
-        fused = replace(t, chunk=tiles, parts=parts, fused_rows=rows, micro=one_round)
+        fused = replace(t, chunk=tiles, parts=parts, fused_rows=rows)
         return Candidate("winograd", fused, size(tiles, rows))
     chunk = tiles
     if size(chunk) > budget:
@@ -804,24 +816,29 @@ def _winograd_candidate(t: ConvTiling, item: int, limit: int | None, constant: b
     return Candidate("winograd", tw, size(chunk))
 
 
-def _fused_rows(t: ConvTiling, tiles: int, parts: int, constant: bool, one_round: tuple[tuple[int, Any], ...]) -> int:
-    """Output channels a part of a one-round winograd transforms at a time, just before their GEMMs
+def _fused_rows(t: ConvTiling, tiles: int, parts: int, constant: bool) -> int:
+    """Output channels a part of a one-round float32 winograd transforms at a time, just before their GEMMs
     (``WINO_FUSED_ROWS``, at most its share of OC), or 0 where U is transformed whole first: kept weights
-    (``constant``), more than ``WINO_FUSED_MAX_TILES`` tiles, or GEMMs of all ``tiles`` that would not take the
-    microkernel (``one_round``, ``_winograd_micro``'s plan for them: () for float64 too)."""
-    if constant or tiles > WINO_FUSED_MAX_TILES or not one_round:
+    (``constant``), more than ``WINO_FUSED_MAX_TILES`` tiles, or a CPU without the zmm kernels
+    (``gemm.available``: ``wino_fused_gemms`` runs ``gemm.gemm_tile``)."""
+    if constant or tiles > WINO_FUSED_MAX_TILES or not gemm.available():
         return 0
     return min(WINO_FUSED_ROWS, -(-t.oc // parts))
 
 
-def _winograd_rank(tiles: int, channels: int, cands: list[Candidate], constant: bool = False) -> int:
+def _winograd_rank(
+    tiles: int, channels: int, cands: list[Candidate], constant: bool = False, fused: bool = False
+) -> int:
     """Where winograd (``tiles`` 2x2 output tiles, ``channels`` the lesser of C and OC) goes among the ranked
     candidates: first from the tiles ``WINOGRAD_FIRST`` gives its channels, or from ``WINOGRAD_MIN_TILES`` with
     ``constant`` (``constant_weight``: no weight transform per launch; one image of 256 -> 256 14^2, 49 tiles, ran
     0.67-0.71 ms against the tiles' 0.73-1.18, three side-by-side runs, /tmp/w40/rank2.py of the fortieth
-    session), just ahead of im2col_parts / im2col from ``WINOGRAD_MIN_TILES``, else last."""
+    session) or, ``fused`` (``_fused_rows``), with ``WINOGRAD_FUSED_FIRST`` channels, just ahead of
+    im2col_parts / im2col from ``WINOGRAD_MIN_TILES``, else last."""
     first = next((need for least, need in WINOGRAD_FIRST if channels >= least), None)
     if (first is not None and tiles >= first) or (constant and tiles >= WINOGRAD_MIN_TILES):
+        return 0
+    if fused and gemm.half_width_fma() and channels >= WINOGRAD_FUSED_FIRST and tiles >= WINOGRAD_MIN_TILES:
         return 0
     if tiles >= WINOGRAD_MIN_TILES:
         return next((i for i, c in enumerate(cands) if c.implementation in ("im2col_parts", "im2col")), 0)

@@ -913,22 +913,22 @@ WINO_FUSED_MAX_TILES = 128
 
 
 @jit
-def wino_fused_gemms(
-    w: Any, us: Any, um: Any, v: Any, m: Any, oc0: int, oc1: int, rows: int, none: Any, no_pack: Any
-) -> None:
+def wino_fused_gemms(w: Any, us: Any, um: Any, v: Any, m: Any, oc0: int, oc1: int, rows: int) -> None:
     """M[k, oc] = U[k, oc] @ V[k] for output channels ``oc0 <= oc < oc1``, ``rows`` at a time: their weights
     transformed (``wino_weights``) into the part's own 16 scratch rows ``us`` (``um``: the same memory as 16
-    (rows, C) matrices), then their 16 GEMMs on the float32 microkernel while those weights are still in cache.
-    U never goes through memory whole: written, then read back by the GEMMs, its 16 * OC * C floats did (16 MiB
-    at 512 -> 512). ``none``, ``no_pack``: ``gemm_f32``'s unused bias and pack arrays (``_NO_BIAS``, ``_NO_PACK``)."""
-    nt = v.shape[2]
-    # no bias and 0 typed bool and int64, not literals: gemm_f32_entry's specialization (see gemm_f32_heads)
-    no_bias, zero = rows < 0, rows - rows
+    (rows, C) matrices), then their 16 GEMMs on the register-blocked kernel (``gemm.gemm_tile``, V's rows read in
+    place) while those weights are still in cache. U never goes through memory whole: written, then read back by
+    the GEMMs, its 16 * OC * C floats did (16 MiB at 512 -> 512). ``gemm_tile`` reads V's rows up to the next
+    multiple of 16 columns: past the last matrix's last row lie M's rows (``build_winograd``)."""
+    nt, c = v.shape[2], v.shape[1]
+    item = 4
+    ldu, ldv, ldm = um.strides[1] // item, v.strides[1] // item, m.strides[1] // item
     for b0 in range(oc0, oc1, rows):
         nb = min(oc1, b0 + rows) - b0
         wino_weights(w[b0 : b0 + nb], us, 0, nb)
         for k in range(16):
-            gemm.gemm_f32(um[k], v[k], m[k, b0 : b0 + nb], none, no_bias, zero, nb, zero, nt, no_pack)
+            pm = m[k].ctypes.data + b0 * ldm * item
+            gemm.gemm_tile(um[k].ctypes.data, ldu, 1, v[k].ctypes.data, ldv, pm, ldm, c, nb, nt, 0, 0, 0)
 
 
 @jit_inline
@@ -1192,7 +1192,7 @@ def build_winograd(
     k_out = entry(wino_output, s2, b, has, out, 0, 0, geo, s2, 0, 0)
     if rows:
         mats = any_layout(dt, 3)
-        k_fused = entry(wino_fused_gemms, w, s2, mats, mats, mats, 0, 0, 0, _NO_BIAS, _NO_PACK)
+        k_fused = entry(wino_fused_gemms, w, s2, mats, mats, mats, 0, 0, 0)
     rounds_at = [(t0, min(chunk, tiles - t0)) for t0 in range(0, tiles, chunk)]
     c, oc = t.c, t.oc
     micro = {width for width, blocks in t.micro if blocks}  # round widths whose GEMMs take the microkernel
@@ -1213,9 +1213,7 @@ def build_winograd(
             if rows:  # the one round: weights transformed by the GEMM parts, into their scratch
                 us = [spread_rows(ws, i * 16 * sf, sf, dt) for i in range(parts)]
                 return [
-                    functools.partial(
-                        k_fused, w, us[i], matrices(us[i], rows, c), vm, mm, *oc_ranges[i], rows, _NO_BIAS, _NO_PACK
-                    )
+                    functools.partial(k_fused, w, us[i], matrices(us[i], rows, c), vm, mm, *oc_ranges[i], rows)
                     for i in range(parts)
                 ]
             return (micro_gemm_parts if nt in micro else gemm_parts)(matrices(u, oc, c), vm, mm, k_ranges)
