@@ -144,23 +144,49 @@ def make(step):
 TOTALS = {1: make(1), 2: make(2)}
 """
 
-# Saves the variant of ``total`` for step ``argv[2]`` into the cache of the module in folder ``argv[1]``, slowed so
-# that two such processes interleave as they can when their compiles end together: both read the index before
-# either writes it; step 1 writes its index first and its data file last (its _load_index sleeps less, its
-# _save_data sleeps); ``argv[3]`` == "1": with ``guard_saves`` on that cache folder.
+# Saves the variant of ``total`` for step ``argv[2]`` into the cache of the module in folder ``argv[1]``, its
+# save's steps ordered against the other process's through marker files, as two processes whose compiles end
+# together can interleave them: both read the index before either writes it, step 1 writes its index first, step 2
+# then its index and data file, step 1 its data file last. Each wait gives up after ``patience`` seconds: long
+# unguarded (the order must happen), short with ``guard_saves`` on that cache folder (``argv[3]`` == "1"), where
+# the lock holds one process before it reads the index until the other's save is done.
 _SAVER = """import sys, time
 from pathlib import Path
 from numba.core import caching
 from twophase.kernels.cpu import numba_cache
-sys.path.insert(0, sys.argv[1])
+folder = Path(sys.argv[1])
+sys.path.insert(0, str(folder))
 step, guard = int(sys.argv[2]), sys.argv[3] == "1"
 if guard:
-    numba_cache.guard_saves(numba_cache.cache_dir(Path(sys.argv[1]) / "kmod.py"))
+    numba_cache.guard_saves(numba_cache.cache_dir(folder / "kmod.py"))
+patience = 2.0 if guard else 60.0
+
+def mark(name):
+    (folder / name).touch()
+
+def wait(name):
+    end = time.time() + patience
+    while not (folder / name).exists() and time.time() < end:
+        time.sleep(0.01)
+
 cls = caching.IndexDataCacheFile
-load_index, save_data = cls._load_index, cls._save_data
-cls._load_index = lambda self: (load_index(self), time.sleep(0.6 if step == 1 else 1.0))[0]
-if step == 1:
-    cls._save_data = lambda self, name, data: (time.sleep(1.2), save_data(self, name, data))[1]
+save_index, save_data = cls._save_index, cls._save_data
+
+def ordered_index(self, overloads):
+    mark(f"read{step}")
+    wait(f"read{3 - step}")
+    if step == 2:
+        wait("index1")
+    save_index(self, overloads)
+    mark(f"index{step}")
+
+def ordered_data(self, name, data):
+    if step == 1:
+        wait("data2")
+    save_data(self, name, data)
+    mark(f"data{step}")
+
+cls._save_index, cls._save_data = ordered_index, ordered_data
 import numpy as np
 import kmod
 print(kmod.TOTALS[step](np.arange(10.0)))
