@@ -909,7 +909,7 @@ def wino_weights(w: Any, u: Any, oc0: int, oc1: int) -> None:
 # and 96 ran within 2.5% of 48 on 8 x 512^2 7^2 (11 rounds, fab2.py), workspace 10.0, 10.8 and 14.7 against
 # 11.5 MiB (25.2 unfused). Its GEMMs on gemm_tile instead of gemm_f32 (sixty-ninth session): the 16 GEMMs of a
 # 48-channel block over 49 tiles ran 92-100 GFLOP/s against 73-83 (one thread, /tmp/w69/fz.py), and through the op
-# 1.00-1.03x as fast at 32-128 tiles (two threads, 13 rounds, /tmp/w69/bo2.py)
+# 0.99-1.02x as fast at 32-128 tiles (two threads, 13 rounds, /tmp/w69/bo2.py)
 WINO_FUSED_ROWS = 48
 WINO_FUSED_MAX_TILES = 128
 
