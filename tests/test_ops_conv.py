@@ -1702,10 +1702,10 @@ def test_conv2d_winograd_one_round_transforms_the_weights_block_by_block_before_
     rng: np.random.Generator,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """One round on the microkernel, weights not kept: no U in the workspace, each part transforms ``fused_rows``
-    output channels at a time (at most its share) into scratch of its own before their 16 GEMMs; the workspace is
-    exactly that (``winograd_workspace``), smaller than with U whole where the blocks are, and the result the
-    reference's."""
+    """One float32 round on the zmm kernels, weights not kept: no U in the workspace, each part transforms
+    ``fused_rows`` output channels at a time (at most its share) into scratch of its own before their 16 GEMMs; the
+    workspace is exactly that (``winograd_workspace``), smaller than with U whole where the blocks are, and the
+    result the reference's."""
     monkeypatch.setattr(conv_op, "WINO_FUSED_ROWS", most_rows)
     monkeypatch.setattr(conv_kernels, "PARALLEL_MIN", 1)  # parts for helper threads even on this small problem
     n, c, h, w = 2, 9, 12, 11

@@ -833,12 +833,11 @@ def _winograd_rank(
     candidates: first from the tiles ``WINOGRAD_FIRST`` gives its channels, or from ``WINOGRAD_MIN_TILES`` with
     ``constant`` (``constant_weight``: no weight transform per launch; one image of 256 -> 256 14^2, 49 tiles, ran
     0.67-0.71 ms against the tiles' 0.73-1.18, three side-by-side runs, /tmp/w40/rank2.py of the fortieth
-    session) or, ``fused`` (``_fused_rows``), with ``WINOGRAD_FUSED_FIRST`` channels, just ahead of
-    im2col_parts / im2col from ``WINOGRAD_MIN_TILES``, else last."""
+    session) or, ``fused`` (``_fused_rows``) on a half-width-FMA host, with ``WINOGRAD_FUSED_FIRST`` channels;
+    just ahead of im2col_parts / im2col from ``WINOGRAD_MIN_TILES``, else last."""
     first = next((need for least, need in WINOGRAD_FIRST if channels >= least), None)
-    if (first is not None and tiles >= first) or (constant and tiles >= WINOGRAD_MIN_TILES):
-        return 0
-    if fused and gemm.half_width_fma() and channels >= WINOGRAD_FUSED_FIRST and tiles >= WINOGRAD_MIN_TILES:
+    fused_first = fused and gemm.half_width_fma() and channels >= WINOGRAD_FUSED_FIRST
+    if (first is not None and tiles >= first) or ((constant or fused_first) and tiles >= WINOGRAD_MIN_TILES):
         return 0
     if tiles >= WINOGRAD_MIN_TILES:
         return next((i for i, c in enumerate(cands) if c.implementation in ("im2col_parts", "im2col")), 0)
