@@ -1081,19 +1081,16 @@ def winograd_parts(oc: int, c: int, tiles: int, count: int = 16) -> int:
 
 
 Part = Callable[[], None]
-Round = tuple[list[Part], Part, list[Part]]  # transform parts, the GEMMs' hand-off, output transform parts
+Round = tuple[list[Part], list[Part], list[Part]]
 
 
-def gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> Part:
-    """A winograd round's batched GEMMs M = U @ V (one matrix per transformed tile element) in batch ranges, handed
-    off with one BLAS thread each (``run_blas_parts``)."""
-    parts = [functools.partial(np.matmul, u[lo:hi], v[lo:hi], out=m[lo:hi]) for lo, hi in ranges]
-    return functools.partial(run_blas_parts, parts)
+def gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> list[Part]:
+    """A winograd round's batched GEMMs M = U @ V (one matrix per transformed tile element) in batch ranges."""
+    return [functools.partial(np.matmul, u[lo:hi], v[lo:hi], out=m[lo:hi]) for lo, hi in ranges]
 
 
-def micro_gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> Part:
-    """``gemm_parts`` by the register-blocked float32 GEMM: each part multiplies its range of the matrices (no BLAS
-    call, so no change of OpenBLAS's thread count around them)."""
+def micro_gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> list[Part]:
+    """``gemm_parts`` by the register-blocked float32 GEMM: each part multiplies its range of the matrices."""
     mm = _plain_gemm()
     rows, cols = u.shape[1], v.shape[2]
 
@@ -1101,7 +1098,7 @@ def micro_gemm_parts(u: Any, v: Any, m: Any, ranges: list[tuple[int, int]]) -> P
         for i in range(lo, hi):
             mm(u[i], v[i], m[i], 0, rows, 0, cols)
 
-    return functools.partial(run_parts, [functools.partial(run, lo, hi) for lo, hi in ranges])
+    return [functools.partial(run, lo, hi) for lo, hi in ranges]
 
 
 class KeptWeights:
@@ -1138,10 +1135,10 @@ def weight_rows(ws: Any, kept: KeptWeights | None, stride: int, dt: np.dtype[Any
 
 def winograd_launch(rounds: Callable[[Any], list[Round]], kept: KeptWeights | None = None) -> Launch:
     """The phase-2 launch of a winograd (F(2x2, 3x3) or ``winograd4``'s F(4x4, 3x3)): per round, the transform
-    parts, the GEMMs (their own hand-off: ``gemm_parts``, ``micro_gemm_parts``) and the output transform parts,
-    each set a hand-off to the helper threads. ``rounds(ws)`` binds them to the workspace's views, again only when
-    the workspace changes (``workspace_launcher``), so a repeated launch builds no views or partials. ``kept``:
-    weights transformed once, ready from the end of the first launch that completes."""
+    parts, the GEMM parts (one BLAS thread each) and the output transform parts, each set a hand-off to the
+    helper threads. ``rounds(ws)`` binds them to the workspace's views, again only when the workspace changes
+    (``workspace_launcher``), so a repeated launch builds no views or partials. ``kept``: weights transformed once,
+    ready from the end of the first launch that completes."""
 
     def bind(ws: Any) -> Part:
         steps = rounds(ws)
@@ -1149,7 +1146,7 @@ def winograd_launch(rounds: Callable[[Any], list[Round]], kept: KeptWeights | No
         def run() -> None:
             for transforms, gemms, outputs in steps:
                 run_parts(transforms)
-                gemms()
+                run_blas_parts(gemms)
                 run_parts(outputs)
             if kept is not None:
                 kept.ready = True
@@ -1213,15 +1210,14 @@ def build_winograd(
             ws[o_so + i * so_b : o_so + i * so_b + 8 * tw_n * item].view(dt).reshape(8, tw_n) for i in range(parts)
         ]
 
-        def gemms(nt: int) -> Part:
+        def gemms(nt: int) -> list[Part]:
             vm, mm = matrices(v, c, nt), matrices(m, oc, nt)
             if rows:  # the one round: weights transformed by the GEMM parts, into their scratch
                 us = [spread_rows(ws, i * 16 * sf, sf, dt) for i in range(parts)]
-                fused = [
+                return [
                     functools.partial(k_fused, w, us[i], matrices(us[i], rows, c), vm, mm, *oc_ranges[i], rows)
                     for i in range(parts)
                 ]
-                return functools.partial(run_parts, fused)
             return (micro_gemm_parts if nt in micro else gemm_parts)(matrices(u, oc, c), vm, mm, k_ranges)
 
         return [
